@@ -1,0 +1,3 @@
+//! sluice: a rate-limiting reverse proxy.
+
+pub mod limit;

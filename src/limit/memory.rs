@@ -1,0 +1,2 @@
+//! The embedded store: limiter state in process, bounded and swept.
+pub struct MemoryStore;

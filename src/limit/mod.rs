@@ -1,0 +1,112 @@
+//! Rate limits: what a route's limits are (`Plan`), what a store decides for one
+//! request (`Verdict`), and the stores that keep the state. The arithmetic lives in
+//! `algo` as pure functions of (state, now) so the memory store and the Lua scripts
+//! of the Redis store can be checked against one table of cases.
+
+pub mod algo;
+pub mod clock;
+pub mod memory;
+
+use std::time::Duration;
+
+pub use algo::{Algorithm, Outcome, Rate, State};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use memory::MemoryStore;
+
+/// One configured limit, compiled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LimitDef {
+    /// `name` from the config, or `<algorithm>_<index>`.
+    pub name: String,
+    /// Stable id of (name, algorithm, parameters, cost): state is kept per id, so a
+    /// reload that leaves a limit unchanged keeps its state and one that changes it
+    /// starts afresh.
+    pub id: u64,
+    pub algorithm: Algorithm,
+    pub cost: u64,
+}
+
+impl LimitDef {
+    pub fn new(name: String, algorithm: Algorithm, cost: u64) -> LimitDef {
+        let id = stable_id(&format!("{name}|{algorithm:?}|{cost}"));
+        LimitDef { name, id, algorithm, cost }
+    }
+}
+
+/// What happens when a limit refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Refuse at once (429).
+    Reject,
+    /// Book capacity in the future and wait up to this long (token_bucket and gcra
+    /// only); longer waits are refused.
+    Delay { max_delay_us: u64 },
+}
+
+/// The limits that apply to one request: every one must admit it, and then it is
+/// charged to all of them at once.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub limits: Vec<LimitDef>,
+    pub mode: Mode,
+}
+
+impl Plan {
+    pub fn max_delay_us(&self) -> u64 {
+        match self.mode {
+            Mode::Reject => 0,
+            Mode::Delay { max_delay_us } => max_delay_us,
+        }
+    }
+}
+
+/// The decision for one request over all limits of its plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    /// Admitted by every limit (and charged to all of them).
+    pub allowed: bool,
+    /// With `Mode::Delay`: how long the admitted request must wait before it is
+    /// forwarded (the capacity is already booked). Zero otherwise.
+    pub delay_us: u64,
+    /// One outcome per limit, in plan order.
+    pub outcomes: Vec<Outcome>,
+}
+
+impl Verdict {
+    /// Longest wait before a refused request could pass, in microseconds.
+    pub fn retry_after_us(&self) -> u64 {
+        self.outcomes.iter().map(|o| o.retry_after_us).max().unwrap_or(0)
+    }
+
+    pub fn delay(&self) -> Duration {
+        Duration::from_micros(self.delay_us)
+    }
+
+    /// The outcome to report in rate-limit headers: on a refusal the refusing limit
+    /// with the longest wait; otherwise the limit with the fewest requests left
+    /// (ties: the one that takes longest to reset).
+    pub fn headline(&self) -> Option<(usize, &Outcome)> {
+        let mut it = self.outcomes.iter().enumerate();
+        if !self.allowed {
+            return it
+                .filter(|(_, o)| !o.allowed)
+                .max_by_key(|(_, o)| o.retry_after_us);
+        }
+        it.min_by(|(_, a), (_, b)| {
+            a.remaining
+                .cmp(&b.remaining)
+                .then(b.reset_us.cmp(&a.reset_us))
+        })
+    }
+}
+
+/// FNV-1a, 64 bit: a hash that is the same in every process and every version, for
+/// ids that name stored state.
+pub fn stable_id(s: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
