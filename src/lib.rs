@@ -1,3 +1,4 @@
 //! sluice: a rate-limiting reverse proxy.
 
 pub mod limit;
+pub mod config;

@@ -86,7 +86,7 @@ impl Verdict {
     /// with the longest wait; otherwise the limit with the fewest requests left
     /// (ties: the one that takes longest to reset).
     pub fn headline(&self) -> Option<(usize, &Outcome)> {
-        let mut it = self.outcomes.iter().enumerate();
+        let it = self.outcomes.iter().enumerate();
         if !self.allowed {
             return it
                 .filter(|(_, o)| !o.allowed)

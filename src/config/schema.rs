@@ -1,0 +1,346 @@
+//! The configuration file as written: serde types that mirror `rules.yaml` field for
+//! field. Unknown fields are errors. Values are checked for form here (durations,
+//! rates, addresses); cross-field rules live in `validate`, and `compile` turns the
+//! result into the runtime structures the request path reads.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct File {
+    #[serde(default)]
+    pub server: Server,
+    #[serde(default)]
+    pub admin: Admin,
+    #[serde(default)]
+    pub store: Store,
+    #[serde(default)]
+    pub client_ip: ClientIp,
+    #[serde(default = "default_header_families")]
+    pub response_headers: Vec<HeaderFamily>,
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, Upstream>,
+    #[serde(default)]
+    pub deny: Deny,
+    pub routes: Vec<Route>,
+}
+
+fn default_header_families() -> Vec<HeaderFamily> {
+    vec![HeaderFamily::Ietf, HeaderFamily::XRatelimit]
+}
+
+// === server, admin ===
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Server {
+    pub listen: Addr,
+    pub request_header_timeout: Dur,
+    pub max_request_body: Size,
+    pub shutdown_grace: Dur,
+    pub max_connections: Num<usize>,
+    pub tls: Option<Tls>,
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Server {
+            listen: Addr::literal("0.0.0.0:8080"),
+            request_header_timeout: Dur::secs(10),
+            max_request_body: Size(10 * 1024 * 1024),
+            shutdown_grace: Dur::secs(30),
+            max_connections: Num(10_000),
+            tls: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tls {
+    pub cert: Text,
+    pub key: Text,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Admin {
+    pub listen: Addr,
+    pub token: Option<Text>,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Admin { listen: Addr::literal("127.0.0.1:9091"), token: None }
+    }
+}
+
+// === store ===
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    #[default]
+    Memory,
+    Redis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    #[default]
+    Local,
+    Allow,
+    Deny,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Store {
+    pub backend: Backend,
+    pub memory: MemoryStore,
+    pub redis: Option<RedisStore>,
+    pub on_error: OnError,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryStore {
+    pub max_keys: Num<usize>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore { max_keys: Num(1_000_000) }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisStore {
+    pub url: Option<Text>,
+    pub cluster: Option<Vec<Text>>,
+    pub timeout: Dur,
+    pub key_prefix: Text,
+}
+
+impl Default for RedisStore {
+    fn default() -> Self {
+        RedisStore {
+            url: None,
+            cluster: None,
+            timeout: Dur::millis(50),
+            key_prefix: Text::literal("sluice:"),
+        }
+    }
+}
+
+// === client_ip, headers, upstreams, deny ===
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientIp {
+    pub trusted_proxies: Vec<Net>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum HeaderFamily {
+    #[serde(rename = "ietf")]
+    Ietf,
+    #[serde(rename = "x-ratelimit")]
+    XRatelimit,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Upstream {
+    pub targets: Vec<Text>,
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout: Dur,
+    #[serde(default = "default_upstream_timeout")]
+    pub timeout: Dur,
+    /// Extra CA certificate (PEM) trusted for `https://` targets, besides the
+    /// built-in web roots; for upstreams with a private CA.
+    #[serde(default)]
+    pub tls_ca: Option<Text>,
+}
+
+fn default_connect_timeout() -> Dur {
+    Dur::secs(2)
+}
+
+fn default_upstream_timeout() -> Dur {
+    Dur::secs(30)
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Deny {
+    pub ips: Vec<Net>,
+    pub keys: Vec<Text>,
+    pub status: Num<u16>,
+    pub state_file: Option<Text>,
+}
+
+impl Default for Deny {
+    fn default() -> Self {
+        Deny { ips: Vec::new(), keys: Vec::new(), status: Num(403), state_file: None }
+    }
+}
+
+// === routes ===
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    pub name: Text,
+    #[serde(rename = "match", default)]
+    pub matcher: Match,
+    #[serde(default)]
+    pub upstream: Option<Text>,
+    #[serde(default)]
+    pub respond: Option<Respond>,
+    #[serde(default)]
+    pub key: KeySpec,
+    #[serde(default)]
+    pub missing_key: MissingKey,
+    #[serde(default)]
+    pub limits: Vec<Limit>,
+    #[serde(default)]
+    pub overrides: Vec<Override>,
+    #[serde(default)]
+    pub on_limit: OnLimit,
+    #[serde(default)]
+    pub max_delay: Option<Dur>,
+    #[serde(default)]
+    pub shadow: bool,
+    #[serde(default)]
+    pub ban: Option<Ban>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Match {
+    #[serde(default)]
+    pub host: Option<Text>,
+    #[serde(default)]
+    pub path: Option<Text>,
+    #[serde(default)]
+    pub path_prefix: Option<Text>,
+    #[serde(default)]
+    pub path_regex: Option<Text>,
+    #[serde(default)]
+    pub methods: Option<Vec<Text>>,
+    #[serde(default)]
+    pub headers: Option<BTreeMap<String, Text>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Respond {
+    #[serde(default = "default_respond_status")]
+    pub status: Num<u16>,
+    #[serde(default)]
+    pub body: Text,
+    /// Extra response headers, e.g. `content-type`.
+    #[serde(default)]
+    pub headers: BTreeMap<String, Text>,
+}
+
+fn default_respond_status() -> Num<u16> {
+    Num(200)
+}
+
+/// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `global`, or a list of these.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum KeySpec {
+    One(Text),
+    Composite(Vec<Text>),
+}
+
+impl Default for KeySpec {
+    fn default() -> Self {
+        KeySpec::One(Text::literal("ip"))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum MissingKey {
+    #[default]
+    Reject,
+    Ip,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnLimit {
+    #[default]
+    Reject,
+    Delay,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlgorithmName {
+    FixedWindow,
+    SlidingWindow,
+    SlidingLog,
+    TokenBucket,
+    Gcra,
+    Concurrency,
+}
+
+impl AlgorithmName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AlgorithmName::FixedWindow => "fixed_window",
+            AlgorithmName::SlidingWindow => "sliding_window",
+            AlgorithmName::SlidingLog => "sliding_log",
+            AlgorithmName::TokenBucket => "token_bucket",
+            AlgorithmName::Gcra => "gcra",
+            AlgorithmName::Concurrency => "concurrency",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limit {
+    #[serde(default)]
+    pub name: Option<Text>,
+    pub algorithm: AlgorithmName,
+    #[serde(default)]
+    pub limit: Option<Num<u64>>,
+    #[serde(default)]
+    pub window: Option<Dur>,
+    #[serde(default)]
+    pub rate: Option<RateSpec>,
+    #[serde(default)]
+    pub burst: Option<Num<u64>>,
+    #[serde(default)]
+    pub cost: Option<Num<u64>>,
+    #[serde(default)]
+    pub lease: Option<Dur>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Override {
+    pub keys: Vec<Text>,
+    pub limits: Vec<Limit>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ban {
+    pub after: Num<u64>,
+    pub within: Dur,
+    #[serde(rename = "for")]
+    pub duration: Dur,
+}

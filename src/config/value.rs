@@ -1,0 +1,348 @@
+//! Scalar values of the configuration file. Each one interpolates `${VAR}` and
+//! `${VAR:-default}` from the environment and then parses its own form, so a bad
+//! value or an unset variable is reported at its own line and column.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+
+/// Replace `${VAR}` and `${VAR:-default}`; `$${` stands for a literal `${`.
+pub fn interpolate(s: &str) -> Result<String, String> {
+    interpolate_with(s, |name| std::env::var(name).ok())
+}
+
+pub fn interpolate_with(
+    s: &str,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<String, String> {
+    if !s.contains("${") {
+        return Ok(s.to_string());
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if tail.starts_with("$${") {
+            out.push_str("${");
+            rest = &tail[3..];
+        } else if let Some(body) = tail.strip_prefix("${") {
+            let end = body
+                .find('}')
+                .ok_or_else(|| format!("unclosed `${{` in {s:?}"))?;
+            let expr = &body[..end];
+            let (name, default) = match expr.split_once(":-") {
+                Some((n, d)) => (n, Some(d)),
+                None => (expr, None),
+            };
+            let valid = !name.is_empty()
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(format!("`${{{expr}}}` is not a valid variable reference"));
+            }
+            match (lookup(name), default) {
+                (Some(v), _) => out.push_str(&v),
+                (None, Some(d)) => out.push_str(d),
+                (None, None) => {
+                    return Err(format!(
+                        "environment variable {name} is not set (write ${{{name}:-default}} for a fallback)"
+                    ))
+                }
+            }
+            rest = &body[end + 1..];
+        } else {
+            out.push('$');
+            rest = &tail[1..];
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Any scalar as text, interpolated, then parsed by `parse`. The parse runs inside
+/// the visitor so that serde_yaml reports a bad value at its own line and column.
+struct Scalar<'a, T> {
+    what: &'a str,
+    parse: &'a dyn Fn(&str) -> Option<T>,
+}
+
+impl<T> Scalar<'_, T> {
+    fn finish<E: de::Error>(&self, raw: String) -> Result<T, E> {
+        (self.parse)(&raw)
+            .ok_or_else(|| E::custom(format!("expected {}, found {raw:?}", self.what)))
+    }
+}
+
+impl<T> Visitor<'_> for Scalar<'_, T> {
+    type Value = T;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(self.what)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<T, E> {
+        let s = interpolate(v).map_err(E::custom)?;
+        self.finish(s)
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<T, E> {
+        self.finish(v.to_string())
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<T, E> {
+        self.finish(v.to_string())
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<T, E> {
+        self.finish(v.to_string())
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<T, E> {
+        self.finish(v.to_string())
+    }
+}
+
+/// Deserialize a scalar as text and parse it with `parse`, reporting `what` was expected.
+fn parsed<'de, D, T>(d: D, what: &str, parse: impl Fn(&str) -> Option<T>) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    d.deserialize_any(Scalar { what, parse: &|s: &str| parse(s.trim()) })
+}
+
+// === Text ===
+
+/// A string, after interpolation.
+#[derive(Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Text(pub String);
+
+impl Text {
+    pub fn literal(s: &str) -> Text {
+        Text(s.to_string())
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Text {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Text {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for Text {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // Text keeps surrounding spaces: it is taken as written.
+        d.deserialize_any(Scalar { what: "a string", parse: &|s: &str| Some(s.to_string()) })
+            .map(Text)
+    }
+}
+
+// === Num ===
+
+/// A whole number, written as a number or as a string (so `${VAR}` works).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Num<T>(pub T);
+
+impl<T: Copy> Num<T> {
+    pub fn get(self) -> T {
+        self.0
+    }
+}
+
+impl<'de, T: FromStr> Deserialize<'de> for Num<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parsed(d, "a whole number", |s| s.parse::<T>().ok()).map(Num)
+    }
+}
+
+// === Dur ===
+
+/// A duration: `250ms`, `10s`, `1m`, `1h`, `1d` (also `us`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Dur(pub Duration);
+
+impl Dur {
+    pub const fn secs(s: u64) -> Dur {
+        Dur(Duration::from_secs(s))
+    }
+    pub const fn millis(ms: u64) -> Dur {
+        Dur(Duration::from_millis(ms))
+    }
+    pub fn get(self) -> Duration {
+        self.0
+    }
+}
+
+/// Parse `N<unit>` with unit `us`, `ms`, `s`, `m`, `h` or `d`.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let split = s.find(|c: char| !c.is_ascii_digit())?;
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let micros_per = match unit.trim() {
+        "us" | "µs" => 1,
+        "ms" => 1_000,
+        "s" => 1_000_000,
+        "m" => 60_000_000,
+        "h" => 3_600_000_000,
+        "d" => 86_400_000_000,
+        _ => return None,
+    };
+    n.checked_mul(micros_per).map(Duration::from_micros)
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parsed(d, "a duration like 250ms, 10s, 1m, 1h or 1d", parse_duration).map(Dur)
+    }
+}
+
+// === RateSpec ===
+
+/// A rate: `N/s`, `N/m`, `N/h`, `N/d`, or `N/<duration>` such as `5/10s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateSpec {
+    pub count: u64,
+    pub per: Duration,
+}
+
+pub fn parse_rate(s: &str) -> Option<RateSpec> {
+    let (n, per) = s.split_once('/')?;
+    let count: u64 = n.trim().parse().ok()?;
+    let per = per.trim();
+    let per = if per.starts_with(|c: char| c.is_ascii_digit()) {
+        parse_duration(per)?
+    } else {
+        parse_duration(&format!("1{per}"))?
+    };
+    Some(RateSpec { count, per })
+}
+
+impl<'de> Deserialize<'de> for RateSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parsed(d, "a rate like 10/s, 100/m, 1000/h or 5/10s", parse_rate)
+    }
+}
+
+// === Size ===
+
+/// A byte size: `512`, `64KiB`, `10MiB`, `1GiB` (also KB, MB, GB as powers of ten).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Size(pub u64);
+
+pub fn parse_size(s: &str) -> Option<u64> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KB" | "kB" => 1_000,
+        "KiB" => 1 << 10,
+        "MB" => 1_000_000,
+        "MiB" => 1 << 20,
+        "GB" => 1_000_000_000,
+        "GiB" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parsed(d, "a size like 512, 64KiB or 10MiB", parse_size).map(Size)
+    }
+}
+
+// === Net, Addr ===
+
+/// An address or a CIDR block; a bare address is a /32 (or /128).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Net(pub IpNet);
+
+pub fn parse_net(s: &str) -> Option<IpNet> {
+    if let Ok(n) = s.parse::<IpNet>() {
+        return Some(n.trunc());
+    }
+    s.parse::<IpAddr>().ok().map(IpNet::from)
+}
+
+impl<'de> Deserialize<'de> for Net {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parsed(d, "an IP address or CIDR block like 10.0.0.0/8", parse_net).map(Net)
+    }
+}
+
+/// A socket address to listen on, `IP:PORT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Addr(pub SocketAddr);
+
+impl Addr {
+    pub fn literal(s: &str) -> Addr {
+        Addr(s.parse().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0))))
+    }
+}
+
+impl<'de> Deserialize<'de> for Addr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parsed(d, "a listen address like 0.0.0.0:8080 or [::1]:9091", |s| {
+            s.parse::<SocketAddr>().ok()
+        })
+        .map(Addr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(name: &str) -> Option<String> {
+        match name {
+            "TOKEN" => Some("s3cret".into()),
+            "EMPTY" => Some(String::new()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn interpolation() {
+        assert_eq!(interpolate_with("a${TOKEN}b", env).unwrap(), "as3cretb");
+        assert_eq!(interpolate_with("${MISSING:-dflt}", env).unwrap(), "dflt");
+        assert_eq!(interpolate_with("${EMPTY:-dflt}", env).unwrap(), "");
+        assert_eq!(interpolate_with("$${TOKEN} $5", env).unwrap(), "${TOKEN} $5");
+        let e = interpolate_with("${MISSING}", env).unwrap_err();
+        assert!(e.contains("MISSING is not set"), "{e}");
+        assert!(interpolate_with("${A B}", env).is_err());
+        assert!(interpolate_with("${OPEN", env).is_err());
+    }
+
+    #[test]
+    fn durations_rates_sizes() {
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1d"), Some(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("10"), None);
+        assert_eq!(parse_duration("1w"), None);
+        let r = parse_rate("10/s").unwrap();
+        assert_eq!((r.count, r.per), (10, Duration::from_secs(1)));
+        let r = parse_rate("5/10s").unwrap();
+        assert_eq!((r.count, r.per), (5, Duration::from_secs(10)));
+        assert_eq!(parse_rate("10/fortnight"), None);
+        assert_eq!(parse_size("10MiB"), Some(10 << 20));
+        assert_eq!(parse_size("512"), Some(512));
+        assert_eq!(parse_size("1.5MiB"), None);
+        assert_eq!(parse_net("10.1.2.3/8").map(|n| n.to_string()), Some("10.0.0.0/8".into()));
+        assert_eq!(parse_net("::1").map(|n| n.to_string()), Some("::1/128".into()));
+    }
+}
