@@ -1,4 +1,14 @@
-//! sluice: a rate-limiting reverse proxy.
+//! sluice: a rate-limiting reverse proxy. `gateway` is the request path; the other
+//! modules are its phases and the machinery around it.
 
-pub mod limit;
+pub mod admin;
+pub mod answer;
+pub mod client;
 pub mod config;
+pub mod deny;
+pub mod gateway;
+pub mod limit;
+pub mod metrics;
+pub mod proxy;
+pub mod route;
+pub mod server;

@@ -2,7 +2,9 @@
 //! `validate` (every error with file, line and column), and turned by `compile` into
 //! the runtime structures the request path reads through one `Arc`.
 
+pub mod compile;
 pub mod schema;
+pub mod summary;
 pub mod value;
 
 use std::fmt;

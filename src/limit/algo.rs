@@ -55,3 +55,8 @@ pub struct Outcome {
     /// Microseconds an admitted request must wait (delay mode); 0 otherwise.
     pub delay_us: u64,
 }
+// TEMPORARY stub until the limit-algos branch lands.
+impl Algorithm {
+    pub fn quota(&self) -> u64 { 0 }
+    pub fn policy_window_us(&self) -> u64 { 0 }
+}

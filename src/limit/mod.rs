@@ -6,12 +6,14 @@
 pub mod algo;
 pub mod clock;
 pub mod memory;
+pub mod store;
 
 use std::time::Duration;
 
 pub use algo::{Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
+pub use store::{Store, StoreError};
 
 /// One configured limit, compiled.
 #[derive(Debug, Clone, PartialEq)]

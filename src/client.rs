@@ -1,0 +1,314 @@
+//! Who is asking: the client's IP (the TCP peer, or what a trusted proxy in front of
+//! us says it saw) and the client key a route's limits are counted against.
+
+use std::borrow::Cow;
+use std::net::IpAddr;
+
+use http::header::{HeaderMap, HeaderName, COOKIE};
+use http::request::Parts;
+use ipnet::IpNet;
+
+// === client IP ===
+
+/// The proxies whose `X-Forwarded-For` (or `Forwarded`) we believe.
+#[derive(Debug, Clone, Default)]
+pub struct TrustedProxies(Vec<IpNet>);
+
+impl TrustedProxies {
+    pub fn new(nets: Vec<IpNet>) -> TrustedProxies {
+        TrustedProxies(nets)
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        self.0.iter().any(|n| n.contains(&ip))
+    }
+
+    /// The client's address: the TCP peer; when the peer is a trusted proxy, the
+    /// right-most address of `X-Forwarded-For` that is not itself trusted. A client
+    /// that is not a trusted proxy can never choose its address. When every hop is
+    /// trusted, the left-most one; an entry that is not an address ends the walk at
+    /// the last trusted hop. Without `X-Forwarded-For`, `Forwarded: for=` is read
+    /// the same way.
+    pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
+        let peer = canonical(peer);
+        if self.0.is_empty() || !self.contains(peer) {
+            return peer;
+        }
+        let xff = headers.get_all("x-forwarded-for");
+        let mut hops: Vec<&str> = Vec::new();
+        if xff.iter().next().is_some() {
+            for v in xff.iter() {
+                let Ok(v) = v.to_str() else { return peer };
+                hops.extend(v.split(','));
+            }
+        } else {
+            for v in headers.get_all("forwarded").iter() {
+                let Ok(v) = v.to_str() else { return peer };
+                hops.extend(v.split(',').map(forwarded_for));
+            }
+        }
+        let mut last = peer;
+        for hop in hops.iter().rev() {
+            match parse_hop(hop) {
+                Some(ip) if self.contains(ip) => last = ip,
+                Some(ip) => return ip,
+                None => return last,
+            }
+        }
+        last
+    }
+}
+
+/// IPv4-mapped IPv6 peers (`::ffff:1.2.3.4`, from a dual-stack socket) as IPv4.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    }
+}
+
+/// The `for=` parameter of one `Forwarded` element, or "" when it has none.
+fn forwarded_for(element: &str) -> &str {
+    element
+        .split(';')
+        .filter_map(|p| p.split_once('='))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("for"))
+        .map(|(_, v)| v.trim().trim_matches('"'))
+        .unwrap_or("")
+}
+
+/// An address as proxies write it: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`,
+/// `[2001:db8::1]:5678`.
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    let hop = hop.trim();
+    if let Ok(ip) = hop.parse::<IpAddr>() {
+        return Some(canonical(ip));
+    }
+    if let Some(rest) = hop.strip_prefix('[') {
+        return rest.split_once(']').and_then(|(a, _)| a.parse().ok()).map(canonical);
+    }
+    hop.rsplit_once(':')
+        .and_then(|(a, _)| a.parse::<std::net::Ipv4Addr>().ok())
+        .map(IpAddr::V4)
+}
+
+// === client key ===
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    Ip,
+    Global,
+    Header(HeaderName),
+    Query(String),
+    Cookie(String),
+}
+
+impl KeyPart {
+    /// `ip`, `global`, `header:NAME`, `query:NAME`, `cookie:NAME`.
+    pub fn parse(s: &str) -> Option<KeyPart> {
+        match s.split_once(':') {
+            None if s == "ip" => Some(KeyPart::Ip),
+            None if s == "global" => Some(KeyPart::Global),
+            Some(("header", n)) if !n.is_empty() => {
+                HeaderName::from_bytes(n.as_bytes()).ok().map(KeyPart::Header)
+            }
+            Some(("query", n)) if !n.is_empty() => Some(KeyPart::Query(n.to_string())),
+            Some(("cookie", n)) if !n.is_empty() => Some(KeyPart::Cookie(n.to_string())),
+            _ => None,
+        }
+    }
+
+    /// What is missing, for the 400 answer.
+    pub fn describe(&self) -> String {
+        match self {
+            KeyPart::Ip => "client address".into(),
+            KeyPart::Global => "nothing".into(),
+            KeyPart::Header(h) => format!("header {h}"),
+            KeyPart::Query(q) => format!("query parameter {q}"),
+            KeyPart::Cookie(c) => format!("cookie {c}"),
+        }
+    }
+}
+
+/// How a route finds the key of a request: one part, or several joined.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeySpec {
+    pub parts: Vec<KeyPart>,
+}
+
+/// The key a request is counted against, as the client sent it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientKey(pub String);
+
+/// Keys longer than this are hashed before they are stored.
+pub const MAX_STORED_KEY: usize = 256;
+
+impl ClientKey {
+    /// The key as stored: itself, or `#` and its SHA-1 when it is long or holds
+    /// characters that would break a Redis hash tag (`{`, `}`) or start with `#`
+    /// (so a raw key can never equal a hashed one).
+    pub fn stored(&self) -> Cow<'_, str> {
+        let k = &self.0;
+        if k.len() > MAX_STORED_KEY || k.starts_with('#') || k.contains(['{', '}']) {
+            Cow::Owned(format!("#{}", sha1_smol::Sha1::from(k.as_bytes()).digest()))
+        } else {
+            Cow::Borrowed(k)
+        }
+    }
+}
+
+impl KeySpec {
+    /// The request's key, or the part that is missing.
+    pub fn extract(&self, req: &Parts, ip: IpAddr) -> Result<ClientKey, &KeyPart> {
+        if let [one] = self.parts.as_slice() {
+            return part_value(one, req, ip).map(|v| ClientKey(v.into_owned())).ok_or(one);
+        }
+        let mut key = String::new();
+        for (i, part) in self.parts.iter().enumerate() {
+            let v = part_value(part, req, ip).ok_or(part)?;
+            if i > 0 {
+                key.push('|');
+            }
+            // Escape the separator so two different lists never join to one key.
+            for c in v.chars() {
+                if c == '|' || c == '\\' {
+                    key.push('\\');
+                }
+                key.push(c);
+            }
+        }
+        Ok(ClientKey(key))
+    }
+}
+
+fn part_value<'a>(part: &KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'a, str>> {
+    let v: Cow<'a, str> = match part {
+        KeyPart::Ip => Cow::Owned(ip.to_string()),
+        KeyPart::Global => Cow::Borrowed("global"),
+        KeyPart::Header(h) => String::from_utf8_lossy(req.headers.get(h)?.as_bytes()),
+        KeyPart::Query(name) => form_urlencoded::parse(req.uri.query()?.as_bytes())
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v)?,
+        KeyPart::Cookie(name) => Cow::Borrowed(cookie(&req.headers, name)?),
+    };
+    if v.is_empty() {
+        None
+    } else {
+        Some(v)
+    }
+}
+
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.trim_matches('"'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    fn trusted() -> TrustedProxies {
+        TrustedProxies::new(vec!["10.0.0.0/8".parse().unwrap(), "192.168.1.1/32".parse().unwrap()])
+    }
+
+    fn xff(v: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in v {
+            h.append("x-forwarded-for", v.parse().unwrap());
+        }
+        h
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn untrusted_peer_cannot_choose_its_address() {
+        let t = trusted();
+        assert_eq!(t.client_ip(ip("203.0.113.9"), &xff(&["1.1.1.1"])), ip("203.0.113.9"));
+        assert_eq!(TrustedProxies::default().client_ip(ip("10.0.0.1"), &xff(&["1.1.1.1"])), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn trusted_peer_rightmost_untrusted_hop() {
+        let t = trusted();
+        // The client spoofs 6.6.6.6 on the left; the first untrusted from the right wins.
+        let h = xff(&["6.6.6.6, 203.0.113.7", "10.1.1.1"]);
+        assert_eq!(t.client_ip(ip("10.0.0.2"), &h), ip("203.0.113.7"));
+        // All hops trusted: the left-most.
+        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["10.9.9.9, 192.168.1.1"])), ip("10.9.9.9"));
+        // No header: the peer.
+        assert_eq!(t.client_ip(ip("10.0.0.2"), &HeaderMap::new()), ip("10.0.0.2"));
+        // Garbage stops the walk at the last trusted hop.
+        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["1.1.1.1, nonsense, 10.3.3.3"])), ip("10.3.3.3"));
+        // Ports and brackets.
+        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["[2001:db8::1]:443"])), ip("2001:db8::1"));
+        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["203.0.113.1:8080"])), ip("203.0.113.1"));
+        // Mapped peers are IPv4.
+        assert_eq!(t.client_ip(ip("::ffff:10.0.0.2"), &xff(&["203.0.113.1"])), ip("203.0.113.1"));
+    }
+
+    #[test]
+    fn forwarded_header() {
+        let mut h = HeaderMap::new();
+        h.insert("forwarded", r#"for=198.51.100.17;proto=https, for="[2001:db8:cafe::17]:4711""#.parse().unwrap());
+        assert_eq!(trusted().client_ip(ip("10.0.0.2"), &h), ip("2001:db8:cafe::17"));
+    }
+
+    fn parts(uri: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut b = Request::builder().uri(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    fn spec(parts: &[&str]) -> KeySpec {
+        KeySpec { parts: parts.iter().map(|p| KeyPart::parse(p).unwrap()).collect() }
+    }
+
+    #[test]
+    fn keys() {
+        let p = parts(
+            "/x?api_key=q%20k&other=1",
+            &[("x-api-key", "abc"), ("cookie", "a=1; session=s3; b=2")],
+        );
+        let a = ip("1.2.3.4");
+        assert_eq!(spec(&["ip"]).extract(&p, a).unwrap().0, "1.2.3.4");
+        assert_eq!(spec(&["header:x-api-key"]).extract(&p, a).unwrap().0, "abc");
+        assert_eq!(spec(&["query:api_key"]).extract(&p, a).unwrap().0, "q k");
+        assert_eq!(spec(&["cookie:session"]).extract(&p, a).unwrap().0, "s3");
+        assert_eq!(spec(&["global"]).extract(&p, a).unwrap().0, "global");
+        assert_eq!(spec(&["header:x-api-key", "ip"]).extract(&p, a).unwrap().0, "abc|1.2.3.4");
+        let missing = spec(&["ip", "header:x-tenant"]);
+        assert_eq!(missing.extract(&p, a).unwrap_err().describe(), "header x-tenant");
+        assert_eq!(spec(&["cookie:nope"]).extract(&p, a).unwrap_err().describe(), "cookie nope");
+        // Separators are escaped: these two must not share a key.
+        let p1 = parts("/", &[("a", "x|y"), ("b", "z")]);
+        let p2 = parts("/", &[("a", "x"), ("b", "y|z")]);
+        let s = spec(&["header:a", "header:b"]);
+        assert_ne!(s.extract(&p1, a).unwrap(), s.extract(&p2, a).unwrap());
+        assert!(KeyPart::parse("header:").is_none());
+        assert!(KeyPart::parse("bogus").is_none());
+    }
+
+    #[test]
+    fn stored_keys() {
+        assert_eq!(ClientKey("abc".into()).stored(), "abc");
+        let long = ClientKey("k".repeat(300));
+        let s = long.stored();
+        assert_eq!(s.len(), 41);
+        assert!(s.starts_with('#'));
+        assert_eq!(s, ClientKey("k".repeat(300)).stored());
+        assert!(ClientKey("a{b}".into()).stored().starts_with('#'));
+        assert_ne!(ClientKey("#x".into()).stored(), "#x");
+    }
+}

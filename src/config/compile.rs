@@ -1,0 +1,222 @@
+//! Turn a validated configuration into the runtime structures the request path
+//! reads: precompiled matchers, limit plans with their header values, upstream
+//! clients and the per-route metric children. Runs at startup and on every reload;
+//! validation has already rejected anything that cannot compile, so the errors
+//! here are about the outside world (files, certificates).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode};
+use regex::Regex;
+
+use super::schema::{self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit};
+use super::Loaded;
+use crate::answer::{policy_header, RateHeaders};
+use crate::client::{KeyPart, KeySpec, TrustedProxies};
+use crate::deny::DenyList;
+use crate::gateway::{Action, Limits, Route, Runtime, Tier};
+use crate::limit::{Algorithm, LimitDef, Mode, Plan, Rate};
+use crate::metrics::Metrics;
+use crate::proxy::{BuildError, Upstream};
+use crate::route::{HeaderMatch, HostMatch, Matcher};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    #[error(transparent)]
+    Upstream(#[from] BuildError),
+    #[error("route {route}: {message}")]
+    Route { route: String, message: String },
+}
+
+fn route_err(route: &str, message: impl Into<String>) -> CompileError {
+    CompileError::Route { route: route.into(), message: message.into() }
+}
+
+pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileError> {
+    let f = &loaded.file;
+    let mut upstreams = HashMap::new();
+    for (name, u) in &f.upstreams {
+        let targets: Vec<String> = u.targets.iter().map(|t| t.0.clone()).collect();
+        let ca = u.tls_ca.as_ref().map(|p| Path::new(p.as_str()));
+        let up = Upstream::new(name, &targets, u.connect_timeout.get(), u.timeout.get(), ca)?;
+        upstreams.insert(name.clone(), Arc::new(up));
+    }
+
+    let routes = f
+        .routes
+        .iter()
+        .map(|r| compile_route(r, &upstreams, metrics))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    Ok(Runtime {
+        routes,
+        trusted: TrustedProxies::new(f.client_ip.trusted_proxies.iter().map(|n| n.0).collect()),
+        deny: DenyList::new(
+            f.deny.ips.iter().map(|n| n.0),
+            f.deny.keys.iter().map(|k| k.0.clone()),
+            StatusCode::from_u16(f.deny.status.get()).unwrap_or(StatusCode::FORBIDDEN),
+        ),
+        rate_headers: RateHeaders {
+            ietf: f.response_headers.contains(&HeaderFamily::Ietf),
+            x_ratelimit: f.response_headers.contains(&HeaderFamily::XRatelimit),
+        },
+        max_request_body: f.server.max_request_body.0,
+        on_error: f.store.on_error,
+        unmatched: metrics.route("unmatched"),
+        hash: loaded.hash.clone(),
+    })
+}
+
+fn compile_route(
+    r: &schema::Route,
+    upstreams: &HashMap<String, Arc<Upstream>>,
+    metrics: &Metrics,
+) -> Result<Route, CompileError> {
+    let name = r.name.0.clone();
+    let action = match (&r.upstream, &r.respond) {
+        (Some(u), _) => Action::Upstream(
+            upstreams.get(u.as_str()).cloned().ok_or_else(|| route_err(&name, format!("unknown upstream {u}")))?,
+        ),
+        (None, Some(resp)) => {
+            let mut headers = HeaderMap::new();
+            for (k, v) in &resp.headers {
+                let k = HeaderName::from_bytes(k.as_bytes()).map_err(|_| route_err(&name, format!("bad header name {k}")))?;
+                let v = HeaderValue::from_str(v).map_err(|_| route_err(&name, format!("bad header value {v:?}")))?;
+                headers.insert(k, v);
+            }
+            if !headers.contains_key(http::header::CONTENT_TYPE) {
+                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+            }
+            Action::Respond {
+                status: StatusCode::from_u16(resp.status.get()).map_err(|_| route_err(&name, "bad respond.status"))?,
+                body: Bytes::from(resp.body.0.clone()),
+                headers,
+            }
+        }
+        (None, None) => return Err(route_err(&name, "needs upstream or respond")),
+    };
+
+    let parts = match &r.key {
+        RawKey::One(k) => vec![k],
+        RawKey::Composite(ks) => ks.iter().collect(),
+    };
+    let key = KeySpec {
+        parts: parts
+            .into_iter()
+            .map(|p| KeyPart::parse(p).ok_or_else(|| route_err(&name, format!("bad key {p}"))))
+            .collect::<Result<_, _>>()?,
+    };
+
+    let mode = match (r.on_limit, r.max_delay) {
+        (OnLimit::Delay, Some(d)) => Mode::Delay { max_delay_us: d.get().as_micros() as u64 },
+        _ => Mode::Reject,
+    };
+    let limits = if r.limits.is_empty() {
+        None
+    } else {
+        let default = tier(&name, &r.limits, mode)?;
+        let mut overrides = HashMap::new();
+        for o in &r.overrides {
+            let t = Arc::new(tier(&name, &o.limits, mode)?);
+            for k in &o.keys {
+                overrides.insert(k.0.clone(), t.clone());
+            }
+        }
+        Some(Limits { default, overrides })
+    };
+
+    Ok(Route {
+        matcher: matcher(&name, &r.matcher)?,
+        action,
+        key,
+        missing_key: r.missing_key,
+        ns: name.clone(),
+        fallback_ns: format!("{name}/ip"),
+        limits,
+        shadow: r.shadow,
+        metrics: metrics.route(&name),
+        name,
+    })
+}
+
+fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
+    let methods = match &m.methods {
+        None => None,
+        Some(ms) => Some(
+            ms.iter()
+                .map(|s| {
+                    Method::from_bytes(s.to_ascii_uppercase().as_bytes())
+                        .map_err(|_| route_err(route, format!("bad method {s}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+    };
+    let mut headers = Vec::new();
+    for (k, v) in m.headers.iter().flatten() {
+        let name = HeaderName::from_bytes(k.as_bytes()).map_err(|_| route_err(route, format!("bad header name {k}")))?;
+        let m = if v.as_str() == "*" {
+            HeaderMatch::Present
+        } else {
+            HeaderMatch::Exact(HeaderValue::from_str(v).map_err(|_| route_err(route, format!("bad header value {v:?}")))?)
+        };
+        headers.push((name, m));
+    }
+    Ok(Matcher {
+        host: m.host.as_ref().map(|h| HostMatch::parse(h)),
+        path: m.path.as_ref().map(|p| p.0.clone()),
+        path_prefix: m.path_prefix.as_ref().map(|p| p.0.clone()),
+        path_regex: match &m.path_regex {
+            Some(re) => Some(Regex::new(re).map_err(|e| route_err(route, format!("path_regex: {e}")))?),
+            None => None,
+        },
+        methods,
+        headers,
+    })
+}
+
+fn tier(route: &str, limits: &[schema::Limit], mode: Mode) -> Result<Tier, CompileError> {
+    let defs = limits
+        .iter()
+        .enumerate()
+        .map(|(i, l)| limit_def(route, i, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let plan = Plan { limits: defs, mode };
+    Ok(Tier { policy: policy_header(&plan), plan })
+}
+
+/// The name a limit goes by: its `name`, or `<algorithm>_<index>`.
+pub fn limit_name(index: usize, l: &schema::Limit) -> String {
+    match &l.name {
+        Some(n) => n.0.clone(),
+        None => format!("{}_{index}", l.algorithm.as_str()),
+    }
+}
+
+fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, CompileError> {
+    let name = limit_name(index, l);
+    let missing = |what: &str| route_err(route, format!("limit {name}: missing {what}"));
+    let us = |d: std::time::Duration| d.as_micros() as u64;
+    let windowed = || -> Result<(u64, u64), CompileError> {
+        Ok((l.limit.ok_or_else(|| missing("limit"))?.get(), us(l.window.ok_or_else(|| missing("window"))?.get())))
+    };
+    let bucket = || -> Result<(Rate, u64), CompileError> {
+        let r = l.rate.ok_or_else(|| missing("rate"))?;
+        let burst = l.burst.map_or(r.count, |b| b.get());
+        Ok((Rate { count: r.count, per_us: us(r.per) }, burst))
+    };
+    let algorithm = match l.algorithm {
+        AlgorithmName::FixedWindow => windowed().map(|(limit, window_us)| Algorithm::FixedWindow { limit, window_us })?,
+        AlgorithmName::SlidingWindow => windowed().map(|(limit, window_us)| Algorithm::SlidingWindow { limit, window_us })?,
+        AlgorithmName::SlidingLog => windowed().map(|(limit, window_us)| Algorithm::SlidingLog { limit, window_us })?,
+        AlgorithmName::TokenBucket => bucket().map(|(rate, burst)| Algorithm::TokenBucket { rate, burst })?,
+        AlgorithmName::Gcra => bucket().map(|(rate, burst)| Algorithm::Gcra { rate, burst })?,
+        AlgorithmName::Concurrency => {
+            return Err(route_err(route, "the concurrency algorithm is not available in this version"))
+        }
+    };
+    Ok(LimitDef::new(name, algorithm, l.cost.map_or(1, |c| c.get())))
+}

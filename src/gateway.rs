@@ -1,0 +1,224 @@
+//! The request path, top to bottom: client IP → deny → route → key → limits →
+//! forward or respond. `handle` is the whole product in one function; each phase is
+//! a call into its own module. The compiled configuration (`Runtime`) is read
+//! through one `Arc` that a reload swaps whole.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::{Request, Response, StatusCode, Version};
+use hyper::body::Incoming;
+
+use crate::answer::{self, Body, RateHeaders};
+use crate::client::{ClientKey, KeySpec, TrustedProxies};
+use crate::config::schema::{MissingKey, OnError};
+use crate::deny::DenyList;
+use crate::limit::{Plan, Store, Verdict};
+use crate::metrics::{Decision, Metrics, RouteMetrics};
+use crate::proxy::{Origin, ProxyError, Upstream};
+use crate::route::Matcher;
+
+// === the compiled configuration ===
+
+pub struct Runtime {
+    pub routes: Vec<Route>,
+    pub trusted: TrustedProxies,
+    pub deny: DenyList,
+    pub rate_headers: RateHeaders,
+    pub max_request_body: u64,
+    pub on_error: OnError,
+    /// Counters for requests that match no route.
+    pub unmatched: RouteMetrics,
+    /// SHA-1 of the configuration file this was compiled from.
+    pub hash: String,
+}
+
+pub struct Route {
+    pub name: String,
+    pub matcher: Matcher,
+    pub action: Action,
+    pub key: KeySpec,
+    pub missing_key: MissingKey,
+    /// Where limiter state of this route lives: the route name; a separate space for
+    /// keys that fell back to the client IP, so no header value can ever collide
+    /// with an IP fallback.
+    pub ns: String,
+    pub fallback_ns: String,
+    pub limits: Option<Limits>,
+    pub shadow: bool,
+    pub metrics: RouteMetrics,
+}
+
+pub enum Action {
+    Upstream(Arc<Upstream>),
+    Respond { status: StatusCode, body: Bytes, headers: HeaderMap },
+}
+
+/// A route's limits: the default tier and the tiers of named keys.
+pub struct Limits {
+    pub default: Tier,
+    pub overrides: HashMap<String, Arc<Tier>>,
+}
+
+pub struct Tier {
+    pub plan: Plan,
+    /// Precomputed `RateLimit-Policy` value.
+    pub policy: Option<HeaderValue>,
+}
+
+impl Limits {
+    fn tier(&self, key: &str) -> &Tier {
+        self.overrides.get(key).map(|t| t.as_ref()).unwrap_or(&self.default)
+    }
+}
+
+/// What every request shares and a reload does not replace.
+pub struct Shared {
+    pub runtime: ArcSwap<Runtime>,
+    pub store: Store,
+    pub metrics: Arc<Metrics>,
+    /// `http` or `https`, how clients reach the listener.
+    pub proto: &'static str,
+}
+
+// === the request path ===
+
+pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    let started = Instant::now();
+    // One snapshot for the whole request: a reload never changes it half-way.
+    let rt = shared.runtime.load_full();
+    let (parts, body) = req.into_parts();
+
+    let ip = rt.trusted.client_ip(peer.ip(), &parts.headers);
+    let route = rt.routes.iter().find(|r| r.matcher.matches(&parts));
+    let metrics = route.map_or(&rt.unmatched, |r| &r.metrics);
+    let has_body = parts.headers.contains_key(TRANSFER_ENCODING)
+        || parts.headers.get(CONTENT_LENGTH).is_some_and(|v| v != "0");
+    let http1 = parts.version < Version::HTTP_2;
+
+    let (resp, decision) = 'answer: {
+        // Deny by IP, whatever the route.
+        if rt.deny.ip(ip) {
+            break 'answer (denied(&rt), Decision::Denied);
+        }
+        let Some(route) = route else {
+            break 'answer (answer::text(StatusCode::NOT_FOUND, "no route matches this request\n"), Decision::Unmatched);
+        };
+        let (ns, key) = match route.key.extract(&parts, ip) {
+            Ok(k) => (&route.ns, k),
+            Err(part) => match route.missing_key {
+                MissingKey::Ip => (&route.fallback_ns, ClientKey(ip.to_string())),
+                MissingKey::Reject => {
+                    let msg = format!("missing {}: this route needs it to identify the client\n", part.describe());
+                    break 'answer (answer::text(StatusCode::BAD_REQUEST, msg), Decision::BadRequest);
+                }
+            },
+        };
+        if rt.deny.key(&key.0) {
+            break 'answer (denied(&rt), Decision::Denied);
+        }
+        if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
+            let msg = format!("request body larger than {} bytes\n", rt.max_request_body);
+            break 'answer (answer::text(StatusCode::PAYLOAD_TOO_LARGE, msg), Decision::BadRequest);
+        }
+
+        let mut decision = Decision::Allowed;
+        let mut report: Option<(&Tier, Verdict)> = None;
+        if let Some(limits) = &route.limits {
+            let tier = limits.tier(&key.0);
+            match shared.store.check(ns, &key.stored(), &tier.plan).await {
+                Ok(v) if v.allowed => {
+                    if v.delay_us > 0 {
+                        tokio::time::sleep(v.delay()).await;
+                        decision = Decision::Delayed;
+                    }
+                    report = (!route.shadow).then_some((tier, v));
+                }
+                Ok(_) if route.shadow => decision = Decision::Shadow,
+                Ok(v) => {
+                    let (name, retry) = refusal(&tier.plan, &v);
+                    let mut r = answer::limited(&route.name, name, retry);
+                    rt.rate_headers.apply(r.headers_mut(), &tier.plan, tier.policy.as_ref(), &v);
+                    break 'answer (r, Decision::Limited);
+                }
+                Err(e) => {
+                    tracing::warn!(route = %route.name, error = %e, "limiter store failed");
+                    match rt.on_error {
+                        OnError::Deny => {
+                            let r = answer::text(StatusCode::SERVICE_UNAVAILABLE, "rate limiter unavailable; try again later\n");
+                            break 'answer (r, Decision::StoreErrorDenied);
+                        }
+                        OnError::Allow | OnError::Local => decision = Decision::StoreErrorAllowed,
+                    }
+                }
+            }
+        }
+
+        let mut resp = match &route.action {
+            Action::Respond { status, body, headers } => {
+                let mut r = Response::new(answer::full(body.clone()));
+                *r.status_mut() = *status;
+                r.headers_mut().extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+                r
+            }
+            Action::Upstream(up) => {
+                let origin = Origin { peer: peer.ip(), trusted: rt.trusted.contains(peer.ip()), proto: shared.proto };
+                match up.forward(Request::from_parts(parts, body), &origin, rt.max_request_body).await {
+                    Ok(r) => r,
+                    Err(e) => upstream_failed(route, e),
+                }
+            }
+        };
+        if let Some((tier, v)) = &report {
+            rt.rate_headers.apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
+        }
+        return finish(metrics, decision, started, resp);
+    };
+
+    // Answered before the body was read: close an HTTP/1 connection that carries one.
+    let resp = if has_body && http1 { answer::close(resp) } else { resp };
+    finish(metrics, decision, started, resp)
+}
+
+fn finish(m: &RouteMetrics, d: Decision, started: Instant, resp: Response<Body>) -> Response<Body> {
+    m.count(d);
+    m.duration.observe(started.elapsed().as_secs_f64());
+    resp
+}
+
+fn denied(rt: &Runtime) -> Response<Body> {
+    answer::text(rt.deny.status, "access denied\n")
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// The name of the limit that refused and how long until a retry can pass.
+fn refusal<'a>(plan: &'a Plan, v: &Verdict) -> (&'a str, u64) {
+    match v.headline() {
+        Some((i, o)) => (plan.limits[i].name.as_str(), o.retry_after_us),
+        None => ("", v.retry_after_us()),
+    }
+}
+
+fn upstream_failed(route: &Route, e: ProxyError) -> Response<Body> {
+    match &e {
+        ProxyError::Connect(_) => route.metrics.upstream_connect.inc(),
+        ProxyError::Timeout => route.metrics.upstream_timeout.inc(),
+        ProxyError::Reset(_) => route.metrics.upstream_reset.inc(),
+        ProxyError::TooLarge => {}
+    }
+    tracing::debug!(route = %route.name, error = %e, "forwarding failed");
+    let msg = match e.status() {
+        StatusCode::GATEWAY_TIMEOUT => "upstream did not answer in time\n",
+        StatusCode::PAYLOAD_TOO_LARGE => "request body too large\n",
+        _ => "upstream unavailable\n",
+    };
+    answer::text(e.status(), msg)
+}

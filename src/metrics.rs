@@ -1,0 +1,209 @@
+//! Every metric sluice exports, created and registered once at startup. The request
+//! path never formats a label: each route resolves its labelled children when the
+//! configuration is compiled (`RouteMetrics`), and a client key is never a label.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Latency buckets from 100µs to 10s: wide enough for a limiter call and a proxied
+/// request alike.
+const BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+];
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub limiter_duration: HistogramVec,
+    pub store_errors: IntCounterVec,
+    pub upstream_errors: IntCounterVec,
+    pub config_reloads: IntCounterVec,
+    pub config_last_reload_success: IntGauge,
+    pub deny_entries: IntGaugeVec,
+    pub bans: IntCounterVec,
+    pub build_info: IntGaugeVec,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new("sluice_requests_total", "Requests by route and decision."),
+            &["route", "decision"],
+        )
+        .expect("metric definition");
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_request_duration_seconds",
+                "Time from request head to response head, by route.",
+            )
+            .buckets(BUCKETS.to_vec()),
+            &["route"],
+        )
+        .expect("metric definition");
+        let limiter_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_limiter_duration_seconds",
+                "Time to decide a request's limits, by store.",
+            )
+            .buckets(BUCKETS.to_vec()),
+            &["store"],
+        )
+        .expect("metric definition");
+        let store_errors = IntCounterVec::new(
+            Opts::new("sluice_store_errors_total", "Limiter calls that failed, by store."),
+            &["store"],
+        )
+        .expect("metric definition");
+        let upstream_errors = IntCounterVec::new(
+            Opts::new(
+                "sluice_upstream_errors_total",
+                "Upstream failures by route and kind (connect, timeout, reset).",
+            ),
+            &["route", "kind"],
+        )
+        .expect("metric definition");
+        let config_reloads = IntCounterVec::new(
+            Opts::new("sluice_config_reloads_total", "Configuration reloads by result."),
+            &["result"],
+        )
+        .expect("metric definition");
+        let config_last_reload_success = IntGauge::new(
+            "sluice_config_last_reload_success",
+            "1 if the last configuration reload succeeded, else 0.",
+        )
+        .expect("metric definition");
+        let deny_entries = IntGaugeVec::new(
+            Opts::new("sluice_deny_entries", "Deny-list entries by source."),
+            &["source"],
+        )
+        .expect("metric definition");
+        let bans = IntCounterVec::new(
+            Opts::new("sluice_bans_total", "Keys banned automatically, by route."),
+            &["route"],
+        )
+        .expect("metric definition");
+        let build_info = IntGaugeVec::new(
+            Opts::new("sluice_build_info", "Build information; always 1."),
+            &["version"],
+        )
+        .expect("metric definition");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(request_duration.clone()),
+            Box::new(limiter_duration.clone()),
+            Box::new(store_errors.clone()),
+            Box::new(upstream_errors.clone()),
+            Box::new(config_reloads.clone()),
+            Box::new(config_last_reload_success.clone()),
+            Box::new(deny_entries.clone()),
+            Box::new(bans.clone()),
+            Box::new(build_info.clone()),
+        ] {
+            registry.register(c).expect("metric registered once");
+        }
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        config_last_reload_success.set(1);
+        Metrics {
+            registry,
+            requests,
+            request_duration,
+            limiter_duration,
+            store_errors,
+            upstream_errors,
+            config_reloads,
+            config_last_reload_success,
+            deny_entries,
+            bans,
+            build_info,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Vec<u8> {
+        let mut buf = Vec::with_capacity(8 * 1024);
+        // Encoding into a Vec cannot fail for the text format.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        buf
+    }
+
+    /// Resolve the children of one route once, at compile time.
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        let d = |decision: &str| self.requests.with_label_values(&[route, decision]);
+        let u = |kind: &str| self.upstream_errors.with_label_values(&[route, kind]);
+        RouteMetrics {
+            allowed: d("allowed"),
+            delayed: d("delayed"),
+            limited: d("limited"),
+            denied: d("denied"),
+            shadow: d("shadow"),
+            store_error_allowed: d("store_error_allowed"),
+            store_error_denied: d("store_error_denied"),
+            unmatched: d("unmatched"),
+            bad_request: d("bad_request"),
+            duration: self.request_duration.with_label_values(&[route]),
+            upstream_connect: u("connect"),
+            upstream_timeout: u("timeout"),
+            upstream_reset: u("reset"),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// What a request was decided to be, as counted in `sluice_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Allowed,
+    Delayed,
+    Limited,
+    Denied,
+    Shadow,
+    StoreErrorAllowed,
+    StoreErrorDenied,
+    Unmatched,
+    BadRequest,
+}
+
+/// The labelled children of one route.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    allowed: IntCounter,
+    delayed: IntCounter,
+    limited: IntCounter,
+    denied: IntCounter,
+    shadow: IntCounter,
+    store_error_allowed: IntCounter,
+    store_error_denied: IntCounter,
+    unmatched: IntCounter,
+    bad_request: IntCounter,
+    pub duration: Histogram,
+    pub upstream_connect: IntCounter,
+    pub upstream_timeout: IntCounter,
+    pub upstream_reset: IntCounter,
+}
+
+impl RouteMetrics {
+    pub fn count(&self, d: Decision) {
+        match d {
+            Decision::Allowed => &self.allowed,
+            Decision::Delayed => &self.delayed,
+            Decision::Limited => &self.limited,
+            Decision::Denied => &self.denied,
+            Decision::Shadow => &self.shadow,
+            Decision::StoreErrorAllowed => &self.store_error_allowed,
+            Decision::StoreErrorDenied => &self.store_error_denied,
+            Decision::Unmatched => &self.unmatched,
+            Decision::BadRequest => &self.bad_request,
+        }
+        .inc();
+    }
+}

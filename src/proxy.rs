@@ -1,0 +1,337 @@
+//! Forwarding: one pooled hyper-util client per upstream, round robin over its
+//! targets, bodies streamed both ways, hop-by-hop headers dropped, `X-Forwarded-*`
+//! set, the client's `Host` kept, `Upgrade` (WebSocket) connections spliced, and
+//! failures sorted into connect / timeout / reset for a 502 or 504.
+
+use std::error::Error as _;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Request, Response, StatusCode, Uri, Version};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+
+use crate::answer::{Body, BoxError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("upstream {upstream}: target {target:?} is not an http:// or https:// address")]
+    Target { upstream: String, target: String },
+    #[error("upstream {upstream}: cannot read tls_ca {path}: {reason}")]
+    Ca { upstream: String, path: String, reason: String },
+    #[error("TLS setup: {0}")]
+    Tls(#[from] rustls::Error),
+}
+
+/// Why forwarding failed; `status` is what the client gets.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("upstream refused the connection: {0}")]
+    Connect(BoxError),
+    #[error("upstream did not answer in time")]
+    Timeout,
+    #[error("upstream connection failed: {0}")]
+    Reset(BoxError),
+    #[error("request body larger than the limit")]
+    TooLarge,
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::Connect(_) | ProxyError::Reset(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Target {
+    scheme: Scheme,
+    authority: Authority,
+}
+
+pub struct Upstream {
+    pub name: String,
+    targets: Vec<Target>,
+    next: AtomicUsize,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.debug_struct("Upstream").field("name", &self.name).field("targets", &self.targets).finish()
+    }
+}
+
+/// What the proxy needs to know about the client connection.
+pub struct Origin {
+    /// The TCP peer, appended to `X-Forwarded-For`.
+    pub peer: IpAddr,
+    /// Whether the peer is a trusted proxy (its `X-Forwarded-Proto/-Host` are kept).
+    pub trusted: bool,
+    /// `http` or `https`: how the client reached us.
+    pub proto: &'static str,
+}
+
+impl Upstream {
+    pub fn new(
+        name: &str,
+        targets: &[String],
+        connect_timeout: Duration,
+        timeout: Duration,
+        tls_ca: Option<&Path>,
+    ) -> Result<Upstream, BuildError> {
+        let targets = targets
+            .iter()
+            .map(|t| {
+                let uri: Uri = t.parse().map_err(|_| BuildError::Target {
+                    upstream: name.into(),
+                    target: t.clone(),
+                })?;
+                match (uri.scheme(), uri.authority()) {
+                    (Some(s), Some(a)) if *s == Scheme::HTTP || *s == Scheme::HTTPS => {
+                        Ok(Target { scheme: s.clone(), authority: a.clone() })
+                    }
+                    _ => Err(BuildError::Target { upstream: name.into(), target: t.clone() }),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+
+        let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+        if let Some(path) = tls_ca {
+            let ca_err = |reason: String| BuildError::Ca {
+                upstream: name.into(),
+                path: path.display().to_string(),
+                reason,
+            };
+            for cert in CertificateDer::pem_file_iter(path).map_err(|e| ca_err(e.to_string()))? {
+                let cert = cert.map_err(|e| ca_err(e.to_string()))?;
+                roots.add(cert).map_err(|e| ca_err(e.to_string()))?;
+            }
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(connect_timeout));
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        Ok(Upstream { name: name.into(), targets, next: AtomicUsize::new(0), client, timeout })
+    }
+
+    fn pick(&self) -> &Target {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        &self.targets[i % self.targets.len()]
+    }
+
+    /// Forward `req` to the next target and return its answer with a streaming body.
+    pub async fn forward(
+        &self,
+        mut req: Request<Incoming>,
+        origin: &Origin,
+        max_body: u64,
+    ) -> Result<Response<Body>, ProxyError> {
+        let target = self.pick();
+        let upgrade = wants_upgrade(req.headers());
+        let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+
+        let (mut parts, body) = req.into_parts();
+        let host = parts
+            .headers
+            .get(header::HOST)
+            .cloned()
+            .or_else(|| parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
+        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+        parts.uri = Uri::builder()
+            .scheme(target.scheme.clone())
+            .authority(target.authority.clone())
+            .path_and_query(path)
+            .build()
+            .map_err(|e| ProxyError::Reset(e.into()))?;
+        parts.version = Version::HTTP_11;
+        let upgrade_proto = upgrade.then(|| parts.headers.get(header::UPGRADE).cloned()).flatten();
+        strip_hop_by_hop(&mut parts.headers);
+        if let Some(proto) = upgrade_proto {
+            parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            parts.headers.insert(header::UPGRADE, proto);
+        }
+        set_forwarded(&mut parts.headers, origin, host.as_ref());
+        if let Some(h) = host {
+            parts.headers.insert(header::HOST, h);
+        }
+
+        let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
+            .map_err(BoxError::from)
+            .boxed();
+        let sent = self.client.request(Request::from_parts(parts, body));
+        let resp = match tokio::time::timeout(self.timeout, sent).await {
+            Err(_) => return Err(ProxyError::Timeout),
+            Ok(Err(e)) => return Err(classify(e)),
+            Ok(Ok(r)) => r,
+        };
+
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            if let Some(client_upgrade) = client_upgrade {
+                return Ok(splice(resp, client_upgrade));
+            }
+        }
+        let (mut parts, body) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        Ok(Response::from_parts(parts, body.map_err(BoxError::from).boxed()))
+    }
+}
+
+/// Pass a 101 answer on and join the two upgraded connections once both sides
+/// have switched.
+fn splice(mut resp: Response<Incoming>, client: hyper::upgrade::OnUpgrade) -> Response<Body> {
+    let upstream = hyper::upgrade::on(&mut resp);
+    tokio::spawn(async move {
+        let (Ok(c), Ok(u)) = (client.await, upstream.await) else {
+            tracing::debug!("upgrade failed on one side");
+            return;
+        };
+        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+        let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
+    });
+    let (parts, _) = resp.into_parts();
+    Response::from_parts(parts, crate::answer::full(bytes::Bytes::new()))
+}
+
+fn wants_upgrade(h: &HeaderMap) -> bool {
+    h.contains_key(header::UPGRADE)
+        && h.get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+fn classify(e: hyper_util::client::legacy::Error) -> ProxyError {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = e.source();
+    while let Some(s) = src {
+        if s.is::<LengthLimitError>() {
+            return ProxyError::TooLarge;
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::TimedOut {
+                return ProxyError::Timeout;
+            }
+        }
+        src = s.source();
+    }
+    if e.is_connect() {
+        ProxyError::Connect(e.into())
+    } else {
+        ProxyError::Reset(e.into())
+    }
+}
+
+/// The hop-by-hop headers of RFC 9110 §7.6.1, and every header `Connection` names.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("proxy-connection"),
+    HeaderName::from_static("keep-alive"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHENTICATE,
+];
+
+pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for n in named.iter().chain(HOP_BY_HOP.iter()) {
+        h.remove(n);
+    }
+}
+
+static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Append the peer to `X-Forwarded-For`; set `X-Forwarded-Proto`/`-Host` unless a
+/// trusted proxy already did.
+fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>) {
+    let peer = crate::client::canonical(origin.peer).to_string();
+    let prior: Vec<&str> = h.get_all(&XFF).iter().filter_map(|v| v.to_str().ok()).collect();
+    let xff = if prior.is_empty() { peer } else { format!("{}, {peer}", prior.join(", ")) };
+    if let Ok(v) = HeaderValue::from_str(&xff) {
+        h.insert(XFF.clone(), v);
+    }
+    if !(origin.trusted && h.contains_key(&XFP)) {
+        h.insert(XFP.clone(), HeaderValue::from_static(origin.proto));
+    }
+    if !(origin.trusted && h.contains_key(&XFH)) {
+        if let Some(host) = host {
+            h.insert(XFH.clone(), host.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "keep-alive, X-Secret".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert(header::TE, "trailers".parse().unwrap());
+        h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        h.insert("proxy-connection", "keep-alive".parse().unwrap());
+        h.insert("x-kept", "yes".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert_eq!(h["x-kept"], "yes");
+    }
+
+    #[test]
+    fn forwarded_headers() {
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-for", "1.1.1.1".parse().unwrap());
+        h.append("x-forwarded-for", "2.2.2.2".parse().unwrap());
+        h.insert("x-forwarded-proto", "https".parse().unwrap());
+        let o = Origin { peer: "10.0.0.1".parse().unwrap(), trusted: false, proto: "http" };
+        set_forwarded(&mut h, &o, Some(&HeaderValue::from_static("api.example.com")));
+        assert_eq!(h["x-forwarded-for"], "1.1.1.1, 2.2.2.2, 10.0.0.1");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], "api.example.com");
+        let mut h2 = HeaderMap::new();
+        h2.insert("x-forwarded-proto", "https".parse().unwrap());
+        set_forwarded(&mut h2, &Origin { trusted: true, ..o }, None);
+        assert_eq!(h2["x-forwarded-proto"], "https");
+    }
+}

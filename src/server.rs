@@ -1,0 +1,216 @@
+//! Listeners and lifecycle: the gateway port (HTTP/1.1 and h2c on one socket, with
+//! a header-read timeout and a connection cap), the admin port, the memory store's
+//! sweeper, reload, and graceful shutdown.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinHandle;
+
+use crate::admin::Admin;
+use crate::config::compile::{compile, CompileError};
+use crate::config::{self, ConfigErrors, Loaded};
+use crate::gateway::{self, Shared};
+use crate::limit::{MemoryStore, Store, SystemClock};
+use crate::metrics::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigErrors),
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+}
+
+/// A started gateway. Dropping it does not stop it; call `shutdown`.
+pub struct Running {
+    /// The gateway's bound address (useful with port 0).
+    pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub shared: Arc<Shared>,
+    config_path: std::path::PathBuf,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
+    let metrics = Arc::new(Metrics::new());
+    let runtime = compile(&loaded, &metrics)?;
+    let f = &loaded.file;
+    let store = Store::memory(
+        MemoryStore::new(f.store.memory.max_keys.get(), SystemClock::new()),
+        &metrics,
+    );
+    let shared = Arc::new(Shared {
+        runtime: ArcSwap::from_pointee(runtime),
+        store,
+        metrics,
+        proto: "http",
+    });
+
+    let listen = |addr: SocketAddr| async move {
+        TcpListener::bind(addr).await.map_err(|source| StartError::Listen { addr, source })
+    };
+    let listener = listen(f.server.listen.0).await?;
+    let admin_listener = listen(f.admin.listen.0).await?;
+    let addr = listener.local_addr().map_err(|source| StartError::Listen { addr: f.server.listen.0, source })?;
+    let admin_addr = admin_listener
+        .local_addr()
+        .map_err(|source| StartError::Listen { addr: f.admin.listen.0, source })?;
+
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(f.server.request_header_timeout.get());
+    builder.http2().timer(TokioTimer::new());
+    let (stop, stop_rx) = watch::channel(false);
+    let grace = f.server.shutdown_grace.get();
+
+    let gw = {
+        let shared = shared.clone();
+        let service = move |peer: SocketAddr| {
+            let shared = shared.clone();
+            service_fn(move |req| {
+                let shared = shared.clone();
+                async move { Ok::<_, Infallible>(gateway::handle(shared, req, peer).await) }
+            })
+        };
+        let cap = f.server.max_connections.get();
+        tokio::spawn(serve(listener, Arc::new(builder), service, cap, stop_rx.clone(), grace))
+    };
+    let admin = {
+        let admin = Arc::new(Admin { shared: shared.clone(), token: f.admin.token.as_ref().map(|t| t.0.clone()) });
+        let service = move |_peer: SocketAddr| {
+            let admin = admin.clone();
+            service_fn(move |req| {
+                let admin = admin.clone();
+                async move { Ok::<_, Infallible>(admin.handle(req).await) }
+            })
+        };
+        let builder = Arc::new(auto::Builder::new(TokioExecutor::new()));
+        tokio::spawn(serve(admin_listener, builder, service, 256, stop_rx.clone(), Duration::from_secs(1)))
+    };
+    let sweeper = {
+        let shared = shared.clone();
+        let mut stop_rx = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop_rx.changed() => return,
+                }
+                if let Some(m) = shared.store.memory_store() {
+                    m.sweep();
+                }
+            }
+        })
+    };
+    tracing::info!(%addr, %admin_addr, config = %loaded.path.display(), hash = %loaded.hash, "sluice started");
+    Ok(Running {
+        addr,
+        admin_addr,
+        shared,
+        config_path: loaded.path.clone(),
+        stop,
+        tasks: vec![gw, admin, sweeper],
+    })
+}
+
+impl Running {
+    /// Reload the configuration file: parse, validate and compile it completely, then
+    /// swap it in whole; on any error the running configuration stays.
+    pub fn reload(&self) -> Result<String, String> {
+        let m = &self.shared.metrics;
+        let result = config::load(&self.config_path)
+            .map_err(|e| e.to_string())
+            .and_then(|l| compile(&l, m).map_err(|e| e.to_string()));
+        match result {
+            Ok(rt) => {
+                let hash = rt.hash.clone();
+                self.shared.runtime.store(Arc::new(rt));
+                m.config_reloads.with_label_values(&["success"]).inc();
+                m.config_last_reload_success.set(1);
+                tracing::info!(%hash, "configuration reloaded");
+                Ok(hash)
+            }
+            Err(e) => {
+                m.config_reloads.with_label_values(&["failure"]).inc();
+                m.config_last_reload_success.set(0);
+                tracing::error!(error = %e, "reload failed; the previous configuration stays");
+                Err(e)
+            }
+        }
+    }
+
+    /// Stop accepting, let requests in flight finish (bounded by
+    /// `server.shutdown_grace`), then return.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Accept connections until told to stop, then drain them for at most `grace`.
+async fn serve<S, F>(
+    listener: TcpListener,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    service: F,
+    max_connections: usize,
+    mut stop: watch::Receiver<bool>,
+    grace: Duration,
+) where
+    F: Fn(SocketAddr) -> S,
+    S: hyper::service::Service<http::Request<hyper::body::Incoming>, Response = http::Response<crate::answer::Body>, Error = Infallible>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let slots = Arc::new(Semaphore::new(max_connections));
+    let graceful = GracefulShutdown::new();
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = stop.changed() => break,
+        };
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service(peer)).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+        tracing::warn!(?grace, "shutdown grace elapsed with requests still in flight");
+    }
+}
