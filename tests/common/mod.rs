@@ -1,0 +1,516 @@
+//! The end-to-end harness: a gateway started from YAML text, real upstreams (echo,
+//! slow, closing, upgrading, TLS), real HTTP/1.1 and h2c clients, raw sockets for
+//! the cases where the bytes matter, and the metrics endpoint. Everything listens
+//! on 127.0.0.1:0, so tests run in parallel without sharing a port.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub use sluice::server::Running;
+
+/// How long any single network step of a test may take before the test fails
+/// instead of hanging.
+pub const BOUND: Duration = Duration::from_secs(10);
+
+pub async fn bounded<F: Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(BOUND, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within {BOUND:?}"))
+}
+
+// === gateway ===
+
+/// Start a gateway from YAML text. A `server:` or `admin:` section the text does not
+/// have is added, listening on 127.0.0.1:0; a text that has one must say
+/// `listen: 127.0.0.1:0` itself.
+pub async fn start_gateway(yaml: &str) -> Running {
+    let text = with_listeners(yaml);
+    let loaded = sluice::config::parse(&text, Path::new("test.yaml"))
+        .unwrap_or_else(|e| panic!("config does not parse: {e}\n{text}"));
+    start(loaded).await
+}
+
+/// Like `start_gateway`, but from a file (kept alive by the returned handle), for
+/// tests that reload it.
+pub async fn start_gateway_file(yaml: &str) -> (Running, tempfile::NamedTempFile) {
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
+    std::fs::write(file.path(), with_listeners(yaml)).expect("write config");
+    let loaded = sluice::config::load(file.path()).unwrap_or_else(|e| panic!("config does not load: {e}"));
+    (start(loaded).await, file)
+}
+
+async fn start(loaded: sluice::config::Loaded) -> Running {
+    match sluice::server::start(loaded).await {
+        Ok(r) => r,
+        Err(e) => panic!("gateway does not start: {e}"),
+    }
+}
+
+pub fn with_listeners(yaml: &str) -> String {
+    let has = |section: &str| yaml.lines().any(|l| l.starts_with(section));
+    let mut text = String::new();
+    if !has("server:") {
+        text.push_str("server: {listen: \"127.0.0.1:0\"}\n");
+    }
+    if !has("admin:") {
+        text.push_str("admin: {listen: \"127.0.0.1:0\"}\n");
+    }
+    text.push_str(yaml);
+    text
+}
+
+/// `http://ADDR` + `path`.
+pub fn url(addr: SocketAddr, path: &str) -> String {
+    format!("http://{addr}{path}")
+}
+
+/// A port nothing listens on (bound once, then released).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("local addr").port()
+}
+
+/// Sleep until just after the next multiple of `window` since the UNIX epoch, so a
+/// short burst of requests falls into one aligned window of a `fixed_window` limit.
+pub async fn at_window_start(window: Duration) {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970");
+    let w = window.as_micros();
+    let left = w - now.as_micros() % w;
+    tokio::time::sleep(Duration::from_micros(left as u64) + Duration::from_millis(20)).await;
+}
+
+// === upstreams ===
+
+/// A real upstream: counts its requests and answers as its kind says.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+}
+
+impl Upstream {
+    /// Requests that reached it (counted when their head arrives).
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// How an echo upstream answers every request. Per request, the headers
+/// `x-reply-status: N`, `x-reply-bytes: N` (a body of N bytes instead of the echo)
+/// and `x-reply-header: name=value` override it.
+#[derive(Clone, Debug, Default)]
+pub struct UpstreamOpts {
+    pub status: Option<u16>,
+    /// Wait this long before answering.
+    pub delay: Duration,
+}
+
+/// What the echo upstream saw, sent back as its JSON body.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Echo {
+    pub method: String,
+    pub uri: String,
+    pub version: String,
+    /// In the order received, repeated names kept.
+    pub headers: Vec<(String, String)>,
+    pub body_len: usize,
+    pub body: String,
+}
+
+impl Echo {
+    /// The one value of header `name`; panics when it was sent more than once.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        let all = self.all(name);
+        assert!(all.len() <= 1, "header {name} arrived {} times: {all:?}", all.len());
+        all.first().copied()
+    }
+
+    pub fn all(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+}
+
+/// An echo upstream answering 200 at once.
+pub async fn upstream() -> Upstream {
+    upstream_with(UpstreamOpts::default()).await
+}
+
+pub async fn upstream_with(opts: UpstreamOpts) -> Upstream {
+    let listener = bind().await;
+    let addr = listener.local_addr().expect("local addr");
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(serve_echo(stream, opts.clone(), counter.clone()));
+        }
+    });
+    Upstream { addr, hits }
+}
+
+/// An upstream that accepts, reads the request head and closes without answering.
+pub async fn closing_upstream() -> Upstream {
+    let listener = bind().await;
+    let addr = listener.local_addr().expect("local addr");
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                if read_head(&mut stream).await.is_some() {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    Upstream { addr, hits }
+}
+
+/// An echo upstream behind TLS with a fresh self-signed certificate for
+/// `localhost` and 127.0.0.1; the returned file holds that certificate (PEM), for
+/// `tls_ca`. The URL is `https://127.0.0.1:PORT`.
+pub async fn tls_upstream() -> (Upstream, tempfile::NamedTempFile) {
+    use rustls_pki_types::PrivateKeyDer;
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .expect("self-signed certificate");
+    let ca = tempfile::Builder::new().suffix(".pem").tempfile().expect("temp file");
+    std::fs::write(ca.path(), ck.cert.pem()).expect("write CA");
+    let key = PrivateKeyDer::Pkcs8(ck.signing_key.serialize_der().into());
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![ck.cert.der().clone()], key)
+        .expect("server certificate");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+
+    let listener = bind().await;
+    let addr = listener.local_addr().expect("local addr");
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (acceptor, counter) = (acceptor.clone(), counter.clone());
+            tokio::spawn(async move {
+                // A client that rejects our certificate ends the handshake: fine.
+                if let Ok(tls) = acceptor.accept(stream).await {
+                    serve_echo(tls, UpstreamOpts::default(), counter).await;
+                }
+            });
+        }
+    });
+    (Upstream { addr, hits }, ca)
+}
+
+async fn bind() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0")
+}
+
+async fn serve_echo<I>(io: I, opts: UpstreamOpts, hits: Arc<AtomicUsize>)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(move |req| echo(req, opts.clone(), hits.clone()));
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades()
+        .await;
+}
+
+async fn echo(
+    mut req: Request<Incoming>,
+    opts: UpstreamOpts,
+    hits: Arc<AtomicUsize>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    hits.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(opts.delay).await;
+    if let Some(proto) = req.headers().get(http::header::UPGRADE).cloned() {
+        return Ok(upgrade_echo(&mut req, proto));
+    }
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let wanted = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    let status = wanted("x-reply-status").and_then(|s| s.parse().ok()).or(opts.status).unwrap_or(200);
+    let reply = match wanted("x-reply-bytes").and_then(|n| n.parse::<usize>().ok()) {
+        Some(n) => Bytes::from(pattern(n)),
+        None => {
+            let echo = Echo {
+                method: parts.method.to_string(),
+                uri: parts.uri.to_string(),
+                version: format!("{:?}", parts.version),
+                headers: parts
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+                    .collect(),
+                body_len: body.len(),
+                body: String::from_utf8_lossy(&body).into_owned(),
+            };
+            Bytes::from(serde_json::to_vec(&echo).expect("echo serializes"))
+        }
+    };
+    let mut resp = Response::new(Full::new(reply));
+    *resp.status_mut() = StatusCode::from_u16(status).expect("valid status");
+    if let Some((k, v)) = wanted("x-reply-header").and_then(|h| h.split_once('=')) {
+        resp.headers_mut().insert(
+            http::HeaderName::from_bytes(k.as_bytes()).expect("header name"),
+            HeaderValue::from_str(v).expect("header value"),
+        );
+    }
+    Ok(resp)
+}
+
+/// Answer 101 and echo every byte on the upgraded connection.
+fn upgrade_echo(req: &mut Request<Incoming>, proto: HeaderValue) -> Response<Full<Bytes>> {
+    let on = hyper::upgrade::on(req);
+    tokio::spawn(async move {
+        if let Ok(up) = on.await {
+            let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+            let _ = tokio::io::copy(&mut r, &mut w).await;
+        }
+    });
+    let mut resp = Response::new(Full::new(Bytes::new()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    resp.headers_mut().insert(http::header::CONNECTION, HeaderValue::from_static("upgrade"));
+    resp.headers_mut().insert(http::header::UPGRADE, proto);
+    resp
+}
+
+/// `n` bytes of a recognisable ASCII pattern (so a shifted or truncated copy shows).
+pub fn pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| b"abcdefghijklmnopqrstuvwxyz0123456789"[i % 36]).collect()
+}
+
+// === clients ===
+
+/// A response, read whole.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub fn text(&self) -> &str {
+        std::str::from_utf8(&self.body).expect("UTF-8 body")
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().expect("ASCII header"))
+    }
+
+    /// A header that must be there, as a number.
+    pub fn num(&self, name: &str) -> u64 {
+        let v = self.header(name).unwrap_or_else(|| panic!("no {name} header in {:?}", self.headers));
+        v.parse().unwrap_or_else(|_| panic!("{name}: {v:?} is not a number"))
+    }
+
+    /// What the echo upstream saw.
+    pub fn echo(&self) -> Echo {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not an echo ({e}): {} {:?}", self.status, String::from_utf8_lossy(&self.body)))
+    }
+
+    /// The names of the rate-limit headers present.
+    pub fn rate_headers(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self
+            .headers
+            .keys()
+            .map(|k| k.as_str())
+            .filter(|k| k.starts_with("ratelimit") || k.starts_with("x-ratelimit"))
+            .collect();
+        names.sort_unstable();
+        names
+    }
+}
+
+/// A real HTTP client: hyper-util's pooled client, HTTP/1.1 or h2c (prior knowledge).
+#[derive(Clone)]
+pub struct HttpClient {
+    inner: Client<HttpConnector, Full<Bytes>>,
+}
+
+pub fn http1() -> HttpClient {
+    HttpClient { inner: Client::builder(TokioExecutor::new()).build_http() }
+}
+
+pub fn h2c() -> HttpClient {
+    HttpClient { inner: Client::builder(TokioExecutor::new()).http2_only(true).build_http() }
+}
+
+impl HttpClient {
+    pub async fn get(&self, url: &str, headers: &[(&str, &str)]) -> Resp {
+        self.send(Method::GET, url, headers, Bytes::new()).await
+    }
+
+    pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Resp {
+        let mut req = Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(body.into())).expect("request");
+        bounded(url, async {
+            let resp = self.inner.request(req).await.unwrap_or_else(|e| panic!("{url}: {e:?}"));
+            let (parts, body) = resp.into_parts();
+            let body = body.collect().await.unwrap_or_else(|e| panic!("{url}: body: {e}")).to_bytes();
+            Resp { status: parts.status.as_u16(), headers: parts.headers, body }
+        })
+        .await
+    }
+}
+
+/// GET with a fresh HTTP/1.1 client.
+pub async fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
+    http1().get(url, headers).await
+}
+
+/// The statuses of `n` sequential GETs.
+pub async fn statuses(client: &HttpClient, n: usize, url: &str, headers: &[(&str, &str)]) -> Vec<u16> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(client.get(url, headers).await.status);
+    }
+    out
+}
+
+/// `n` times 200 followed by `m` times 429.
+pub fn ok_then_limited(n: usize, m: usize) -> Vec<u16> {
+    let mut v = vec![200; n];
+    v.extend(std::iter::repeat(429).take(m));
+    v
+}
+
+// === metrics ===
+
+pub async fn metrics(admin: SocketAddr) -> String {
+    let r = get(&url(admin, "/metrics"), &[]).await;
+    assert_eq!(r.status, 200, "GET /metrics");
+    r.text().to_string()
+}
+
+/// The value of one series, written exactly as the exposition writes it, e.g.
+/// `sluice_requests_total{decision="allowed",route="hello"}`.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// `sluice_requests_total{decision=D,route=R}`, 0 when absent.
+pub fn requests(text: &str, route: &str, decision: &str) -> f64 {
+    let series = format!("sluice_requests_total{{decision=\"{decision}\",route=\"{route}\"}}");
+    metric(text, &series).unwrap_or(0.0)
+}
+
+/// Every non-zero `sluice_requests_total` series of `route`, as (decision, count).
+pub fn decisions(text: &str, route: &str) -> Vec<(String, f64)> {
+    let needle = format!(",route=\"{route}\"}}");
+    text.lines()
+        .filter_map(|l| l.strip_prefix("sluice_requests_total{decision=\""))
+        .filter_map(|l| {
+            let (decision, rest) = l.split_once('"')?;
+            let value: f64 = rest.strip_prefix(&needle)?.trim().parse().ok()?;
+            (value != 0.0).then(|| (decision.to_string(), value))
+        })
+        .collect()
+}
+
+// === raw sockets ===
+
+pub async fn connect(addr: SocketAddr) -> TcpStream {
+    bounded("connect", TcpStream::connect(addr)).await.expect("connect")
+}
+
+/// Read up to the end of a response (or request) head; `None` on EOF before it.
+pub async fn read_head(stream: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        match bounded("read head", stream.read(&mut byte)).await {
+            Ok(1) => buf.push(byte[0]),
+            _ => return None,
+        }
+    }
+    Some(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// Read one response: its head and its body (by `content-length` or chunked);
+/// `None` when the connection ends before a head.
+pub async fn read_response(stream: &mut TcpStream) -> Option<(String, String)> {
+    let head = read_head(stream).await?;
+    let lower = head.to_ascii_lowercase();
+    let mut body = Vec::new();
+    if let Some(n) = lower.split("\r\n").find_map(|l| l.strip_prefix("content-length:")) {
+        body.resize(n.trim().parse().expect("content-length"), 0);
+        bounded("read body", stream.read_exact(&mut body)).await.ok()?;
+    } else if lower.contains("transfer-encoding: chunked") {
+        loop {
+            let size = read_line(stream).await?;
+            let size = usize::from_str_radix(size.trim(), 16).expect("chunk size");
+            let mut chunk = vec![0; size + 2];
+            bounded("read chunk", stream.read_exact(&mut chunk)).await.ok()?;
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    }
+    Some((head, String::from_utf8_lossy(&body).into_owned()))
+}
+
+async fn read_line(stream: &mut TcpStream) -> Option<String> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while !line.ends_with(b"\r\n") {
+        match bounded("read line", stream.read(&mut byte)).await {
+            Ok(1) => line.push(byte[0]),
+            _ => return None,
+        }
+    }
+    Some(String::from_utf8_lossy(&line).into_owned())
+}
+
+/// Write `bytes`, then read until the peer closes (or resets); what was read.
+pub async fn exchange(addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = connect(addr).await;
+    s.write_all(bytes).await.expect("write");
+    read_to_close(&mut s).await
+}
+
+pub async fn read_to_close(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match bounded("read to close", s.read(&mut buf)).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
