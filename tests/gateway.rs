@@ -605,7 +605,8 @@ routes:
     let err = gw.reload().expect_err("a broken file must not load");
     assert!(err.starts_with(&format!("{}:", file.path().display())), "{err}");
     let r = c.get(&u, &[]).await;
-    assert_eq!((r.status, r.text()), (429, "rate limit \"l\" of route \"r\" exceeded; retry in 60s\n"));
+    assert_eq!(r.status, 429);
+    assert!(r.text().starts_with(r#"rate limit "l" of route "r" exceeded"#), "{}", r.text());
 
     // A changed limit starts afresh.
     write(&file, "5", "v3");
