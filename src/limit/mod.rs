@@ -9,7 +9,7 @@ pub mod memory;
 
 use std::time::Duration;
 
-pub use algo::{Algorithm, Outcome, Rate, State};
+pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
 
