@@ -66,7 +66,7 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
         },
         max_request_body: f.server.max_request_body.0,
         on_error: f.store.on_error,
-        unmatched: metrics.route("unmatched"),
+        unmatched: metrics.unmatched(),
         hash: loaded.hash.clone(),
     })
 }
