@@ -371,18 +371,21 @@ impl HttpClient {
     }
 
     pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Resp {
+        let sent = self.try_send(method, url, headers, body.into());
+        bounded(url, sent).await.unwrap_or_else(|e| panic!("{url}: {e}"))
+    }
+
+    /// The response, or why there is none (e.g. nothing listens yet).
+    pub async fn try_send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: Bytes) -> Result<Resp, String> {
         let mut req = Request::builder().method(method).uri(url);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let req = req.body(Full::new(body.into())).expect("request");
-        bounded(url, async {
-            let resp = self.inner.request(req).await.unwrap_or_else(|e| panic!("{url}: {e:?}"));
-            let (parts, body) = resp.into_parts();
-            let body = body.collect().await.unwrap_or_else(|e| panic!("{url}: body: {e}")).to_bytes();
-            Resp { status: parts.status.as_u16(), headers: parts.headers, body }
-        })
-        .await
+        let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
+        let resp = self.inner.request(req).await.map_err(|e| format!("{e:?}"))?;
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.map_err(|e| format!("body: {e}"))?.to_bytes();
+        Ok(Resp { status: parts.status.as_u16(), headers: parts.headers, body })
     }
 }
 

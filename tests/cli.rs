@@ -1,0 +1,206 @@
+//! The `sluice` binary: `check` and its error positions, `--version`, where the
+//! configuration comes from, and `run` serving until SIGHUP reloads it and SIGTERM
+//! stops it with exit status 0.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::*;
+use http::Method;
+
+const SLUICE: &str = env!("CARGO_BIN_EXE_sluice");
+
+const GOOD: &str = r#"
+server: {listen: "127.0.0.1:0"}
+admin: {listen: "127.0.0.1:0"}
+routes:
+  - name: hello
+    match: {path: /hello}
+    limits:
+      - {name: per_ip, algorithm: fixed_window, limit: 5, window: 2s}
+    respond: {body: "hi\n"}
+"#;
+
+/// GOOD with `limits` misspelt: `limts` is on line 7, column 5.
+const TYPO: &str = r#"
+server: {listen: "127.0.0.1:0"}
+admin: {listen: "127.0.0.1:0"}
+routes:
+  - name: hello
+    match: {path: /hello}
+    limts:
+      - {name: per_ip, algorithm: fixed_window, limit: 5, window: 2s}
+    respond: {body: "hi\n"}
+"#;
+
+fn config_file(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
+    std::fs::write(f.path(), text).expect("write config");
+    f
+}
+
+/// Run `sluice ARGS` to completion, without `SLUICE_CONFIG` unless `env` sets it.
+fn sluice(args: &[&str], env: Option<&Path>) -> Output {
+    let mut cmd = Command::new(SLUICE);
+    cmd.args(args).env_remove("SLUICE_CONFIG").env("SLUICE_LOG", "warn");
+    if let Some(path) = env {
+        cmd.env("SLUICE_CONFIG", path);
+    }
+    cmd.output().expect("sluice runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn check_accepts_a_good_file() {
+    let good = config_file(GOOD);
+    let out = sluice(&["check", "-c", &good.path().display().to_string()], None);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
+fn check_names_file_line_and_column_of_a_typo() {
+    let typo = config_file(TYPO);
+    let path = typo.path().display().to_string();
+    let out = sluice(&["check", "-c", &path], None);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.starts_with(&format!("{path}:7:5: ")), "{err}");
+    assert!(err.contains("limts"), "{err}");
+}
+
+#[test]
+fn check_of_a_missing_file_fails() {
+    let out = sluice(&["check", "-c", "/nonexistent/sluice.yaml"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).starts_with("/nonexistent/sluice.yaml: "), "{}", stderr(&out));
+}
+
+#[test]
+fn sluice_config_is_used_without_dash_c() {
+    let (good, typo) = (config_file(GOOD), config_file(TYPO));
+    // The test runs in the crate root, where config/rules.yaml is valid: only a
+    // failure shows that the variable was read.
+    let out = sluice(&["check"], Some(typo.path()));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).starts_with(&format!("{}:7:5: ", typo.path().display())), "{}", stderr(&out));
+    assert_eq!(sluice(&["check"], Some(good.path())).status.code(), Some(0));
+    // `-c` wins over the variable.
+    let out = sluice(&["check", "-c", &good.path().display().to_string()], Some(typo.path()));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
+fn version() {
+    let out = sluice(&["--version"], None);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "sluice 0.1.0\n");
+}
+
+/// A running `sluice`, killed if the test ends before it exits.
+struct Process(std::process::Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl Process {
+    fn signal(&self, name: &str) {
+        let status = Command::new("kill").args([&format!("-{name}"), &self.0.id().to_string()]).status();
+        assert!(status.expect("kill runs").success(), "kill -{name}");
+    }
+
+    /// The exit status, waiting at most `BOUND`.
+    async fn exit(&mut self) -> std::process::ExitStatus {
+        for _ in 0..(BOUND.as_millis() / 20) {
+            if let Some(status) = self.0.try_wait().expect("wait") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("sluice still running {BOUND:?} after SIGTERM");
+    }
+}
+
+/// Poll `url` until it answers, at most `BOUND`.
+async fn wait_until_up(url: &str, p: &mut Process) {
+    let c = http1();
+    for _ in 0..(BOUND.as_millis() / 50) {
+        if let Some(status) = p.0.try_wait().expect("wait") {
+            panic!("sluice exited early: {status}");
+        }
+        if let Ok(r) = c.try_send(Method::GET, url, &[], Default::default()).await {
+            assert_eq!(r.status, 200);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{url} not up within {BOUND:?}");
+}
+
+fn run_config(port: u16, admin: u16, body: &str) -> String {
+    format!(
+        r#"
+server: {{listen: "127.0.0.1:{port}"}}
+admin: {{listen: "127.0.0.1:{admin}"}}
+routes:
+  - name: hello
+    match: {{path: /hello}}
+    limits:
+      - {{name: per_ip, algorithm: sliding_log, limit: 3, window: 1m}}
+    respond: {{body: "{body}"}}
+"#
+    )
+}
+
+#[tokio::test]
+async fn run_serves_reloads_on_sighup_and_exits_0_on_sigterm() {
+    let (port, admin) = (free_port(), free_port());
+    let file = config_file(&run_config(port, admin, "v1"));
+    let child = Command::new(SLUICE)
+        .args(["run", "-c", &file.path().display().to_string()])
+        .env_remove("SLUICE_CONFIG")
+        .env("SLUICE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("sluice starts");
+    let mut p = Process(child);
+    wait_until_up(&format!("http://127.0.0.1:{admin}/healthz"), &mut p).await;
+
+    let c = http1();
+    let hello = format!("http://127.0.0.1:{port}/hello");
+    let r = c.get(&hello, &[]).await;
+    assert_eq!((r.status, r.text(), r.num("x-ratelimit-remaining")), (200, "v1", 2));
+
+    // SIGHUP: the new body is served, the unchanged limit keeps its count.
+    std::fs::write(file.path(), run_config(port, admin, "v2")).unwrap();
+    p.signal("HUP");
+    let mut reloaded = None;
+    for _ in 0..(BOUND.as_millis() / 50) {
+        let m = metrics(format!("127.0.0.1:{admin}").parse().unwrap()).await;
+        if metric(&m, r#"sluice_config_reloads_total{result="success"}"#) == Some(1.0) {
+            reloaded = Some(());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    reloaded.expect("no reload counted after SIGHUP");
+    let r = c.get(&hello, &[]).await;
+    assert_eq!((r.status, r.text(), r.num("x-ratelimit-remaining")), (200, "v2", 1));
+
+    p.signal("TERM");
+    let status = p.exit().await;
+    assert_eq!(status.code(), Some(0), "{status}");
+}
