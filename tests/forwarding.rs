@@ -366,3 +366,74 @@ async fn shutdown_lets_requests_in_flight_finish() {
     assert_eq!((r.status, r.echo().uri.as_str()), (200, "/slow"));
     assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "still accepting after shutdown");
 }
+
+// === request framing and authority ===
+
+#[tokio::test]
+async fn absolute_form_authority_decides_route_and_host_alike() {
+    // RFC 9112 §3.2.2: with an absolute-form target, the target's authority is the
+    // host and `Host` is ignored; a proxy replaces `Host` with it. Routing and
+    // forwarding must agree, or a client picks an unlimited route for one host
+    // while the upstream serves another.
+    let up = upstream().await;
+    let gw = start_gateway(
+        &r#"
+upstreams:
+  api: {targets: ["UP"]}
+routes:
+  - {name: limited, match: {host: api.example.com}, upstream: api, key: ip, limits: [{name: one, algorithm: sliding_log, limit: 1, window: 1m}]}
+  - {name: free, match: {host: free.example.com}, upstream: api}
+"#
+        .replace("UP", &up.url()),
+    )
+    .await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET http://free.example.com/x HTTP/1.1\r\nhost: api.example.com\r\n\r\n").await.unwrap();
+    let (head, body) = read_response(&mut s).await.expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head:?}");
+    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    assert_eq!(e.uri, "/x");
+    assert_eq!(e.header("host"), Some("free.example.com"));
+    assert_eq!(e.header("x-forwarded-host"), Some("free.example.com"));
+}
+
+#[tokio::test]
+async fn early_answers_close_the_connection_so_an_unread_body_is_never_a_request() {
+    let gw = start_gateway(
+        r#"
+routes:
+  - {name: hello, match: {path: /hello}, respond: {body: hello}}
+"#,
+    )
+    .await;
+    // The body of a request sluice refuses (404) without reading it is a whole
+    // second request; it must not be answered.
+    let inner = "GET /hello HTTP/1.1\r\nhost: x\r\n\r\n";
+    let outer = format!("POST /nowhere HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{inner}", inner.len());
+    let answer = exchange(gw.addr, outer.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 404 "), "{answer:?}");
+    assert!(answer.to_ascii_lowercase().contains("\r\nconnection: close\r\n"), "{answer:?}");
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer:?}");
+}
+
+#[tokio::test]
+async fn transfer_encoding_overrides_content_length() {
+    // RFC 9112 §6.3: with both, the chunked framing counts and Content-Length must
+    // not be forwarded, or the upstream would cut the body at 5 bytes.
+    let up = upstream().await;
+    let gw = proxy_to(&[up.url()]).await;
+    let mut s = connect(gw.addr).await;
+    let req = "POST /te HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\nb\r\nhello world\r\n0\r\n\r\n";
+    s.write_all(req.as_bytes()).await.unwrap();
+    match read_response(&mut s).await {
+        // Refusing the ambiguous request outright is also correct.
+        Some((head, _)) if head.starts_with("HTTP/1.1 400 ") => assert_eq!(up.hits(), 0),
+        Some((head, body)) => {
+            assert!(head.starts_with("HTTP/1.1 200 "), "{head:?}");
+            let e: Echo = serde_json::from_str(&body).expect("an echo");
+            assert_eq!(e.body, "hello world");
+            assert_ne!(e.header("content-length"), Some("5"));
+        }
+        None => panic!("no answer"),
+    }
+}
