@@ -437,3 +437,37 @@ async fn transfer_encoding_overrides_content_length() {
         None => panic!("no answer"),
     }
 }
+
+// === TLS termination ===
+
+#[tokio::test]
+async fn tls_termination_tells_the_upstream_https() {
+    let up = upstream().await;
+    let certs = self_signed();
+    let gw = start_gateway(
+        &r#"
+server: {listen: "127.0.0.1:0", request_header_timeout: 1s, tls: {cert: "CERT", key: "KEY"}}
+upstreams:
+  api: {targets: ["UP"]}
+routes:
+  - {name: api, match: {path_prefix: /}, upstream: api}
+"#
+        .replace("CERT", &certs.cert_pem.path().display().to_string())
+        .replace("KEY", &certs.key_pem.path().display().to_string())
+        .replace("UP", &up.url()),
+    )
+    .await;
+    let r = https(&[certs.cert.clone()]).get(&format!("https://{}/s?x=1", gw.addr), &[]).await;
+    assert_eq!(r.status, 200);
+    let e = r.echo();
+    assert_eq!(e.uri, "/s?x=1");
+    assert_eq!(e.header("x-forwarded-proto"), Some("https"));
+    assert_eq!(e.header("x-forwarded-for"), Some("127.0.0.1"));
+
+    // A client that never starts its handshake is cut off like a slow one.
+    let mut s = connect(gw.addr).await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), read_to_close(&mut s))
+        .await
+        .expect("the connection is still open after 5 s");
+    assert_eq!(answer, "");
+}

@@ -17,6 +17,7 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -192,23 +193,55 @@ pub async fn closing_upstream() -> Upstream {
     Upstream { addr, hits }
 }
 
-/// An echo upstream behind TLS with a fresh self-signed certificate for
-/// `localhost` and 127.0.0.1; the returned file holds that certificate (PEM), for
-/// `tls_ca`. The URL is `https://127.0.0.1:PORT`.
-pub async fn tls_upstream() -> (Upstream, tempfile::NamedTempFile) {
-    use rustls_pki_types::PrivateKeyDer;
+/// A fresh self-signed certificate for `localhost` and 127.0.0.1, as PEM files
+/// (for sluice's `tls_ca` and `server.tls`) and ready for rustls.
+pub struct SelfSigned {
+    pub cert_pem: tempfile::NamedTempFile,
+    pub key_pem: tempfile::NamedTempFile,
+    pub cert: rustls_pki_types::CertificateDer<'static>,
+    key_der: Vec<u8>,
+}
+
+pub fn self_signed() -> SelfSigned {
     let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
         .expect("self-signed certificate");
-    let ca = tempfile::Builder::new().suffix(".pem").tempfile().expect("temp file");
-    std::fs::write(ca.path(), ck.cert.pem()).expect("write CA");
-    let key = PrivateKeyDer::Pkcs8(ck.signing_key.serialize_der().into());
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .with_no_client_auth()
-        .with_single_cert(vec![ck.cert.der().clone()], key)
-        .expect("server certificate");
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let pem = |text: String| {
+        let f = tempfile::Builder::new().suffix(".pem").tempfile().expect("temp file");
+        std::fs::write(f.path(), text).expect("write PEM");
+        f
+    };
+    SelfSigned {
+        cert_pem: pem(ck.cert.pem()),
+        key_pem: pem(ck.signing_key.serialize_pem()),
+        cert: ck.cert.der().clone(),
+        key_der: ck.signing_key.serialize_der(),
+    }
+}
+
+impl SelfSigned {
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        let key = rustls_pki_types::PrivateKeyDer::Pkcs8(self.key_der.clone().into());
+        let config = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_no_client_auth()
+            .with_single_cert(vec![self.cert.clone()], key)
+            .expect("server certificate");
+        tokio_rustls::TlsAcceptor::from(Arc::new(config))
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// An echo upstream behind TLS with a fresh self-signed certificate; the returned
+/// file holds that certificate (PEM), for `tls_ca`. Reach it as
+/// `https://127.0.0.1:PORT`.
+pub async fn tls_upstream() -> (Upstream, tempfile::NamedTempFile) {
+    let certs = self_signed();
+    let acceptor = certs.acceptor();
+    let ca = certs.cert_pem;
 
     let listener = bind().await;
     let addr = listener.local_addr().expect("local addr");
@@ -354,15 +387,38 @@ impl Resp {
 /// A real HTTP client: hyper-util's pooled client, HTTP/1.1 or h2c (prior knowledge).
 #[derive(Clone)]
 pub struct HttpClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
+    inner: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
 }
 
 pub fn http1() -> HttpClient {
-    HttpClient { inner: Client::builder(TokioExecutor::new()).build_http() }
+    client(&[], false)
 }
 
 pub fn h2c() -> HttpClient {
-    HttpClient { inner: Client::builder(TokioExecutor::new()).http2_only(true).build_http() }
+    client(&[], true)
+}
+
+/// An HTTP/1.1 client that also speaks `https://` to servers with one of `roots`.
+pub fn https(roots: &[rustls_pki_types::CertificateDer<'static>]) -> HttpClient {
+    client(roots, false)
+}
+
+fn client(roots: &[rustls_pki_types::CertificateDer<'static>], http2_only: bool) -> HttpClient {
+    let mut store = rustls::RootCertStore::empty();
+    for cert in roots {
+        store.add(cert.clone()).expect("root certificate");
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .build();
+    HttpClient { inner: Client::builder(TokioExecutor::new()).http2_only(http2_only).build(connector) }
 }
 
 impl HttpClient {
