@@ -37,7 +37,10 @@ routes:
 "#;
 
 fn config_file(text: &str) -> tempfile::NamedTempFile {
-    let f = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
+    let f = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
     std::fs::write(f.path(), text).expect("write config");
     f
 }
@@ -45,7 +48,9 @@ fn config_file(text: &str) -> tempfile::NamedTempFile {
 /// Run `sluice ARGS` to completion, without `SLUICE_CONFIG` unless `env` sets it.
 fn sluice(args: &[&str], env: Option<&Path>) -> Output {
     let mut cmd = Command::new(SLUICE);
-    cmd.args(args).env_remove("SLUICE_CONFIG").env("SLUICE_LOG", "warn");
+    cmd.args(args)
+        .env_remove("SLUICE_CONFIG")
+        .env("SLUICE_LOG", "warn");
     if let Some(path) = env {
         cmd.env("SLUICE_CONFIG", path);
     }
@@ -78,7 +83,11 @@ fn check_names_file_line_and_column_of_a_typo() {
 fn check_of_a_missing_file_fails() {
     let out = sluice(&["check", "-c", "/nonexistent/sluice.yaml"], None);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).starts_with("/nonexistent/sluice.yaml: "), "{}", stderr(&out));
+    assert!(
+        stderr(&out).starts_with("/nonexistent/sluice.yaml: "),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -88,10 +97,17 @@ fn sluice_config_is_used_without_dash_c() {
     // failure shows that the variable was read.
     let out = sluice(&["check"], Some(typo.path()));
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).starts_with(&format!("{}:7:5: ", typo.path().display())), "{}", stderr(&out));
+    assert!(
+        stderr(&out).starts_with(&format!("{}:7:5: ", typo.path().display())),
+        "{}",
+        stderr(&out)
+    );
     assert_eq!(sluice(&["check"], Some(good.path())).status.code(), Some(0));
     // `-c` wins over the variable.
-    let out = sluice(&["check", "-c", &good.path().display().to_string()], Some(typo.path()));
+    let out = sluice(
+        &["check", "-c", &good.path().display().to_string()],
+        Some(typo.path()),
+    );
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
@@ -116,7 +132,9 @@ impl Drop for Process {
 
 impl Process {
     fn signal(&self, name: &str) {
-        let status = Command::new("kill").args([&format!("-{name}"), &self.0.id().to_string()]).status();
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &self.0.id().to_string()])
+            .status();
         assert!(status.expect("kill runs").success(), "kill -{name}");
     }
 
@@ -182,7 +200,10 @@ async fn run_serves_reloads_on_sighup_and_exits_0_on_sigterm() {
     let c = http1();
     let hello = format!("http://127.0.0.1:{port}/hello");
     let r = c.get(&hello, &[]).await;
-    assert_eq!((r.status, r.text(), r.num("x-ratelimit-remaining")), (200, "v1", 2));
+    assert_eq!(
+        (r.status, r.text(), r.num("x-ratelimit-remaining")),
+        (200, "v1", 2)
+    );
 
     // SIGHUP: the new body is served, the unchanged limit keeps its count.
     std::fs::write(file.path(), run_config(port, admin, "v2")).unwrap();
@@ -198,7 +219,10 @@ async fn run_serves_reloads_on_sighup_and_exits_0_on_sigterm() {
     }
     reloaded.expect("no reload counted after SIGHUP");
     let r = c.get(&hello, &[]).await;
-    assert_eq!((r.status, r.text(), r.num("x-ratelimit-remaining")), (200, "v2", 1));
+    assert_eq!(
+        (r.status, r.text(), r.num("x-ratelimit-remaining")),
+        (200, "v2", 1)
+    );
 
     p.signal("TERM");
     let status = p.exit().await;

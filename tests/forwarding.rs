@@ -25,7 +25,11 @@ async fn proxy_to(targets: &[String]) -> Running {
 }
 
 fn sorted(headers: &[(String, String)], skip: &[&str]) -> Vec<(String, String)> {
-    let mut h: Vec<_> = headers.iter().filter(|(k, _)| !skip.contains(&k.as_str())).cloned().collect();
+    let mut h: Vec<_> = headers
+        .iter()
+        .filter(|(k, _)| !skip.contains(&k.as_str()))
+        .cloned()
+        .collect();
     h.sort();
     h
 }
@@ -60,12 +64,21 @@ async fn the_upstream_sees_what_the_client_sent_plus_forwarding_headers() {
         .await;
     assert_eq!(r.status, 200);
     let e = r.echo();
-    assert_eq!((e.method.as_str(), e.uri.as_str(), e.version.as_str()), ("GET", "/some/path?a=1&b=%20x&a=2", "HTTP/1.1"));
+    assert_eq!(
+        (e.method.as_str(), e.uri.as_str(), e.version.as_str()),
+        ("GET", "/some/path?a=1&b=%20x&a=2", "HTTP/1.1")
+    );
     assert_eq!(e.header("host"), Some("app.example.com"));
     assert_eq!(e.header("x-forwarded-for"), Some("203.0.113.5, 127.0.0.1"));
     assert_eq!(e.header("x-forwarded-proto"), Some("http"));
     assert_eq!(e.header("x-forwarded-host"), Some("app.example.com"));
-    for gone in ["connection", "x-drop-me", "keep-alive", "te", "proxy-connection"] {
+    for gone in [
+        "connection",
+        "x-drop-me",
+        "keep-alive",
+        "te",
+        "proxy-connection",
+    ] {
         assert_eq!(e.header(gone), None, "{gone} reached the upstream");
     }
     assert_eq!(e.header("x-custom"), Some("value"));
@@ -80,22 +93,41 @@ async fn direct_and_proxied_requests_look_the_same() {
     let up = upstream().await;
     let gw = proxy_to(&[up.url()]).await;
     let c = http1();
-    let headers = [("host", "app.example.com"), ("x-a", "1"), ("content-type", "application/json")];
+    let headers = [
+        ("host", "app.example.com"),
+        ("x-a", "1"),
+        ("content-type", "application/json"),
+    ];
     let body = r#"{"hello":"world"}"#;
-    let direct = c.send(Method::PUT, &format!("{}/p?q=1", up.url()), &headers, body).await;
-    let proxied = c.send(Method::PUT, &url(gw.addr, "/p?q=1"), &headers, body).await;
+    let direct = c
+        .send(Method::PUT, &format!("{}/p?q=1", up.url()), &headers, body)
+        .await;
+    let proxied = c
+        .send(Method::PUT, &url(gw.addr, "/p?q=1"), &headers, body)
+        .await;
     assert_eq!(direct.status, proxied.status);
     let (d, p) = (direct.echo(), proxied.echo());
-    assert_eq!((&d.method, &d.uri, &d.version, &d.body), (&p.method, &p.uri, &p.version, &p.body));
+    assert_eq!(
+        (&d.method, &d.uri, &d.version, &d.body),
+        (&p.method, &p.uri, &p.version, &p.body)
+    );
     let forwarding = ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"];
     assert_eq!(sorted(&d.headers, &[]), sorted(&p.headers, &forwarding));
     let names = |r: &Resp| {
-        let mut n: Vec<String> = r.headers.keys().map(|k| k.to_string()).filter(|k| k != "date").collect();
+        let mut n: Vec<String> = r
+            .headers
+            .keys()
+            .map(|k| k.to_string())
+            .filter(|k| k != "date")
+            .collect();
         n.sort();
         n
     };
     assert_eq!(names(&direct), names(&proxied));
-    assert_eq!(proxied.header("content-length"), Some(proxied.body.len().to_string().as_str()));
+    assert_eq!(
+        proxied.header("content-length"),
+        Some(proxied.body.len().to_string().as_str())
+    );
 }
 
 #[tokio::test]
@@ -104,19 +136,38 @@ async fn statuses_headers_and_bodies_come_back_unchanged() {
     let gw = proxy_to(&[up.url()]).await;
     let c = http1();
     for status in ["201", "404", "500", "503"] {
-        let r = c.get(&url(gw.addr, "/s"), &[("x-reply-status", status), ("x-reply-header", "x-up=hello")]).await;
+        let r = c
+            .get(
+                &url(gw.addr, "/s"),
+                &[("x-reply-status", status), ("x-reply-header", "x-up=hello")],
+            )
+            .await;
         assert_eq!(r.status.to_string(), status);
         assert_eq!(r.header("x-up"), Some("hello"));
         assert_eq!(r.echo().uri, "/s");
     }
     // Hop-by-hop headers of the upstream's answer stop at sluice too.
-    for (name, value) in [("keep-alive", "timeout=5"), ("proxy-connection", "keep-alive"), ("x-ok", "1")] {
-        let r = c.get(&url(gw.addr, "/h"), &[("x-reply-header", &format!("{name}={value}"))]).await;
+    for (name, value) in [
+        ("keep-alive", "timeout=5"),
+        ("proxy-connection", "keep-alive"),
+        ("x-ok", "1"),
+    ] {
+        let r = c
+            .get(
+                &url(gw.addr, "/h"),
+                &[("x-reply-header", &format!("{name}={value}"))],
+            )
+            .await;
         let want = (name == "x-ok").then_some(value);
         assert_eq!(r.header(name), want, "{name} in the answer");
     }
     let mib = 1 << 20;
-    let r = c.get(&url(gw.addr, "/big"), &[("x-reply-bytes", &mib.to_string())]).await;
+    let r = c
+        .get(
+            &url(gw.addr, "/big"),
+            &[("x-reply-bytes", &mib.to_string())],
+        )
+        .await;
     assert_eq!((r.status, r.body.len()), (200, mib));
     assert!(r.body == pattern(mib), "the 1 MiB body changed on the way");
 }
@@ -126,11 +177,16 @@ async fn a_large_request_body_reaches_the_upstream_intact() {
     let up = upstream().await;
     let gw = proxy_to(&[up.url()]).await;
     let body = pattern(256 << 10);
-    let r = http1().send(Method::POST, &url(gw.addr, "/upload"), &[], body.clone()).await;
+    let r = http1()
+        .send(Method::POST, &url(gw.addr, "/upload"), &[], body.clone())
+        .await;
     assert_eq!(r.status, 200);
     let e = r.echo();
     assert_eq!(e.body_len, 256 << 10);
-    assert!(e.body.as_bytes() == body, "the 256 KiB body changed on the way");
+    assert!(
+        e.body.as_bytes() == body,
+        "the 256 KiB body changed on the way"
+    );
     assert_eq!(e.header("content-length"), Some("262144"));
 }
 
@@ -155,10 +211,15 @@ routes:
     )
     .await;
     let c = h2c();
-    let r = c.get(&url(gw.addr, "/api/x?y=1"), &[("x-custom", "v")]).await;
+    let r = c
+        .get(&url(gw.addr, "/api/x?y=1"), &[("x-custom", "v")])
+        .await;
     assert_eq!(r.status, 200);
     let e = r.echo();
-    assert_eq!((e.version.as_str(), e.uri.as_str()), ("HTTP/1.1", "/api/x?y=1"));
+    assert_eq!(
+        (e.version.as_str(), e.uri.as_str()),
+        ("HTTP/1.1", "/api/x?y=1")
+    );
     let authority = gw.addr.to_string();
     assert_eq!(e.header("host"), Some(authority.as_str()));
     assert_eq!(e.header("x-forwarded-host"), Some(authority.as_str()));
@@ -166,11 +227,19 @@ routes:
 
     for left in [1, 0] {
         let r = c.get(&url(gw.addr, "/hello"), &[]).await;
-        assert_eq!((r.status, r.text(), r.num("x-ratelimit-remaining")), (200, "hi\n", left));
+        assert_eq!(
+            (r.status, r.text(), r.num("x-ratelimit-remaining")),
+            (200, "hi\n", left)
+        );
     }
     let r = c.get(&url(gw.addr, "/hello"), &[]).await;
     assert_eq!(r.status, 429);
-    assert!(r.text().starts_with(r#"rate limit "two" of route "hello" exceeded; retry in "#), "{}", r.text());
+    assert!(
+        r.text()
+            .starts_with(r#"rate limit "two" of route "hello" exceeded; retry in "#),
+        "{}",
+        r.text()
+    );
     let retry = r.num("retry-after");
     assert!((59..=60).contains(&retry), "Retry-After {retry}");
 }
@@ -190,7 +259,11 @@ async fn round_robin_over_targets() {
 async fn upstream_errors(gw: &Running) -> [f64; 3] {
     let m = metrics(gw.admin_addr).await;
     ["connect", "timeout", "reset"].map(|kind| {
-        metric(&m, &format!("sluice_upstream_errors_total{{kind=\"{kind}\",route=\"api\"}}")).unwrap_or(0.0)
+        metric(
+            &m,
+            &format!("sluice_upstream_errors_total{{kind=\"{kind}\",route=\"api\"}}"),
+        )
+        .unwrap_or(0.0)
     })
 }
 
@@ -204,7 +277,11 @@ async fn a_closed_port_is_502_connect() {
 
 #[tokio::test]
 async fn a_slow_upstream_is_504_timeout() {
-    let up = upstream_with(UpstreamOpts { delay: Duration::from_secs(3), ..Default::default() }).await;
+    let up = upstream_with(UpstreamOpts {
+        delay: Duration::from_secs(3),
+        ..Default::default()
+    })
+    .await;
     let gw = start_gateway(
         &r#"
 upstreams:
@@ -218,7 +295,10 @@ routes:
     let started = Instant::now();
     let r = get(&url(gw.addr, "/"), &[]).await;
     let took = started.elapsed();
-    assert_eq!((r.status, r.text()), (504, "upstream did not answer in time\n"));
+    assert_eq!(
+        (r.status, r.text()),
+        (504, "upstream did not answer in time\n")
+    );
     assert!(took >= Duration::from_millis(300), "504 after {took:?}");
     assert_eq!(upstream_errors(&gw).await, [0.0, 1.0, 0.0]);
 }
@@ -253,7 +333,10 @@ routes:
     let r = get(&url(gw.addr, "/secure?x=1"), &[("host", "app.example.com")]).await;
     assert_eq!(r.status, 200);
     let e = r.echo();
-    assert_eq!((e.uri.as_str(), e.header("host")), ("/secure?x=1", Some("app.example.com")));
+    assert_eq!(
+        (e.uri.as_str(), e.header("host")),
+        ("/secure?x=1", Some("app.example.com"))
+    );
     assert_eq!(e.header("x-forwarded-for"), Some("127.0.0.1"));
     assert_eq!(up.hits(), 1);
 }
@@ -312,8 +395,14 @@ routes:
         .await
         .expect("the connection is still open after 5 s");
     let took = started.elapsed();
-    assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 408 "), "{answer:?}");
-    assert!(took >= Duration::from_millis(900), "cut off after {took:?}, before the timeout");
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408 "),
+        "{answer:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(900),
+        "cut off after {took:?}, before the timeout"
+    );
 }
 
 // === admin listener and lifecycle ===
@@ -335,14 +424,29 @@ routes:
     assert_eq!(c.get(&admin("/readyz"), &[]).await.status, 200);
     let r = c.get(&admin("/metrics"), &[]).await;
     assert_eq!(r.status, 200);
-    assert!(r.header("content-type").unwrap().starts_with("text/plain; version=0.0.4"));
-    assert_eq!(metric(r.text(), r#"sluice_build_info{version="0.1.0"}"#), Some(1.0));
-    for auth in [&[][..], &[("authorization", "Bearer wrong")], &[("authorization", "t0k")]] {
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
+    assert_eq!(
+        metric(r.text(), r#"sluice_build_info{version="0.1.0"}"#),
+        Some(1.0)
+    );
+    for auth in [
+        &[][..],
+        &[("authorization", "Bearer wrong")],
+        &[("authorization", "t0k")],
+    ] {
         let r = c.get(&admin("/admin/anything"), auth).await;
         assert_eq!(r.status, 401, "{auth:?}");
         assert_eq!(r.header("www-authenticate"), Some("Bearer"));
     }
-    let r = c.get(&admin("/admin/anything"), &[("authorization", "Bearer t0k")]).await;
+    let r = c
+        .get(
+            &admin("/admin/anything"),
+            &[("authorization", "Bearer t0k")],
+        )
+        .await;
     assert_eq!(r.status, 404);
     // The gateway port does not serve the admin API.
     assert_eq!(c.get(&url(gw.addr, "/metrics"), &[]).await.text(), "hi");
@@ -350,7 +454,11 @@ routes:
 
 #[tokio::test]
 async fn shutdown_lets_requests_in_flight_finish() {
-    let up = upstream_with(UpstreamOpts { delay: Duration::from_millis(500), ..Default::default() }).await;
+    let up = upstream_with(UpstreamOpts {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
     let gw = proxy_to(&[up.url()]).await;
     let addr = gw.addr;
     let in_flight = tokio::spawn(async move { get(&url(addr, "/slow"), &[]).await });
@@ -364,7 +472,10 @@ async fn shutdown_lets_requests_in_flight_finish() {
     bounded("shutdown", gw.shutdown()).await;
     let r = bounded("request in flight", in_flight).await.unwrap();
     assert_eq!((r.status, r.echo().uri.as_str()), (200, "/slow"));
-    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "still accepting after shutdown");
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "still accepting after shutdown"
+    );
 }
 
 // === request framing and authority ===
@@ -388,7 +499,9 @@ routes:
     )
     .await;
     let mut s = connect(gw.addr).await;
-    s.write_all(b"GET http://free.example.com/x HTTP/1.1\r\nhost: api.example.com\r\n\r\n").await.unwrap();
+    s.write_all(b"GET http://free.example.com/x HTTP/1.1\r\nhost: api.example.com\r\n\r\n")
+        .await
+        .unwrap();
     let (head, body) = read_response(&mut s).await.expect("an answer");
     assert!(head.starts_with("HTTP/1.1 200 "), "{head:?}");
     let e: Echo = serde_json::from_str(&body).expect("an echo");
@@ -409,10 +522,18 @@ routes:
     // The body of a request sluice refuses (404) without reading it is a whole
     // second request; it must not be answered.
     let inner = "GET /hello HTTP/1.1\r\nhost: x\r\n\r\n";
-    let outer = format!("POST /nowhere HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{inner}", inner.len());
+    let outer = format!(
+        "POST /nowhere HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{inner}",
+        inner.len()
+    );
     let answer = exchange(gw.addr, outer.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 404 "), "{answer:?}");
-    assert!(answer.to_ascii_lowercase().contains("\r\nconnection: close\r\n"), "{answer:?}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{answer:?}"
+    );
     assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer:?}");
 }
 
@@ -457,7 +578,9 @@ routes:
         .replace("UP", &up.url()),
     )
     .await;
-    let r = https(&[certs.cert.clone()]).get(&format!("https://{}/s?x=1", gw.addr), &[]).await;
+    let r = https(std::slice::from_ref(&certs.cert))
+        .get(&format!("https://{}/s?x=1", gw.addr), &[])
+        .await;
     assert_eq!(r.status, 200);
     let e = r.echo();
     assert_eq!(e.uri, "/s?x=1");

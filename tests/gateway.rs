@@ -37,16 +37,27 @@ async fn fixed_window_admits_exactly_the_limit_then_429_with_headers() {
         assert_eq!(r.header("x-ratelimit-limit"), Some("5"));
         assert_eq!(r.num("x-ratelimit-remaining"), left);
         assert_eq!(r.header("ratelimit-policy"), Some(r#""per_ip";q=5;w=2"#));
-        assert!(r.header("ratelimit").unwrap().starts_with(&format!(r#""per_ip";r={left};t="#)));
+        assert!(r
+            .header("ratelimit")
+            .unwrap()
+            .starts_with(&format!(r#""per_ip";r={left};t="#)));
     }
     let r = c.get(&u, &[]).await;
     assert_eq!(r.status, 429);
     let retry = r.num("retry-after");
     assert!((1..=2).contains(&retry), "Retry-After {retry}");
-    assert!(r.text().contains("per_ip") && r.text().contains("hello"), "{}", r.text());
+    assert!(
+        r.text().contains("per_ip") && r.text().contains("hello"),
+        "{}",
+        r.text()
+    );
     assert_eq!(r.header("ratelimit-policy"), Some(r#""per_ip";q=5;w=2"#));
     let rl = r.header("ratelimit").unwrap();
-    let t: u64 = rl.strip_prefix(r#""per_ip";r=0;t="#).unwrap_or_else(|| panic!("RateLimit: {rl}")).parse().unwrap();
+    let t: u64 = rl
+        .strip_prefix(r#""per_ip";r=0;t="#)
+        .unwrap_or_else(|| panic!("RateLimit: {rl}"))
+        .parse()
+        .unwrap();
     assert!((1..=2).contains(&t), "RateLimit: {rl}");
     assert_eq!(r.header("x-ratelimit-limit"), Some("5"));
     assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
@@ -54,14 +65,26 @@ async fn fixed_window_admits_exactly_the_limit_then_429_with_headers() {
     assert!((1..=2).contains(&reset), "X-RateLimit-Reset {reset}");
 
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "hello"), [("allowed".to_string(), 5.0), ("limited".to_string(), 1.0)]);
-    assert_eq!(metric(&m, r#"sluice_request_duration_seconds_count{route="hello"}"#), Some(6.0));
+    assert_eq!(
+        decisions(&m, "hello"),
+        [("allowed".to_string(), 5.0), ("limited".to_string(), 1.0)]
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_request_duration_seconds_count{route="hello"}"#
+        ),
+        Some(6.0)
+    );
 }
 
 #[tokio::test]
 async fn response_headers_choose_the_families() {
     let none = start_gateway(&format!("response_headers: []\n{FIXED_5_PER_2S}")).await;
-    let x_only = start_gateway(&format!("response_headers: [x-ratelimit]\n{FIXED_5_PER_2S}")).await;
+    let x_only = start_gateway(&format!(
+        "response_headers: [x-ratelimit]\n{FIXED_5_PER_2S}"
+    ))
+    .await;
     let ietf_only = start_gateway(&format!("response_headers: [ietf]\n{FIXED_5_PER_2S}")).await;
     let c = http1();
     for _ in 0..6 {
@@ -69,7 +92,14 @@ async fn response_headers_choose_the_families() {
         assert!(r.rate_headers().is_empty(), "{:?}", r.headers);
     }
     let r = c.get(&url(x_only.addr, "/hello"), &[]).await;
-    assert_eq!(r.rate_headers(), ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]);
+    assert_eq!(
+        r.rate_headers(),
+        [
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset"
+        ]
+    );
     let r = c.get(&url(ietf_only.addr, "/hello"), &[]).await;
     assert_eq!(r.rate_headers(), ["ratelimit", "ratelimit-policy"]);
 }
@@ -118,7 +148,13 @@ routes:
     assert_eq!((ok, limited), (100, 200));
     assert_eq!(up.hits(), 100);
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "api"), [("allowed".to_string(), 100.0), ("limited".to_string(), 200.0)]);
+    assert_eq!(
+        decisions(&m, "api"),
+        [
+            ("allowed".to_string(), 100.0),
+            ("limited".to_string(), 200.0)
+        ]
+    );
 }
 
 #[tokio::test]
@@ -145,13 +181,23 @@ routes:
         let r = c.get(&u, &[]).await;
         assert_eq!(r.status, 200);
         // The headline is the limit closest to refusing: `a`.
-        assert_eq!((r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")), (2, left));
-        assert_eq!(r.header("ratelimit-policy"), Some(r#""a";q=2;w=2, "b";q=4;w=60"#));
+        assert_eq!(
+            (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")),
+            (2, left)
+        );
+        assert_eq!(
+            r.header("ratelimit-policy"),
+            Some(r#""a";q=2;w=2, "b";q=4;w=60"#)
+        );
     }
     for _ in 0..5 {
         let r = c.get(&u, &[]).await;
         assert_eq!(r.status, 429);
-        assert!(r.text().starts_with(r#"rate limit "a" of route "two""#), "{}", r.text());
+        assert!(
+            r.text().starts_with(r#"rate limit "a" of route "two""#),
+            "{}",
+            r.text()
+        );
     }
 
     at_window_start(Duration::from_secs(2)).await;
@@ -160,18 +206,28 @@ routes:
         let r = c.get(&u, &[]).await;
         assert_eq!(r.status, 200);
         // Tie on remaining: the limit that takes longer to reset, `b`.
-        assert_eq!((r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")), (4, left));
+        assert_eq!(
+            (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")),
+            (4, left)
+        );
     }
     let r = c.get(&u, &[]).await;
     assert_eq!(r.status, 429);
     // Both refuse; the one with the longer wait is reported.
-    assert!(r.text().starts_with(r#"rate limit "b" of route "two""#), "{}", r.text());
+    assert!(
+        r.text().starts_with(r#"rate limit "b" of route "two""#),
+        "{}",
+        r.text()
+    );
     let retry = r.num("retry-after");
     assert!((50..=60).contains(&retry), "Retry-After {retry}");
     assert_eq!(r.header("x-ratelimit-limit"), Some("4"));
 
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "two"), [("allowed".to_string(), 4.0), ("limited".to_string(), 6.0)]);
+    assert_eq!(
+        decisions(&m, "two"),
+        [("allowed".to_string(), 4.0), ("limited".to_string(), 6.0)]
+    );
 }
 
 #[tokio::test]
@@ -192,11 +248,24 @@ routes:
     .await;
     let c = http1();
     let u = url(gw.addr, "/tiers");
-    assert_eq!(statuses(&c, 3, &u, &[("x-api-key", "basic")]).await, ok_then_limited(2, 1));
+    assert_eq!(
+        statuses(&c, 3, &u, &[("x-api-key", "basic")]).await,
+        ok_then_limited(2, 1)
+    );
     let r = c.get(&u, &[("x-api-key", "premium")]).await;
-    assert_eq!((r.status, r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")), (200, 4, 3));
+    assert_eq!(
+        (
+            r.status,
+            r.num("x-ratelimit-limit"),
+            r.num("x-ratelimit-remaining")
+        ),
+        (200, 4, 3)
+    );
     assert_eq!(r.header("ratelimit-policy"), Some(r#""base";q=4;w=60"#));
-    assert_eq!(statuses(&c, 4, &u, &[("x-api-key", "premium")]).await, ok_then_limited(3, 1));
+    assert_eq!(
+        statuses(&c, 4, &u, &[("x-api-key", "premium")]).await,
+        ok_then_limited(3, 1)
+    );
 }
 
 #[tokio::test]
@@ -220,7 +289,10 @@ routes:
         assert!(r.rate_headers().is_empty(), "{:?}", r.headers);
     }
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "shadowed"), [("allowed".to_string(), 2.0), ("shadow".to_string(), 3.0)]);
+    assert_eq!(
+        decisions(&m, "shadowed"),
+        [("allowed".to_string(), 2.0), ("shadow".to_string(), 3.0)]
+    );
 }
 
 #[tokio::test]
@@ -254,15 +326,24 @@ routes:
     // The second token exists 100 ms after the first was taken, which was after
     // `started`.
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_millis(90), "second request passed after {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(90),
+        "second request passed after {waited:?}"
+    );
 
     assert_eq!(c.get(&url(gw.addr, "/strict"), &[]).await.status, 200);
     let r = c.get(&url(gw.addr, "/strict"), &[]).await;
     assert_eq!((r.status, r.num("retry-after")), (429, 1));
 
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "paced"), [("allowed".to_string(), 1.0), ("delayed".to_string(), 1.0)]);
-    assert_eq!(decisions(&m, "strict"), [("allowed".to_string(), 1.0), ("limited".to_string(), 1.0)]);
+    assert_eq!(
+        decisions(&m, "paced"),
+        [("allowed".to_string(), 1.0), ("delayed".to_string(), 1.0)]
+    );
+    assert_eq!(
+        decisions(&m, "strict"),
+        [("allowed".to_string(), 1.0), ("limited".to_string(), 1.0)]
+    );
 }
 
 // === routing ===
@@ -286,7 +367,9 @@ routes:
     )
     .await;
     let c = http1();
-    let cases: &[(Method, &str, &[(&str, &str)], Option<&str>)] = &[
+    // (method, path and query, headers, the route that answers or None for 404)
+    #[rustfmt::skip]
+    let cases: &[(Method, &str, Headers, Option<&str>)] = &[
         (Method::GET, "/z", &[("host", "api.example.com")], Some("exact-host")),
         (Method::GET, "/z", &[("host", "API.Example.com:8080")], Some("exact-host")),
         (Method::GET, "/z", &[("host", "www.example.com")], Some("wild-host")),
@@ -310,15 +393,24 @@ routes:
         (Method::GET, "/h", &[], None),
     ];
     for (method, path, headers, want) in cases {
-        let r = c.send(method.clone(), &url(gw.addr, path), headers, "").await;
+        let r = c
+            .send(method.clone(), &url(gw.addr, path), headers, "")
+            .await;
         match want {
-            Some(route) => assert_eq!((r.status, r.text()), (200, *route), "{method} {path} {headers:?}"),
+            Some(route) => assert_eq!(
+                (r.status, r.text()),
+                (200, *route),
+                "{method} {path} {headers:?}"
+            ),
             None => assert_eq!(r.status, 404, "{method} {path} {headers:?}: {}", r.text()),
         }
     }
     let m = metrics(gw.admin_addr).await;
     let misses = cases.iter().filter(|c| c.3.is_none()).count() as f64;
-    assert_eq!(decisions(&m, "unmatched"), [("unmatched".to_string(), misses)]);
+    assert_eq!(
+        decisions(&m, "unmatched"),
+        [("unmatched".to_string(), misses)]
+    );
     assert_eq!(decisions(&m, "first"), [("allowed".to_string(), 2.0)]);
     assert_eq!(decisions(&m, "second"), []);
 }
@@ -340,7 +432,7 @@ routes:
 const ONE: &str = "{name: one, algorithm: sliding_log, limit: 1, window: 1m}";
 
 /// Sends one request per step and checks its status.
-async fn expect(c: &HttpClient, addr: std::net::SocketAddr, steps: &[(&str, &[(&str, &str)], u16)]) {
+async fn expect(c: &HttpClient, addr: std::net::SocketAddr, steps: &[(&str, Headers<'_>, u16)]) {
     for (path, headers, status) in steps {
         let r = c.get(&url(addr, path), headers).await;
         assert_eq!(r.status, *status, "{path} {headers:?}: {}", r.text());
@@ -351,7 +443,10 @@ async fn expect(c: &HttpClient, addr: std::net::SocketAddr, steps: &[(&str, &[(&
 async fn each_key_kind_has_its_own_budgets() {
     let gw = start_gateway(&KEYS.replace("ONE", ONE)).await;
     let c = http1();
-    let (ip1, ip2) = (("x-forwarded-for", "1.1.1.1"), ("x-forwarded-for", "2.2.2.2"));
+    let (ip1, ip2) = (
+        ("x-forwarded-for", "1.1.1.1"),
+        ("x-forwarded-for", "2.2.2.2"),
+    );
     #[rustfmt::skip]
     expect(&c, gw.addr, &[
         ("/header", &[("x-api-key", "k1")], 200),
@@ -395,11 +490,21 @@ async fn a_missing_key_is_400_naming_it() {
     ] {
         let r = c.get(&url(gw.addr, path), headers).await;
         assert_eq!(r.status, 400, "{path}");
-        assert!(r.text().contains(missing), "{path}: {:?} does not name {missing}", r.text());
+        assert!(
+            r.text().contains(missing),
+            "{path}: {:?} does not name {missing}",
+            r.text()
+        );
     }
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "by-header"), [("bad_request".to_string(), 2.0)]);
-    assert_eq!(decisions(&m, "composite"), [("bad_request".to_string(), 1.0)]);
+    assert_eq!(
+        decisions(&m, "by-header"),
+        [("bad_request".to_string(), 2.0)]
+    );
+    assert_eq!(
+        decisions(&m, "composite"),
+        [("bad_request".to_string(), 1.0)]
+    );
 }
 
 #[tokio::test]
@@ -475,7 +580,11 @@ routes:
         assert_eq!(up.hits(), 0);
         let m = metrics(gw.admin_addr).await;
         for route in ["proxied", "local", "unmatched"] {
-            assert_eq!(decisions(&m, route), [("denied".to_string(), 1.0)], "{entry} {route}");
+            assert_eq!(
+                decisions(&m, route),
+                [("denied".to_string(), 1.0)],
+                "{entry} {route}"
+            );
         }
     }
 }
@@ -499,14 +608,24 @@ routes:
     let c = http1();
     let u = url(gw.addr, "/g");
     assert_eq!(statuses(&c, 3, &u, &[]).await, [451; 3]);
-    assert_eq!(statuses(&c, 3, &u, &[("x-forwarded-for", "10.1.2.3")]).await, [451; 3]);
+    assert_eq!(
+        statuses(&c, 3, &u, &[("x-forwarded-for", "10.1.2.3")]).await,
+        [451; 3]
+    );
     for left in [1, 0] {
         let r = c.get(&u, &[("x-forwarded-for", "1.1.1.1")]).await;
         assert_eq!((r.status, r.num("x-ratelimit-remaining")), (200, left));
     }
-    assert_eq!(c.get(&u, &[("x-forwarded-for", "1.1.1.1")]).await.status, 429);
+    assert_eq!(
+        c.get(&u, &[("x-forwarded-for", "1.1.1.1")]).await.status,
+        429
+    );
     let m = metrics(gw.admin_addr).await;
-    let counts = [("allowed".to_string(), 2.0), ("denied".to_string(), 6.0), ("limited".to_string(), 1.0)];
+    let counts = [
+        ("allowed".to_string(), 2.0),
+        ("denied".to_string(), 6.0),
+        ("limited".to_string(), 1.0),
+    ];
     assert_eq!(decisions(&m, "shared"), counts);
 }
 
@@ -523,9 +642,17 @@ routes:
     let c = http1();
     let r = c.get(&url(gw.addr, "/k"), &[("x-api-key", "leaked")]).await;
     assert_eq!((r.status, r.text()), (403, "access denied\n"));
-    assert_eq!(c.get(&url(gw.addr, "/k"), &[("x-api-key", "fine")]).await.status, 200);
+    assert_eq!(
+        c.get(&url(gw.addr, "/k"), &[("x-api-key", "fine")])
+            .await
+            .status,
+        200
+    );
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "keyed"), [("allowed".to_string(), 1.0), ("denied".to_string(), 1.0)]);
+    assert_eq!(
+        decisions(&m, "keyed"),
+        [("allowed".to_string(), 1.0), ("denied".to_string(), 1.0)]
+    );
 }
 
 // === request bodies ===
@@ -543,14 +670,24 @@ async fn a_declared_body_over_the_limit_is_413_before_the_upstream() {
     let up = upstream().await;
     let gw = start_gateway(&UPLOAD.replace("UP", &up.url())).await;
     let c = http1();
-    let r = c.send(Method::POST, &url(gw.addr, "/up"), &[], pattern(2000)).await;
+    let r = c
+        .send(Method::POST, &url(gw.addr, "/up"), &[], pattern(2000))
+        .await;
     assert_eq!(r.status, 413);
     assert_eq!(up.hits(), 0);
     // Exactly the limit passes.
-    let r = c.send(Method::POST, &url(gw.addr, "/up"), &[], pattern(1024)).await;
+    let r = c
+        .send(Method::POST, &url(gw.addr, "/up"), &[], pattern(1024))
+        .await;
     assert_eq!((r.status, r.echo().body_len), (200, 1024));
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "upload"), [("allowed".to_string(), 1.0), ("bad_request".to_string(), 1.0)]);
+    assert_eq!(
+        decisions(&m, "upload"),
+        [
+            ("allowed".to_string(), 1.0),
+            ("bad_request".to_string(), 1.0)
+        ]
+    );
 }
 
 #[tokio::test]
@@ -597,25 +734,45 @@ routes:
     write(&file, "3", "v2");
     gw.reload().expect("reload");
     let r = c.get(&u, &[]).await;
-    assert_eq!((r.status, r.text(), r.num("x-ratelimit-remaining")), (200, "v2", 0));
+    assert_eq!(
+        (r.status, r.text(), r.num("x-ratelimit-remaining")),
+        (200, "v2", 0)
+    );
     assert_eq!(c.get(&u, &[]).await.status, 429);
 
     // A broken file changes nothing.
     std::fs::write(file.path(), "routes: [").unwrap();
     let err = gw.reload().expect_err("a broken file must not load");
-    assert!(err.starts_with(&format!("{}:", file.path().display())), "{err}");
+    assert!(
+        err.starts_with(&format!("{}:", file.path().display())),
+        "{err}"
+    );
     let r = c.get(&u, &[]).await;
     assert_eq!(r.status, 429);
-    assert!(r.text().starts_with(r#"rate limit "l" of route "r" exceeded"#), "{}", r.text());
+    assert!(
+        r.text()
+            .starts_with(r#"rate limit "l" of route "r" exceeded"#),
+        "{}",
+        r.text()
+    );
 
     // A changed limit starts afresh.
     write(&file, "5", "v3");
     gw.reload().expect("reload");
     let r = c.get(&u, &[]).await;
-    assert_eq!((r.status, r.text(), r.num("x-ratelimit-remaining")), (200, "v3", 4));
+    assert_eq!(
+        (r.status, r.text(), r.num("x-ratelimit-remaining")),
+        (200, "v3", 4)
+    );
 
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(metric(&m, r#"sluice_config_reloads_total{result="success"}"#), Some(2.0));
-    assert_eq!(metric(&m, r#"sluice_config_reloads_total{result="failure"}"#), Some(1.0));
+    assert_eq!(
+        metric(&m, r#"sluice_config_reloads_total{result="success"}"#),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&m, r#"sluice_config_reloads_total{result="failure"}"#),
+        Some(1.0)
+    );
     assert_eq!(metric(&m, "sluice_config_last_reload_success"), Some(1.0));
 }

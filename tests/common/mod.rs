@@ -52,9 +52,13 @@ pub async fn start_gateway(yaml: &str) -> Running {
 /// Like `start_gateway`, but from a file (kept alive by the returned handle), for
 /// tests that reload it.
 pub async fn start_gateway_file(yaml: &str) -> (Running, tempfile::NamedTempFile) {
-    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
+    let file = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
     std::fs::write(file.path(), with_listeners(yaml)).expect("write config");
-    let loaded = sluice::config::load(file.path()).unwrap_or_else(|e| panic!("config does not load: {e}"));
+    let loaded =
+        sluice::config::load(file.path()).unwrap_or_else(|e| panic!("config does not load: {e}"));
     (start(loaded).await, file)
 }
 
@@ -92,7 +96,9 @@ pub fn free_port() -> u16 {
 /// Sleep until just after the next multiple of `window` since the UNIX epoch, so a
 /// short burst of requests falls into one aligned window of a `fixed_window` limit.
 pub async fn at_window_start(window: Duration) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970");
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970");
     let w = window.as_micros();
     let left = w - now.as_micros() % w;
     tokio::time::sleep(Duration::from_micros(left as u64) + Duration::from_millis(20)).await;
@@ -143,7 +149,11 @@ impl Echo {
     /// The one value of header `name`; panics when it was sent more than once.
     pub fn header(&self, name: &str) -> Option<&str> {
         let all = self.all(name);
-        assert!(all.len() <= 1, "header {name} arrived {} times: {all:?}", all.len());
+        assert!(
+            all.len() <= 1,
+            "header {name} arrived {} times: {all:?}",
+            all.len()
+        );
         all.first().copied()
     }
 
@@ -203,10 +213,14 @@ pub struct SelfSigned {
 }
 
 pub fn self_signed() -> SelfSigned {
-    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
-        .expect("self-signed certificate");
+    let ck =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            .expect("self-signed certificate");
     let pem = |text: String| {
-        let f = tempfile::Builder::new().suffix(".pem").tempfile().expect("temp file");
+        let f = tempfile::Builder::new()
+            .suffix(".pem")
+            .tempfile()
+            .expect("temp file");
         std::fs::write(f.path(), text).expect("write PEM");
         f
     };
@@ -262,7 +276,9 @@ pub async fn tls_upstream() -> (Upstream, tempfile::NamedTempFile) {
 }
 
 async fn bind() -> TcpListener {
-    TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0")
+    TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1:0")
 }
 
 async fn serve_echo<I>(io: I, opts: UpstreamOpts, hits: Arc<AtomicUsize>)
@@ -287,9 +303,16 @@ async fn echo(
         return Ok(upgrade_echo(&mut req, proto));
     }
     let (parts, body) = req.into_parts();
-    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let wanted = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
-    let status = wanted("x-reply-status").and_then(|s| s.parse().ok()).or(opts.status).unwrap_or(200);
+    let status = wanted("x-reply-status")
+        .and_then(|s| s.parse().ok())
+        .or(opts.status)
+        .unwrap_or(200);
     let reply = match wanted("x-reply-bytes").and_then(|n| n.parse::<usize>().ok()) {
         Some(n) => Bytes::from(pattern(n)),
         None => {
@@ -300,7 +323,12 @@ async fn echo(
                 headers: parts
                     .headers
                     .iter()
-                    .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+                    .map(|(k, v)| {
+                        (
+                            k.to_string(),
+                            String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                        )
+                    })
                     .collect(),
                 body_len: body.len(),
                 body: String::from_utf8_lossy(&body).into_owned(),
@@ -330,17 +358,25 @@ fn upgrade_echo(req: &mut Request<Incoming>, proto: HeaderValue) -> Response<Ful
     });
     let mut resp = Response::new(Full::new(Bytes::new()));
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    resp.headers_mut().insert(http::header::CONNECTION, HeaderValue::from_static("upgrade"));
+    resp.headers_mut().insert(
+        http::header::CONNECTION,
+        HeaderValue::from_static("upgrade"),
+    );
     resp.headers_mut().insert(http::header::UPGRADE, proto);
     resp
 }
 
 /// `n` bytes of a recognisable ASCII pattern (so a shifted or truncated copy shows).
 pub fn pattern(n: usize) -> Vec<u8> {
-    (0..n).map(|i| b"abcdefghijklmnopqrstuvwxyz0123456789"[i % 36]).collect()
+    (0..n)
+        .map(|i| b"abcdefghijklmnopqrstuvwxyz0123456789"[i % 36])
+        .collect()
 }
 
 // === clients ===
+
+/// Request headers as tests write them.
+pub type Headers<'a> = &'a [(&'a str, &'a str)];
 
 /// A response, read whole.
 #[derive(Debug)]
@@ -356,19 +392,29 @@ impl Resp {
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(|v| v.to_str().expect("ASCII header"))
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().expect("ASCII header"))
     }
 
     /// A header that must be there, as a number.
     pub fn num(&self, name: &str) -> u64 {
-        let v = self.header(name).unwrap_or_else(|| panic!("no {name} header in {:?}", self.headers));
-        v.parse().unwrap_or_else(|_| panic!("{name}: {v:?} is not a number"))
+        let v = self
+            .header(name)
+            .unwrap_or_else(|| panic!("no {name} header in {:?}", self.headers));
+        v.parse()
+            .unwrap_or_else(|_| panic!("{name}: {v:?} is not a number"))
     }
 
     /// What the echo upstream saw.
     pub fn echo(&self) -> Echo {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not an echo ({e}): {} {:?}", self.status, String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "not an echo ({e}): {} {:?}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
     }
 
     /// The names of the rate-limit headers present.
@@ -418,7 +464,11 @@ fn client(roots: &[rustls_pki_types::CertificateDer<'static>], http2_only: bool)
         .https_or_http()
         .enable_http1()
         .build();
-    HttpClient { inner: Client::builder(TokioExecutor::new()).http2_only(http2_only).build(connector) }
+    HttpClient {
+        inner: Client::builder(TokioExecutor::new())
+            .http2_only(http2_only)
+            .build(connector),
+    }
 }
 
 impl HttpClient {
@@ -426,22 +476,48 @@ impl HttpClient {
         self.send(Method::GET, url, headers, Bytes::new()).await
     }
 
-    pub async fn send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Resp {
+    pub async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Resp {
         let sent = self.try_send(method, url, headers, body.into());
-        bounded(url, sent).await.unwrap_or_else(|e| panic!("{url}: {e}"))
+        bounded(url, sent)
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e}"))
     }
 
     /// The response, or why there is none (e.g. nothing listens yet).
-    pub async fn try_send(&self, method: Method, url: &str, headers: &[(&str, &str)], body: Bytes) -> Result<Resp, String> {
+    pub async fn try_send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<Resp, String> {
         let mut req = Request::builder().method(method).uri(url);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
         let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
-        let resp = self.inner.request(req).await.map_err(|e| format!("{e:?}"))?;
+        let resp = self
+            .inner
+            .request(req)
+            .await
+            .map_err(|e| format!("{e:?}"))?;
         let (parts, body) = resp.into_parts();
-        let body = body.collect().await.map_err(|e| format!("body: {e}"))?.to_bytes();
-        Ok(Resp { status: parts.status.as_u16(), headers: parts.headers, body })
+        let body = body
+            .collect()
+            .await
+            .map_err(|e| format!("body: {e}"))?
+            .to_bytes();
+        Ok(Resp {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body,
+        })
     }
 }
 
@@ -451,7 +527,12 @@ pub async fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
 }
 
 /// The statuses of `n` sequential GETs.
-pub async fn statuses(client: &HttpClient, n: usize, url: &str, headers: &[(&str, &str)]) -> Vec<u16> {
+pub async fn statuses(
+    client: &HttpClient,
+    n: usize,
+    url: &str,
+    headers: &[(&str, &str)],
+) -> Vec<u16> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         out.push(client.get(url, headers).await.status);
@@ -477,8 +558,13 @@ pub async fn metrics(admin: SocketAddr) -> String {
 /// The value of one series, written exactly as the exposition writes it, e.g.
 /// `sluice_requests_total{decision="allowed",route="hello"}`.
 pub fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }
 
 /// `sluice_requests_total{decision=D,route=R}`, 0 when absent.
@@ -503,7 +589,9 @@ pub fn decisions(text: &str, route: &str) -> Vec<(String, f64)> {
 // === raw sockets ===
 
 pub async fn connect(addr: SocketAddr) -> TcpStream {
-    bounded("connect", TcpStream::connect(addr)).await.expect("connect")
+    bounded("connect", TcpStream::connect(addr))
+        .await
+        .expect("connect")
 }
 
 /// Read up to the end of a response (or request) head; `None` on EOF before it.
@@ -525,15 +613,22 @@ pub async fn read_response(stream: &mut TcpStream) -> Option<(String, String)> {
     let head = read_head(stream).await?;
     let lower = head.to_ascii_lowercase();
     let mut body = Vec::new();
-    if let Some(n) = lower.split("\r\n").find_map(|l| l.strip_prefix("content-length:")) {
+    if let Some(n) = lower
+        .split("\r\n")
+        .find_map(|l| l.strip_prefix("content-length:"))
+    {
         body.resize(n.trim().parse().expect("content-length"), 0);
-        bounded("read body", stream.read_exact(&mut body)).await.ok()?;
+        bounded("read body", stream.read_exact(&mut body))
+            .await
+            .ok()?;
     } else if lower.contains("transfer-encoding: chunked") {
         loop {
             let size = read_line(stream).await?;
             let size = usize::from_str_radix(size.trim(), 16).expect("chunk size");
             let mut chunk = vec![0; size + 2];
-            bounded("read chunk", stream.read_exact(&mut chunk)).await.ok()?;
+            bounded("read chunk", stream.read_exact(&mut chunk))
+                .await
+                .ok()?;
             if size == 0 {
                 break;
             }
