@@ -2,6 +2,7 @@
 //! `validate` (every error with file, line and column), and turned by `compile` into
 //! the runtime structures the request path reads through one `Arc`.
 
+pub mod locate;
 pub mod schema;
 pub mod value;
 
