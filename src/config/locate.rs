@@ -167,8 +167,8 @@ struct Builder {
 }
 
 enum Role {
-    /// A mapping key that is a scalar; carries the enclosing mapping's path.
-    Key(Option<String>),
+    /// A key of the enclosing mapping.
+    Key,
     /// A node at this path (or not indexed), named by the key at this position.
     Value(Option<String>, Option<Pos>),
 }
@@ -184,7 +184,7 @@ impl Builder {
                 Role::Value(p, None)
             }
             Some(Frame::Map { path, key, .. }) => match key.take() {
-                None => Role::Key(path.clone()),
+                None => Role::Key,
                 Some((name, at)) => {
                     let p = path.as_deref().zip(name).map(|(p, n)| field(p, &n));
                     Role::Value(p, Some(at))
@@ -234,7 +234,7 @@ impl MarkedEventReceiver for Builder {
         }
         match ev {
             Event::Scalar(text, style, ..) => match self.role() {
-                Role::Key(_) => self.key(text, pos(&mark), mark.index()),
+                Role::Key => self.key(text, pos(&mark), mark.index()),
                 Role::Value(path, key) => {
                     // An empty value (`match:` and nothing) is marked where the next
                     // token starts, often the next line; its key is where it belongs.
@@ -256,7 +256,7 @@ impl MarkedEventReceiver for Builder {
             Event::MappingStart(..) | Event::SequenceStart(..) => {
                 let is_map = matches!(ev, Event::MappingStart(..));
                 match self.role() {
-                    Role::Key(_) => self.skip = 1,
+                    Role::Key => self.skip = 1,
                     Role::Value(path, key) => {
                         self.record(path.as_ref(), pos(&mark), key);
                         self.stack.push(if is_map {

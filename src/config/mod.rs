@@ -4,6 +4,11 @@
 
 pub mod locate;
 pub mod schema;
+pub mod summary;
+pub mod validate;
+// value.rs trips clippy::manual_strip (`&tail[3..]` after `starts_with("$${")`);
+// value.rs is not this branch's to edit. Drop this once it uses `strip_prefix`.
+#[allow(clippy::manual_strip)]
 pub mod value;
 
 use std::fmt;
@@ -25,7 +30,14 @@ impl fmt::Display for ConfigError {
         if self.line == 0 {
             write!(f, "{}: {}", self.file.display(), self.message)
         } else {
-            write!(f, "{}:{}:{}: {}", self.file.display(), self.line, self.col, self.message)
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file.display(),
+                self.line,
+                self.col,
+                self.message
+            )
         }
     }
 }
@@ -82,17 +94,33 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
 /// Parse and validate `text` as if read from `path`.
 pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
     let file: schema::File = serde_yaml::from_str(text).map_err(|e| {
-        let (line, col) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
+        let (line, col) = e
+            .location()
+            .map(|l| (l.line(), l.column()))
+            .unwrap_or((0, 0));
         ConfigErrors(vec![ConfigError {
             file: path.to_path_buf(),
             line,
             col,
-            message: e.to_string(),
+            message: serde_message(&e, line, col),
         }])
     })?;
+    let index = locate::Index::parse(text);
+    let errors = validate::validate(&file, &index, path);
+    if !errors.is_empty() {
+        return Err(ConfigErrors(errors));
+    }
     Ok(Loaded {
         path: path.to_path_buf(),
         file,
         hash: sha1_smol::Sha1::from(text.as_bytes()).digest().to_string(),
     })
+}
+
+/// serde_yaml's message without its " at line L column C", which the
+/// `FILE:LINE:COL:` prefix already says. A context it adds after a comma (", while
+/// parsing a block mapping at line 1 column 1") points elsewhere and stays.
+fn serde_message(e: &serde_yaml::Error, line: usize, col: usize) -> String {
+    let message = e.to_string();
+    message.replacen(&format!(" at line {line} column {col}"), "", 1)
 }
