@@ -93,19 +93,26 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
 
 /// Parse and validate `text` as if read from `path`.
 pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
+    let index = locate::Index::parse(text);
     let file: schema::File = serde_yaml::from_str(text).map_err(|e| {
-        let (line, col) = e
+        let (mut line, mut col) = e
             .location()
             .map(|l| (l.line(), l.column()))
             .unwrap_or((0, 0));
+        let mut message = serde_message(&e, line, col);
+        let key_error = message
+            .strip_suffix(": data did not match any variant of untagged enum KeySpec")
+            .and_then(|route| validate::explain_key_error(text, &index, route));
+        if let Some(((l, c), m)) = key_error {
+            (line, col, message) = (l, c, m);
+        }
         ConfigErrors(vec![ConfigError {
             file: path.to_path_buf(),
             line,
             col,
-            message: serde_message(&e, line, col),
+            message,
         }])
     })?;
-    let index = locate::Index::parse(text);
     let errors = validate::validate(&file, &index, path);
     if !errors.is_empty() {
         return Err(ConfigErrors(errors));

@@ -8,9 +8,9 @@ use std::path::Path;
 
 use http::{HeaderName, HeaderValue, Method, Uri};
 
-use super::locate::{field, item, Index};
+use super::locate::{field, item, Index, Pos};
 use super::schema::{AlgorithmName, Backend, File, KeySpec, Limit, OnLimit, Route};
-use super::value::{Dur, Text};
+use super::value::{interpolate, Dur, Text};
 use super::ConfigError;
 
 /// Above this a limit's count could not be kept exactly by the Redis store's Lua,
@@ -774,6 +774,50 @@ pub fn check_key_part(part: &str) -> Result<(), String> {
             _ => Err(format!("unknown key {part:?}, expected {EXPECTED}")),
         },
     }
+}
+
+/// serde reports any problem inside a route's `key` (an untagged enum: a string or
+/// a list) as "data did not match any variant of untagged enum KeySpec" at the
+/// route. Find the real one, e.g. an unset `${VAR}`, and where it is. `route` is the
+/// path serde named, like `routes[2]`.
+pub fn explain_key_error(text: &str, index: &Index, route: &str) -> Option<(Pos, String)> {
+    use serde_yaml::Value;
+    const EXPECTED: &str =
+        "expected a key (ip, global, header:NAME, query:NAME or cookie:NAME) or a list of these";
+    fn kind(v: &Value) -> &'static str {
+        match v {
+            Value::Null => "nothing",
+            Value::Mapping(_) => "a mapping",
+            Value::Sequence(_) => "a list",
+            Value::Tagged(_) => "a tagged value",
+            _ => "a scalar",
+        }
+    }
+    let n: usize = route
+        .strip_prefix("routes[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()?;
+    let doc: Value = serde_yaml::from_str(text).ok()?;
+    let key = doc.get("routes")?.get(n)?.get("key")?;
+    let path = field(route, "key");
+    let (path, message) = match key {
+        Value::String(s) => (path, interpolate(s).err()?),
+        Value::Sequence(parts) => parts.iter().enumerate().find_map(|(i, part)| {
+            let message = match part {
+                Value::String(s) => interpolate(s).err()?,
+                Value::Number(_) | Value::Bool(_) => return None,
+                other => format!(
+                    "expected a key part like ip or header:NAME, found {}",
+                    kind(other)
+                ),
+            };
+            Some((item(&path, i), message))
+        })?,
+        other => (path, format!("{EXPECTED}, found {}", kind(other))),
+    };
+    // Worded like the serde errors it stands in for: prefixed with the path.
+    Some((index.nearest(&path), format!("{path}: {message}")))
 }
 
 /// An upstream target: `http://host[:port]` or `https://host[:port]`, nothing more.
