@@ -1176,3 +1176,27 @@ fn unreadable_file_has_no_position() {
         "{err}"
     );
 }
+#[test]
+fn byte_order_mark_crlf_and_wide_characters_keep_columns() {
+    // serde_yaml (libyaml) and the position index must count alike.
+    let yaml = "\u{feff}server: {listen: nope}\r\nroutes: []\r\n";
+    assert_eq!(
+        error(yaml),
+        "rules.yaml:1:18: server.listen: expected a listen address like 0.0.0.0:8080 or \
+         [::1]:9091, found \"nope\""
+    );
+    let yaml = "\u{feff}server: {max_connections: 0}\r\nroutes:\r\n  - {name: é, respond: {status: 9}}\r\n";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:1:27: max_connections must be greater than 0",
+            "rules.yaml:3:33: respond.status must be between 100 and 599, found 9",
+        ]
+    );
+    let yaml = "routes:\n  - {name: é, respond: {stetus: 9}}\n";
+    assert_eq!(
+        error(yaml),
+        "rules.yaml:2:25: routes[0].respond: unknown field `stetus`, expected one of `status`, \
+         `body`, `headers`"
+    );
+}

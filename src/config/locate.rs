@@ -83,6 +83,9 @@ impl Index {
     /// Index the first document of `text`. Never fails: on a syntax error the
     /// index holds what was read before it (serde_yaml reports the error itself).
     pub fn parse(text: &str) -> Index {
+        // yaml-rust2 stops at a byte order mark; libyaml (serde_yaml) skips it
+        // without counting a column, and so do we.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut builder = Builder::default();
         let mut parser = Parser::new_from_str(text);
         // An error only cuts the index short; the nodes read so far are still right.
@@ -404,5 +407,12 @@ routes:
         assert_eq!(ix.at("g"), Some((5, 4)));
         let ix = Index::parse("a: 1\nb: [\n");
         assert_eq!(ix.at("a"), Some((1, 4)));
+    }
+
+    #[test]
+    fn byte_order_mark_and_crlf() {
+        let ix = Index::parse("\u{feff}a: 1\r\nb: 2\r\n");
+        assert_eq!(ix.at("a"), Some((1, 4)));
+        assert_eq!(ix.at("b"), Some((2, 4)));
     }
 }

@@ -93,6 +93,10 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
 
 /// Parse and validate `text` as if read from `path`.
 pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
+    let hash = sha1_smol::Sha1::from(text.as_bytes()).digest().to_string();
+    // serde_yaml takes a byte order mark (as some Windows editors write) for a
+    // document of its own and then reports the real one as a second document.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let index = locate::Index::parse(text);
     let file: schema::File = serde_yaml::from_str(text).map_err(|e| {
         let (mut line, mut col) = e
@@ -120,7 +124,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
     Ok(Loaded {
         path: path.to_path_buf(),
         file,
-        hash: sha1_smol::Sha1::from(text.as_bytes()).digest().to_string(),
+        hash,
     })
 }
 
