@@ -180,6 +180,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             }
         })
     };
+    warn_unbuilt(f);
     tracing::info!(%addr, %admin_addr, config = %loaded.path.display(), hash = %loaded.hash, "sluice started");
     Ok(Running {
         addr,
@@ -189,6 +190,17 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         stop,
         tasks: vec![gw, admin, sweeper],
     })
+}
+
+/// Settings the schema already knows but this version does not act on yet: say so
+/// loudly rather than let an operator believe they protect anything.
+fn warn_unbuilt(f: &crate::config::schema::File) {
+    for r in f.routes.iter().filter(|r| r.ban.is_some()) {
+        tracing::warn!(route = %r.name, "ban is not enforced in this version: keys are not banned automatically");
+    }
+    if f.deny.state_file.is_some() {
+        tracing::warn!("deny.state_file is not used in this version: there are no dynamic deny entries yet");
+    }
 }
 
 impl Running {
