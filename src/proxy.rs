@@ -180,12 +180,17 @@ impl Upstream {
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
 
         let (mut parts, body) = req.into_parts();
-        let host = parts.headers.get(header::HOST).cloned().or_else(|| {
-            parts
-                .uri
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        });
+        // The target's authority (HTTP/2 `:authority`, HTTP/1.1 absolute-form) wins
+        // over `Host`, as in routing (RFC 9112 §3.2.2, RFC 9113 §8.3.1): otherwise a
+        // client could be routed by one host and served by another.
+        let host = parts
+            .uri
+            .authority()
+            .and_then(|a| {
+                let hostport = a.as_str().rsplit_once('@').map_or(a.as_str(), |(_, h)| h);
+                HeaderValue::from_str(hostport).ok()
+            })
+            .or_else(|| parts.headers.get(header::HOST).cloned());
         let path = parts
             .uri
             .path_and_query()
