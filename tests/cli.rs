@@ -64,8 +64,13 @@ fn stderr(o: &Output) -> String {
 #[test]
 fn check_accepts_a_good_file() {
     let good = config_file(GOOD);
-    let out = sluice(&["check", "-c", &good.path().display().to_string()], None);
+    let path = good.path().display().to_string();
+    let out = sluice(&["check", "-c", &path], None);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // The summary names the file, the route and its limit.
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(summary.starts_with(&format!("{path}: ok")), "{summary}");
+    assert!(summary.contains("hello") && summary.contains("per_ip"), "{summary}");
 }
 
 #[test]
