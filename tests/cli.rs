@@ -70,7 +70,10 @@ fn check_accepts_a_good_file() {
     // The summary names the file, the route and its limit.
     let summary = String::from_utf8_lossy(&out.stdout);
     assert!(summary.starts_with(&format!("{path}: ok")), "{summary}");
-    assert!(summary.contains("hello") && summary.contains("per_ip"), "{summary}");
+    assert!(
+        summary.contains("hello") && summary.contains("per_ip"),
+        "{summary}"
+    );
 }
 
 #[test]

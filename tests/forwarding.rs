@@ -190,6 +190,31 @@ async fn a_large_request_body_reaches_the_upstream_intact() {
     assert_eq!(e.header("content-length"), Some("262144"));
 }
 
+#[tokio::test]
+async fn a_trusted_proxy_keeps_its_forwarded_proto_and_host() {
+    let up = upstream().await;
+    let gw = start_gateway(
+        &format!("client_ip: {{trusted_proxies: [127.0.0.1/32]}}\n{PROXY}")
+            .replace("UP", &format!("\"{}\"", up.url())),
+    )
+    .await;
+    let r = get(
+        &url(gw.addr, "/"),
+        &[
+            ("host", "internal:8080"),
+            ("x-forwarded-for", "203.0.113.5"),
+            ("x-forwarded-proto", "https"),
+            ("x-forwarded-host", "www.example.com"),
+        ],
+    )
+    .await;
+    let e = r.echo();
+    assert_eq!(e.header("x-forwarded-for"), Some("203.0.113.5, 127.0.0.1"));
+    assert_eq!(e.header("x-forwarded-proto"), Some("https"));
+    assert_eq!(e.header("x-forwarded-host"), Some("www.example.com"));
+    assert_eq!(e.header("host"), Some("internal:8080"));
+}
+
 // === h2c ===
 
 #[tokio::test]
@@ -403,6 +428,42 @@ routes:
         took >= Duration::from_millis(900),
         "cut off after {took:?}, before the timeout"
     );
+}
+
+#[tokio::test]
+async fn max_connections_caps_open_connections() {
+    let gw = start_gateway(
+        r#"
+server: {listen: "127.0.0.1:0", max_connections: 2}
+routes:
+  - {name: hello, match: {path: /}, respond: {body: hi}}
+"#,
+    )
+    .await;
+    let request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n";
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect(gw.addr).await;
+        s.write_all(request).await.unwrap();
+        let (head, body) = read_response(&mut s).await.expect("an answer");
+        assert!(
+            head.starts_with("HTTP/1.1 200 ") && body == "hi",
+            "{head:?}"
+        );
+        open.push(s);
+    }
+    // The kernel completes the third handshake, but sluice does not take the
+    // connection while two are open.
+    let mut third = connect(gw.addr).await;
+    third.write_all(request).await.unwrap();
+    let mut byte = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), third.read(&mut byte)).await;
+    assert!(early.is_err(), "a third connection was served: {early:?}");
+    drop(open.pop());
+    let (head, _) = read_response(&mut third)
+        .await
+        .expect("an answer once a slot is free");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head:?}");
 }
 
 // === admin listener and lifecycle ===

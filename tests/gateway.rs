@@ -346,6 +346,103 @@ routes:
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_delayed_requests_queue_one_after_another() {
+    let gw = start_gateway(
+        r#"
+routes:
+  - name: paced
+    match: {path: /paced}
+    key: ip
+    on_limit: delay
+    max_delay: 1s
+    limits: [{name: pace, algorithm: token_bucket, rate: 10/s, burst: 1}]
+    respond: {body: "ok\n"}
+"#,
+    )
+    .await;
+    let c = http1();
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let (c, u) = (c.clone(), url(gw.addr, "/paced"));
+            tokio::spawn(async move { c.get(&u, &[]).await.status })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    // One token at once, then one every 100 ms: the fifth waits for the fourth
+    // refill after the first was taken.
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(390),
+        "five passed after {waited:?}"
+    );
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        decisions(&m, "paced"),
+        [("allowed".to_string(), 1.0), ("delayed".to_string(), 4.0)]
+    );
+}
+
+#[tokio::test]
+async fn every_algorithm_admits_its_quota_then_refuses() {
+    // Windows long enough that no aligned boundary falls inside the test.
+    let gw = start_gateway(
+        r#"
+routes:
+  - {name: fw, match: {path: /fixed_window}, limits: [{algorithm: fixed_window, limit: 3, window: 1d}], respond: {body: ok}}
+  - {name: sw, match: {path: /sliding_window}, limits: [{algorithm: sliding_window, limit: 3, window: 1h}], respond: {body: ok}}
+  - {name: sl, match: {path: /sliding_log}, limits: [{algorithm: sliding_log, limit: 3, window: 1h}], respond: {body: ok}}
+  - {name: tb, match: {path: /token_bucket}, limits: [{algorithm: token_bucket, rate: 1/h, burst: 3}], respond: {body: ok}}
+  - {name: gcra, match: {path: /gcra}, limits: [{algorithm: gcra, rate: 1/h, burst: 3}], respond: {body: ok}}
+  - {name: costly, match: {path: /cost}, limits: [{name: c, algorithm: sliding_log, limit: 5, window: 1h, cost: 2}], respond: {body: ok}}
+"#,
+    )
+    .await;
+    let c = http1();
+    for algorithm in [
+        "fixed_window",
+        "sliding_window",
+        "sliding_log",
+        "token_bucket",
+        "gcra",
+    ] {
+        let u = url(gw.addr, &format!("/{algorithm}"));
+        for left in [2, 1, 0] {
+            let r = c.get(&u, &[]).await;
+            assert_eq!(
+                (r.status, r.num("x-ratelimit-remaining")),
+                (200, left),
+                "{algorithm}"
+            );
+            assert_eq!(r.header("x-ratelimit-limit"), Some("3"), "{algorithm}");
+            // The default name is `<algorithm>_<index>`.
+            let policy = r.header("ratelimit-policy").unwrap();
+            assert!(
+                policy.starts_with(&format!("\"{algorithm}_0\";q=3;w=")),
+                "{policy}"
+            );
+        }
+        let r = c.get(&u, &[]).await;
+        assert_eq!(
+            (r.status, r.num("x-ratelimit-remaining")),
+            (429, 0),
+            "{algorithm}"
+        );
+        assert!(r.num("retry-after") >= 1, "{algorithm}");
+    }
+    // Cost 2 of 5: two requests (4), then the third would make 6.
+    let u = url(gw.addr, "/cost");
+    for left in [3, 1] {
+        let r = c.get(&u, &[]).await;
+        assert_eq!((r.status, r.num("x-ratelimit-remaining")), (200, left));
+    }
+    let r = c.get(&u, &[]).await;
+    assert_eq!((r.status, r.num("x-ratelimit-remaining")), (429, 1));
+}
+
 // === routing ===
 
 #[tokio::test]
@@ -447,11 +544,18 @@ async fn each_key_kind_has_its_own_budgets() {
         ("x-forwarded-for", "1.1.1.1"),
         ("x-forwarded-for", "2.2.2.2"),
     );
+    // Longer than 256 bytes (stored hashed), differing only in the last byte.
+    let (long_a, long_b) = ("k".repeat(300) + "a", "k".repeat(300) + "b");
     #[rustfmt::skip]
     expect(&c, gw.addr, &[
         ("/header", &[("x-api-key", "k1")], 200),
         ("/header", &[("x-api-key", "k1")], 429),
         ("/header", &[("x-api-key", "k2")], 200),
+        ("/header", &[("x-api-key", &long_a)], 200),
+        ("/header", &[("x-api-key", &long_a)], 429),
+        ("/header", &[("x-api-key", &long_b)], 200),
+        ("/header", &[("x-api-key", "{curly}")], 200),
+        ("/header", &[("x-api-key", "{curly}")], 429),
         // Missing with the IP fallback: the IP's own budget, apart from any key's,
         // even a key that looks like the IP.
         ("/fallback", &[], 200),
