@@ -55,14 +55,19 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
         .map(|r| compile_route(r, &upstreams, metrics))
         .collect::<Result<Vec<_>, _>>()?;
 
+    let deny = DenyList::new(
+        f.deny.ips.iter().map(|n| n.0),
+        f.deny.keys.iter().map(|k| k.0.clone()),
+        StatusCode::from_u16(f.deny.status.get()).unwrap_or(StatusCode::FORBIDDEN),
+    );
+    // Nothing after this can fail: the new runtime will be the one serving.
+    let entries = i64::try_from(deny.ip_entries() + deny.key_entries()).unwrap_or(i64::MAX);
+    metrics.deny_entries.with_label_values(&["static"]).set(entries);
+
     Ok(Runtime {
         routes,
         trusted: TrustedProxies::new(f.client_ip.trusted_proxies.iter().map(|n| n.0).collect()),
-        deny: DenyList::new(
-            f.deny.ips.iter().map(|n| n.0),
-            f.deny.keys.iter().map(|k| k.0.clone()),
-            StatusCode::from_u16(f.deny.status.get()).unwrap_or(StatusCode::FORBIDDEN),
-        ),
+        deny,
         rate_headers: RateHeaders {
             ietf: f.response_headers.contains(&HeaderFamily::Ietf),
             x_ratelimit: f.response_headers.contains(&HeaderFamily::XRatelimit),
