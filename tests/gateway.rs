@@ -76,6 +76,8 @@ async fn fixed_window_admits_exactly_the_limit_then_429_with_headers() {
         ),
         Some(6.0)
     );
+    let limiter = r#"sluice_limiter_duration_seconds_count{store="memory"}"#;
+    assert_eq!(metric(&m, limiter), Some(6.0));
 }
 
 #[tokio::test]
@@ -731,6 +733,10 @@ routes:
         ("limited".to_string(), 1.0),
     ];
     assert_eq!(decisions(&m, "shared"), counts);
+    assert_eq!(
+        metric(&m, r#"sluice_deny_entries{source="static"}"#),
+        Some(2.0)
+    );
 }
 
 #[tokio::test]
