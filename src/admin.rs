@@ -59,7 +59,9 @@ impl Admin {
             .headers()
             .get(AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            // The scheme is case-insensitive (RFC 9110 §11.1): `bearer x` is fine.
+            .and_then(|v| v.split_once(' '))
+            .and_then(|(scheme, rest)| scheme.eq_ignore_ascii_case("bearer").then_some(rest))
         else {
             return false;
         };
