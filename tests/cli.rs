@@ -138,6 +138,20 @@ impl Drop for Process {
     }
 }
 
+/// Start `sluice ARGS` in the background; its stderr is kept for `stderr`.
+fn spawn(args: &[&str]) -> Process {
+    let child = Command::new(SLUICE)
+        .args(args)
+        .env_remove("SLUICE_CONFIG")
+        .env("SLUICE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("sluice starts");
+    Process(child)
+}
+
 impl Process {
     fn signal(&self, name: &str) {
         let status = Command::new("kill")
@@ -154,24 +168,33 @@ impl Process {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        panic!("sluice still running {BOUND:?} after SIGTERM");
+        panic!("sluice still running after {BOUND:?}");
     }
-}
 
-/// Poll `url` until it answers, at most `BOUND`.
-async fn wait_until_up(url: &str, p: &mut Process) {
-    let c = http1();
-    for _ in 0..(BOUND.as_millis() / 50) {
-        if let Some(status) = p.0.try_wait().expect("wait") {
-            panic!("sluice exited early: {status}");
+    /// What it wrote to stderr; call after `exit`.
+    fn stderr(&mut self) -> String {
+        let mut text = String::new();
+        if let Some(mut pipe) = self.0.stderr.take() {
+            std::io::Read::read_to_string(&mut pipe, &mut text).expect("read stderr");
         }
-        if let Ok(r) = c.try_send(Method::GET, url, &[], Default::default()).await {
-            assert_eq!(r.status, 200);
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        text
     }
-    panic!("{url} not up within {BOUND:?}");
+
+    /// Poll `url` until it answers 200, at most `BOUND`.
+    async fn wait_until_up(&mut self, url: &str) {
+        let c = http1();
+        for _ in 0..(BOUND.as_millis() / 50) {
+            if let Some(status) = self.0.try_wait().expect("wait") {
+                panic!("sluice exited early ({status}): {}", self.stderr());
+            }
+            if let Ok(r) = c.try_send(Method::GET, url, &[], Default::default()).await {
+                assert_eq!(r.status, 200);
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{url} not up within {BOUND:?}");
+    }
 }
 
 fn run_config(port: u16, admin: u16, body: &str) -> String {
@@ -193,17 +216,9 @@ routes:
 async fn run_serves_reloads_on_sighup_and_exits_0_on_sigterm() {
     let (port, admin) = (free_port(), free_port());
     let file = config_file(&run_config(port, admin, "v1"));
-    let child = Command::new(SLUICE)
-        .args(["run", "-c", &file.path().display().to_string()])
-        .env_remove("SLUICE_CONFIG")
-        .env("SLUICE_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("sluice starts");
-    let mut p = Process(child);
-    wait_until_up(&format!("http://127.0.0.1:{admin}/healthz"), &mut p).await;
+    let mut p = spawn(&["run", "-c", &file.path().display().to_string()]);
+    p.wait_until_up(&format!("http://127.0.0.1:{admin}/healthz"))
+        .await;
 
     let c = http1();
     let hello = format!("http://127.0.0.1:{port}/hello");
@@ -216,16 +231,17 @@ async fn run_serves_reloads_on_sighup_and_exits_0_on_sigterm() {
     // SIGHUP: the new body is served, the unchanged limit keeps its count.
     std::fs::write(file.path(), run_config(port, admin, "v2")).unwrap();
     p.signal("HUP");
-    let mut reloaded = None;
+    let admin_addr = format!("127.0.0.1:{admin}").parse().unwrap();
+    let mut reloads = 0.0;
     for _ in 0..(BOUND.as_millis() / 50) {
-        let m = metrics(format!("127.0.0.1:{admin}").parse().unwrap()).await;
-        if metric(&m, r#"sluice_config_reloads_total{result="success"}"#) == Some(1.0) {
-            reloaded = Some(());
+        let m = metrics(admin_addr).await;
+        reloads = metric(&m, r#"sluice_config_reloads_total{result="success"}"#).unwrap_or(0.0);
+        if reloads >= 1.0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    reloaded.expect("no reload counted after SIGHUP");
+    assert!(reloads >= 1.0, "no reload counted after SIGHUP");
     let r = c.get(&hello, &[]).await;
     assert_eq!(
         (r.status, r.text(), r.num("x-ratelimit-remaining")),
@@ -234,5 +250,38 @@ async fn run_serves_reloads_on_sighup_and_exits_0_on_sigterm() {
 
     p.signal("TERM");
     let status = p.exit().await;
-    assert_eq!(status.code(), Some(0), "{status}");
+    assert_eq!(status.code(), Some(0), "{status}: {}", p.stderr());
+}
+
+#[tokio::test]
+async fn run_exits_0_on_sigint() {
+    let (port, admin) = (free_port(), free_port());
+    let file = config_file(&run_config(port, admin, "hi"));
+    let mut p = spawn(&["run", "-c", &file.path().display().to_string()]);
+    p.wait_until_up(&format!("http://127.0.0.1:{admin}/healthz"))
+        .await;
+    p.signal("INT");
+    let status = p.exit().await;
+    assert_eq!(status.code(), Some(0), "{status}: {}", p.stderr());
+}
+
+#[tokio::test]
+async fn run_refuses_a_bad_file_and_a_busy_port() {
+    let typo = config_file(TYPO);
+    let path = typo.path().display().to_string();
+    let mut p = spawn(&["run", "-c", &path]);
+    assert_eq!(p.exit().await.code(), Some(1));
+    let err = p.stderr();
+    assert!(err.starts_with(&format!("{path}:7:5: ")), "{err}");
+
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    let file = config_file(&run_config(port, free_port(), "hi"));
+    let mut p = spawn(&["run", "-c", &file.path().display().to_string()]);
+    assert_eq!(p.exit().await.code(), Some(1));
+    let err = p.stderr();
+    assert!(
+        err.contains(&format!("cannot listen on 127.0.0.1:{port}")),
+        "{err}"
+    );
 }

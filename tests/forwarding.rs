@@ -504,7 +504,9 @@ routes:
     }
     // Authorized (no such endpoint); the scheme is case-insensitive (RFC 9110 §11.1).
     for auth in ["Bearer t0k", "bearer t0k", "BEARER  t0k"] {
-        let r = c.get(&admin("/admin/anything"), &[("authorization", auth)]).await;
+        let r = c
+            .get(&admin("/admin/anything"), &[("authorization", auth)])
+            .await;
         assert_eq!(r.status, 404, "{auth}");
     }
     // The gateway port does not serve the admin API.
