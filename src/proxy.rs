@@ -206,7 +206,15 @@ impl Upstream {
         let upgrade_proto = upgrade
             .then(|| parts.headers.get(header::UPGRADE).cloned())
             .flatten();
+        let accepts_trailers = te_has_trailers(&parts.headers);
         strip_hop_by_hop(&mut parts.headers);
+        if accepts_trailers {
+            // TE is hop-by-hop, but without it the upstream drops its trailers:
+            // say for ourselves that we pass them on (RFC 9110 §10.1.4).
+            parts
+                .headers
+                .insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         if let Some(proto) = upgrade_proto {
             parts
                 .headers
@@ -288,16 +296,30 @@ fn classify(e: hyper_util::client::legacy::Error) -> ProxyError {
 }
 
 /// The hop-by-hop headers of RFC 9110 §7.6.1, and every header `Connection` names.
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// (`Trailer` is not one: it announces the trailers, which HTTP/1.1 needs to
+/// send them on.)
+const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::PROXY_AUTHENTICATE,
 ];
+
+/// Whether `TE` accepts trailers.
+fn te_has_trailers(h: &HeaderMap) -> bool {
+    h.get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        })
+}
 
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     let named: Vec<HeaderName> = h
