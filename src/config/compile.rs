@@ -62,7 +62,10 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
     );
     // Nothing after this can fail: the new runtime will be the one serving.
     let entries = i64::try_from(deny.ip_entries() + deny.key_entries()).unwrap_or(i64::MAX);
-    metrics.deny_entries.with_label_values(&["static"]).set(entries);
+    metrics
+        .deny_entries
+        .with_label_values(&["static"])
+        .set(entries);
 
     Ok(Runtime {
         routes,
