@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use http::Method;
+use http::{HeaderValue, Method};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// One route sending everything to the upstream(s) `UP`.
@@ -53,7 +53,7 @@ async fn the_upstream_sees_what_the_client_sent_plus_forwarding_headers() {
                 ("connection", "keep-alive, x-drop-me"),
                 ("x-drop-me", "secret"),
                 ("keep-alive", "timeout=5"),
-                ("te", "trailers"),
+                ("te", "gzip"),
                 ("proxy-connection", "keep-alive"),
                 ("x-custom", "value"),
                 ("x-multi", "one"),
@@ -654,4 +654,32 @@ routes:
         .await
         .expect("the connection is still open after 5 s");
     assert_eq!(answer, "");
+}
+
+// === trailers ===
+
+#[tokio::test]
+async fn chunked_bodies_and_trailers_come_through() {
+    let up = upstream().await;
+    let gw = proxy_to(&[up.url()]).await;
+    let trailer = [("x-reply-trailer", "grpc-status=0")];
+    // Directly, a client that accepts trailers (TE: trailers) gets them from an
+    // upstream that announces them (Trailer): the reference.
+    let with_te = [trailer[0], ("te", "trailers")];
+    let direct = http1().get(&format!("{}/t", up.url()), &with_te).await;
+    assert_eq!(
+        direct.trailers.as_ref().map(|t| &t["grpc-status"]),
+        Some(&HeaderValue::from_static("0"))
+    );
+
+    for (name, client) in [("http/1.1", http1()), ("h2c", h2c())] {
+        let r = client.get(&url(gw.addr, "/t"), &with_te).await;
+        assert_eq!(r.status, 200, "{name}");
+        let e = r.echo();
+        assert_eq!(e.uri, "/t", "{name}");
+        // TE is hop-by-hop; sluice says for itself that it passes trailers on.
+        assert_eq!(e.header("te"), Some("trailers"), "{name}");
+        let trailers = r.trailers.unwrap_or_else(|| panic!("{name}: no trailers"));
+        assert_eq!(trailers["grpc-status"], "0", "{name}");
+    }
 }

@@ -4,6 +4,7 @@
 //! on 127.0.0.1:0, so tests run in parallel without sharing a port.
 #![allow(dead_code)]
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -14,6 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -124,8 +126,9 @@ impl Upstream {
 }
 
 /// How an echo upstream answers every request. Per request, the headers
-/// `x-reply-status: N`, `x-reply-bytes: N` (a body of N bytes instead of the echo)
-/// and `x-reply-header: name=value` override it.
+/// `x-reply-status: N`, `x-reply-bytes: N` (a body of N bytes instead of the echo),
+/// `x-reply-header: name=value` and `x-reply-trailer: name=value` (a chunked body
+/// ending in that trailer) override it.
 #[derive(Clone, Debug, Default)]
 pub struct UpstreamOpts {
     pub status: Option<u16>,
@@ -296,7 +299,7 @@ async fn echo(
     mut req: Request<Incoming>,
     opts: UpstreamOpts,
     hits: Arc<AtomicUsize>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<ReplyBody>, Infallible> {
     hits.fetch_add(1, Ordering::SeqCst);
     tokio::time::sleep(opts.delay).await;
     if let Some(proto) = req.headers().get(http::header::UPGRADE).cloned() {
@@ -336,7 +339,35 @@ async fn echo(
             Bytes::from(serde_json::to_vec(&echo).expect("echo serializes"))
         }
     };
-    let mut resp = Response::new(Full::new(reply));
+    // With a trailer wanted, the body streams (chunked) in three pieces.
+    let body = match wanted("x-reply-trailer").and_then(|h| h.split_once('=')) {
+        None => Full::new(reply).boxed(),
+        Some((k, v)) => {
+            let mut trailers = HeaderMap::new();
+            trailers.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).expect("trailer name"),
+                HeaderValue::from_str(v).expect("trailer value"),
+            );
+            let third = reply.len().div_ceil(3).max(1);
+            let mut frames: VecDeque<_> = reply
+                .chunks(third)
+                .map(|c| Frame::data(Bytes::copy_from_slice(c)))
+                .collect();
+            frames.push_back(Frame::trailers(trailers));
+            Frames(frames).boxed()
+        }
+    };
+    let trailer_name = wanted("x-reply-trailer")
+        .and_then(|h| h.split_once('='))
+        .map(|(k, _)| k);
+    let mut resp = Response::new(body);
+    if let Some(name) = trailer_name {
+        // HTTP/1.1 sends only the trailers that `Trailer` announces.
+        resp.headers_mut().insert(
+            http::header::TRAILER,
+            HeaderValue::from_str(name).expect("trailer name"),
+        );
+    }
     *resp.status_mut() = StatusCode::from_u16(status).expect("valid status");
     if let Some((k, v)) = wanted("x-reply-header").and_then(|h| h.split_once('=')) {
         resp.headers_mut().insert(
@@ -348,7 +379,24 @@ async fn echo(
 }
 
 /// Answer 101 and echo every byte on the upgraded connection.
-fn upgrade_echo(req: &mut Request<Incoming>, proto: HeaderValue) -> Response<Full<Bytes>> {
+type ReplyBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+/// A body of fixed frames, sent without a length: chunked on HTTP/1.1.
+struct Frames(VecDeque<Frame<Bytes>>);
+
+impl http_body::Body for Frames {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        std::task::Poll::Ready(self.0.pop_front().map(Ok))
+    }
+}
+
+fn upgrade_echo(req: &mut Request<Incoming>, proto: HeaderValue) -> Response<ReplyBody> {
     let on = hyper::upgrade::on(req);
     tokio::spawn(async move {
         if let Ok(up) = on.await {
@@ -356,7 +404,7 @@ fn upgrade_echo(req: &mut Request<Incoming>, proto: HeaderValue) -> Response<Ful
             let _ = tokio::io::copy(&mut r, &mut w).await;
         }
     });
-    let mut resp = Response::new(Full::new(Bytes::new()));
+    let mut resp = Response::new(Full::new(Bytes::new()).boxed());
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     resp.headers_mut().insert(
         http::header::CONNECTION,
@@ -384,6 +432,7 @@ pub struct Resp {
     pub status: u16,
     pub headers: HeaderMap,
     pub body: Bytes,
+    pub trailers: Option<HeaderMap>,
 }
 
 impl Resp {
@@ -508,15 +557,13 @@ impl HttpClient {
             .await
             .map_err(|e| format!("{e:?}"))?;
         let (parts, body) = resp.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map_err(|e| format!("body: {e}"))?
-            .to_bytes();
+        let collected = body.collect().await.map_err(|e| format!("body: {e}"))?;
+        let trailers = collected.trailers().cloned();
         Ok(Resp {
             status: parts.status.as_u16(),
             headers: parts.headers,
-            body,
+            body: collected.to_bytes(),
+            trailers,
         })
     }
 }
