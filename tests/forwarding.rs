@@ -577,12 +577,13 @@ async fn early_answers_close_the_connection_so_an_unread_body_is_never_a_request
         r#"
 routes:
   - {name: hello, match: {path: /hello}, respond: {body: hello}}
+  - {name: smuggled, match: {path: /smuggled}, respond: {body: smuggled}}
 "#,
     )
     .await;
     // The body of a request sluice refuses (404) without reading it is a whole
     // second request; it must not be answered.
-    let inner = "GET /hello HTTP/1.1\r\nhost: x\r\n\r\n";
+    let inner = "GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n";
     let outer = format!(
         "POST /nowhere HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{inner}",
         inner.len()
@@ -596,6 +597,16 @@ routes:
         "{answer:?}"
     );
     assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer:?}");
+
+    // A `respond` route does not read the body either; whether the connection is
+    // closed or kept, the body is skipped: the next answer is the next request's.
+    let outer = format!(
+        "POST /hello HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{inner}GET /hello HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        inner.len()
+    );
+    let answer = exchange(gw.addr, outer.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer:?}");
+    assert!(!answer.contains("smuggled"), "{answer:?}");
 }
 
 #[tokio::test]
