@@ -65,10 +65,7 @@ async fn fixed_window_admits_exactly_the_limit_then_429_with_headers() {
     assert!((1..=2).contains(&reset), "X-RateLimit-Reset {reset}");
 
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        decisions(&m, "hello"),
-        [("allowed".to_string(), 5.0), ("limited".to_string(), 1.0)]
-    );
+    assert_eq!(decisions(&m, "hello"), [("allowed", 5.0), ("limited", 1.0)]);
     assert_eq!(
         metric(
             &m,
@@ -152,10 +149,7 @@ routes:
     let m = metrics(gw.admin_addr).await;
     assert_eq!(
         decisions(&m, "api"),
-        [
-            ("allowed".to_string(), 100.0),
-            ("limited".to_string(), 200.0)
-        ]
+        [("allowed", 100.0), ("limited", 200.0)]
     );
 }
 
@@ -226,10 +220,7 @@ routes:
     assert_eq!(r.header("x-ratelimit-limit"), Some("4"));
 
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        decisions(&m, "two"),
-        [("allowed".to_string(), 4.0), ("limited".to_string(), 6.0)]
-    );
+    assert_eq!(decisions(&m, "two"), [("allowed", 4.0), ("limited", 6.0)]);
 }
 
 #[tokio::test]
@@ -293,7 +284,7 @@ routes:
     let m = metrics(gw.admin_addr).await;
     assert_eq!(
         decisions(&m, "shadowed"),
-        [("allowed".to_string(), 2.0), ("shadow".to_string(), 3.0)]
+        [("allowed", 2.0), ("shadow", 3.0)]
     );
 }
 
@@ -338,13 +329,10 @@ routes:
     assert_eq!((r.status, r.num("retry-after")), (429, 1));
 
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        decisions(&m, "paced"),
-        [("allowed".to_string(), 1.0), ("delayed".to_string(), 1.0)]
-    );
+    assert_eq!(decisions(&m, "paced"), [("allowed", 1.0), ("delayed", 1.0)]);
     assert_eq!(
         decisions(&m, "strict"),
-        [("allowed".to_string(), 1.0), ("limited".to_string(), 1.0)]
+        [("allowed", 1.0), ("limited", 1.0)]
     );
 }
 
@@ -382,10 +370,7 @@ routes:
         "five passed after {waited:?}"
     );
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        decisions(&m, "paced"),
-        [("allowed".to_string(), 1.0), ("delayed".to_string(), 4.0)]
-    );
+    assert_eq!(decisions(&m, "paced"), [("allowed", 1.0), ("delayed", 4.0)]);
 }
 
 #[tokio::test]
@@ -506,11 +491,8 @@ routes:
     }
     let m = metrics(gw.admin_addr).await;
     let misses = cases.iter().filter(|c| c.3.is_none()).count() as f64;
-    assert_eq!(
-        decisions(&m, "unmatched"),
-        [("unmatched".to_string(), misses)]
-    );
-    assert_eq!(decisions(&m, "first"), [("allowed".to_string(), 2.0)]);
+    assert_eq!(decisions(&m, "unmatched"), [("unmatched", misses)]);
+    assert_eq!(decisions(&m, "first"), [("allowed", 2.0)]);
     assert_eq!(decisions(&m, "second"), []);
 }
 
@@ -603,14 +585,8 @@ async fn a_missing_key_is_400_naming_it() {
         );
     }
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        decisions(&m, "by-header"),
-        [("bad_request".to_string(), 2.0)]
-    );
-    assert_eq!(
-        decisions(&m, "composite"),
-        [("bad_request".to_string(), 1.0)]
-    );
+    assert_eq!(decisions(&m, "by-header"), [("bad_request", 2.0)]);
+    assert_eq!(decisions(&m, "composite"), [("bad_request", 1.0)]);
 }
 
 #[tokio::test]
@@ -686,11 +662,7 @@ routes:
         assert_eq!(up.hits(), 0);
         let m = metrics(gw.admin_addr).await;
         for route in ["proxied", "local", "unmatched"] {
-            assert_eq!(
-                decisions(&m, route),
-                [("denied".to_string(), 1.0)],
-                "{entry} {route}"
-            );
+            assert_eq!(decisions(&m, route), [("denied", 1.0)], "{entry} {route}");
         }
     }
 }
@@ -727,11 +699,7 @@ routes:
         429
     );
     let m = metrics(gw.admin_addr).await;
-    let counts = [
-        ("allowed".to_string(), 2.0),
-        ("denied".to_string(), 6.0),
-        ("limited".to_string(), 1.0),
-    ];
+    let counts = [("allowed", 2.0), ("denied", 6.0), ("limited", 1.0)];
     assert_eq!(decisions(&m, "shared"), counts);
     assert_eq!(
         metric(&m, r#"sluice_deny_entries{source="static"}"#),
@@ -759,10 +727,7 @@ routes:
         200
     );
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        decisions(&m, "keyed"),
-        [("allowed".to_string(), 1.0), ("denied".to_string(), 1.0)]
-    );
+    assert_eq!(decisions(&m, "keyed"), [("allowed", 1.0), ("denied", 1.0)]);
 }
 
 // === request bodies ===
@@ -793,10 +758,7 @@ async fn a_declared_body_over_the_limit_is_413_before_the_upstream() {
     let m = metrics(gw.admin_addr).await;
     assert_eq!(
         decisions(&m, "upload"),
-        [
-            ("allowed".to_string(), 1.0),
-            ("bad_request".to_string(), 1.0)
-        ]
+        [("allowed", 1.0), ("bad_request", 1.0)]
     );
 }
 

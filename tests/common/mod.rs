@@ -620,15 +620,16 @@ pub fn requests(text: &str, route: &str, decision: &str) -> f64 {
     metric(text, &series).unwrap_or(0.0)
 }
 
-/// Every non-zero `sluice_requests_total` series of `route`, as (decision, count).
-pub fn decisions(text: &str, route: &str) -> Vec<(String, f64)> {
+/// Every non-zero `sluice_requests_total` series of `route`, as (decision, count),
+/// in the exposition's (alphabetical) order.
+pub fn decisions<'a>(text: &'a str, route: &str) -> Vec<(&'a str, f64)> {
     let needle = format!(",route=\"{route}\"}}");
     text.lines()
         .filter_map(|l| l.strip_prefix("sluice_requests_total{decision=\""))
         .filter_map(|l| {
             let (decision, rest) = l.split_once('"')?;
             let value: f64 = rest.strip_prefix(&needle)?.trim().parse().ok()?;
-            (value != 0.0).then(|| (decision.to_string(), value))
+            (value != 0.0).then_some((decision, value))
         })
         .collect()
 }
