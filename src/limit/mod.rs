@@ -6,6 +6,7 @@
 pub mod algo;
 pub mod clock;
 pub mod memory;
+pub mod redis;
 pub mod store;
 
 use std::time::Duration;
@@ -13,6 +14,7 @@ use std::time::Duration;
 pub use algo::{Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
+pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 pub use store::{Store, StoreError};
 
 /// One configured limit, compiled.
