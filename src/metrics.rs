@@ -143,12 +143,33 @@ impl Metrics {
             shadow: d("shadow"),
             store_error_allowed: d("store_error_allowed"),
             store_error_denied: d("store_error_denied"),
-            unmatched: d("unmatched"),
+            unmatched: detached(),
             bad_request: d("bad_request"),
             duration: self.request_duration.with_label_values(&[route]),
             upstream_connect: u("connect"),
             upstream_timeout: u("timeout"),
             upstream_reset: u("reset"),
+        }
+    }
+
+    /// The children for requests that match no route (label `unmatched`): only the
+    /// decisions such a request can get are exported.
+    pub fn unmatched(&self) -> RouteMetrics {
+        let d = |decision: &str| self.requests.with_label_values(&[UNMATCHED, decision]);
+        RouteMetrics {
+            allowed: detached(),
+            delayed: detached(),
+            limited: detached(),
+            denied: d("denied"),
+            shadow: detached(),
+            store_error_allowed: detached(),
+            store_error_denied: detached(),
+            unmatched: d("unmatched"),
+            bad_request: detached(),
+            duration: self.request_duration.with_label_values(&[UNMATCHED]),
+            upstream_connect: detached(),
+            upstream_timeout: detached(),
+            upstream_reset: detached(),
         }
     }
 }
@@ -157,6 +178,15 @@ impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
     }
+}
+
+/// The route label of requests that match no route.
+pub const UNMATCHED: &str = "unmatched";
+
+/// A counter registered nowhere: stands in for label combinations that cannot
+/// happen, so they are not exported as misleading zeros.
+fn detached() -> IntCounter {
+    IntCounter::new("sluice_detached", "not exported").expect("metric definition")
 }
 
 /// What a request was decided to be, as counted in `sluice_requests_total`.

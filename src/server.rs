@@ -34,6 +34,30 @@ pub enum StartError {
     Store(#[from] StoreError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("server.tls: {0}")]
+    Tls(String),
+}
+
+/// The TLS acceptor for `server.tls`: certificate chain and key from PEM files,
+/// offering h2 and http/1.1 by ALPN.
+fn tls_acceptor(tls: &crate::config::schema::Tls) -> Result<tokio_rustls::TlsAcceptor, StartError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let err = |what: &str, e: &dyn std::fmt::Display| StartError::Tls(format!("{what}: {e}"));
+    let certs = CertificateDer::pem_file_iter(tls.cert.as_str())
+        .map_err(|e| err(&tls.cert, &e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| err(&tls.cert, &e))?;
+    let key = PrivateKeyDer::from_pem_file(tls.key.as_str()).map_err(|e| err(&tls.key, &e))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| err("protocol versions", &e))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| err("certificate", &e))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
 /// A started gateway. Dropping it does not stop it; call `shutdown`.
@@ -51,6 +75,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let runtime = compile(&loaded, &metrics)?;
     let f = &loaded.file;
+    let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let max_keys = f.store.memory.max_keys.get();
     let store = match (f.store.backend, &f.store.redis) {
         (Backend::Memory, _) => Store::memory(MemoryStore::new(max_keys, SystemClock::new()), &metrics),
@@ -66,7 +91,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         runtime: ArcSwap::from_pointee(runtime),
         store,
         metrics,
-        proto: "http",
+        proto: if tls.is_some() { "https" } else { "http" },
     });
 
     let listen = |addr: SocketAddr| async move {
@@ -98,7 +123,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             })
         };
         let cap = f.server.max_connections.get();
-        tokio::spawn(serve(listener, Arc::new(builder), service, cap, stop_rx.clone(), grace))
+        let handshake = f.server.request_header_timeout.get();
+        let tls = tls.map(|acceptor| (acceptor, handshake));
+        tokio::spawn(serve(listener, tls, Arc::new(builder), service, cap, stop_rx.clone(), grace))
     };
     let admin = {
         let admin = Arc::new(Admin { shared: shared.clone(), token: f.admin.token.as_ref().map(|t| t.0.clone()) });
@@ -110,7 +137,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             })
         };
         let builder = Arc::new(auto::Builder::new(TokioExecutor::new()));
-        tokio::spawn(serve(admin_listener, builder, service, 256, stop_rx.clone(), Duration::from_secs(1)))
+        tokio::spawn(serve(admin_listener, None, builder, service, 256, stop_rx.clone(), Duration::from_secs(1)))
     };
     let sweeper = {
         let shared = shared.clone();
@@ -176,8 +203,10 @@ impl Running {
 }
 
 /// Accept connections until told to stop, then drain them for at most `grace`.
+/// With `tls`, each connection is first handshaken (bounded by its timeout).
 async fn serve<S, F>(
     listener: TcpListener,
+    tls: Option<(tokio_rustls::TlsAcceptor, Duration)>,
     builder: Arc<auto::Builder<TokioExecutor>>,
     service: F,
     max_connections: usize,
@@ -210,13 +239,26 @@ async fn serve<S, F>(
             _ = stop.changed() => break,
         };
         let _ = stream.set_nodelay(true);
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service(peer)).into_owned();
-        let conn = graceful.watch(conn);
+        let (builder, service, watcher, tls) = (builder.clone(), service(peer), graceful.watcher(), tls.clone());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let _permit = permit;
+            let result = match tls {
+                None => {
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    watcher.watch(conn.into_owned()).await
+                }
+                Some((acceptor, limit)) => match tokio::time::timeout(limit, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => {
+                        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                        watcher.watch(conn.into_owned()).await
+                    }
+                    Ok(Err(e)) => Err(e.into()),
+                    Err(_) => Err("TLS handshake timed out".into()),
+                },
+            };
+            if let Err(e) = result {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-            drop(permit);
         });
     }
     drop(listener);

@@ -66,7 +66,7 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
         },
         max_request_body: f.server.max_request_body.0,
         on_error: f.store.on_error,
-        unmatched: metrics.route("unmatched"),
+        unmatched: metrics.unmatched(),
         hash: loaded.hash.clone(),
     })
 }
@@ -206,7 +206,7 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     let bucket = || -> Result<(Rate, u64), CompileError> {
         let r = l.rate.ok_or_else(|| missing("rate"))?;
         let burst = l.burst.map_or(r.count, |b| b.get());
-        Ok((Rate { count: r.count, per_us: us(r.per) }, burst))
+        Ok((reduced(r.count, us(r.per)), burst))
     };
     let algorithm = match l.algorithm {
         AlgorithmName::FixedWindow => windowed().map(|(limit, window_us)| Algorithm::FixedWindow { limit, window_us })?,
@@ -219,4 +219,27 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
         }
     };
     Ok(LimitDef::new(name, algorithm, l.cost.map_or(1, |c| c.get())))
+}
+
+/// `count` per `per_us` with their common factor divided out: the same rate, with
+/// smaller numbers for the integer arithmetic (`100000/d` is `1` per 864ms).
+pub fn reduced(count: u64, per_us: u64) -> Rate {
+    let (mut a, mut b) = (count, per_us);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    let g = a.max(1);
+    Rate { count: count / g, per_us: per_us / g }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_reduced() {
+        assert_eq!(reduced(10, 1_000_000), Rate { count: 1, per_us: 100_000 });
+        assert_eq!(reduced(3, 1_000_000), Rate { count: 3, per_us: 1_000_000 });
+        assert_eq!(reduced(100_000, 86_400_000_000), Rate { count: 1, per_us: 864_000 });
+    }
 }

@@ -5,6 +5,8 @@
 
 use std::collections::VecDeque;
 
+use super::{Plan, Verdict};
+
 /// `count` tokens (requests) per `per_us` microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Rate {
@@ -55,8 +57,1156 @@ pub struct Outcome {
     /// Microseconds an admitted request must wait (delay mode); 0 otherwise.
     pub delay_us: u64,
 }
-// TEMPORARY stub until the limit-algos branch lands.
+
+/// The state of a limit no request has touched yet.
+pub static EMPTY: State = State::Empty;
+
+/// What a decision would store if the request is charged. Kept free of heap data so
+/// a store can evaluate every limit first and write only when all of them admit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Next {
+    /// Refused: nothing changes.
+    Keep,
+    Window {
+        idx: u64,
+        count: u64,
+    },
+    Sliding {
+        idx: u64,
+        prev: u64,
+        curr: u64,
+    },
+    /// sliding_log: drop the entries that left the window, append `(now, cost)`.
+    LogPush,
+    Bucket {
+        tokens: i64,
+        ts: u64,
+    },
+    Gcra {
+        tat: u64,
+    },
+}
+
+// === impl Algorithm ===
+
 impl Algorithm {
-    pub fn quota(&self) -> u64 { 0 }
-    pub fn policy_window_us(&self) -> u64 { 0 }
+    /// Decides one request of `cost` against this limit at `now_us`. Returns the
+    /// outcome and the state as it would be if the request is charged; when refused
+    /// the returned state is the input unchanged (a refused request consumes nothing).
+    /// `max_delay_us` is 0 in reject mode; in delay mode token_bucket and gcra admit a
+    /// request that has to wait at most that long, booking the capacity now.
+    pub fn check(
+        &self,
+        state: &State,
+        now_us: u64,
+        cost: u64,
+        max_delay_us: u64,
+    ) -> (Outcome, State) {
+        let (outcome, next) = self.eval(state, now_us, cost, max_delay_us);
+        let new = match next {
+            Next::Keep => state.clone(),
+            Next::Window { idx, count } => State::Window { idx, count },
+            Next::Sliding { idx, prev, curr } => State::Sliding { idx, prev, curr },
+            Next::Bucket { tokens, ts } => State::Bucket { tokens, ts },
+            Next::Gcra { tat } => State::Gcra { tat },
+            Next::LogPush => {
+                let mut log = match state {
+                    State::Log(log) => {
+                        let w = self.window_us();
+                        log.iter()
+                            .copied()
+                            .filter(|&(ts, _)| log_live(ts, w, now_us))
+                            .collect()
+                    }
+                    _ => VecDeque::with_capacity(1),
+                };
+                log.push_back((now_us, cost));
+                State::Log(log)
+            }
+        };
+        (outcome, new)
+    }
+
+    /// `check`, committing the new state in place when admitted. Stores use it after
+    /// every limit of the request has admitted, to avoid copying a sliding log.
+    pub fn charge(&self, state: &mut State, now_us: u64, cost: u64, max_delay_us: u64) -> Outcome {
+        let (outcome, next) = self.eval(state, now_us, cost, max_delay_us);
+        match next {
+            Next::Keep => {}
+            Next::Window { idx, count } => *state = State::Window { idx, count },
+            Next::Sliding { idx, prev, curr } => *state = State::Sliding { idx, prev, curr },
+            Next::Bucket { tokens, ts } => *state = State::Bucket { tokens, ts },
+            Next::Gcra { tat } => *state = State::Gcra { tat },
+            Next::LogPush => {
+                if let State::Log(log) = state {
+                    let w = self.window_us();
+                    log.retain(|&(ts, _)| log_live(ts, w, now_us));
+                    log.push_back((now_us, cost));
+                } else {
+                    *state = State::Log(VecDeque::from([(now_us, cost)]));
+                }
+            }
+        }
+        outcome
+    }
+
+    /// The time (µs since the epoch) from which `state` can no longer influence any
+    /// decision: from then on it behaves exactly like `State::Empty`. Used to sweep the
+    /// memory store and as the Redis key's expiry. 0 for a state of another algorithm.
+    pub fn expires_at_us(&self, state: &State) -> u64 {
+        match (*self, state) {
+            // The window's end: a later window starts from 0.
+            (Algorithm::FixedWindow { window_us, .. }, State::Window { idx, .. }) => {
+                idx.saturating_add(1).saturating_mul(window_us.max(1))
+            }
+            // The end of the next window, where this window stops being the previous one.
+            (Algorithm::SlidingWindow { window_us, .. }, State::Sliding { idx, .. }) => {
+                idx.saturating_add(2).saturating_mul(window_us.max(1))
+            }
+            // The newest entry leaves the window at ts + W.
+            (Algorithm::SlidingLog { window_us, .. }, State::Log(log)) => log
+                .back()
+                .map_or(0, |&(ts, _)| ts.saturating_add(window_us.max(1))),
+            // Full again after ceil((C - tokens) / N) µs.
+            (Algorithm::TokenBucket { rate, burst }, &State::Bucket { tokens, ts }) => {
+                let (n, p) = rate_parts(rate);
+                let deficit = (i128::from(burst) * p - i128::from(tokens)).max(0);
+                ts.saturating_add(to_u64(ceil_div(deficit, n)))
+            }
+            // Once now >= tat, max(tat, now) = now: as if empty.
+            (Algorithm::Gcra { .. }, &State::Gcra { tat }) => tat,
+            _ => 0,
+        }
+    }
+
+    /// `limit`, or `burst` for token_bucket and gcra (the `q` of `RateLimit-Policy`).
+    pub fn quota(&self) -> u64 {
+        match *self {
+            Algorithm::FixedWindow { limit, .. }
+            | Algorithm::SlidingWindow { limit, .. }
+            | Algorithm::SlidingLog { limit, .. } => limit,
+            Algorithm::TokenBucket { burst, .. } | Algorithm::Gcra { burst, .. } => burst,
+        }
+    }
+
+    /// The `w` of `RateLimit-Policy`, in µs: the window, or for token_bucket and gcra
+    /// the time to refill `burst` from empty, ceil(burst * per_us / count).
+    pub fn policy_window_us(&self) -> u64 {
+        match *self {
+            Algorithm::FixedWindow { window_us, .. }
+            | Algorithm::SlidingWindow { window_us, .. }
+            | Algorithm::SlidingLog { window_us, .. } => window_us,
+            Algorithm::TokenBucket { rate, burst } | Algorithm::Gcra { rate, burst } => {
+                let (n, p) = rate_parts(rate);
+                to_u64(ceil_div(i128::from(burst) * p, n))
+            }
+        }
+    }
+
+    /// The configuration name of the algorithm.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow { .. } => "fixed_window",
+            Algorithm::SlidingWindow { .. } => "sliding_window",
+            Algorithm::SlidingLog { .. } => "sliding_log",
+            Algorithm::TokenBucket { .. } => "token_bucket",
+            Algorithm::Gcra { .. } => "gcra",
+        }
+    }
+
+    fn window_us(&self) -> u64 {
+        match *self {
+            Algorithm::FixedWindow { window_us, .. }
+            | Algorithm::SlidingWindow { window_us, .. }
+            | Algorithm::SlidingLog { window_us, .. } => window_us.max(1),
+            Algorithm::TokenBucket { .. } | Algorithm::Gcra { .. } => 1,
+        }
+    }
+
+    fn eval(&self, state: &State, now: u64, cost: u64, max_delay_us: u64) -> (Outcome, Next) {
+        let (mut outcome, next) = match *self {
+            Algorithm::FixedWindow { limit, window_us } => {
+                fixed_window(limit, window_us.max(1), state, now, cost)
+            }
+            Algorithm::SlidingWindow { limit, window_us } => {
+                sliding_window(limit, window_us.max(1), state, now, cost)
+            }
+            Algorithm::SlidingLog { limit, window_us } => {
+                sliding_log(limit, window_us.max(1), state, now, cost)
+            }
+            Algorithm::TokenBucket { rate, burst } => {
+                token_bucket(rate, burst, state, now, cost, max_delay_us)
+            }
+            Algorithm::Gcra { rate, burst } => gcra(rate, burst, state, now, cost, max_delay_us),
+        };
+        outcome.quota = self.quota();
+        (outcome, next)
+    }
+}
+
+// === the algorithms ===
+//
+// W = window_us, N = rate.count, P = rate.per_us; all times in µs. Zero parameters are
+// rejected by config validation; they are raised to 1 here only so no input can make
+// the process divide by zero.
+
+/// fixed_window: at most `limit` in the aligned window [idx*W, (idx+1)*W).
+fn fixed_window(limit: u64, w: u64, state: &State, now: u64, cost: u64) -> (Outcome, Next) {
+    // idx = now / W; the stored count counts only in its own window.
+    let idx = now / w;
+    let count = match *state {
+        State::Window { idx: s, count } if s == idx => count,
+        _ => 0,
+    };
+    // Time to the window's end: (idx+1)*W - now.
+    let until_end = idx.saturating_add(1).saturating_mul(w).saturating_sub(now);
+    // Admit iff count + cost <= limit.
+    let after = count.saturating_add(cost);
+    if after <= limit {
+        let outcome = Outcome {
+            allowed: true,
+            remaining: limit - after,
+            reset_us: until_end,
+            ..Outcome::default()
+        };
+        (outcome, Next::Window { idx, count: after })
+    } else {
+        let outcome = Outcome {
+            allowed: false,
+            remaining: limit.saturating_sub(count),
+            reset_us: until_end,
+            retry_after_us: until_end,
+            ..Outcome::default()
+        };
+        (outcome, Next::Keep)
+    }
+}
+
+/// sliding_window: the previous window's count weighted by the share of it still inside
+/// the sliding window, plus the current window's count. The weighting is f64, computed
+/// in exactly this order so the Lua script (whose numbers are doubles) matches bit for bit.
+fn sliding_window(limit: u64, w: u64, state: &State, now: u64, cost: u64) -> (Outcome, Next) {
+    // idx = now / W, e = now - idx*W (offset into the current window).
+    let idx = now / w;
+    let e = now - idx * w;
+    // (prev, curr): as stored in this window; shifted by one if stored in the previous
+    // window; (0, 0) if older.
+    let (prev, curr) = match *state {
+        State::Sliding { idx: s, prev, curr } if s == idx => (prev, curr),
+        State::Sliding { idx: s, curr, .. } if s.checked_add(1) == Some(idx) => (curr, 0),
+        _ => (0, 0),
+    };
+    // weight = (W - e) / W; estimate = prev * weight + curr.
+    let weight = (w - e) as f64 / w as f64;
+    let estimate = prev as f64 * weight + curr as f64;
+    // Admit iff estimate + cost <= limit.
+    let allowed = estimate + cost as f64 <= limit as f64;
+    // reset: W - e if the current window (after this request) is empty, else 2W - e,
+    // when the current window stops being the previous one.
+    let curr_after = if allowed {
+        curr.saturating_add(cost)
+    } else {
+        curr
+    };
+    let reset_us = if curr_after == 0 {
+        w - e
+    } else {
+        w.saturating_mul(2).saturating_sub(e)
+    };
+    if allowed {
+        // remaining = floor(limit - estimate - cost).
+        let outcome = Outcome {
+            allowed: true,
+            remaining: f64_to_u64((limit as f64 - estimate - cost as f64).floor()),
+            reset_us,
+            ..Outcome::default()
+        };
+        return (
+            outcome,
+            Next::Sliding {
+                idx,
+                prev,
+                curr: curr_after,
+            },
+        );
+    }
+    let retry_after_us = if curr.saturating_add(cost) <= limit {
+        // Passes later in this window once prev has decayed enough: the earliest offset
+        // e' with prev*(W-e')/W + curr + cost <= limit is
+        // e' = ceil(W - (limit - cost - curr) * W / prev); retry = e' - e, at least 1.
+        // (prev > 0 here: with prev = 0 the request would have been admitted.)
+        let free = (limit - cost - curr) as f64;
+        let at = f64_to_u64((w as f64 - free * w as f64 / prev as f64).ceil());
+        at.saturating_sub(e).max(1)
+    } else {
+        // Must wait for the next window, where prev' = curr and curr' = 0:
+        // (W - e) + ceil(max(0, W - (limit - cost) * W / curr)).
+        // limit - cost saturates at 0 (cost > limit: never admitted; then the term is W,
+        // which is also its value when curr = 0, only possible when cost > limit).
+        let free = limit.saturating_sub(cost) as f64;
+        let into_next = if curr == 0 {
+            w
+        } else {
+            f64_to_u64((w as f64 - free * w as f64 / curr as f64).max(0.0).ceil())
+        };
+        (w - e).saturating_add(into_next)
+    };
+    let outcome = Outcome {
+        allowed: false,
+        // remaining = floor(max(0, limit - estimate)).
+        remaining: f64_to_u64((limit as f64 - estimate).max(0.0).floor()),
+        reset_us,
+        retry_after_us,
+        ..Outcome::default()
+    };
+    (outcome, Next::Keep)
+}
+
+/// Whether a log entry made at `ts` is still inside the window ending at `now`:
+/// entries with ts + W <= now have left (an entry at t stops counting at t + W exactly).
+fn log_live(ts: u64, w: u64, now: u64) -> bool {
+    ts.saturating_add(w) > now
+}
+
+/// sliding_log: exact; at most `limit` (summed cost) in any W-long interval ending now.
+fn sliding_log(limit: u64, w: u64, state: &State, now: u64, cost: u64) -> (Outcome, Next) {
+    let log = match state {
+        State::Log(log) => Some(log),
+        _ => None,
+    };
+    let live = || {
+        log.into_iter()
+            .flatten()
+            .copied()
+            .filter(|&(ts, _)| log_live(ts, w, now))
+    };
+    // count = sum of the costs still inside the window.
+    let count = live().fold(0u64, |sum, (_, c)| sum.saturating_add(c));
+    // Admit iff count + cost <= limit; then (now, cost) is appended.
+    let after = count.saturating_add(cost);
+    if after <= limit {
+        let outcome = Outcome {
+            allowed: true,
+            remaining: limit - after,
+            // The newest entry is this one: everything has left at now + W.
+            reset_us: w,
+            ..Outcome::default()
+        };
+        return (outcome, Next::LogPush);
+    }
+    // need = count + cost - limit units must leave. Walk the entries oldest first; the
+    // one at which the summed cost first reaches `need` leaves at ts + W, so
+    // retry = ts + W - now. If the whole log is not enough (cost > limit: never
+    // admitted), retry = W.
+    let need = after - limit;
+    let mut freed = 0u64;
+    let mut retry_after_us = w;
+    for (ts, c) in live() {
+        freed = freed.saturating_add(c);
+        if freed >= need {
+            retry_after_us = ts.saturating_add(w).saturating_sub(now);
+            break;
+        }
+    }
+    // reset = newest ts + W - now (0 if the log is empty).
+    let reset_us = live()
+        .next_back()
+        .map_or(0, |(ts, _)| ts.saturating_add(w).saturating_sub(now));
+    let outcome = Outcome {
+        allowed: false,
+        remaining: limit.saturating_sub(count),
+        reset_us,
+        retry_after_us,
+        ..Outcome::default()
+    };
+    (outcome, Next::Keep)
+}
+
+/// token_bucket: `burst` tokens refilled continuously at N per P µs; starts full.
+/// Tokens are scaled by P (one token = P units) so one µs refills exactly N units and
+/// the arithmetic stays integer: capacity C = burst * P.
+fn token_bucket(
+    rate: Rate,
+    burst: u64,
+    state: &State,
+    now: u64,
+    cost: u64,
+    max_delay_us: u64,
+) -> (Outcome, Next) {
+    let (n, p) = rate_parts(rate);
+    let cap = i128::from(burst) * p;
+    // Empty: full at now.
+    let (stored, ts) = match *state {
+        State::Bucket { tokens, ts } => (i128::from(tokens), ts),
+        _ => (cap, now),
+    };
+    // Refill: elapsed = now - ts (0 if the clock is behind); full if tokens >= C or
+    // elapsed >= ceil((C - tokens) / N), else tokens + elapsed * N (then < C, no overflow).
+    let elapsed = i128::from(now.saturating_sub(ts));
+    let tokens = if stored >= cap || elapsed >= ceil_div(cap - stored, n) {
+        cap
+    } else {
+        stored + elapsed * n
+    };
+    // after = tokens - cost * P; admitted at once iff after >= 0.
+    let after = tokens - i128::from(cost) * p;
+    // Otherwise the wait for the missing units: ceil(-after / N).
+    let wait = if after >= 0 {
+        0
+    } else {
+        to_u64(ceil_div(-after, n))
+    };
+    let (allowed, delay_us) = if wait == 0 {
+        (true, 0)
+    } else if max_delay_us > 0 && wait <= max_delay_us {
+        // Delay mode: book the tokens now (the level goes negative) and wait.
+        (true, wait)
+    } else {
+        (false, 0)
+    };
+    // remaining = floor(max(0, level) / P), reset = ceil((C - level) / N), where level
+    // is `after` if admitted and the refilled `tokens` if refused.
+    let level = if allowed { after } else { tokens };
+    let outcome = Outcome {
+        allowed,
+        remaining: to_u64(level.max(0) / p),
+        reset_us: to_u64(ceil_div(cap - level, n)),
+        retry_after_us: if allowed { 0 } else { wait },
+        delay_us,
+        ..Outcome::default()
+    };
+    let next = if allowed {
+        let tokens = i64::try_from(after).unwrap_or(i64::MIN);
+        Next::Bucket { tokens, ts: now }
+    } else {
+        Next::Keep
+    };
+    (outcome, next)
+}
+
+/// gcra: the theoretical arrival time `tat` is when the bucket would be full again; a
+/// request pushes it by its emission interval and is admitted while the tat stays
+/// within burst * P / N of now. Integer form of token_bucket with the level stored as
+/// a time.
+fn gcra(
+    rate: Rate,
+    burst: u64,
+    state: &State,
+    now: u64,
+    cost: u64,
+    max_delay_us: u64,
+) -> (Outcome, Next) {
+    let (n, p) = rate_parts(rate);
+    let n_u = n as u128;
+    let p_u = p as u128;
+    // inc = floor(cost * P / N), at least 1 for cost > 0. (Rounded down, not up: with
+    // ceil, N not dividing P made every full burst one request short; see the tests.)
+    let mut inc = u128_to_u64(u128::from(cost) * p_u / n_u);
+    if inc == 0 && cost > 0 {
+        inc = 1;
+    }
+    // L = burst * P: the largest admissible (tat - now) * N.
+    let span = u128::from(burst) * p_u;
+    // base = max(tat, now) (tat = now when empty); new_tat = base + inc.
+    let tat = match *state {
+        State::Gcra { tat } => tat,
+        _ => now,
+    };
+    let base = tat.max(now);
+    let new_tat = base.saturating_add(inc);
+    // excess = (new_tat - now) * N; admitted at once iff excess <= L,
+    // else wait = ceil((excess - L) / N).
+    let excess = u128::from(new_tat - now) * n_u;
+    let wait = if excess <= span {
+        0
+    } else {
+        u128_to_u64((excess - span).div_ceil(n_u))
+    };
+    let (allowed, delay_us) = if wait == 0 {
+        (true, 0)
+    } else if max_delay_us > 0 && wait <= max_delay_us {
+        (true, wait)
+    } else {
+        (false, 0)
+    };
+    // With t = new_tat if admitted, else base:
+    // remaining = floor(max(0, L - (t - now) * N) / P), reset = t - now.
+    let t = if allowed { new_tat } else { base };
+    let used = u128::from(t - now) * n_u;
+    let outcome = Outcome {
+        allowed,
+        remaining: u128_to_u64(span.saturating_sub(used) / p_u),
+        reset_us: t - now,
+        retry_after_us: if allowed { 0 } else { wait },
+        delay_us,
+        ..Outcome::default()
+    };
+    let next = if allowed {
+        Next::Gcra { tat: new_tat }
+    } else {
+        Next::Keep
+    };
+    (outcome, next)
+}
+
+// === arithmetic helpers ===
+
+/// (N, P) as i128, each at least 1.
+fn rate_parts(rate: Rate) -> (i128, i128) {
+    (
+        i128::from(rate.count.max(1)),
+        i128::from(rate.per_us.max(1)),
+    )
+}
+
+/// ceil(a / b) for a >= 0, b > 0.
+fn ceil_div(a: i128, b: i128) -> i128 {
+    if a <= 0 {
+        0
+    } else {
+        (a - 1) / b + 1
+    }
+}
+
+/// Clamps into u64 (negative -> 0, too large -> u64::MAX).
+fn to_u64(v: i128) -> u64 {
+    u64::try_from(v.max(0)).unwrap_or(u64::MAX)
+}
+
+fn u128_to_u64(v: u128) -> u64 {
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+/// f64 -> u64 with negatives and NaN as 0 (Rust's `as` saturates; the Lua side clamps).
+fn f64_to_u64(v: f64) -> u64 {
+    v as u64
+}
+
+// === deciding a request ===
+
+/// Decides one request over every limit of `plan`: `states[i]` belongs to
+/// `plan.limits[i]` (missing = empty). Admitted only if every limit admits; then the
+/// new states to commit are returned, else `None` and nothing is charged anywhere.
+pub fn decide(plan: &Plan, states: &[State], now_us: u64) -> (Verdict, Option<Vec<State>>) {
+    let max_delay_us = plan.max_delay_us();
+    let (outcomes, new): (Vec<Outcome>, Vec<State>) = plan
+        .limits
+        .iter()
+        .enumerate()
+        .map(|(i, limit)| {
+            let state = states.get(i).unwrap_or(&EMPTY);
+            limit
+                .algorithm
+                .check(state, now_us, limit.cost, max_delay_us)
+        })
+        .unzip();
+    let verdict = Verdict::from_outcomes(outcomes);
+    let new = verdict.allowed.then_some(new);
+    (verdict, new)
+}
+
+/// The verdict over every limit of `plan` without charging anything; `state_of(i)` is
+/// the state of `plan.limits[i]`.
+pub fn judge<'a>(plan: &Plan, now_us: u64, state_of: impl Fn(usize) -> &'a State) -> Verdict {
+    let max_delay_us = plan.max_delay_us();
+    let outcomes = plan
+        .limits
+        .iter()
+        .enumerate()
+        .map(|(i, limit)| {
+            limit
+                .algorithm
+                .eval(state_of(i), now_us, limit.cost, max_delay_us)
+                .0
+        })
+        .collect();
+    Verdict::from_outcomes(outcomes)
+}
+
+// === impl Verdict ===
+
+impl Verdict {
+    /// Combines the outcomes of a request's limits (in plan order): admitted iff every
+    /// limit admits; the delay is the longest of them (0 when refused).
+    pub fn from_outcomes(outcomes: Vec<Outcome>) -> Verdict {
+        let allowed = outcomes.iter().all(|o| o.allowed);
+        let delay_us = if allowed {
+            outcomes.iter().map(|o| o.delay_us).max().unwrap_or(0)
+        } else {
+            0
+        };
+        Verdict {
+            allowed,
+            delay_us,
+            outcomes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{LimitDef, Mode};
+
+    const S: u64 = 1_000_000;
+    const T0: u64 = 20_834 * 86_400 * S;
+
+    /// A small deterministic generator (SplitMix64) for long "random" sequences.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    fn rate(count: u64, per_us: u64) -> Rate {
+        Rate { count, per_us }
+    }
+
+    fn samples() -> Vec<Algorithm> {
+        vec![
+            Algorithm::FixedWindow {
+                limit: 5,
+                window_us: S,
+            },
+            Algorithm::FixedWindow {
+                limit: 100,
+                window_us: 60 * S,
+            },
+            Algorithm::SlidingWindow {
+                limit: 10,
+                window_us: S,
+            },
+            Algorithm::SlidingWindow {
+                limit: 7,
+                window_us: 3 * S,
+            },
+            Algorithm::SlidingWindow {
+                limit: 1000,
+                window_us: 60 * S,
+            },
+            Algorithm::SlidingLog {
+                limit: 5,
+                window_us: S,
+            },
+            Algorithm::SlidingLog {
+                limit: 3,
+                window_us: 700_000,
+            },
+            Algorithm::TokenBucket {
+                rate: rate(10, S),
+                burst: 5,
+            },
+            Algorithm::TokenBucket {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            Algorithm::TokenBucket {
+                rate: rate(7, 60 * S),
+                burst: 3,
+            },
+            Algorithm::Gcra {
+                rate: rate(10, S),
+                burst: 5,
+            },
+            Algorithm::Gcra {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            Algorithm::Gcra {
+                rate: rate(7, 60 * S),
+                burst: 3,
+            },
+        ]
+    }
+
+    /// Drives `algo` with requests at random gaps (up to `max_gap_us`) and calls
+    /// `visit(state_before, now, outcome)` for each; admitted requests are charged.
+    fn walk(
+        algo: Algorithm,
+        cost: u64,
+        max_delay: u64,
+        seed: u64,
+        mut visit: impl FnMut(&State, u64, &Outcome),
+    ) {
+        let mut rng = Rng(seed);
+        // On average three times the allowed rate.
+        let gap = algo.policy_window_us() / algo.quota().max(1) + 1;
+        let mut state = State::Empty;
+        let mut now = T0 + rng.below(S);
+        for _ in 0..3_000 {
+            // Bursts: often no gap at all.
+            if rng.below(3) != 0 {
+                now += rng.below(gap);
+            }
+            let (outcome, new) = algo.check(&state, now, cost, max_delay);
+            visit(&state, now, &outcome);
+            if outcome.allowed {
+                state = new;
+            } else {
+                assert_eq!(new, state, "{algo:?}: a refusal changed the state");
+            }
+        }
+    }
+
+    #[test]
+    fn gcra_admits_exactly_what_token_bucket_admits() {
+        // P divisible by N: the two are the same algorithm in different units.
+        for (r, burst) in [(rate(10, S), 5), (rate(6, 60 * S), 2), (rate(1, S), 1)] {
+            for max_delay in [0, 300_000, 5 * S] {
+                for cost in [1, 2] {
+                    let tb = Algorithm::TokenBucket { rate: r, burst };
+                    let gc = Algorithm::Gcra { rate: r, burst };
+                    let (mut s_tb, mut s_gc) = (State::Empty, State::Empty);
+                    let mut rng = Rng(7 + cost + max_delay);
+                    let mut now = T0;
+                    let mut admitted = 0;
+                    for i in 0..5_000 {
+                        if rng.below(2) == 0 {
+                            now += rng.below(r.per_us / r.count * 2);
+                        }
+                        let (o_tb, n_tb) = tb.check(&s_tb, now, cost, max_delay);
+                        let (o_gc, n_gc) = gc.check(&s_gc, now, cost, max_delay);
+                        assert_eq!(
+                            o_tb, o_gc,
+                            "step {i} at {now} ({r:?} burst {burst} delay {max_delay})"
+                        );
+                        if o_tb.allowed {
+                            admitted += 1;
+                            (s_tb, s_gc) = (n_tb, n_gc);
+                        }
+                    }
+                    if cost <= burst {
+                        assert!(
+                            admitted > 100,
+                            "{r:?} burst {burst} cost {cost}: {admitted}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gcra_allows_the_full_burst_when_n_does_not_divide_p() {
+        for n in [3, 7, 9, 11, 13] {
+            for per_us in [S, 60 * S] {
+                for burst in 1..20 {
+                    for algo in [
+                        Algorithm::Gcra {
+                            rate: rate(n, per_us),
+                            burst,
+                        },
+                        Algorithm::TokenBucket {
+                            rate: rate(n, per_us),
+                            burst,
+                        },
+                    ] {
+                        let mut state = State::Empty;
+                        let mut admitted = 0;
+                        loop {
+                            let (o, new) = algo.check(&state, T0, 1, 0);
+                            if !o.allowed {
+                                break;
+                            }
+                            admitted += 1;
+                            state = new;
+                        }
+                        assert_eq!(admitted, burst, "{algo:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn retry_after_is_the_earliest_admission() {
+        for algo in samples() {
+            for cost in [1, 2] {
+                let mut refusals = 0;
+                walk(algo, cost, 0, 42 + cost, |state, now, o| {
+                    if o.allowed {
+                        assert_eq!(o.retry_after_us, 0);
+                        return;
+                    }
+                    refusals += 1;
+                    let retry = o.retry_after_us;
+                    assert!(retry > 0, "{algo:?} at {now}");
+                    let later = algo.check(state, now + retry, cost, 0).0;
+                    assert!(
+                        later.allowed,
+                        "{algo:?} at {now}: not admitted after {retry}"
+                    );
+                    if retry > 1 {
+                        let sooner = algo.check(state, now + retry - 1, cost, 0).0;
+                        assert!(
+                            !sooner.allowed,
+                            "{algo:?} at {now}: admitted before {retry}"
+                        );
+                    }
+                });
+                assert!(refusals > 10, "{algo:?}: {refusals}");
+            }
+        }
+    }
+
+    #[test]
+    fn reset_and_remaining_describe_the_state() {
+        for algo in samples() {
+            walk(algo, 1, 0, 9, |state, now, o| {
+                let charged = if o.allowed {
+                    algo.check(state, now, 1, 0).1
+                } else {
+                    state.clone()
+                };
+                // `remaining` more cost-1 requests are admitted at once, and no more
+                // (the sliding window's estimate may round either way by less than one).
+                let mut s = charged.clone();
+                for i in 0..o.remaining {
+                    let (next, new) = algo.check(&s, now, 1, 0);
+                    assert!(
+                        next.allowed,
+                        "{algo:?} at {now}: request {i} of {} refused",
+                        o.remaining
+                    );
+                    s = new;
+                }
+                assert!(
+                    !algo.check(&s, now, 1, 0).0.allowed,
+                    "{algo:?} at {now}: more than {}",
+                    o.remaining
+                );
+                // After reset the limit is fully replenished: a fresh state decides alike.
+                let at = now + o.reset_us;
+                assert_eq!(
+                    algo.check(&charged, at, 1, 0).0,
+                    algo.check(&State::Empty, at, 1, 0).0,
+                    "{algo:?} at {now}: not replenished after {}",
+                    o.reset_us
+                );
+            });
+        }
+    }
+
+    #[test]
+    fn expired_state_decides_like_an_empty_one() {
+        for algo in samples() {
+            walk(algo, 1, 0, 5, |state, _, _| {
+                let at = algo.expires_at_us(state);
+                for t in [at, at + 1, at + 12_345_678] {
+                    let t = t.max(T0);
+                    assert_eq!(
+                        algo.check(state, t, 1, 0).0,
+                        algo.check(&State::Empty, t, 1, 0).0,
+                        "{algo:?}"
+                    );
+                }
+            });
+            assert_eq!(algo.expires_at_us(&State::Empty), 0);
+        }
+    }
+
+    #[test]
+    fn delay_mode_books_capacity_up_to_max_delay() {
+        for algo in [
+            Algorithm::TokenBucket {
+                rate: rate(10, S),
+                burst: 3,
+            },
+            Algorithm::Gcra {
+                rate: rate(10, S),
+                burst: 3,
+            },
+        ] {
+            let max_delay = 450_000;
+            let mut state = State::Empty;
+            let mut delays = Vec::new();
+            loop {
+                let (o, new) = algo.check(&state, T0, 1, max_delay);
+                if !o.allowed {
+                    assert_eq!((o.delay_us, o.retry_after_us, o.remaining), (0, 500_000, 0));
+                    break;
+                }
+                assert_eq!(o.retry_after_us, 0);
+                delays.push(o.delay_us);
+                state = new;
+            }
+            assert_eq!(
+                delays,
+                [0, 0, 0, 100_000, 200_000, 300_000, 400_000],
+                "{algo:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn sliding_log_walks_entries_of_different_costs() {
+        let algo = Algorithm::SlidingLog {
+            limit: 5,
+            window_us: 10 * S,
+        };
+        let state = State::Log(VecDeque::from([(T0, 1), (T0 + S, 3), (T0 + 2 * S, 1)]));
+        let (o, new) = algo.check(&state, T0 + 5 * S, 3, 0);
+        // need = 5 + 3 - 5 = 3 units: 1 (not enough), then 1 + 3 at T0 + 1s.
+        assert_eq!(
+            o,
+            Outcome {
+                allowed: false,
+                quota: 5,
+                remaining: 0,
+                reset_us: 7 * S,
+                retry_after_us: 6 * S,
+                delay_us: 0
+            }
+        );
+        assert_eq!(new, state);
+        // At T0 + 10s the first entry has left (T0 + 10s <= now): 4 + 1 fits.
+        let (o, new) = algo.check(&state, T0 + 10 * S, 1, 0);
+        assert_eq!((o.allowed, o.remaining, o.reset_us), (true, 0, 10 * S));
+        assert_eq!(
+            new,
+            State::Log(VecDeque::from([
+                (T0 + S, 3),
+                (T0 + 2 * S, 1),
+                (T0 + 10 * S, 1)
+            ]))
+        );
+        // charge() commits the same state in place.
+        let mut s = state.clone();
+        assert_eq!(algo.charge(&mut s, T0 + 10 * S, 1, 0), o);
+        assert_eq!(s, new);
+    }
+
+    #[test]
+    fn sliding_window_weights_the_previous_window() {
+        let algo = Algorithm::SlidingWindow {
+            limit: 10,
+            window_us: S,
+        };
+        let idx = T0 / S;
+        // 8 in the previous window, 2 in this one, 25% in: 8 * 0.75 + 2 = 8.
+        let state = State::Sliding {
+            idx,
+            prev: 8,
+            curr: 2,
+        };
+        let (o, new) = algo.check(&state, T0 + S / 4, 1, 0);
+        assert_eq!(
+            (o.allowed, o.remaining, o.reset_us),
+            (true, 1, 2 * S - S / 4)
+        );
+        assert_eq!(
+            new,
+            State::Sliding {
+                idx,
+                prev: 8,
+                curr: 3
+            }
+        );
+        // One window later the stored current count becomes the previous one.
+        let (o, new) = algo.check(&state, T0 + S + S / 2, 1, 0);
+        assert_eq!((o.allowed, o.remaining), (true, 8)); // 2 * 0.5 + 1
+        assert_eq!(
+            new,
+            State::Sliding {
+                idx: idx + 1,
+                prev: 2,
+                curr: 1
+            }
+        );
+        // Two windows later nothing is left.
+        let (o, _) = algo.check(&state, T0 + 2 * S, 1, 0);
+        assert_eq!((o.allowed, o.remaining), (true, 9));
+    }
+
+    #[test]
+    fn charge_commits_what_check_returns() {
+        for algo in samples() {
+            for max_delay in [0, 250_000] {
+                walk(algo, 1, max_delay, 3, |state, now, o| {
+                    let (_, new) = algo.check(state, now, 1, max_delay);
+                    let mut s = state.clone();
+                    assert_eq!(algo.charge(&mut s, now, 1, max_delay), *o);
+                    if o.allowed {
+                        assert_eq!(s, new);
+                    }
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn policy_numbers() {
+        let cases = [
+            (
+                Algorithm::FixedWindow {
+                    limit: 100,
+                    window_us: 60 * S,
+                },
+                "fixed_window",
+                100,
+                60 * S,
+            ),
+            (
+                Algorithm::SlidingWindow {
+                    limit: 7,
+                    window_us: S,
+                },
+                "sliding_window",
+                7,
+                S,
+            ),
+            (
+                Algorithm::SlidingLog {
+                    limit: 5,
+                    window_us: 60 * S,
+                },
+                "sliding_log",
+                5,
+                60 * S,
+            ),
+            (
+                Algorithm::TokenBucket {
+                    rate: rate(10, S),
+                    burst: 20,
+                },
+                "token_bucket",
+                20,
+                2 * S,
+            ),
+            // ceil(2 * 1e6 / 3)
+            (
+                Algorithm::Gcra {
+                    rate: rate(3, S),
+                    burst: 2,
+                },
+                "gcra",
+                2,
+                666_667,
+            ),
+        ];
+        for (algo, label, quota, window) in cases {
+            assert_eq!(
+                (algo.label(), algo.quota(), algo.policy_window_us()),
+                (label, quota, window)
+            );
+        }
+    }
+
+    #[test]
+    fn outcomes_carry_the_quota() {
+        for algo in samples() {
+            assert_eq!(algo.check(&State::Empty, T0, 1, 0).0.quota, algo.quota());
+        }
+    }
+
+    #[test]
+    fn zero_parameters_do_not_panic() {
+        for algo in [
+            Algorithm::FixedWindow {
+                limit: 0,
+                window_us: 0,
+            },
+            Algorithm::SlidingWindow {
+                limit: 0,
+                window_us: 0,
+            },
+            Algorithm::SlidingLog {
+                limit: 0,
+                window_us: 0,
+            },
+            Algorithm::TokenBucket {
+                rate: rate(0, 0),
+                burst: 0,
+            },
+            Algorithm::Gcra {
+                rate: rate(0, 0),
+                burst: 0,
+            },
+        ] {
+            for (now, cost) in [(0, 0), (0, 1), (T0, 1), (u64::MAX, u64::MAX)] {
+                let (o, s) = algo.check(&State::Empty, now, cost, 0);
+                let _ = (o, algo.expires_at_us(&s), algo.policy_window_us());
+            }
+        }
+    }
+
+    #[test]
+    fn cost_above_the_quota_is_never_admitted() {
+        for algo in samples() {
+            let cost = algo.quota() + 1;
+            let (o, _) = algo.check(&State::Empty, T0, cost, 0);
+            assert!(!o.allowed && o.retry_after_us > 0, "{algo:?}: {o:?}");
+        }
+    }
+
+    #[test]
+    fn decide_charges_all_limits_or_none() {
+        let plan = Plan {
+            limits: vec![
+                LimitDef::new(
+                    "a".into(),
+                    Algorithm::FixedWindow {
+                        limit: 2,
+                        window_us: S,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "b".into(),
+                    Algorithm::FixedWindow {
+                        limit: 1,
+                        window_us: S,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        };
+        let idx = T0 / S;
+        let (v, new) = decide(&plan, &[], T0);
+        assert!(v.allowed);
+        let new = new.unwrap();
+        assert_eq!(
+            new,
+            [
+                State::Window { idx, count: 1 },
+                State::Window { idx, count: 1 }
+            ]
+        );
+        let (v, none) = decide(&plan, &new, T0);
+        assert!(!v.allowed && none.is_none());
+        assert_eq!(
+            (v.outcomes[0].allowed, v.outcomes[1].allowed),
+            (true, false)
+        );
+        assert_eq!(v.retry_after_us(), S);
+        // A missing state is an empty one.
+        let (v, _) = decide(&plan, &new[..1], T0);
+        assert!(v.allowed);
+    }
+
+    #[test]
+    fn verdict_delay_is_the_longest_and_zero_when_refused() {
+        let o = |allowed, delay_us| Outcome {
+            allowed,
+            delay_us,
+            ..Outcome::default()
+        };
+        assert_eq!(
+            Verdict::from_outcomes(vec![o(true, 5), o(true, 9), o(true, 0)]).delay_us,
+            9
+        );
+        let v = Verdict::from_outcomes(vec![o(true, 5), o(false, 0)]);
+        assert_eq!((v.allowed, v.delay_us), (false, 0));
+        let v = Verdict::from_outcomes(vec![]);
+        assert_eq!((v.allowed, v.delay_us), (true, 0));
+    }
 }

@@ -1,10 +1,460 @@
-//! The embedded store: limiter state in process, bounded and swept.
-pub struct MemoryStore;
-// TEMPORARY stub until the limit-algos branch lands.
+//! The embedded store: limiter state in process, bounded and swept. One entry per
+//! (route, client key) holds the states of that route's limits; entries live in
+//! sharded LRU caches, so the number of keys is bounded and the least recently used
+//! ones are evicted, and a request's whole check-then-charge runs under one lock.
+
+use std::borrow::Borrow;
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use lru::LruCache;
+
+use super::algo::{judge, EMPTY};
+use super::{Clock, Plan, State, Verdict};
+
+/// Shards of the key space; fewer when `max_keys` is smaller.
+const SHARDS: usize = 32;
+
+pub struct MemoryStore {
+    shards: Box<[Mutex<LruCache<EntryKey, Entry>>]>,
+    /// Picks the shard; random per process so no one can aim keys at one shard.
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+}
+
+/// The state of one limit for one key, with the time it stops mattering.
+struct Slot {
+    id: u64,
+    state: State,
+    expires_at_us: u64,
+}
+
+/// The states of one (route, client key), by `LimitDef::id`.
+struct Entry {
+    slots: Vec<Slot>,
+    /// Max of the slots' expiry: from then on the entry is as good as absent.
+    expires_at_us: u64,
+}
+
+// === impl MemoryStore ===
+
 impl MemoryStore {
-    pub fn new(_max_keys: usize, _clock: std::sync::Arc<dyn super::Clock>) -> MemoryStore { MemoryStore }
-    pub fn check(&self, _route: &str, _key: &str, plan: &super::Plan) -> super::Verdict {
-        super::Verdict { allowed: true, delay_us: 0, outcomes: vec![Default::default(); plan.limits.len()] }
+    /// A store holding at most `max_keys` (route, client key) entries.
+    pub fn new(max_keys: usize, clock: Arc<dyn Clock>) -> MemoryStore {
+        let max_keys = max_keys.max(1);
+        let n = SHARDS.min(max_keys);
+        // Capacities add up to exactly max_keys.
+        let shards = (0..n)
+            .map(|i| {
+                let cap = max_keys / n + usize::from(i < max_keys % n);
+                let cap = NonZeroUsize::new(cap).unwrap_or(NonZeroUsize::MIN);
+                Mutex::new(LruCache::new(cap))
+            })
+            .collect();
+        MemoryStore {
+            shards,
+            hasher: RandomState::new(),
+            clock,
+        }
     }
-    pub fn sweep(&self) -> usize { 0 }
+
+    /// Decides one request of `key` on `route` against every limit of `plan`, and
+    /// charges all of them if all admit (atomically: under the entry's shard lock).
+    pub fn check(&self, route: &str, key: &str, plan: &Plan) -> Verdict {
+        let probe = (route, key);
+        let mut cache = self.shard(&probe);
+        // Read under the lock so commits to one entry happen in clock order.
+        let now = self.clock.now_us();
+        if let Some(entry) = cache.get_mut(&probe as &dyn RouteKey) {
+            let verdict = judge(plan, now, |i| entry.state(plan.limits[i].id));
+            if verdict.allowed {
+                entry.charge(plan, now);
+            }
+            return verdict;
+        }
+        let verdict = judge(plan, now, |_| &EMPTY);
+        if verdict.allowed && !plan.limits.is_empty() {
+            let mut entry = Entry {
+                slots: Vec::with_capacity(plan.limits.len()),
+                expires_at_us: 0,
+            };
+            entry.charge(plan, now);
+            cache.put(
+                EntryKey {
+                    route: route.into(),
+                    key: key.into(),
+                },
+                entry,
+            );
+        }
+        verdict
+    }
+
+    /// Number of (route, client key) entries held.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shards.iter().all(|s| lock(s).is_empty())
+    }
+
+    /// Removes every entry that can no longer influence a decision at the clock's now;
+    /// returns how many were removed.
+    pub fn sweep(&self) -> usize {
+        // Read once before locking: entries only ever expire later, so whatever has
+        // expired by this time has also expired by the time its shard is scanned.
+        let now = self.clock.now_us();
+        self.shards
+            .iter()
+            .map(|s| {
+                let mut cache = lock(s);
+                let before = cache.len();
+                cache.retain(|_, entry| entry.expires_at_us > now);
+                before - cache.len()
+            })
+            .sum()
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    fn shard(&self, probe: &(&str, &str)) -> MutexGuard<'_, LruCache<EntryKey, Entry>> {
+        let i = self.hasher.hash_one(probe) % self.shards.len() as u64;
+        lock(&self.shards[i as usize])
+    }
+}
+
+/// A panic while a shard was locked leaves at worst one request half charged; the
+/// store keeps serving rather than poisoning every later request.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// === impl Entry ===
+
+impl Entry {
+    fn state(&self, id: u64) -> &State {
+        self.slots
+            .iter()
+            .find(|s| s.id == id)
+            .map_or(&EMPTY, |s| &s.state)
+    }
+
+    /// Charges the request to every limit of `plan` (after all of them admitted).
+    fn charge(&mut self, plan: &Plan, now: u64) {
+        let max_delay_us = plan.max_delay_us();
+        for limit in &plan.limits {
+            let i = match self.slots.iter().position(|s| s.id == limit.id) {
+                Some(i) => i,
+                None => {
+                    self.slots.push(Slot {
+                        id: limit.id,
+                        state: State::Empty,
+                        expires_at_us: 0,
+                    });
+                    self.slots.len() - 1
+                }
+            };
+            let slot = &mut self.slots[i];
+            limit
+                .algorithm
+                .charge(&mut slot.state, now, limit.cost, max_delay_us);
+            slot.expires_at_us = limit.algorithm.expires_at_us(&slot.state);
+        }
+        // States of limits a reload changed (new id) are no longer read; drop them
+        // once they have expired.
+        if self.slots.len() > plan.limits.len() {
+            self.slots
+                .retain(|s| s.expires_at_us > now || plan.limits.iter().any(|l| l.id == s.id));
+        }
+        self.expires_at_us = self
+            .slots
+            .iter()
+            .map(|s| s.expires_at_us)
+            .max()
+            .unwrap_or(0);
+    }
+}
+
+// === keys ===
+//
+// Entries are keyed by an owned (route, key) pair but looked up with borrowed strings,
+// so a request allocates only when its key is new: both forms are seen through the
+// `RouteKey` trait object, which hashes and compares the two strings.
+
+struct EntryKey {
+    route: Box<str>,
+    key: Box<str>,
+}
+
+trait RouteKey {
+    fn parts(&self) -> (&str, &str);
+}
+
+impl RouteKey for EntryKey {
+    fn parts(&self) -> (&str, &str) {
+        (&self.route, &self.key)
+    }
+}
+
+impl RouteKey for (&str, &str) {
+    fn parts(&self) -> (&str, &str) {
+        (self.0, self.1)
+    }
+}
+
+impl<'a> Borrow<dyn RouteKey + 'a> for EntryKey {
+    fn borrow(&self) -> &(dyn RouteKey + 'a) {
+        self
+    }
+}
+
+impl Hash for dyn RouteKey + '_ {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.parts().hash(state);
+    }
+}
+
+impl PartialEq for dyn RouteKey + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn RouteKey + '_ {}
+
+// Must hash and compare exactly like the borrowed form.
+impl Hash for EntryKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.parts().hash(state);
+    }
+}
+
+impl PartialEq for EntryKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for EntryKey {}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::limit::{Algorithm, LimitDef, ManualClock, Mode, Rate};
+
+    const S: u64 = 1_000_000;
+    /// A whole number of days since the epoch.
+    const BASE_US: u64 = 20_834 * 86_400 * S;
+
+    fn plan(limits: Vec<LimitDef>) -> Plan {
+        Plan {
+            limits,
+            mode: Mode::Reject,
+        }
+    }
+
+    fn fixed(name: &str, limit: u64, window_us: u64) -> LimitDef {
+        LimitDef::new(name.into(), Algorithm::FixedWindow { limit, window_us }, 1)
+    }
+
+    fn bucket(name: &str, count: u64, burst: u64) -> LimitDef {
+        LimitDef::new(
+            name.into(),
+            Algorithm::TokenBucket {
+                rate: Rate { count, per_us: S },
+                burst,
+            },
+            1,
+        )
+    }
+
+    fn store(max_keys: usize) -> (Arc<ManualClock>, MemoryStore) {
+        let clock = ManualClock::new(BASE_US);
+        (clock.clone(), MemoryStore::new(max_keys, clock))
+    }
+
+    fn remaining(v: &Verdict) -> Vec<u64> {
+        v.outcomes.iter().map(|o| o.remaining).collect()
+    }
+
+    fn slots(store: &MemoryStore, route: &str, key: &str) -> Option<Vec<u64>> {
+        let probe = (route, key);
+        let cache = store.shard(&probe);
+        cache
+            .peek(&probe as &dyn RouteKey)
+            .map(|e| e.slots.iter().map(|s| s.id).collect())
+    }
+
+    #[test]
+    fn capacity_is_exactly_max_keys() {
+        for max_keys in [0, 1, 5, 31, 32, 33, 1000, 1_000_000] {
+            let (_, store) = store(max_keys);
+            let total: usize = store.shards.iter().map(|s| lock(s).cap().get()).sum();
+            assert_eq!(total, max_keys.max(1), "{max_keys}");
+            assert!(store.shards.len() <= SHARDS);
+        }
+    }
+
+    #[test]
+    fn keys_are_bounded_and_recent_ones_kept() {
+        let (_, store) = store(1000);
+        let p = plan(vec![fixed("daily", 10_000, 86_400 * S)]);
+        for i in 0..2000 {
+            store.check("api", &format!("key-{i}"), &p);
+            // Used after every new key: always the most recent in its shard.
+            store.check("api", "hot", &p);
+        }
+        let len = store.len();
+        assert!((900..=1000).contains(&len), "{len}");
+        assert!(!store.is_empty());
+        // 2000 earlier requests of "hot", and this one.
+        assert_eq!(remaining(&store.check("api", "hot", &p)), [7_999]);
+        assert_eq!(remaining(&store.check("api", "key-1999", &p)), [9_998]);
+    }
+
+    #[test]
+    fn sweep_removes_expired_entries_only() {
+        let (clock, store) = store(100);
+        let window = plan(vec![fixed("w", 5, S)]);
+        // 10/s, burst 5: one request is refilled in 100ms.
+        let tb = plan(vec![bucket("b", 10, 5)]);
+        // Expires with the longer of its two limits.
+        let both = plan(vec![fixed("w", 5, S), fixed("m", 5, 60 * S)]);
+        store.check("r", "a", &window);
+        store.check("r", "t", &tb);
+        store.check("r", "both", &both);
+        clock.advance(99_999);
+        assert_eq!(store.sweep(), 0);
+        clock.advance(1);
+        assert_eq!(store.sweep(), 1); // t
+        clock.set(BASE_US + S);
+        store.check("r", "b", &window);
+        store.check("r", "b", &window);
+        assert_eq!(store.sweep(), 1); // a: its window ended at BASE + 1s
+        assert_eq!(store.len(), 2);
+        assert_eq!(remaining(&store.check("r", "b", &window)), [2]);
+        assert_eq!(remaining(&store.check("r", "both", &both)), [4, 3]);
+        clock.set(BASE_US + 60 * S);
+        assert_eq!(store.sweep(), 2);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn concurrent_requests_are_admitted_exactly_up_to_the_limit() {
+        let plans = [
+            plan(vec![fixed("w", 100, 60 * S)]),
+            plan(vec![bucket("b", 1, 100)]),
+            // Both limits are charged together or not at all.
+            plan(vec![fixed("w", 100, 60 * S), bucket("b", 1, 150)]),
+        ];
+        for p in &plans {
+            let (_, store) = store(1000);
+            let admitted = AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for _ in 0..300 {
+                    s.spawn(|| {
+                        if store.check("r", "k", p).allowed {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    });
+                }
+            });
+            assert_eq!(admitted.load(Ordering::Relaxed), 100, "{p:?}");
+            let after = store.check("r", "k", p);
+            assert!(!after.allowed);
+            if p.limits.len() == 2 {
+                // The bucket was charged 100 times: 50 left, 49 after this request
+                // (its own outcome is the one had it been charged).
+                assert_eq!(remaining(&after), [0, 49]);
+            }
+        }
+    }
+
+    #[test]
+    fn state_survives_a_new_plan_only_for_unchanged_limits() {
+        let (clock, store) = store(100);
+        let old = plan(vec![
+            bucket("burst", 10, 5),
+            fixed("daily", 100, 86_400 * S),
+        ]);
+        for _ in 0..3 {
+            store.check("api", "k", &old);
+        }
+        // burst changed (new id, starts full); daily unchanged (keeps its count of 3).
+        let new = plan(vec![
+            bucket("burst", 10, 8),
+            fixed("daily", 100, 86_400 * S),
+        ]);
+        assert_ne!(old.limits[0].id, new.limits[0].id);
+        assert_eq!(old.limits[1].id, new.limits[1].id);
+        assert_eq!(remaining(&store.check("api", "k", &new)), [7, 96]);
+        // The old bucket's state is kept until it can no longer matter...
+        let ids = |p: &Plan| p.limits.iter().map(|l| l.id).collect::<Vec<_>>();
+        let mut all = ids(&old);
+        all.push(new.limits[0].id);
+        assert_eq!(slots(&store, "api", "k"), Some(all));
+        // ...(3 requests refill in 300ms), then dropped.
+        clock.advance(300_000);
+        assert_eq!(remaining(&store.check("api", "k", &new)), [7, 95]);
+        assert_eq!(
+            slots(&store, "api", "k"),
+            Some(vec![new.limits[1].id, new.limits[0].id])
+        );
+    }
+
+    #[test]
+    fn a_refused_new_key_is_not_stored() {
+        let (_, store) = store(100);
+        let p = plan(vec![LimitDef::new(
+            "big".into(),
+            Algorithm::FixedWindow {
+                limit: 1,
+                window_us: S,
+            },
+            2,
+        )]);
+        assert!(!store.check("r", "k", &p).allowed);
+        assert!(store.is_empty());
+        // No limits: allowed, nothing to keep.
+        assert!(store.check("r", "k", &plan(vec![])).allowed);
+        assert_eq!(store.len(), 0);
+    }
+
+    #[test]
+    fn routes_and_keys_are_separate() {
+        let (_, store) = store(100);
+        let p = plan(vec![fixed("w", 5, S)]);
+        assert_eq!(remaining(&store.check("a", "k", &p)), [4]);
+        assert_eq!(remaining(&store.check("a", "k", &p)), [3]);
+        assert_eq!(remaining(&store.check("b", "k", &p)), [4]);
+        assert_eq!(remaining(&store.check("a", "k2", &p)), [4]);
+        // The pair is compared as a pair, not as a concatenation.
+        assert_eq!(remaining(&store.check("ak", "", &p)), [4]);
+        assert_eq!(remaining(&store.check("", "ak", &p)), [4]);
+        assert_eq!(store.len(), 5);
+    }
+
+    #[test]
+    fn a_poisoned_shard_keeps_serving() {
+        let (_, store) = store(1);
+        let p = plan(vec![fixed("w", 5, S)]);
+        store.check("r", "k", &p);
+        let panicked = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _guard = store.shards[0].lock();
+                panic!("while holding the shard");
+            })
+            .join()
+            .is_err()
+        });
+        assert!(panicked && store.shards[0].is_poisoned());
+        assert_eq!(remaining(&store.check("r", "k", &p)), [3]);
+        assert_eq!((store.len(), store.sweep()), (1, 0));
+    }
 }

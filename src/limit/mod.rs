@@ -4,6 +4,7 @@
 //! of the Redis store can be checked against one table of cases.
 
 pub mod algo;
+pub mod cases;
 pub mod clock;
 pub mod memory;
 pub mod redis;
@@ -11,7 +12,7 @@ pub mod store;
 
 use std::time::Duration;
 
-pub use algo::{Algorithm, Outcome, Rate, State};
+pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
 pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
