@@ -35,7 +35,8 @@ pub enum Backend {
 pub struct Store {
     backend: Backend,
     latency: Histogram,
-    errors: IntCounter,
+    /// Failed calls; none for the memory store, which cannot fail.
+    errors: Option<IntCounter>,
 }
 
 impl Store {
@@ -43,7 +44,7 @@ impl Store {
         Store {
             backend: Backend::Memory(store),
             latency: metrics.limiter_duration.with_label_values(&["memory"]),
-            errors: metrics.store_errors.with_label_values(&["memory"]),
+            errors: None,
         }
     }
 
@@ -60,7 +61,7 @@ impl Store {
                 fallback_max_keys,
             },
             latency: metrics.limiter_duration.with_label_values(&["redis"]),
-            errors: metrics.store_errors.with_label_values(&["redis"]),
+            errors: Some(metrics.store_errors.with_label_values(&["redis"])),
         }
     }
 
@@ -77,7 +78,9 @@ impl Store {
                 timer.stop_and_discard();
             }
             Err(_) => {
-                self.errors.inc();
+                if let Some(errors) = &self.errors {
+                    errors.inc();
+                }
                 timer.observe_duration();
             }
             Ok(_) => timer.observe_duration(),
