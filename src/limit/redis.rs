@@ -13,13 +13,13 @@ use lru::LruCache;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisResult, Script};
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
 use super::{Algorithm, Outcome, Plan, StoreError, Verdict};
 use crate::config::schema;
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
-/// (`SCRIPT LOAD`) and run with `EVALSHA`.
+/// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
 const SCRIPT: &str = concat!(
     include_str!("../../lua/arith.lua"),
     "\n",
@@ -284,15 +284,16 @@ impl Inner {
         }
     }
 
+    async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
+        match self.conn.clone() {
+            Connection::Single(mut c) => cmd.query_async(&mut c).await,
+            Connection::Cluster(mut c) => cmd.query_async(&mut c).await,
+        }
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         let ping = redis::cmd("PING");
-        let call = async {
-            match self.conn.clone() {
-                Connection::Single(mut c) => ping.query_async::<()>(&mut c).await,
-                Connection::Cluster(mut c) => ping.query_async::<()>(&mut c).await,
-            }
-        };
-        match tokio::time::timeout(self.timeout, call).await {
+        match tokio::time::timeout(self.timeout, self.query::<()>(&ping)).await {
             Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string())),
             Err(_) => Err(StoreError::Timeout),
         }
@@ -305,26 +306,35 @@ impl Inner {
         plan: &Plan,
         now_us: Option<u64>,
     ) -> Result<Verdict, StoreError> {
-        let mut inv = self.script.prepare_invoke();
-        for l in &plan.limits {
-            inv.key(limit_key(tag, &l.name, l.id));
-        }
-        match now_us {
-            Some(now) => inv.arg(now),
-            None => inv.arg(""),
-        };
         let seq = self.requests.fetch_add(1, Ordering::Relaxed);
-        inv.arg(plan.max_delay_us())
-            .arg(format!("{:x}.{seq:x}", self.instance));
-        for l in &plan.limits {
-            let (name, a, b, c) = params(&l.algorithm);
-            inv.arg(name).arg(l.cost).arg(a).arg(b).arg(c);
-        }
-        // EVALSHA; on NOSCRIPT (flushed, restarted, failed over) it loads and retries.
+        let uid = format!("{:x}.{seq:x}", self.instance);
+        let command = |verb: &str, script: &str| {
+            let mut cmd = redis::cmd(verb);
+            cmd.arg(script).arg(plan.limits.len());
+            for l in &plan.limits {
+                cmd.arg(limit_key(tag, &l.name, l.id));
+            }
+            match now_us {
+                Some(now) => cmd.arg(now),
+                None => cmd.arg(""),
+            };
+            cmd.arg(plan.max_delay_us()).arg(&uid);
+            for l in &plan.limits {
+                let (name, a, b, c) = params(&l.algorithm);
+                cmd.arg(name).arg(l.cost).arg(a).arg(b).arg(c);
+            }
+            cmd
+        };
+        // EVALSHA; on NOSCRIPT (flushed, restarted, failed over) EVAL with the body,
+        // which runs and caches it in one step. (SCRIPT LOAD, then EVALSHA again, fails
+        // when another flush lands between the two.)
         let call = async {
-            match self.conn.clone() {
-                Connection::Single(mut c) => inv.invoke_async::<Vec<i64>>(&mut c).await,
-                Connection::Cluster(mut c) => inv.invoke_async::<Vec<i64>>(&mut c).await,
+            let evalsha = command("EVALSHA", self.script.get_hash());
+            match self.query::<Vec<i64>>(&evalsha).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.query(&command("EVAL", SCRIPT)).await
+                }
+                r => r,
             }
         };
         let reply = match tokio::time::timeout(self.timeout, call).await {
