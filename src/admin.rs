@@ -39,8 +39,10 @@ impl Admin {
             }
             (_, p) if p.starts_with("/admin/") => {
                 if !self.authorized(&req) {
-                    let mut r = answer::text(StatusCode::UNAUTHORIZED, "missing or wrong bearer token\n");
-                    r.headers_mut().insert("www-authenticate", HeaderValue::from_static("Bearer"));
+                    let mut r =
+                        answer::text(StatusCode::UNAUTHORIZED, "missing or wrong bearer token\n");
+                    r.headers_mut()
+                        .insert("www-authenticate", HeaderValue::from_static("Bearer"));
                     return r;
                 }
                 answer::text(StatusCode::NOT_FOUND, "no such admin endpoint\n")
@@ -50,7 +52,9 @@ impl Admin {
     }
 
     fn authorized<B>(&self, req: &Request<B>) -> bool {
-        let Some(token) = &self.token else { return true };
+        let Some(token) = &self.token else {
+            return true;
+        };
         let Some(given) = req
             .headers()
             .get(AUTHORIZATION)

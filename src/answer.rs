@@ -21,15 +21,18 @@ pub fn full(b: impl Into<Bytes>) -> Body {
 pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
     let mut r = Response::new(full(body));
     *r.status_mut() = status;
-    r.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     r
 }
 
 /// Ask the client to close the connection: used when we answer before reading a
 /// request body, so unread bytes can never be taken for the next request.
 pub fn close(mut r: Response<Body>) -> Response<Body> {
-    r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+    r.headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
     r
 }
 
@@ -97,14 +100,27 @@ fn sf_string(s: &str) -> String {
 
 impl RateHeaders {
     /// Add the chosen families for `verdict` to `headers`.
-    pub fn apply(&self, headers: &mut HeaderMap, plan: &Plan, policy: Option<&HeaderValue>, verdict: &Verdict) {
-        let Some((i, o)) = verdict.headline() else { return };
+    pub fn apply(
+        &self,
+        headers: &mut HeaderMap,
+        plan: &Plan,
+        policy: Option<&HeaderValue>,
+        verdict: &Verdict,
+    ) {
+        let Some((i, o)) = verdict.headline() else {
+            return;
+        };
         let reset = ceil_secs(o.reset_us);
         if self.ietf {
             if let Some(p) = policy {
                 headers.insert(RATELIMIT_POLICY.clone(), p.clone());
             }
-            let v = format!("{};r={};t={}", sf_string(&plan.limits[i].name), o.remaining, reset);
+            let v = format!(
+                "{};r={};t={}",
+                sf_string(&plan.limits[i].name),
+                o.remaining,
+                reset
+            );
             if let Ok(v) = HeaderValue::from_str(&v) {
                 headers.insert(RATELIMIT.clone(), v);
             }

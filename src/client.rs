@@ -85,7 +85,10 @@ fn parse_hop(hop: &str) -> Option<IpAddr> {
         return Some(canonical(ip));
     }
     if let Some(rest) = hop.strip_prefix('[') {
-        return rest.split_once(']').and_then(|(a, _)| a.parse().ok()).map(canonical);
+        return rest
+            .split_once(']')
+            .and_then(|(a, _)| a.parse().ok())
+            .map(canonical);
     }
     hop.rsplit_once(':')
         .and_then(|(a, _)| a.parse::<std::net::Ipv4Addr>().ok())
@@ -109,9 +112,9 @@ impl KeyPart {
         match s.split_once(':') {
             None if s == "ip" => Some(KeyPart::Ip),
             None if s == "global" => Some(KeyPart::Global),
-            Some(("header", n)) if !n.is_empty() => {
-                HeaderName::from_bytes(n.as_bytes()).ok().map(KeyPart::Header)
-            }
+            Some(("header", n)) if !n.is_empty() => HeaderName::from_bytes(n.as_bytes())
+                .ok()
+                .map(KeyPart::Header),
             Some(("query", n)) if !n.is_empty() => Some(KeyPart::Query(n.to_string())),
             Some(("cookie", n)) if !n.is_empty() => Some(KeyPart::Cookie(n.to_string())),
             _ => None,
@@ -161,7 +164,9 @@ impl KeySpec {
     /// The request's key, or the part that is missing.
     pub fn extract(&self, req: &Parts, ip: IpAddr) -> Result<ClientKey, &KeyPart> {
         if let [one] = self.parts.as_slice() {
-            return part_value(one, req, ip).map(|v| ClientKey(v.into_owned())).ok_or(one);
+            return part_value(one, req, ip)
+                .map(|v| ClientKey(v.into_owned()))
+                .ok_or(one);
         }
         let mut key = String::new();
         for (i, part) in self.parts.iter().enumerate() {
@@ -215,7 +220,10 @@ mod tests {
     use http::Request;
 
     fn trusted() -> TrustedProxies {
-        TrustedProxies::new(vec!["10.0.0.0/8".parse().unwrap(), "192.168.1.1/32".parse().unwrap()])
+        TrustedProxies::new(vec![
+            "10.0.0.0/8".parse().unwrap(),
+            "192.168.1.1/32".parse().unwrap(),
+        ])
     }
 
     fn xff(v: &[&str]) -> HeaderMap {
@@ -233,8 +241,14 @@ mod tests {
     #[test]
     fn untrusted_peer_cannot_choose_its_address() {
         let t = trusted();
-        assert_eq!(t.client_ip(ip("203.0.113.9"), &xff(&["1.1.1.1"])), ip("203.0.113.9"));
-        assert_eq!(TrustedProxies::default().client_ip(ip("10.0.0.1"), &xff(&["1.1.1.1"])), ip("10.0.0.1"));
+        assert_eq!(
+            t.client_ip(ip("203.0.113.9"), &xff(&["1.1.1.1"])),
+            ip("203.0.113.9")
+        );
+        assert_eq!(
+            TrustedProxies::default().client_ip(ip("10.0.0.1"), &xff(&["1.1.1.1"])),
+            ip("10.0.0.1")
+        );
     }
 
     #[test]
@@ -244,23 +258,49 @@ mod tests {
         let h = xff(&["6.6.6.6, 203.0.113.7", "10.1.1.1"]);
         assert_eq!(t.client_ip(ip("10.0.0.2"), &h), ip("203.0.113.7"));
         // All hops trusted: the left-most.
-        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["10.9.9.9, 192.168.1.1"])), ip("10.9.9.9"));
+        assert_eq!(
+            t.client_ip(ip("10.0.0.2"), &xff(&["10.9.9.9, 192.168.1.1"])),
+            ip("10.9.9.9")
+        );
         // No header: the peer.
-        assert_eq!(t.client_ip(ip("10.0.0.2"), &HeaderMap::new()), ip("10.0.0.2"));
+        assert_eq!(
+            t.client_ip(ip("10.0.0.2"), &HeaderMap::new()),
+            ip("10.0.0.2")
+        );
         // Garbage stops the walk at the last trusted hop.
-        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["1.1.1.1, nonsense, 10.3.3.3"])), ip("10.3.3.3"));
+        assert_eq!(
+            t.client_ip(ip("10.0.0.2"), &xff(&["1.1.1.1, nonsense, 10.3.3.3"])),
+            ip("10.3.3.3")
+        );
         // Ports and brackets.
-        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["[2001:db8::1]:443"])), ip("2001:db8::1"));
-        assert_eq!(t.client_ip(ip("10.0.0.2"), &xff(&["203.0.113.1:8080"])), ip("203.0.113.1"));
+        assert_eq!(
+            t.client_ip(ip("10.0.0.2"), &xff(&["[2001:db8::1]:443"])),
+            ip("2001:db8::1")
+        );
+        assert_eq!(
+            t.client_ip(ip("10.0.0.2"), &xff(&["203.0.113.1:8080"])),
+            ip("203.0.113.1")
+        );
         // Mapped peers are IPv4.
-        assert_eq!(t.client_ip(ip("::ffff:10.0.0.2"), &xff(&["203.0.113.1"])), ip("203.0.113.1"));
+        assert_eq!(
+            t.client_ip(ip("::ffff:10.0.0.2"), &xff(&["203.0.113.1"])),
+            ip("203.0.113.1")
+        );
     }
 
     #[test]
     fn forwarded_header() {
         let mut h = HeaderMap::new();
-        h.insert("forwarded", r#"for=198.51.100.17;proto=https, for="[2001:db8:cafe::17]:4711""#.parse().unwrap());
-        assert_eq!(trusted().client_ip(ip("10.0.0.2"), &h), ip("2001:db8:cafe::17"));
+        h.insert(
+            "forwarded",
+            r#"for=198.51.100.17;proto=https, for="[2001:db8:cafe::17]:4711""#
+                .parse()
+                .unwrap(),
+        );
+        assert_eq!(
+            trusted().client_ip(ip("10.0.0.2"), &h),
+            ip("2001:db8:cafe::17")
+        );
     }
 
     fn parts(uri: &str, headers: &[(&str, &str)]) -> Parts {
@@ -272,7 +312,9 @@ mod tests {
     }
 
     fn spec(parts: &[&str]) -> KeySpec {
-        KeySpec { parts: parts.iter().map(|p| KeyPart::parse(p).unwrap()).collect() }
+        KeySpec {
+            parts: parts.iter().map(|p| KeyPart::parse(p).unwrap()).collect(),
+        }
     }
 
     #[test]
@@ -287,10 +329,22 @@ mod tests {
         assert_eq!(spec(&["query:api_key"]).extract(&p, a).unwrap().0, "q k");
         assert_eq!(spec(&["cookie:session"]).extract(&p, a).unwrap().0, "s3");
         assert_eq!(spec(&["global"]).extract(&p, a).unwrap().0, "global");
-        assert_eq!(spec(&["header:x-api-key", "ip"]).extract(&p, a).unwrap().0, "abc|1.2.3.4");
+        assert_eq!(
+            spec(&["header:x-api-key", "ip"]).extract(&p, a).unwrap().0,
+            "abc|1.2.3.4"
+        );
         let missing = spec(&["ip", "header:x-tenant"]);
-        assert_eq!(missing.extract(&p, a).unwrap_err().describe(), "header x-tenant");
-        assert_eq!(spec(&["cookie:nope"]).extract(&p, a).unwrap_err().describe(), "cookie nope");
+        assert_eq!(
+            missing.extract(&p, a).unwrap_err().describe(),
+            "header x-tenant"
+        );
+        assert_eq!(
+            spec(&["cookie:nope"])
+                .extract(&p, a)
+                .unwrap_err()
+                .describe(),
+            "cookie nope"
+        );
         // Separators are escaped: these two must not share a key.
         let p1 = parts("/", &[("a", "x|y"), ("b", "z")]);
         let p2 = parts("/", &[("a", "x"), ("b", "y|z")]);

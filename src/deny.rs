@@ -20,7 +20,11 @@ pub struct DenyList {
 }
 
 impl DenyList {
-    pub fn new(entries: impl IntoIterator<Item = IpNet>, keys: impl IntoIterator<Item = String>, status: StatusCode) -> DenyList {
+    pub fn new(
+        entries: impl IntoIterator<Item = IpNet>,
+        keys: impl IntoIterator<Item = String>,
+        status: StatusCode,
+    ) -> DenyList {
         let mut addrs = HashSet::new();
         let mut nets = Vec::new();
         for n in entries {
@@ -30,7 +34,12 @@ impl DenyList {
                 nets.push(n);
             }
         }
-        DenyList { addrs, nets, keys: keys.into_iter().collect(), status }
+        DenyList {
+            addrs,
+            nets,
+            keys: keys.into_iter().collect(),
+            status,
+        }
     }
 
     pub fn ip(&self, ip: IpAddr) -> bool {
@@ -57,7 +66,11 @@ mod tests {
     #[test]
     fn addresses_blocks_and_keys() {
         let d = DenyList::new(
-            ["203.0.113.0/24".parse().unwrap(), "198.51.100.7/32".parse().unwrap(), "2001:db8::/32".parse().unwrap()],
+            [
+                "203.0.113.0/24".parse().unwrap(),
+                "198.51.100.7/32".parse().unwrap(),
+                "2001:db8::/32".parse().unwrap(),
+            ],
             ["leaked".to_string()],
             StatusCode::FORBIDDEN,
         );

@@ -56,7 +56,11 @@ pub struct Route {
 
 pub enum Action {
     Upstream(Arc<Upstream>),
-    Respond { status: StatusCode, body: Bytes, headers: HeaderMap },
+    Respond {
+        status: StatusCode,
+        body: Bytes,
+        headers: HeaderMap,
+    },
 }
 
 /// A route's limits: the default tier and the tiers of named keys.
@@ -73,7 +77,10 @@ pub struct Tier {
 
 impl Limits {
     fn tier(&self, key: &str) -> &Tier {
-        self.overrides.get(key).map(|t| t.as_ref()).unwrap_or(&self.default)
+        self.overrides
+            .get(key)
+            .map(|t| t.as_ref())
+            .unwrap_or(&self.default)
     }
 }
 
@@ -88,7 +95,11 @@ pub struct Shared {
 
 // === the request path ===
 
-pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+pub async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Body> {
     let started = Instant::now();
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
@@ -107,15 +118,24 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAdd
             break 'answer (denied(&rt), Decision::Denied);
         }
         let Some(route) = route else {
-            break 'answer (answer::text(StatusCode::NOT_FOUND, "no route matches this request\n"), Decision::Unmatched);
+            break 'answer (
+                answer::text(StatusCode::NOT_FOUND, "no route matches this request\n"),
+                Decision::Unmatched,
+            );
         };
         let (ns, key) = match route.key.extract(&parts, ip) {
             Ok(k) => (&route.ns, k),
             Err(part) => match route.missing_key {
                 MissingKey::Ip => (&route.fallback_ns, ClientKey(ip.to_string())),
                 MissingKey::Reject => {
-                    let msg = format!("missing {}: this route needs it to identify the client\n", part.describe());
-                    break 'answer (answer::text(StatusCode::BAD_REQUEST, msg), Decision::BadRequest);
+                    let msg = format!(
+                        "missing {}: this route needs it to identify the client\n",
+                        part.describe()
+                    );
+                    break 'answer (
+                        answer::text(StatusCode::BAD_REQUEST, msg),
+                        Decision::BadRequest,
+                    );
                 }
             },
         };
@@ -124,7 +144,10 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAdd
         }
         if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
             let msg = format!("request body larger than {} bytes\n", rt.max_request_body);
-            break 'answer (answer::text(StatusCode::PAYLOAD_TOO_LARGE, msg), Decision::BadRequest);
+            break 'answer (
+                answer::text(StatusCode::PAYLOAD_TOO_LARGE, msg),
+                Decision::BadRequest,
+            );
         }
 
         let mut decision = Decision::Allowed;
@@ -141,7 +164,10 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAdd
                     tracing::debug!(route = %route.name, error = %e, "limiter store failed");
                     match rt.on_error {
                         OnError::Deny => {
-                            let r = answer::text(StatusCode::SERVICE_UNAVAILABLE, "rate limiter unavailable; try again later\n");
+                            let r = answer::text(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "rate limiter unavailable; try again later\n",
+                            );
                             break 'answer (r, Decision::StoreErrorDenied);
                         }
                         OnError::Allow => (None, true),
@@ -164,7 +190,8 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAdd
                 Some(v) => {
                     let (name, retry) = refusal(&tier.plan, &v);
                     let mut r = answer::limited(&route.name, name, retry);
-                    rt.rate_headers.apply(r.headers_mut(), &tier.plan, tier.policy.as_ref(), &v);
+                    rt.rate_headers
+                        .apply(r.headers_mut(), &tier.plan, tier.policy.as_ref(), &v);
                     break 'answer (r, Decision::Limited);
                 }
                 None => decision = Decision::StoreErrorAllowed,
@@ -172,28 +199,49 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: SocketAdd
         }
 
         let mut resp = match &route.action {
-            Action::Respond { status, body, headers } => {
+            Action::Respond {
+                status,
+                body,
+                headers,
+            } => {
                 let mut r = Response::new(answer::full(body.clone()));
                 *r.status_mut() = *status;
-                r.headers_mut().extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+                r.headers_mut()
+                    .extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
                 r
             }
             Action::Upstream(up) => {
-                let origin = Origin { peer: peer.ip(), trusted: rt.trusted.contains(peer.ip()), proto: shared.proto };
-                match up.forward(Request::from_parts(parts, body), &origin, rt.max_request_body).await {
+                let origin = Origin {
+                    peer: peer.ip(),
+                    trusted: rt.trusted.contains(peer.ip()),
+                    proto: shared.proto,
+                };
+                match up
+                    .forward(
+                        Request::from_parts(parts, body),
+                        &origin,
+                        rt.max_request_body,
+                    )
+                    .await
+                {
                     Ok(r) => r,
                     Err(e) => upstream_failed(route, e),
                 }
             }
         };
         if let Some((tier, v)) = &report {
-            rt.rate_headers.apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
+            rt.rate_headers
+                .apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
         }
         return finish(metrics, decision, started, resp);
     };
 
     // Answered before the body was read: close an HTTP/1 connection that carries one.
-    let resp = if has_body && http1 { answer::close(resp) } else { resp };
+    let resp = if has_body && http1 {
+        answer::close(resp)
+    } else {
+        resp
+    };
     finish(metrics, decision, started, resp)
 }
 

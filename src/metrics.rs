@@ -10,8 +10,8 @@ use prometheus::{
 /// Latency buckets from 100µs to 10s: wide enough for a limiter call and a proxied
 /// request alike.
 const BUCKETS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0, 10.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
 ];
 
 pub struct Metrics {
@@ -55,7 +55,10 @@ impl Metrics {
         )
         .expect("metric definition");
         let store_errors = IntCounterVec::new(
-            Opts::new("sluice_store_errors_total", "Limiter calls that failed, by store."),
+            Opts::new(
+                "sluice_store_errors_total",
+                "Limiter calls that failed, by store.",
+            ),
             &["store"],
         )
         .expect("metric definition");
@@ -68,7 +71,10 @@ impl Metrics {
         )
         .expect("metric definition");
         let config_reloads = IntCounterVec::new(
-            Opts::new("sluice_config_reloads_total", "Configuration reloads by result."),
+            Opts::new(
+                "sluice_config_reloads_total",
+                "Configuration reloads by result.",
+            ),
             &["result"],
         )
         .expect("metric definition");
@@ -106,7 +112,9 @@ impl Metrics {
         ] {
             registry.register(c).expect("metric registered once");
         }
-        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
         config_last_reload_success.set(1);
         Metrics {
             registry,

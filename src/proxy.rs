@@ -29,7 +29,11 @@ pub enum BuildError {
     #[error("upstream {upstream}: target {target:?} is not an http:// or https:// address")]
     Target { upstream: String, target: String },
     #[error("upstream {upstream}: cannot read tls_ca {path}: {reason}")]
-    Ca { upstream: String, path: String, reason: String },
+    Ca {
+        upstream: String,
+        path: String,
+        reason: String,
+    },
     #[error("TLS setup: {0}")]
     Tls(#[from] rustls::Error),
 }
@@ -73,7 +77,10 @@ pub struct Upstream {
 
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.debug_struct("Upstream").field("name", &self.name).field("targets", &self.targets).finish()
+        f.debug_struct("Upstream")
+            .field("name", &self.name)
+            .field("targets", &self.targets)
+            .finish()
     }
 }
 
@@ -103,15 +110,21 @@ impl Upstream {
                     target: t.clone(),
                 })?;
                 match (uri.scheme(), uri.authority()) {
-                    (Some(s), Some(a)) if *s == Scheme::HTTP || *s == Scheme::HTTPS => {
-                        Ok(Target { scheme: s.clone(), authority: a.clone() })
-                    }
-                    _ => Err(BuildError::Target { upstream: name.into(), target: t.clone() }),
+                    (Some(s), Some(a)) if *s == Scheme::HTTP || *s == Scheme::HTTPS => Ok(Target {
+                        scheme: s.clone(),
+                        authority: a.clone(),
+                    }),
+                    _ => Err(BuildError::Target {
+                        upstream: name.into(),
+                        target: t.clone(),
+                    }),
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
 
-        let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+        let mut roots = rustls::RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        };
         if let Some(path) = tls_ca {
             let ca_err = |reason: String| BuildError::Ca {
                 upstream: name.into(),
@@ -141,7 +154,13 @@ impl Upstream {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
-        Ok(Upstream { name: name.into(), targets, next: AtomicUsize::new(0), client, timeout })
+        Ok(Upstream {
+            name: name.into(),
+            targets,
+            next: AtomicUsize::new(0),
+            client,
+            timeout,
+        })
     }
 
     fn pick(&self) -> &Target {
@@ -161,12 +180,17 @@ impl Upstream {
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
 
         let (mut parts, body) = req.into_parts();
-        let host = parts
-            .headers
-            .get(header::HOST)
+        let host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        let path = parts
+            .uri
+            .path_and_query()
             .cloned()
-            .or_else(|| parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
-        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
         parts.uri = Uri::builder()
             .scheme(target.scheme.clone())
             .authority(target.authority.clone())
@@ -174,10 +198,14 @@ impl Upstream {
             .build()
             .map_err(|e| ProxyError::Reset(e.into()))?;
         parts.version = Version::HTTP_11;
-        let upgrade_proto = upgrade.then(|| parts.headers.get(header::UPGRADE).cloned()).flatten();
+        let upgrade_proto = upgrade
+            .then(|| parts.headers.get(header::UPGRADE).cloned())
+            .flatten();
         strip_hop_by_hop(&mut parts.headers);
         if let Some(proto) = upgrade_proto {
-            parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            parts
+                .headers
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
             parts.headers.insert(header::UPGRADE, proto);
         }
         set_forwarded(&mut parts.headers, origin, host.as_ref());
@@ -202,7 +230,10 @@ impl Upstream {
         }
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        Ok(Response::from_parts(parts, body.map_err(BoxError::from).boxed()))
+        Ok(Response::from_parts(
+            parts,
+            body.map_err(BoxError::from).boxed(),
+        ))
     }
 }
 
@@ -284,8 +315,16 @@ static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 /// trusted proxy already did.
 fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>) {
     let peer = crate::client::canonical(origin.peer).to_string();
-    let prior: Vec<&str> = h.get_all(&XFF).iter().filter_map(|v| v.to_str().ok()).collect();
-    let xff = if prior.is_empty() { peer } else { format!("{}, {peer}", prior.join(", ")) };
+    let prior: Vec<&str> = h
+        .get_all(&XFF)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let xff = if prior.is_empty() {
+        peer
+    } else {
+        format!("{}, {peer}", prior.join(", "))
+    };
     if let Ok(v) = HeaderValue::from_str(&xff) {
         h.insert(XFF.clone(), v);
     }
@@ -324,8 +363,16 @@ mod tests {
         h.append("x-forwarded-for", "1.1.1.1".parse().unwrap());
         h.append("x-forwarded-for", "2.2.2.2".parse().unwrap());
         h.insert("x-forwarded-proto", "https".parse().unwrap());
-        let o = Origin { peer: "10.0.0.1".parse().unwrap(), trusted: false, proto: "http" };
-        set_forwarded(&mut h, &o, Some(&HeaderValue::from_static("api.example.com")));
+        let o = Origin {
+            peer: "10.0.0.1".parse().unwrap(),
+            trusted: false,
+            proto: "http",
+        };
+        set_forwarded(
+            &mut h,
+            &o,
+            Some(&HeaderValue::from_static("api.example.com")),
+        );
         assert_eq!(h["x-forwarded-for"], "1.1.1.1, 2.2.2.2, 10.0.0.1");
         assert_eq!(h["x-forwarded-proto"], "http");
         assert_eq!(h["x-forwarded-host"], "api.example.com");

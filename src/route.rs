@@ -75,7 +75,9 @@ impl Matcher {
             }
         }
         if let Some(h) = &self.host {
-            let Some(host) = request_host(req) else { return false };
+            let Some(host) = request_host(req) else {
+                return false;
+            };
             let ok = match h {
                 HostMatch::Exact(want) => host.eq_ignore_ascii_case(want),
                 HostMatch::Suffix(sfx) => {
@@ -119,13 +121,19 @@ mod tests {
 
     #[test]
     fn host_matching() {
-        let m = Matcher { host: Some(HostMatch::parse("*.example.com")), ..Default::default() };
+        let m = Matcher {
+            host: Some(HostMatch::parse("*.example.com")),
+            ..Default::default()
+        };
         assert!(m.matches(&req("GET", "/", &[("host", "api.example.com")])));
         assert!(m.matches(&req("GET", "/", &[("host", "a.b.EXAMPLE.com:8080")])));
         assert!(!m.matches(&req("GET", "/", &[("host", "example.com")])));
         assert!(!m.matches(&req("GET", "/", &[("host", "badexample.com")])));
         assert!(!m.matches(&req("GET", "/", &[])));
-        let m = Matcher { host: Some(HostMatch::parse("api.example.com")), ..Default::default() };
+        let m = Matcher {
+            host: Some(HostMatch::parse("api.example.com")),
+            ..Default::default()
+        };
         assert!(m.matches(&req("GET", "http://API.example.com/x", &[])));
         assert!(!m.matches(&req("GET", "/", &[("host", "api.example.com.evil")])));
     }
@@ -136,7 +144,10 @@ mod tests {
             path_prefix: Some("/v1/".into()),
             methods: Some(vec![Method::POST]),
             headers: vec![
-                (HeaderName::from_static("x-tenant"), HeaderMatch::Exact(HeaderValue::from_static("acme"))),
+                (
+                    HeaderName::from_static("x-tenant"),
+                    HeaderMatch::Exact(HeaderValue::from_static("acme")),
+                ),
                 (HeaderName::from_static("x-any"), HeaderMatch::Present),
             ],
             ..Default::default()
@@ -145,12 +156,22 @@ mod tests {
         assert!(m.matches(&req("POST", "/v1/items", &h)));
         assert!(!m.matches(&req("GET", "/v1/items", &h)));
         assert!(!m.matches(&req("POST", "/v2/items", &h)));
-        assert!(!m.matches(&req("POST", "/v1/items", &[("x-tenant", "other"), ("x-any", "1")])));
+        assert!(!m.matches(&req(
+            "POST",
+            "/v1/items",
+            &[("x-tenant", "other"), ("x-any", "1")]
+        )));
         assert!(!m.matches(&req("POST", "/v1/items", &[("x-tenant", "acme")])));
-        let exact = Matcher { path: Some("/login".into()), ..Default::default() };
+        let exact = Matcher {
+            path: Some("/login".into()),
+            ..Default::default()
+        };
         assert!(exact.matches(&req("GET", "/login?next=/", &[])));
         assert!(!exact.matches(&req("GET", "/login/", &[])));
-        let re = Matcher { path_regex: Some(Regex::new("^/users/[0-9]+$").unwrap()), ..Default::default() };
+        let re = Matcher {
+            path_regex: Some(Regex::new("^/users/[0-9]+$").unwrap()),
+            ..Default::default()
+        };
         assert!(re.matches(&req("GET", "/users/42", &[])));
         assert!(!re.matches(&req("GET", "/users/x", &[])));
     }

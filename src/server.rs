@@ -33,7 +33,10 @@ pub enum StartError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("cannot listen on {addr}: {source}")]
-    Listen { addr: SocketAddr, source: std::io::Error },
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("server.tls: {0}")]
     Tls(String),
 }
@@ -95,14 +98,22 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     });
 
     let listen = |addr: SocketAddr| async move {
-        TcpListener::bind(addr).await.map_err(|source| StartError::Listen { addr, source })
+        TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Listen { addr, source })
     };
     let listener = listen(f.server.listen.0).await?;
     let admin_listener = listen(f.admin.listen.0).await?;
-    let addr = listener.local_addr().map_err(|source| StartError::Listen { addr: f.server.listen.0, source })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Listen {
+        addr: f.server.listen.0,
+        source,
+    })?;
     let admin_addr = admin_listener
         .local_addr()
-        .map_err(|source| StartError::Listen { addr: f.admin.listen.0, source })?;
+        .map_err(|source| StartError::Listen {
+            addr: f.admin.listen.0,
+            source,
+        })?;
 
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -125,10 +136,26 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         let cap = f.server.max_connections.get();
         let handshake = f.server.request_header_timeout.get();
         let tls = tls.map(|acceptor| (acceptor, handshake));
-        tokio::spawn(serve(listener, tls, Arc::new(builder), service, cap, stop_rx.clone(), grace))
+        tokio::spawn(serve(
+            listener,
+            tls,
+            Arc::new(builder),
+            service,
+            cap,
+            stop_rx.clone(),
+            grace,
+        ))
     };
     let admin = {
-        let admin = Arc::new(Admin { shared: shared.clone(), token: f.admin.token.as_ref().map(|t| t.0.clone()) });
+        let admin = Arc::new(Admin {
+            shared: shared.clone(),
+            token: f
+                .admin
+                .token
+                .as_ref()
+                .filter(|t| !t.is_empty())
+                .map(|t| t.0.clone()),
+        });
         let service = move |_peer: SocketAddr| {
             let admin = admin.clone();
             service_fn(move |req| {
@@ -137,7 +164,15 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             })
         };
         let builder = Arc::new(auto::Builder::new(TokioExecutor::new()));
-        tokio::spawn(serve(admin_listener, None, builder, service, 256, stop_rx.clone(), Duration::from_secs(1)))
+        tokio::spawn(serve(
+            admin_listener,
+            None,
+            builder,
+            service,
+            256,
+            stop_rx.clone(),
+            Duration::from_secs(1),
+        ))
     };
     let sweeper = {
         let shared = shared.clone();
@@ -155,6 +190,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             }
         })
     };
+    warn_unbuilt(f);
     tracing::info!(%addr, %admin_addr, config = %loaded.path.display(), hash = %loaded.hash, "sluice started");
     Ok(Running {
         addr,
@@ -164,6 +200,17 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         stop,
         tasks: vec![gw, admin, sweeper],
     })
+}
+
+/// Settings the schema already knows but this version does not act on yet: say so
+/// loudly rather than let an operator believe they protect anything.
+fn warn_unbuilt(f: &crate::config::schema::File) {
+    for r in f.routes.iter().filter(|r| r.ban.is_some()) {
+        tracing::warn!(route = %r.name, "ban is not enforced in this version: keys are not banned automatically");
+    }
+    if f.deny.state_file.is_some() {
+        tracing::warn!("deny.state_file is not used in this version: there are no dynamic deny entries yet");
+    }
 }
 
 impl Running {
@@ -214,8 +261,11 @@ async fn serve<S, F>(
     grace: Duration,
 ) where
     F: Fn(SocketAddr) -> S,
-    S: hyper::service::Service<http::Request<hyper::body::Incoming>, Response = http::Response<crate::answer::Body>, Error = Infallible>
-        + Send
+    S: hyper::service::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<crate::answer::Body>,
+            Error = Infallible,
+        > + Send
         + 'static,
     S::Future: Send + 'static,
 {
@@ -239,22 +289,31 @@ async fn serve<S, F>(
             _ = stop.changed() => break,
         };
         let _ = stream.set_nodelay(true);
-        let (builder, service, watcher, tls) = (builder.clone(), service(peer), graceful.watcher(), tls.clone());
+        let (builder, service, watcher, tls) = (
+            builder.clone(),
+            service(peer),
+            graceful.watcher(),
+            tls.clone(),
+        );
         tokio::spawn(async move {
             let _permit = permit;
             let result = match tls {
                 None => {
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    let conn =
+                        builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                     watcher.watch(conn.into_owned()).await
                 }
-                Some((acceptor, limit)) => match tokio::time::timeout(limit, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => {
-                        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        watcher.watch(conn.into_owned()).await
+                Some((acceptor, limit)) => {
+                    match tokio::time::timeout(limit, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            let conn = builder
+                                .serve_connection_with_upgrades(TokioIo::new(stream), service);
+                            watcher.watch(conn.into_owned()).await
+                        }
+                        Ok(Err(e)) => Err(e.into()),
+                        Err(_) => Err("TLS handshake timed out".into()),
                     }
-                    Ok(Err(e)) => Err(e.into()),
-                    Err(_) => Err("TLS handshake timed out".into()),
-                },
+                }
             };
             if let Err(e) = result {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -262,7 +321,13 @@ async fn serve<S, F>(
         });
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!(?grace, "shutdown grace elapsed with requests still in flight");
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            ?grace,
+            "shutdown grace elapsed with requests still in flight"
+        );
     }
 }

@@ -33,7 +33,10 @@ pub enum CompileError {
 }
 
 fn route_err(route: &str, message: impl Into<String>) -> CompileError {
-    CompileError::Route { route: route.into(), message: message.into() }
+    CompileError::Route {
+        route: route.into(),
+        message: message.into(),
+    }
 }
 
 pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileError> {
@@ -79,20 +82,29 @@ fn compile_route(
     let name = r.name.0.clone();
     let action = match (&r.upstream, &r.respond) {
         (Some(u), _) => Action::Upstream(
-            upstreams.get(u.as_str()).cloned().ok_or_else(|| route_err(&name, format!("unknown upstream {u}")))?,
+            upstreams
+                .get(u.as_str())
+                .cloned()
+                .ok_or_else(|| route_err(&name, format!("unknown upstream {u}")))?,
         ),
         (None, Some(resp)) => {
             let mut headers = HeaderMap::new();
             for (k, v) in &resp.headers {
-                let k = HeaderName::from_bytes(k.as_bytes()).map_err(|_| route_err(&name, format!("bad header name {k}")))?;
-                let v = HeaderValue::from_str(v).map_err(|_| route_err(&name, format!("bad header value {v:?}")))?;
+                let k = HeaderName::from_bytes(k.as_bytes())
+                    .map_err(|_| route_err(&name, format!("bad header name {k}")))?;
+                let v = HeaderValue::from_str(v)
+                    .map_err(|_| route_err(&name, format!("bad header value {v:?}")))?;
                 headers.insert(k, v);
             }
             if !headers.contains_key(http::header::CONTENT_TYPE) {
-                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+                headers.insert(
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; charset=utf-8"),
+                );
             }
             Action::Respond {
-                status: StatusCode::from_u16(resp.status.get()).map_err(|_| route_err(&name, "bad respond.status"))?,
+                status: StatusCode::from_u16(resp.status.get())
+                    .map_err(|_| route_err(&name, "bad respond.status"))?,
                 body: Bytes::from(resp.body.0.clone()),
                 headers,
             }
@@ -112,7 +124,9 @@ fn compile_route(
     };
 
     let mode = match (r.on_limit, r.max_delay) {
-        (OnLimit::Delay, Some(d)) => Mode::Delay { max_delay_us: d.get().as_micros() as u64 },
+        (OnLimit::Delay, Some(d)) => Mode::Delay {
+            max_delay_us: d.get().as_micros() as u64,
+        },
         _ => Mode::Reject,
     };
     let limits = if r.limits.is_empty() {
@@ -157,11 +171,15 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
     };
     let mut headers = Vec::new();
     for (k, v) in m.headers.iter().flatten() {
-        let name = HeaderName::from_bytes(k.as_bytes()).map_err(|_| route_err(route, format!("bad header name {k}")))?;
+        let name = HeaderName::from_bytes(k.as_bytes())
+            .map_err(|_| route_err(route, format!("bad header name {k}")))?;
         let m = if v.as_str() == "*" {
             HeaderMatch::Present
         } else {
-            HeaderMatch::Exact(HeaderValue::from_str(v).map_err(|_| route_err(route, format!("bad header value {v:?}")))?)
+            HeaderMatch::Exact(
+                HeaderValue::from_str(v)
+                    .map_err(|_| route_err(route, format!("bad header value {v:?}")))?,
+            )
         };
         headers.push((name, m));
     }
@@ -170,7 +188,9 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
         path: m.path.as_ref().map(|p| p.0.clone()),
         path_prefix: m.path_prefix.as_ref().map(|p| p.0.clone()),
         path_regex: match &m.path_regex {
-            Some(re) => Some(Regex::new(re).map_err(|e| route_err(route, format!("path_regex: {e}")))?),
+            Some(re) => {
+                Some(Regex::new(re).map_err(|e| route_err(route, format!("path_regex: {e}")))?)
+            }
             None => None,
         },
         methods,
@@ -185,7 +205,10 @@ fn tier(route: &str, limits: &[schema::Limit], mode: Mode) -> Result<Tier, Compi
         .map(|(i, l)| limit_def(route, i, l))
         .collect::<Result<Vec<_>, _>>()?;
     let plan = Plan { limits: defs, mode };
-    Ok(Tier { policy: policy_header(&plan), plan })
+    Ok(Tier {
+        policy: policy_header(&plan),
+        plan,
+    })
 }
 
 /// The name a limit goes by: its `name`, or `<algorithm>_<index>`.
@@ -201,7 +224,10 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     let missing = |what: &str| route_err(route, format!("limit {name}: missing {what}"));
     let us = |d: std::time::Duration| d.as_micros() as u64;
     let windowed = || -> Result<(u64, u64), CompileError> {
-        Ok((l.limit.ok_or_else(|| missing("limit"))?.get(), us(l.window.ok_or_else(|| missing("window"))?.get())))
+        Ok((
+            l.limit.ok_or_else(|| missing("limit"))?.get(),
+            us(l.window.ok_or_else(|| missing("window"))?.get()),
+        ))
     };
     let bucket = || -> Result<(Rate, u64), CompileError> {
         let r = l.rate.ok_or_else(|| missing("rate"))?;
@@ -209,16 +235,31 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
         Ok((reduced(r.count, us(r.per)), burst))
     };
     let algorithm = match l.algorithm {
-        AlgorithmName::FixedWindow => windowed().map(|(limit, window_us)| Algorithm::FixedWindow { limit, window_us })?,
-        AlgorithmName::SlidingWindow => windowed().map(|(limit, window_us)| Algorithm::SlidingWindow { limit, window_us })?,
-        AlgorithmName::SlidingLog => windowed().map(|(limit, window_us)| Algorithm::SlidingLog { limit, window_us })?,
-        AlgorithmName::TokenBucket => bucket().map(|(rate, burst)| Algorithm::TokenBucket { rate, burst })?,
+        AlgorithmName::FixedWindow => {
+            windowed().map(|(limit, window_us)| Algorithm::FixedWindow { limit, window_us })?
+        }
+        AlgorithmName::SlidingWindow => {
+            windowed().map(|(limit, window_us)| Algorithm::SlidingWindow { limit, window_us })?
+        }
+        AlgorithmName::SlidingLog => {
+            windowed().map(|(limit, window_us)| Algorithm::SlidingLog { limit, window_us })?
+        }
+        AlgorithmName::TokenBucket => {
+            bucket().map(|(rate, burst)| Algorithm::TokenBucket { rate, burst })?
+        }
         AlgorithmName::Gcra => bucket().map(|(rate, burst)| Algorithm::Gcra { rate, burst })?,
         AlgorithmName::Concurrency => {
-            return Err(route_err(route, "the concurrency algorithm is not available in this version"))
+            return Err(route_err(
+                route,
+                "the concurrency algorithm is not available in this version",
+            ))
         }
     };
-    Ok(LimitDef::new(name, algorithm, l.cost.map_or(1, |c| c.get())))
+    Ok(LimitDef::new(
+        name,
+        algorithm,
+        l.cost.map_or(1, |c| c.get()),
+    ))
 }
 
 /// `count` per `per_us` with their common factor divided out: the same rate, with
@@ -229,7 +270,10 @@ pub fn reduced(count: u64, per_us: u64) -> Rate {
         (a, b) = (b, a % b);
     }
     let g = a.max(1);
-    Rate { count: count / g, per_us: per_us / g }
+    Rate {
+        count: count / g,
+        per_us: per_us / g,
+    }
 }
 
 #[cfg(test)]
@@ -238,8 +282,26 @@ mod tests {
 
     #[test]
     fn rates_are_reduced() {
-        assert_eq!(reduced(10, 1_000_000), Rate { count: 1, per_us: 100_000 });
-        assert_eq!(reduced(3, 1_000_000), Rate { count: 3, per_us: 1_000_000 });
-        assert_eq!(reduced(100_000, 86_400_000_000), Rate { count: 1, per_us: 864_000 });
+        assert_eq!(
+            reduced(10, 1_000_000),
+            Rate {
+                count: 1,
+                per_us: 100_000
+            }
+        );
+        assert_eq!(
+            reduced(3, 1_000_000),
+            Rate {
+                count: 3,
+                per_us: 1_000_000
+            }
+        );
+        assert_eq!(
+            reduced(100_000, 86_400_000_000),
+            Rate {
+                count: 1,
+                per_us: 864_000
+            }
+        );
     }
 }

@@ -3,8 +3,10 @@
 //! the runtime structures the request path reads through one `Arc`.
 
 pub mod compile;
+pub mod locate;
 pub mod schema;
 pub mod summary;
+pub mod validate;
 pub mod value;
 
 use std::fmt;
@@ -26,7 +28,14 @@ impl fmt::Display for ConfigError {
         if self.line == 0 {
             write!(f, "{}: {}", self.file.display(), self.message)
         } else {
-            write!(f, "{}:{}:{}: {}", self.file.display(), self.line, self.col, self.message)
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file.display(),
+                self.line,
+                self.col,
+                self.message
+            )
         }
     }
 }
@@ -82,18 +91,45 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
 
 /// Parse and validate `text` as if read from `path`.
 pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
+    let hash = sha1_smol::Sha1::from(text.as_bytes()).digest().to_string();
+    // serde_yaml takes a byte order mark (as some Windows editors write) for a
+    // document of its own and then reports the real one as a second document.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let index = locate::Index::parse(text);
     let file: schema::File = serde_yaml::from_str(text).map_err(|e| {
-        let (line, col) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
+        let (mut line, mut col) = e
+            .location()
+            .map(|l| (l.line(), l.column()))
+            .unwrap_or((0, 0));
+        let mut message = serde_message(&e, line, col);
+        let key_error = message
+            .strip_suffix(": data did not match any variant of untagged enum KeySpec")
+            .and_then(|route| validate::explain_key_error(text, &index, route));
+        if let Some(((l, c), m)) = key_error {
+            (line, col, message) = (l, c, m);
+        }
         ConfigErrors(vec![ConfigError {
             file: path.to_path_buf(),
             line,
             col,
-            message: e.to_string(),
+            message,
         }])
     })?;
+    let errors = validate::validate(&file, &index, path);
+    if !errors.is_empty() {
+        return Err(ConfigErrors(errors));
+    }
     Ok(Loaded {
         path: path.to_path_buf(),
         file,
-        hash: sha1_smol::Sha1::from(text.as_bytes()).digest().to_string(),
+        hash,
     })
+}
+
+/// serde_yaml's message without its " at line L column C", which the
+/// `FILE:LINE:COL:` prefix already says. A context it adds after a comma (", while
+/// parsing a block mapping at line 1 column 1") points elsewhere and stays.
+fn serde_message(e: &serde_yaml::Error, line: usize, col: usize) -> String {
+    let message = e.to_string();
+    message.replacen(&format!(" at line {line} column {col}"), "", 1)
 }

@@ -75,7 +75,10 @@ pub struct Admin {
 
 impl Default for Admin {
     fn default() -> Self {
-        Admin { listen: Addr::literal("127.0.0.1:9091"), token: None }
+        Admin {
+            listen: Addr::literal("127.0.0.1:9091"),
+            token: None,
+        }
     }
 }
 
@@ -115,7 +118,9 @@ pub struct MemoryStore {
 
 impl Default for MemoryStore {
     fn default() -> Self {
-        MemoryStore { max_keys: Num(1_000_000) }
+        MemoryStore {
+            max_keys: Num(1_000_000),
+        }
     }
 }
 
@@ -188,7 +193,12 @@ pub struct Deny {
 
 impl Default for Deny {
     fn default() -> Self {
-        Deny { ips: Vec::new(), keys: Vec::new(), status: Num(403), state_file: None }
+        Deny {
+            ips: Vec::new(),
+            keys: Vec::new(),
+            status: Num(403),
+            state_file: None,
+        }
     }
 }
 

@@ -1,4 +1,392 @@
-//! TEMPORARY stub until the config-validate branch lands.
-pub fn summary(loaded: &super::Loaded) -> String {
-    format!("{}: ok\n", loaded.path.display())
+//! What `sluice check` prints for a valid file, like `nginx -t`: one screen with the
+//! listeners, the store, the upstreams and every route with its limits, so an
+//! operator can see what the file means before reloading it. Never prints secrets.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use super::schema::{AlgorithmName, Backend, KeySpec, Limit, OnError, OnLimit, Route};
+use super::validate::{effective_burst, limit_name};
+use super::value::RateSpec;
+use super::Loaded;
+
+/// The summary of a loaded file, one line per `\n`, ending with a newline.
+pub fn summary(loaded: &Loaded) -> String {
+    let f = &loaded.file;
+    let mut out = String::new();
+    let short_hash = loaded.hash.get(..8).unwrap_or(&loaded.hash);
+    line(
+        &mut out,
+        format!("{}: ok (sha1 {short_hash})", loaded.path.display()),
+    );
+
+    let protocols = if f.server.tls.is_some() {
+        "https: http/1.1, h2"
+    } else {
+        "http/1.1, h2c"
+    };
+    let token = match &f.admin.token {
+        Some(t) if !t.is_empty() => "token",
+        _ => "no token",
+    };
+    line(
+        &mut out,
+        format!(
+            "listen  {} ({protocols})   admin {} ({token})",
+            f.server.listen.0, f.admin.listen.0
+        ),
+    );
+
+    let on_error = match f.store.on_error {
+        OnError::Local => "local",
+        OnError::Allow => "allow",
+        OnError::Deny => "deny",
+    };
+    let max_keys = f.store.memory.max_keys.get();
+    let store = match (f.store.backend, &f.store.redis) {
+        (Backend::Redis, Some(r)) => {
+            let target = match (&r.url, &r.cluster) {
+                (Some(url), _) => redact_url(url),
+                (None, Some(nodes)) => format!(
+                    "cluster {}",
+                    nodes
+                        .iter()
+                        .map(|n| redact_url(n))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                (None, None) => "(no url)".to_string(),
+            };
+            format!(
+                "redis {target}, timeout {}, key_prefix {:?}, on_error {on_error} (local: memory, max_keys {max_keys})",
+                fmt_dur(r.timeout.get()),
+                r.key_prefix.as_str()
+            )
+        }
+        _ => format!("memory, max_keys {max_keys}, on_error {on_error}"),
+    };
+    line(&mut out, format!("store   {store}"));
+
+    for (name, up) in &f.upstreams {
+        let targets: Vec<&str> = up.targets.iter().map(|t| t.as_str()).collect();
+        line(
+            &mut out,
+            format!(
+                "upstream {name} -> {} (connect {}, timeout {})",
+                targets.join(", "),
+                fmt_dur(up.connect_timeout.get()),
+                fmt_dur(up.timeout.get())
+            ),
+        );
+    }
+
+    line(&mut out, format!("routes  {}", f.routes.len()));
+    let width = f
+        .routes
+        .iter()
+        .map(|r| r.name.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(8);
+    let indent = " ".repeat(2 + width + 1);
+    for r in &f.routes {
+        route(&mut out, r, width, &indent);
+    }
+
+    let (ips, keys) = (f.deny.ips.len(), f.deny.keys.len());
+    let mut deny = format!(
+        "deny    {ips} {}, {keys} {} -> {}",
+        plural(ips, "ip", "ips"),
+        plural(keys, "key", "keys"),
+        f.deny.status.get()
+    );
+    if let Some(state) = &f.deny.state_file {
+        let _ = write!(deny, ", state_file {state}");
+    }
+    line(&mut out, deny);
+    out
+}
+
+fn route(out: &mut String, r: &Route, width: usize, indent: &str) {
+    let target = match (&r.upstream, &r.respond) {
+        (Some(up), _) => format!("upstream {up}"),
+        (None, Some(resp)) => format!("respond {}", resp.status.get()),
+        (None, None) => "nowhere".to_string(),
+    };
+    let mut head = format!(
+        "  {:<width$} {} -> {target}",
+        r.name.as_str(),
+        describe_match(r)
+    );
+    if !r.limits.is_empty() {
+        let key = match &r.key {
+            KeySpec::One(k) => k.to_string(),
+            KeySpec::Composite(parts) => parts
+                .iter()
+                .map(|p| p.as_str())
+                .collect::<Vec<_>>()
+                .join("+"),
+        };
+        let _ = write!(head, "   key {key}");
+    }
+    if r.shadow {
+        head.push_str("   (shadow)");
+    }
+    line(out, head);
+
+    if !r.limits.is_empty() {
+        let mut limits = describe_limits(&r.limits);
+        if r.on_limit == OnLimit::Delay {
+            let wait = r.max_delay.map(|d| fmt_dur(d.get())).unwrap_or_default();
+            let _ = write!(limits, "; delay up to {wait}");
+        }
+        if let Some(ban) = &r.ban {
+            let _ = write!(
+                limits,
+                "; ban after {} within {} for {}",
+                ban.after.get(),
+                fmt_dur(ban.within.get()),
+                fmt_dur(ban.duration.get())
+            );
+        }
+        line(out, format!("{indent}{limits}"));
+    }
+    for ov in &r.overrides {
+        // The keys themselves are often API keys: count them, never print them.
+        let n = ov.keys.len();
+        line(
+            out,
+            format!(
+                "{indent}override for {n} {}: {}",
+                plural(n, "key", "keys"),
+                describe_limits(&ov.limits)
+            ),
+        );
+    }
+}
+
+fn describe_match(r: &Route) -> String {
+    let m = &r.matcher;
+    let mut parts = Vec::new();
+    if let Some(h) = &m.host {
+        parts.push(format!("host {h}"));
+    }
+    if let Some(p) = &m.path {
+        parts.push(p.to_string());
+    }
+    if let Some(p) = &m.path_prefix {
+        parts.push(format!("prefix {p}"));
+    }
+    if let Some(p) = &m.path_regex {
+        parts.push(format!("regex {p}"));
+    }
+    if let Some(headers) = &m.headers {
+        // Names only: a matched value may be a credential.
+        for name in headers.keys() {
+            parts.push(format!("header {name}"));
+        }
+    }
+    let mut s = String::new();
+    if let Some(methods) = &m.methods {
+        let methods: Vec<String> = methods.iter().map(|m| m.to_ascii_uppercase()).collect();
+        s.push_str(&methods.join(","));
+        if !parts.is_empty() {
+            s.push(' ');
+        }
+    }
+    if parts.is_empty() && s.is_empty() {
+        s.push_str("any");
+    }
+    s.push_str(&parts.join(", "));
+    s
+}
+
+fn describe_limits(limits: &[Limit]) -> String {
+    limits
+        .iter()
+        .enumerate()
+        .map(|(j, l)| describe_limit(l, j))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn describe_limit(l: &Limit, j: usize) -> String {
+    let mut s = String::new();
+    if l.name.is_some() {
+        let _ = write!(s, "{}: ", limit_name(l, j));
+    }
+    s.push_str(l.algorithm.as_str());
+    match l.algorithm {
+        AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
+            if let Some(rate) = l.rate {
+                let _ = write!(s, " {}", fmt_rate(rate));
+            }
+            if let Some(b) = effective_burst(l) {
+                let _ = write!(s, " burst {b}");
+            }
+        }
+        _ => {
+            if let Some(n) = l.limit {
+                let _ = write!(s, " {}", n.get());
+            }
+            if let Some(w) = l.window {
+                let _ = write!(s, " per {}", fmt_dur(w.get()));
+            }
+        }
+    }
+    if let Some(c) = l.cost {
+        if c.get() != 1 {
+            let _ = write!(s, " cost {}", c.get());
+        }
+    }
+    s
+}
+
+/// A duration in the largest unit that divides it: `1d`, `90s`, `250ms`.
+pub fn fmt_dur(d: Duration) -> String {
+    let us = d.as_micros();
+    if us == 0 {
+        return "0s".to_string();
+    }
+    const UNITS: [(u128, &str); 6] = [
+        (86_400_000_000, "d"),
+        (3_600_000_000, "h"),
+        (60_000_000, "m"),
+        (1_000_000, "s"),
+        (1_000, "ms"),
+        (1, "us"),
+    ];
+    UNITS
+        .iter()
+        .find(|(n, _)| us % n == 0)
+        .map(|(n, unit)| format!("{}{unit}", us / n))
+        .unwrap_or_else(|| format!("{us}us"))
+}
+
+/// A rate as written: `10/s`, `100/m`, `5/10s`.
+pub fn fmt_rate(r: RateSpec) -> String {
+    let per = fmt_dur(r.per);
+    match per.strip_prefix('1') {
+        Some(unit @ ("s" | "m" | "h" | "d")) => format!("{}/{unit}", r.count),
+        _ => format!("{}/{per}", r.count),
+    }
+}
+
+/// `url` with the password (or a bare user info, which Redis takes as a password
+/// in some clients) replaced by `***`, for messages and summaries.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    match authority.rsplit_once('@') {
+        None => url.to_string(),
+        Some((userinfo, host)) => {
+            let user = match userinfo.split_once(':') {
+                Some((user, _)) if !user.is_empty() => format!("{user}:***"),
+                _ => "***".to_string(),
+            };
+            format!("{scheme}://{user}@{host}{tail}")
+        }
+    }
+}
+
+fn plural<'a>(n: usize, one: &'a str, many: &'a str) -> &'a str {
+    if n == 1 {
+        one
+    } else {
+        many
+    }
+}
+
+fn line(out: &mut String, s: String) {
+    out.push_str(&s);
+    out.push('\n');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+    use std::path::Path;
+
+    #[test]
+    fn durations_and_rates() {
+        assert_eq!(fmt_dur(Duration::from_secs(86_400)), "1d");
+        assert_eq!(fmt_dur(Duration::from_secs(90)), "90s");
+        assert_eq!(fmt_dur(Duration::from_millis(250)), "250ms");
+        assert_eq!(fmt_dur(Duration::ZERO), "0s");
+        let rate = |count, secs| RateSpec {
+            count,
+            per: Duration::from_secs(secs),
+        };
+        assert_eq!(fmt_rate(rate(10, 1)), "10/s");
+        assert_eq!(fmt_rate(rate(100, 60)), "100/m");
+        assert_eq!(fmt_rate(rate(5, 10)), "5/10s");
+        assert_eq!(fmt_rate(rate(5, 86_400)), "5/d");
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("redis://:s3cret@h:6379/0"),
+            "redis://***@h:6379/0"
+        );
+        assert_eq!(
+            redact_url("rediss://user:s3cret@h:6380"),
+            "rediss://user:***@h:6380"
+        );
+        assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
+        assert_eq!(redact_url("nonsense"), "nonsense");
+    }
+
+    #[test]
+    fn the_spec_example_in_one_screen() {
+        let yaml = "\
+server: {listen: 0.0.0.0:8080}
+admin: {listen: 127.0.0.1:9091}
+upstreams:
+  api: {targets: [http://127.0.0.1:3000]}
+deny: {ips: [203.0.113.0/24, 198.51.100.7], keys: [leaked-key-123]}
+routes:
+  - name: login
+    match: {path: /login, methods: [POST]}
+    upstream: api
+    limits: [{algorithm: sliding_log, limit: 5, window: 1m}]
+  - name: api
+    match: {host: api.example.com, path_prefix: /v1/, headers: {x-tenant: acme}}
+    upstream: api
+    key: header:x-api-key
+    limits:
+      - {name: burst, algorithm: token_bucket, rate: 10/s, burst: 20}
+      - {name: daily, algorithm: fixed_window, limit: 10000, window: 1d}
+    overrides:
+      - keys: [premium-key-1]
+        limits: [{name: burst, algorithm: token_bucket, rate: 100/s, burst: 200}]
+  - name: health
+    match: {path: /healthz}
+    respond: {status: 200, body: \"ok\\n\"}
+";
+        let loaded = parse(yaml, Path::new("config/rules.yaml")).unwrap();
+        let expected = format!(
+            "\
+config/rules.yaml: ok (sha1 {})
+listen  0.0.0.0:8080 (http/1.1, h2c)   admin 127.0.0.1:9091 (no token)
+store   memory, max_keys 1000000, on_error local
+upstream api -> http://127.0.0.1:3000 (connect 2s, timeout 30s)
+routes  3
+  login    POST /login -> upstream api   key ip
+           sliding_log 5 per 1m
+  api      host api.example.com, prefix /v1/, header x-tenant -> upstream api   key header:x-api-key
+           burst: token_bucket 10/s burst 20; daily: fixed_window 10000 per 1d
+           override for 1 key: burst: token_bucket 100/s burst 200
+  health   /healthz -> respond 200
+deny    2 ips, 1 key -> 403
+",
+            &loaded.hash[..8]
+        );
+        assert_eq!(summary(&loaded), expected);
+        assert!(!summary(&loaded).contains("premium-key-1"));
+    }
 }

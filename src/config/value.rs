@@ -28,9 +28,9 @@ pub fn interpolate_with(
     while let Some(i) = rest.find('$') {
         out.push_str(&rest[..i]);
         let tail = &rest[i..];
-        if tail.starts_with("$${") {
+        if let Some(after) = tail.strip_prefix("$${") {
             out.push_str("${");
-            rest = &tail[3..];
+            rest = after;
         } else if let Some(body) = tail.strip_prefix("${") {
             let end = body
                 .find('}')
@@ -40,8 +40,8 @@ pub fn interpolate_with(
                 Some((n, d)) => (n, Some(d)),
                 None => (expr, None),
             };
-            let valid = !name.is_empty()
-                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            let valid =
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
             if !valid {
                 return Err(format!("`${{{expr}}}` is not a valid variable reference"));
             }
@@ -106,7 +106,10 @@ fn parsed<'de, D, T>(d: D, what: &str, parse: impl Fn(&str) -> Option<T>) -> Res
 where
     D: Deserializer<'de>,
 {
-    d.deserialize_any(Scalar { what, parse: &|s: &str| parse(s.trim()) })
+    d.deserialize_any(Scalar {
+        what,
+        parse: &|s: &str| parse(s.trim()),
+    })
 }
 
 // === Text ===
@@ -146,8 +149,11 @@ impl fmt::Display for Text {
 impl<'de> Deserialize<'de> for Text {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         // Text keeps surrounding spaces: it is taken as written.
-        d.deserialize_any(Scalar { what: "a string", parse: &|s: &str| Some(s.to_string()) })
-            .map(Text)
+        d.deserialize_any(Scalar {
+            what: "a string",
+            parse: &|s: &str| Some(s.to_string()),
+        })
+        .map(Text)
     }
 }
 
@@ -206,7 +212,12 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        parsed(d, "a duration like 250ms, 10s, 1m, 1h or 1d", parse_duration).map(Dur)
+        parsed(
+            d,
+            "a duration like 250ms, 10s, 1m, 1h or 1d",
+            parse_duration,
+        )
+        .map(Dur)
     }
 }
 
@@ -291,7 +302,10 @@ pub struct Addr(pub SocketAddr);
 
 impl Addr {
     pub fn literal(s: &str) -> Addr {
-        Addr(s.parse().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0))))
+        Addr(
+            s.parse()
+                .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0))),
+        )
     }
 }
 
@@ -321,7 +335,10 @@ mod tests {
         assert_eq!(interpolate_with("a${TOKEN}b", env).unwrap(), "as3cretb");
         assert_eq!(interpolate_with("${MISSING:-dflt}", env).unwrap(), "dflt");
         assert_eq!(interpolate_with("${EMPTY:-dflt}", env).unwrap(), "");
-        assert_eq!(interpolate_with("$${TOKEN} $5", env).unwrap(), "${TOKEN} $5");
+        assert_eq!(
+            interpolate_with("$${TOKEN} $5", env).unwrap(),
+            "${TOKEN} $5"
+        );
         let e = interpolate_with("${MISSING}", env).unwrap_err();
         assert!(e.contains("MISSING is not set"), "{e}");
         assert!(interpolate_with("${A B}", env).is_err());
@@ -342,7 +359,13 @@ mod tests {
         assert_eq!(parse_size("10MiB"), Some(10 << 20));
         assert_eq!(parse_size("512"), Some(512));
         assert_eq!(parse_size("1.5MiB"), None);
-        assert_eq!(parse_net("10.1.2.3/8").map(|n| n.to_string()), Some("10.0.0.0/8".into()));
-        assert_eq!(parse_net("::1").map(|n| n.to_string()), Some("::1/128".into()));
+        assert_eq!(
+            parse_net("10.1.2.3/8").map(|n| n.to_string()),
+            Some("10.0.0.0/8".into())
+        );
+        assert_eq!(
+            parse_net("::1").map(|n| n.to_string()),
+            Some("::1/128".into())
+        );
     }
 }

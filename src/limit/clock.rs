@@ -23,7 +23,10 @@ impl SystemClock {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_micros() as u64)
             .unwrap_or(0);
-        Arc::new(SystemClock { start: Instant::now(), start_us })
+        Arc::new(SystemClock {
+            start: Instant::now(),
+            start_us,
+        })
     }
 }
 

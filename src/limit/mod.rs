@@ -34,7 +34,12 @@ pub struct LimitDef {
 impl LimitDef {
     pub fn new(name: String, algorithm: Algorithm, cost: u64) -> LimitDef {
         let id = stable_id(&format!("{name}|{algorithm:?}|{cost}"));
-        LimitDef { name, id, algorithm, cost }
+        LimitDef {
+            name,
+            id,
+            algorithm,
+            cost,
+        }
     }
 }
 
@@ -80,7 +85,11 @@ pub struct Verdict {
 impl Verdict {
     /// Longest wait before a refused request could pass, in microseconds.
     pub fn retry_after_us(&self) -> u64 {
-        self.outcomes.iter().map(|o| o.retry_after_us).max().unwrap_or(0)
+        self.outcomes
+            .iter()
+            .map(|o| o.retry_after_us)
+            .max()
+            .unwrap_or(0)
     }
 
     pub fn delay(&self) -> Duration {

@@ -1,0 +1,1023 @@
+//! The rules serde cannot express: cross-field constraints, value ranges, names that
+//! must be unique or must exist. Every problem is collected (not just the first),
+//! located at the YAML node that causes it, and says what was expected.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::path::Path;
+
+use http::{HeaderName, HeaderValue, Method, Uri};
+
+use super::locate::{field, item, Index, Pos};
+use super::schema::{AlgorithmName, Backend, File, KeySpec, Limit, OnLimit, Route};
+use super::value::{interpolate, Dur, Text};
+use super::ConfigError;
+
+/// Above this a limit's count could not be kept exactly by the Redis store's Lua,
+/// whose numbers are doubles (exact up to 2^53); the margin leaves room for sums.
+pub const MAX_LIMIT: u64 = 1 << 40;
+
+/// token_bucket keeps tokens scaled by the rate's period in microseconds, so
+/// `burst × period_us` is the largest number it stores; it must stay exact in a
+/// double with room to spare.
+pub const MAX_BURST_TIMES_PERIOD_US: u128 = 1 << 50;
+
+/// Check `file` (deserialized from the text `index` was built from, read from
+/// `path`) and return every problem found, in file order.
+pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
+    let mut c = Checker {
+        index,
+        path,
+        errors: Vec::new(),
+    };
+    c.server(file);
+    c.admin(file);
+    c.store(file);
+    c.upstreams(file);
+    c.deny(file);
+    c.routes(file);
+    let mut errors = c.errors;
+    // Stable: problems at one node keep the order they were found in.
+    errors.sort_by_key(|e| (e.line, e.col));
+    errors
+}
+
+/// The name a limit goes by: its `name`, or `<algorithm>_<index in its list>`.
+/// Route and limit names end up in metric labels, header values and Redis keys.
+fn safe_name(s: &str) -> bool {
+    s.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+pub fn limit_name(limit: &Limit, index: usize) -> String {
+    match &limit.name {
+        Some(n) => n.to_string(),
+        None => format!("{}_{index}", limit.algorithm.as_str()),
+    }
+}
+
+/// token_bucket and gcra take `burst`, defaulting to the rate's count.
+pub fn effective_burst(limit: &Limit) -> Option<u64> {
+    match limit.algorithm {
+        AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
+            limit.burst.map(|b| b.get()).or(limit.rate.map(|r| r.count))
+        }
+        _ => None,
+    }
+}
+
+struct Checker<'a> {
+    index: &'a Index,
+    path: &'a Path,
+    errors: Vec<ConfigError>,
+}
+
+// === impl Checker: reporting ===
+
+impl Checker<'_> {
+    fn push(&mut self, (line, col): (usize, usize), message: String) {
+        self.errors.push(ConfigError {
+            file: self.path.to_path_buf(),
+            line,
+            col,
+            message,
+        });
+    }
+
+    /// A problem with the value at `path` (or, if the file lacks it, the nearest
+    /// node above it).
+    fn at(&mut self, path: &str, message: impl Into<String>) {
+        let pos = self.index.nearest(path);
+        self.push(pos, message.into());
+    }
+
+    /// A problem with the field at `path` being there at all: its key.
+    fn at_key(&mut self, path: &str, message: impl Into<String>) {
+        let pos = self.index.nearest_key(path);
+        self.push(pos, message.into());
+    }
+
+    fn line_of(&self, path: &str) -> usize {
+        self.index.nearest(path).0
+    }
+
+    fn positive_dur(&mut self, path: &str, name: &str, d: Dur) {
+        if d.get().is_zero() {
+            self.at(path, format!("{name} must be greater than 0"));
+        }
+    }
+
+    fn positive<T: Default + PartialEq>(&mut self, path: &str, name: &str, n: T) {
+        if n == T::default() {
+            self.at(path, format!("{name} must be greater than 0"));
+        }
+    }
+
+    /// `what` (e.g. "cert file") must name a readable file.
+    fn readable_file(&mut self, path: &str, what: &str, file: &str) {
+        match std::fs::metadata(file) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.at(path, format!("{what} {file:?} not found"));
+            }
+            Err(e) => self.at(path, format!("cannot read {what} {file:?}: {e}")),
+            Ok(m) if !m.is_file() => {
+                self.at(path, format!("{what} {file:?} is not a file"));
+            }
+            Ok(_) => {
+                if let Err(e) = std::fs::File::open(file) {
+                    self.at(path, format!("cannot read {what} {file:?}: {e}"));
+                }
+            }
+        }
+    }
+
+    fn header_name(&mut self, path: &str, name: &str) {
+        if HeaderName::from_bytes(name.as_bytes()).is_err() {
+            self.at_key(
+                path,
+                format!("{name:?} is not a valid HTTP header name (expected letters, digits and !#$%&'*+-.^_`|~)"),
+            );
+        }
+    }
+
+    fn header_value(&mut self, path: &str, value: &str) {
+        if HeaderValue::from_bytes(value.as_bytes()).is_err() {
+            self.at(
+                path,
+                "invalid HTTP header value: control characters other than tab are not allowed",
+            );
+        }
+    }
+}
+
+// === impl Checker: sections ===
+
+impl Checker<'_> {
+    fn server(&mut self, file: &File) {
+        let s = &file.server;
+        self.positive_dur(
+            "server.request_header_timeout",
+            "request_header_timeout",
+            s.request_header_timeout,
+        );
+        self.positive(
+            "server.max_request_body",
+            "max_request_body",
+            s.max_request_body.0,
+        );
+        self.positive(
+            "server.max_connections",
+            "max_connections",
+            s.max_connections.get(),
+        );
+        if let Some(tls) = &s.tls {
+            self.readable_file("server.tls.cert", "cert file", &tls.cert);
+            self.readable_file("server.tls.key", "key file", &tls.key);
+        }
+    }
+
+    fn admin(&mut self, file: &File) {
+        let admin = &file.admin;
+        let ip = admin.listen.0.ip().to_canonical();
+        let has_token = admin.token.as_ref().is_some_and(|t| !t.is_empty());
+        if !ip.is_loopback() && !has_token {
+            let path = if admin.token.is_some() {
+                "admin.token"
+            } else {
+                "admin.listen"
+            };
+            self.at(
+                path,
+                format!(
+                    "an admin listener off loopback needs admin.token, a non-empty bearer token (admin.listen is {})",
+                    admin.listen.0
+                ),
+            );
+        }
+        let (a, s) = (admin.listen.0, file.server.listen.0);
+        if a == s && a.port() != 0 {
+            self.at(
+                "admin.listen",
+                format!("admin.listen must differ from server.listen (both are {a})"),
+            );
+        } else if overlap(a, s) {
+            self.at(
+                "admin.listen",
+                format!("admin.listen {a} overlaps server.listen {s} (same port, and one is a wildcard address); give the admin listener its own port"),
+            );
+        }
+    }
+
+    fn store(&mut self, file: &File) {
+        let store = &file.store;
+        self.positive(
+            "store.memory.max_keys",
+            "max_keys",
+            store.memory.max_keys.get(),
+        );
+        if store.backend != Backend::Redis {
+            return;
+        }
+        let Some(redis) = &store.redis else {
+            self.at(
+                "store.backend",
+                "store.backend: redis needs a store.redis section with url (or cluster)",
+            );
+            return;
+        };
+        match (&redis.url, &redis.cluster) {
+            (Some(_), Some(_)) => self.at_key(
+                "store.redis.cluster",
+                "store.redis needs exactly one of url and cluster, found both",
+            ),
+            (None, None) => self.at(
+                "store.redis",
+                "store.redis needs exactly one of url (one server) and cluster (a list of nodes)",
+            ),
+            (Some(url), None) => self.redis_url("store.redis.url", url),
+            (None, Some(nodes)) => {
+                if nodes.is_empty() {
+                    self.at(
+                        "store.redis.cluster",
+                        "store.redis.cluster must list at least one node, like [redis://10.0.0.1:7000]",
+                    );
+                }
+                for (i, node) in nodes.iter().enumerate() {
+                    self.redis_url(&item("store.redis.cluster", i), node);
+                }
+            }
+        }
+        self.positive_dur("store.redis.timeout", "timeout", redis.timeout);
+    }
+
+    fn redis_url(&mut self, path: &str, url: &str) {
+        let rest = url
+            .strip_prefix("redis://")
+            .or_else(|| url.strip_prefix("rediss://"));
+        match rest {
+            None => self.at(
+                path,
+                format!(
+                    "expected a redis URL starting with redis:// or rediss://, found {:?}",
+                    super::summary::redact_url(url)
+                ),
+            ),
+            Some(rest) => {
+                // The host is what follows any `user:password@` and precedes `:port`/`/db`.
+                let authority = rest.split(['/', '?']).next().unwrap_or("");
+                let host = authority.rsplit('@').next().unwrap_or("");
+                if host.is_empty() || host.starts_with(':') {
+                    self.at(
+                        path,
+                        format!(
+                            "redis URL {:?} has no host, expected like redis://127.0.0.1:6379/0",
+                            super::summary::redact_url(url)
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
+    fn upstreams(&mut self, file: &File) {
+        for (name, up) in &file.upstreams {
+            let base = field("upstreams", name);
+            let targets = format!("{base}.targets");
+            if up.targets.is_empty() {
+                self.at(
+                    &targets,
+                    format!(
+                        "upstream {name:?} needs at least one target, like http://127.0.0.1:3000"
+                    ),
+                );
+            }
+            for (i, t) in up.targets.iter().enumerate() {
+                if let Err(msg) = check_target(t) {
+                    self.at(&item(&targets, i), msg);
+                }
+            }
+            self.positive_dur(
+                &format!("{base}.connect_timeout"),
+                "connect_timeout",
+                up.connect_timeout,
+            );
+            self.positive_dur(&format!("{base}.timeout"), "timeout", up.timeout);
+            if let Some(ca) = &up.tls_ca {
+                self.readable_file(&format!("{base}.tls_ca"), "CA file", ca);
+            }
+        }
+    }
+
+    fn deny(&mut self, file: &File) {
+        let deny = &file.deny;
+        let status = deny.status.get();
+        if !(400..=599).contains(&status) {
+            self.at(
+                "deny.status",
+                format!("deny.status must be between 400 and 599, found {status}"),
+            );
+        }
+        for (i, k) in deny.keys.iter().enumerate() {
+            if k.is_empty() {
+                self.at(&item("deny.keys", i), "deny.keys entries must not be empty");
+            }
+        }
+    }
+}
+
+// === impl Checker: routes ===
+
+impl Checker<'_> {
+    fn routes(&mut self, file: &File) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        for (i, route) in file.routes.iter().enumerate() {
+            let base = item("routes", i);
+            let name_path = format!("{base}.name");
+            let name = route.name.as_str();
+            if name.trim().is_empty() {
+                self.at(&name_path, "route name must not be empty");
+            } else if !safe_name(name) {
+                self.at(
+                    &name_path,
+                    format!("route name {name:?} may use only letters, digits, '_', '-' and '.' (it names metrics and stored keys)"),
+                );
+            } else if name == "unmatched" {
+                self.at(
+                    &name_path,
+                    "route name \"unmatched\" is reserved: metrics use it for requests that match no route",
+                );
+            } else if let Some(&first) = names.get(name) {
+                let line = self.line_of(&format!("routes[{first}].name"));
+                self.at(
+                    &name_path,
+                    format!("route name {name:?} is already used at line {line}; route names must be unique"),
+                );
+            } else {
+                names.insert(name, i);
+            }
+            self.target(file, route, &base);
+            self.matcher(route, &base);
+            self.key(route, &base);
+            self.route_limits(route, &base);
+        }
+    }
+
+    /// Where the route sends requests: exactly one of an upstream and a response.
+    fn target(&mut self, file: &File, route: &Route, base: &str) {
+        match (&route.upstream, &route.respond) {
+            (None, None) => self.at(
+                base,
+                format!(
+                    "route {:?} needs upstream (forward to an upstream) or respond (answer directly)",
+                    route.name.as_str()
+                ),
+            ),
+            (Some(_), Some(_)) => self.at_key(
+                &format!("{base}.respond"),
+                format!(
+                    "route {:?} has both upstream and respond; give exactly one",
+                    route.name.as_str()
+                ),
+            ),
+            (Some(up), None) => {
+                if !file.upstreams.contains_key(up.as_str()) {
+                    let known: Vec<&str> = file.upstreams.keys().map(String::as_str).collect();
+                    let expected = if known.is_empty() {
+                        "no upstreams are defined".to_string()
+                    } else {
+                        format!("expected one of: {}", known.join(", "))
+                    };
+                    self.at(
+                        &format!("{base}.upstream"),
+                        format!("unknown upstream {:?}, {expected}", up.as_str()),
+                    );
+                }
+            }
+            (None, Some(resp)) => {
+                let status = resp.status.get();
+                if !(100..=599).contains(&status) {
+                    self.at(
+                        &format!("{base}.respond.status"),
+                        format!("respond.status must be between 100 and 599, found {status}"),
+                    );
+                }
+                let headers = format!("{base}.respond.headers");
+                for (name, value) in &resp.headers {
+                    let path = field(&headers, name);
+                    self.header_name(&path, name);
+                    self.header_value(&path, value);
+                }
+            }
+        }
+    }
+
+    fn matcher(&mut self, route: &Route, base: &str) {
+        let m = &route.matcher;
+        let mp = format!("{base}.match");
+        if let Some(host) = &m.host {
+            if !valid_host(host) {
+                self.at(
+                    &format!("{mp}.host"),
+                    format!("expected a host name like api.example.com or a wildcard like *.example.com, found {:?}", host.as_str()),
+                );
+            }
+        }
+        for (name, value) in [("path", &m.path), ("path_prefix", &m.path_prefix)] {
+            if let Some(p) = value {
+                if !p.starts_with('/') {
+                    self.at(
+                        &format!("{mp}.{name}"),
+                        format!("{name} must start with \"/\", found {:?}", p.as_str()),
+                    );
+                }
+            }
+        }
+        if let Some(re) = &m.path_regex {
+            if let Err(e) = regex::Regex::new(re) {
+                self.at(
+                    &format!("{mp}.path_regex"),
+                    format!(
+                        "path_regex is not a valid regular expression: {}",
+                        regex_problem(&e)
+                    ),
+                );
+            }
+        }
+        if let Some(methods) = &m.methods {
+            let path = format!("{mp}.methods");
+            if methods.is_empty() {
+                self.at(
+                    &path,
+                    "methods must list at least one method (omit it to match every method)",
+                );
+            }
+            for (i, method) in methods.iter().enumerate() {
+                if Method::from_bytes(method.as_bytes()).is_err() {
+                    self.at(
+                        &item(&path, i),
+                        format!(
+                            "{:?} is not a valid HTTP method, expected a token like GET or POST",
+                            method.as_str()
+                        ),
+                    );
+                }
+            }
+        }
+        if let Some(headers) = &m.headers {
+            let hp = format!("{mp}.headers");
+            for (name, value) in headers {
+                let path = field(&hp, name);
+                self.header_name(&path, name);
+                self.header_value(&path, value);
+            }
+        }
+    }
+
+    fn key(&mut self, route: &Route, base: &str) {
+        let path = format!("{base}.key");
+        match &route.key {
+            KeySpec::One(part) => self.key_part(&path, part),
+            KeySpec::Composite(parts) => {
+                if parts.is_empty() {
+                    self.at(&path, "the key list must not be empty: expected one or more of ip, global, header:NAME, query:NAME, cookie:NAME");
+                }
+                for (i, part) in parts.iter().enumerate() {
+                    self.key_part(&item(&path, i), part);
+                }
+            }
+        }
+    }
+
+    fn key_part(&mut self, path: &str, part: &Text) {
+        if let Err(msg) = check_key_part(part) {
+            self.at(path, msg);
+        }
+    }
+
+    fn route_limits(&mut self, route: &Route, base: &str) {
+        self.limit_list(&format!("{base}.limits"), &route.limits);
+        for (j, ov) in route.overrides.iter().enumerate() {
+            let op = item(&format!("{base}.overrides"), j);
+            if ov.keys.is_empty() {
+                self.at(
+                    &format!("{op}.keys"),
+                    "an override needs at least one key in keys",
+                );
+            }
+            for (k, key) in ov.keys.iter().enumerate() {
+                if key.is_empty() {
+                    self.at(
+                        &item(&format!("{op}.keys"), k),
+                        "override keys must not be empty",
+                    );
+                }
+            }
+            if ov.limits.is_empty() {
+                self.at(
+                    &format!("{op}.limits"),
+                    "an override needs at least one limit in limits",
+                );
+            }
+            self.limit_list(&format!("{op}.limits"), &ov.limits);
+        }
+        if !route.overrides.is_empty() && route.limits.is_empty() {
+            self.at_key(
+                &format!("{base}.overrides"),
+                "overrides only make sense on a route with limits: they give some keys other limits",
+            );
+        }
+
+        let on_limit = format!("{base}.on_limit");
+        match (route.on_limit, route.max_delay) {
+            (OnLimit::Delay, max_delay) => {
+                let lists =
+                    std::iter::once(&route.limits).chain(route.overrides.iter().map(|o| &o.limits));
+                let mut others = Vec::new();
+                for list in lists {
+                    for (j, l) in list.iter().enumerate() {
+                        if !matches!(
+                            l.algorithm,
+                            AlgorithmName::TokenBucket | AlgorithmName::Gcra
+                        ) {
+                            others.push(format!(
+                                "{:?} ({})",
+                                limit_name(l, j),
+                                l.algorithm.as_str()
+                            ));
+                        }
+                    }
+                }
+                if !others.is_empty() {
+                    self.at(
+                        &on_limit,
+                        format!(
+                            "on_limit: delay is valid only with token_bucket and gcra, found {}",
+                            others.join(", ")
+                        ),
+                    );
+                }
+                match max_delay {
+                    None => self.at(&on_limit, "on_limit: delay needs max_delay, how long a request may wait for capacity (like 2s)"),
+                    Some(d) => self.positive_dur(&format!("{base}.max_delay"), "max_delay", d),
+                }
+            }
+            // SPEC's own example sets max_delay on a reject route: it is accepted and
+            // has no effect (the summary says so).
+            (OnLimit::Reject, _) => {}
+        }
+
+        if let Some(ban) = &route.ban {
+            let bp = format!("{base}.ban");
+            self.positive(&format!("{bp}.after"), "ban.after", ban.after.get());
+            self.positive_dur(&format!("{bp}.within"), "ban.within", ban.within);
+            self.positive_dur(&format!("{bp}.for"), "ban.for", ban.duration);
+            if route.limits.is_empty() {
+                self.at_key(
+                    &bp,
+                    "ban needs limits on the route: it bans keys that keep hitting them",
+                );
+            }
+        }
+    }
+
+    /// One list of limits (a route's, or an override's): each limit, and that their
+    /// names, given or default, are unique within the list.
+    fn limit_list(&mut self, path: &str, limits: &[Limit]) {
+        let mut names: HashMap<String, usize> = HashMap::new();
+        for (j, l) in limits.iter().enumerate() {
+            let lp = item(path, j);
+            self.limit(&lp, l, j);
+            let name = limit_name(l, j);
+            let at = if l.name.is_some() {
+                format!("{lp}.name")
+            } else {
+                lp.clone()
+            };
+            if let Some(&first) = names.get(&name) {
+                let line = self.line_of(&item(path, first));
+                let hint = if l.name.is_none() || limits[first].name.is_none() {
+                    " (a limit without a name is called <algorithm>_<index>)"
+                } else {
+                    ""
+                };
+                self.at(
+                    &at,
+                    format!("limit name {name:?} is already used at line {line}; limit names must be unique within a list{hint}"),
+                );
+            } else {
+                names.insert(name, j);
+            }
+        }
+    }
+
+    fn limit(&mut self, lp: &str, l: &Limit, j: usize) {
+        let alg = l.algorithm.as_str();
+        if let Some(name) = &l.name {
+            if name.trim().is_empty() {
+                self.at(
+                    &format!("{lp}.name"),
+                    format!("limit name must not be empty (omit it for the default {alg}_{j})"),
+                );
+            } else if !safe_name(name) {
+                self.at(
+                    &format!("{lp}.name"),
+                    format!("limit name {name:?} may use only letters, digits, '_', '-' and '.' (it appears in headers and stored keys)"),
+                );
+            }
+        }
+        let (takes, rejects): (&str, &[&str]) = match l.algorithm {
+            AlgorithmName::Concurrency => {
+                self.at(
+                    &format!("{lp}.algorithm"),
+                    "the concurrency algorithm is not available in this version",
+                );
+                return;
+            }
+            AlgorithmName::FixedWindow
+            | AlgorithmName::SlidingWindow
+            | AlgorithmName::SlidingLog => ("limit and window", &["rate", "burst", "lease"]),
+            AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
+                ("rate and optionally burst", &["limit", "window", "lease"])
+            }
+        };
+        let given = |f: &str| match f {
+            "limit" => l.limit.is_some(),
+            "window" => l.window.is_some(),
+            "rate" => l.rate.is_some(),
+            "burst" => l.burst.is_some(),
+            _ => l.lease.is_some(),
+        };
+        for f in rejects {
+            if given(f) {
+                self.at_key(
+                    &format!("{lp}.{f}"),
+                    format!("{alg} does not take {f}; it takes {takes}"),
+                );
+            }
+        }
+
+        let cost = l.cost.map(|c| c.get());
+        if cost == Some(0) {
+            self.at(&format!("{lp}.cost"), "cost must be greater than 0");
+        }
+        let cost = cost.unwrap_or(1);
+
+        match l.algorithm {
+            AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
+                let Some(rate) = l.rate else {
+                    self.at(lp, format!("{alg} needs rate, like 10/s"));
+                    return;
+                };
+                let rp = format!("{lp}.rate");
+                if rate.count == 0 {
+                    self.at(&rp, "the rate's count must be greater than 0, like 10/s");
+                }
+                if rate.per.is_zero() {
+                    self.at(
+                        &rp,
+                        "the rate's period must be greater than 0, like 10/s or 5/10s",
+                    );
+                }
+                let (burst, bp, default) = match l.burst {
+                    Some(b) => (b.get(), format!("{lp}.burst"), ""),
+                    None => (rate.count, rp.clone(), " (the default: the rate's count)"),
+                };
+                if l.burst.is_some() && burst == 0 {
+                    self.at(&bp, "burst must be greater than 0");
+                }
+                if burst > 0 && cost > burst {
+                    self.at(
+                        &format!("{lp}.cost"),
+                        format!("cost {cost} is greater than burst {burst}{default}: no request could ever pass"),
+                    );
+                }
+                // The stores work on the rate reduced by its common factor.
+                let period_us = u128::from(
+                    crate::config::compile::reduced(rate.count, rate.per.as_micros() as u64).per_us,
+                );
+                if u128::from(burst) * period_us > MAX_BURST_TIMES_PERIOD_US {
+                    self.at(
+                        &bp,
+                        format!(
+                            "burst {burst}{default} × the rate's period ({period_us}µs) exceeds 2^50, \
+                             the limit for exact arithmetic in the Redis store; \
+                             lower the burst or use a rate whose count divides its period"
+                        ),
+                    );
+                }
+            }
+            _ => {
+                let (Some(limit), Some(window)) = (l.limit, l.window) else {
+                    let missing = match (l.limit, l.window) {
+                        (None, None) => "limit and window, like limit: 100 and window: 1m",
+                        (None, _) => "limit, the number of requests per window",
+                        _ => "window, a duration like 1m",
+                    };
+                    self.at(lp, format!("{alg} needs {missing}"));
+                    return;
+                };
+                let limit = limit.get();
+                if limit == 0 {
+                    self.at(&format!("{lp}.limit"), "limit must be greater than 0");
+                } else if limit > MAX_LIMIT {
+                    self.at(
+                        &format!("{lp}.limit"),
+                        format!("limit {limit} is too large: at most 2^40 ({MAX_LIMIT}) for exact arithmetic in the Redis store"),
+                    );
+                }
+                self.positive_dur(&format!("{lp}.window"), "window", window);
+                if limit > 0 && cost > limit {
+                    self.at(
+                        &format!("{lp}.cost"),
+                        format!(
+                            "cost {cost} is greater than limit {limit}: no request could ever pass"
+                        ),
+                    );
+                }
+            }
+        }
+    }
+}
+
+// === value forms ===
+
+/// Two listen addresses that cannot both be bound: same port, and one of them a
+/// wildcard address (or both the same address). Port 0 picks a free port each time.
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.port() != 0
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// A host to match: a DNS name (`api.example.com`), an IP address, or `*.suffix`
+/// with the `*` as the whole first label.
+pub fn valid_host(host: &str) -> bool {
+    if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        return v6.parse::<Ipv6Addr>().is_ok();
+    }
+    let name = host.strip_prefix("*.").unwrap_or(host);
+    if name.is_empty() || name.len() > 253 || name.parse::<IpAddr>().is_ok() && name != host {
+        return false;
+    }
+    name.split('.').all(|label| {
+        !label.is_empty()
+            && label.len() <= 63
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    })
+}
+
+/// One part of a route's key: `ip`, `global`, `header:NAME`, `query:NAME` or
+/// `cookie:NAME`.
+pub fn check_key_part(part: &str) -> Result<(), String> {
+    const EXPECTED: &str = "ip, global, header:NAME, query:NAME or cookie:NAME";
+    match part {
+        "ip" | "global" => Ok(()),
+        _ => match part.split_once(':') {
+            Some((kind @ ("header" | "query" | "cookie"), name)) => {
+                if name.is_empty() {
+                    Err(format!("key {part:?} needs a name after \"{kind}:\""))
+                } else if kind == "header" && HeaderName::from_bytes(name.as_bytes()).is_err() {
+                    Err(format!(
+                        "key {part:?}: {name:?} is not a valid HTTP header name"
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+            _ => Err(format!("unknown key {part:?}, expected {EXPECTED}")),
+        },
+    }
+}
+
+/// serde reports any problem inside a route's `key` (an untagged enum: a string or
+/// a list) as "data did not match any variant of untagged enum KeySpec" at the
+/// route. Find the real one, e.g. an unset `${VAR}`, and where it is. `route` is the
+/// path serde named, like `routes[2]`.
+pub fn explain_key_error(text: &str, index: &Index, route: &str) -> Option<(Pos, String)> {
+    use serde_yaml::Value;
+    const EXPECTED: &str =
+        "expected a key (ip, global, header:NAME, query:NAME or cookie:NAME) or a list of these";
+    fn kind(v: &Value) -> &'static str {
+        match v {
+            Value::Null => "nothing",
+            Value::Mapping(_) => "a mapping",
+            Value::Sequence(_) => "a list",
+            Value::Tagged(_) => "a tagged value",
+            _ => "a scalar",
+        }
+    }
+    let n: usize = route
+        .strip_prefix("routes[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()?;
+    let doc: Value = serde_yaml::from_str(text).ok()?;
+    let key = doc.get("routes")?.get(n)?.get("key")?;
+    let path = field(route, "key");
+    let (path, message) = match key {
+        Value::String(s) => (path, interpolate(s).err()?),
+        Value::Sequence(parts) => parts.iter().enumerate().find_map(|(i, part)| {
+            let message = match part {
+                Value::String(s) => interpolate(s).err()?,
+                Value::Number(_) | Value::Bool(_) => return None,
+                other => format!(
+                    "expected a key part like ip or header:NAME, found {}",
+                    kind(other)
+                ),
+            };
+            Some((item(&path, i), message))
+        })?,
+        other => (path, format!("{EXPECTED}, found {}", kind(other))),
+    };
+    // Worded like the serde errors it stands in for: prefixed with the path.
+    Some((index.nearest(&path), format!("{path}: {message}")))
+}
+
+/// An upstream target: `http://host[:port]` or `https://host[:port]`, nothing more.
+pub fn check_target(target: &str) -> Result<(), String> {
+    const EXPECTED: &str = "http://host[:port] or https://host[:port]";
+    let uri: Uri = target
+        .parse()
+        .map_err(|_| format!("expected a target like {EXPECTED}, found {target:?}"))?;
+    let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
+        return Err(format!(
+            "expected a target like {EXPECTED}, found {target:?}"
+        ));
+    };
+    if scheme != "http" && scheme != "https" {
+        return Err(format!(
+            "target scheme must be http or https, found {scheme:?}"
+        ));
+    }
+    if authority.as_str().contains('@') {
+        return Err(format!(
+            "target must not contain user info (user@), expected {EXPECTED}"
+        ));
+    }
+    if authority.host().is_empty() {
+        return Err(format!("target has no host, expected {EXPECTED}"));
+    }
+    if !matches!(uri.path(), "" | "/") {
+        return Err(format!(
+            "target must not have a path, found {:?}; the request's own path is forwarded, expected {EXPECTED}",
+            uri.path()
+        ));
+    }
+    if let Some(q) = uri.query() {
+        return Err(format!(
+            "target must not have a query, found \"?{q}\", expected {EXPECTED}"
+        ));
+    }
+    Ok(())
+}
+
+/// The one-line cause in a regex error (its Display draws the pattern with a caret
+/// over several lines).
+fn regex_problem(e: &regex::Error) -> String {
+    let text = e.to_string();
+    text.lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("error: "))
+        .map(str::to_string)
+        .unwrap_or_else(|| text.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors(yaml: &str) -> Vec<String> {
+        let file: File = serde_yaml::from_str(yaml).expect("valid schema");
+        let index = Index::parse(yaml);
+        validate(&file, &index, Path::new("t.yaml"))
+            .into_iter()
+            .map(|e| format!("{}:{}: {}", e.line, e.col, e.message))
+            .collect()
+    }
+
+    const UP: &str = "upstreams: {api: {targets: [http://127.0.0.1:3000]}}\n";
+
+    #[test]
+    fn a_clean_file_has_no_errors() {
+        let yaml = format!(
+            "{UP}routes:\n  - name: a\n    upstream: api\n    limits: [{{algorithm: gcra, rate: 10/s}}]\n"
+        );
+        assert_eq!(errors(&yaml), Vec::<String>::new());
+    }
+
+    #[test]
+    fn default_limit_names_take_part_in_uniqueness() {
+        let yaml = format!(
+            "{UP}routes:\n  - name: a\n    upstream: api\n    limits:\n      - {{name: gcra_1, algorithm: gcra, rate: 1/s}}\n      - {{algorithm: gcra, rate: 1/s}}\n"
+        );
+        assert_eq!(
+            errors(&yaml),
+            ["7:9: limit name \"gcra_1\" is already used at line 6; limit names must be unique within a list (a limit without a name is called <algorithm>_<index>)"]
+        );
+    }
+
+    #[test]
+    fn errors_come_in_file_order() {
+        let yaml = "routes:\n  - name: a\n    upstream: nope\nserver: {max_connections: 0}\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "3:15: unknown upstream \"nope\", no upstreams are defined",
+                "4:27: max_connections must be greater than 0",
+            ]
+        );
+    }
+
+    #[test]
+    fn hosts() {
+        for ok in [
+            "api.example.com",
+            "*.example.com",
+            "localhost",
+            "10.0.0.1",
+            "[::1]",
+            "A-1.b",
+        ] {
+            assert!(valid_host(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "*",
+            "*.",
+            "a.*.com",
+            "*example.com",
+            "-a.com",
+            "a..b",
+            "a.com.",
+            "a_b.com",
+            "api.example.com:80",
+            "*.10.0.0.1",
+        ] {
+            assert!(!valid_host(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn key_parts() {
+        for ok in [
+            "ip",
+            "global",
+            "header:x-api-key",
+            "query:k",
+            "cookie:session",
+        ] {
+            assert_eq!(check_key_part(ok), Ok(()), "{ok}");
+        }
+        assert_eq!(
+            check_key_part("header:"),
+            Err("key \"header:\" needs a name after \"header:\"".into())
+        );
+        assert!(check_key_part("header:x y").is_err());
+        assert!(check_key_part("IP").is_err());
+        assert!(check_key_part("path:x").is_err());
+    }
+
+    #[test]
+    fn targets() {
+        for ok in [
+            "http://127.0.0.1:3000",
+            "https://api.example.com",
+            "http://h:1/",
+            "http://[::1]:80",
+        ] {
+            assert_eq!(check_target(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "127.0.0.1:3000",
+            "ftp://h",
+            "http://h/v1",
+            "http://h/?a=b",
+            "http://u:p@h",
+            "http://",
+            "/x",
+        ] {
+            assert!(check_target(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn regex_errors_are_one_line() {
+        // Built at run time: clippy rejects an invalid regex literal.
+        let pattern = String::from("(a");
+        let e = regex::Regex::new(&pattern).unwrap_err();
+        assert_eq!(regex_problem(&e), "unclosed group");
+    }
+
+    #[test]
+    fn effective_bursts() {
+        let l: Limit = serde_yaml::from_str("{algorithm: token_bucket, rate: 7/s}").unwrap();
+        assert_eq!(effective_burst(&l), Some(7));
+        assert_eq!(limit_name(&l, 3), "token_bucket_3");
+        let l: Limit = serde_yaml::from_str("{algorithm: gcra, rate: 7/s, burst: 2}").unwrap();
+        assert_eq!(effective_burst(&l), Some(2));
+    }
+}
