@@ -426,3 +426,304 @@ fn lua_integer_division_is_exact_up_to_2_pow_53() {
     }
     assert_eq!(checked, 12 * 11);
 }
+
+// === g. a refused request writes nothing ===
+
+/// Writes Redis has counted since start (`rdb_changes_since_last_save`: every key
+/// change, expiry updates included; persistence is off, so it never resets).
+fn writes(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "persistence"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("rdb_changes_since_last_save:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("rdb_changes_since_last_save in INFO")
+}
+
+#[test]
+fn a_refused_request_writes_nothing() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    // No refusal cache: every refused request below reaches the script.
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            0,
+        )))
+        .unwrap();
+    let hour = 3_600 * S;
+    let plans = [
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 3,
+                window_us: hour,
+            },
+            1,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 3,
+                window_us: hour,
+            },
+            1,
+        ),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 3,
+                window_us: hour,
+            },
+            1,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(3, hour),
+                burst: 3,
+            },
+            1,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(3, hour),
+                burst: 3,
+            },
+            1,
+        ),
+        // The first limit would admit; the second refuses; neither is charged.
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "wide".into(),
+                    Algorithm::SlidingLog {
+                        limit: 100,
+                        window_us: hour,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "narrow".into(),
+                    Algorithm::FixedWindow {
+                        limit: 3,
+                        window_us: hour,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
+    ];
+    for (p, plan) in plans.iter().enumerate() {
+        let key = format!("k{p}");
+        let check = || rt.block_on(store.check("g", &key, plan)).unwrap();
+        let before = writes(&redis);
+        for _ in 0..3 {
+            assert!(check().allowed, "plan {p}");
+        }
+        // Admissions do write (so the counter can see writes at all).
+        assert!(
+            writes(&redis) >= before + 3 * 2 * plan.limits.len() as u64,
+            "plan {p}"
+        );
+
+        let keys = store.keys("g", &key, plan);
+        let snapshot = || {
+            let mut c = redis.connection().unwrap();
+            keys.iter()
+                .map(|k| {
+                    let dump: Vec<u8> = redis::cmd("DUMP").arg(k).query(&mut c).unwrap();
+                    let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut c).unwrap();
+                    assert!(!dump.is_empty() && ttl > 0, "plan {p}: {k}");
+                    (dump, ttl)
+                })
+                .collect::<Vec<_>>()
+        };
+        let (held, w0) = (snapshot(), writes(&redis));
+        for _ in 0..5 {
+            let v = check();
+            assert!(!v.allowed && v.retry_after_us() > 0, "plan {p}: {v:?}");
+        }
+        assert_eq!(writes(&redis), w0, "plan {p}: a refused request wrote");
+        for ((dump, ttl), (dump0, ttl0)) in snapshot().into_iter().zip(held) {
+            assert_eq!(dump, dump0, "plan {p}: state changed");
+            assert!(ttl <= ttl0, "plan {p}: expiry pushed from {ttl0} to {ttl}");
+        }
+    }
+    // The wide limit holds the three admitted requests, not the refused ones.
+    assert_eq!(
+        redis.cmd::<i64>(&["ZCARD", &store.keys("g", "k5", &plans[5])[0]]),
+        3
+    );
+}
+
+// === the refusal cache ===
+
+#[test]
+fn refusals_are_answered_locally_until_their_retry_time() {
+    let mut redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(RedisOptions {
+            timeout: Duration::from_millis(200),
+            ..options(RedisTarget::Url(redis.url()), 1_000)
+        }))
+        .unwrap();
+    let plan = one(
+        "log",
+        Algorithm::SlidingLog {
+            limit: 2,
+            window_us: 1_500_000,
+        },
+        1,
+    );
+    let check = |key: &str| rt.block_on(store.check("r", key, &plan));
+    assert!(check("a").unwrap().allowed);
+    assert!(check("a").unwrap().allowed);
+    let t0 = std::time::Instant::now();
+    let first = check("a").unwrap();
+    assert!(!first.allowed);
+    let retry = first.retry_after_us();
+    assert!((1_000_000..=1_500_000).contains(&retry), "{retry}");
+
+    // Answered without a call: Redis sees no EVALSHA, and the retry time counts down.
+    let evals = evalsha_calls(&redis);
+    std::thread::sleep(Duration::from_millis(100));
+    let cached = check("a").unwrap();
+    assert!(!cached.allowed);
+    assert!(
+        cached.retry_after_us() <= retry - 100_000,
+        "{} vs {retry}",
+        cached.retry_after_us()
+    );
+    assert_eq!(cached.outcomes[0].remaining, 0);
+    assert_eq!(evalsha_calls(&redis), evals);
+
+    // Even with Redis gone the refusal holds (it is exact); other keys get the error.
+    redis.kill();
+    assert!(!check("a").unwrap().allowed);
+    assert!(check("b").is_err());
+    // After the retry time the cache lets go and the store's error shows.
+    std::thread::sleep(
+        Duration::from_micros(retry).saturating_sub(t0.elapsed()) + Duration::from_millis(50),
+    );
+    assert!(check("a").is_err());
+}
+
+fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+// === memory per tracked key (README numbers) ===
+
+/// Prints `MEMORY USAGE` of one tracked key per algorithm, with a realistic key
+/// (`sluice:{api:203.0.113.7}:<name>:<id>`). Run with `--nocapture` to see them.
+#[test]
+fn memory_usage_per_tracked_key() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            0,
+        )))
+        .unwrap();
+    let minute = 60 * S;
+    let cases: [(&str, Algorithm, u64); 8] = [
+        (
+            "fixed_window",
+            Algorithm::FixedWindow {
+                limit: 100,
+                window_us: minute,
+            },
+            1,
+        ),
+        (
+            "sliding_window",
+            Algorithm::SlidingWindow {
+                limit: 100,
+                window_us: minute,
+            },
+            1,
+        ),
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 100,
+                window_us: minute,
+            },
+            1,
+        ),
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 100,
+                window_us: minute,
+            },
+            10,
+        ),
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 100,
+                window_us: minute,
+            },
+            100,
+        ),
+        // Past 128 members a sorted set leaves the compact listpack encoding.
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 1000,
+                window_us: minute,
+            },
+            200,
+        ),
+        (
+            "token_bucket",
+            Algorithm::TokenBucket {
+                rate: rate(1, 100_000),
+                burst: 20,
+            },
+            1,
+        ),
+        (
+            "gcra",
+            Algorithm::Gcra {
+                rate: rate(1, 100_000),
+                burst: 20,
+            },
+            1,
+        ),
+    ];
+    let mut c = redis.connection().unwrap();
+    eprintln!(
+        "MEMORY USAGE (bytes) of one key like sluice:{{api:203.0.113.7}}:per_client:<16 hex>"
+    );
+    for (algorithm, a, requests) in cases {
+        let plan = one("per_client", a, 1);
+        let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+        for _ in 0..requests {
+            assert!(
+                rt.block_on(store.check("api", "203.0.113.7", &plan))
+                    .unwrap()
+                    .allowed
+            );
+        }
+        let key = store.keys("api", "203.0.113.7", &plan).remove(0);
+        let bytes: u64 = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&key)
+            .arg("SAMPLES")
+            .arg(0)
+            .query(&mut c)
+            .unwrap();
+        eprintln!("  {algorithm:<15} after {requests:>3} request(s): {bytes:>5}");
+        assert!(bytes < 200 * requests + 200, "{algorithm}: {bytes}");
+    }
+}
