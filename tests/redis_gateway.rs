@@ -330,6 +330,33 @@ async fn redis_down_with_on_error_local_applies_the_limit_in_memory() {
     assert_eq!(decisions(&o, "limited"), 45.0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_before_redis_serves_once_it_answers() {
+    let port = free_port(false);
+    let url = format!("redis://127.0.0.1:{port}");
+    let limits = "[{algorithm: sliding_log, limit: 5, window: 1h}]";
+    let yaml = format!(
+        "{}{}",
+        redis_store(&url_target(&url), "deny", TIMEOUT_MS),
+        route(limits)
+    );
+    // Starts anyway: not ready, and on_error applies without calling Redis.
+    let gw = start_gateway(&yaml).await;
+    assert_eq!(get(gw.admin_addr, "/readyz", &[]).await.status, 503);
+    assert_eq!(get(gw.addr, "/", &[("x-key", "k")]).await.status, 503);
+    let store = gw.shared.store.redis_store().expect("redis store");
+    assert_eq!(store.skipped(), 1);
+
+    let redis = RedisServer::start_at(port);
+    let up = eventually(Duration::from_secs(3), || async {
+        get(gw.addr, "/", &[("x-key", "k")]).await.status == 200
+    })
+    .await;
+    assert!(up.is_some(), "not decided by Redis within 3 s of its start");
+    assert_eq!(get(gw.admin_addr, "/readyz", &[]).await.status, 200);
+    assert_eq!(redis.cmd::<i64>(&["DBSIZE"]), 1);
+}
+
 // === f: skewed clocks ===
 
 /// Microseconds until the end of the current `window_us` window on Redis' clock.

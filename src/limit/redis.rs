@@ -15,7 +15,7 @@ use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
-use super::{Algorithm, Outcome, Plan, StoreError, Verdict};
+use super::{Algorithm, Mode, Outcome, Plan, StoreError, Verdict};
 use crate::config::schema;
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
@@ -38,7 +38,7 @@ const SCRIPT: &str = concat!(
 
 /// Consecutive failed calls that open the breaker.
 const TRIP_AFTER: u32 = 3;
-/// How often an open breaker probes Redis with `PING`.
+/// How often an open breaker probes Redis (the script, run for no limits).
 const PROBE_EVERY: Duration = Duration::from_millis(200);
 /// Refusals remembered at most (least recently used ones are dropped).
 pub const REFUSAL_CACHE_ENTRIES: usize = 65_536;
@@ -291,12 +291,14 @@ impl Inner {
         }
     }
 
-    async fn ping(&self) -> Result<(), StoreError> {
-        let ping = redis::cmd("PING");
-        match tokio::time::timeout(self.timeout, self.query::<()>(&ping)).await {
-            Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string())),
-            Err(_) => Err(StoreError::Timeout),
-        }
+    /// Runs the script for no limits: answers only if Redis is up and can run it
+    /// (not, say, refusing scripts for lack of memory), and loads it if it is missing.
+    async fn probe(&self) -> Result<(), StoreError> {
+        static NO_LIMITS: Plan = Plan {
+            limits: Vec::new(),
+            mode: Mode::Reject,
+        };
+        self.call("", &NO_LIMITS, None).await.map(drop)
     }
 
     /// One script call: every limit of `plan`, charged only if all admit.
@@ -465,7 +467,7 @@ impl Breaker {
     }
 }
 
-/// While the breaker is open, `PING` every `PROBE_EVERY` and close it on the first
+/// While the breaker is open, probe every `PROBE_EVERY` and close it on the first
 /// answer. Ends when the store is dropped.
 fn spawn_prober(store: Weak<Inner>) {
     tokio::spawn(async move {
@@ -477,7 +479,7 @@ fn spawn_prober(store: Weak<Inner>) {
             if !inner.breaker.is_open() {
                 continue;
             }
-            match inner.ping().await {
+            match inner.probe().await {
                 Ok(()) => {
                     inner.breaker.close();
                     tracing::info!("Redis answers again; limits are decided in Redis");

@@ -60,6 +60,11 @@ impl RedisServer {
         Self::start_on(free_port(false), false)
     }
 
+    /// A fresh server on `port`.
+    pub fn start_at(port: u16) -> RedisServer {
+        Self::start_on(port, false)
+    }
+
     fn start_on(port: u16, cluster: bool) -> RedisServer {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut s = RedisServer {
