@@ -42,6 +42,9 @@ const TRIP_AFTER: u32 = 3;
 const PROBE_EVERY: Duration = Duration::from_millis(200);
 /// Refusals remembered at most (least recently used ones are dropped).
 pub const REFUSAL_CACHE_ENTRIES: usize = 65_536;
+/// Longest a refusal is answered locally, however far its retry time: a key reset by
+/// hand in Redis (or lost with its data) is seen again within this long.
+const REFUSAL_HOLD_MAX: Duration = Duration::from_secs(60);
 const REFUSAL_SHARDS: usize = 16;
 
 /// Where the store lives and how long a call may take.
@@ -208,7 +211,8 @@ impl RedisStore {
                     // call was sent, which is no later than the server's now.
                     let hold = v.retry_after_us().saturating_sub(plan.max_delay_us());
                     if hold > 0 {
-                        cache.insert(cache_key, sent, sent + Duration::from_micros(hold), v);
+                        let hold = Duration::from_micros(hold).min(REFUSAL_HOLD_MAX);
+                        cache.insert(cache_key, sent, sent + hold, v);
                     }
                 }
             }
@@ -492,10 +496,10 @@ fn spawn_prober(store: Weak<Inner>) {
 
 // === the refusal cache ===
 
-/// Remembers refusals until their retry time. Exact: other instances can only use
-/// capacity, never add it, so a key Redis refused until T stays refused until T.
-/// (Deleting keys by hand, or losing Redis' data, is the exception: then a cached
-/// refusal outlasts its cause, at most by its retry time.)
+/// Remembers refusals until their retry time (at most `REFUSAL_HOLD_MAX`). Exact:
+/// other instances can only use capacity, never add it, so a key Redis refused until T
+/// stays refused until T. (Deleting keys by hand, or losing Redis' data, is the
+/// exception: then a cached refusal outlasts its cause, by `REFUSAL_HOLD_MAX` at most.)
 struct RefusalCache {
     shards: Box<[Mutex<LruCache<CacheKey, Refusal>>]>,
     hasher: RandomState,
@@ -518,7 +522,7 @@ impl RefusalCache {
         let per_shard =
             NonZeroUsize::new(capacity.div_ceil(REFUSAL_SHARDS)).unwrap_or(NonZeroUsize::MIN);
         let shards = (0..REFUSAL_SHARDS)
-            .map(|_| Mutex::new(LruCache::new(per_shard)))
+            .map(|_| Mutex::new(LruCache::sparse(per_shard)))
             .collect();
         Some(RefusalCache {
             shards,
