@@ -88,6 +88,15 @@ async fn three_gateways_admit_exactly_the_limit(yaml: &str) -> Vec<Running> {
         .await,
         0.0
     );
+    // Every decision was timed under store="redis" (refusals answered from the
+    // refusal cache included).
+    let timed = total(
+        &gateways,
+        "sluice_limiter_duration_seconds_count",
+        &[("store", "redis")],
+    )
+    .await;
+    assert_eq!(timed, 300.0);
     // Every gateway took part.
     for g in &gateways {
         assert!(metric(g.admin_addr, requests, &[("route", "api")]).await >= 100.0);
