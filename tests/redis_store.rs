@@ -727,3 +727,48 @@ fn memory_usage_per_tracked_key() {
         assert!(bytes < 200 * requests + 200, "{algorithm}: {bytes}");
     }
 }
+
+/// In delay mode a refusal with retry R turns into a delayed admission once the
+/// wait is down to max_delay: the cache answers only until R - max_delay.
+#[test]
+fn delay_mode_refusals_are_held_until_the_wait_fits() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            1_000,
+        )))
+        .unwrap();
+    let plan = Plan {
+        limits: vec![LimitDef::new(
+            "gc".into(),
+            Algorithm::Gcra {
+                rate: rate(1, S),
+                burst: 1,
+            },
+            1,
+        )],
+        mode: Mode::Delay { max_delay_us: S },
+    };
+    let check = || rt.block_on(store.check("d", "k", &plan)).unwrap();
+    let t0 = std::time::Instant::now();
+    assert_eq!((check().allowed, check().allowed), (true, true)); // the second waits ~1 s
+    let refused = check();
+    assert!(!refused.allowed);
+    let retry = refused.retry_after_us();
+    assert!((1_500_000..=2 * S).contains(&retry), "{retry}");
+
+    std::thread::sleep(Duration::from_millis(300));
+    let evals = evalsha_calls(&redis);
+    assert!(!check().allowed, "held while the wait exceeds max_delay");
+    assert_eq!(evalsha_calls(&redis), evals);
+
+    // Past R - max_delay: Redis is asked and books a wait of at most max_delay.
+    std::thread::sleep(
+        Duration::from_micros(retry - S).saturating_sub(t0.elapsed()) + Duration::from_millis(100),
+    );
+    let v = check();
+    assert!(v.allowed && v.delay_us > 0 && v.delay_us <= S, "{v:?}");
+    assert_eq!(evalsha_calls(&redis), evals + 1);
+}
