@@ -366,6 +366,54 @@ async fn a_gateway_started_before_redis_serves_once_it_answers() {
     assert_eq!(redis.cmd::<i64>(&["DBSIZE"]), 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_slower_than_the_timeout_is_cut_off_and_recovers() {
+    let redis = RedisServer::start();
+    let limits = "[{algorithm: sliding_log, limit: 1000, window: 1h}]";
+    let yaml = format!(
+        "{}{}",
+        redis_store(&url_target(&redis.url()), "allow", TIMEOUT_MS),
+        route(limits)
+    );
+    let gw = start_gateway(&yaml).await;
+    let admin = gw.admin_addr;
+    assert_eq!(get(gw.addr, "/", &[("x-key", "k")]).await.status, 200);
+    let count = |decision: &'static str| async move {
+        let labels = [("route", "api"), ("decision", decision)];
+        metric(admin, "sluice_requests_total", &labels).await
+    };
+
+    // Redis stops answering anyone for 1.5 s.
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "1500", "ALL"])
+        .query(&mut redis.connection().unwrap())
+        .unwrap();
+    let t0 = Instant::now();
+    for _ in 0..20 {
+        assert_eq!(get(gw.addr, "/", &[("x-key", "k")]).await.status, 200);
+    }
+    let took = t0.elapsed();
+    // About three timeouts, then the breaker answers at once.
+    assert!(
+        took < Duration::from_millis(20 * TIMEOUT_MS / 2),
+        "{took:?}"
+    );
+    assert_eq!(count("store_error_allowed").await, 20.0);
+    assert_eq!(get(admin, "/readyz", &[]).await.status, 503);
+
+    let back = eventually(Duration::from_secs(3), || async {
+        let before = count("allowed").await;
+        get(gw.addr, "/", &[("x-key", "k")]).await;
+        count("allowed").await > before
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "not decided by Redis within 3 s of the pause"
+    );
+    assert_eq!(get(admin, "/readyz", &[]).await.status, 200);
+}
+
 // === f: skewed clocks ===
 
 /// Microseconds until the end of the current `window_us` window on Redis' clock.
