@@ -18,9 +18,9 @@ use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
 use crate::config::compile::{compile, CompileError};
+use crate::config::schema::Backend;
 use crate::config::{self, ConfigErrors, Loaded};
 use crate::gateway::{self, Shared};
-use crate::config::schema::Backend;
 use crate::limit::{MemoryStore, RedisOptions, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 
@@ -81,13 +81,18 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let max_keys = f.store.memory.max_keys.get();
     let store = match (f.store.backend, &f.store.redis) {
-        (Backend::Memory, _) => Store::memory(MemoryStore::new(max_keys, SystemClock::new()), &metrics),
+        (Backend::Memory, _) => {
+            Store::memory(MemoryStore::new(max_keys, SystemClock::new()), &metrics)
+        }
         (Backend::Redis, Some(redis)) => {
             let redis = RedisStore::connect(RedisOptions::from_config(redis)?).await?;
             Store::redis(redis, max_keys, &metrics)
         }
         (Backend::Redis, None) => {
-            return Err(StoreError::Config("store.backend: redis needs a store.redis section".into()).into())
+            return Err(StoreError::Config(
+                "store.backend: redis needs a store.redis section".into(),
+            )
+            .into())
         }
     };
     let shared = Arc::new(Shared {
