@@ -12,10 +12,10 @@ pub mod store;
 
 use std::time::Duration;
 
+pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
-pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 pub use store::{Store, StoreError};
 
 /// One configured limit, compiled.
