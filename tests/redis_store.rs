@@ -77,7 +77,7 @@ fn the_table_of_cases_passes_on_one_redis() {
         )))
         .unwrap();
     let steps = run_table(&store, &rt);
-    assert_eq!(cases::all().len(), 15);
+    assert!(cases::all().len() >= 15);
     assert!(steps > 100, "{steps}");
 }
 
