@@ -154,24 +154,14 @@ pub async fn handle(
         let mut report: Option<(&Tier, Verdict)> = None;
         if let Some(limits) = &route.limits {
             let tier = limits.tier(&key.0);
-            match shared.store.check(ns, &key.stored(), &tier.plan).await {
-                Ok(v) if v.allowed => {
-                    if v.delay_us > 0 {
-                        tokio::time::sleep(v.delay()).await;
-                        decision = Decision::Delayed;
-                    }
-                    report = (!route.shadow).then_some((tier, v));
-                }
-                Ok(_) if route.shadow => decision = Decision::Shadow,
-                Ok(v) => {
-                    let (name, retry) = refusal(&tier.plan, &v);
-                    let mut r = answer::limited(&route.name, name, retry);
-                    rt.rate_headers
-                        .apply(r.headers_mut(), &tier.plan, tier.policy.as_ref(), &v);
-                    break 'answer (r, Decision::Limited);
-                }
+            let stored = key.stored();
+            // Store unreachable: answer 503, forward unchecked, or decide in this
+            // instance's memory (`on_error`); either way the decision is counted.
+            let (checked, store_failed) = match shared.store.check(ns, &stored, &tier.plan).await {
+                Ok(v) => (Some(v), false),
                 Err(e) => {
-                    tracing::warn!(route = %route.name, error = %e, "limiter store failed");
+                    // The store logs its failures; this would repeat them per request.
+                    tracing::debug!(route = %route.name, error = %e, "limiter store failed");
                     match rt.on_error {
                         OnError::Deny => {
                             let r = answer::text(
@@ -180,9 +170,31 @@ pub async fn handle(
                             );
                             break 'answer (r, Decision::StoreErrorDenied);
                         }
-                        OnError::Allow | OnError::Local => decision = Decision::StoreErrorAllowed,
+                        OnError::Allow => (None, true),
+                        OnError::Local => (shared.store.fallback(ns, &stored, &tier.plan), true),
                     }
                 }
+            };
+            match checked {
+                Some(v) if v.allowed => {
+                    if v.delay_us > 0 {
+                        tokio::time::sleep(v.delay()).await;
+                        decision = Decision::Delayed;
+                    }
+                    if store_failed {
+                        decision = Decision::StoreErrorAllowed;
+                    }
+                    report = (!route.shadow).then_some((tier, v));
+                }
+                Some(_) if route.shadow => decision = Decision::Shadow,
+                Some(v) => {
+                    let (name, retry) = refusal(&tier.plan, &v);
+                    let mut r = answer::limited(&route.name, name, retry);
+                    rt.rate_headers
+                        .apply(r.headers_mut(), &tier.plan, tier.policy.as_ref(), &v);
+                    break 'answer (r, Decision::Limited);
+                }
+                None => decision = Decision::StoreErrorAllowed,
             }
         }
 

@@ -18,9 +18,10 @@ use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
 use crate::config::compile::{compile, CompileError};
+use crate::config::schema::Backend;
 use crate::config::{self, ConfigErrors, Loaded};
 use crate::gateway::{self, Shared};
-use crate::limit::{MemoryStore, Store, SystemClock};
+use crate::limit::{MemoryStore, RedisOptions, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +30,8 @@ pub enum StartError {
     Config(#[from] ConfigErrors),
     #[error(transparent)]
     Compile(#[from] CompileError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -76,10 +79,22 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let runtime = compile(&loaded, &metrics)?;
     let f = &loaded.file;
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
-    let store = Store::memory(
-        MemoryStore::new(f.store.memory.max_keys.get(), SystemClock::new()),
-        &metrics,
-    );
+    let max_keys = f.store.memory.max_keys.get();
+    let store = match (f.store.backend, &f.store.redis) {
+        (Backend::Memory, _) => {
+            Store::memory(MemoryStore::new(max_keys, SystemClock::new()), &metrics)
+        }
+        (Backend::Redis, Some(redis)) => {
+            let redis = RedisStore::connect(RedisOptions::from_config(redis)?).await?;
+            Store::redis(redis, max_keys, &metrics)
+        }
+        (Backend::Redis, None) => {
+            return Err(StoreError::Config(
+                "store.backend: redis needs a store.redis section".into(),
+            )
+            .into())
+        }
+    };
     let shared = Arc::new(Shared {
         runtime: ArcSwap::from_pointee(runtime),
         store,

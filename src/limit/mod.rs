@@ -7,10 +7,12 @@ pub mod algo;
 pub mod cases;
 pub mod clock;
 pub mod memory;
+pub mod redis;
 pub mod store;
 
 use std::time::Duration;
 
+pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;

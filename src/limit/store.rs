@@ -1,10 +1,12 @@
 //! The store a gateway decides its limits in, behind one type so the request path
-//! does not care which it is. The memory store cannot fail; the Redis store (next)
-//! reports errors and the gateway applies `on_error`.
+//! does not care which it is. The memory store cannot fail; the Redis store reports
+//! errors, and the gateway applies `on_error` (with `local`, through `fallback`).
 
-use prometheus::Histogram;
+use std::sync::OnceLock;
 
-use super::{MemoryStore, Plan, Verdict};
+use prometheus::{Histogram, IntCounter};
+
+use super::{MemoryStore, Plan, RedisStore, SystemClock, Verdict};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -12,15 +14,29 @@ pub enum StoreError {
     Unavailable(String),
     #[error("store did not answer in time")]
     Timeout,
+    /// Not called: the store failed repeatedly and has not answered a probe since.
+    #[error("store unavailable (breaker open)")]
+    Open,
+    #[error("store configuration: {0}")]
+    Config(String),
 }
 
 pub enum Backend {
     Memory(MemoryStore),
+    Redis {
+        redis: RedisStore,
+        /// Decides for this instance alone while Redis is unreachable
+        /// (`on_error: local`); created on first use.
+        fallback: OnceLock<MemoryStore>,
+        fallback_max_keys: usize,
+    },
 }
 
 pub struct Store {
     backend: Backend,
     latency: Histogram,
+    /// Failed calls; none for the memory store, which cannot fail.
+    errors: Option<IntCounter>,
 }
 
 impl Store {
@@ -28,6 +44,24 @@ impl Store {
         Store {
             backend: Backend::Memory(store),
             latency: metrics.limiter_duration.with_label_values(&["memory"]),
+            errors: None,
+        }
+    }
+
+    /// A Redis store; `fallback_max_keys` bounds the in-process fallback.
+    pub fn redis(
+        store: RedisStore,
+        fallback_max_keys: usize,
+        metrics: &crate::metrics::Metrics,
+    ) -> Store {
+        Store {
+            backend: Backend::Redis {
+                redis: store,
+                fallback: OnceLock::new(),
+                fallback_max_keys,
+            },
+            latency: metrics.limiter_duration.with_label_values(&["redis"]),
+            errors: Some(metrics.store_errors.with_label_values(&["redis"])),
         }
     }
 
@@ -36,15 +70,46 @@ impl Store {
         let timer = self.latency.start_timer();
         let v = match &self.backend {
             Backend::Memory(m) => Ok(m.check(ns, key, plan)),
+            Backend::Redis { redis, .. } => redis.check(ns, key, plan).await,
         };
-        timer.observe_duration();
+        match &v {
+            // Not a call: neither timed nor counted again.
+            Err(StoreError::Open) => {
+                timer.stop_and_discard();
+            }
+            Err(_) => {
+                if let Some(errors) = &self.errors {
+                    errors.inc();
+                }
+                timer.observe_duration();
+            }
+            Ok(_) => timer.observe_duration(),
+        }
         v
+    }
+
+    /// Decide in this instance's memory while the shared store is unreachable
+    /// (`on_error: local`). None for the memory store, which cannot fail.
+    pub fn fallback(&self, ns: &str, key: &str, plan: &Plan) -> Option<Verdict> {
+        match &self.backend {
+            Backend::Memory(_) => None,
+            Backend::Redis {
+                fallback,
+                fallback_max_keys,
+                ..
+            } => {
+                let m = fallback
+                    .get_or_init(|| MemoryStore::new(*fallback_max_keys, SystemClock::new()));
+                Some(m.check(ns, key, plan))
+            }
+        }
     }
 
     /// Whether the store answers; `/readyz` reports it.
     pub fn ready(&self) -> bool {
         match &self.backend {
             Backend::Memory(_) => true,
+            Backend::Redis { redis, .. } => redis.ready(),
         }
     }
 
@@ -52,6 +117,15 @@ impl Store {
     pub fn memory_store(&self) -> Option<&MemoryStore> {
         match &self.backend {
             Backend::Memory(m) => Some(m),
+            Backend::Redis { fallback, .. } => fallback.get(),
+        }
+    }
+
+    /// The Redis store, if that is the backend.
+    pub fn redis_store(&self) -> Option<&RedisStore> {
+        match &self.backend {
+            Backend::Memory(_) => None,
+            Backend::Redis { redis, .. } => Some(redis),
         }
     }
 }

@@ -1,0 +1,42 @@
+-- Exact integer helpers shared by every algorithm. Lua numbers are doubles: every
+-- integer sluice stores stays below 2^53 (config validation sees to it), so sums,
+-- differences and products of them are exact, but a quotient is rounded and
+-- math.floor(a / b) can land one off when a / b rounds up to a whole number. These
+-- helpers correct the rounded quotient with exact multiplications.
+
+-- floor(a / b) for integers a >= 0, b > 0.
+local function floor_div(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then
+    q = q - 1
+  elseif (q + 1) * b <= a then
+    q = q + 1
+  end
+  return q
+end
+
+-- ceil(a / b) for integers b > 0; 0 when a <= 0.
+local function ceil_div(a, b)
+  if a <= 0 then
+    return 0
+  end
+  local q = floor_div(a, b)
+  if q * b < a then
+    q = q + 1
+  end
+  return q
+end
+
+-- Rust's saturating float-to-unsigned cast: negative becomes 0.
+local function unsigned(x)
+  if x < 0 then
+    return 0
+  end
+  return x
+end
+
+-- An integer as Redis command text. Redis formats Lua numbers itself with limited
+-- precision in some versions; "%d" prints all digits of a 64-bit integer.
+local function int(x)
+  return string.format('%d', x)
+end

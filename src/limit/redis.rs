@@ -1,0 +1,718 @@
+//! The Redis store: limiter state shared by every instance. All limits of one request
+//! are decided by one Lua script call (one round trip), timed by the Redis server's
+//! clock; a breaker stops calling a Redis that keeps failing, and a refusal cache
+//! answers keys that Redis has refused until their retry time without asking again.
+
+use std::hash::{BuildHasher, RandomState};
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use lru::LruCache;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClientBuilder, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
+
+use super::{Algorithm, Mode, Outcome, Plan, StoreError, Verdict};
+use crate::config::schema;
+
+/// The whole script: the algorithms, then the runner that calls them. Loaded once
+/// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
+const SCRIPT: &str = concat!(
+    include_str!("../../lua/arith.lua"),
+    "\n",
+    include_str!("../../lua/fixed_window.lua"),
+    "\n",
+    include_str!("../../lua/sliding_window.lua"),
+    "\n",
+    include_str!("../../lua/sliding_log.lua"),
+    "\n",
+    include_str!("../../lua/token_bucket.lua"),
+    "\n",
+    include_str!("../../lua/gcra.lua"),
+    "\n",
+    include_str!("../../lua/request.lua"),
+);
+
+/// Consecutive failed calls that open the breaker.
+const TRIP_AFTER: u32 = 3;
+/// How often an open breaker probes Redis (the script, run for no limits).
+const PROBE_EVERY: Duration = Duration::from_millis(200);
+/// Refusals remembered at most (least recently used ones are dropped).
+pub const REFUSAL_CACHE_ENTRIES: usize = 65_536;
+/// Longest a refusal is answered locally, however far its retry time: a key reset by
+/// hand in Redis (or lost with its data) is seen again within this long.
+const REFUSAL_HOLD_MAX: Duration = Duration::from_secs(60);
+const REFUSAL_SHARDS: usize = 16;
+
+/// Where the store lives and how long a call may take.
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    pub target: RedisTarget,
+    /// Bound on one limiter call, connection waits and retries included.
+    pub timeout: Duration,
+    pub key_prefix: String,
+    /// Refusals remembered locally; 0 turns the refusal cache off.
+    pub refusal_cache: usize,
+}
+
+#[derive(Debug, Clone)]
+pub enum RedisTarget {
+    /// One server: `redis://` or `rediss://`.
+    Url(String),
+    /// Redis Cluster seed nodes.
+    Cluster(Vec<String>),
+}
+
+impl RedisOptions {
+    pub fn from_config(c: &schema::RedisStore) -> Result<RedisOptions, StoreError> {
+        let target = match (&c.cluster, &c.url) {
+            (Some(nodes), _) if !nodes.is_empty() => {
+                RedisTarget::Cluster(nodes.iter().map(|n| n.0.clone()).collect())
+            }
+            (_, Some(url)) => RedisTarget::Url(url.0.clone()),
+            _ => {
+                return Err(StoreError::Config(
+                    "store.redis needs url or cluster".into(),
+                ))
+            }
+        };
+        Ok(RedisOptions {
+            target,
+            timeout: c.timeout.get(),
+            key_prefix: c.key_prefix.0.clone(),
+            refusal_cache: REFUSAL_CACHE_ENTRIES,
+        })
+    }
+}
+
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: Connection,
+    script: Script,
+    timeout: Duration,
+    prefix: String,
+    /// Random per process: with `requests`, makes sliding-log members unique across
+    /// instances.
+    instance: u64,
+    requests: AtomicU64,
+    breaker: Breaker,
+    refusals: Option<RefusalCache>,
+}
+
+/// A multiplexed connection, shared by concurrent requests (cloning is cheap).
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+// === impl RedisStore ===
+
+impl RedisStore {
+    /// Connects and loads the script. An unreachable Redis is not an error: the store
+    /// starts with its breaker open (not ready, `on_error` applies) and keeps probing.
+    pub async fn connect(opts: RedisOptions) -> Result<RedisStore, StoreError> {
+        let timeout = opts.timeout.max(Duration::from_millis(1));
+        // Connecting (TCP, TLS, HELLO) happens off the request path, behind the shared
+        // connection future, and each call is bounded by `timeout` anyway: a slow
+        // handshake may take longer than one call without failing for good.
+        let connect_timeout = timeout.max(Duration::from_secs(1));
+        let config = |e: redis::RedisError| StoreError::Config(e.to_string());
+        let conn = match &opts.target {
+            RedisTarget::Url(url) => {
+                let client = redis::Client::open(url.as_str()).map_err(config)?;
+                let cfg = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(connect_timeout))
+                    .set_response_timeout(Some(timeout))
+                    // A reconnect is retried once, soon; the breaker does the rest.
+                    .set_number_of_retries(1)
+                    .set_min_delay(Duration::from_millis(10))
+                    .set_max_delay(timeout);
+                Connection::Single(
+                    ConnectionManager::new_lazy_with_config(client, cfg).map_err(config)?,
+                )
+            }
+            RedisTarget::Cluster(nodes) => {
+                let client = ClusterClientBuilder::new(nodes.iter().map(String::as_str))
+                    .connection_timeout(connect_timeout)
+                    .response_timeout(timeout)
+                    // One retry for a MOVED/ASK redirection; both bounded by `timeout`.
+                    .retries(1)
+                    .min_retry_wait(1)
+                    .max_retry_wait(timeout.as_millis().max(1) as u64)
+                    .build()
+                    .map_err(config)?;
+                let cfg = ClusterConfig::new()
+                    .set_connection_timeout(connect_timeout)
+                    .set_response_timeout(timeout);
+                Connection::Cluster(client.get_pending_async_connection_with_config(cfg))
+            }
+        };
+        let inner = Arc::new(Inner {
+            conn,
+            script: Script::new(SCRIPT),
+            timeout,
+            prefix: opts.key_prefix,
+            instance: RandomState::new().hash_one(std::process::id()),
+            requests: AtomicU64::new(0),
+            breaker: Breaker::default(),
+            refusals: RefusalCache::new(opts.refusal_cache),
+        });
+        match tokio::time::timeout(connect_timeout, inner.load()).await {
+            Ok(Ok(())) => {
+                tracing::info!(sha = %inner.script.get_hash(), "limiter script loaded into Redis")
+            }
+            Ok(Err(e)) => {
+                inner.breaker.trip();
+                tracing::error!(error = %e, "Redis unreachable at startup; applying store.on_error until it answers");
+            }
+            Err(_) => {
+                inner.breaker.trip();
+                tracing::error!(
+                    "Redis did not answer at startup; applying store.on_error until it answers"
+                );
+            }
+        }
+        spawn_prober(Arc::downgrade(&inner));
+        Ok(RedisStore { inner })
+    }
+
+    /// Decides one request against every limit of `plan` for `key` in the namespace
+    /// `ns`, at the Redis server's time.
+    pub async fn check(&self, ns: &str, key: &str, plan: &Plan) -> Result<Verdict, StoreError> {
+        let inner = &self.inner;
+        if plan.limits.is_empty() {
+            return Ok(allowed_empty());
+        }
+        let cache_key = (inner.tag(ns, key), fingerprint(plan));
+        let sent = Instant::now();
+        if let Some(cache) = &inner.refusals {
+            if let Some(v) = cache.get(&cache_key, sent) {
+                return Ok(v);
+            }
+        }
+        if inner.breaker.is_open() {
+            inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::Open);
+        }
+        let result = inner.call(&cache_key.0, plan, None).await;
+        match &result {
+            Ok(v) => {
+                inner.breaker.success();
+                if let (false, Some(cache)) = (v.allowed, &inner.refusals) {
+                    // Refused until `retry`; with delay mode a wait of max_delay would be
+                    // admitted, so only until retry - max_delay. Counted from when the
+                    // call was sent, which is no later than the server's now.
+                    let hold = v.retry_after_us().saturating_sub(plan.max_delay_us());
+                    if hold > 0 {
+                        let hold = Duration::from_micros(hold).min(REFUSAL_HOLD_MAX);
+                        cache.insert(cache_key, sent, sent + hold, v);
+                    }
+                }
+            }
+            Err(e) => {
+                if inner.breaker.failure() {
+                    tracing::error!(error = %e, failures = TRIP_AFTER, "Redis keeps failing; breaker open, applying store.on_error while probing");
+                } else {
+                    tracing::warn!(error = %e, "Redis limiter call failed");
+                }
+            }
+        }
+        result
+    }
+
+    /// `check` at an explicit time instead of the server's clock, for driving a table of
+    /// cases. Skips the refusal cache (it runs on real time).
+    pub async fn check_at(
+        &self,
+        ns: &str,
+        key: &str,
+        plan: &Plan,
+        now_us: u64,
+    ) -> Result<Verdict, StoreError> {
+        if plan.limits.is_empty() {
+            return Ok(allowed_empty());
+        }
+        let tag = self.inner.tag(ns, key);
+        self.inner.call(&tag, plan, Some(now_us)).await
+    }
+
+    /// False while the breaker is open: Redis failed repeatedly and has not answered a
+    /// probe since.
+    pub fn ready(&self) -> bool {
+        !self.inner.breaker.is_open()
+    }
+
+    /// Requests answered by `on_error` without calling Redis because the breaker was
+    /// open.
+    pub fn skipped(&self) -> u64 {
+        self.inner.breaker.skipped.load(Ordering::Relaxed)
+    }
+
+    /// The Redis keys of `plan`'s limits for `key` in `ns`, in plan order.
+    pub fn keys(&self, ns: &str, key: &str, plan: &Plan) -> Vec<String> {
+        let tag = self.inner.tag(ns, key);
+        plan.limits
+            .iter()
+            .map(|l| limit_key(&tag, &l.name, l.id))
+            .collect()
+    }
+}
+
+fn allowed_empty() -> Verdict {
+    Verdict {
+        allowed: true,
+        delay_us: 0,
+        outcomes: Vec::new(),
+    }
+}
+
+// === impl Inner ===
+
+impl Inner {
+    fn tag(&self, ns: &str, key: &str) -> String {
+        tag(&self.prefix, ns, key)
+    }
+
+    async fn load(&self) -> RedisResult<()> {
+        let script = self.script.prepare_invoke();
+        match self.conn.clone() {
+            Connection::Single(mut c) => script.load_async(&mut c).await.map(drop),
+            Connection::Cluster(mut c) => script.load_async(&mut c).await.map(drop),
+        }
+    }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
+        match self.conn.clone() {
+            Connection::Single(mut c) => cmd.query_async(&mut c).await,
+            Connection::Cluster(mut c) => cmd.query_async(&mut c).await,
+        }
+    }
+
+    /// Runs the script for no limits: answers only if Redis is up and can run it
+    /// (not, say, refusing scripts for lack of memory), and loads it if it is missing.
+    async fn probe(&self) -> Result<(), StoreError> {
+        static NO_LIMITS: Plan = Plan {
+            limits: Vec::new(),
+            mode: Mode::Reject,
+        };
+        self.call("", &NO_LIMITS, None).await.map(drop)
+    }
+
+    /// One script call: every limit of `plan`, charged only if all admit.
+    async fn call(
+        &self,
+        tag: &str,
+        plan: &Plan,
+        now_us: Option<u64>,
+    ) -> Result<Verdict, StoreError> {
+        let seq = self.requests.fetch_add(1, Ordering::Relaxed);
+        let uid = format!("{:x}.{seq:x}", self.instance);
+        let command = |verb: &str, script: &str| {
+            let mut cmd = redis::cmd(verb);
+            cmd.arg(script).arg(plan.limits.len());
+            for l in &plan.limits {
+                cmd.arg(limit_key(tag, &l.name, l.id));
+            }
+            match now_us {
+                Some(now) => cmd.arg(now),
+                None => cmd.arg(""),
+            };
+            cmd.arg(plan.max_delay_us()).arg(&uid);
+            for l in &plan.limits {
+                let (name, a, b, c) = params(&l.algorithm);
+                cmd.arg(name).arg(l.cost).arg(a).arg(b).arg(c);
+            }
+            cmd
+        };
+        // EVALSHA; on NOSCRIPT (flushed, restarted, failed over) EVAL with the body,
+        // which runs and caches it in one step. (SCRIPT LOAD, then EVALSHA again, fails
+        // when another flush lands between the two.)
+        let call = async {
+            let evalsha = command("EVALSHA", self.script.get_hash());
+            match self.query::<Vec<i64>>(&evalsha).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.query(&command("EVAL", SCRIPT)).await
+                }
+                r => r,
+            }
+        };
+        let reply = match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string()))?,
+            Err(_) => return Err(StoreError::Timeout),
+        };
+        verdict(plan, &reply)
+    }
+}
+
+/// `<prefix>{<ns>:<key>}`: the part every key of the request shares, braces included,
+/// so Redis Cluster puts them in one slot. `ns` is escaped so that it never contains
+/// `:` or braces: no route name and key can make the tag of another pair. `key` is the
+/// stored client key, which never contains braces.
+fn tag(prefix: &str, ns: &str, key: &str) -> String {
+    let mut s = String::with_capacity(prefix.len() + ns.len() + key.len() + 3);
+    s.push_str(prefix);
+    s.push('{');
+    for c in ns.chars() {
+        match c {
+            '\\' => s.push_str("\\\\"),
+            ':' => s.push_str("\\;"),
+            '{' => s.push_str("\\("),
+            '}' => s.push_str("\\)"),
+            c => s.push(c),
+        }
+    }
+    s.push(':');
+    s.push_str(key);
+    s.push('}');
+    s
+}
+
+/// `<tag>:<limit name>:<limit id, 16 hex digits>`.
+fn limit_key(tag: &str, name: &str, id: u64) -> String {
+    format!("{tag}:{name}:{id:016x}")
+}
+
+/// The script's name for an algorithm and its three parameters.
+fn params(a: &Algorithm) -> (&'static str, u64, u64, u64) {
+    match *a {
+        Algorithm::FixedWindow { limit, window_us } => ("fixed_window", limit, window_us, 0),
+        Algorithm::SlidingWindow { limit, window_us } => ("sliding_window", limit, window_us, 0),
+        Algorithm::SlidingLog { limit, window_us } => ("sliding_log", limit, window_us, 0),
+        Algorithm::TokenBucket { rate, burst } => ("token_bucket", rate.count, rate.per_us, burst),
+        Algorithm::Gcra { rate, burst } => ("gcra", rate.count, rate.per_us, burst),
+    }
+}
+
+/// Reads the script's reply: {allowed, delay_us, now_us, then five per limit}.
+fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
+    if reply.len() != 3 + 5 * plan.limits.len() {
+        return Err(StoreError::Unavailable(format!(
+            "limiter script answered {} numbers for {} limits",
+            reply.len(),
+            plan.limits.len()
+        )));
+    }
+    let u = |v: i64| u64::try_from(v).unwrap_or(0);
+    let outcomes = plan
+        .limits
+        .iter()
+        .zip(reply[3..].chunks_exact(5))
+        .map(|(l, o)| Outcome {
+            allowed: o[0] == 1,
+            quota: l.algorithm.quota(),
+            remaining: u(o[1]),
+            reset_us: u(o[2]),
+            retry_after_us: u(o[3]),
+            delay_us: u(o[4]),
+        })
+        .collect();
+    Ok(Verdict {
+        allowed: reply[0] == 1,
+        delay_us: u(reply[1]),
+        outcomes,
+    })
+}
+
+/// Identifies a plan's limits (by their ids, which change with any parameter) and
+/// mode, so a reload that changes them never reuses a cached refusal.
+fn fingerprint(plan: &Plan) -> u64 {
+    let mut h = super::stable_id(&plan.max_delay_us().to_string());
+    for l in &plan.limits {
+        h = (h ^ l.id)
+            .wrapping_mul(0x0000_0100_0000_01b3)
+            .rotate_left(29);
+    }
+    h ^ plan.limits.len() as u64
+}
+
+// === the breaker ===
+
+/// Counts consecutive failures; open after `TRIP_AFTER`, closed by the first probe
+/// that succeeds.
+#[derive(Default)]
+struct Breaker {
+    failures: AtomicU32,
+    open: AtomicBool,
+    skipped: AtomicU64,
+}
+
+impl Breaker {
+    fn is_open(&self) -> bool {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    fn success(&self) {
+        if self.failures.load(Ordering::Relaxed) != 0 {
+            self.failures.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a failure; true if it opened the breaker.
+    fn failure(&self) -> bool {
+        let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        n >= TRIP_AFTER && self.trip()
+    }
+
+    /// Opens the breaker; true if it was closed.
+    fn trip(&self) -> bool {
+        !self.open.swap(true, Ordering::Relaxed)
+    }
+
+    fn close(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+        self.open.store(false, Ordering::Relaxed);
+    }
+}
+
+/// While the breaker is open, probe every `PROBE_EVERY` and close it on the first
+/// answer. Ends when the store is dropped.
+fn spawn_prober(store: Weak<Inner>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(PROBE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(inner) = store.upgrade() else { return };
+            if !inner.breaker.is_open() {
+                continue;
+            }
+            match inner.probe().await {
+                Ok(()) => {
+                    inner.breaker.close();
+                    tracing::info!("Redis answers again; limits are decided in Redis");
+                }
+                Err(e) => tracing::debug!(error = %e, "Redis probe failed"),
+            }
+        }
+    });
+}
+
+// === the refusal cache ===
+
+/// Remembers refusals until their retry time (at most `REFUSAL_HOLD_MAX`). Exact:
+/// other instances can only use capacity, never add it, so a key Redis refused until T
+/// stays refused until T. (Deleting keys by hand, or losing Redis' data, is the
+/// exception: then a cached refusal outlasts its cause, by `REFUSAL_HOLD_MAX` at most.)
+struct RefusalCache {
+    shards: Box<[Mutex<LruCache<CacheKey, Refusal>>]>,
+    hasher: RandomState,
+}
+
+/// (the request's key tag, the plan's fingerprint).
+type CacheKey = (String, u64);
+
+struct Refusal {
+    at: Instant,
+    until: Instant,
+    verdict: Verdict,
+}
+
+impl RefusalCache {
+    fn new(capacity: usize) -> Option<RefusalCache> {
+        if capacity == 0 {
+            return None;
+        }
+        let per_shard =
+            NonZeroUsize::new(capacity.div_ceil(REFUSAL_SHARDS)).unwrap_or(NonZeroUsize::MIN);
+        let shards = (0..REFUSAL_SHARDS)
+            .map(|_| Mutex::new(LruCache::sparse(per_shard)))
+            .collect();
+        Some(RefusalCache {
+            shards,
+            hasher: RandomState::new(),
+        })
+    }
+
+    fn shard(&self, key: &CacheKey) -> std::sync::MutexGuard<'_, LruCache<CacheKey, Refusal>> {
+        let i = self.hasher.hash_one(key) as usize % self.shards.len();
+        self.shards[i]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The refusal of `key`, if it still holds at `now`, with the times that remain.
+    fn get(&self, key: &CacheKey, now: Instant) -> Option<Verdict> {
+        let mut shard = self.shard(key);
+        let r = shard.get(key)?;
+        if r.until <= now {
+            shard.pop(key);
+            return None;
+        }
+        let elapsed = now.saturating_duration_since(r.at).as_micros() as u64;
+        let mut v = r.verdict.clone();
+        for o in &mut v.outcomes {
+            o.reset_us = o.reset_us.saturating_sub(elapsed);
+            if !o.allowed {
+                o.retry_after_us = o.retry_after_us.saturating_sub(elapsed).max(1);
+            }
+        }
+        Some(v)
+    }
+
+    fn insert(&self, key: CacheKey, at: Instant, until: Instant, verdict: &Verdict) {
+        let refusal = Refusal {
+            at,
+            until,
+            verdict: verdict.clone(),
+        };
+        self.shard(&key).put(key, refusal);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{LimitDef, Mode, Rate};
+
+    fn plan(mode: Mode) -> Plan {
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "a".into(),
+                    Algorithm::FixedWindow {
+                        limit: 3,
+                        window_us: 1_000_000,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "b".into(),
+                    Algorithm::Gcra {
+                        rate: Rate {
+                            count: 10,
+                            per_us: 1_000_000,
+                        },
+                        burst: 5,
+                    },
+                    1,
+                ),
+            ],
+            mode,
+        }
+    }
+
+    #[test]
+    fn script_holds_every_algorithm_and_the_runner_last() {
+        for name in [
+            "fixed_window",
+            "sliding_window",
+            "sliding_log",
+            "token_bucket",
+            "gcra",
+        ] {
+            assert!(
+                SCRIPT.contains(&format!("local function {name}(")),
+                "{name}"
+            );
+        }
+        let runner = SCRIPT.find("local algorithms = {").unwrap();
+        assert!(SCRIPT.rfind("local function").unwrap() < runner);
+    }
+
+    #[test]
+    fn keys_share_one_hash_tag() {
+        assert_eq!(tag("sluice:", "api", "1.2.3.4"), "sluice:{api:1.2.3.4}");
+        assert_eq!(tag("sluice:", "api/ip", "::1"), "sluice:{api/ip:::1}");
+        // A route name can not pose as another route with a longer key.
+        assert_ne!(tag("", "a:b", "c"), tag("", "a", "b:c"));
+        assert_eq!(tag("", "a:b{c}\\", "k"), "{a\\;b\\(c\\)\\\\:k}");
+        assert_eq!(
+            limit_key("sluice:{api:k}", "burst", 0xab),
+            "sluice:{api:k}:burst:00000000000000ab"
+        );
+    }
+
+    #[test]
+    fn fingerprint_changes_with_limits_and_mode() {
+        let a = fingerprint(&plan(Mode::Reject));
+        assert_eq!(a, fingerprint(&plan(Mode::Reject)));
+        assert_ne!(a, fingerprint(&plan(Mode::Delay { max_delay_us: 5 })));
+        let mut p = plan(Mode::Reject);
+        p.limits.reverse();
+        assert_ne!(a, fingerprint(&p));
+        p.limits.pop();
+        assert_ne!(a, fingerprint(&p));
+    }
+
+    #[test]
+    fn reply_becomes_a_verdict() {
+        let p = plan(Mode::Reject);
+        let v = verdict(&p, &[0, 0, 17, 1, 2, 30, 0, 0, 0, 0, 50, 40, 0]).unwrap();
+        assert!(!v.allowed);
+        assert_eq!(v.outcomes.len(), 2);
+        assert_eq!(
+            (
+                v.outcomes[1].allowed,
+                v.outcomes[1].reset_us,
+                v.outcomes[1].retry_after_us
+            ),
+            (false, 50, 40)
+        );
+        assert_eq!((v.outcomes[0].allowed, v.outcomes[0].remaining), (true, 2));
+        assert!(verdict(&p, &[1, 0, 17]).is_err());
+    }
+
+    #[test]
+    fn refusals_are_answered_with_the_time_left_and_then_forgotten() {
+        let cache = RefusalCache::new(4).unwrap();
+        let refused = Outcome {
+            allowed: false,
+            retry_after_us: 500_000,
+            reset_us: 900_000,
+            ..Outcome::default()
+        };
+        let admitted = Outcome {
+            allowed: true,
+            reset_us: 100_000,
+            ..Outcome::default()
+        };
+        let v = Verdict {
+            allowed: false,
+            delay_us: 0,
+            outcomes: vec![admitted, refused],
+        };
+        let t0 = Instant::now();
+        let key = ("sluice:{r:k}".to_string(), 7);
+        cache.insert(key.clone(), t0, t0 + Duration::from_micros(500_000), &v);
+        let got = cache
+            .get(&key, t0 + Duration::from_micros(200_000))
+            .unwrap();
+        assert_eq!(
+            (got.outcomes[1].retry_after_us, got.outcomes[1].reset_us),
+            (300_000, 700_000)
+        );
+        assert_eq!(
+            (got.outcomes[0].retry_after_us, got.outcomes[0].reset_us),
+            (0, 0)
+        );
+        assert!(cache.get(&("sluice:{r:k}".to_string(), 8), t0).is_none());
+        assert!(cache
+            .get(&key, t0 + Duration::from_micros(500_000))
+            .is_none());
+        assert!(cache.get(&key, t0).is_none(), "expired entries are dropped");
+        assert!(RefusalCache::new(0).is_none());
+    }
+
+    #[test]
+    fn the_cache_is_bounded() {
+        let cache = RefusalCache::new(REFUSAL_SHARDS).unwrap();
+        let t0 = Instant::now();
+        let v = Verdict {
+            allowed: false,
+            delay_us: 0,
+            outcomes: vec![],
+        };
+        for i in 0..10_000u64 {
+            cache.insert((i.to_string(), 0), t0, t0 + Duration::from_secs(60), &v);
+        }
+        let held: usize = cache.shards.iter().map(|s| s.lock().unwrap().len()).sum();
+        assert!(held <= REFUSAL_SHARDS, "{held}");
+    }
+}

@@ -1,0 +1,403 @@
+//! The Redis test harness: real `redis-server` processes (one server, or a 3-node
+//! cluster) on free loopback ports, killed on drop; gateways started from YAML
+//! text; a raw HTTP/1.1 client; and the metrics endpoint. Used through
+//! `#[path = "common/redis.rs"] mod harness;`.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+pub use sluice::server::Running;
+
+/// How long any single step of a test may take before the test fails instead of
+/// hanging.
+pub const BOUND: Duration = Duration::from_secs(20);
+
+pub async fn bounded<F: Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(BOUND, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within {BOUND:?}"))
+}
+
+// === ports ===
+
+/// A port free on 127.0.0.1 now, and (for cluster nodes) its bus port p + 10000 too.
+/// Below 55536 so the bus port exists; spread by process id so parallel test
+/// binaries rarely probe the same ones.
+pub fn free_port(with_bus: bool) -> u16 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = 20_000 + (std::process::id() * 7919) % 30_000;
+    for _ in 0..5_000 {
+        let p = 20_000 + (base + NEXT.fetch_add(1, Ordering::Relaxed) * 13) % 35_000;
+        let p = p as u16;
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(p) && (!with_bus || free(p + 10_000)) {
+            return p;
+        }
+    }
+    panic!("no free port");
+}
+
+// === one redis-server ===
+
+pub struct RedisServer {
+    pub port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    cluster: bool,
+}
+
+impl RedisServer {
+    /// A fresh server: no persistence, loopback only.
+    pub fn start() -> RedisServer {
+        Self::start_on(free_port(false), false)
+    }
+
+    /// A fresh server on `port`.
+    pub fn start_at(port: u16) -> RedisServer {
+        Self::start_on(port, false)
+    }
+
+    fn start_on(port: u16, cluster: bool) -> RedisServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut s = RedisServer {
+            port,
+            child: None,
+            dir,
+            cluster,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if self.cluster {
+            let conf = self.dir.path().join(format!("nodes-{}.conf", self.port));
+            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"])
+                .arg("--cluster-config-file")
+                .arg(conf);
+        }
+        let child = cmd
+            .spawn()
+            .expect("redis-server runs (is it installed? tests/run.sh installs it)");
+        self.child = Some(child);
+        let deadline = Instant::now() + BOUND;
+        loop {
+            if let Ok(mut c) = self.connection() {
+                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on {} does not answer PING",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn connection(&self) -> redis::RedisResult<redis::Connection> {
+        redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))
+    }
+
+    /// A command on this server, panicking on failure.
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = self.connection().expect("connect to redis");
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(&mut c)
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    /// Kill the server (SIGKILL: no goodbye to clients).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start it again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+// === a 3-node cluster ===
+
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Three primaries, no replicas, all 16384 slots assigned and agreed.
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::start_on(free_port(true), true))
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + BOUND;
+        for n in &nodes {
+            loop {
+                let info: String = n.cmd(&["CLUSTER", "INFO"]);
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster never reached cluster_state:ok: {info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        RedisCluster { nodes }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.url()).collect()
+    }
+
+    /// A cluster-aware connection, for commands on keys.
+    pub fn connection(&self) -> redis::cluster::ClusterConnection {
+        redis::cluster::ClusterClient::new(self.urls())
+            .and_then(|c| c.get_connection())
+            .expect("connect to the cluster")
+    }
+
+    /// Every key on every node.
+    pub fn keys(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .flat_map(|n| n.cmd::<Vec<String>>(&["KEYS", "*"]))
+            .collect()
+    }
+}
+
+// === gateways ===
+
+/// A gateway from YAML text; `server` and `admin` listen on 127.0.0.1:0 unless the
+/// text has those sections.
+pub async fn start_gateway(yaml: &str) -> Running {
+    let text = with_listeners(yaml);
+    let loaded = sluice::config::parse(&text, Path::new("test.yaml"))
+        .unwrap_or_else(|e| panic!("config does not parse: {e}\n{text}"));
+    match sluice::server::start(loaded).await {
+        Ok(r) => r,
+        Err(e) => panic!("gateway does not start: {e}"),
+    }
+}
+
+pub fn with_listeners(yaml: &str) -> String {
+    let has = |section: &str| yaml.lines().any(|l| l.starts_with(section));
+    let mut text = String::new();
+    if !has("server:") {
+        text.push_str("server: {listen: \"127.0.0.1:0\"}\n");
+    }
+    if !has("admin:") {
+        text.push_str("admin: {listen: \"127.0.0.1:0\"}\n");
+    }
+    text.push_str(yaml);
+    text
+}
+
+/// A YAML `store:` section for one server or a cluster.
+pub fn redis_store(target: &str, on_error: &str, timeout_ms: u64) -> String {
+    format!("store:\n  backend: redis\n  redis: {{{target}, timeout: {timeout_ms}ms, key_prefix: \"sluice:\"}}\n  on_error: {on_error}\n")
+}
+
+pub fn url_target(url: &str) -> String {
+    format!("url: \"{url}\"")
+}
+
+pub fn cluster_target(urls: &[String]) -> String {
+    let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    format!("cluster: [{}]", list.join(", "))
+}
+
+// === HTTP ===
+
+/// A response as the raw client saw it.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub head: String,
+    pub body: String,
+}
+
+impl Answer {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+}
+
+/// `GET path` with extra header lines, on a fresh connection (closed after).
+pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Answer {
+    bounded(&format!("GET {path} on {addr}"), async {
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        let mut req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.expect("read");
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status line in {text:?}"));
+        Answer {
+            status,
+            head: head.to_string(),
+            body: body.to_string(),
+        }
+    })
+    .await
+}
+
+/// The value of one metric series on the admin endpoint: the line that starts with
+/// `name` and holds every `label="value"` given (0 if absent).
+pub async fn metric(admin: SocketAddr, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = get(admin, "/metrics", &[]).await.body;
+    metric_in(&text, name, labels)
+}
+
+pub fn metric_in(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Polls `f` every 50ms until it is true or `within` passes; how long it took.
+pub async fn eventually<F, Fut>(within: Duration, mut f: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        if f().await {
+            return Some(t0.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+// === the sluice binary ===
+
+/// A `sluice run` process, killed on drop.
+pub struct SluiceProcess {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    _config: tempfile::NamedTempFile,
+}
+
+impl SluiceProcess {
+    /// Runs `prefix... sluice run -c <config>` (prefix: e.g. `faketime -f -1h`) with
+    /// `yaml` plus listeners on free ports; waits for `/healthz`.
+    pub async fn start(prefix: &[&str], env: &[(&str, &str)], yaml: &str) -> SluiceProcess {
+        let (port, admin_port) = (free_port(false), free_port(false));
+        let text = format!(
+            "server: {{listen: \"127.0.0.1:{port}\"}}\nadmin: {{listen: \"127.0.0.1:{admin_port}\"}}\n{yaml}"
+        );
+        let config = tempfile::Builder::new()
+            .suffix(".yaml")
+            .tempfile()
+            .expect("temp file");
+        std::fs::write(config.path(), text).expect("write config");
+        let bin = PathBuf::from(env!("CARGO_BIN_EXE_sluice"));
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        cmd.arg("run")
+            .arg("-c")
+            .arg(config.path())
+            .envs(env.iter().copied());
+        cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        let child = cmd.spawn().expect("start sluice");
+        let p = SluiceProcess {
+            child,
+            addr: ([127, 0, 0, 1], port).into(),
+            admin: ([127, 0, 0, 1], admin_port).into(),
+            _config: config,
+        };
+        let up = eventually(BOUND, || async {
+            match TcpStream::connect(p.admin).await {
+                Ok(_) => get(p.admin, "/healthz", &[]).await.status == 200,
+                Err(_) => false,
+            }
+        })
+        .await;
+        assert!(up.is_some(), "sluice process did not come up");
+        p
+    }
+}
+
+impl Drop for SluiceProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

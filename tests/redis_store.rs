@@ -1,0 +1,774 @@
+//! The Redis store against real `redis-server` processes: the shared table of cases
+//! on one server and on a cluster, exactness across gateway instances, script
+//! flushes, outages and recovery, skewed clocks, and that refusals write nothing.
+
+#[path = "common/redis.rs"]
+mod harness;
+
+use std::time::Duration;
+
+use harness::*;
+use sluice::limit::cases::{self, BASE_US};
+use sluice::limit::{
+    decide, Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisStore, RedisTarget, State,
+};
+
+const S: u64 = 1_000_000;
+
+fn options(target: RedisTarget, refusal_cache: usize) -> RedisOptions {
+    RedisOptions {
+        target,
+        // Generous: these tests run beside a compiler on two cores.
+        timeout: Duration::from_secs(2),
+        key_prefix: "sluice:".into(),
+        refusal_cache,
+    }
+}
+
+fn one(name: &str, algorithm: Algorithm, cost: u64) -> Plan {
+    Plan {
+        limits: vec![LimitDef::new(name.into(), algorithm, cost)],
+        mode: Mode::Reject,
+    }
+}
+
+fn rate(count: u64, per_us: u64) -> Rate {
+    Rate { count, per_us }
+}
+
+/// Every case of the shared table, each on a fresh key, with `now` driven through
+/// the script's ARGV. Returns the number of steps checked.
+fn run_table(store: &RedisStore, rt: &tokio::runtime::Runtime) -> usize {
+    let mut failures = Vec::new();
+    let mut steps = 0;
+    for (i, case) in cases::all().into_iter().enumerate() {
+        let key = format!("case-{i}");
+        steps += case.steps.len();
+        let result = cases::run(&case, |now| {
+            rt.block_on(store.check_at("cases", &key, &case.plan, now))
+                .unwrap_or_else(|e| panic!("case {:?}: {e}", case.name))
+        });
+        if let Err(e) = result {
+            failures.push(e);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    steps
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+// === a. the table of cases ===
+
+#[test]
+fn the_table_of_cases_passes_on_one_redis() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            0,
+        )))
+        .unwrap();
+    let steps = run_table(&store, &rt);
+    assert!(cases::all().len() >= 15);
+    assert!(steps > 100, "{steps}");
+}
+
+#[test]
+fn the_table_of_cases_passes_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Cluster(cluster.urls()),
+            0,
+        )))
+        .unwrap();
+    run_table(&store, &rt);
+    // The cases' keys are spread over the nodes, each case's keys on one.
+    let per_node: Vec<usize> = cluster
+        .nodes
+        .iter()
+        .map(|n| n.cmd::<Vec<String>>(&["KEYS", "*"]).len())
+        .collect();
+    assert!(
+        per_node.iter().filter(|&&n| n > 0).count() >= 2,
+        "{per_node:?}"
+    );
+}
+
+/// A small deterministic generator (SplitMix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Beyond the table: long random walks decided by the Lua scripts and by the pure
+/// functions in `algo` must agree on every field of every outcome (remaining, reset
+/// and retry included), for awkward parameters: rates that do not divide their
+/// period, day-long windows, large limits that stress the sliding window's doubles,
+/// costs above one, delay mode, and plans of several limits.
+#[test]
+fn random_walks_agree_with_the_pure_functions() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            0,
+        )))
+        .unwrap();
+    let day = 86_400 * S;
+    let plans = [
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 7,
+                window_us: 3 * S,
+            },
+            1,
+        ),
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 1_000_000,
+                window_us: day,
+            },
+            4_999,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 10,
+                window_us: S,
+            },
+            1,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 9,
+                window_us: 7 * S,
+            },
+            2,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 3_000_000,
+                window_us: day,
+            },
+            40_001,
+        ),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 5,
+                window_us: S,
+            },
+            1,
+        ),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 9,
+                window_us: 3 * S,
+            },
+            2,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            1,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(7, 13 * S),
+                burst: 9,
+            },
+            2,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            1,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(7, 13 * S),
+                burst: 9,
+            },
+            2,
+        ),
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "tb".into(),
+                    Algorithm::TokenBucket {
+                        rate: rate(10, S),
+                        burst: 3,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "gc".into(),
+                    Algorithm::Gcra {
+                        rate: rate(3, S),
+                        burst: 5,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Delay {
+                max_delay_us: 450_000,
+            },
+        },
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "fw".into(),
+                    Algorithm::FixedWindow {
+                        limit: 5,
+                        window_us: S,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "sw".into(),
+                    Algorithm::SlidingWindow {
+                        limit: 8,
+                        window_us: 2 * S,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "sl".into(),
+                    Algorithm::SlidingLog {
+                        limit: 6,
+                        window_us: 2 * S,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
+    ];
+    let mut admitted = 0;
+    for (p, plan) in plans.iter().enumerate() {
+        let mut rng = Rng(p as u64 + 1);
+        let mut states: Vec<State> = Vec::new();
+        let mut now = BASE_US + rng.below(day);
+        let key = format!("walk-{p}");
+        // Mean gap: about the time one unit takes to come back.
+        let gap = plan
+            .limits
+            .iter()
+            .map(|l| unit_us(&l.algorithm) * l.cost)
+            .max()
+            .unwrap_or(S)
+            * 2;
+        for step in 0..400 {
+            if rng.below(3) != 0 {
+                now += rng.below(gap);
+            }
+            let (expected, new) = decide(plan, &states, now);
+            let got = rt
+                .block_on(store.check_at("walk", &key, plan, now))
+                .unwrap();
+            assert_eq!(got, expected, "plan {p} step {step} at {now}");
+            if let Some(new) = new {
+                states = new;
+                admitted += 1;
+            }
+        }
+    }
+    assert!(admitted > 1_000, "{admitted}");
+}
+
+/// How long one unit of a limit takes to come back, roughly.
+fn unit_us(a: &Algorithm) -> u64 {
+    match *a {
+        Algorithm::FixedWindow { limit, window_us }
+        | Algorithm::SlidingWindow { limit, window_us }
+        | Algorithm::SlidingLog { limit, window_us } => (window_us / limit.max(1)).max(1),
+        Algorithm::TokenBucket { rate, .. } | Algorithm::Gcra { rate, .. } => {
+            (rate.per_us / rate.count.max(1)).max(1)
+        }
+    }
+}
+
+/// The sliding window's doubles, state by state: every (prev, curr) up to the limit
+/// at two offsets into windows whose divisions are inexact, written straight into
+/// Redis and decided by the script and by `algo`. Among these states are some where
+/// computing `free * w / prev` in another order changes the retry time.
+#[test]
+fn sliding_window_doubles_agree_state_by_state() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            0,
+        )))
+        .unwrap();
+    let mut conn = redis.connection().unwrap();
+    let mut checked = 0;
+    for w in [11 * S, 60 * S, 86_400 * S] {
+        for limit in [7, 13, 29] {
+            let algorithm = Algorithm::SlidingWindow {
+                limit,
+                window_us: w,
+            };
+            let plan = one("sw", algorithm, 1);
+            let key = store.keys("sw", "k", &plan).remove(0);
+            let idx = BASE_US / w + 1;
+            for e in [1, w / 3] {
+                let now = idx * w + e;
+                for prev in 1..30u64 {
+                    for curr in 0..=limit {
+                        let state = State::Sliding { idx, prev, curr };
+                        let _: () = redis::cmd("HSET")
+                            .arg(&key)
+                            .arg(&[
+                                "i",
+                                &idx.to_string(),
+                                "p",
+                                &prev.to_string(),
+                                "c",
+                                &curr.to_string(),
+                            ])
+                            .query(&mut conn)
+                            .unwrap();
+                        let got = rt.block_on(store.check_at("sw", "k", &plan, now)).unwrap();
+                        let (expected, _) = algorithm.check(&state, now, 1, 0);
+                        assert_eq!(
+                            got.outcomes[0], expected,
+                            "w {w} limit {limit} e {e} prev {prev} curr {curr}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 3 * 2 * 29 * (8 + 14 + 30));
+}
+
+/// The exact integer division the scripts use, at the edge of doubles' precision.
+#[test]
+fn lua_integer_division_is_exact_up_to_2_pow_53() {
+    let redis = RedisServer::start();
+    let mut conn = redis.connection().unwrap();
+    let script = redis::Script::new(concat!(
+        include_str!("../lua/arith.lua"),
+        "\nlocal a, b = tonumber(ARGV[1]), tonumber(ARGV[2])\n",
+        "return {int(floor_div(a, b)), int(ceil_div(a, b))}\n"
+    ));
+    let top = (1u64 << 53) - 1;
+    let mut checked = 0;
+    for b in [
+        1u64,
+        2,
+        3,
+        7,
+        10,
+        1_000,
+        999_999,
+        1_000_003,
+        86_400_000_000,
+        (1 << 26) + 1,
+        top / 3,
+        top,
+    ] {
+        for a in [
+            0u64,
+            1,
+            b - 1,
+            b,
+            b + 1,
+            top,
+            top - 1,
+            top - b,
+            top / b * b,
+            top / b * b - 1,
+            1_800_057_600_000_000,
+        ] {
+            let (f, c): (String, String) = script.arg(a).arg(b).invoke(&mut conn).unwrap();
+            assert_eq!(f, (a / b).to_string(), "floor {a} / {b}");
+            assert_eq!(c, a.div_ceil(b).to_string(), "ceil {a} / {b}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 12 * 11);
+}
+
+// === g. a refused request writes nothing ===
+
+/// Writes Redis has counted since start (`rdb_changes_since_last_save`: every key
+/// change, expiry updates included; persistence is off, so it never resets).
+fn writes(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "persistence"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("rdb_changes_since_last_save:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("rdb_changes_since_last_save in INFO")
+}
+
+#[test]
+fn a_refused_request_writes_nothing() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    // No refusal cache: every refused request below reaches the script.
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            0,
+        )))
+        .unwrap();
+    let hour = 3_600 * S;
+    let plans = [
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 3,
+                window_us: hour,
+            },
+            1,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 3,
+                window_us: hour,
+            },
+            1,
+        ),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 3,
+                window_us: hour,
+            },
+            1,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(3, hour),
+                burst: 3,
+            },
+            1,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(3, hour),
+                burst: 3,
+            },
+            1,
+        ),
+        // The first limit would admit; the second refuses; neither is charged.
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "wide".into(),
+                    Algorithm::SlidingLog {
+                        limit: 100,
+                        window_us: hour,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "narrow".into(),
+                    Algorithm::FixedWindow {
+                        limit: 3,
+                        window_us: hour,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
+    ];
+    for (p, plan) in plans.iter().enumerate() {
+        let key = format!("k{p}");
+        let check = || rt.block_on(store.check("g", &key, plan)).unwrap();
+        let before = writes(&redis);
+        for _ in 0..3 {
+            assert!(check().allowed, "plan {p}");
+        }
+        // Admissions do write (so the counter can see writes at all).
+        assert!(
+            writes(&redis) >= before + 3 * 2 * plan.limits.len() as u64,
+            "plan {p}"
+        );
+
+        let keys = store.keys("g", &key, plan);
+        let snapshot = || {
+            let mut c = redis.connection().unwrap();
+            keys.iter()
+                .map(|k| {
+                    let dump: Vec<u8> = redis::cmd("DUMP").arg(k).query(&mut c).unwrap();
+                    let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut c).unwrap();
+                    assert!(!dump.is_empty() && ttl > 0, "plan {p}: {k}");
+                    (dump, ttl)
+                })
+                .collect::<Vec<_>>()
+        };
+        let (held, w0) = (snapshot(), writes(&redis));
+        for _ in 0..5 {
+            let v = check();
+            assert!(!v.allowed && v.retry_after_us() > 0, "plan {p}: {v:?}");
+        }
+        assert_eq!(writes(&redis), w0, "plan {p}: a refused request wrote");
+        for ((dump, ttl), (dump0, ttl0)) in snapshot().into_iter().zip(held) {
+            assert_eq!(dump, dump0, "plan {p}: state changed");
+            assert!(ttl <= ttl0, "plan {p}: expiry pushed from {ttl0} to {ttl}");
+        }
+    }
+    // The wide limit holds the three admitted requests, not the refused ones.
+    assert_eq!(
+        redis.cmd::<i64>(&["ZCARD", &store.keys("g", "k5", &plans[5])[0]]),
+        3
+    );
+}
+
+// === the refusal cache ===
+
+#[test]
+fn refusals_are_answered_locally_until_their_retry_time() {
+    let mut redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(RedisOptions {
+            timeout: Duration::from_millis(200),
+            ..options(RedisTarget::Url(redis.url()), 1_000)
+        }))
+        .unwrap();
+    let plan = one(
+        "log",
+        Algorithm::SlidingLog {
+            limit: 2,
+            window_us: 1_500_000,
+        },
+        1,
+    );
+    let check = |key: &str| rt.block_on(store.check("r", key, &plan));
+    assert!(check("a").unwrap().allowed);
+    assert!(check("a").unwrap().allowed);
+    let t0 = std::time::Instant::now();
+    let first = check("a").unwrap();
+    assert!(!first.allowed);
+    let retry = first.retry_after_us();
+    assert!((1_000_000..=1_500_000).contains(&retry), "{retry}");
+
+    // Answered without a call: Redis sees no EVALSHA, and the retry time counts down.
+    let evals = evalsha_calls(&redis);
+    std::thread::sleep(Duration::from_millis(100));
+    let cached = check("a").unwrap();
+    assert!(!cached.allowed);
+    assert!(
+        cached.retry_after_us() <= retry - 100_000,
+        "{} vs {retry}",
+        cached.retry_after_us()
+    );
+    assert_eq!(cached.outcomes[0].remaining, 0);
+    assert_eq!(evalsha_calls(&redis), evals);
+
+    // Even with Redis gone the refusal holds (it is exact); other keys get the error.
+    redis.kill();
+    assert!(!check("a").unwrap().allowed);
+    assert!(check("b").is_err());
+    // After the retry time the cache lets go and the store's error shows.
+    std::thread::sleep(
+        Duration::from_micros(retry).saturating_sub(t0.elapsed()) + Duration::from_millis(50),
+    );
+    assert!(check("a").is_err());
+}
+
+fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+// === memory per tracked key (README numbers) ===
+
+/// Prints `MEMORY USAGE` of one tracked key per algorithm, with a realistic key
+/// (`sluice:{api:203.0.113.7}:<name>:<id>`). Run with `--nocapture` to see them.
+#[test]
+fn memory_usage_per_tracked_key() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            0,
+        )))
+        .unwrap();
+    let minute = 60 * S;
+    let cases: [(&str, Algorithm, u64); 8] = [
+        (
+            "fixed_window",
+            Algorithm::FixedWindow {
+                limit: 100,
+                window_us: minute,
+            },
+            1,
+        ),
+        (
+            "sliding_window",
+            Algorithm::SlidingWindow {
+                limit: 100,
+                window_us: minute,
+            },
+            1,
+        ),
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 100,
+                window_us: minute,
+            },
+            1,
+        ),
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 100,
+                window_us: minute,
+            },
+            10,
+        ),
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 100,
+                window_us: minute,
+            },
+            100,
+        ),
+        // Past 128 members a sorted set leaves the compact listpack encoding.
+        (
+            "sliding_log",
+            Algorithm::SlidingLog {
+                limit: 1000,
+                window_us: minute,
+            },
+            200,
+        ),
+        (
+            "token_bucket",
+            Algorithm::TokenBucket {
+                rate: rate(1, 100_000),
+                burst: 20,
+            },
+            1,
+        ),
+        (
+            "gcra",
+            Algorithm::Gcra {
+                rate: rate(1, 100_000),
+                burst: 20,
+            },
+            1,
+        ),
+    ];
+    let mut c = redis.connection().unwrap();
+    eprintln!(
+        "MEMORY USAGE (bytes) of one key like sluice:{{api:203.0.113.7}}:per_client:<16 hex>"
+    );
+    for (algorithm, a, requests) in cases {
+        let plan = one("per_client", a, 1);
+        let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+        for _ in 0..requests {
+            assert!(
+                rt.block_on(store.check("api", "203.0.113.7", &plan))
+                    .unwrap()
+                    .allowed
+            );
+        }
+        let key = store.keys("api", "203.0.113.7", &plan).remove(0);
+        let bytes: u64 = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&key)
+            .arg("SAMPLES")
+            .arg(0)
+            .query(&mut c)
+            .unwrap();
+        eprintln!("  {algorithm:<15} after {requests:>3} request(s): {bytes:>5}");
+        assert!(bytes < 200 * requests + 200, "{algorithm}: {bytes}");
+    }
+}
+
+/// In delay mode a refusal with retry R turns into a delayed admission once the
+/// wait is down to max_delay: the cache answers only until R - max_delay.
+#[test]
+fn delay_mode_refusals_are_held_until_the_wait_fits() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(options(
+            RedisTarget::Url(redis.url()),
+            1_000,
+        )))
+        .unwrap();
+    let plan = Plan {
+        limits: vec![LimitDef::new(
+            "gc".into(),
+            Algorithm::Gcra {
+                rate: rate(1, S),
+                burst: 1,
+            },
+            1,
+        )],
+        mode: Mode::Delay { max_delay_us: S },
+    };
+    let check = || rt.block_on(store.check("d", "k", &plan)).unwrap();
+    let t0 = std::time::Instant::now();
+    assert_eq!((check().allowed, check().allowed), (true, true)); // the second waits ~1 s
+    let refused = check();
+    assert!(!refused.allowed);
+    let retry = refused.retry_after_us();
+    assert!((1_500_000..=2 * S).contains(&retry), "{retry}");
+
+    std::thread::sleep(Duration::from_millis(300));
+    let evals = evalsha_calls(&redis);
+    assert!(!check().allowed, "held while the wait exceeds max_delay");
+    assert_eq!(evalsha_calls(&redis), evals);
+
+    // Past R - max_delay: Redis is asked and books a wait of at most max_delay.
+    std::thread::sleep(
+        Duration::from_micros(retry - S).saturating_sub(t0.elapsed()) + Duration::from_millis(100),
+    );
+    let v = check();
+    assert!(v.allowed && v.delay_us > 0 && v.delay_us <= S, "{v:?}");
+    assert_eq!(evalsha_calls(&redis), evals + 1);
+}
