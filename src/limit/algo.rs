@@ -456,14 +456,8 @@ fn token_bucket(
     } else {
         to_u64(ceil_div(-after, n))
     };
-    let (allowed, delay_us) = if wait == 0 {
-        (true, 0)
-    } else if max_delay_us > 0 && wait <= max_delay_us {
-        // Delay mode: book the tokens now (the level goes negative) and wait.
-        (true, wait)
-    } else {
-        (false, 0)
-    };
+    // Delay mode: book the tokens now (the level goes negative) and wait.
+    let (allowed, delay_us) = admit_after(wait, max_delay_us);
     // remaining = floor(max(0, level) / P), reset = ceil((C - level) / N), where level
     // is `after` if admitted and the refilled `tokens` if refused.
     let level = if allowed { after } else { tokens };
@@ -522,13 +516,7 @@ fn gcra(
     } else {
         u128_to_u64((excess - span).div_ceil(n_u))
     };
-    let (allowed, delay_us) = if wait == 0 {
-        (true, 0)
-    } else if max_delay_us > 0 && wait <= max_delay_us {
-        (true, wait)
-    } else {
-        (false, 0)
-    };
+    let (allowed, delay_us) = admit_after(wait, max_delay_us);
     // With t = new_tat if admitted, else base:
     // remaining = floor(max(0, L - (t - now) * N) / P), reset = t - now.
     let t = if allowed { new_tat } else { base };
@@ -640,6 +628,19 @@ impl Verdict {
             delay_us,
             outcomes,
         }
+    }
+}
+
+/// Whether a request that must wait `wait_us` for capacity is admitted, and how long
+/// it waits: at once when nothing is owed, after the wait in delay mode when it fits
+/// in `max_delay_us`, else refused.
+fn admit_after(wait_us: u64, max_delay_us: u64) -> (bool, u64) {
+    if wait_us == 0 {
+        (true, 0)
+    } else if max_delay_us > 0 && wait_us <= max_delay_us {
+        (true, wait_us)
+    } else {
+        (false, 0)
     }
 }
 
