@@ -120,12 +120,8 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             source,
         })?;
 
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(f.server.request_header_timeout.get());
-    builder.http2().timer(TokioTimer::new());
+    let header_timeout = f.server.request_header_timeout.get();
+    let builder = http_builder(header_timeout);
     let (stop, stop_rx) = watch::channel(false);
     let grace = f.server.shutdown_grace.get();
 
@@ -138,18 +134,13 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 async move { Ok::<_, Infallible>(gateway::handle(shared, req, peer).await) }
             })
         };
-        let cap = f.server.max_connections.get();
-        let handshake = f.server.request_header_timeout.get();
-        let tls = tls.map(|acceptor| (acceptor, handshake));
-        tokio::spawn(serve(
-            listener,
+        let limits = Limits {
             tls,
-            Arc::new(builder),
-            service,
-            cap,
-            stop_rx.clone(),
+            header_timeout,
+            max_connections: f.server.max_connections.get(),
             grace,
-        ))
+        };
+        tokio::spawn(serve(listener, limits, Arc::new(builder), service, stop_rx.clone()))
     };
     let admin = {
         let admin = Arc::new(Admin {
@@ -168,16 +159,14 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 async move { Ok::<_, Infallible>(admin.handle(req).await) }
             })
         };
-        let builder = Arc::new(auto::Builder::new(TokioExecutor::new()));
-        tokio::spawn(serve(
-            admin_listener,
-            None,
-            builder,
-            service,
-            256,
-            stop_rx.clone(),
-            Duration::from_secs(1),
-        ))
+        let limits = Limits {
+            tls: None,
+            header_timeout,
+            max_connections: 256,
+            grace: Duration::from_secs(1),
+        };
+        let builder = Arc::new(http_builder(header_timeout));
+        tokio::spawn(serve(admin_listener, limits, builder, service, stop_rx.clone()))
     };
     let sweeper = {
         let shared = shared.clone();
@@ -254,16 +243,72 @@ impl Running {
     }
 }
 
+/// HTTP/1.1 and h2c on one socket. The header-read timeout needs the timer to do
+/// anything; HTTP/2 connections are pinged so that dead peers are noticed.
+fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(20));
+    builder
+}
+
+/// How a listener treats its connections.
+struct Limits {
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Bounds the TLS handshake and the wait for a request's first bytes.
+    header_timeout: Duration,
+    max_connections: usize,
+    /// How long shutdown waits for requests in flight.
+    grace: Duration,
+}
+
+/// The HTTP/2 connection preface, which hyper waits for in full to tell h2c from
+/// HTTP/1.1.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Wait until the client has sent enough to start a request: any bytes that are not
+/// the start of the h2c preface, or the whole preface. hyper's own header timeout
+/// starts only after that, so without this a silent socket (or half a preface)
+/// would hold a connection slot for ever.
+async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut buf = [0u8; 24];
+    loop {
+        let n = match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
+            Ok(Ok(n)) => n,
+            _ => return false,
+        };
+        if n == 0 {
+            return false;
+        }
+        if n >= H2_PREFACE.len() || !H2_PREFACE.starts_with(&buf[..n]) {
+            return true;
+        }
+        // Part of a preface: peek answers at once while bytes wait, so pause briefly.
+        if tokio::time::timeout_at(deadline, tokio::time::sleep(Duration::from_millis(5)))
+            .await
+            .is_err()
+        {
+            return false;
+        }
+    }
+}
+
 /// Accept connections until told to stop, then drain them for at most `grace`.
-/// With `tls`, each connection is first handshaken (bounded by its timeout).
+/// With `tls`, each connection is first handshaken (bounded by the header timeout).
 async fn serve<S, F>(
     listener: TcpListener,
-    tls: Option<(tokio_rustls::TlsAcceptor, Duration)>,
+    limits: Limits,
     builder: Arc<auto::Builder<TokioExecutor>>,
     service: F,
-    max_connections: usize,
     mut stop: watch::Receiver<bool>,
-    grace: Duration,
 ) where
     F: Fn(SocketAddr) -> S,
     S: hyper::service::Service<
@@ -274,6 +319,7 @@ async fn serve<S, F>(
         + 'static,
     S::Future: Send + 'static,
 {
+    let Limits { tls, header_timeout, max_connections, grace } = limits;
     let slots = Arc::new(Semaphore::new(max_connections));
     let graceful = GracefulShutdown::new();
     loop {
@@ -303,13 +349,16 @@ async fn serve<S, F>(
         tokio::spawn(async move {
             let _permit = permit;
             let result = match tls {
+                None if !first_bytes(&stream, header_timeout).await => {
+                    Err("no request before the header timeout".into())
+                }
                 None => {
                     let conn =
                         builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                     watcher.watch(conn.into_owned()).await
                 }
-                Some((acceptor, limit)) => {
-                    match tokio::time::timeout(limit, acceptor.accept(stream)).await {
+                Some(acceptor) => {
+                    match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => {
                             let conn = builder
                                 .serve_connection_with_upgrades(TokioIo::new(stream), service);

@@ -431,6 +431,39 @@ routes:
 }
 
 #[tokio::test]
+async fn silent_sockets_and_half_prefaces_do_not_hold_connection_slots() {
+    let gw = start_gateway(
+        r#"
+server: {listen: "127.0.0.1:0", max_connections: 2, request_header_timeout: 1s}
+routes:
+  - {name: hello, match: {path: /}, respond: {body: hi}}
+"#,
+    )
+    .await;
+    // Both slots taken: one socket says nothing, one stops inside the h2c preface.
+    let silent = connect(gw.addr).await;
+    let mut half = connect(gw.addr).await;
+    half.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    let started = Instant::now();
+    // Both are closed once the header timeout has passed ...
+    for mut s in [silent, half] {
+        let rest = tokio::time::timeout(Duration::from_secs(5), read_to_close(&mut s))
+            .await
+            .expect("an idle socket is still open after 5 s");
+        assert_eq!(rest, "");
+    }
+    assert!(started.elapsed() >= Duration::from_millis(900), "closed too early");
+    // ... and a real client gets its slot.
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    let (head, body) = tokio::time::timeout(Duration::from_secs(5), read_response(&mut s))
+        .await
+        .expect("no answer within 5 s")
+        .expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 200 ") && body == "hi", "{head:?}");
+}
+
+#[tokio::test]
 async fn max_connections_caps_open_connections() {
     let gw = start_gateway(
         r#"
