@@ -13,8 +13,6 @@ use crate::gateway::Shared;
 
 pub struct Admin {
     pub shared: Arc<Shared>,
-    /// `Authorization: Bearer <token>` required on `/admin/*` when set.
-    pub token: Option<String>,
 }
 
 impl Admin {
@@ -52,7 +50,9 @@ impl Admin {
     }
 
     fn authorized<B>(&self, req: &Request<B>) -> bool {
-        let Some(token) = &self.token else {
+        // From the running configuration, so a rotated token takes effect on reload.
+        let rt = self.shared.runtime.load();
+        let Some(token) = &rt.admin_token else {
             return true;
         };
         let Some(given) = req

@@ -36,6 +36,8 @@ pub struct Runtime {
     pub unmatched: RouteMetrics,
     /// SHA-1 of the configuration file this was compiled from.
     pub hash: String,
+    /// `Authorization: Bearer <token>` required on `/admin/*` when set.
+    pub admin_token: Option<String>,
 }
 
 pub struct Route {

@@ -70,6 +70,8 @@ pub struct Running {
     pub admin_addr: SocketAddr,
     pub shared: Arc<Shared>,
     config_path: std::path::PathBuf,
+    /// The file as started: settings that only a restart changes are compared with it.
+    started_with: crate::config::schema::File,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -140,17 +142,17 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             max_connections: f.server.max_connections.get(),
             grace,
         };
-        tokio::spawn(serve(listener, limits, Arc::new(builder), service, stop_rx.clone()))
+        tokio::spawn(serve(
+            listener,
+            limits,
+            Arc::new(builder),
+            service,
+            stop_rx.clone(),
+        ))
     };
     let admin = {
         let admin = Arc::new(Admin {
             shared: shared.clone(),
-            token: f
-                .admin
-                .token
-                .as_ref()
-                .filter(|t| !t.is_empty())
-                .map(|t| t.0.clone()),
         });
         let service = move |_peer: SocketAddr| {
             let admin = admin.clone();
@@ -166,7 +168,13 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             grace: Duration::from_secs(1),
         };
         let builder = Arc::new(http_builder(header_timeout));
-        tokio::spawn(serve(admin_listener, limits, builder, service, stop_rx.clone()))
+        tokio::spawn(serve(
+            admin_listener,
+            limits,
+            builder,
+            service,
+            stop_rx.clone(),
+        ))
     };
     let sweeper = {
         let shared = shared.clone();
@@ -191,9 +199,48 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         admin_addr,
         shared,
         config_path: loaded.path.clone(),
+        started_with: loaded.file.clone(),
         stop,
         tasks: vec![gw, admin, sweeper],
     })
+}
+
+/// The settings that differ between `old` and `new` and that a reload cannot apply:
+/// listeners, TLS, connection limits, timeouts of the listener, and the store.
+fn needs_restart(
+    old: &crate::config::schema::File,
+    new: &crate::config::schema::File,
+) -> Vec<&'static str> {
+    let (o, n) = (&old.server, &new.server);
+    let mut changed = Vec::new();
+    let mut check = |name: &'static str, differs: bool| {
+        if differs {
+            changed.push(name);
+        }
+    };
+    check("server.listen", o.listen != n.listen);
+    check(
+        "server.tls",
+        format!("{:?}", o.tls) != format!("{:?}", n.tls),
+    );
+    check(
+        "server.max_connections",
+        o.max_connections != n.max_connections,
+    );
+    check(
+        "server.request_header_timeout",
+        o.request_header_timeout != n.request_header_timeout,
+    );
+    check(
+        "server.shutdown_grace",
+        o.shutdown_grace != n.shutdown_grace,
+    );
+    check("admin.listen", old.admin.listen != new.admin.listen);
+    check(
+        "store",
+        format!("{:?}", old.store) != format!("{:?}", new.store),
+    );
+    changed
 }
 
 /// Settings the schema already knows but this version does not act on yet: say so
@@ -203,7 +250,9 @@ fn warn_unbuilt(f: &crate::config::schema::File) {
         tracing::warn!(route = %r.name, "ban is not enforced in this version: keys are not banned automatically");
     }
     if f.deny.state_file.is_some() {
-        tracing::warn!("deny.state_file is not used in this version: there are no dynamic deny entries yet");
+        tracing::warn!(
+            "deny.state_file is not used in this version: there are no dynamic deny entries yet"
+        );
     }
 }
 
@@ -214,9 +263,16 @@ impl Running {
         let m = &self.shared.metrics;
         let result = config::load(&self.config_path)
             .map_err(|e| e.to_string())
-            .and_then(|l| compile(&l, m).map_err(|e| e.to_string()));
+            .and_then(|l| compile(&l, m).map(|rt| (l, rt)).map_err(|e| e.to_string()));
         match result {
-            Ok(rt) => {
+            Ok((loaded, rt)) => {
+                for setting in needs_restart(&self.started_with, &loaded.file) {
+                    tracing::warn!(
+                        setting,
+                        "changed in the file, but takes effect only after a restart"
+                    );
+                }
+                warn_unbuilt(&loaded.file);
                 let hash = rt.hash.clone();
                 self.shared.runtime.store(Arc::new(rt));
                 m.config_reloads.with_label_values(&["success"]).inc();
@@ -319,7 +375,12 @@ async fn serve<S, F>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let Limits { tls, header_timeout, max_connections, grace } = limits;
+    let Limits {
+        tls,
+        header_timeout,
+        max_connections,
+        grace,
+    } = limits;
     let slots = Arc::new(Semaphore::new(max_connections));
     let graceful = GracefulShutdown::new();
     loop {

@@ -452,15 +452,23 @@ routes:
             .expect("an idle socket is still open after 5 s");
         assert_eq!(rest, "");
     }
-    assert!(started.elapsed() >= Duration::from_millis(900), "closed too early");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "closed too early"
+    );
     // ... and a real client gets its slot.
     let mut s = connect(gw.addr).await;
-    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
     let (head, body) = tokio::time::timeout(Duration::from_secs(5), read_response(&mut s))
         .await
         .expect("no answer within 5 s")
         .expect("an answer");
-    assert!(head.starts_with("HTTP/1.1 200 ") && body == "hi", "{head:?}");
+    assert!(
+        head.starts_with("HTTP/1.1 200 ") && body == "hi",
+        "{head:?}"
+    );
 }
 
 #[tokio::test]
@@ -726,4 +734,33 @@ async fn chunked_bodies_and_trailers_come_through() {
         let trailers = r.trailers.unwrap_or_else(|| panic!("{name}: no trailers"));
         assert_eq!(trailers["grpc-status"], "0", "{name}");
     }
+}
+
+#[tokio::test]
+async fn a_rotated_admin_token_takes_effect_on_reload() {
+    let config = r#"
+admin: {listen: "127.0.0.1:0", token: TOKEN}
+routes:
+  - {name: hello, match: {path_prefix: /}, respond: {body: hi}}
+"#;
+    let (gw, file) = start_gateway_file(&config.replace("TOKEN", "old-secret")).await;
+    let c = http1();
+    let status = |token: &'static str| {
+        let (c, u) = (&c, url(gw.admin_addr, "/admin/anything"));
+        async move {
+            c.get(&u, &[("authorization", &format!("Bearer {token}"))])
+                .await
+                .status
+        }
+    };
+    assert_eq!(
+        (status("old-secret").await, status("new-secret").await),
+        (404, 401)
+    );
+    std::fs::write(file.path(), config.replace("TOKEN", "new-secret")).unwrap();
+    gw.reload().expect("reload");
+    assert_eq!(
+        (status("old-secret").await, status("new-secret").await),
+        (401, 404)
+    );
 }

@@ -79,6 +79,13 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
         on_error: f.store.on_error,
         unmatched: metrics.unmatched(),
         hash: loaded.hash.clone(),
+        // An empty token (`${VAR:-}`) is no token; validation allows that only on loopback.
+        admin_token: f
+            .admin
+            .token
+            .as_ref()
+            .filter(|t| !t.is_empty())
+            .map(|t| t.0.clone()),
     })
 }
 
