@@ -20,6 +20,7 @@ impl TrustedProxies {
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = canonical(ip);
         self.0.iter().any(|n| n.contains(&ip))
     }
 
@@ -27,32 +28,24 @@ impl TrustedProxies {
     /// right-most address of `X-Forwarded-For` that is not itself trusted. A client
     /// that is not a trusted proxy can never choose its address. When every hop is
     /// trusted, the left-most one; an entry that is not an address ends the walk at
-    /// the last trusted hop. Without `X-Forwarded-For`, `Forwarded: for=` is read
-    /// the same way.
+    /// the last trusted hop. `Forwarded` is not read: a proxy that writes only that
+    /// header must not let a client's own `X-Forwarded-For` through.
     pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
         let peer = canonical(peer);
         if self.0.is_empty() || !self.contains(peer) {
             return peer;
         }
-        let xff = headers.get_all("x-forwarded-for");
-        let mut hops: Vec<&str> = Vec::new();
-        if xff.iter().next().is_some() {
-            for v in xff.iter() {
-                let Ok(v) = v.to_str() else { return peer };
-                hops.extend(v.split(','));
-            }
-        } else {
-            for v in headers.get_all("forwarded").iter() {
-                let Ok(v) = v.to_str() else { return peer };
-                hops.extend(v.split(',').map(forwarded_for));
-            }
-        }
         let mut last = peer;
-        for hop in hops.iter().rev() {
-            match parse_hop(hop) {
-                Some(ip) if self.contains(ip) => last = ip,
-                Some(ip) => return ip,
-                None => return last,
+        for value in headers.get_all("x-forwarded-for").iter().rev() {
+            let Ok(value) = value.to_str() else {
+                return last;
+            };
+            for hop in value.rsplit(',') {
+                match parse_hop(hop) {
+                    Some(ip) if self.contains(ip) => last = ip,
+                    Some(ip) => return ip,
+                    None => return last,
+                }
             }
         }
         last
@@ -65,16 +58,6 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
         v4 => v4,
     }
-}
-
-/// The `for=` parameter of one `Forwarded` element, or "" when it has none.
-fn forwarded_for(element: &str) -> &str {
-    element
-        .split(';')
-        .filter_map(|p| p.split_once('='))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("for"))
-        .map(|(_, v)| v.trim().trim_matches('"'))
-        .unwrap_or("")
 }
 
 /// An address as proxies write it: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`,
@@ -186,15 +169,23 @@ impl KeySpec {
     }
 }
 
-fn part_value<'a>(part: &KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'a, str>> {
+/// The value of one key part. A part that is absent, empty, or sent more than once
+/// (`?k=a&k=b`, two headers, two cookies) is missing: upstreams disagree on which of
+/// several values counts, so a client must not be able to pick one for its key and
+/// let the upstream see another.
+fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'a, str>> {
     let v: Cow<'a, str> = match part {
         KeyPart::Ip => Cow::Owned(ip.to_string()),
         KeyPart::Global => Cow::Borrowed("global"),
-        KeyPart::Header(h) => String::from_utf8_lossy(req.headers.get(h)?.as_bytes()),
-        KeyPart::Query(name) => form_urlencoded::parse(req.uri.query()?.as_bytes())
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v)?,
-        KeyPart::Cookie(name) => Cow::Borrowed(cookie(&req.headers, name)?),
+        KeyPart::Header(h) => {
+            String::from_utf8_lossy(single(req.headers.get_all(h).iter())?.as_bytes())
+        }
+        KeyPart::Query(name) => single(
+            form_urlencoded::parse(req.uri.query()?.as_bytes())
+                .filter(|(k, _)| k == name)
+                .map(|(_, v)| v),
+        )?,
+        KeyPart::Cookie(name) => Cow::Borrowed(single(cookies(&req.headers, name))?),
     };
     if v.is_empty() {
         None
@@ -203,14 +194,20 @@ fn part_value<'a>(part: &KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'a, 
     }
 }
 
-fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+/// The only item, or None when there is none or more than one.
+fn single<T>(mut it: impl Iterator<Item = T>) -> Option<T> {
+    let first = it.next()?;
+    it.next().is_none().then_some(first)
+}
+
+fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
     headers
         .get_all(COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(k, _)| *k == name)
+        .filter(move |(k, _)| *k == name)
         .map(|(_, v)| v.trim_matches('"'))
 }
 
@@ -289,18 +286,11 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_header() {
+    fn forwarded_is_not_read() {
         let mut h = HeaderMap::new();
-        h.insert(
-            "forwarded",
-            r#"for=198.51.100.17;proto=https, for="[2001:db8:cafe::17]:4711""#
-                .parse()
-                .unwrap(),
-        );
-        assert_eq!(
-            trusted().client_ip(ip("10.0.0.2"), &h),
-            ip("2001:db8:cafe::17")
-        );
+        h.insert("forwarded", "for=198.51.100.17".parse().unwrap());
+        assert_eq!(trusted().client_ip(ip("10.0.0.2"), &h), ip("10.0.0.2"));
+        assert!(trusted().contains(ip("::ffff:10.1.2.3")));
     }
 
     fn parts(uri: &str, headers: &[(&str, &str)]) -> Parts {

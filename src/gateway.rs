@@ -109,7 +109,13 @@ pub async fn handle(
 
     let ip = rt.trusted.client_ip(peer.ip(), &parts.headers);
     let route = rt.routes.iter().find(|r| r.matcher.matches(&parts));
-    let metrics = route.map_or(&rt.unmatched, |r| &r.metrics);
+    // Counted when dropped: a client that goes away while delayed or while the
+    // upstream works is still counted, with the decision made for it.
+    let mut tally = Tally {
+        metrics: route.map_or(&rt.unmatched, |r| &r.metrics),
+        started,
+        decision: Decision::Allowed,
+    };
     let has_body = parts.headers.contains_key(TRANSFER_ENCODING)
         || parts.headers.get(CONTENT_LENGTH).is_some_and(|v| v != "0");
     let http1 = parts.version < Version::HTTP_2;
@@ -131,7 +137,7 @@ pub async fn handle(
                 MissingKey::Ip => (&route.fallback_ns, ClientKey(ip.to_string())),
                 MissingKey::Reject => {
                     let msg = format!(
-                        "missing {}: this route needs it to identify the client\n",
+                        "missing {} (absent, empty or sent more than once): this route needs it to identify the client\n",
                         part.describe()
                     );
                     break 'answer (
@@ -179,12 +185,14 @@ pub async fn handle(
             };
             match checked {
                 Some(v) if v.allowed => {
+                    decision = match (store_failed, v.delay_us > 0) {
+                        (true, _) => Decision::StoreErrorAllowed,
+                        (false, true) => Decision::Delayed,
+                        (false, false) => Decision::Allowed,
+                    };
                     if v.delay_us > 0 {
+                        tally.decision = decision;
                         tokio::time::sleep(v.delay()).await;
-                        decision = Decision::Delayed;
-                    }
-                    if store_failed {
-                        decision = Decision::StoreErrorAllowed;
                     }
                     report = (!route.shadow).then_some((tier, v));
                 }
@@ -200,6 +208,7 @@ pub async fn handle(
             }
         }
 
+        tally.decision = decision;
         let mut resp = match &route.action {
             Action::Respond {
                 status,
@@ -235,8 +244,9 @@ pub async fn handle(
             rt.rate_headers
                 .apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
         }
-        return finish(metrics, decision, started, resp);
+        return resp;
     };
+    tally.decision = decision;
 
     // Answered before the body was read: close an HTTP/1 connection that carries one.
     let resp = if has_body && http1 {
@@ -244,13 +254,23 @@ pub async fn handle(
     } else {
         resp
     };
-    finish(metrics, decision, started, resp)
+    resp
 }
 
-fn finish(m: &RouteMetrics, d: Decision, started: Instant, resp: Response<Body>) -> Response<Body> {
-    m.count(d);
-    m.duration.observe(started.elapsed().as_secs_f64());
-    resp
+/// Counts one request's decision and duration when dropped.
+struct Tally<'a> {
+    metrics: &'a RouteMetrics,
+    started: Instant,
+    decision: Decision,
+}
+
+impl Drop for Tally<'_> {
+    fn drop(&mut self) {
+        self.metrics.count(self.decision);
+        self.metrics
+            .duration
+            .observe(self.started.elapsed().as_secs_f64());
+    }
 }
 
 fn denied(rt: &Runtime) -> Response<Body> {

@@ -848,3 +848,74 @@ routes:
     );
     assert_eq!(metric(&m, "sluice_config_last_reload_success"), Some(1.0));
 }
+
+#[tokio::test]
+async fn a_shadow_route_never_delays() {
+    let gw = start_gateway(
+        r#"
+routes:
+  - name: quiet
+    match: {path: /}
+    key: ip
+    shadow: true
+    on_limit: delay
+    max_delay: 5s
+    limits: [{name: pace, algorithm: token_bucket, rate: 1/m, burst: 1}]
+    respond: {body: "ok\n"}
+"#,
+    )
+    .await;
+    let c = http1();
+    let started = Instant::now();
+    assert_eq!(
+        statuses(&c, 3, &url(gw.addr, "/"), &[]).await,
+        [200, 200, 200]
+    );
+    // With the delay applied, the second request would have waited a minute.
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(decisions(&m, "quiet"), [("allowed", 1.0), ("shadow", 2.0)]);
+}
+
+#[tokio::test]
+async fn a_client_gone_while_delayed_is_still_counted() {
+    let gw = start_gateway(
+        r#"
+routes:
+  - name: paced
+    match: {path: /}
+    key: ip
+    on_limit: delay
+    max_delay: 2m
+    limits: [{name: pace, algorithm: token_bucket, rate: 1/m, burst: 1}]
+    respond: {body: "ok\n"}
+"#,
+    )
+    .await;
+    let c = http1();
+    assert_eq!(c.get(&url(gw.addr, "/"), &[]).await.status, 200);
+    // The second request would wait a minute for its token; hang up long before, and
+    // it must be counted at once (not after the minute, not never).
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(s);
+    let mut counted = Vec::new();
+    for _ in 0..50 {
+        let m = metrics(gw.admin_addr).await;
+        counted = decisions(&m, "paced")
+            .into_iter()
+            .map(|(d, n)| (d.to_string(), n))
+            .collect();
+        if counted.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        counted,
+        [("allowed".to_string(), 1.0), ("delayed".to_string(), 1.0)]
+    );
+}

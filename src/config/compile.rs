@@ -138,8 +138,9 @@ fn compile_route(
             .collect::<Result<_, _>>()?,
     };
 
+    // A shadow route must be invisible: it never delays either.
     let mode = match (r.on_limit, r.max_delay) {
-        (OnLimit::Delay, Some(d)) => Mode::Delay {
+        (OnLimit::Delay, Some(d)) if !r.shadow => Mode::Delay {
             max_delay_us: d.get().as_micros() as u64,
         },
         _ => Mode::Reject,
