@@ -124,17 +124,34 @@ pub struct KeySpec {
 
 /// The key a request is counted against, as the client sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClientKey(pub String);
+pub struct ClientKey {
+    pub value: String,
+    /// For a composite key, each part's value, so that a denied key is denied inside
+    /// a list too; empty for a single-part key.
+    pub parts: Vec<String>,
+}
 
 /// Keys longer than this are hashed before they are stored.
 pub const MAX_STORED_KEY: usize = 256;
 
 impl ClientKey {
+    pub fn new(value: impl Into<String>) -> ClientKey {
+        ClientKey {
+            value: value.into(),
+            parts: Vec::new(),
+        }
+    }
+
+    /// The whole key, and each part of a composite one.
+    pub fn values(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.value.as_str()).chain(self.parts.iter().map(String::as_str))
+    }
+
     /// The key as stored: itself, or `#` and its SHA-1 when it is long or holds
     /// characters that would break a Redis hash tag (`{`, `}`) or start with `#`
     /// (so a raw key can never equal a hashed one).
     pub fn stored(&self) -> Cow<'_, str> {
-        let k = &self.0;
+        let k = &self.value;
         if k.len() > MAX_STORED_KEY || k.starts_with('#') || k.contains(['{', '}']) {
             Cow::Owned(format!("#{}", sha1_smol::Sha1::from(k.as_bytes()).digest()))
         } else {
@@ -148,10 +165,11 @@ impl KeySpec {
     pub fn extract(&self, req: &Parts, ip: IpAddr) -> Result<ClientKey, &KeyPart> {
         if let [one] = self.parts.as_slice() {
             return part_value(one, req, ip)
-                .map(|v| ClientKey(v.into_owned()))
+                .map(|v| ClientKey::new(v.into_owned()))
                 .ok_or(one);
         }
         let mut key = String::new();
+        let mut parts = Vec::with_capacity(self.parts.len());
         for (i, part) in self.parts.iter().enumerate() {
             let v = part_value(part, req, ip).ok_or(part)?;
             if i > 0 {
@@ -164,8 +182,9 @@ impl KeySpec {
                 }
                 key.push(c);
             }
+            parts.push(v.into_owned());
         }
-        Ok(ClientKey(key))
+        Ok(ClientKey { value: key, parts })
     }
 }
 
@@ -314,13 +333,25 @@ mod tests {
             &[("x-api-key", "abc"), ("cookie", "a=1; session=s3; b=2")],
         );
         let a = ip("1.2.3.4");
-        assert_eq!(spec(&["ip"]).extract(&p, a).unwrap().0, "1.2.3.4");
-        assert_eq!(spec(&["header:x-api-key"]).extract(&p, a).unwrap().0, "abc");
-        assert_eq!(spec(&["query:api_key"]).extract(&p, a).unwrap().0, "q k");
-        assert_eq!(spec(&["cookie:session"]).extract(&p, a).unwrap().0, "s3");
-        assert_eq!(spec(&["global"]).extract(&p, a).unwrap().0, "global");
+        assert_eq!(spec(&["ip"]).extract(&p, a).unwrap().value, "1.2.3.4");
         assert_eq!(
-            spec(&["header:x-api-key", "ip"]).extract(&p, a).unwrap().0,
+            spec(&["header:x-api-key"]).extract(&p, a).unwrap().value,
+            "abc"
+        );
+        assert_eq!(
+            spec(&["query:api_key"]).extract(&p, a).unwrap().value,
+            "q k"
+        );
+        assert_eq!(
+            spec(&["cookie:session"]).extract(&p, a).unwrap().value,
+            "s3"
+        );
+        assert_eq!(spec(&["global"]).extract(&p, a).unwrap().value, "global");
+        assert_eq!(
+            spec(&["header:x-api-key", "ip"])
+                .extract(&p, a)
+                .unwrap()
+                .value,
             "abc|1.2.3.4"
         );
         let missing = spec(&["ip", "header:x-tenant"]);
@@ -346,13 +377,13 @@ mod tests {
 
     #[test]
     fn stored_keys() {
-        assert_eq!(ClientKey("abc".into()).stored(), "abc");
-        let long = ClientKey("k".repeat(300));
+        assert_eq!(ClientKey::new("abc").stored(), "abc");
+        let long = ClientKey::new("k".repeat(300));
         let s = long.stored();
         assert_eq!(s.len(), 41);
         assert!(s.starts_with('#'));
-        assert_eq!(s, ClientKey("k".repeat(300)).stored());
-        assert!(ClientKey("a{b}".into()).stored().starts_with('#'));
-        assert_ne!(ClientKey("#x".into()).stored(), "#x");
+        assert_eq!(s, ClientKey::new("k".repeat(300)).stored());
+        assert!(ClientKey::new("a{b}").stored().starts_with('#'));
+        assert_ne!(ClientKey::new("#x").stored(), "#x");
     }
 }

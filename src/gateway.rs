@@ -134,7 +134,7 @@ pub async fn handle(
         let (ns, key) = match route.key.extract(&parts, ip) {
             Ok(k) => (&route.ns, k),
             Err(part) => match route.missing_key {
-                MissingKey::Ip => (&route.fallback_ns, ClientKey(ip.to_string())),
+                MissingKey::Ip => (&route.fallback_ns, ClientKey::new(ip.to_string())),
                 MissingKey::Reject => {
                     let msg = format!(
                         "missing {} (absent, empty or sent more than once): this route needs it to identify the client\n",
@@ -147,7 +147,7 @@ pub async fn handle(
                 }
             },
         };
-        if rt.deny.key(&key.0) {
+        if key.values().any(|k| rt.deny.key(k)) {
             break 'answer (denied(&rt), Decision::Denied);
         }
         if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
@@ -161,7 +161,7 @@ pub async fn handle(
         let mut decision = Decision::Allowed;
         let mut report: Option<(&Tier, Verdict)> = None;
         if let Some(limits) = &route.limits {
-            let tier = limits.tier(&key.0);
+            let tier = limits.tier(&key.value);
             let stored = key.stored();
             // Store unreachable: answer 503, forward unchecked, or decide in this
             // instance's memory (`on_error`); either way the decision is counted.

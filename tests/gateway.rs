@@ -714,10 +714,21 @@ async fn denied_keys_get_403_and_only_they() {
 deny: {keys: [leaked]}
 routes:
   - {name: keyed, match: {path: /k}, key: "header:x-api-key", respond: {body: ok}}
+  - {name: listed, match: {path: /l}, key: ["header:x-tenant", "header:x-api-key"], respond: {body: ok}}
 "#,
     )
     .await;
     let c = http1();
+    // A denied key is denied inside a composite key too.
+    let listed = |key: &'static str| {
+        let (c, u) = (&c, url(gw.addr, "/l"));
+        async move {
+            c.get(&u, &[("x-tenant", "acme"), ("x-api-key", key)])
+                .await
+                .status
+        }
+    };
+    assert_eq!((listed("leaked").await, listed("fine").await), (403, 200));
     let r = c.get(&url(gw.addr, "/k"), &[("x-api-key", "leaked")]).await;
     assert_eq!((r.status, r.text()), (403, "access denied\n"));
     assert_eq!(
@@ -728,6 +739,7 @@ routes:
     );
     let m = metrics(gw.admin_addr).await;
     assert_eq!(decisions(&m, "keyed"), [("allowed", 1.0), ("denied", 1.0)]);
+    assert_eq!(decisions(&m, "listed"), [("allowed", 1.0), ("denied", 1.0)]);
 }
 
 // === request bodies ===
