@@ -249,6 +249,11 @@ fn warn_unbuilt(f: &crate::config::schema::File) {
     for r in f.routes.iter().filter(|r| r.ban.is_some()) {
         tracing::warn!(route = %r.name, "ban is not enforced in this version: keys are not banned automatically");
     }
+    if f.store.backend == crate::config::schema::Backend::Memory && f.store.redis.is_some() {
+        tracing::warn!(
+            "store.redis is ignored with store.backend: memory: every instance limits on its own"
+        );
+    }
     if f.deny.state_file.is_some() {
         tracing::warn!(
             "deny.state_file is not used in this version: there are no dynamic deny entries yet"

@@ -1205,3 +1205,11 @@ fn byte_order_mark_crlf_and_wide_characters_keep_columns() {
          `body`, `headers`"
     );
 }
+
+#[test]
+fn rates_faster_than_one_per_microsecond_are_refused() {
+    assert_eq!(
+        error("routes:\n  - name: a\n    respond: {}\n    limits: [{algorithm: gcra, rate: 1500000/s}]\n"),
+        "rules.yaml:4:38: the rate is faster than one request per microsecond, which the stores cannot time"
+    );
+}

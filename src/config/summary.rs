@@ -63,7 +63,10 @@ pub fn summary(loaded: &Loaded) -> String {
                 r.key_prefix.as_str()
             )
         }
-        _ => format!("memory, max_keys {max_keys}, on_error {on_error}"),
+        _ if f.store.redis.is_some() => {
+            format!("memory, max_keys {max_keys} (store.redis is ignored: limits are per instance)")
+        }
+        _ => format!("memory, max_keys {max_keys}"),
     };
     line(&mut out, format!("store   {store}"));
 
@@ -143,7 +146,7 @@ fn route(out: &mut String, r: &Route, width: usize, indent: &str) {
         if let Some(ban) = &r.ban {
             let _ = write!(
                 limits,
-                "; ban after {} within {} for {}",
+                "; ban after {} within {} for {} (not enforced in this version)",
                 ban.after.get(),
                 fmt_dur(ban.within.get()),
                 fmt_dur(ban.duration.get())
@@ -373,7 +376,7 @@ routes:
             "\
 config/rules.yaml: ok (sha1 {})
 listen  0.0.0.0:8080 (http/1.1, h2c)   admin 127.0.0.1:9091 (no token)
-store   memory, max_keys 1000000, on_error local
+store   memory, max_keys 1000000
 upstream api -> http://127.0.0.1:3000 (connect 2s, timeout 30s)
 routes  3
   login    POST /login -> upstream api   key ip

@@ -215,6 +215,8 @@ impl Checker<'_> {
             "max_keys",
             store.memory.max_keys.get(),
         );
+        // A redis section under backend memory is allowed (SPEC's example has one);
+        // startup and `check` say that it is not used.
         if store.backend != Backend::Redis {
             return;
         }
@@ -676,6 +678,14 @@ impl Checker<'_> {
                     self.at(
                         &rp,
                         "the rate's period must be greater than 0, like 10/s or 5/10s",
+                    );
+                }
+                let reduced =
+                    crate::config::compile::reduced(rate.count, rate.per.as_micros() as u64);
+                if rate.count > 0 && !rate.per.is_zero() && reduced.count > reduced.per_us {
+                    self.at(
+                        &rp,
+                        "the rate is faster than one request per microsecond, which the stores cannot time",
                     );
                 }
                 let (burst, bp, default) = match l.burst {
