@@ -249,12 +249,11 @@ pub async fn handle(
     tally.decision = decision;
 
     // Answered before the body was read: close an HTTP/1 connection that carries one.
-    let resp = if has_body && http1 {
+    if has_body && http1 {
         answer::close(resp)
     } else {
         resp
-    };
-    resp
+    }
 }
 
 /// Counts one request's decision and duration when dropped.
