@@ -27,6 +27,18 @@ local function ceil_div(a, b)
   return q
 end
 
+-- Whether a request that must wait `wait` µs for capacity is admitted and how long
+-- it waits: at once when nothing is owed, after the wait in delay mode when it fits
+-- in max_delay, else refused (algo.rs: admit_after).
+local function admit_after(wait, max_delay)
+  if wait == 0 then
+    return true, 0
+  elseif max_delay > 0 and wait <= max_delay then
+    return true, wait
+  end
+  return false, 0
+end
+
 -- Rust's saturating float-to-unsigned cast: negative becomes 0.
 local function unsigned(x)
   if x < 0 then

@@ -19,12 +19,7 @@ local function gcra(key, now, cost, n, p, burst, max_delay)
   if excess > span then
     wait = ceil_div(excess - span, n)
   end
-  local allowed, delay = false, 0
-  if wait == 0 then
-    allowed = true
-  elseif max_delay > 0 and wait <= max_delay then
-    allowed, delay = true, wait
-  end
+  local allowed, delay = admit_after(wait, max_delay)
   local t = base
   if allowed then
     t = new_tat

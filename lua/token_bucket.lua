@@ -22,13 +22,8 @@ local function token_bucket(key, now, cost, n, p, burst, max_delay)
   if after < 0 then
     wait = ceil_div(-after, n)
   end
-  local allowed, delay = false, 0
-  if wait == 0 then
-    allowed = true
-  elseif max_delay > 0 and wait <= max_delay then
-    -- Delay mode: book the tokens now and wait.
-    allowed, delay = true, wait
-  end
+  -- Delay mode: book the tokens now (the level goes negative) and wait.
+  local allowed, delay = admit_after(wait, max_delay)
   local level = tokens
   if allowed then
     level = after
