@@ -261,7 +261,7 @@ pub fn fmt_dur(d: Duration) -> String {
     ];
     UNITS
         .iter()
-        .find(|(n, _)| us % n == 0)
+        .find(|(n, _)| us.is_multiple_of(*n))
         .map(|(n, unit)| format!("{}{unit}", us / n))
         .unwrap_or_else(|| format!("{us}us"))
 }
