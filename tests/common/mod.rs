@@ -590,7 +590,7 @@ pub async fn statuses(
 /// `n` times 200 followed by `m` times 429.
 pub fn ok_then_limited(n: usize, m: usize) -> Vec<u16> {
     let mut v = vec![200; n];
-    v.extend(std::iter::repeat(429).take(m));
+    v.extend(std::iter::repeat_n(429, m));
     v
 }
 
