@@ -8,7 +8,7 @@ mod harness;
 use std::time::Duration;
 
 use harness::*;
-use sluice::limit::cases::{self, BASE_US};
+use sluice::limit::cases::{self, Rng, BASE_US};
 use sluice::limit::{
     decide, Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisStore, RedisTarget, State,
 };
@@ -56,6 +56,12 @@ fn run_table(store: &RedisStore, rt: &tokio::runtime::Runtime) -> usize {
     steps
 }
 
+/// A store on `target` with a refusal cache of `refusal_cache` entries (0: none).
+fn connect(rt: &tokio::runtime::Runtime, target: RedisTarget, refusal_cache: usize) -> RedisStore {
+    rt.block_on(RedisStore::connect(options(target, refusal_cache)))
+        .expect("connect to the test Redis")
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -70,12 +76,7 @@ fn runtime() -> tokio::runtime::Runtime {
 fn the_table_of_cases_passes_on_one_redis() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let store = rt
-        .block_on(RedisStore::connect(options(
-            RedisTarget::Url(redis.url()),
-            0,
-        )))
-        .unwrap();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
     let steps = run_table(&store, &rt);
     assert!(cases::all().len() >= 15);
     assert!(steps > 100, "{steps}");
@@ -85,12 +86,7 @@ fn the_table_of_cases_passes_on_one_redis() {
 fn the_table_of_cases_passes_on_a_cluster() {
     let cluster = RedisCluster::start();
     let rt = runtime();
-    let store = rt
-        .block_on(RedisStore::connect(options(
-            RedisTarget::Cluster(cluster.urls()),
-            0,
-        )))
-        .unwrap();
+    let store = connect(&rt, RedisTarget::Cluster(cluster.urls()), 0);
     run_table(&store, &rt);
     // The cases' keys are spread over the nodes, each case's keys on one.
     let per_node: Vec<usize> = cluster
@@ -104,22 +100,6 @@ fn the_table_of_cases_passes_on_a_cluster() {
     );
 }
 
-/// A small deterministic generator (SplitMix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// Beyond the table: long random walks decided by the Lua scripts and by the pure
 /// functions in `algo` must agree on every field of every outcome (remaining, reset
 /// and retry included), for awkward parameters: rates that do not divide their
@@ -129,12 +109,7 @@ impl Rng {
 fn random_walks_agree_with_the_pure_functions() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let store = rt
-        .block_on(RedisStore::connect(options(
-            RedisTarget::Url(redis.url()),
-            0,
-        )))
-        .unwrap();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
     let day = 86_400 * S;
     let plans = [
         one(
@@ -330,12 +305,7 @@ fn unit_us(a: &Algorithm) -> u64 {
 fn sliding_window_doubles_agree_state_by_state() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let store = rt
-        .block_on(RedisStore::connect(options(
-            RedisTarget::Url(redis.url()),
-            0,
-        )))
-        .unwrap();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
     let mut conn = redis.connection().unwrap();
     let mut checked = 0;
     for w in [11 * S, 60 * S, 86_400 * S] {
@@ -444,12 +414,7 @@ fn a_refused_request_writes_nothing() {
     let redis = RedisServer::start();
     let rt = runtime();
     // No refusal cache: every refused request below reaches the script.
-    let store = rt
-        .block_on(RedisStore::connect(options(
-            RedisTarget::Url(redis.url()),
-            0,
-        )))
-        .unwrap();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
     let hour = 3_600 * S;
     let plans = [
         one(
@@ -627,12 +592,7 @@ fn evalsha_calls(redis: &RedisServer) -> u64 {
 fn memory_usage_per_tracked_key() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let store = rt
-        .block_on(RedisStore::connect(options(
-            RedisTarget::Url(redis.url()),
-            0,
-        )))
-        .unwrap();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
     let minute = 60 * S;
     let cases: [(&str, Algorithm, u64); 8] = [
         (
@@ -734,12 +694,7 @@ fn memory_usage_per_tracked_key() {
 fn delay_mode_refusals_are_held_until_the_wait_fits() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let store = rt
-        .block_on(RedisStore::connect(options(
-            RedisTarget::Url(redis.url()),
-            1_000,
-        )))
-        .unwrap();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 1_000);
     let plan = Plan {
         limits: vec![LimitDef::new(
             "gc".into(),

@@ -652,20 +652,7 @@ mod tests {
     const S: u64 = 1_000_000;
     const T0: u64 = 20_834 * 86_400 * S;
 
-    /// A small deterministic generator (SplitMix64) for long "random" sequences.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use crate::limit::cases::Rng;
 
     fn rate(count: u64, per_us: u64) -> Rate {
         Rate { count, per_us }

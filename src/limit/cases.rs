@@ -392,6 +392,24 @@ pub fn all() -> Vec<Case> {
     ]
 }
 
+/// A small deterministic generator (SplitMix64) for long "random" sequences: the
+/// property tests of `algo` and the Redis store's random walks share it.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
