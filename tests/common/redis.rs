@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -24,6 +25,28 @@ pub async fn bounded<F: Future>(what: &str, f: F) -> F::Output {
     tokio::time::timeout(BOUND, f)
         .await
         .unwrap_or_else(|_| panic!("{what}: no answer within {BOUND:?}"))
+}
+
+// === children ===
+
+/// Starts `cmd` in a process group of its own, so that killing the group also ends
+/// whatever it started (`faketime` runs sluice as its child).
+fn spawn_grouped(cmd: &mut Command) -> std::io::Result<Child> {
+    cmd.process_group(0).spawn()
+}
+
+/// SIGKILL to the child's whole group, then reap the child.
+fn kill_group(child: &mut Child) {
+    // The group id is the child's pid (`process_group(0)`).
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: kill(2) with a negative pid signals that process group; no memory
+        // is involved.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 // === ports ===
@@ -91,8 +114,7 @@ impl RedisServer {
                 .arg("--cluster-config-file")
                 .arg(conf);
         }
-        let child = cmd
-            .spawn()
+        let child = spawn_grouped(&mut cmd)
             .expect("redis-server runs (is it installed? tests/run.sh installs it)");
         self.child = Some(child);
         let deadline = Instant::now() + BOUND;
@@ -133,8 +155,7 @@ impl RedisServer {
     /// Kill the server (SIGKILL: no goodbye to clients).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            kill_group(&mut c);
         }
     }
 
@@ -278,13 +299,32 @@ impl Answer {
 
 /// `GET path` with extra header lines, on a fresh connection (closed after).
 pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Answer {
-    bounded(&format!("GET {path} on {addr}"), async {
+    request(addr, "GET", path, headers, "").await
+}
+
+/// `method path` with extra header lines and `body` (with its `Content-Length` when
+/// not empty), on a fresh connection (closed after).
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Answer {
+    bounded(&format!("{method} {path} on {addr}"), async {
         let mut s = TcpStream::connect(addr).await.expect("connect");
-        let mut req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
         for (k, v) in headers {
             req.push_str(&format!("{k}: {v}\r\n"));
         }
+        if !body.is_empty() {
+            req.push_str(&format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                body.len()
+            ));
+        }
         req.push_str("\r\n");
+        req.push_str(body);
         s.write_all(req.as_bytes()).await.expect("write");
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).await.expect("read");
@@ -376,7 +416,7 @@ impl SluiceProcess {
             .arg(config.path())
             .envs(env.iter().copied());
         cmd.stdout(Stdio::null()).stderr(Stdio::null());
-        let child = cmd.spawn().expect("start sluice");
+        let child = spawn_grouped(&mut cmd).expect("start sluice");
         let p = SluiceProcess {
             child,
             addr: ([127, 0, 0, 1], port).into(),
@@ -397,7 +437,6 @@ impl SluiceProcess {
 
 impl Drop for SluiceProcess {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        kill_group(&mut self.child);
     }
 }

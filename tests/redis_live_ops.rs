@@ -1,0 +1,803 @@
+//! The deny list shared through Redis, and readiness, end to end: gateways on one
+//! Redis (or a cluster) learn of each other's entries, deletions, expiries and bans
+//! within a second; the local copy heals a missed message and a restarted Redis; a
+//! change the shared list cannot take is refused with 503; `/readyz` follows Redis
+//! without any traffic. Real `redis-server` processes, real gateways, real HTTP.
+
+#[path = "common/redis.rs"]
+mod harness;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use harness::*;
+use serde_json::{json, Value};
+
+/// The Redis keys of the shared list, with the harness' `key_prefix: "sluice:"`.
+const ENTRIES: &str = "sluice:{deny}:entries";
+const VERSION: &str = "sluice:{deny}:version";
+const CHANNEL: &str = "sluice:deny";
+
+/// How long a change may take to reach another instance (SPEC §4).
+const PROPAGATION: Duration = Duration::from_secs(1);
+
+/// A route answered by sluice itself, keyed by `x-key`, without limits: whether a
+/// request passes depends on the deny list alone, Redis up or down. The client
+/// address comes from `X-Forwarded-For` (the test client is a trusted proxy).
+fn open_gateway(target: &str, timeout_ms: u64) -> String {
+    format!(
+        "{}client_ip: {{trusted_proxies: [127.0.0.1/32]}}\nroutes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n",
+        redis_store(target, "deny", timeout_ms)
+    )
+}
+
+/// One gateway instance, in this process or as a `sluice run` process; running
+/// while held.
+struct Instance {
+    addr: SocketAddr,
+    admin: SocketAddr,
+    _gateway: Option<Running>,
+    _process: Option<SluiceProcess>,
+}
+
+async fn in_process(yaml: &str) -> Instance {
+    let r = start_gateway(yaml).await;
+    Instance {
+        addr: r.addr,
+        admin: r.admin_addr,
+        _gateway: Some(r),
+        _process: None,
+    }
+}
+
+async fn process(yaml: &str) -> Instance {
+    let p = SluiceProcess::start(&[], &[], yaml).await;
+    Instance {
+        addr: p.addr,
+        admin: p.admin,
+        _gateway: None,
+        _process: Some(p),
+    }
+}
+
+impl Instance {
+    /// The status of `GET /` from client address `ip` with key `key`.
+    async fn ask(&self, ip: &str, key: &str) -> u16 {
+        let headers = [("x-forwarded-for", ip), ("x-key", key)];
+        get(self.addr, "/", &headers).await.status
+    }
+
+    async fn deny(&self, method: &str, body: Value) -> Answer {
+        request(self.admin, method, "/admin/deny", &[], &body.to_string()).await
+    }
+
+    /// `POST /admin/deny` that must succeed; the entry as answered.
+    async fn add(&self, body: Value) -> Value {
+        let a = self.deny("POST", body.clone()).await;
+        assert_eq!(a.status, 201, "POST /admin/deny {body}: {}", a.body);
+        assert_eq!(a.header("content-type"), Some("application/json"));
+        serde_json::from_str(&a.body).expect("entry JSON")
+    }
+
+    /// `DELETE /admin/deny` that must succeed.
+    async fn remove(&self, body: Value) {
+        let a = self.deny("DELETE", body.clone()).await;
+        assert_eq!(
+            (a.status, a.body.as_str()),
+            (204, ""),
+            "DELETE /admin/deny {body}"
+        );
+    }
+
+    /// `GET /admin/deny`.
+    async fn list(&self) -> Vec<Value> {
+        let a = get(self.admin, "/admin/deny", &[]).await;
+        assert_eq!(a.status, 200, "GET /admin/deny: {}", a.body);
+        serde_json::from_str(&a.body).expect("list JSON")
+    }
+
+    async fn ready(&self) -> u16 {
+        get(self.admin, "/readyz", &[]).await.status
+    }
+
+    async fn deny_entries(&self, source: &str) -> f64 {
+        metric(self.admin, "sluice_deny_entries", &[("source", source)]).await
+    }
+}
+
+/// Polls until `ask(ip, key)` answers `status` on `instance`, for at most `within`,
+/// and prints how long it took; fails naming `what` otherwise.
+async fn answers(
+    what: &str,
+    instance: &Instance,
+    ip: &str,
+    key: &str,
+    status: u16,
+    within: Duration,
+) {
+    let took = eventually(within, || async { instance.ask(ip, key).await == status }).await;
+    let took = took
+        .unwrap_or_else(|| panic!("{what}: {ip} / {key} does not get {status} within {within:?}"));
+    eprintln!("{what}: {took:?}");
+}
+
+/// Milliseconds since the UNIX epoch, as sluice counts them.
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as u64
+}
+
+/// Redis commands on the shared list's keys, on one server or a cluster.
+enum Db<'a> {
+    One(&'a RedisServer),
+    Cluster(&'a RedisCluster),
+}
+
+impl Db<'_> {
+    fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        match self {
+            Db::One(r) => r.cmd(args),
+            Db::Cluster(c) => {
+                let mut cmd = redis::cmd(args[0]);
+                for a in &args[1..] {
+                    cmd.arg(*a);
+                }
+                cmd.query(&mut c.connection())
+                    .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+            }
+        }
+    }
+
+    fn nodes(&self) -> Vec<&RedisServer> {
+        match self {
+            Db::One(r) => vec![r],
+            Db::Cluster(c) => c.nodes.iter().collect(),
+        }
+    }
+
+    /// Subscribers of the deny channel on each node (PUBSUB NUMSUB counts a node's
+    /// own clients only).
+    fn subscribers(&self) -> Vec<i64> {
+        self.nodes()
+            .iter()
+            .map(|n| n.cmd::<(String, i64)>(&["PUBSUB", "NUMSUB", CHANNEL]).1)
+            .collect()
+    }
+
+    fn entries(&self) -> i64 {
+        self.cmd(&["HLEN", ENTRIES])
+    }
+
+    fn version(&self) -> Option<String> {
+        self.cmd(&["GET", VERSION])
+    }
+}
+
+/// Calls of `command` so far, from `INFO commandstats`.
+fn calls(redis: &RedisServer, command: &str) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits until the followers have subscribed: `per_node` subscribers on each node.
+async fn subscribed(db: &Db<'_>, per_node: &[i64]) {
+    let ok = eventually(Duration::from_secs(5), || async {
+        db.subscribers() == per_node
+    })
+    .await;
+    assert!(
+        ok.is_some(),
+        "deny channel subscribers {:?}, expected {per_node:?}",
+        db.subscribers()
+    );
+}
+
+// === 1, 2: two instances share every change ===
+
+/// A adds a key and a CIDR block, B enforces both within a second and lists them as
+/// A answered them; B deletes them, A admits again within a second.
+async fn two_instances_share_the_deny_list(db: Db<'_>, a: &Instance, b: &Instance) {
+    // Both followers listen (one per instance, wherever each subscribed).
+    let subscribers: i64 = db.subscribers().iter().sum();
+    assert_eq!(subscribers, 2, "{:?}", db.subscribers());
+    assert_eq!(a.ask("10.1.2.3", "k1").await, 200);
+    assert_eq!(b.ask("10.1.2.3", "k1").await, 200);
+
+    // A key, for ten minutes.
+    let before = now_ms();
+    let key = a
+        .add(json!({"key": "k1", "ttl": "10m", "reason": "leaked in a public repo"}))
+        .await;
+    let after = now_ms();
+    let expires = key["expires_at_ms"].as_u64().expect("expires_at_ms");
+    assert!(
+        (before + 600_000..=after + 600_000).contains(&expires),
+        "{before} {expires} {after}"
+    );
+    assert_eq!(
+        key,
+        json!({
+            "kind": "key",
+            "value": "k1",
+            "expires_at": sluice::deny::rfc3339(expires),
+            "expires_at_ms": expires,
+            "reason": "leaked in a public repo",
+            "source": "api",
+        })
+    );
+    // Enforced on A when the answer comes, on B within a second.
+    assert_eq!(a.ask("10.9.9.9", "k1").await, 403);
+    answers(
+        "key added on A, refused on B",
+        b,
+        "10.9.9.9",
+        "k1",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    assert_eq!(b.ask("10.9.9.9", "k2").await, 200);
+
+    // A CIDR block, given as an address inside it, stays until removed.
+    let block = a
+        .add(json!({"ip": "10.1.2.3/16", "reason": "scanner"}))
+        .await;
+    assert_eq!(
+        block,
+        json!({
+            "kind": "ip",
+            "value": "10.1.0.0/16",
+            "expires_at": null,
+            "expires_at_ms": null,
+            "reason": "scanner",
+            "source": "api",
+        })
+    );
+    assert_eq!(a.ask("10.1.200.7", "other").await, 403);
+    answers(
+        "block added on A, refused on B",
+        b,
+        "10.1.200.7",
+        "other",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    assert_eq!(b.ask("10.2.0.1", "other").await, 200);
+
+    // B lists exactly what A answered (addresses first).
+    assert_eq!(b.list().await, vec![block.clone(), key.clone()]);
+    assert_eq!(a.list().await, vec![block, key]);
+    assert_eq!(db.entries(), 2);
+    assert_eq!(db.version().as_deref(), Some("2"));
+
+    // Removed on B: admitted on B at once, on A within a second.
+    b.remove(json!({"key": "k1"})).await;
+    assert_eq!(b.ask("10.9.9.9", "k1").await, 200);
+    answers(
+        "key removed on B, admitted on A",
+        a,
+        "10.9.9.9",
+        "k1",
+        200,
+        PROPAGATION,
+    )
+    .await;
+    b.remove(json!({"ip": "10.1.0.0/16"})).await;
+    assert_eq!(b.ask("10.1.200.7", "other").await, 200);
+    answers(
+        "block removed on B, admitted on A",
+        a,
+        "10.1.200.7",
+        "other",
+        200,
+        PROPAGATION,
+    )
+    .await;
+
+    assert_eq!(a.list().await, Vec::<Value>::new());
+    assert_eq!(b.list().await, Vec::<Value>::new());
+    assert_eq!(db.entries(), 0);
+    assert_eq!(db.version().as_deref(), Some("4"));
+    // Gone everywhere: removing it again, on either instance, finds nothing.
+    let again = a.deny("DELETE", json!({"key": "k1"})).await;
+    assert_eq!(
+        (again.status, again.body.as_str()),
+        (404, "no such entry\n")
+    );
+    assert_eq!(db.version().as_deref(), Some("4"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_one_redis_share_the_deny_list() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let a = in_process(&yaml).await;
+    // B is the real binary: the follower is wired into `sluice run` too.
+    let b = process(&yaml).await;
+    let db = Db::One(&redis);
+    subscribed(&db, &[2]).await;
+    two_instances_share_the_deny_list(db, &a, &b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_a_cluster_share_the_deny_list() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    // B's seeds in the other order, after one where nothing listens.
+    let mut other = vec![format!("redis://127.0.0.1:{}", free_port(false))];
+    other.extend(urls.iter().rev().cloned());
+    let a = in_process(&open_gateway(&cluster_target(&urls), 500)).await;
+    let b = process(&open_gateway(&cluster_target(&other), 500)).await;
+    let db = Db::Cluster(&cluster);
+    // Each follows the first seed that answers: A the first node, B the last. At
+    // least one of them is not the node that holds the list and publishes.
+    subscribed(&db, &[1, 0, 1]).await;
+    two_instances_share_the_deny_list(db, &a, &b).await;
+    // The version is all that is left, on the one node that owns the `{deny}` slot.
+    let keys: Vec<i64> = cluster.nodes.iter().map(|n| n.cmd(&["DBSIZE"])).collect();
+    let mut sorted = keys.clone();
+    sorted.sort();
+    assert_eq!(sorted, [0, 0, 1], "{keys:?}");
+    eprintln!(
+        "the list lives on node {:?} of 3",
+        keys.iter().position(|&k| k == 1)
+    );
+}
+
+// === 3: expiry ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let db = Db::One(&redis);
+    subscribed(&db, &[2]).await;
+
+    let t0 = Instant::now();
+    let e = a.add(json!({"key": "brief", "ttl": "1s"})).await;
+    assert_eq!(e["source"], "api");
+    assert_eq!(e["reason"], Value::Null);
+    assert_eq!(a.ask("10.0.0.1", "brief").await, 403);
+    answers(
+        "ttl entry added on A, refused on B",
+        &b,
+        "10.0.0.1",
+        "brief",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    assert_eq!(b.deny_entries("api").await, 1.0);
+
+    // Admitted again on both once it expires, and not before.
+    let left = Duration::from_millis(2500).saturating_sub(t0.elapsed());
+    let expired = eventually(left, || async {
+        a.ask("10.0.0.1", "brief").await == 200 && b.ask("10.0.0.1", "brief").await == 200
+    })
+    .await;
+    assert!(expired.is_some(), "still refused 2.5 s after a 1 s ttl");
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_secs(1), "admitted after {took:?}");
+    eprintln!("ttl 1s: admitted again on both after {took:?}");
+
+    // Removed from Redis by exactly one of the instances (the other finds it gone).
+    let gone = eventually(Duration::from_secs(2), || async { db.entries() == 0 }).await;
+    assert!(gone.is_some(), "expired entry still in Redis");
+    eprintln!("ttl 1s: gone from Redis after {:?}", t0.elapsed());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(db.version().as_deref(), Some("2"));
+    assert_eq!(a.list().await, Vec::<Value>::new());
+    assert_eq!(b.list().await, Vec::<Value>::new());
+    assert_eq!(a.deny_entries("api").await, 0.0);
+    assert_eq!(b.deny_entries("api").await, 0.0);
+}
+
+/// An instance whose copy of an entry has expired removes it from Redis only if
+/// Redis still holds that copy: a fresher one (added meanwhile elsewhere) stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expiry_never_removes_a_fresher_entry() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let db = Db::One(&redis);
+    subscribed(&db, &[2]).await;
+
+    a.add(json!({"key": "renewed", "ttl": "1s"})).await;
+    answers(
+        "ttl entry added on A, refused on B",
+        &b,
+        "10.0.0.1",
+        "renewed",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    // Renewed in Redis behind the instances' backs: same version, no message, so
+    // both still hold the copy that expires in 1 s.
+    let fresh = json!({
+        "kind": "key",
+        "value": "renewed",
+        "expires_at": null,
+        "expires_at_ms": now_ms() + 600_000,
+        "reason": "renewed",
+        "source": "api",
+    });
+    let _: i64 = db.cmd(&["HSET", ENTRIES, "key:renewed", &fresh.to_string()]);
+    let evals = calls(&redis, "eval");
+    // Both expire their copy and try to remove it from Redis; neither does.
+    let expired = eventually(Duration::from_millis(2500), || async {
+        a.deny_entries("api").await == 0.0 && b.deny_entries("api").await == 0.0
+    })
+    .await;
+    assert!(expired.is_some(), "local copies not expired");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(db.entries(), 1);
+    let stored: String = db.cmd(&["HGET", ENTRIES, "key:renewed"]);
+    assert_eq!(serde_json::from_str::<Value>(&stored).unwrap(), fresh);
+    assert_eq!(db.version().as_deref(), Some("1"));
+    // One attempt each (the expiry script), and nothing else went to Redis by EVAL.
+    assert_eq!(calls(&redis, "eval") - evals, 2);
+}
+
+// === 4: a missed message ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_without_a_message_is_healed_by_the_version_poll() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let db = Db::One(&redis);
+    subscribed(&db, &[2]).await;
+
+    // Written the way the script would, but never published.
+    let entry = json!({
+        "kind": "key",
+        "value": "silent",
+        "expires_at": null,
+        "expires_at_ms": null,
+        "reason": "written by hand",
+        "source": "api",
+    });
+    let t0 = Instant::now();
+    let _: i64 = db.cmd(&["HSET", ENTRIES, "key:silent", &entry.to_string()]);
+    let _: i64 = db.cmd(&["INCR", VERSION]);
+    let within = Duration::from_millis(1500);
+    let both = eventually(within, || async {
+        a.ask("10.0.0.1", "silent").await == 403 && b.ask("10.0.0.1", "silent").await == 403
+    })
+    .await;
+    assert!(
+        both.is_some(),
+        "an unpublished change not seen within {within:?}"
+    );
+    eprintln!(
+        "unpublished change: enforced on both after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(a.list().await, vec![entry.clone()]);
+    assert_eq!(b.list().await, vec![entry.clone()]);
+
+    // A missed message followed by a published one: the gap makes B read everything.
+    let hidden = json!({
+        "kind": "ip",
+        "value": "192.0.2.0/24",
+        "expires_at": null,
+        "expires_at_ms": null,
+        "reason": null,
+        "source": "api",
+    });
+    let _: i64 = db.cmd(&["HSET", ENTRIES, "ip:192.0.2.0/24", &hidden.to_string()]);
+    let _: i64 = db.cmd(&["INCR", VERSION]);
+    let shown = a.add(json!({"key": "loud"})).await;
+    answers(
+        "published after a gap, refused on B",
+        &b,
+        "10.0.0.1",
+        "loud",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    assert_eq!(b.ask("192.0.2.9", "x").await, 403);
+    assert_eq!(b.list().await, vec![hidden, shown, entry]);
+    assert_eq!(db.version().as_deref(), Some("3"));
+}
+
+// === 5: Redis restarts empty ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_redis_restart_the_followers_resubscribe_and_resync() {
+    let mut redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    subscribed(&Db::One(&redis), &[2]).await;
+    a.add(json!({"key": "old"})).await;
+    answers(
+        "before the restart, refused on B",
+        &b,
+        "10.0.0.1",
+        "old",
+        403,
+        PROPAGATION,
+    )
+    .await;
+
+    // Down long enough for A to notice (so its next write goes over a fresh
+    // connection), then back on the same port, empty: no persistence.
+    redis.kill();
+    let down = eventually(PROPAGATION, || async { a.ready().await == 503 }).await;
+    assert!(down.is_some(), "A still ready 1 s after Redis died");
+    redis.restart();
+    let t0 = Instant::now();
+    let ready = eventually(Duration::from_secs(2), || async { a.ready().await == 200 }).await;
+    assert!(ready.is_some(), "A not ready within 2 s of the restart");
+    eprintln!("restart: A ready after {:?}", t0.elapsed());
+    let new = a
+        .add(json!({"key": "new", "reason": "after the restart"}))
+        .await;
+    answers(
+        "after the restart, added on A, refused on B",
+        &b,
+        "10.0.0.1",
+        "new",
+        403,
+        Duration::from_secs(2),
+    )
+    .await;
+    eprintln!(
+        "restart: B refuses the new entry {:?} after the restart",
+        t0.elapsed()
+    );
+
+    // The local copies follow Redis, which forgot the old entry.
+    let synced = eventually(Duration::from_secs(2), || async {
+        a.list().await == vec![new.clone()] && b.list().await == vec![new.clone()]
+    })
+    .await;
+    assert!(
+        synced.is_some(),
+        "lists after the restart: A {:?}, B {:?}",
+        a.list().await,
+        b.list().await
+    );
+    assert_eq!(b.ask("10.0.0.1", "old").await, 200);
+    assert_eq!(a.ask("10.0.0.1", "old").await, 200);
+    subscribed(&Db::One(&redis), &[2]).await;
+    assert_eq!(Db::One(&redis).version().as_deref(), Some("1"));
+}
+
+// === 6: bans ===
+
+/// Sleeps past the end of the current `window` if less than `margin` of it is left,
+/// so a few requests fall into one aligned window of a `fixed_window` limit.
+async fn clear_of_window_end(window: Duration, margin: Duration) {
+    let now = Duration::from_millis(now_ms());
+    let w = window.as_millis() as u64;
+    let left = Duration::from_millis(w - now.as_millis() as u64 % w);
+    if left < margin {
+        tokio::time::sleep(left + Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ban_on_one_instance_is_enforced_on_the_other() {
+    let redis = RedisServer::start();
+    let yaml = format!(
+        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    limits: [{{algorithm: fixed_window, limit: 1, window: 1h}}]\n    ban: {{after: 2, within: 2s, for: 2s}}\n",
+        redis_store(&url_target(&redis.url()), "deny", 500)
+    );
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let db = Db::One(&redis);
+    subscribed(&db, &[2]).await;
+    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(10)).await;
+
+    // One admitted, then two refusals within 2 s: the second asks for the ban.
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(a.ask("10.0.0.1", "abuser").await);
+    }
+    assert_eq!(statuses, [200, 429, 429]);
+    let banned_at = now_ms();
+    answers(
+        "ban on A, refused on A",
+        &a,
+        "10.0.0.1",
+        "abuser",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    answers(
+        "ban on A, refused on B",
+        &b,
+        "10.0.0.1",
+        "abuser",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    // Only that key: another one is limited in Redis as usual.
+    assert_eq!(b.ask("10.0.0.1", "someone").await, 200);
+
+    let list = b.list().await;
+    assert_eq!(list.len(), 1, "{list:?}");
+    let e = &list[0];
+    let expires = e["expires_at_ms"].as_u64().expect("expires_at_ms");
+    assert!(
+        (banned_at.saturating_sub(1000)..=banned_at + 2000).contains(&expires),
+        "banned at about {banned_at}, expires {expires}"
+    );
+    assert_eq!(
+        *e,
+        json!({
+            "kind": "key",
+            "value": "abuser",
+            "expires_at": sluice::deny::rfc3339(expires),
+            "expires_at_ms": expires,
+            "reason": "kept hitting the limits of route api (banned for 2s)",
+            "source": "ban",
+            "route": "api",
+        })
+    );
+    assert_eq!(a.list().await, list);
+    assert_eq!(b.deny_entries("ban").await, 1.0);
+    assert_eq!(b.deny_entries("api").await, 0.0);
+    // Counted where it was decided.
+    let bans = |i: &Instance| metric(i.admin, "sluice_bans_total", &[("route", "api")]);
+    assert_eq!(bans(&a).await, 1.0);
+    assert_eq!(bans(&b).await, 0.0);
+
+    // After 2 s the ban ends everywhere; the limit still refuses the key.
+    answers(
+        "ban expired, limited again on B",
+        &b,
+        "10.0.0.1",
+        "abuser",
+        429,
+        Duration::from_secs(3),
+    )
+    .await;
+    answers(
+        "ban expired, limited again on A",
+        &a,
+        "10.0.0.1",
+        "abuser",
+        429,
+        Duration::from_secs(1),
+    )
+    .await;
+    let gone = eventually(Duration::from_secs(2), || async { db.entries() == 0 }).await;
+    assert!(gone.is_some(), "expired ban still in Redis");
+    assert_eq!(b.deny_entries("ban").await, 0.0);
+}
+
+// === 7: Redis down ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_while_redis_is_down_are_refused_with_503() {
+    let mut redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    subscribed(&Db::One(&redis), &[2]).await;
+    let kept = a.add(json!({"key": "kept"})).await;
+    answers(
+        "before the outage, refused on B",
+        &b,
+        "10.0.0.1",
+        "kept",
+        403,
+        PROPAGATION,
+    )
+    .await;
+
+    redis.kill();
+    let one_line_503 = |what: &str, r: &Answer| {
+        assert_eq!(r.status, 503, "{what}: {}", r.body);
+        assert!(
+            r.body.starts_with("shared deny list unavailable: ")
+                && r.body.len() > "shared deny list unavailable: \n".len()
+                && r.body.ends_with('\n')
+                && r.body.matches('\n').count() == 1,
+            "{what}: {:?}",
+            r.body
+        );
+    };
+    let t0 = Instant::now();
+    let added = a.deny("POST", json!({"key": "new"})).await;
+    one_line_503("POST with Redis down", &added);
+    let removed = b.deny("DELETE", json!({"key": "kept"})).await;
+    one_line_503("DELETE with Redis down", &removed);
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    eprintln!("POST: {:?}", added.body);
+
+    // Nothing changed anywhere; the local copies keep enforcing what they had.
+    for i in [&a, &b] {
+        assert_eq!(i.list().await, vec![kept.clone()]);
+        assert_eq!(i.ask("10.0.0.1", "new").await, 200);
+        assert_eq!(i.ask("10.0.0.1", "kept").await, 403);
+        assert_eq!(i.deny_entries("api").await, 1.0);
+    }
+}
+
+// === 8: readiness without traffic ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_redis_without_any_traffic() {
+    let mut redis = RedisServer::start();
+    let gw = process(&open_gateway(&url_target(&redis.url()), 100)).await;
+    assert_eq!(gw.ready().await, 200);
+    // Idle and healthy: the probes keep it ready.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(gw.ready().await, 200);
+
+    redis.kill();
+    let down = eventually(Duration::from_secs(1), || async { gw.ready().await == 503 }).await;
+    let down = down.expect("/readyz still 200 1 s after Redis died");
+    eprintln!("readyz: 503 {down:?} after Redis died");
+    let r = get(gw.admin, "/readyz", &[]).await;
+    assert_eq!((r.status, r.body.as_str()), (503, "store unavailable\n"));
+
+    redis.restart();
+    let up = eventually(Duration::from_secs(1), || async { gw.ready().await == 200 }).await;
+    let up = up.expect("/readyz still 503 1 s after Redis came back");
+    eprintln!("readyz: 200 {up:?} after Redis came back");
+    let r = get(gw.admin, "/readyz", &[]).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "ready\n"));
+    // There really was no traffic.
+    assert_eq!(metric(gw.admin, "sluice_requests_total", &[]).await, 0.0);
+}
+
+/// With no traffic, nothing else proves Redis alive: the prober (an `EVALSHA` of
+/// the limiter script for no limits) runs every 200 ms, its own answers included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_instance_probes_redis_every_200ms() {
+    let redis = RedisServer::start();
+    let _gw = in_process(&open_gateway(&url_target(&redis.url()), 100)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = calls(&redis, "evalsha");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let probes = calls(&redis, "evalsha") - before;
+    eprintln!("idle: {probes} probes in 2 s");
+    assert!((8..=11).contains(&probes), "{probes} probes in 2 s");
+}
+
+// === 9: metrics ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_entry_gauge_on_one_instance_counts_what_another_added() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    subscribed(&Db::One(&redis), &[2]).await;
+    assert_eq!(b.deny_entries("api").await, 0.0);
+
+    a.add(json!({"key": "m1"})).await;
+    a.add(json!({"ip": "198.51.100.0/24"})).await;
+    a.add(json!({"ip": "2001:db8::/32", "ttl": "1h"})).await;
+    let gauge = |n: f64| {
+        let b = &b;
+        async move { eventually(PROPAGATION, || async { b.deny_entries("api").await == n }).await }
+    };
+    let took = gauge(3.0)
+        .await
+        .expect("B's gauge does not reach 3 within 1 s");
+    eprintln!("gauge: 3 on B after {took:?}");
+    assert_eq!(a.deny_entries("api").await, 3.0);
+    assert_eq!(b.deny_entries("ban").await, 0.0);
+
+    a.remove(json!({"key": "m1"})).await;
+    gauge(2.0)
+        .await
+        .expect("B's gauge does not drop to 2 within 1 s");
+    b.remove(json!({"ip": "2001:db8::/32"})).await;
+    assert_eq!(b.deny_entries("api").await, 1.0);
+    let took = eventually(PROPAGATION, || async { a.deny_entries("api").await == 1.0 }).await;
+    took.expect("A's gauge does not drop to 1 within 1 s");
+}
