@@ -471,6 +471,11 @@ impl Breaker {
         last != 0 && self.epoch.elapsed().as_micros() as u64 - last < d.as_micros() as u64
     }
 
+    /// A probe answered: the failures in a row start again from zero.
+    fn probe_answered(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+    }
+
     /// Counts a failure; true if it opened the breaker.
     fn failure(&self) -> bool {
         let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
@@ -508,7 +513,9 @@ fn spawn_prober(store: Weak<Inner>) {
                     inner.breaker.close();
                     tracing::info!("Redis answers again; limits are decided in Redis");
                 }
-                Ok(()) => inner.breaker.success(),
+                // Not `success()`: stamped as an answer, a probe would skip the next one,
+                // and an idle instance would probe every 2 × PROBE_EVERY.
+                Ok(()) => inner.breaker.probe_answered(),
                 Err(e) if open => tracing::debug!(error = %e, "Redis probe failed"),
                 Err(e) => {
                     if inner.breaker.failure() {
