@@ -116,6 +116,15 @@ impl KeyPart {
     }
 }
 
+/// What a route does when a request lacks its key: 400, or count it by client IP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum MissingKey {
+    #[default]
+    Reject,
+    Ip,
+}
+
 /// How a route finds the key of a request: one part, or several joined.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeySpec {
@@ -185,6 +194,32 @@ impl KeySpec {
             parts.push(v.into_owned());
         }
         Ok(ClientKey { value: key, parts })
+    }
+}
+
+impl KeySpec {
+    /// Whether the key is the client IP alone.
+    pub fn is_ip(&self) -> bool {
+        self.parts == [KeyPart::Ip]
+    }
+
+    /// Whether `f` holds for any value of any part as sent, every copy of a repeated
+    /// header, parameter or cookie included: the deny list must catch a denied key
+    /// however it is sent, even where `extract` calls it missing.
+    pub fn any_value(&self, req: &Parts, ip: IpAddr, mut f: impl FnMut(&str) -> bool) -> bool {
+        self.parts.iter().any(|part| match part {
+            KeyPart::Ip => f(&ip.to_string()),
+            KeyPart::Global => false,
+            KeyPart::Header(h) => req
+                .headers
+                .get_all(h)
+                .iter()
+                .any(|v| f(&String::from_utf8_lossy(v.as_bytes()))),
+            KeyPart::Query(name) => req.uri.query().is_some_and(|q| {
+                form_urlencoded::parse(q.as_bytes()).any(|(k, v)| k == name.as_str() && f(&v))
+            }),
+            KeyPart::Cookie(name) => cookies(&req.headers, name).any(&mut f),
+        })
     }
 }
 
@@ -373,6 +408,33 @@ mod tests {
         assert_ne!(s.extract(&p1, a).unwrap(), s.extract(&p2, a).unwrap());
         assert!(KeyPart::parse("header:").is_none());
         assert!(KeyPart::parse("bogus").is_none());
+    }
+
+    #[test]
+    fn every_value_of_every_part() {
+        let p = parts(
+            "/x?k=a&k=b",
+            &[
+                ("x-api-key", "one"),
+                ("x-api-key", "two"),
+                ("cookie", "s=c1; s=c2"),
+            ],
+        );
+        let a = ip("1.2.3.4");
+        let seen = |spec: &KeySpec| {
+            let mut v = Vec::new();
+            spec.any_value(&p, a, |x| {
+                v.push(x.to_string());
+                false
+            });
+            v
+        };
+        assert_eq!(seen(&spec(&["header:x-api-key"])), ["one", "two"]);
+        assert_eq!(seen(&spec(&["query:k"])), ["a", "b"]);
+        assert_eq!(seen(&spec(&["cookie:s", "ip"])), ["c1", "c2", "1.2.3.4"]);
+        assert!(spec(&["header:x-api-key"]).any_value(&p, a, |x| x == "two"));
+        assert!(spec(&["ip"]).is_ip());
+        assert!(!spec(&["ip", "global"]).is_ip());
     }
 
     #[test]

@@ -15,10 +15,9 @@ use http::{Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 
 use crate::answer::{self, Body, RateHeaders};
-use crate::client::{ClientKey, KeySpec, TrustedProxies};
-use crate::config::schema::{MissingKey, OnError};
-use crate::deny::DenyList;
-use crate::limit::{Plan, Store, Verdict};
+use crate::client::{ClientKey, KeySpec, MissingKey, TrustedProxies};
+use crate::deny::{BanRequest, DenyTable, StaticDeny, Target};
+use crate::limit::{MemoryStore, OnError, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
 use crate::proxy::{Origin, ProxyError, Upstream};
 use crate::route::Matcher;
@@ -28,7 +27,8 @@ use crate::route::Matcher;
 pub struct Runtime {
     pub routes: Vec<Route>,
     pub trusted: TrustedProxies,
-    pub deny: DenyList,
+    /// `deny:` of the configuration; dynamic entries are in `Shared::deny`.
+    pub deny: StaticDeny,
     pub rate_headers: RateHeaders,
     pub max_request_body: u64,
     pub on_error: OnError,
@@ -53,7 +53,17 @@ pub struct Route {
     pub fallback_ns: String,
     pub limits: Option<Limits>,
     pub shadow: bool,
+    pub ban: Option<BanRule>,
     pub metrics: RouteMetrics,
+}
+
+/// `ban:` of a route: a key refused `after` times within `within` is denied for
+/// `duration`.
+pub struct BanRule {
+    /// Counts a key's refusals: a sliding log admitting `after - 1` per `within`, so
+    /// the refusal it refuses is the `after`th.
+    pub strikes: Plan,
+    pub duration: std::time::Duration,
 }
 
 pub enum Action {
@@ -89,6 +99,13 @@ impl Limits {
 /// What every request shares and a reload does not replace.
 pub struct Shared {
     pub runtime: ArcSwap<Runtime>,
+    /// Dynamic deny entries (admin API, bans, other instances): swapped whole by the
+    /// control object on every change, and kept across reloads.
+    pub deny: ArcSwap<DenyTable>,
+    /// Refusals counted towards bans, per (route, key).
+    pub strikes: MemoryStore,
+    /// Where the request path asks for a ban; the control object applies it.
+    pub bans: tokio::sync::mpsc::Sender<BanRequest>,
     pub store: Store,
     pub metrics: Arc<Metrics>,
     /// `http` or `https`, how clients reach the listener.
@@ -122,7 +139,8 @@ pub async fn handle(
 
     let (resp, decision) = 'answer: {
         // Deny by IP, whatever the route.
-        if rt.deny.ip(ip) {
+        let dynamic = shared.deny.load();
+        if rt.deny.table.ip(ip) || dynamic.ip(ip) {
             break 'answer (denied(&rt), Decision::Denied);
         }
         let Some(route) = route else {
@@ -131,6 +149,14 @@ pub async fn handle(
                 Decision::Unmatched,
             );
         };
+        // Every value of every key part, before any fallback: a denied key sent twice
+        // (which makes it missing) is still denied.
+        let denied_key = |k: &str| rt.deny.table.key(k) || dynamic.key(k);
+        if (rt.deny.table.has_keys() || dynamic.has_keys())
+            && route.key.any_value(&parts, ip, denied_key)
+        {
+            break 'answer (denied(&rt), Decision::Denied);
+        }
         let (ns, key) = match route.key.extract(&parts, ip) {
             Ok(k) => (&route.ns, k),
             Err(part) => match route.missing_key {
@@ -147,7 +173,8 @@ pub async fn handle(
                 }
             },
         };
-        if key.values().any(|k| rt.deny.key(k)) {
+        // A composite key as a whole (bans deny the joined form).
+        if !key.parts.is_empty() && denied_key(&key.value) {
             break 'answer (denied(&rt), Decision::Denied);
         }
         if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
@@ -198,6 +225,9 @@ pub async fn handle(
                 }
                 Some(_) if route.shadow => decision = Decision::Shadow,
                 Some(v) => {
+                    if let Some(ban) = &route.ban {
+                        strike(&shared, route, ban, ns, &stored, &key, ip);
+                    }
                     let (name, retry) = refusal(&tier.plan, &v);
                     let mut r = answer::limited(&route.name, name, retry);
                     rt.rate_headers
@@ -274,6 +304,33 @@ impl Drop for Tally<'_> {
 
 fn denied(rt: &Runtime) -> Response<Body> {
     answer::text(rt.deny.status, "access denied\n")
+}
+
+/// Counts a refusal towards the route's ban; the `after`th within `within` asks the
+/// control object to deny the key (or, for a key that is the client IP, the
+/// address). Never waits: if the control object is behind, the next refusal asks again.
+fn strike(
+    shared: &Shared,
+    route: &Route,
+    ban: &BanRule,
+    ns: &str,
+    stored: &str,
+    key: &ClientKey,
+    ip: std::net::IpAddr,
+) {
+    if shared.strikes.check(ns, stored, &ban.strikes).allowed {
+        return;
+    }
+    let target = if route.key.is_ip() || ns == route.fallback_ns {
+        Target::Ip(ip.into())
+    } else {
+        Target::Key(key.value.clone())
+    };
+    let _ = shared.bans.try_send(BanRequest {
+        route: route.name.clone(),
+        target,
+        duration: ban.duration,
+    });
 }
 
 fn content_length(h: &HeaderMap) -> Option<u64> {

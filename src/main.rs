@@ -233,7 +233,7 @@ async fn wait_for_signals(running: &sluice::server::Running) -> std::io::Result<
         tokio::select! {
             _ = term.recv() => return Ok(()),
             _ = int.recv() => return Ok(()),
-            _ = hup.recv() => { let _ = running.reload(); }
+            _ = hup.recv() => { let _ = running.reload().await; }
         }
     }
 }

@@ -116,6 +116,13 @@ impl Metrics {
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
         config_last_reload_success.set(1);
+        // Every child that can happen, exported at 0 from the start.
+        for result in ["success", "failure"] {
+            config_reloads.with_label_values(&[result]);
+        }
+        for source in crate::deny::Source::ALL {
+            deny_entries.with_label_values(&[source.as_str()]);
+        }
         Metrics {
             registry,
             requests,

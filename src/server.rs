@@ -1,6 +1,7 @@
 //! Listeners and lifecycle: the gateway port (HTTP/1.1 and h2c on one socket, with
-//! a header-read timeout and a connection cap), the admin port, the memory store's
-//! sweeper, reload, and graceful shutdown.
+//! a header-read timeout and a connection cap), the admin port, the control loop
+//! (file watcher, bans, the shared deny list, expiry), the memory store's sweeper,
+//! and graceful shutdown.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -17,11 +18,14 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
-use crate::config::compile::{compile, CompileError};
+use crate::config::compile::{compile, redis_options, CompileError};
 use crate::config::schema::Backend;
-use crate::config::{self, ConfigErrors, Loaded};
+use crate::config::{ConfigErrors, Loaded};
+use crate::control::{Command, Control, Reply, Trigger, TICK};
+use crate::deny::DenyTable;
+use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
-use crate::limit::{MemoryStore, RedisOptions, RedisStore, Store, StoreError, SystemClock};
+use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
@@ -69,12 +73,15 @@ pub struct Running {
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub shared: Arc<Shared>,
-    config_path: std::path::PathBuf,
-    /// The file as started: settings that only a restart changes are compared with it.
-    started_with: crate::config::schema::File,
+    pub control: Arc<Control>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    _watch: Option<crate::config::watch::Watch>,
 }
+
+/// Bans the request path can ask for before the control loop has caught up; more
+/// are dropped (the next refusal of the key asks again).
+const BAN_QUEUE: usize = 1024;
 
 pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
@@ -87,7 +94,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             Store::memory(MemoryStore::new(max_keys, SystemClock::new()), &metrics)
         }
         (Backend::Redis, Some(redis)) => {
-            let redis = RedisStore::connect(RedisOptions::from_config(redis)?).await?;
+            let redis = RedisStore::connect(crate::config::compile::redis_options(redis)?).await?;
             Store::redis(redis, max_keys, &metrics)
         }
         (Backend::Redis, None) => {
@@ -97,12 +104,21 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             .into())
         }
     };
+    let (bans, mut ban_rx) = tokio::sync::mpsc::channel(BAN_QUEUE);
     let shared = Arc::new(Shared {
         runtime: ArcSwap::from_pointee(runtime),
+        deny: ArcSwap::from_pointee(DenyTable::new()),
+        strikes: MemoryStore::new(max_keys, SystemClock::new()),
+        bans,
         store,
         metrics,
         proto: if tls.is_some() { "https" } else { "http" },
     });
+    let sync = match (shared.store.redis_store(), &f.store.redis) {
+        (Some(r), Some(c)) => Some(Arc::new(DenySync::new(r.clone(), redis_options(c)?.target))),
+        _ => None,
+    };
+    let control = Arc::new(Control::new(shared.clone(), &loaded, sync.clone()));
 
     let listen = |addr: SocketAddr| async move {
         TcpListener::bind(addr)
@@ -153,6 +169,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let admin = {
         let admin = Arc::new(Admin {
             shared: shared.clone(),
+            control: control.clone(),
         });
         let service = move |_peer: SocketAddr| {
             let admin = admin.clone();
@@ -192,105 +209,81 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             }
         })
     };
-    warn_unbuilt(f);
+    // The control loop: everything that changes the running gateway from inside
+    // (bans, the shared deny list, expiry, the file watcher) goes through it.
+    let (commands, mut command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
+    if let Some(sync) = sync {
+        let commands = commands.clone();
+        sync.follow(move |r| {
+            let _ = commands.send(Command::Remote(r));
+        });
+    }
+    let watch = {
+        let commands = commands.clone();
+        match crate::config::watch::watch(&loaded.path, move || {
+            let _ = commands.send(Command::Reload(Trigger::File));
+        }) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, config = %loaded.path.display(), "cannot watch the configuration file; reload with SIGHUP or POST /admin/reload");
+                None
+            }
+        }
+    };
+    let control_loop = {
+        let control = control.clone();
+        let mut stop_rx = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let cmd = tokio::select! {
+                    Some(c) = command_rx.recv() => c,
+                    Some(b) = ban_rx.recv() => Command::Ban(b),
+                    _ = tick.tick() => Command::Tick,
+                    _ = stop_rx.changed() => break,
+                };
+                // Errors are logged and counted where they happen.
+                let _ = control.apply(cmd).await;
+            }
+            let _ = control.apply(Command::Tick).await;
+        })
+    };
+    warn_unused(f);
     tracing::info!(%addr, %admin_addr, config = %loaded.path.display(), hash = %loaded.hash, "sluice started");
     Ok(Running {
         addr,
         admin_addr,
         shared,
-        config_path: loaded.path.clone(),
-        started_with: loaded.file.clone(),
+        control,
         stop,
-        tasks: vec![gw, admin, sweeper],
+        tasks: vec![gw, admin, sweeper, control_loop],
+        _watch: watch,
     })
 }
 
-/// The settings that differ between `old` and `new` and that a reload cannot apply:
-/// listeners, TLS, connection limits, timeouts of the listener, and the store.
-fn needs_restart(
-    old: &crate::config::schema::File,
-    new: &crate::config::schema::File,
-) -> Vec<&'static str> {
-    let (o, n) = (&old.server, &new.server);
-    let mut changed = Vec::new();
-    let mut check = |name: &'static str, differs: bool| {
-        if differs {
-            changed.push(name);
-        }
-    };
-    check("server.listen", o.listen != n.listen);
-    check(
-        "server.tls",
-        format!("{:?}", o.tls) != format!("{:?}", n.tls),
-    );
-    check(
-        "server.max_connections",
-        o.max_connections != n.max_connections,
-    );
-    check(
-        "server.request_header_timeout",
-        o.request_header_timeout != n.request_header_timeout,
-    );
-    check(
-        "server.shutdown_grace",
-        o.shutdown_grace != n.shutdown_grace,
-    );
-    check("admin.listen", old.admin.listen != new.admin.listen);
-    check(
-        "store",
-        format!("{:?}", old.store) != format!("{:?}", new.store),
-    );
-    changed
-}
-
-/// Settings the schema already knows but this version does not act on yet: say so
-/// loudly rather than let an operator believe they protect anything.
-fn warn_unbuilt(f: &crate::config::schema::File) {
-    for r in f.routes.iter().filter(|r| r.ban.is_some()) {
-        tracing::warn!(route = %r.name, "ban is not enforced in this version: keys are not banned automatically");
-    }
-    if f.store.backend == crate::config::schema::Backend::Memory && f.store.redis.is_some() {
+/// Settings in the file that this configuration does not use: say so rather than
+/// let an operator believe they do something.
+fn warn_unused(f: &crate::config::schema::File) {
+    if f.store.backend == Backend::Memory && f.store.redis.is_some() {
         tracing::warn!(
             "store.redis is ignored with store.backend: memory: every instance limits on its own"
         );
     }
-    if f.deny.state_file.is_some() {
+    if f.store.backend == Backend::Redis && f.deny.state_file.is_some() {
         tracing::warn!(
-            "deny.state_file is not used in this version: there are no dynamic deny entries yet"
+            "deny.state_file is ignored with store.backend: redis: dynamic entries live in Redis"
         );
     }
 }
 
 impl Running {
-    /// Reload the configuration file: parse, validate and compile it completely, then
-    /// swap it in whole; on any error the running configuration stays.
-    pub fn reload(&self) -> Result<String, String> {
-        let m = &self.shared.metrics;
-        let result = config::load(&self.config_path)
-            .map_err(|e| e.to_string())
-            .and_then(|l| compile(&l, m).map(|rt| (l, rt)).map_err(|e| e.to_string()));
-        match result {
-            Ok((loaded, rt)) => {
-                for setting in needs_restart(&self.started_with, &loaded.file) {
-                    tracing::warn!(
-                        setting,
-                        "changed in the file, but takes effect only after a restart"
-                    );
-                }
-                warn_unbuilt(&loaded.file);
-                let hash = rt.hash.clone();
-                self.shared.runtime.store(Arc::new(rt));
-                m.config_reloads.with_label_values(&["success"]).inc();
-                m.config_last_reload_success.set(1);
-                tracing::info!(%hash, "configuration reloaded");
-                Ok(hash)
-            }
-            Err(e) => {
-                m.config_reloads.with_label_values(&["failure"]).inc();
-                m.config_last_reload_success.set(0);
-                tracing::error!(error = %e, "reload failed; the previous configuration stays");
-                Err(e)
-            }
+    /// Reload the configuration file now (as SIGHUP does): the new hash, or the error.
+    pub async fn reload(&self) -> Result<String, String> {
+        match self.control.apply(Command::Reload(Trigger::Signal)).await {
+            Ok(Reply::Reloaded(hash)) => Ok(hash),
+            Ok(other) => Err(format!("unexpected reply {other:?}")),
+            Err(e) => Err(e.to_string()),
         }
     }
 

@@ -758,7 +758,7 @@ routes:
         (404, 401)
     );
     std::fs::write(file.path(), config.replace("TOKEN", "new-secret")).unwrap();
-    gw.reload().expect("reload");
+    gw.reload().await.expect("reload");
     assert_eq!(
         (status("old-secret").await, status("new-secret").await),
         (401, 404)

@@ -816,7 +816,7 @@ routes:
 
     // Same limit, new body: the new config serves and the budget carries over.
     write(&file, "3", "v2");
-    gw.reload().expect("reload");
+    gw.reload().await.expect("reload");
     let r = c.get(&u, &[]).await;
     assert_eq!(
         (r.status, r.text(), r.num("x-ratelimit-remaining")),
@@ -826,7 +826,7 @@ routes:
 
     // A broken file changes nothing.
     std::fs::write(file.path(), "routes: [").unwrap();
-    let err = gw.reload().expect_err("a broken file must not load");
+    let err = gw.reload().await.expect_err("a broken file must not load");
     assert!(
         err.starts_with(&format!("{}:", file.path().display())),
         "{err}"
@@ -842,7 +842,7 @@ routes:
 
     // A changed limit starts afresh.
     write(&file, "5", "v3");
-    gw.reload().expect("reload");
+    gw.reload().await.expect("reload");
     let r = c.get(&u, &[]).await;
     assert_eq!(
         (r.status, r.text(), r.num("x-ratelimit-remaining")),

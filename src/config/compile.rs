@@ -17,9 +17,10 @@ use super::schema::{self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimi
 use super::Loaded;
 use crate::answer::{policy_header, RateHeaders};
 use crate::client::{KeyPart, KeySpec, TrustedProxies};
-use crate::deny::DenyList;
-use crate::gateway::{Action, Limits, Route, Runtime, Tier};
-use crate::limit::{Algorithm, LimitDef, Mode, Plan, Rate};
+use crate::deny::{Source, StaticDeny};
+use crate::gateway::{Action, BanRule, Limits, Route, Runtime, Tier};
+use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
+use crate::limit::{Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisTarget, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{BuildError, Upstream};
 use crate::route::{HeaderMatch, HostMatch, Matcher};
@@ -55,16 +56,16 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
         .map(|r| compile_route(r, &upstreams, metrics))
         .collect::<Result<Vec<_>, _>>()?;
 
-    let deny = DenyList::new(
+    let deny = StaticDeny::new(
         f.deny.ips.iter().map(|n| n.0),
         f.deny.keys.iter().map(|k| k.0.clone()),
         StatusCode::from_u16(f.deny.status.get()).unwrap_or(StatusCode::FORBIDDEN),
     );
     // Nothing after this can fail: the new runtime will be the one serving.
-    let entries = i64::try_from(deny.ip_entries() + deny.key_entries()).unwrap_or(i64::MAX);
+    let entries = i64::try_from(deny.table.count(Source::Static)).unwrap_or(i64::MAX);
     metrics
         .deny_entries
-        .with_label_values(&["static"])
+        .with_label_values(&[Source::Static.as_str()])
         .set(entries);
 
     Ok(Runtime {
@@ -86,6 +87,27 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
             .as_ref()
             .filter(|t| !t.is_empty())
             .map(|t| t.0.clone()),
+    })
+}
+
+/// How to reach the Redis store: one server or a cluster.
+pub fn redis_options(c: &schema::RedisStore) -> Result<RedisOptions, StoreError> {
+    let target = match (&c.cluster, &c.url) {
+        (Some(nodes), _) if !nodes.is_empty() => {
+            RedisTarget::Cluster(nodes.iter().map(|n| n.0.clone()).collect())
+        }
+        (_, Some(url)) => RedisTarget::Url(url.0.clone()),
+        _ => {
+            return Err(StoreError::Config(
+                "store.redis needs url or cluster".into(),
+            ))
+        }
+    };
+    Ok(RedisOptions {
+        target,
+        timeout: c.timeout.get(),
+        key_prefix: c.key_prefix.0.clone(),
+        refusal_cache: REFUSAL_CACHE_ENTRIES,
     })
 }
 
@@ -159,6 +181,25 @@ fn compile_route(
         Some(Limits { default, overrides })
     };
 
+    let ban = r.ban.as_ref().map(|b| {
+        // Exported at 0 from the start, so rate() and alerts work before the first ban.
+        metrics.bans.with_label_values(&[name.as_str()]);
+        BanRule {
+            strikes: Plan {
+                limits: vec![LimitDef::new(
+                    "strikes".into(),
+                    Algorithm::SlidingLog {
+                        limit: b.after.get().saturating_sub(1),
+                        window_us: b.within.get().as_micros() as u64,
+                    },
+                    1,
+                )],
+                mode: Mode::Reject,
+            },
+            duration: b.duration.get(),
+        }
+    });
+
     Ok(Route {
         matcher: matcher(&name, &r.matcher)?,
         action,
@@ -168,6 +209,7 @@ fn compile_route(
         fallback_ns: format!("{name}/ip"),
         limits,
         shadow: r.shadow,
+        ban,
         metrics: metrics.route(&name),
         name,
     })
@@ -227,16 +269,8 @@ fn tier(route: &str, limits: &[schema::Limit], mode: Mode) -> Result<Tier, Compi
     })
 }
 
-/// The name a limit goes by: its `name`, or `<algorithm>_<index>`.
-pub fn limit_name(index: usize, l: &schema::Limit) -> String {
-    match &l.name {
-        Some(n) => n.0.clone(),
-        None => format!("{}_{index}", l.algorithm.as_str()),
-    }
-}
-
 fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, CompileError> {
-    let name = limit_name(index, l);
+    let name = l.name_at(index);
     let missing = |what: &str| route_err(route, format!("limit {name}: missing {what}"));
     let us = |d: std::time::Duration| d.as_micros() as u64;
     let windowed = || -> Result<(u64, u64), CompileError> {

@@ -8,6 +8,7 @@ pub mod schema;
 pub mod summary;
 pub mod validate;
 pub mod value;
+pub mod watch;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -90,8 +91,13 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
 }
 
 /// Parse and validate `text` as if read from `path`.
+/// Hex SHA-1 of a configuration file's text: names a version of it.
+pub fn hash(text: &str) -> String {
+    sha1_smol::Sha1::from(text.as_bytes()).digest().to_string()
+}
+
 pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
-    let hash = sha1_smol::Sha1::from(text.as_bytes()).digest().to_string();
+    let hash = hash(text);
     // serde_yaml takes a byte order mark (as some Windows editors write) for a
     // document of its own and then reports the real one as a second document.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);

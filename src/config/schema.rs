@@ -5,11 +5,14 @@
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text};
+// Enums the runtime reads as they are written.
+pub use crate::client::MissingKey;
+pub use crate::limit::OnError;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct File {
     #[serde(default)]
@@ -35,7 +38,7 @@ fn default_header_families() -> Vec<HeaderFamily> {
 
 // === server, admin ===
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Server {
     pub listen: Addr,
@@ -59,14 +62,14 @@ impl Default for Server {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tls {
     pub cert: Text,
     pub key: Text,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Admin {
     pub listen: Addr,
@@ -84,7 +87,7 @@ impl Default for Admin {
 
 // === store ===
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Backend {
     #[default]
@@ -92,16 +95,7 @@ pub enum Backend {
     Redis,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum OnError {
-    #[default]
-    Local,
-    Allow,
-    Deny,
-}
-
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Store {
     pub backend: Backend,
@@ -110,7 +104,7 @@ pub struct Store {
     pub on_error: OnError,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MemoryStore {
     pub max_keys: Num<usize>,
@@ -124,7 +118,7 @@ impl Default for MemoryStore {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisStore {
     pub url: Option<Text>,
@@ -146,13 +140,13 @@ impl Default for RedisStore {
 
 // === client_ip, headers, upstreams, deny ===
 
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClientIp {
     pub trusted_proxies: Vec<Net>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 pub enum HeaderFamily {
     #[serde(rename = "ietf")]
     Ietf,
@@ -160,7 +154,7 @@ pub enum HeaderFamily {
     XRatelimit,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Upstream {
     pub targets: Vec<Text>,
@@ -182,7 +176,7 @@ fn default_upstream_timeout() -> Dur {
     Dur::secs(30)
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Deny {
     pub ips: Vec<Net>,
@@ -204,7 +198,7 @@ impl Default for Deny {
 
 // === routes ===
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Route {
     pub name: Text,
@@ -232,7 +226,7 @@ pub struct Route {
     pub ban: Option<Ban>,
 }
 
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Match {
     #[serde(default)]
@@ -249,7 +243,7 @@ pub struct Match {
     pub headers: Option<BTreeMap<String, Text>>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Respond {
     #[serde(default = "default_respond_status")]
@@ -266,7 +260,7 @@ fn default_respond_status() -> Num<u16> {
 }
 
 /// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `global`, or a list of these.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(untagged)]
 pub enum KeySpec {
     One(Text),
@@ -279,15 +273,7 @@ impl Default for KeySpec {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum MissingKey {
-    #[default]
-    Reject,
-    Ip,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum OnLimit {
     #[default]
@@ -295,7 +281,7 @@ pub enum OnLimit {
     Delay,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AlgorithmName {
     FixedWindow,
@@ -319,7 +305,7 @@ impl AlgorithmName {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Limit {
     #[serde(default)]
@@ -339,14 +325,34 @@ pub struct Limit {
     pub lease: Option<Dur>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+impl Limit {
+    /// The name a limit goes by: its `name`, or `<algorithm>_<index in its list>`.
+    pub fn name_at(&self, index: usize) -> String {
+        match &self.name {
+            Some(n) => n.to_string(),
+            None => format!("{}_{index}", self.algorithm.as_str()),
+        }
+    }
+
+    /// token_bucket and gcra take `burst`, defaulting to the rate's count.
+    pub fn effective_burst(&self) -> Option<u64> {
+        match self.algorithm {
+            AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
+                self.burst.map(|b| b.get()).or(self.rate.map(|r| r.count))
+            }
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Override {
     pub keys: Vec<Text>,
     pub limits: Vec<Limit>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Ban {
     pub after: Num<u64>,

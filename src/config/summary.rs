@@ -3,11 +3,9 @@
 //! operator can see what the file means before reloading it. Never prints secrets.
 
 use std::fmt::Write as _;
-use std::time::Duration;
 
 use super::schema::{AlgorithmName, Backend, KeySpec, Limit, OnError, OnLimit, Route};
-use super::validate::{effective_burst, limit_name};
-use super::value::RateSpec;
+use super::value::{fmt_dur, fmt_rate, redact_url};
 use super::Loaded;
 
 /// The summary of a loaded file, one line per `\n`, ending with a newline.
@@ -216,7 +214,7 @@ fn describe_limits(limits: &[Limit]) -> String {
 fn describe_limit(l: &Limit, j: usize) -> String {
     let mut s = String::new();
     if l.name.is_some() {
-        let _ = write!(s, "{}: ", limit_name(l, j));
+        let _ = write!(s, "{}: ", l.name_at(j));
     }
     s.push_str(l.algorithm.as_str());
     match l.algorithm {
@@ -224,7 +222,7 @@ fn describe_limit(l: &Limit, j: usize) -> String {
             if let Some(rate) = l.rate {
                 let _ = write!(s, " {}", fmt_rate(rate));
             }
-            if let Some(b) = effective_burst(l) {
+            if let Some(b) = l.effective_burst() {
                 let _ = write!(s, " burst {b}");
             }
         }
@@ -245,56 +243,6 @@ fn describe_limit(l: &Limit, j: usize) -> String {
     s
 }
 
-/// A duration in the largest unit that divides it: `1d`, `90s`, `250ms`.
-pub fn fmt_dur(d: Duration) -> String {
-    let us = d.as_micros();
-    if us == 0 {
-        return "0s".to_string();
-    }
-    const UNITS: [(u128, &str); 6] = [
-        (86_400_000_000, "d"),
-        (3_600_000_000, "h"),
-        (60_000_000, "m"),
-        (1_000_000, "s"),
-        (1_000, "ms"),
-        (1, "us"),
-    ];
-    UNITS
-        .iter()
-        .find(|(n, _)| us.is_multiple_of(*n))
-        .map(|(n, unit)| format!("{}{unit}", us / n))
-        .unwrap_or_else(|| format!("{us}us"))
-}
-
-/// A rate as written: `10/s`, `100/m`, `5/10s`.
-pub fn fmt_rate(r: RateSpec) -> String {
-    let per = fmt_dur(r.per);
-    match per.strip_prefix('1') {
-        Some(unit @ ("s" | "m" | "h" | "d")) => format!("{}/{unit}", r.count),
-        _ => format!("{}/{per}", r.count),
-    }
-}
-
-/// `url` with the password (or a bare user info, which Redis takes as a password
-/// in some clients) replaced by `***`, for messages and summaries.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    match authority.rsplit_once('@') {
-        None => url.to_string(),
-        Some((userinfo, host)) => {
-            let user = match userinfo.split_once(':') {
-                Some((user, _)) if !user.is_empty() => format!("{user}:***"),
-                _ => "***".to_string(),
-            };
-            format!("{scheme}://{user}@{host}{tail}")
-        }
-    }
-}
-
 fn plural<'a>(n: usize, one: &'a str, many: &'a str) -> &'a str {
     if n == 1 {
         one
@@ -313,36 +261,6 @@ mod tests {
     use super::*;
     use crate::config::parse;
     use std::path::Path;
-
-    #[test]
-    fn durations_and_rates() {
-        assert_eq!(fmt_dur(Duration::from_secs(86_400)), "1d");
-        assert_eq!(fmt_dur(Duration::from_secs(90)), "90s");
-        assert_eq!(fmt_dur(Duration::from_millis(250)), "250ms");
-        assert_eq!(fmt_dur(Duration::ZERO), "0s");
-        let rate = |count, secs| RateSpec {
-            count,
-            per: Duration::from_secs(secs),
-        };
-        assert_eq!(fmt_rate(rate(10, 1)), "10/s");
-        assert_eq!(fmt_rate(rate(100, 60)), "100/m");
-        assert_eq!(fmt_rate(rate(5, 10)), "5/10s");
-        assert_eq!(fmt_rate(rate(5, 86_400)), "5/d");
-    }
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(
-            redact_url("redis://:s3cret@h:6379/0"),
-            "redis://***@h:6379/0"
-        );
-        assert_eq!(
-            redact_url("rediss://user:s3cret@h:6380"),
-            "rediss://user:***@h:6380"
-        );
-        assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
-        assert_eq!(redact_url("nonsense"), "nonsense");
-    }
 
     #[test]
     fn the_spec_example_in_one_screen() {

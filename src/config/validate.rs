@@ -42,28 +42,10 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     errors
 }
 
-/// The name a limit goes by: its `name`, or `<algorithm>_<index in its list>`.
 /// Route and limit names end up in metric labels, header values and Redis keys.
 fn safe_name(s: &str) -> bool {
     s.bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
-}
-
-pub fn limit_name(limit: &Limit, index: usize) -> String {
-    match &limit.name {
-        Some(n) => n.to_string(),
-        None => format!("{}_{index}", limit.algorithm.as_str()),
-    }
-}
-
-/// token_bucket and gcra take `burst`, defaulting to the rate's count.
-pub fn effective_burst(limit: &Limit) -> Option<u64> {
-    match limit.algorithm {
-        AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
-            limit.burst.map(|b| b.get()).or(limit.rate.map(|r| r.count))
-        }
-        _ => None,
-    }
 }
 
 struct Checker<'a> {
@@ -261,7 +243,7 @@ impl Checker<'_> {
                 path,
                 format!(
                     "expected a redis URL starting with redis:// or rediss://, found {:?}",
-                    super::summary::redact_url(url)
+                    super::value::redact_url(url)
                 ),
             ),
             Some(rest) => {
@@ -273,7 +255,7 @@ impl Checker<'_> {
                         path,
                         format!(
                             "redis URL {:?} has no host, expected like redis://127.0.0.1:6379/0",
-                            super::summary::redact_url(url)
+                            super::value::redact_url(url)
                         ),
                     );
                 }
@@ -541,11 +523,7 @@ impl Checker<'_> {
                             l.algorithm,
                             AlgorithmName::TokenBucket | AlgorithmName::Gcra
                         ) {
-                            others.push(format!(
-                                "{:?} ({})",
-                                limit_name(l, j),
-                                l.algorithm.as_str()
-                            ));
+                            others.push(format!("{:?} ({})", l.name_at(j), l.algorithm.as_str()));
                         }
                     }
                 }
@@ -589,7 +567,7 @@ impl Checker<'_> {
         for (j, l) in limits.iter().enumerate() {
             let lp = item(path, j);
             self.limit(&lp, l, j);
-            let name = limit_name(l, j);
+            let name = l.name_at(j);
             let at = if l.name.is_some() {
                 format!("{lp}.name")
             } else {
@@ -1025,9 +1003,9 @@ mod tests {
     #[test]
     fn effective_bursts() {
         let l: Limit = serde_yaml::from_str("{algorithm: token_bucket, rate: 7/s}").unwrap();
-        assert_eq!(effective_burst(&l), Some(7));
-        assert_eq!(limit_name(&l, 3), "token_bucket_3");
+        assert_eq!(l.effective_burst(), Some(7));
+        assert_eq!(l.name_at(3), "token_bucket_3");
         let l: Limit = serde_yaml::from_str("{algorithm: gcra, rate: 7/s, burst: 2}").unwrap();
-        assert_eq!(effective_burst(&l), Some(2));
+        assert_eq!(l.effective_burst(), Some(2));
     }
 }

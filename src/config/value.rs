@@ -318,6 +318,91 @@ impl<'de> Deserialize<'de> for Addr {
     }
 }
 
+// === serialization, for /admin/config: each value as it would be written ===
+
+macro_rules! serialize_as {
+    ($t:ty, |$v:ident, $s:ident| $body:expr) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, $s: S) -> Result<S::Ok, S::Error> {
+                let $v = self;
+                $body
+            }
+        }
+    };
+}
+
+serialize_as!(Text, |v, s| s.serialize_str(&v.0));
+serialize_as!(Dur, |v, s| s.serialize_str(&fmt_dur(v.0)));
+serialize_as!(RateSpec, |v, s| s.serialize_str(&fmt_rate(*v)));
+serialize_as!(Size, |v, s| s.serialize_u64(v.0));
+serialize_as!(Addr, |v, s| s.collect_str(&v.0));
+serialize_as!(Net, |v, s| {
+    let n = v.0;
+    if n.prefix_len() == n.max_prefix_len() {
+        s.collect_str(&n.addr())
+    } else {
+        s.collect_str(&n)
+    }
+});
+
+impl<T: serde::Serialize> serde::Serialize for Num<T> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+// === formatting, for summaries, messages and /admin/config ===
+
+/// A duration in the largest unit that divides it: `1d`, `90s`, `250ms`.
+pub fn fmt_dur(d: Duration) -> String {
+    let us = d.as_micros();
+    if us == 0 {
+        return "0s".to_string();
+    }
+    const UNITS: [(u128, &str); 6] = [
+        (86_400_000_000, "d"),
+        (3_600_000_000, "h"),
+        (60_000_000, "m"),
+        (1_000_000, "s"),
+        (1_000, "ms"),
+        (1, "us"),
+    ];
+    UNITS
+        .iter()
+        .find(|(n, _)| us.is_multiple_of(*n))
+        .map(|(n, unit)| format!("{}{unit}", us / n))
+        .unwrap_or_else(|| format!("{us}us"))
+}
+
+/// A rate as written: `10/s`, `100/m`, `5/10s`.
+pub fn fmt_rate(r: RateSpec) -> String {
+    let per = fmt_dur(r.per);
+    match per.strip_prefix('1') {
+        Some(unit @ ("s" | "m" | "h" | "d")) => format!("{}/{unit}", r.count),
+        _ => format!("{}/{per}", r.count),
+    }
+}
+
+/// `url` with the password (or a bare user info, which Redis takes as a password
+/// in some clients) replaced by `***`, for messages and summaries.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    match authority.rsplit_once('@') {
+        None => url.to_string(),
+        Some((userinfo, host)) => {
+            let user = match userinfo.split_once(':') {
+                Some((user, _)) if !user.is_empty() => format!("{user}:***"),
+                _ => "***".to_string(),
+            };
+            format!("{scheme}://{user}@{host}{tail}")
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -367,5 +452,35 @@ mod tests {
             parse_net("::1").map(|n| n.to_string()),
             Some("::1/128".into())
         );
+    }
+
+    #[test]
+    fn durations_and_rates() {
+        assert_eq!(fmt_dur(Duration::from_secs(86_400)), "1d");
+        assert_eq!(fmt_dur(Duration::from_secs(90)), "90s");
+        assert_eq!(fmt_dur(Duration::from_millis(250)), "250ms");
+        assert_eq!(fmt_dur(Duration::ZERO), "0s");
+        let rate = |count, secs| RateSpec {
+            count,
+            per: Duration::from_secs(secs),
+        };
+        assert_eq!(fmt_rate(rate(10, 1)), "10/s");
+        assert_eq!(fmt_rate(rate(100, 60)), "100/m");
+        assert_eq!(fmt_rate(rate(5, 10)), "5/10s");
+        assert_eq!(fmt_rate(rate(5, 86_400)), "5/d");
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("redis://:s3cret@h:6379/0"),
+            "redis://***@h:6379/0"
+        );
+        assert_eq!(
+            redact_url("rediss://user:s3cret@h:6380"),
+            "rediss://user:***@h:6380"
+        );
+        assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
+        assert_eq!(redact_url("nonsense"), "nonsense");
     }
 }

@@ -16,7 +16,7 @@ pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
-pub use store::{Store, StoreError};
+pub use store::{OnError, Store, StoreError};
 
 /// One configured limit, compiled.
 #[derive(Debug, Clone, PartialEq)]

@@ -16,7 +16,6 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
 use super::{Algorithm, Mode, Outcome, Plan, StoreError, Verdict};
-use crate::config::schema;
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
 /// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
@@ -66,28 +65,7 @@ pub enum RedisTarget {
     Cluster(Vec<String>),
 }
 
-impl RedisOptions {
-    pub fn from_config(c: &schema::RedisStore) -> Result<RedisOptions, StoreError> {
-        let target = match (&c.cluster, &c.url) {
-            (Some(nodes), _) if !nodes.is_empty() => {
-                RedisTarget::Cluster(nodes.iter().map(|n| n.0.clone()).collect())
-            }
-            (_, Some(url)) => RedisTarget::Url(url.0.clone()),
-            _ => {
-                return Err(StoreError::Config(
-                    "store.redis needs url or cluster".into(),
-                ))
-            }
-        };
-        Ok(RedisOptions {
-            target,
-            timeout: c.timeout.get(),
-            key_prefix: c.key_prefix.0.clone(),
-            refusal_cache: REFUSAL_CACHE_ENTRIES,
-        })
-    }
-}
-
+#[derive(Clone)]
 pub struct RedisStore {
     inner: Arc<Inner>,
 }
@@ -241,6 +219,20 @@ impl RedisStore {
         }
         let tag = self.inner.tag(ns, key);
         self.inner.call(&tag, plan, Some(now_us)).await
+    }
+
+    /// Runs one command over the store's shared connection, bounded by its timeout;
+    /// for the other users of the same Redis (the shared deny list).
+    pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.inner.timeout, self.inner.query(cmd)).await {
+            Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string())),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// The key prefix (`store.redis.key_prefix`).
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
     }
 
     /// False while the breaker is open: Redis failed repeatedly and has not answered a
@@ -436,11 +428,25 @@ fn fingerprint(plan: &Plan) -> u64 {
 
 /// Counts consecutive failures; open after `TRIP_AFTER`, closed by the first probe
 /// that succeeds.
-#[derive(Default)]
 struct Breaker {
     failures: AtomicU32,
     open: AtomicBool,
     skipped: AtomicU64,
+    /// When a call last succeeded, in µs since `epoch`.
+    answered_us: AtomicU64,
+    epoch: Instant,
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Breaker {
+            failures: AtomicU32::new(0),
+            open: AtomicBool::new(false),
+            skipped: AtomicU64::new(0),
+            answered_us: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
 }
 
 impl Breaker {
@@ -452,6 +458,17 @@ impl Breaker {
         if self.failures.load(Ordering::Relaxed) != 0 {
             self.failures.store(0, Ordering::Relaxed);
         }
+        let now = self.epoch.elapsed().as_micros() as u64;
+        // One store per ~millisecond at most: the hot path rarely writes the line.
+        if now.saturating_sub(self.answered_us.load(Ordering::Relaxed)) > 1_000 {
+            self.answered_us.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a call succeeded within the last `d`.
+    fn answered_within(&self, d: Duration) -> bool {
+        let last = self.answered_us.load(Ordering::Relaxed);
+        last != 0 && self.epoch.elapsed().as_micros() as u64 - last < d.as_micros() as u64
     }
 
     /// Counts a failure; true if it opened the breaker.
@@ -471,8 +488,10 @@ impl Breaker {
     }
 }
 
-/// While the breaker is open, probe every `PROBE_EVERY` and close it on the first
-/// answer. Ends when the store is dropped.
+/// Probes Redis every `PROBE_EVERY` unless a call has just succeeded: while the
+/// breaker is open, the first answer closes it; while it is closed, failed probes
+/// count like failed calls, so an idle instance notices a Redis that went away (and
+/// `/readyz` says so) within `TRIP_AFTER` probes. Ends when the store is dropped.
 fn spawn_prober(store: Weak<Inner>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(PROBE_EVERY);
@@ -480,15 +499,24 @@ fn spawn_prober(store: Weak<Inner>) {
         loop {
             tick.tick().await;
             let Some(inner) = store.upgrade() else { return };
-            if !inner.breaker.is_open() {
+            let open = inner.breaker.is_open();
+            if !open && inner.breaker.answered_within(PROBE_EVERY) {
                 continue;
             }
             match inner.probe().await {
-                Ok(()) => {
+                Ok(()) if open => {
                     inner.breaker.close();
                     tracing::info!("Redis answers again; limits are decided in Redis");
                 }
-                Err(e) => tracing::debug!(error = %e, "Redis probe failed"),
+                Ok(()) => inner.breaker.success(),
+                Err(e) if open => tracing::debug!(error = %e, "Redis probe failed"),
+                Err(e) => {
+                    if inner.breaker.failure() {
+                        tracing::error!(error = %e, failures = TRIP_AFTER, "Redis does not answer; breaker open, applying store.on_error while probing");
+                    } else {
+                        tracing::warn!(error = %e, "Redis probe failed");
+                    }
+                }
             }
         }
     });

@@ -21,6 +21,17 @@ pub enum StoreError {
     Config(String),
 }
 
+/// What the gateway does while the shared store is unreachable: decide in this
+/// instance's memory, forward unchecked, or answer 503.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    #[default]
+    Local,
+    Allow,
+    Deny,
+}
+
 pub enum Backend {
     Memory(MemoryStore),
     Redis {

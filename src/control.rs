@@ -1,0 +1,530 @@
+//! The one place that changes a running gateway. The file watcher, SIGHUP, the admin
+//! API, automatic bans and the Redis follower only translate what they see into a
+//! `Command`; `Control::apply` carries it out. Reloads are serialized; dynamic deny
+//! entries live here (published to the request path as one swapped snapshot) and so
+//! survive reloads.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use crate::config::compile::compile;
+use crate::config::schema;
+use crate::config::value::{fmt_dur, redact_url};
+use crate::deny::{now_ms, BanRequest, DenyTable, Entry, EntryJson, Meta, Source, Target};
+use crate::deny_sync::{DenySync, Remote};
+use crate::gateway::Shared;
+
+/// Everything that can change a running gateway.
+#[derive(Debug)]
+pub enum Command {
+    /// Read, validate and swap in the configuration file.
+    Reload(Trigger),
+    /// Add (or replace) a dynamic entry.
+    DenyAdd(Entry),
+    /// Remove a dynamic entry.
+    DenyRemove(Target),
+    /// Deny a key that kept hitting a route's limit.
+    Ban(BanRequest),
+    /// A change another instance made, or the whole list, from the shared store.
+    Remote(Remote),
+    /// Drop expired entries and write the state file if anything changed.
+    Tick,
+}
+
+/// What asked for a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// The file watcher: a reload that finds the file as it was last read does nothing.
+    File,
+    Signal,
+    Api,
+}
+
+impl Trigger {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::File => "file",
+            Trigger::Signal => "signal",
+            Trigger::Api => "api",
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// The new configuration's hash.
+    Reloaded(String),
+    /// The watched file has not changed since it was last read.
+    Unchanged,
+    Added(Entry),
+    Removed(Entry),
+    Done,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The file does not load; the running configuration stays.
+    #[error("{0}")]
+    Config(String),
+    #[error("no such entry")]
+    NotFound,
+    #[error("{0} is in deny: of the configuration file; remove it there")]
+    Static(Target),
+    #[error("shared deny list unavailable: {0}")]
+    Store(String),
+}
+
+/// What `/admin/config` shows.
+#[derive(Debug, Clone)]
+pub struct Status {
+    pub path: PathBuf,
+    pub hash: String,
+    /// The effective configuration (defaults filled in), secrets redacted.
+    pub config: serde_json::Value,
+    pub loaded_at_ms: u64,
+    pub last_reload: Option<ReloadRecord>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ReloadRecord {
+    pub at_ms: u64,
+    pub trigger: Trigger,
+    /// The new hash, or the error with file, line and column.
+    pub result: Result<String, String>,
+}
+
+pub struct Control {
+    shared: Arc<Shared>,
+    path: PathBuf,
+    /// The file as started: settings only a restart changes are compared with it.
+    started_with: schema::File,
+    /// Held for a whole reload, so two never interleave.
+    reloading: tokio::sync::Mutex<()>,
+    /// SHA-1 of the file as last read (good or bad): the watcher's reloads skip a
+    /// file they have already seen.
+    last_read: Mutex<String>,
+    status: Mutex<Status>,
+    /// Dynamic entries, authoritative for this instance; `Shared::deny` holds a copy.
+    dynamic: Mutex<Dynamic>,
+    sync: Option<Arc<DenySync>>,
+}
+
+struct Dynamic {
+    table: DenyTable,
+    /// Changed since the state file was last written.
+    dirty: bool,
+    state_file: Option<PathBuf>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// === impl Control ===
+
+impl Control {
+    /// `loaded` is the configuration `shared` was started with. With the memory store
+    /// and `deny.state_file`, the entries saved there are loaded (expired ones dropped);
+    /// with `sync`, the shared list is read by the follower.
+    pub fn new(
+        shared: Arc<Shared>,
+        loaded: &crate::config::Loaded,
+        sync: Option<Arc<DenySync>>,
+    ) -> Control {
+        let f = &loaded.file;
+        let state_file = match (&sync, &f.deny.state_file) {
+            (None, Some(p)) => Some(PathBuf::from(p.as_str())),
+            _ => None,
+        };
+        let mut table = DenyTable::new();
+        if let Some(p) = &state_file {
+            match read_state(p) {
+                Ok(entries) => {
+                    let now = now_ms();
+                    let live: Vec<Entry> = entries
+                        .into_iter()
+                        .filter(|e| e.meta.expires_at_ms.is_none_or(|t| t > now))
+                        .collect();
+                    tracing::info!(file = %p.display(), entries = live.len(), "dynamic deny entries loaded");
+                    for e in live {
+                        table.insert(e);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(file = %p.display(), error = %e, "deny.state_file not loaded; starting with no dynamic entries")
+                }
+            }
+        }
+        let control = Control {
+            shared,
+            path: loaded.path.clone(),
+            started_with: f.clone(),
+            reloading: tokio::sync::Mutex::new(()),
+            last_read: Mutex::new(loaded.hash.clone()),
+            status: Mutex::new(Status {
+                path: loaded.path.clone(),
+                hash: loaded.hash.clone(),
+                config: effective(f),
+                loaded_at_ms: now_ms(),
+                last_reload: None,
+            }),
+            dynamic: Mutex::new(Dynamic {
+                table,
+                dirty: false,
+                state_file,
+            }),
+            sync,
+        };
+        control.publish(&lock(&control.dynamic).table);
+        control
+    }
+
+    pub async fn apply(&self, cmd: Command) -> Result<Reply, ControlError> {
+        match cmd {
+            Command::Reload(trigger) => self.reload(trigger).await,
+            Command::DenyAdd(e) => self.deny_add(e).await,
+            Command::DenyRemove(t) => self.deny_remove(t).await,
+            Command::Ban(b) => {
+                self.ban(b).await;
+                Ok(Reply::Done)
+            }
+            Command::Remote(r) => {
+                self.remote(r);
+                Ok(Reply::Done)
+            }
+            Command::Tick => {
+                self.tick().await;
+                Ok(Reply::Done)
+            }
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        lock(&self.status).clone()
+    }
+
+    /// Every entry, static ones first.
+    pub fn entries(&self) -> Vec<Entry> {
+        let rt = self.shared.runtime.load();
+        let mut all = rt.deny.table.entries();
+        all.extend(lock(&self.dynamic).table.entries());
+        all
+    }
+
+    // === reload ===
+
+    async fn reload(&self, trigger: Trigger) -> Result<Reply, ControlError> {
+        let _one_at_a_time = self.reloading.lock().await;
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) => {
+                let msg = format!("{}: cannot read: {e}", self.path.display());
+                return self.reload_failed(trigger, msg);
+            }
+        };
+        let hash = crate::config::hash(&text);
+        {
+            let mut last = lock(&self.last_read);
+            if trigger == Trigger::File && *last == hash {
+                return Ok(Reply::Unchanged);
+            }
+            *last = hash;
+        }
+        let m = &self.shared.metrics;
+        let loaded = match crate::config::parse(&text, &self.path) {
+            Ok(l) => l,
+            Err(e) => return self.reload_failed(trigger, e.to_string()),
+        };
+        let rt = match compile(&loaded, m) {
+            Ok(rt) => rt,
+            Err(e) => return self.reload_failed(trigger, e.to_string()),
+        };
+        for setting in needs_restart(&self.started_with, &loaded.file) {
+            tracing::warn!(
+                setting,
+                "changed in the file, but takes effect only after a restart"
+            );
+        }
+        let hash = rt.hash.clone();
+        self.shared.runtime.store(Arc::new(rt));
+        m.config_reloads.with_label_values(&["success"]).inc();
+        m.config_last_reload_success.set(1);
+        let now = now_ms();
+        {
+            let mut status = lock(&self.status);
+            status.hash = hash.clone();
+            status.config = effective(&loaded.file);
+            status.loaded_at_ms = now;
+            status.last_reload = Some(ReloadRecord {
+                at_ms: now,
+                trigger,
+                result: Ok(hash.clone()),
+            });
+        }
+        tracing::info!(%hash, trigger = trigger.as_str(), "configuration reloaded");
+        Ok(Reply::Reloaded(hash))
+    }
+
+    fn reload_failed(&self, trigger: Trigger, error: String) -> Result<Reply, ControlError> {
+        let m = &self.shared.metrics;
+        m.config_reloads.with_label_values(&["failure"]).inc();
+        m.config_last_reload_success.set(0);
+        lock(&self.status).last_reload = Some(ReloadRecord {
+            at_ms: now_ms(),
+            trigger,
+            result: Err(error.clone()),
+        });
+        tracing::error!(%error, trigger = trigger.as_str(), "reload failed; the previous configuration stays");
+        Err(ControlError::Config(error))
+    }
+
+    // === the deny list ===
+
+    async fn deny_add(&self, e: Entry) -> Result<Reply, ControlError> {
+        if let Some(sync) = &self.sync {
+            sync.put(&e)
+                .await
+                .map_err(|err| ControlError::Store(err.to_string()))?;
+        }
+        tracing::info!(entry = %e.target, expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
+        self.change(|t| {
+            t.insert(e.clone());
+        });
+        Ok(Reply::Added(e))
+    }
+
+    async fn deny_remove(&self, target: Target) -> Result<Reply, ControlError> {
+        let shared_had = match &self.sync {
+            Some(sync) => sync
+                .delete(&target)
+                .await
+                .map_err(|err| ControlError::Store(err.to_string()))?,
+            None => false,
+        };
+        let mut removed = None;
+        self.change(|t| removed = t.remove(&target));
+        match removed {
+            Some(e) => {
+                tracing::info!(entry = %e.target, "deny entry removed");
+                Ok(Reply::Removed(e))
+            }
+            None if shared_had => Ok(Reply::Removed(Entry {
+                target,
+                meta: Meta {
+                    expires_at_ms: None,
+                    reason: None,
+                    source: Source::Api,
+                    route: None,
+                },
+            })),
+            None if self.shared.runtime.load().deny.table.get(&target).is_some() => {
+                Err(ControlError::Static(target))
+            }
+            None => Err(ControlError::NotFound),
+        }
+    }
+
+    async fn ban(&self, b: BanRequest) {
+        let now = now_ms();
+        let until = now.saturating_add(b.duration.as_millis() as u64);
+        // Refusals that raced the first request for this ban ask again: one is enough.
+        let already = lock(&self.dynamic)
+            .table
+            .get(&b.target)
+            .is_some_and(|e| e.meta.expires_at_ms.is_none_or(|t| t > now));
+        if already {
+            return;
+        }
+        let e = Entry {
+            target: b.target,
+            meta: Meta {
+                expires_at_ms: Some(until),
+                reason: Some(format!(
+                    "kept hitting the limits of route {} (banned for {})",
+                    b.route,
+                    fmt_dur(b.duration)
+                )),
+                source: Source::Ban,
+                route: Some(b.route.clone()),
+            },
+        };
+        tracing::warn!(route = %b.route, entry = %e.target, duration = %fmt_dur(b.duration), "banned");
+        self.shared
+            .metrics
+            .bans
+            .with_label_values(&[b.route.as_str()])
+            .inc();
+        self.change(|t| {
+            t.insert(e.clone());
+        });
+        if let Some(sync) = &self.sync {
+            // Enforced here already; the fleet learns of it when Redis answers.
+            if let Err(err) = sync.put(&e).await {
+                tracing::warn!(error = %err, entry = %e.target, "ban not shared: Redis unavailable");
+            }
+        }
+    }
+
+    fn remote(&self, r: Remote) {
+        match r {
+            Remote::Put(e) => self.change(|t| {
+                t.insert(e);
+            }),
+            Remote::Delete(target) => self.change(|t| {
+                t.remove(&target);
+            }),
+            Remote::All(entries) => self.change(|t| {
+                *t = DenyTable::new();
+                for e in entries {
+                    t.insert(e);
+                }
+            }),
+        }
+    }
+
+    async fn tick(&self) {
+        let expired = {
+            let mut d = lock(&self.dynamic);
+            let expired = d.table.purge(now_ms());
+            if !expired.is_empty() {
+                d.dirty = true;
+                self.publish(&d.table);
+            }
+            if d.dirty {
+                if let Some(p) = &d.state_file {
+                    match write_state(p, &d.table) {
+                        Ok(()) => d.dirty = false,
+                        Err(e) => {
+                            tracing::error!(file = %p.display(), error = %e, "cannot write deny.state_file")
+                        }
+                    }
+                }
+            }
+            expired
+        };
+        for e in &expired {
+            tracing::info!(entry = %e.target, "deny entry expired");
+            if let Some(sync) = &self.sync {
+                // Every instance tries; the first removes it, unless re-added meanwhile.
+                if let Err(err) = sync.expire(&e.target).await {
+                    tracing::debug!(error = %err, "expired entry not removed from Redis");
+                }
+            }
+        }
+    }
+
+    /// Changes the dynamic table and publishes the result to the request path.
+    fn change(&self, f: impl FnOnce(&mut DenyTable)) {
+        let mut d = lock(&self.dynamic);
+        f(&mut d.table);
+        d.dirty = true;
+        self.publish(&d.table);
+    }
+
+    fn publish(&self, table: &DenyTable) {
+        self.shared.deny.store(Arc::new(table.clone()));
+        let g = &self.shared.metrics.deny_entries;
+        for source in [Source::Api, Source::Ban] {
+            let n = i64::try_from(table.count(source)).unwrap_or(i64::MAX);
+            g.with_label_values(&[source.as_str()]).set(n);
+        }
+    }
+}
+
+// === helpers ===
+
+/// The configuration as JSON with defaults filled in, secrets replaced by `***`.
+fn effective(f: &schema::File) -> serde_json::Value {
+    let mut v = serde_json::to_value(f).unwrap_or(serde_json::Value::Null);
+    if let Some(token) = v.pointer_mut("/admin/token") {
+        if !token.is_null() {
+            *token = "***".into();
+        }
+    }
+    if let Some(url) = v.pointer_mut("/store/redis/url") {
+        if let Some(s) = url.as_str() {
+            *url = redact_url(s).into();
+        }
+    }
+    if let Some(nodes) = v
+        .pointer_mut("/store/redis/cluster")
+        .and_then(|c| c.as_array_mut())
+    {
+        for n in nodes {
+            if let Some(s) = n.as_str() {
+                *n = redact_url(s).into();
+            }
+        }
+    }
+    v
+}
+
+/// The settings that differ between `old` and `new` and that a reload cannot apply:
+/// listeners, TLS, connection limits, timeouts of the listener, and the store.
+fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
+    let (o, n) = (&old.server, &new.server);
+    let mut changed = Vec::new();
+    let mut check = |name: &'static str, differs: bool| {
+        if differs {
+            changed.push(name);
+        }
+    };
+    check("server.listen", o.listen != n.listen);
+    check("server.tls", json(&o.tls) != json(&n.tls));
+    check(
+        "server.max_connections",
+        o.max_connections != n.max_connections,
+    );
+    check(
+        "server.request_header_timeout",
+        o.request_header_timeout != n.request_header_timeout,
+    );
+    check(
+        "server.shutdown_grace",
+        o.shutdown_grace != n.shutdown_grace,
+    );
+    check("admin.listen", old.admin.listen != new.admin.listen);
+    check("store", json(&old.store) != json(&new.store));
+    check(
+        "deny.state_file",
+        old.deny.state_file != new.deny.state_file,
+    );
+    changed
+}
+
+/// A configuration section as JSON, to compare sections that have no `PartialEq`.
+fn json<T: serde::Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
+}
+
+fn read_state(p: &std::path::Path) -> std::io::Result<Vec<Entry>> {
+    let text = match std::fs::read_to_string(p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let list: Vec<EntryJson> = serde_json::from_str(&text)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    Ok(list.into_iter().filter_map(Entry::from_json).collect())
+}
+
+/// Temp file in the same directory, fsync, rename: a crash leaves the old file or the
+/// new one, never half of one.
+fn write_state(p: &std::path::Path, table: &DenyTable) -> std::io::Result<()> {
+    use std::io::Write;
+    let list: Vec<EntryJson> = table.entries().iter().map(Entry::to_json).collect();
+    let body = serde_json::to_vec_pretty(&list).map_err(std::io::Error::other)?;
+    let mut tmp = p.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&body)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, p)
+}
+
+/// How often expired entries are dropped and the state file written.
+pub const TICK: Duration = Duration::from_secs(1);

@@ -1,0 +1,281 @@
+//! The deny list shared through Redis, so that every instance enforces an entry any
+//! of them added. Entries live in one hash (`<prefix>{deny}:entries`, field
+//! `ip:10.1.0.0/16` or `key:K`, value the entry's JSON) beside a version counter;
+//! every change bumps the version and is published on `<prefix>deny` in the same
+//! script. Each instance keeps a local copy: it applies published changes in version
+//! order, and reads the whole hash again when it sees a gap, when it (re)subscribes,
+//! and when a once-a-second look at the version finds it moved without a message
+//! (a lost message, a restarted Redis). Both keys share a hash tag, so this works on
+//! Redis Cluster, where published messages reach subscribers on every node.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::Cmd;
+use serde::{Deserialize, Serialize};
+
+use crate::deny::{now_ms, Entry, EntryJson, Target};
+use crate::limit::{RedisStore, RedisTarget, StoreError};
+
+/// A change to the local copy, from the shared list.
+#[derive(Debug)]
+pub enum Remote {
+    Put(Entry),
+    Delete(Target),
+    /// The whole list, replacing the local copy.
+    All(Vec<Entry>),
+}
+
+/// How often the version is compared, to heal missed messages.
+const POLL: Duration = Duration::from_secs(1);
+
+/// put: {version}. del / expire: {1, version} if removed, else {0}.
+const WRITE: &str = r#"
+local op, field = ARGV[1], ARGV[2]
+if op == 'put' then
+  redis.call('HSET', KEYS[1], field, ARGV[3])
+elseif op == 'expire' then
+  local j = redis.call('HGET', KEYS[1], field)
+  if not j then return {0} end
+  local at = cjson.decode(j).expires_at_ms
+  if type(at) ~= 'number' or at > tonumber(ARGV[3]) then return {0} end
+  redis.call('HDEL', KEYS[1], field)
+else
+  if redis.call('HDEL', KEYS[1], field) == 0 then return {0} end
+end
+local v = redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, op = op, field = field, entry = ARGV[3]}))
+return {1, v}
+"#;
+
+/// {version, field, value, field, value, ...}, read atomically.
+const READ_ALL: &str = r#"
+local out = {redis.call('GET', KEYS[2]) or '0'}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all do out[#out + 1] = all[i] end
+return out
+"#;
+
+/// A published change.
+#[derive(Debug, Serialize, Deserialize)]
+struct Message {
+    v: u64,
+    op: String,
+    field: String,
+    /// The entry's JSON for `put`.
+    #[serde(default)]
+    entry: String,
+}
+
+pub struct DenySync {
+    store: RedisStore,
+    target: RedisTarget,
+    entries: String,
+    version: String,
+    channel: String,
+    /// The version the local copy reflects; 0 before the first read.
+    applied: AtomicU64,
+}
+
+impl DenySync {
+    pub fn new(store: RedisStore, target: RedisTarget) -> DenySync {
+        let p = store.prefix().to_string();
+        DenySync {
+            entries: format!("{p}{{deny}}:entries"),
+            version: format!("{p}{{deny}}:version"),
+            channel: format!("{p}deny"),
+            store,
+            target,
+            applied: AtomicU64::new(0),
+        }
+    }
+
+    /// Adds or replaces `e` in the shared list.
+    pub async fn put(&self, e: &Entry) -> Result<(), StoreError> {
+        let json = serde_json::to_string(&e.to_json())
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        self.write("put", &e.target, &json).await.map(drop)
+    }
+
+    /// Removes `t` from the shared list; false if it was not there.
+    pub async fn delete(&self, t: &Target) -> Result<bool, StoreError> {
+        self.write("del", t, "").await
+    }
+
+    /// Removes `t` if its entry has expired (so a fresh entry added meanwhile stays).
+    pub async fn expire(&self, t: &Target) -> Result<bool, StoreError> {
+        self.write("expire", t, &now_ms().to_string()).await
+    }
+
+    async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<bool, StoreError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(WRITE)
+            .arg(2)
+            .arg(&self.entries)
+            .arg(&self.version)
+            .arg(op)
+            .arg(field(t))
+            .arg(arg)
+            .arg(&self.channel);
+        let reply: Vec<u64> = self.store.query(&cmd).await?;
+        Ok(reply.first() == Some(&1))
+    }
+
+    /// The whole list and its version.
+    async fn read_all(&self) -> Result<(u64, Vec<Entry>), StoreError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(READ_ALL)
+            .arg(2)
+            .arg(&self.entries)
+            .arg(&self.version);
+        let reply: Vec<String> = self.store.query(&cmd).await?;
+        let version = reply.first().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let entries = reply
+            .get(1..)
+            .unwrap_or_default()
+            .chunks_exact(2)
+            .filter_map(|kv| parse_entry(&kv[1]))
+            .collect();
+        Ok((version, entries))
+    }
+
+    async fn remote_version(&self) -> Result<u64, StoreError> {
+        let v: Option<u64> = self
+            .store
+            .query(Cmd::new().arg("GET").arg(&self.version))
+            .await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// Reads the whole list into the local copy.
+    async fn resync(&self, apply: &(dyn Fn(Remote) + Send + Sync)) -> Result<(), StoreError> {
+        let (version, entries) = self.read_all().await?;
+        tracing::debug!(version, entries = entries.len(), "shared deny list read");
+        apply(Remote::All(entries));
+        self.applied.store(version, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Keeps the local copy in step with the shared list until the process ends:
+    /// subscribes, reads everything, then applies each published change in order.
+    pub fn follow(self: Arc<Self>, apply: impl Fn(Remote) + Send + Sync + 'static) {
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = self.follow_once(&apply).await {
+                    tracing::warn!(error = %e, "shared deny list: following interrupted; retrying");
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        });
+    }
+
+    async fn follow_once(&self, apply: &(dyn Fn(Remote) + Send + Sync)) -> Result<(), StoreError> {
+        let unavailable = |e: redis::RedisError| StoreError::Unavailable(e.to_string());
+        let mut pubsub = None;
+        let mut last_err = None;
+        for url in self.urls() {
+            match redis::Client::open(url.as_str()) {
+                Ok(client) => match tokio::time::timeout(POLL, client.get_async_pubsub()).await {
+                    Ok(Ok(p)) => {
+                        pubsub = Some(p);
+                        break;
+                    }
+                    Ok(Err(e)) => last_err = Some(unavailable(e)),
+                    Err(_) => last_err = Some(StoreError::Timeout),
+                },
+                Err(e) => last_err = Some(unavailable(e)),
+            }
+        }
+        let Some(mut pubsub) = pubsub else {
+            return Err(last_err.unwrap_or(StoreError::Timeout));
+        };
+        pubsub.subscribe(&self.channel).await.map_err(unavailable)?;
+        // Subscribed first, then read: no change can fall between the two.
+        self.resync(apply).await?;
+        let mut messages = pubsub.into_on_message();
+        let mut poll = tokio::time::interval(POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                msg = messages.next() => {
+                    let Some(msg) = msg else {
+                        return Err(StoreError::Unavailable("subscription closed".into()));
+                    };
+                    let Ok(m) = serde_json::from_slice::<Message>(msg.get_payload_bytes()) else {
+                        continue;
+                    };
+                    let applied = self.applied.load(Ordering::Relaxed);
+                    if m.v <= applied {
+                        continue;
+                    }
+                    if m.v != applied + 1 {
+                        // A gap: some change was missed.
+                        self.resync(apply).await?;
+                        continue;
+                    }
+                    match (m.op.as_str(), parse_field(&m.field)) {
+                        ("put", _) => match parse_entry(&m.entry) {
+                            Some(e) => apply(Remote::Put(e)),
+                            None => { self.resync(apply).await?; continue; }
+                        },
+                        (_, Some(t)) => apply(Remote::Delete(t)),
+                        (_, None) => { self.resync(apply).await?; continue; }
+                    }
+                    self.applied.store(m.v, Ordering::Relaxed);
+                }
+                _ = poll.tick() => {
+                    if self.remote_version().await? != self.applied.load(Ordering::Relaxed) {
+                        self.resync(apply).await?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Where to subscribe: the server, or each cluster seed in turn.
+    fn urls(&self) -> Vec<String> {
+        match &self.target {
+            RedisTarget::Url(u) => vec![u.clone()],
+            RedisTarget::Cluster(nodes) => nodes.clone(),
+        }
+    }
+}
+
+/// The hash field of a target: `ip:10.1.0.0/16`, `key:K`.
+fn field(t: &Target) -> String {
+    format!("{}:{}", t.kind(), t.value())
+}
+
+fn parse_field(f: &str) -> Option<Target> {
+    match f.split_once(':')? {
+        ("ip", v) => Target::ip(v),
+        ("key", v) => Some(Target::Key(v.to_string())),
+        _ => None,
+    }
+}
+
+fn parse_entry(json: &str) -> Option<Entry> {
+    serde_json::from_str::<EntryJson>(json)
+        .ok()
+        .and_then(Entry::from_json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_round_trip() {
+        for t in [
+            Target::ip("10.1.0.0/16").unwrap(),
+            Target::ip("2001:db8::1").unwrap(),
+            Target::Key("a:b".into()),
+        ] {
+            assert_eq!(parse_field(&field(&t)), Some(t));
+        }
+        assert_eq!(field(&Target::ip("10.1.2.3").unwrap()), "ip:10.1.2.3");
+        assert_eq!(parse_field("nope"), None);
+    }
+}
