@@ -11,10 +11,10 @@ use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST};
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{self, ConfigErrors};
+use crate::deny::Target;
 
 /// How long one call may take, from connecting to the last byte of the answer.
 pub const CALL_BOUND: Duration = Duration::from_secs(10);
@@ -24,46 +24,19 @@ pub const TOKEN_ENV: &str = "SLUICE_ADMIN_TOKEN";
 
 // === what is denied ===
 
-/// One deny-list entry as the operator names it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
-    /// An address (a /32 or /128) or a CIDR block.
-    Ip(IpNet),
-    Key(String),
-}
-
-impl Target {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Target::Ip(_) => "ip",
-            Target::Key(_) => "key",
-        }
-    }
-
-    /// The value as the admin API takes and lists it: a single address without
-    /// its prefix length, a block as `NET/LEN`.
-    pub fn value(&self) -> String {
-        match self {
-            Target::Ip(n) if n.prefix_len() == n.max_prefix_len() => n.addr().to_string(),
-            Target::Ip(n) => n.to_string(),
-            Target::Key(k) => k.clone(),
-        }
-    }
-}
-
-/// `--ip`: an address or a CIDR block, read as the configuration's `deny.ips` reads
-/// it (host bits of a block are dropped: `10.1.2.3/16` is `10.1.0.0/16`).
-pub fn parse_ip(s: &str) -> Result<IpNet, String> {
-    config::value::parse_net(s.trim())
+/// `--ip`: an address or a CIDR block, in the form the admin API stores it (host
+/// bits dropped: `10.1.2.3/16` is `10.1.0.0/16`).
+pub fn parse_ip(s: &str) -> Result<Target, String> {
+    Target::ip(s)
         .ok_or_else(|| "expected an IP address or a CIDR block like 10.0.0.0/8".to_string())
 }
 
 /// `--key`: any non-empty text.
-pub fn parse_key(s: &str) -> Result<String, String> {
+pub fn parse_key(s: &str) -> Result<Target, String> {
     if s.is_empty() {
         return Err("a key cannot be empty".to_string());
     }
-    Ok(s.to_string())
+    Ok(Target::Key(s.to_string()))
 }
 
 /// A time to live as written (`10m`), checked with the configuration's parser.
@@ -405,7 +378,7 @@ pub fn added_line(
 
 /// `removed ip 203.0.113.7`.
 pub fn removed_line(target: &Target) -> String {
-    format!("removed {} {}", target.kind(), target.value())
+    format!("removed {target}")
 }
 
 /// The entries as an aligned table under a header row; every line ends in `\n`,
@@ -505,12 +478,13 @@ mod tests {
 
     #[test]
     fn ip_values_as_the_api_takes_them() {
-        let v = |s: &str| Target::Ip(parse_ip(s).unwrap()).value();
+        let v = |s: &str| parse_ip(s).unwrap().value();
         assert_eq!(v("203.0.113.7"), "203.0.113.7");
         assert_eq!(v("203.0.113.7/32"), "203.0.113.7");
         assert_eq!(v("10.1.2.3/16"), "10.1.0.0/16");
         assert_eq!(v("2001:db8::1/32"), "2001:db8::/32");
         assert_eq!(v("::1"), "::1");
+        assert_eq!(v("::ffff:192.0.2.1"), "192.0.2.1");
         assert!(parse_ip("10.0.0.0/33").is_err());
         assert!(parse_ip("example.com").is_err());
         assert!(parse_key("").is_err());
@@ -558,7 +532,7 @@ mod tests {
 
     #[test]
     fn lines() {
-        let ip = Target::Ip(parse_ip("203.0.113.7").unwrap());
+        let ip = parse_ip("203.0.113.7").unwrap();
         let ttl = parse_ttl("10m").unwrap();
         assert_eq!(
             added_line(&ip, None, Some(&ttl), Some("scraping")),

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use ipnet::IpNet;
-use sluice::admin_client::{self, Action, Endpoint, Target, Ttl};
+use sluice::admin_client::{self, Action, Endpoint, Ttl};
+use sluice::deny::Target;
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
@@ -91,20 +91,18 @@ enum DenyAction {
 struct TargetArgs {
     /// A client key.
     #[arg(long, value_name = "K", value_parser = admin_client::parse_key)]
-    key: Option<String>,
+    key: Option<Target>,
     /// An address or CIDR block, e.g. 203.0.113.7 or 10.1.0.0/16.
     #[arg(long, value_name = "ADDR[/LEN]", value_parser = admin_client::parse_ip)]
-    ip: Option<IpNet>,
+    ip: Option<Target>,
 }
 
 impl TargetArgs {
     fn target(self) -> Target {
-        match (self.key, self.ip) {
-            (Some(key), _) => Target::Key(key),
-            // clap's group makes one of the two present.
-            (None, Some(ip)) => Target::Ip(ip),
-            (None, None) => unreachable!("clap requires --key or --ip"),
-        }
+        // clap's group makes exactly one of the two present.
+        self.key
+            .or(self.ip)
+            .unwrap_or_else(|| unreachable!("clap requires --key or --ip"))
     }
 }
 
