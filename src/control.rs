@@ -190,7 +190,7 @@ impl Control {
                 Ok(Reply::Done)
             }
             Command::Remote(r) => {
-                self.remote(r);
+                self.remote(r).await;
                 Ok(Reply::Done)
             }
             Command::Tick => {
@@ -366,20 +366,44 @@ impl Control {
         }
     }
 
-    fn remote(&self, r: Remote) {
-        match r {
-            Remote::Put(e) => self.change(|t| {
-                t.insert(e);
-            }),
-            Remote::Delete(target) => self.change(|t| {
-                t.remove(&target);
-            }),
-            Remote::All(entries) => self.change(|t| {
-                *t = DenyTable::new();
-                for e in entries {
+    async fn remote(&self, r: Remote) {
+        let entries = match r {
+            Remote::Put(e) => {
+                return self.change(|t| {
                     t.insert(e);
+                })
+            }
+            Remote::Delete(target) => {
+                return self.change(|t| {
+                    t.remove(&target);
+                })
+            }
+            Remote::All(entries) => entries,
+        };
+        // Bans this instance made while Redis was unreachable are not in the shared
+        // list yet: keep them, and share them now.
+        let mut unshared = Vec::new();
+        self.change(|t| {
+            let mut all = DenyTable::new();
+            for e in entries {
+                all.insert(e);
+            }
+            let now = now_ms();
+            for e in t.entries() {
+                let live = e.meta.expires_at_ms.is_none_or(|at| at > now);
+                if e.meta.source == Source::Ban && live && all.get(&e.target).is_none() {
+                    unshared.push(e.clone());
+                    all.insert(e);
                 }
-            }),
+            }
+            *t = all;
+        });
+        if let Some(sync) = &self.sync {
+            for e in &unshared {
+                if let Err(err) = sync.put(e).await {
+                    tracing::debug!(error = %err, entry = %e.target, "ban still not shared");
+                }
+            }
         }
     }
 

@@ -206,6 +206,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 if let Some(m) = shared.store.memory_store() {
                     m.sweep();
                 }
+                shared.strikes.sweep();
             }
         })
     };
