@@ -112,6 +112,9 @@ pub struct Control {
 
 struct Dynamic {
     table: DenyTable,
+    /// Bans made while Redis was unreachable: kept when the shared list is read, and
+    /// shared then.
+    unshared: Vec<Target>,
     /// Changed since the state file was last written.
     dirty: bool,
     state_file: Option<PathBuf>,
@@ -171,6 +174,7 @@ impl Control {
             }),
             dynamic: Mutex::new(Dynamic {
                 table,
+                unshared: Vec::new(),
                 dirty: false,
                 state_file,
             }),
@@ -362,6 +366,7 @@ impl Control {
             // Enforced here already; the fleet learns of it when Redis answers.
             if let Err(err) = sync.put(&e).await {
                 tracing::warn!(error = %err, entry = %e.target, "ban not shared: Redis unavailable");
+                lock(&self.dynamic).unshared.push(e.target);
             }
         }
     }
@@ -383,25 +388,31 @@ impl Control {
         // Bans this instance made while Redis was unreachable are not in the shared
         // list yet: keep them, and share them now.
         let mut unshared = Vec::new();
-        self.change(|t| {
+        {
+            let mut d = lock(&self.dynamic);
             let mut all = DenyTable::new();
             for e in entries {
                 all.insert(e);
             }
             let now = now_ms();
-            for e in t.entries() {
-                let live = e.meta.expires_at_ms.is_none_or(|at| at > now);
-                if e.meta.source == Source::Ban && live && all.get(&e.target).is_none() {
-                    unshared.push(e.clone());
-                    all.insert(e);
+            for target in std::mem::take(&mut d.unshared) {
+                match d.table.get(&target) {
+                    Some(e) if e.meta.expires_at_ms.is_none_or(|at| at > now) => {
+                        all.insert(e.clone());
+                        unshared.push(e);
+                    }
+                    _ => {}
                 }
             }
-            *t = all;
-        });
+            d.table = all;
+            d.dirty = true;
+            self.publish(&d.table);
+        }
         if let Some(sync) = &self.sync {
-            for e in &unshared {
-                if let Err(err) = sync.put(e).await {
+            for e in unshared {
+                if let Err(err) = sync.put(&e).await {
                     tracing::debug!(error = %err, entry = %e.target, "ban still not shared");
+                    lock(&self.dynamic).unshared.push(e.target);
                 }
             }
         }
