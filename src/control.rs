@@ -220,14 +220,14 @@ impl Control {
 
     async fn reload(&self, trigger: Trigger) -> Result<Reply, ControlError> {
         let _one_at_a_time = self.reloading.lock().await;
-        let text = match std::fs::read_to_string(&self.path) {
-            Ok(t) => t,
-            Err(e) => {
-                let msg = format!("{}: cannot read: {e}", self.path.display());
-                return self.reload_failed(trigger, msg);
+        let (text, hash) = match std::fs::read_to_string(&self.path) {
+            Ok(t) => {
+                let hash = crate::config::hash(&t);
+                (Ok(t), hash)
             }
+            // Seen once per kind of failure, like a file's content.
+            Err(e) => (Err(e.to_string()), format!("unreadable: {:?}", e.kind())),
         };
-        let hash = crate::config::hash(&text);
         {
             let mut last = lock(&self.last_read);
             if trigger == Trigger::File && *last == hash {
@@ -235,6 +235,13 @@ impl Control {
             }
             *last = hash;
         }
+        let text = match text {
+            Ok(t) => t,
+            Err(e) => {
+                let msg = format!("{}: cannot read: {e}", self.path.display());
+                return self.reload_failed(trigger, msg);
+            }
+        };
         let m = &self.shared.metrics;
         let loaded = match crate::config::parse(&text, &self.path) {
             Ok(l) => l,

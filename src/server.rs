@@ -219,7 +219,10 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             let _ = commands.send(Command::Remote(r));
         });
     }
-    let watch = {
+    // A configuration that was not read from a file (tests) has nothing to watch.
+    let watch = if !loaded.path.is_file() {
+        None
+    } else {
         let commands = commands.clone();
         match crate::config::watch::watch(&loaded.path, move || {
             let _ = commands.send(Command::Reload(Trigger::File));
