@@ -586,13 +586,19 @@ async fn clear_of_window_end(window: Duration, margin: Duration) {
     }
 }
 
+/// A route keyed by `x-key` that admits one request an hour and bans a key refused
+/// twice within 2 s for `ban_for`.
+fn banning_gateway(redis: &RedisServer, on_error: &str, ban_for: &str) -> String {
+    format!(
+        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    limits: [{{algorithm: fixed_window, limit: 1, window: 1h}}]\n    ban: {{after: 2, within: 2s, for: {ban_for}}}\n",
+        redis_store(&url_target(&redis.url()), on_error, 500)
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ban_on_one_instance_is_enforced_on_the_other() {
     let redis = RedisServer::start();
-    let yaml = format!(
-        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    limits: [{{algorithm: fixed_window, limit: 1, window: 1h}}]\n    ban: {{after: 2, within: 2s, for: 2s}}\n",
-        redis_store(&url_target(&redis.url()), "deny", 500)
-    );
+    let yaml = banning_gateway(&redis, "deny", "2s");
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
     let db = Db::One(&redis);
     subscribed(&db, &[2]).await;
@@ -676,6 +682,49 @@ async fn a_ban_on_one_instance_is_enforced_on_the_other() {
     let gone = eventually(Duration::from_secs(2), || async { db.entries() == 0 }).await;
     assert!(gone.is_some(), "expired ban still in Redis");
     assert_eq!(b.deny_entries("ban").await, 0.0);
+}
+
+/// A ban made while Redis is away (limits decided in memory, `on_error: local`) is
+/// enforced where it was made, survives the resync with the empty restarted Redis,
+/// and is shared then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ban_made_while_redis_is_down_is_shared_when_it_is_back() {
+    let mut redis = RedisServer::start();
+    let yaml = banning_gateway(&redis, "local", "1m");
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    subscribed(&Db::One(&redis), &[2]).await;
+
+    redis.kill();
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(a.ask("10.0.0.1", "abuser").await);
+    }
+    assert_eq!(statuses, [200, 429, 429]);
+    answers(
+        "ban on A with Redis down, refused on A",
+        &a,
+        "10.0.0.1",
+        "abuser",
+        403,
+        PROPAGATION,
+    )
+    .await;
+    let ban = a.list().await;
+    assert_eq!(ban.len(), 1, "{ban:?}");
+    assert_eq!(ban[0]["source"], "ban");
+    assert_eq!(b.list().await, Vec::<Value>::new());
+    // Longer than the store timeout (500 ms): sharing the ban has failed for good.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    redis.restart();
+    // Watched on B's admin API: a request with the key would make B ban it itself.
+    let shared = eventually(Duration::from_secs(3), || async { b.list().await == ban }).await;
+    let shared = shared.expect("B does not have A's ban 3 s after the restart");
+    eprintln!("unshared ban: listed on B {shared:?} after the restart");
+    assert_eq!(b.ask("10.0.0.1", "abuser").await, 403);
+    assert_eq!(a.list().await, ban);
+    assert_eq!(Db::One(&redis).entries(), 1);
+    assert_eq!(Db::One(&redis).version().as_deref(), Some("1"));
 }
 
 // === 7: Redis down ===
