@@ -23,20 +23,32 @@ pub use store::{Store, StoreError};
 pub struct LimitDef {
     /// `name` from the config, or `<algorithm>_<index>`.
     pub name: String,
-    /// Stable id of (name, algorithm, parameters, cost): state is kept per id, so a
-    /// reload that leaves a limit unchanged keeps its state and one that changes it
-    /// starts afresh.
+    /// Stable id of what the state means: the name, the algorithm and, for the window
+    /// algorithms, the window length. State is kept per id (within a route), so a
+    /// reload that changes `limit`, `rate`, `burst` or `cost` keeps the count and the
+    /// algorithm applies the new numbers to it; a changed algorithm or window starts
+    /// afresh.
     pub id: u64,
+    /// Stable hash of everything that decides this limit: the id, every parameter and
+    /// the cost. Whatever is remembered about a decision (the Redis store's refusal
+    /// cache) must be forgotten when it changes.
+    pub version: u64,
     pub algorithm: Algorithm,
     pub cost: u64,
 }
 
 impl LimitDef {
     pub fn new(name: String, algorithm: Algorithm, cost: u64) -> LimitDef {
-        let id = stable_id(&format!("{name}|{algorithm:?}|{cost}"));
+        let label = algorithm.label();
+        let id = match algorithm.window_len_us() {
+            Some(window_us) => stable_id(&format!("{name}|{label}|{window_us}")),
+            None => stable_id(&format!("{name}|{label}")),
+        };
+        let version = stable_id(&format!("{id:x}|{algorithm:?}|{cost}"));
         LimitDef {
             name,
             id,
+            version,
             algorithm,
             cost,
         }
