@@ -164,8 +164,8 @@ impl Entry {
                 .charge(&mut slot.state, now, limit.cost, max_delay_us);
             slot.expires_at_us = limit.algorithm.expires_at_us(&slot.state);
         }
-        // States of limits a reload changed (new id) are no longer read; drop them
-        // once they have expired.
+        // States of limits a reload removed, or gave another algorithm or window (a new
+        // id), are not read now; drop them once they have expired.
         if self.slots.len() > plan.limits.len() {
             self.slots
                 .retain(|s| s.expires_at_us > now || plan.limits.iter().any(|l| l.id == s.id));

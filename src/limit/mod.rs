@@ -136,3 +136,53 @@ pub fn stable_id(s: &str) -> u64 {
     }
     h
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_id_names_what_the_state_means_and_the_version_everything() {
+        let rate = |count| Rate {
+            count,
+            per_us: 1_000_000,
+        };
+        let def = |name: &str, algorithm, cost| LimitDef::new(name.into(), algorithm, cost);
+        let fixed = |limit, window_us| Algorithm::FixedWindow { limit, window_us };
+        let log = |limit, window_us| Algorithm::SlidingLog { limit, window_us };
+        let bucket = |count, burst| Algorithm::TokenBucket {
+            rate: rate(count),
+            burst,
+        };
+        let gcra = |count, burst| Algorithm::Gcra {
+            rate: rate(count),
+            burst,
+        };
+        let same_state = [
+            [def("l", fixed(10, 60), 1), def("l", fixed(5, 60), 3)],
+            [def("l", log(10, 60), 1), def("l", log(11, 60), 1)],
+            [def("l", bucket(10, 5), 1), def("l", bucket(3, 5), 1)],
+            [def("l", bucket(10, 5), 1), def("l", bucket(10, 9), 2)],
+            [def("l", gcra(10, 5), 1), def("l", gcra(1, 1), 1)],
+        ];
+        for [a, b] in &same_state {
+            assert_eq!(a.id, b.id, "{a:?} {b:?}");
+            assert_ne!(a.version, b.version, "{a:?} {b:?}");
+        }
+        let afresh = [
+            [def("l", fixed(10, 60), 1), def("m", fixed(10, 60), 1)],
+            [def("l", fixed(10, 60), 1), def("l", fixed(10, 61), 1)],
+            [def("l", fixed(10, 60), 1), def("l", log(10, 60), 1)],
+            [def("l", bucket(10, 5), 1), def("l", gcra(10, 5), 1)],
+        ];
+        for [a, b] in &afresh {
+            assert_ne!(a.id, b.id, "{a:?} {b:?}");
+            assert_ne!(a.version, b.version, "{a:?} {b:?}");
+        }
+        let a = def("l", gcra(10, 5), 1);
+        assert_eq!((a.id, a.version), {
+            let b = def("l", gcra(10, 5), 1);
+            (b.id, b.version)
+        });
+    }
+}
