@@ -20,9 +20,10 @@ fn config(store: &str, limit: &str) -> String {
 }
 
 /// Rewrites the file with `limit` and reloads it.
-fn reload(gw: &Running, file: &tempfile::NamedTempFile, store: &str, limit: &str) {
+async fn reload(gw: &Running, file: &tempfile::NamedTempFile, store: &str, limit: &str) {
     std::fs::write(file.path(), with_listeners(&config(store, limit))).expect("write config");
     gw.reload()
+        .await
         .unwrap_or_else(|e| panic!("reload with {limit}: {e}"));
 }
 
@@ -44,15 +45,15 @@ async fn fixed_window_keeps_its_count(store: &str) {
     let u = url(gw.addr, "/");
     for attempt in 0..3 {
         let who = format!("client-{attempt}");
-        reload(&gw, &file, store, &fixed(10));
+        reload(&gw, &file, store, &fixed(10)).await;
         at_window_start(WINDOW).await;
         let start = Instant::now();
         let used = send(&c, &u, &who, 6).await;
 
-        reload(&gw, &file, store, &fixed(4));
+        reload(&gw, &file, store, &fixed(4)).await;
         let lowered = c.get(&u, &[("x-client", &who)]).await;
 
-        reload(&gw, &file, store, &fixed(8));
+        reload(&gw, &file, store, &fixed(8)).await;
         let raised = c.get(&u, &[("x-client", &who)]).await;
         let rest = send(&c, &u, &who, 3).await;
 
@@ -90,10 +91,10 @@ async fn token_bucket_keeps_its_level(store: &str) {
     let u = url(gw.addr, "/");
     assert_eq!(send(&c, &u, "b", 8).await, [200; 8]);
 
-    reload(&gw, &file, store, &bucket("1/m", 5));
+    reload(&gw, &file, store, &bucket("1/m", 5)).await;
     assert_eq!(send(&c, &u, "b", 3).await, [200, 200, 429]);
 
-    reload(&gw, &file, store, &bucket("2/m", 20));
+    reload(&gw, &file, store, &bucket("2/m", 20)).await;
     let r = c.get(&u, &[("x-client", "b")]).await;
     assert_eq!(
         (

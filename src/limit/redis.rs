@@ -297,6 +297,15 @@ impl Inner {
         self.call("", &NO_LIMITS, None).await.map(drop)
     }
 
+    /// PING, bounded by the timeout.
+    async fn ping(&self) -> Result<(), StoreError> {
+        match tokio::time::timeout(self.timeout, self.query::<String>(&redis::cmd("PING"))).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
     /// One script call: every limit of `plan`, charged only if all admit.
     async fn call(
         &self,
@@ -504,7 +513,14 @@ fn spawn_prober(store: Weak<Inner>) {
             if !open && inner.breaker.answered_within(PROBE_EVERY) {
                 continue;
             }
-            match inner.probe().await {
+            // An open breaker closes only once the script itself runs; an idle one
+            // just checks that Redis answers.
+            let answer = if open {
+                inner.probe().await
+            } else {
+                inner.ping().await
+            };
+            match answer {
                 Ok(()) if open => {
                     inner.breaker.close();
                     tracing::info!("Redis answers again; limits are decided in Redis");
