@@ -11,7 +11,7 @@ use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST};
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::config::{self, ConfigErrors};
 use crate::deny::Target;
@@ -60,19 +60,8 @@ pub fn parse_ttl(s: &str) -> Result<Ttl, String> {
 
 // === the answers ===
 
-/// One entry of `GET /admin/deny`. Fields this client does not know (e.g. a ban's
-/// `route`) are ignored.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct Entry {
-    pub kind: String,
-    pub value: String,
-    #[serde(default)]
-    pub expires_at: Option<String>,
-    #[serde(default)]
-    pub reason: Option<String>,
-    #[serde(default)]
-    pub source: Option<String>,
-}
+/// One entry of `GET /admin/deny`: the server's own JSON form.
+pub use crate::deny::EntryJson as Entry;
 
 /// The body of `POST` and `DELETE /admin/deny`.
 #[derive(Debug, Serialize)]
@@ -391,7 +380,7 @@ pub fn table(entries: &[Entry]) -> String {
             [
                 e.kind.as_str(),
                 e.value.as_str(),
-                e.source.as_deref().unwrap_or("-"),
+                e.source.as_str(),
                 e.expires_at.as_deref().unwrap_or("never"),
                 e.reason.as_deref().filter(|r| !r.is_empty()).unwrap_or("-"),
             ]
