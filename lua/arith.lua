@@ -27,6 +27,25 @@ local function ceil_div(a, b)
   return q
 end
 
+-- floor(a / b) for any integer a, b > 0: towards minus infinity for negative a
+-- (algo.rs: floor_div).
+local function floor_div_signed(a, b)
+  if a >= 0 then
+    return floor_div(a, b)
+  end
+  return -ceil_div(-a, b)
+end
+
+-- x clamped to [lo, hi].
+local function clamp(x, lo, hi)
+  return math.min(math.max(x, lo), hi)
+end
+
+-- The lowest level, in units, a state converted to other parameters keeps: booked
+-- delays beyond it are forgotten rather than carried into inexact numbers
+-- (algo.rs: MAX_DEBT).
+local MAX_DEBT = 2 ^ 50
+
 -- Whether a request that must wait `wait` µs for capacity is admitted and how long
 -- it waits: at once when nothing is owed, after the wait in delay mode when it fits
 -- in max_delay, else refused (algo.rs: admit_after).

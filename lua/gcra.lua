@@ -1,16 +1,45 @@
 -- gcra: the theoretical arrival time `tat` is when the bucket would be full again;
 -- a request pushes it by its emission interval and is admitted while the tat stays
--- within burst * P / N of now. State: a string, the tat.
-local function gcra(key, now, cost, n, p, burst, max_delay)
-  n = math.max(n, 1)
-  p = math.max(p, 1)
+-- within burst * P / N of now. State: a string "<tat> <ahead> <n> <p> <burst>": the
+-- tat, how far ahead of the time it was set it was, and the rate and burst it was
+-- computed under.
+
+-- A tat set at ts under (n0, p0, b0), under (n, p, burst): the whole tokens available
+-- then, avail = floor((B0 * P0 - (tat - ts) * N0) / P0), clamped to
+-- [-floor(2^50 / P), B], leave used = B - avail and the tat becomes
+-- ts + floor(used * P / N) (algo.rs: gcra_convert).
+local function gcra_convert(tat, ts, n0, p0, b0, n, p, burst)
+  local nn, pn = math.max(n, 1), math.max(p, 1)
+  local p0n = math.max(p0, 1)
+  local owed = (tat - ts) * math.max(n0, 1)
+  local avail = clamp(floor_div_signed(b0 * p0n - owed, p0n), -floor_div(MAX_DEBT, pn), burst)
+  return ts + floor_div(burst * pn - avail * pn, nn)
+end
+
+local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay)
+  local n = math.max(n_arg, 1)
+  local p = math.max(p_arg, 1)
   -- inc = floor(cost * P / N), at least 1 for cost > 0; L = burst * P.
   local inc = floor_div(cost * p, n)
   if inc == 0 and cost > 0 then
     inc = 1
   end
   local span = burst * p
-  local tat = tonumber(redis.call('GET', key)) or now
+  -- tat = now when empty. Written under other parameters: empty from its own tat on
+  -- (when its key expires), converted until then (`until_`) (algo.rs: gcra_tat).
+  local tat, until_ = now, math.huge
+  local s = redis.call('GET', key)
+  if s then
+    local t, ahead, n0, p0, b0 = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
+    if t then
+      t, ahead, n0, p0, b0 = tonumber(t), tonumber(ahead), tonumber(n0), tonumber(p0), tonumber(b0)
+      if n0 == n_arg and p0 == p_arg and b0 == burst then
+        tat = t
+      elseif t > now then
+        tat, until_ = gcra_convert(t, t - ahead, n0, p0, b0, n_arg, p_arg, burst), t
+      end
+    end
+  end
   local base = math.max(tat, now)
   local new_tat = base + inc
   -- excess = (new_tat - now) * N; admitted at once iff excess <= L.
@@ -26,10 +55,12 @@ local function gcra(key, now, cost, n, p, burst, max_delay)
   end
   local remaining = floor_div(math.max(span - (t - now) * n, 0), p)
   if not allowed then
-    return {false, remaining, t - now, wait, 0}
+    -- Empty, and passing, by `until_` at the latest.
+    return {false, remaining, math.min(t - now, until_ - now), math.min(wait, until_ - now), 0}
   end
   return {true, remaining, t - now, 0, delay}, function()
-    redis.call('SET', key, int(new_tat))
+    redis.call('SET', key, int(new_tat) .. ' ' .. int(new_tat - now) .. ' ' .. int(n_arg) .. ' '
+      .. int(p_arg) .. ' ' .. int(burst))
     return new_tat
   end
 end

@@ -1,15 +1,49 @@
 -- token_bucket: `burst` tokens refilled continuously at N per P µs; starts full.
 -- Tokens are scaled by P (one token = P units) so one µs refills exactly N units:
 -- capacity C = burst * P. The level goes negative while delayed requests have
--- booked future tokens. State: a hash {t = tokens, ts = time they were counted}.
-local function token_bucket(key, now, cost, n, p, burst, max_delay)
-  n = math.max(n, 1)
-  p = math.max(p, 1)
+-- booked future tokens. State: a hash {t = tokens, ts = time they were counted,
+-- n, p, b = the rate and burst they were counted under}.
+
+-- When a bucket at `tokens` units at `ts` is full under (n, p, burst)
+-- (algo.rs: bucket_full_at).
+local function bucket_full_at(tokens, ts, n, p, burst)
+  return ts + ceil_div(burst * math.max(p, 1) - tokens, math.max(n, 1))
+end
+
+-- A level counted under (n0, p0, b0), read under (n, p, burst) at now: the level in
+-- units of p and when it is as good as empty (math.huge: not before it is full), or
+-- nil when it already is: full under the parameters it was written with (its key
+-- would have expired). Another rate keeps whole tokens, floor(tokens / P0), clamped
+-- to [-floor(2^50 / P), burst], in units of P (algo.rs: bucket_level).
+local function bucket_level(tokens, ts, n0, p0, b0, now, n, p, burst)
+  if n0 == n and p0 == p and b0 == burst then
+    return tokens, math.huge
+  end
+  local until_ = bucket_full_at(tokens, ts, n0, p0, b0)
+  if now >= until_ then
+    return nil
+  end
+  if n0 == n and p0 == p then
+    return tokens, until_
+  end
+  local pn = math.max(p, 1)
+  local q = clamp(floor_div_signed(tokens, math.max(p0, 1)), -floor_div(MAX_DEBT, pn), burst)
+  return q * pn, until_
+end
+
+local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
+  local n = math.max(n_arg, 1)
+  local p = math.max(p_arg, 1)
   local cap = burst * p
-  local stored, ts = cap, now
-  local s = redis.call('HMGET', key, 't', 'ts')
+  local stored, ts, until_ = cap, now, math.huge
+  local s = redis.call('HMGET', key, 't', 'ts', 'n', 'p', 'b')
   if s[1] then
-    stored, ts = tonumber(s[1]), tonumber(s[2]) or now
+    local t0 = tonumber(s[2]) or now
+    local level, u = bucket_level(tonumber(s[1]), t0, tonumber(s[3]) or n_arg,
+      tonumber(s[4]) or p_arg, tonumber(s[5]) or burst, now, n_arg, p_arg, burst)
+    if level then
+      stored, ts, until_ = level, t0, u
+    end
   end
   -- Refill: full if tokens >= C or elapsed >= ceil((C - tokens) / N).
   local elapsed = math.max(now - ts, 0)
@@ -31,10 +65,12 @@ local function token_bucket(key, now, cost, n, p, burst, max_delay)
   local remaining = floor_div(math.max(level, 0), p)
   local reset = ceil_div(cap - level, n)
   if not allowed then
-    return {false, remaining, reset, wait, 0}
+    -- Full, and passing, by `until_` at the latest.
+    return {false, remaining, math.min(reset, until_ - now), math.min(wait, until_ - now), 0}
   end
   return {true, remaining, reset, 0, delay}, function()
-    redis.call('HSET', key, 't', int(after), 'ts', int(now))
+    redis.call('HSET', key, 't', int(after), 'ts', int(now), 'n', int(n_arg), 'p', int(p_arg),
+      'b', int(burst))
     return now + ceil_div(cap - after, n)
   end
 end

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use crate::answer::{self, Body};
 use crate::config::value::parse_duration;
 use crate::control::{Command, Control, ControlError, Reply, Status, Trigger};
-use crate::deny::{now_ms, rfc3339, Entry, Meta, Source, Target};
+use crate::deny::{now_ms, rfc3339, Entry, EntryJson, Meta, Source, Target};
 use crate::gateway::Shared;
 
 /// Largest request body the admin API reads.
@@ -98,9 +98,8 @@ impl Admin {
         }
     }
 
-    fn deny_list(&self) -> serde_json::Value {
-        let list: Vec<_> = self.control.entries().iter().map(Entry::to_json).collect();
-        serde_json::to_value(list).unwrap_or_default()
+    fn deny_list(&self) -> Vec<EntryJson> {
+        self.control.entries().iter().map(Entry::to_json).collect()
     }
 
     async fn deny_add(&self, r: DenyRequest) -> Response<Body> {

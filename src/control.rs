@@ -112,6 +112,9 @@ pub struct Control {
 
 struct Dynamic {
     table: DenyTable,
+    /// Bans made while Redis was unreachable: kept when the shared list is read, and
+    /// shared then.
+    unshared: Vec<Target>,
     /// Changed since the state file was last written.
     dirty: bool,
     state_file: Option<PathBuf>,
@@ -171,6 +174,7 @@ impl Control {
             }),
             dynamic: Mutex::new(Dynamic {
                 table,
+                unshared: Vec::new(),
                 dirty: false,
                 state_file,
             }),
@@ -190,7 +194,7 @@ impl Control {
                 Ok(Reply::Done)
             }
             Command::Remote(r) => {
-                self.remote(r);
+                self.remote(r).await;
                 Ok(Reply::Done)
             }
             Command::Tick => {
@@ -216,14 +220,14 @@ impl Control {
 
     async fn reload(&self, trigger: Trigger) -> Result<Reply, ControlError> {
         let _one_at_a_time = self.reloading.lock().await;
-        let text = match std::fs::read_to_string(&self.path) {
-            Ok(t) => t,
-            Err(e) => {
-                let msg = format!("{}: cannot read: {e}", self.path.display());
-                return self.reload_failed(trigger, msg);
+        let (text, hash) = match std::fs::read_to_string(&self.path) {
+            Ok(t) => {
+                let hash = crate::config::hash(&t);
+                (Ok(t), hash)
             }
+            // Seen once per kind of failure, like a file's content.
+            Err(e) => (Err(e.to_string()), format!("unreadable: {:?}", e.kind())),
         };
-        let hash = crate::config::hash(&text);
         {
             let mut last = lock(&self.last_read);
             if trigger == Trigger::File && *last == hash {
@@ -231,6 +235,13 @@ impl Control {
             }
             *last = hash;
         }
+        let text = match text {
+            Ok(t) => t,
+            Err(e) => {
+                let msg = format!("{}: cannot read: {e}", self.path.display());
+                return self.reload_failed(trigger, msg);
+            }
+        };
         let m = &self.shared.metrics;
         let loaded = match crate::config::parse(&text, &self.path) {
             Ok(l) => l,
@@ -362,24 +373,55 @@ impl Control {
             // Enforced here already; the fleet learns of it when Redis answers.
             if let Err(err) = sync.put(&e).await {
                 tracing::warn!(error = %err, entry = %e.target, "ban not shared: Redis unavailable");
+                lock(&self.dynamic).unshared.push(e.target);
             }
         }
     }
 
-    fn remote(&self, r: Remote) {
-        match r {
-            Remote::Put(e) => self.change(|t| {
-                t.insert(e);
-            }),
-            Remote::Delete(target) => self.change(|t| {
-                t.remove(&target);
-            }),
-            Remote::All(entries) => self.change(|t| {
-                *t = DenyTable::new();
-                for e in entries {
+    async fn remote(&self, r: Remote) {
+        let entries = match r {
+            Remote::Put(e) => {
+                return self.change(|t| {
                     t.insert(e);
+                })
+            }
+            Remote::Delete(target) => {
+                return self.change(|t| {
+                    t.remove(&target);
+                })
+            }
+            Remote::All(entries) => entries,
+        };
+        // Bans this instance made while Redis was unreachable are not in the shared
+        // list yet: keep them, and share them now.
+        let mut unshared = Vec::new();
+        {
+            let mut d = lock(&self.dynamic);
+            let mut all = DenyTable::new();
+            for e in entries {
+                all.insert(e);
+            }
+            let now = now_ms();
+            for target in std::mem::take(&mut d.unshared) {
+                match d.table.get(&target) {
+                    Some(e) if e.meta.expires_at_ms.is_none_or(|at| at > now) => {
+                        all.insert(e.clone());
+                        unshared.push(e);
+                    }
+                    _ => {}
                 }
-            }),
+            }
+            d.table = all;
+            d.dirty = true;
+            self.publish(&d.table);
+        }
+        if let Some(sync) = &self.sync {
+            for e in unshared {
+                if let Err(err) = sync.put(&e).await {
+                    tracing::debug!(error = %err, entry = %e.target, "ban still not shared");
+                    lock(&self.dynamic).unshared.push(e.target);
+                }
+            }
         }
     }
 

@@ -139,8 +139,7 @@ pub async fn handle(
 
     let (resp, decision) = 'answer: {
         // Deny by IP, whatever the route.
-        let dynamic = shared.deny.load();
-        if rt.deny.table.ip(ip) || dynamic.ip(ip) {
+        if rt.deny.table.ip(ip) || shared.deny.load().ip(ip) {
             break 'answer (denied(&rt), Decision::Denied);
         }
         let Some(route) = route else {
@@ -151,10 +150,9 @@ pub async fn handle(
         };
         // Every value of every key part, before any fallback: a denied key sent twice
         // (which makes it missing) is still denied.
-        let denied_key = |k: &str| rt.deny.table.key(k) || dynamic.key(k);
-        if (rt.deny.table.has_keys() || dynamic.has_keys())
-            && route.key.any_value(&parts, ip, denied_key)
-        {
+        if denied_key(&rt, &shared, |denied| {
+            route.key.any_value(&parts, ip, denied)
+        }) {
             break 'answer (denied(&rt), Decision::Denied);
         }
         let (ns, key) = match route.key.extract(&parts, ip) {
@@ -174,7 +172,7 @@ pub async fn handle(
             },
         };
         // A composite key as a whole (bans deny the joined form).
-        if !key.parts.is_empty() && denied_key(&key.value) {
+        if !key.parts.is_empty() && denied_key(&rt, &shared, |denied| denied(&key.value)) {
             break 'answer (denied(&rt), Decision::Denied);
         }
         if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
@@ -300,6 +298,21 @@ impl Drop for Tally<'_> {
             .duration
             .observe(self.started.elapsed().as_secs_f64());
     }
+}
+
+/// Whether `values` offers a key on the static or the dynamic deny list. The dynamic
+/// list's guard is dropped before the request goes on (it must not be held across an
+/// await).
+fn denied_key(
+    rt: &Runtime,
+    shared: &Shared,
+    values: impl FnOnce(&mut dyn FnMut(&str) -> bool) -> bool,
+) -> bool {
+    let dynamic = shared.deny.load();
+    if !rt.deny.table.has_keys() && !dynamic.has_keys() {
+        return false;
+    }
+    values(&mut |k| rt.deny.table.key(k) || dynamic.key(k))
 }
 
 fn denied(rt: &Runtime) -> Response<Body> {

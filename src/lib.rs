@@ -2,6 +2,7 @@
 //! modules are its phases and the machinery around it.
 
 pub mod admin;
+pub mod admin_client;
 pub mod answer;
 pub mod client;
 pub mod config;

@@ -4,7 +4,9 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use sluice::admin_client::{self, Action, Endpoint, Ttl};
+use sluice::deny::Target;
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
@@ -37,6 +39,71 @@ enum Command {
         #[arg(short, long)]
         config: Option<PathBuf>,
     },
+    /// Add, remove or list deny-list entries through the admin API.
+    Deny {
+        #[command(flatten)]
+        admin: AdminArgs,
+        #[command(subcommand)]
+        action: DenyAction,
+    },
+}
+
+/// Where `sluice deny` finds the admin API; its token comes from
+/// `SLUICE_ADMIN_TOKEN`, else from the configuration's `admin.token`.
+#[derive(Args)]
+struct AdminArgs {
+    /// Configuration file with admin.listen and admin.token [default: $SLUICE_CONFIG, then config/rules.yaml]
+    #[arg(short, long, value_name = "FILE", global = true)]
+    config: Option<PathBuf>,
+    /// Admin API URL, e.g. http://127.0.0.1:9091 [default: the configuration's admin.listen]
+    #[arg(long, value_name = "URL", global = true)]
+    admin: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum DenyAction {
+    /// Deny a client key or an address or block, for a time or until removed.
+    Add {
+        #[command(flatten)]
+        target: TargetArgs,
+        /// How long the entry lasts, e.g. 10m, 1h, 1d [default: until removed]
+        #[arg(long, value_name = "D", value_parser = admin_client::parse_ttl)]
+        ttl: Option<Ttl>,
+        /// Why, shown by `sluice deny list`.
+        #[arg(long, value_name = "TEXT")]
+        reason: Option<String>,
+    },
+    /// Remove an entry added through the admin API.
+    Remove {
+        #[command(flatten)]
+        target: TargetArgs,
+    },
+    /// List every entry: static, added and banned.
+    List {
+        /// Print the admin API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+struct TargetArgs {
+    /// A client key.
+    #[arg(long, value_name = "K", value_parser = admin_client::parse_key)]
+    key: Option<Target>,
+    /// An address or CIDR block, e.g. 203.0.113.7 or 10.1.0.0/16.
+    #[arg(long, value_name = "ADDR[/LEN]", value_parser = admin_client::parse_ip)]
+    ip: Option<Target>,
+}
+
+impl TargetArgs {
+    fn target(self) -> Target {
+        // clap's group makes exactly one of the two present.
+        self.key
+            .or(self.ip)
+            .unwrap_or_else(|| unreachable!("clap requires --key or --ip"))
+    }
 }
 
 fn main() -> ExitCode {
@@ -45,6 +112,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => check(config.unwrap_or_else(sluice::config::default_path)),
         Command::Run { config } => run(config.unwrap_or_else(sluice::config::default_path)),
+        Command::Deny { admin, action } => deny(admin, action),
     }
 }
 
@@ -107,6 +175,50 @@ fn run(path: PathBuf) -> ExitCode {
         tracing::info!("stopped");
         ExitCode::SUCCESS
     })
+}
+
+fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
+    let action = match action {
+        DenyAction::Add {
+            target,
+            ttl,
+            reason,
+        } => Action::Add {
+            target: target.target(),
+            ttl,
+            reason,
+        },
+        DenyAction::Remove { target } => Action::Remove {
+            target: target.target(),
+        },
+        DenyAction::List { json } => Action::List { json },
+    };
+    let config = args.config.unwrap_or_else(sluice::config::default_path);
+    let token = std::env::var(admin_client::TOKEN_ENV).ok();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sluice deny: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
+        admin_client::run(&endpoint, &action).await
+    });
+    match result {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("sluice deny: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Reload on SIGHUP; return on SIGTERM or SIGINT.

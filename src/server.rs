@@ -206,6 +206,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 if let Some(m) = shared.store.memory_store() {
                     m.sweep();
                 }
+                shared.strikes.sweep();
             }
         })
     };
@@ -218,7 +219,10 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             let _ = commands.send(Command::Remote(r));
         });
     }
-    let watch = {
+    // A configuration that was not read from a file (tests) has nothing to watch.
+    let watch = if !loaded.path.is_file() {
+        None
+    } else {
         let commands = commands.clone();
         match crate::config::watch::watch(&loaded.path, move || {
             let _ = commands.send(Command::Reload(Trigger::File));

@@ -840,13 +840,13 @@ routes:
         r.text()
     );
 
-    // A changed limit starts afresh.
+    // A raised limit keeps the count: 3 used, 4 of 5 now.
     write(&file, "5", "v3");
     gw.reload().await.expect("reload");
     let r = c.get(&u, &[]).await;
     assert_eq!(
         (r.status, r.text(), r.num("x-ratelimit-remaining")),
-        (200, "v3", 4)
+        (200, "v3", 1)
     );
 
     let m = metrics(gw.admin_addr).await;

@@ -8,9 +8,9 @@ mod harness;
 use std::time::Duration;
 
 use harness::*;
-use sluice::limit::cases::{self, Rng, BASE_US};
+use sluice::limit::cases::{self, PureStore, Rng, BASE_US};
 use sluice::limit::{
-    decide, Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisStore, RedisTarget, State,
+    Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisStore, RedisTarget, State,
 };
 
 const S: u64 = 1_000_000;
@@ -44,8 +44,8 @@ fn run_table(store: &RedisStore, rt: &tokio::runtime::Runtime) -> usize {
     for (i, case) in cases::all().into_iter().enumerate() {
         let key = format!("case-{i}");
         steps += case.steps.len();
-        let result = cases::run(&case, |now| {
-            rt.block_on(store.check_at("cases", &key, &case.plan, now))
+        let result = cases::run(&case, |plan, now| {
+            rt.block_on(store.check_at("cases", &key, plan, now))
                 .unwrap_or_else(|e| panic!("case {:?}: {e}", case.name))
         });
         if let Err(e) = result {
@@ -104,7 +104,9 @@ fn the_table_of_cases_passes_on_a_cluster() {
 /// functions in `algo` must agree on every field of every outcome (remaining, reset
 /// and retry included), for awkward parameters: rates that do not divide their
 /// period, day-long windows, large limits that stress the sliding window's doubles,
-/// costs above one, delay mode, and plans of several limits.
+/// costs above one, delay mode, and plans of several limits. Every 40 steps or so the
+/// plan is reloaded with other numbers (limit, rate, burst, cost), which keep the
+/// state and convert it.
 #[test]
 fn random_walks_agree_with_the_pure_functions() {
     let redis = RedisServer::start();
@@ -254,10 +256,12 @@ fn random_walks_agree_with_the_pure_functions() {
         },
     ];
     let mut admitted = 0;
-    for (p, plan) in plans.iter().enumerate() {
+    let mut reloads = 0;
+    for (p, first) in plans.iter().enumerate() {
         let mut rng = Rng(p as u64 + 1);
-        let mut states: Vec<State> = Vec::new();
+        let mut pure = PureStore::default();
         let mut now = BASE_US + rng.below(day);
+        let mut plan = first.clone();
         let key = format!("walk-{p}");
         // Mean gap: about the time one unit takes to come back.
         let gap = plan
@@ -271,18 +275,186 @@ fn random_walks_agree_with_the_pure_functions() {
             if rng.below(3) != 0 {
                 now += rng.below(gap);
             }
-            let (expected, new) = decide(plan, &states, now);
-            let got = rt
-                .block_on(store.check_at("walk", &key, plan, now))
-                .unwrap();
-            assert_eq!(got, expected, "plan {p} step {step} at {now}");
-            if let Some(new) = new {
-                states = new;
-                admitted += 1;
+            if rng.below(40) == 0 {
+                plan = match rng.below(3) {
+                    0 => first.clone(),
+                    _ => renumbered(first, &mut rng),
+                };
+                reloads += 1;
             }
+            let expected = pure.check(&plan, now);
+            let got = rt
+                .block_on(store.check_at("walk", &key, &plan, now))
+                .unwrap();
+            assert_eq!(got, expected, "plan {p} step {step} at {now}: {plan:?}");
+            admitted += usize::from(got.allowed);
         }
     }
     assert!(admitted > 1_000, "{admitted}");
+    assert!(reloads > 50, "{reloads}");
+}
+
+/// `plan` with other numbers (limit, rate, burst, cost, each between about half and
+/// twice the original) and the same names, algorithms and windows: a reload that
+/// keeps every limit's state.
+fn renumbered(plan: &Plan, rng: &mut Rng) -> Plan {
+    let mut about = |x: u64| x / 2 + 1 + rng.below(x + x / 2 + 1);
+    let limits = plan
+        .limits
+        .iter()
+        .map(|l| {
+            let algorithm = match l.algorithm {
+                Algorithm::FixedWindow { limit, window_us } => Algorithm::FixedWindow {
+                    limit: about(limit),
+                    window_us,
+                },
+                Algorithm::SlidingWindow { limit, window_us } => Algorithm::SlidingWindow {
+                    limit: about(limit),
+                    window_us,
+                },
+                Algorithm::SlidingLog { limit, window_us } => Algorithm::SlidingLog {
+                    limit: about(limit),
+                    window_us,
+                },
+                Algorithm::TokenBucket { rate: r, burst } => Algorithm::TokenBucket {
+                    rate: rate(about(r.count), about(r.per_us).max(r.count * 2)),
+                    burst: about(burst),
+                },
+                Algorithm::Gcra { rate: r, burst } => Algorithm::Gcra {
+                    rate: rate(about(r.count), about(r.per_us).max(r.count * 2)),
+                    burst: about(burst),
+                },
+            };
+            LimitDef::new(l.name.clone(), algorithm, about(l.cost).min(l.cost + 1))
+        })
+        .collect();
+    Plan {
+        limits,
+        mode: plan.mode,
+    }
+}
+
+/// token_bucket and gcra states written under other parameters, at the edges of what
+/// the conversion keeps exact in Lua's doubles (levels and debts up to 2^50 units,
+/// periods of a microsecond to a day), written straight into Redis and decided by the
+/// script and by `algo`.
+#[test]
+fn converted_states_agree_state_by_state() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+    let mut conn = redis.connection().unwrap();
+    let mut rng = Rng(2027);
+    let top = 1u64 << 50;
+    // (count, per_us, burst) with count <= per_us and burst * per_us <= 2^50.
+    let params = |rng: &mut Rng| {
+        let per_us = match rng.below(4) {
+            0 => 1 + rng.below(10),
+            1 => 1 + rng.below(10 * S),
+            2 => 86_400 * S - rng.below(1_000),
+            _ => S,
+        };
+        let count = 1 + rng.below(per_us.min(1_000));
+        let burst = match rng.below(3) {
+            0 => top / per_us,
+            _ => 1 + rng.below((top / per_us).min(50)),
+        };
+        (count, per_us, burst)
+    };
+    let mut checked = 0;
+    for i in 0..2_000 {
+        let (n0, p0, b0) = params(&mut rng);
+        let (n, p, burst) = params(&mut rng);
+        let (r0, r) = (rate(n0, p0), rate(n, p));
+        let now = BASE_US + rng.below(86_400 * S);
+        let cost = 1 + rng.below(3);
+        let max_delay = [0, 250_000, 60 * S][rng.below(3) as usize];
+        let mode = match max_delay {
+            0 => Mode::Reject,
+            d => Mode::Delay { max_delay_us: d },
+        };
+        let cap0 = b0 * p0;
+        // bucket: a level from 2^50 units owed to full, counted up to twice its refill
+        // time ago (so sometimes already full under the old parameters).
+        let tokens = match rng.below(4) {
+            0 => -(top as i64),
+            1 => cap0 as i64,
+            _ => rng.below(cap0 + top) as i64 - top as i64,
+        };
+        let refill = (cap0 as i64 - tokens) as u64 / n0;
+        let ts = now - rng.below(2 * refill.min(86_400 * S) + 1);
+        // gcra: a tat up to 2^50 units of debt ahead of when it was set, at most that
+        // far in the future, or a little in the past.
+        let ahead = match rng.below(3) {
+            0 => (cap0 + top) / n0,
+            _ => rng.below((cap0 + top) / n0 + 1),
+        };
+        let tat = match rng.below(4) {
+            0 => now - rng.below(S),
+            _ => now + rng.below(ahead + 1),
+        };
+        let ahead = ahead.min(tat);
+        for (name, algorithm, state) in [
+            (
+                "tb",
+                Algorithm::TokenBucket { rate: r, burst },
+                State::Bucket {
+                    tokens,
+                    ts,
+                    rate: r0,
+                    burst: b0,
+                },
+            ),
+            (
+                "gc",
+                Algorithm::Gcra { rate: r, burst },
+                State::Gcra {
+                    tat,
+                    ts: tat - ahead,
+                    rate: r0,
+                    burst: b0,
+                },
+            ),
+        ] {
+            let plan = Plan {
+                limits: vec![LimitDef::new(name.into(), algorithm, cost)],
+                mode,
+            };
+            let key = store.keys("conv", "k", &plan).remove(0);
+            let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+            let mut write = match state {
+                State::Bucket { .. } => redis::cmd("HSET"),
+                _ => redis::cmd("SET"),
+            };
+            write.arg(&key);
+            match state {
+                State::Bucket { .. } => write.arg(&[
+                    "t",
+                    &tokens.to_string(),
+                    "ts",
+                    &ts.to_string(),
+                    "n",
+                    &n0.to_string(),
+                    "p",
+                    &p0.to_string(),
+                    "b",
+                    &b0.to_string(),
+                ]),
+                _ => write.arg(format!("{tat} {ahead} {n0} {p0} {b0}")),
+            };
+            let _: () = write.query(&mut conn).unwrap();
+            let got = rt
+                .block_on(store.check_at("conv", "k", &plan, now))
+                .unwrap();
+            let (expected, _) = algorithm.check(&state, now, cost, max_delay);
+            assert_eq!(
+                got.outcomes[0], expected,
+                "{i}: {state:?} read as {algorithm:?} at {now}, cost {cost}, delay {max_delay}"
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4_000);
 }
 
 /// How long one unit of a limit takes to come back, roughly.
@@ -357,7 +529,7 @@ fn lua_integer_division_is_exact_up_to_2_pow_53() {
     let script = redis::Script::new(concat!(
         include_str!("../lua/arith.lua"),
         "\nlocal a, b = tonumber(ARGV[1]), tonumber(ARGV[2])\n",
-        "return {int(floor_div(a, b)), int(ceil_div(a, b))}\n"
+        "return {int(floor_div(a, b)), int(ceil_div(a, b)), int(floor_div_signed(-a, b))}\n"
     ));
     let top = (1u64 << 53) - 1;
     let mut checked = 0;
@@ -388,9 +560,12 @@ fn lua_integer_division_is_exact_up_to_2_pow_53() {
             top / b * b - 1,
             1_800_057_600_000_000,
         ] {
-            let (f, c): (String, String) = script.arg(a).arg(b).invoke(&mut conn).unwrap();
+            let (f, c, neg): (String, String, String) =
+                script.arg(a).arg(b).invoke(&mut conn).unwrap();
             assert_eq!(f, (a / b).to_string(), "floor {a} / {b}");
             assert_eq!(c, a.div_ceil(b).to_string(), "ceil {a} / {b}");
+            let floor_neg = (-(a as i64)).div_euclid(b as i64);
+            assert_eq!(neg, floor_neg.to_string(), "floor -{a} / {b}");
             checked += 1;
         }
     }

@@ -2,6 +2,11 @@
 //! microseconds since the UNIX epoch; all arithmetic is integer except the sliding
 //! window's weighting, which is done in f64 in exactly the order the Lua script
 //! uses, so both stores reach bit-identical decisions.
+//!
+//! State is kept across reloads that change a limit's numbers (`limit`, `rate`,
+//! `burst`, `cost`): the window algorithms apply the new limit to the counts as they
+//! are; token_bucket and gcra store the parameters their state was written under and
+//! convert it when they differ (`bucket_level`, `gcra_tat`).
 
 use std::collections::VecDeque;
 
@@ -35,11 +40,23 @@ pub enum State {
     /// sliding_log: admitted requests as (time, cost), oldest first.
     Log(VecDeque<(u64, u64)>),
     /// token_bucket: tokens scaled by `rate.per_us` (one token = per_us units, so a
-    /// microsecond refills exactly `rate.count` units) and the time they were counted.
-    /// Negative while delayed requests have booked future tokens.
-    Bucket { tokens: i64, ts: u64 },
-    /// gcra: the theoretical arrival time.
-    Gcra { tat: u64 },
+    /// microsecond refills exactly `rate.count` units) and the time they were counted,
+    /// with the rate and burst they were counted under. Negative while delayed requests
+    /// have booked future tokens.
+    Bucket {
+        tokens: i64,
+        ts: u64,
+        rate: Rate,
+        burst: u64,
+    },
+    /// gcra: the theoretical arrival time and the time it was set, with the rate and
+    /// burst it was computed under.
+    Gcra {
+        tat: u64,
+        ts: u64,
+        rate: Rate,
+        burst: u64,
+    },
 }
 
 /// What one limit says about one request.
@@ -81,9 +98,14 @@ enum Next {
     Bucket {
         tokens: i64,
         ts: u64,
+        rate: Rate,
+        burst: u64,
     },
     Gcra {
         tat: u64,
+        ts: u64,
+        rate: Rate,
+        burst: u64,
     },
 }
 
@@ -107,8 +129,28 @@ impl Algorithm {
             Next::Keep => state.clone(),
             Next::Window { idx, count } => State::Window { idx, count },
             Next::Sliding { idx, prev, curr } => State::Sliding { idx, prev, curr },
-            Next::Bucket { tokens, ts } => State::Bucket { tokens, ts },
-            Next::Gcra { tat } => State::Gcra { tat },
+            Next::Bucket {
+                tokens,
+                ts,
+                rate,
+                burst,
+            } => State::Bucket {
+                tokens,
+                ts,
+                rate,
+                burst,
+            },
+            Next::Gcra {
+                tat,
+                ts,
+                rate,
+                burst,
+            } => State::Gcra {
+                tat,
+                ts,
+                rate,
+                burst,
+            },
             Next::LogPush => {
                 let mut log = match state {
                     State::Log(log) => {
@@ -135,8 +177,32 @@ impl Algorithm {
             Next::Keep => {}
             Next::Window { idx, count } => *state = State::Window { idx, count },
             Next::Sliding { idx, prev, curr } => *state = State::Sliding { idx, prev, curr },
-            Next::Bucket { tokens, ts } => *state = State::Bucket { tokens, ts },
-            Next::Gcra { tat } => *state = State::Gcra { tat },
+            Next::Bucket {
+                tokens,
+                ts,
+                rate,
+                burst,
+            } => {
+                *state = State::Bucket {
+                    tokens,
+                    ts,
+                    rate,
+                    burst,
+                }
+            }
+            Next::Gcra {
+                tat,
+                ts,
+                rate,
+                burst,
+            } => {
+                *state = State::Gcra {
+                    tat,
+                    ts,
+                    rate,
+                    burst,
+                }
+            }
             Next::LogPush => {
                 if let State::Log(log) = state {
                     let w = self.window_us();
@@ -153,6 +219,9 @@ impl Algorithm {
     /// The time (µs since the epoch) from which `state` can no longer influence any
     /// decision: from then on it behaves exactly like `State::Empty`. Used to sweep the
     /// memory store and as the Redis key's expiry. 0 for a state of another algorithm.
+    /// A state written under other parameters expires no later than it would have
+    /// under them (its Redis key's TTL was set then), and no later than the converted
+    /// state would.
     pub fn expires_at_us(&self, state: &State) -> u64 {
         match (*self, state) {
             // The window's end: a later window starts from 0.
@@ -168,13 +237,38 @@ impl Algorithm {
                 .back()
                 .map_or(0, |&(ts, _)| ts.saturating_add(window_us.max(1))),
             // Full again after ceil((C - tokens) / N) µs.
-            (Algorithm::TokenBucket { rate, burst }, &State::Bucket { tokens, ts }) => {
-                let (n, p) = rate_parts(rate);
-                let deficit = (i128::from(burst) * p - i128::from(tokens)).max(0);
-                ts.saturating_add(to_u64(ceil_div(deficit, n)))
+            (
+                Algorithm::TokenBucket { rate, burst },
+                &State::Bucket {
+                    tokens,
+                    ts,
+                    rate: r0,
+                    burst: b0,
+                },
+            ) => {
+                let tokens = i128::from(tokens);
+                if (r0, b0) == (rate, burst) {
+                    return bucket_full_at(tokens, ts, rate, burst);
+                }
+                let converted = bucket_convert(tokens, r0, rate, burst);
+                bucket_full_at(converted, ts, rate, burst).min(bucket_full_at(tokens, ts, r0, b0))
             }
-            // Once now >= tat, max(tat, now) = now: as if empty.
-            (Algorithm::Gcra { .. }, &State::Gcra { tat }) => tat,
+            // Once now >= tat, max(tat, now) = now: as if empty. Written under other
+            // parameters: at its own tat, or the converted one if sooner.
+            (
+                Algorithm::Gcra { rate, burst },
+                &State::Gcra {
+                    tat,
+                    ts,
+                    rate: r0,
+                    burst: b0,
+                },
+            ) => {
+                if (r0, b0) == (rate, burst) {
+                    return tat;
+                }
+                tat.min(gcra_convert(tat, ts, r0, b0, rate, burst))
+            }
             _ => 0,
         }
     }
@@ -200,6 +294,17 @@ impl Algorithm {
                 let (n, p) = rate_parts(rate);
                 to_u64(ceil_div(i128::from(burst) * p, n))
             }
+        }
+    }
+
+    /// The window length of fixed_window, sliding_window and sliding_log: part of what
+    /// their state means, so a changed window starts afresh. None for the others.
+    pub fn window_len_us(&self) -> Option<u64> {
+        match *self {
+            Algorithm::FixedWindow { window_us, .. }
+            | Algorithm::SlidingWindow { window_us, .. }
+            | Algorithm::SlidingLog { window_us, .. } => Some(window_us),
+            Algorithm::TokenBucket { .. } | Algorithm::Gcra { .. } => None,
         }
     }
 
@@ -435,11 +540,9 @@ fn token_bucket(
 ) -> (Outcome, Next) {
     let (n, p) = rate_parts(rate);
     let cap = i128::from(burst) * p;
-    // Empty: full at now.
-    let (stored, ts) = match *state {
-        State::Bucket { tokens, ts } => (i128::from(tokens), ts),
-        _ => (cap, now),
-    };
+    // Empty: full at now. `until`: when a state written under other parameters is as
+    // good as empty (never for one written under these).
+    let (stored, ts, until) = bucket_level(state, now, rate, burst).unwrap_or((cap, now, u64::MAX));
     // Refill: elapsed = now - ts (0 if the clock is behind); full if tokens >= C or
     // elapsed >= ceil((C - tokens) / N), else tokens + elapsed * N (then < C, no overflow).
     let elapsed = i128::from(now.saturating_sub(ts));
@@ -459,19 +562,35 @@ fn token_bucket(
     // Delay mode: book the tokens now (the level goes negative) and wait.
     let (allowed, delay_us) = admit_after(wait, max_delay_us);
     // remaining = floor(max(0, level) / P), reset = ceil((C - level) / N), where level
-    // is `after` if admitted and the refilled `tokens` if refused.
+    // is `after` if admitted and the refilled `tokens` if refused. A refused request's
+    // state is full, and it passes, by `until` at the latest.
     let level = if allowed { after } else { tokens };
-    let outcome = Outcome {
-        allowed,
-        remaining: to_u64(level.max(0) / p),
-        reset_us: to_u64(ceil_div(cap - level, n)),
-        retry_after_us: if allowed { 0 } else { wait },
-        delay_us,
-        ..Outcome::default()
+    let reset_us = to_u64(ceil_div(cap - level, n));
+    let outcome = if allowed {
+        Outcome {
+            allowed,
+            remaining: to_u64(level.max(0) / p),
+            reset_us,
+            delay_us,
+            ..Outcome::default()
+        }
+    } else {
+        Outcome {
+            allowed,
+            remaining: to_u64(level.max(0) / p),
+            reset_us: reset_us.min(until - now),
+            retry_after_us: wait.min(until - now),
+            ..Outcome::default()
+        }
     };
     let next = if allowed {
         let tokens = i64::try_from(after).unwrap_or(i64::MIN);
-        Next::Bucket { tokens, ts: now }
+        Next::Bucket {
+            tokens,
+            ts: now,
+            rate,
+            burst,
+        }
     } else {
         Next::Keep
     };
@@ -501,11 +620,9 @@ fn gcra(
     }
     // L = burst * P: the largest admissible (tat - now) * N.
     let span = u128::from(burst) * p_u;
-    // base = max(tat, now) (tat = now when empty); new_tat = base + inc.
-    let tat = match *state {
-        State::Gcra { tat } => tat,
-        _ => now,
-    };
+    // base = max(tat, now) (tat = now when empty); new_tat = base + inc. `until`: when
+    // a state written under other parameters is as good as empty.
+    let (tat, until) = gcra_tat(state, now, rate, burst);
     let base = tat.max(now);
     let new_tat = base.saturating_add(inc);
     // excess = (new_tat - now) * N; admitted at once iff excess <= L,
@@ -519,22 +636,137 @@ fn gcra(
     let (allowed, delay_us) = admit_after(wait, max_delay_us);
     // With t = new_tat if admitted, else base:
     // remaining = floor(max(0, L - (t - now) * N) / P), reset = t - now.
+    // A refused request's state is empty, and it passes, by `until` at the latest.
     let t = if allowed { new_tat } else { base };
     let used = u128::from(t - now) * n_u;
-    let outcome = Outcome {
-        allowed,
-        remaining: u128_to_u64(span.saturating_sub(used) / p_u),
-        reset_us: t - now,
-        retry_after_us: if allowed { 0 } else { wait },
-        delay_us,
-        ..Outcome::default()
+    let remaining = u128_to_u64(span.saturating_sub(used) / p_u);
+    let outcome = if allowed {
+        Outcome {
+            allowed,
+            remaining,
+            reset_us: t - now,
+            delay_us,
+            ..Outcome::default()
+        }
+    } else {
+        Outcome {
+            allowed,
+            remaining,
+            reset_us: (t - now).min(until - now),
+            retry_after_us: wait.min(until - now),
+            ..Outcome::default()
+        }
     };
     let next = if allowed {
-        Next::Gcra { tat: new_tat }
+        Next::Gcra {
+            tat: new_tat,
+            ts: now,
+            rate,
+            burst,
+        }
     } else {
         Next::Keep
     };
     (outcome, next)
+}
+
+// === reading state written under other parameters ===
+//
+// A reload that changes a bucket's rate or burst keeps its level, in whole tokens, and
+// applies the new numbers to it. Such a state is read as empty once it would have been
+// full under the parameters it was written with: that is when its Redis key expires,
+// so both stores read it alike however late they look. Every number stays below 2^53
+// (exact in Lua's doubles): levels and capacities are at most 2^50 units.
+
+/// The lowest level, in units, a converted state keeps: booked delays beyond it are
+/// forgotten rather than carried into numbers Lua could not hold exactly.
+const MAX_DEBT: i128 = 1 << 50;
+
+/// token_bucket's level in units of `rate`, the time it was counted, and when it will
+/// be as good as empty (u64::MAX: not before it is full); None when the state is
+/// empty (or another algorithm's). Written under another rate: whole tokens
+/// q = floor(tokens / P0) (floor also for booked, negative levels), clamped to
+/// [-floor(2^50 / P), burst], become q * P at the same time, then refill at the new
+/// rate. Under another burst only: the level as stored (the refill clamps it to the new
+/// capacity).
+fn bucket_level(state: &State, now: u64, rate: Rate, burst: u64) -> Option<(i128, u64, u64)> {
+    let State::Bucket {
+        tokens,
+        ts,
+        rate: r0,
+        burst: b0,
+    } = *state
+    else {
+        return None;
+    };
+    let tokens = i128::from(tokens);
+    if (r0, b0) == (rate, burst) {
+        return Some((tokens, ts, u64::MAX));
+    }
+    let until = bucket_full_at(tokens, ts, r0, b0);
+    if now >= until {
+        return None;
+    }
+    Some((bucket_convert(tokens, r0, rate, burst), ts, until))
+}
+
+/// `tokens` counted under `r0` in units of `rate`, whole tokens only, clamped to
+/// [-floor(2^50 / P), burst].
+fn bucket_convert(tokens: i128, r0: Rate, rate: Rate, burst: u64) -> i128 {
+    if r0 == rate {
+        return tokens;
+    }
+    let (_, p0) = rate_parts(r0);
+    let (_, p) = rate_parts(rate);
+    let q = floor_div(tokens, p0).clamp(-(MAX_DEBT / p), i128::from(burst));
+    q * p
+}
+
+/// When a bucket at `tokens` units at `ts` is full under (`rate`, `burst`):
+/// ts + ceil((C - tokens) / N).
+fn bucket_full_at(tokens: i128, ts: u64, rate: Rate, burst: u64) -> u64 {
+    let (n, p) = rate_parts(rate);
+    let deficit = i128::from(burst) * p - tokens;
+    ts.saturating_add(to_u64(ceil_div(deficit, n)))
+}
+
+/// gcra's theoretical arrival time under (`rate`, `burst`) (`now` when empty), and when
+/// it will be as good as empty (u64::MAX: not before its tat). A state written under
+/// other parameters is empty from its own tat on (when its Redis key expires); until
+/// then it is converted (`gcra_convert`).
+fn gcra_tat(state: &State, now: u64, rate: Rate, burst: u64) -> (u64, u64) {
+    let State::Gcra {
+        tat,
+        ts,
+        rate: r0,
+        burst: b0,
+    } = *state
+    else {
+        return (now, u64::MAX);
+    };
+    if (r0, b0) == (rate, burst) {
+        return (tat, u64::MAX);
+    }
+    if tat <= now {
+        return (now, u64::MAX);
+    }
+    (gcra_convert(tat, ts, r0, b0, rate, burst), tat)
+}
+
+/// A tat set at `ts` under (N0, P0, B0), under (N, P, B): converted as token_bucket
+/// converts its level, at the time it was written. The whole tokens available then,
+/// avail = floor((B0 * P0 - (tat - ts) * N0) / P0) (negative with booked delays),
+/// clamped to [-floor(2^50 / P), B], leave used = B - avail, and the tat becomes
+/// ts + floor(used * P / N). Rounded down like gcra's own emission interval, so
+/// exactly `avail` requests pass at once, as `avail` whole tokens of token_bucket do
+/// (rounding up would lose one whenever N does not divide P).
+fn gcra_convert(tat: u64, ts: u64, r0: Rate, b0: u64, rate: Rate, burst: u64) -> u64 {
+    let (n0, p0) = rate_parts(r0);
+    let (n, p) = rate_parts(rate);
+    let owed = i128::from(tat.saturating_sub(ts)) * n0;
+    let avail = floor_div(i128::from(b0) * p0 - owed, p0).clamp(-(MAX_DEBT / p), i128::from(burst));
+    let used = i128::from(burst) - avail;
+    ts.saturating_add(to_u64(floor_div(used * p, n)))
 }
 
 // === arithmetic helpers ===
@@ -547,12 +779,22 @@ fn rate_parts(rate: Rate) -> (i128, i128) {
     )
 }
 
-/// ceil(a / b) for a >= 0, b > 0.
+/// ceil(a / b) for b > 0; 0 when a <= 0 (lua/arith.lua: ceil_div).
 fn ceil_div(a: i128, b: i128) -> i128 {
     if a <= 0 {
         0
     } else {
         (a - 1) / b + 1
+    }
+}
+
+/// floor(a / b) for any a, b > 0: towards minus infinity for negative a
+/// (lua/arith.lua: floor_div_signed).
+fn floor_div(a: i128, b: i128) -> i128 {
+    if a >= 0 {
+        a / b
+    } else {
+        -ceil_div(-a, b)
     }
 }
 
@@ -780,6 +1022,124 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Rates with N dividing P, all different (10/s twice, in other units).
+    fn divisible_rates() -> [(Rate, u64); 5] {
+        [
+            (rate(1, 100_000), 5),
+            (rate(1, 500_000), 5),
+            (rate(2, S), 3),
+            (rate(10, S), 8),
+            (rate(1, 50_000), 2),
+        ]
+    }
+
+    #[test]
+    fn gcra_and_token_bucket_agree_through_changes_of_rate() {
+        // Both read a changed state in whole tokens at the time it was written; with N
+        // dividing P neither rounds anywhere else.
+        for max_delay in [0, 300_000] {
+            for cost in [1, 2] {
+                let mut rng = Rng(11 + cost + max_delay);
+                let (mut s_tb, mut s_gc) = (State::Empty, State::Empty);
+                let mut now = T0;
+                let (mut admitted, mut changes) = (0, 0);
+                let (mut r, mut burst) = divisible_rates()[0];
+                for i in 0..20_000 {
+                    if rng.below(30) == 0 {
+                        let (r2, b2) = divisible_rates()[rng.below(5) as usize];
+                        changes += usize::from(r2 != r);
+                        (r, burst) = (r2, b2);
+                    }
+                    if rng.below(2) == 0 {
+                        now += rng.below(r.per_us / r.count * 2);
+                    }
+                    let tb = Algorithm::TokenBucket { rate: r, burst };
+                    let gc = Algorithm::Gcra { rate: r, burst };
+                    let (o_tb, n_tb) = tb.check(&s_tb, now, cost, max_delay);
+                    let (o_gc, n_gc) = gc.check(&s_gc, now, cost, max_delay);
+                    assert_eq!(
+                        o_tb, o_gc,
+                        "step {i} at {now} ({r:?} burst {burst} delay {max_delay}): \
+                         {s_tb:?} / {s_gc:?}"
+                    );
+                    assert_eq!(tb.expires_at_us(&s_tb), gc.expires_at_us(&s_gc));
+                    if o_tb.allowed {
+                        admitted += 1;
+                        (s_tb, s_gc) = (n_tb, n_gc);
+                    }
+                }
+                assert!(admitted > 1_000 && changes > 400, "{admitted} {changes}");
+            }
+        }
+    }
+
+    /// States written under one set of parameters and read under another keep what
+    /// every outcome promises: a refused request passes exactly after its retry time,
+    /// the state is replenished after its reset time, and from its expiry on it
+    /// decides like an empty one.
+    #[test]
+    fn converted_states_keep_the_promises_of_their_outcomes() {
+        let params = [
+            (rate(10, S), 5),
+            (rate(10, S), 2),
+            (rate(10, S), 9),
+            (rate(3, S), 4),
+            (rate(1, 250_000), 3),
+            (rate(7, 60 * S), 3),
+        ];
+        let mut checked = 0;
+        for (i, &(r0, b0)) in params.iter().enumerate() {
+            for (j, &(r, burst)) in params.iter().enumerate() {
+                if i == j {
+                    continue;
+                }
+                for [old, new] in [
+                    [
+                        Algorithm::TokenBucket {
+                            rate: r0,
+                            burst: b0,
+                        },
+                        Algorithm::TokenBucket { rate: r, burst },
+                    ],
+                    [
+                        Algorithm::Gcra {
+                            rate: r0,
+                            burst: b0,
+                        },
+                        Algorithm::Gcra { rate: r, burst },
+                    ],
+                ] {
+                    let mut n = 0;
+                    walk(old, 1, 0, 5 + i as u64, |state, now, _| {
+                        n += 1;
+                        if n > 300 {
+                            return;
+                        }
+                        checked += 1;
+                        let at = |t| new.check(state, t, 1, 0).0;
+                        let o = at(now);
+                        let fresh = |t| new.check(&State::Empty, t, 1, 0).0;
+                        let ctx = format!("{state:?} as {new:?} at {now}: {o:?}");
+                        if !o.allowed {
+                            let retry = o.retry_after_us;
+                            assert!(retry > 0 && at(now + retry).allowed, "{ctx}");
+                            assert!(retry == 1 || !at(now + retry - 1).allowed, "{ctx}");
+                            assert_eq!(at(now + o.reset_us), fresh(now + o.reset_us), "{ctx}");
+                        }
+                        let expires = new.expires_at_us(state).max(now);
+                        for t in [expires, expires + 1, expires + 7 * S] {
+                            assert_eq!(at(t), fresh(t), "{ctx}: expires {expires}");
+                        }
+                        if expires > now + 1 {
+                            assert_ne!(at(expires - 1), fresh(expires - 1), "{ctx}");
+                        }
+                    });
+                }
+            }
+        }
+        assert_eq!(checked, 6 * 5 * 2 * 300);
     }
 
     #[test]

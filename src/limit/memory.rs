@@ -164,8 +164,8 @@ impl Entry {
                 .charge(&mut slot.state, now, limit.cost, max_delay_us);
             slot.expires_at_us = limit.algorithm.expires_at_us(&slot.state);
         }
-        // States of limits a reload changed (new id) are no longer read; drop them
-        // once they have expired.
+        // States of limits a reload removed, or gave another algorithm or window (a new
+        // id), are not read now; drop them once they have expired.
         if self.slots.len() > plan.limits.len() {
             self.slots
                 .retain(|s| s.expires_at_us > now || plan.limits.iter().any(|l| l.id == s.id));
@@ -377,7 +377,7 @@ mod tests {
     }
 
     #[test]
-    fn state_survives_a_new_plan_only_for_unchanged_limits() {
+    fn state_survives_a_new_plan_unless_algorithm_or_window_changed() {
         let (clock, store) = store(100);
         let old = plan(vec![
             bucket("burst", 10, 5),
@@ -386,26 +386,22 @@ mod tests {
         for _ in 0..3 {
             store.check("api", "k", &old);
         }
-        // burst changed (new id, starts full); daily unchanged (keeps its count of 3).
-        let new = plan(vec![
-            bucket("burst", 10, 8),
-            fixed("daily", 100, 86_400 * S),
-        ]);
-        assert_ne!(old.limits[0].id, new.limits[0].id);
-        assert_eq!(old.limits[1].id, new.limits[1].id);
-        assert_eq!(remaining(&store.check("api", "k", &new)), [7, 96]);
-        // The old bucket's state is kept until it can no longer matter...
+        // burst: new numbers, same state (2 tokens left, now of 8: 1 after this one).
+        // daily: a new window length starts afresh.
+        let new = plan(vec![bucket("burst", 10, 8), fixed("daily", 100, 3_600 * S)]);
+        assert_eq!(old.limits[0].id, new.limits[0].id);
+        assert_ne!(old.limits[0].version, new.limits[0].version);
+        assert_ne!(old.limits[1].id, new.limits[1].id);
+        assert_eq!(remaining(&store.check("api", "k", &new)), [1, 99]);
+        // The old daily state is kept until it can no longer matter...
         let ids = |p: &Plan| p.limits.iter().map(|l| l.id).collect::<Vec<_>>();
         let mut all = ids(&old);
-        all.push(new.limits[0].id);
+        all.push(new.limits[1].id);
         assert_eq!(slots(&store, "api", "k"), Some(all));
-        // ...(3 requests refill in 300ms), then dropped.
-        clock.advance(300_000);
-        assert_eq!(remaining(&store.check("api", "k", &new)), [7, 95]);
-        assert_eq!(
-            slots(&store, "api", "k"),
-            Some(vec![new.limits[1].id, new.limits[0].id])
-        );
+        // ...(the end of the day), then dropped by the next charge.
+        clock.set(BASE_US + 86_400 * S);
+        assert_eq!(remaining(&store.check("api", "k", &new)), [7, 99]);
+        assert_eq!(slots(&store, "api", "k"), Some(ids(&new)));
     }
 
     #[test]

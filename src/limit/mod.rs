@@ -23,20 +23,32 @@ pub use store::{OnError, Store, StoreError};
 pub struct LimitDef {
     /// `name` from the config, or `<algorithm>_<index>`.
     pub name: String,
-    /// Stable id of (name, algorithm, parameters, cost): state is kept per id, so a
-    /// reload that leaves a limit unchanged keeps its state and one that changes it
-    /// starts afresh.
+    /// Stable id of what the state means: the name, the algorithm and, for the window
+    /// algorithms, the window length. State is kept per id (within a route), so a
+    /// reload that changes `limit`, `rate`, `burst` or `cost` keeps the count and the
+    /// algorithm applies the new numbers to it; a changed algorithm or window starts
+    /// afresh.
     pub id: u64,
+    /// Stable hash of everything that decides this limit: the id, every parameter and
+    /// the cost. Whatever is remembered about a decision (the Redis store's refusal
+    /// cache) must be forgotten when it changes.
+    pub version: u64,
     pub algorithm: Algorithm,
     pub cost: u64,
 }
 
 impl LimitDef {
     pub fn new(name: String, algorithm: Algorithm, cost: u64) -> LimitDef {
-        let id = stable_id(&format!("{name}|{algorithm:?}|{cost}"));
+        let label = algorithm.label();
+        let id = match algorithm.window_len_us() {
+            Some(window_us) => stable_id(&format!("{name}|{label}|{window_us}")),
+            None => stable_id(&format!("{name}|{label}")),
+        };
+        let version = stable_id(&format!("{id:x}|{algorithm:?}|{cost}"));
         LimitDef {
             name,
             id,
+            version,
             algorithm,
             cost,
         }
@@ -123,4 +135,54 @@ pub fn stable_id(s: &str) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_id_names_what_the_state_means_and_the_version_everything() {
+        let rate = |count| Rate {
+            count,
+            per_us: 1_000_000,
+        };
+        let def = |name: &str, algorithm, cost| LimitDef::new(name.into(), algorithm, cost);
+        let fixed = |limit, window_us| Algorithm::FixedWindow { limit, window_us };
+        let log = |limit, window_us| Algorithm::SlidingLog { limit, window_us };
+        let bucket = |count, burst| Algorithm::TokenBucket {
+            rate: rate(count),
+            burst,
+        };
+        let gcra = |count, burst| Algorithm::Gcra {
+            rate: rate(count),
+            burst,
+        };
+        let same_state = [
+            [def("l", fixed(10, 60), 1), def("l", fixed(5, 60), 3)],
+            [def("l", log(10, 60), 1), def("l", log(11, 60), 1)],
+            [def("l", bucket(10, 5), 1), def("l", bucket(3, 5), 1)],
+            [def("l", bucket(10, 5), 1), def("l", bucket(10, 9), 2)],
+            [def("l", gcra(10, 5), 1), def("l", gcra(1, 1), 1)],
+        ];
+        for [a, b] in &same_state {
+            assert_eq!(a.id, b.id, "{a:?} {b:?}");
+            assert_ne!(a.version, b.version, "{a:?} {b:?}");
+        }
+        let afresh = [
+            [def("l", fixed(10, 60), 1), def("m", fixed(10, 60), 1)],
+            [def("l", fixed(10, 60), 1), def("l", fixed(10, 61), 1)],
+            [def("l", fixed(10, 60), 1), def("l", log(10, 60), 1)],
+            [def("l", bucket(10, 5), 1), def("l", gcra(10, 5), 1)],
+        ];
+        for [a, b] in &afresh {
+            assert_ne!(a.id, b.id, "{a:?} {b:?}");
+            assert_ne!(a.version, b.version, "{a:?} {b:?}");
+        }
+        let a = def("l", gcra(10, 5), 1);
+        assert_eq!((a.id, a.version), {
+            let b = def("l", gcra(10, 5), 1);
+            (b.id, b.version)
+        });
+    }
 }

@@ -297,6 +297,15 @@ impl Inner {
         self.call("", &NO_LIMITS, None).await.map(drop)
     }
 
+    /// PING, bounded by the timeout.
+    async fn ping(&self) -> Result<(), StoreError> {
+        match tokio::time::timeout(self.timeout, self.query::<String>(&redis::cmd("PING"))).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
     /// One script call: every limit of `plan`, charged only if all admit.
     async fn call(
         &self,
@@ -412,12 +421,13 @@ fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
     })
 }
 
-/// Identifies a plan's limits (by their ids, which change with any parameter) and
-/// mode, so a reload that changes them never reuses a cached refusal.
+/// Identifies a plan's limits (by their versions, which change with any parameter or
+/// cost, while their ids, and so their state, may stay) and mode, so a reload that
+/// changes them never reuses a cached refusal.
 fn fingerprint(plan: &Plan) -> u64 {
-    let mut h = super::stable_id(&plan.max_delay_us().to_string());
+    let mut h = plan.max_delay_us() ^ 0xcbf2_9ce4_8422_2325;
     for l in &plan.limits {
-        h = (h ^ l.id)
+        h = (h ^ l.version)
             .wrapping_mul(0x0000_0100_0000_01b3)
             .rotate_left(29);
     }
@@ -503,7 +513,14 @@ fn spawn_prober(store: Weak<Inner>) {
             if !open && inner.breaker.answered_within(PROBE_EVERY) {
                 continue;
             }
-            match inner.probe().await {
+            // An open breaker closes only once the script itself runs; an idle one
+            // just checks that Redis answers.
+            let answer = if open {
+                inner.probe().await
+            } else {
+                inner.ping().await
+            };
+            match answer {
                 Ok(()) if open => {
                     inner.breaker.close();
                     tracing::info!("Redis answers again; limits are decided in Redis");
@@ -662,11 +679,56 @@ mod tests {
         let a = fingerprint(&plan(Mode::Reject));
         assert_eq!(a, fingerprint(&plan(Mode::Reject)));
         assert_ne!(a, fingerprint(&plan(Mode::Delay { max_delay_us: 5 })));
+        assert_ne!(
+            fingerprint(&plan(Mode::Delay { max_delay_us: 5 })),
+            fingerprint(&plan(Mode::Delay { max_delay_us: 6 }))
+        );
         let mut p = plan(Mode::Reject);
         p.limits.reverse();
         assert_ne!(a, fingerprint(&p));
         p.limits.pop();
         assert_ne!(a, fingerprint(&p));
+    }
+
+    /// A reload that changes a limit's numbers keeps its state (same id, same key) but
+    /// must not be answered by a refusal cached under the old numbers.
+    #[test]
+    fn fingerprint_changes_with_every_parameter_and_cost_while_the_key_stays() {
+        let base = plan(Mode::Reject);
+        let with = |i: usize, algorithm: Algorithm, cost: u64| {
+            let mut p = base.clone();
+            let name = p.limits[i].name.clone();
+            p.limits[i] = LimitDef::new(name, algorithm, cost);
+            p
+        };
+        let rate = |count, per_us| Rate { count, per_us };
+        let window = |limit| Algorithm::FixedWindow {
+            limit,
+            window_us: 1_000_000,
+        };
+        let gcra = |rate, burst| Algorithm::Gcra { rate, burst };
+        let changed = [
+            with(0, window(4), 1),
+            with(0, window(3), 2),
+            with(1, gcra(rate(10, 2_000_000), 5), 1),
+            with(1, gcra(rate(11, 1_000_000), 5), 1),
+            with(1, gcra(rate(10, 1_000_000), 6), 1),
+            with(1, gcra(rate(10, 1_000_000), 5), 3),
+        ];
+        let tag = tag("sluice:", "r", "k");
+        let keys = |p: &Plan| -> Vec<String> {
+            p.limits
+                .iter()
+                .map(|l| limit_key(&tag, &l.name, l.id))
+                .collect()
+        };
+        let mut seen = vec![fingerprint(&base)];
+        for p in &changed {
+            assert_eq!(keys(p), keys(&base), "{p:?}");
+            let f = fingerprint(p);
+            assert!(!seen.contains(&f), "{p:?}");
+            seen.push(f);
+        }
     }
 
     #[test]

@@ -1,0 +1,582 @@
+//! The client side of the admin API's deny list, for `sluice deny`: it finds the
+//! admin address and token (flags, environment, configuration file), sends one
+//! bounded HTTP/1.1 request and turns the answer into what the operator reads.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST};
+use http::{Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{self, ConfigErrors};
+use crate::deny::Target;
+
+/// How long one call may take, from connecting to the last byte of the answer.
+pub const CALL_BOUND: Duration = Duration::from_secs(10);
+
+/// The environment variable that carries the admin token.
+pub const TOKEN_ENV: &str = "SLUICE_ADMIN_TOKEN";
+
+// === what is denied ===
+
+/// `--ip`: an address or a CIDR block, in the form the admin API stores it (host
+/// bits dropped: `10.1.2.3/16` is `10.1.0.0/16`).
+pub fn parse_ip(s: &str) -> Result<Target, String> {
+    Target::ip(s)
+        .ok_or_else(|| "expected an IP address or a CIDR block like 10.0.0.0/8".to_string())
+}
+
+/// `--key`: any non-empty text.
+pub fn parse_key(s: &str) -> Result<Target, String> {
+    if s.is_empty() {
+        return Err("a key cannot be empty".to_string());
+    }
+    Ok(Target::Key(s.to_string()))
+}
+
+/// A time to live as written (`10m`), checked with the configuration's parser.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ttl {
+    pub text: String,
+    pub duration: Duration,
+}
+
+pub fn parse_ttl(s: &str) -> Result<Ttl, String> {
+    let text = s.trim();
+    match config::value::parse_duration(text) {
+        Some(d) if !d.is_zero() => Ok(Ttl {
+            text: text.to_string(),
+            duration: d,
+        }),
+        Some(_) => Err("a time to live must be longer than 0".to_string()),
+        None => Err("expected a duration like 250ms, 10s, 1m, 1h or 1d".to_string()),
+    }
+}
+
+// === the answers ===
+
+/// One entry of `GET /admin/deny`. Fields this client does not know (e.g. a ban's
+/// `route`) are ignored.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Entry {
+    pub kind: String,
+    pub value: String,
+    #[serde(default)]
+    pub expires_at: Option<String>,
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub source: Option<String>,
+}
+
+/// The body of `POST` and `DELETE /admin/deny`.
+#[derive(Debug, Serialize)]
+struct Body<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ip: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ttl: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'a str>,
+}
+
+impl<'a> Body<'a> {
+    fn new(target: &'a Target) -> Body<'a> {
+        let (ip, key) = match target {
+            Target::Ip(_) => (Some(target.value()), None),
+            Target::Key(k) => (None, Some(k.as_str())),
+        };
+        Body {
+            ip,
+            key,
+            ttl: None,
+            reason: None,
+        }
+    }
+}
+
+// === errors ===
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No `--admin`, and the configuration file that should name the listener
+    /// cannot be read or is invalid.
+    #[error("{0}\nhint: pass --admin URL (e.g. --admin http://127.0.0.1:9091) to reach the admin API without the configuration file")]
+    Config(ConfigErrors),
+    #[error("--admin {url:?}: {why}")]
+    BadUrl { url: String, why: String },
+    #[error("cannot reach the admin API at {url}: {why}")]
+    Unreachable { url: String, why: String },
+    /// The API answered with a status other than the one that means success.
+    #[error("{}", refusal(*.status, .message))]
+    Refused { status: StatusCode, message: String },
+    #[error("the admin API at {url} answered {what}")]
+    BadAnswer { url: String, what: String },
+}
+
+fn refusal(status: StatusCode, message: &str) -> String {
+    let mut line = status.to_string();
+    if !message.is_empty() {
+        line.push_str(": ");
+        line.push_str(message);
+    }
+    if status == StatusCode::UNAUTHORIZED {
+        line.push_str(&format!(" (set {TOKEN_ENV} or admin.token)"));
+    }
+    line
+}
+
+/// An I/O error as a short lower-case phrase: `connection refused`, not
+/// `Connection refused (os error 111)`.
+fn io_phrase(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    let text = match text.find(" (os error") {
+        Some(i) => &text[..i],
+        None => &text,
+    };
+    let mut chars = text.chars();
+    match chars.next() {
+        Some(first) => first.to_lowercase().chain(chars).collect(),
+        None => format!("{:?}", e.kind()),
+    }
+}
+
+// === finding the admin API ===
+
+/// Where the admin API is and how to authenticate to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// `http://HOST:PORT` plus any path prefix, without a trailing `/`.
+    pub base: String,
+    /// Host and port to connect to; the host as in the URL, without brackets.
+    host: String,
+    port: u16,
+    /// `HOST:PORT` as the `Host` header says it.
+    authority: String,
+    pub token: Option<String>,
+}
+
+impl Endpoint {
+    /// `--admin` wins over the configuration's `admin.listen`; `env_token` (from
+    /// `SLUICE_ADMIN_TOKEN`) wins over `admin.token`. With `--admin` the file is
+    /// optional: one that is missing or invalid contributes nothing.
+    pub fn resolve(
+        admin: Option<&str>,
+        config_path: &Path,
+        env_token: Option<String>,
+    ) -> Result<Endpoint, ClientError> {
+        let env_token = env_token.filter(|t| !t.is_empty());
+        let loaded = config::load(config_path);
+        let (base, file_token) = match (admin, loaded) {
+            (Some(url), loaded) => {
+                let token = loaded.ok().and_then(|l| l.file.admin.token);
+                (url.to_string(), token)
+            }
+            (None, Ok(l)) => (listen_url(l.file.admin.listen.0), l.file.admin.token),
+            (None, Err(errors)) => return Err(ClientError::Config(errors)),
+        };
+        let token = env_token.or(file_token.map(|t| t.0).filter(|t| !t.is_empty()));
+        Endpoint::new(&base, token)
+    }
+
+    pub fn new(url: &str, token: Option<String>) -> Result<Endpoint, ClientError> {
+        let bad = |why: &str| ClientError::BadUrl {
+            url: url.to_string(),
+            why: why.to_string(),
+        };
+        let written = url.trim();
+        // `127.0.0.1:9091` alone means plain HTTP, as the admin listener speaks.
+        let full = if written.contains("://") {
+            written.to_string()
+        } else {
+            format!("http://{written}")
+        };
+        let uri: Uri = full
+            .parse()
+            .map_err(|_| bad("expected a URL like http://127.0.0.1:9091"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => return Err(bad("the admin listener speaks plain HTTP: use http://")),
+            _ => return Err(bad("expected a URL like http://127.0.0.1:9091")),
+        }
+        let host = uri
+            .host()
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| bad("the URL has no host"))?;
+        if uri.query().is_some() {
+            return Err(bad("the URL cannot have a query"));
+        }
+        let port = uri.port_u16().unwrap_or(80);
+        let authority = match uri.port_u16() {
+            Some(p) => format!("{host}:{p}"),
+            None => host.to_string(),
+        };
+        let prefix = uri.path().trim_end_matches('/');
+        Ok(Endpoint {
+            base: format!("http://{authority}{prefix}"),
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            port,
+            authority,
+            token,
+        })
+    }
+
+    // === the three calls ===
+
+    /// `GET /admin/deny`: the entries, and the body exactly as it came.
+    pub async fn list(&self) -> Result<(Vec<Entry>, Bytes), ClientError> {
+        let body = self.call(Method::GET, None).await?;
+        let entries = serde_json::from_slice(&body).map_err(|e| self.bad_answer("list", e))?;
+        Ok((entries, body))
+    }
+
+    /// `POST /admin/deny`: the entry as the API stored it.
+    pub async fn add(
+        &self,
+        target: &Target,
+        ttl: Option<&Ttl>,
+        reason: Option<&str>,
+    ) -> Result<Entry, ClientError> {
+        let mut body = Body::new(target);
+        body.ttl = ttl.map(|t| t.text.as_str());
+        body.reason = reason;
+        let answer = self.call(Method::POST, Some(&body)).await?;
+        serde_json::from_slice(&answer).map_err(|e| self.bad_answer("entry", e))
+    }
+
+    /// `DELETE /admin/deny`.
+    pub async fn remove(&self, target: &Target) -> Result<(), ClientError> {
+        let body = Body::new(target);
+        self.call(Method::DELETE, Some(&body)).await.map(drop)
+    }
+
+    fn bad_answer(&self, wanted: &str, e: serde_json::Error) -> ClientError {
+        ClientError::BadAnswer {
+            url: self.base.clone(),
+            what: format!("something that is not a deny-list {wanted}: {e}"),
+        }
+    }
+
+    /// One request to `/admin/deny` on a fresh connection, bounded by `CALL_BOUND`.
+    /// Any 2xx is success (the API sends 200, 201 or 204); anything else is a
+    /// `Refused` with the API's one-line message.
+    async fn call(&self, method: Method, body: Option<&Body<'_>>) -> Result<Bytes, ClientError> {
+        let unreachable = |why: String| ClientError::Unreachable {
+            url: self.base.clone(),
+            why,
+        };
+        let exchange = self.exchange(method, body);
+        let (status, answer) = tokio::time::timeout(CALL_BOUND, exchange)
+            .await
+            .map_err(|_| unreachable(format!("no answer within {}s", CALL_BOUND.as_secs())))?
+            .map_err(unreachable)?;
+        if status.is_success() {
+            return Ok(answer);
+        }
+        let message = String::from_utf8_lossy(&answer);
+        // The API's errors are one line; keep the first, whatever comes.
+        let message = message.lines().next().unwrap_or("").trim().to_string();
+        Err(ClientError::Refused { status, message })
+    }
+
+    async fn exchange(
+        &self,
+        method: Method,
+        body: Option<&Body<'_>>,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let stream = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .map_err(|e| io_phrase(&e))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        // The connection is driven on its own; it ends when `sender` is dropped.
+        let driver = tokio::spawn(conn);
+
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{}/admin/deny", uri_path(&self.base)))
+            .header(HOST, &self.authority)
+            .header(ACCEPT, "application/json");
+        if let Some(token) = &self.token {
+            req = req.header(AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let payload = match body {
+            Some(b) => {
+                req = req.header(CONTENT_TYPE, "application/json");
+                Bytes::from(serde_json::to_vec(b).map_err(|e| e.to_string())?)
+            }
+            None => Bytes::new(),
+        };
+        let req = req
+            .body(Full::new(payload))
+            .map_err(|e| format!("cannot build the request: {e}"))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| format!("the connection failed: {e}"))?;
+        let status = resp.status();
+        let answer = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("the answer broke off: {e}"))?
+            .to_bytes();
+        drop(sender);
+        driver.abort();
+        Ok((status, answer))
+    }
+}
+
+/// The path part of `http://authority/prefix`.
+fn uri_path(base: &str) -> &str {
+    let rest = base.strip_prefix("http://").unwrap_or(base);
+    rest.find('/').map(|i| &rest[i..]).unwrap_or("")
+}
+
+/// `http://ADDR` for a listen address; an unspecified one (`0.0.0.0`, `::`)
+/// listens on loopback too, so that is where to connect.
+pub fn listen_url(listen: SocketAddr) -> String {
+    let ip = match listen.ip() {
+        IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    format!("http://{}", SocketAddr::new(ip, listen.port()))
+}
+
+// === what the operator reads ===
+
+/// `denied ip 203.0.113.7 for 10m (reason: scraping)`, `denied key k until removed`.
+pub fn added_line(
+    target: &Target,
+    entry: Option<&Entry>,
+    ttl: Option<&Ttl>,
+    reason: Option<&str>,
+) -> String {
+    let value = entry.map(|e| e.value.clone()).unwrap_or(target.value());
+    let mut line = format!("denied {} {value}", target.kind());
+    match ttl {
+        Some(t) => line.push_str(&format!(" for {}", t.text)),
+        None => line.push_str(" until removed"),
+    }
+    if let Some(r) = reason.filter(|r| !r.is_empty()) {
+        line.push_str(&format!(" (reason: {r})"));
+    }
+    line
+}
+
+/// `removed ip 203.0.113.7`.
+pub fn removed_line(target: &Target) -> String {
+    format!("removed {target}")
+}
+
+/// The entries as an aligned table under a header row; every line ends in `\n`,
+/// and no line in trailing spaces.
+pub fn table(entries: &[Entry]) -> String {
+    let header = ["KIND", "VALUE", "SOURCE", "EXPIRES", "REASON"];
+    let rows: Vec<[&str; 5]> = entries
+        .iter()
+        .map(|e| {
+            [
+                e.kind.as_str(),
+                e.value.as_str(),
+                e.source.as_deref().unwrap_or("-"),
+                e.expires_at.as_deref().unwrap_or("never"),
+                e.reason.as_deref().filter(|r| !r.is_empty()).unwrap_or("-"),
+            ]
+        })
+        .collect();
+    let mut widths = header.map(|h| h.chars().count());
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in std::iter::once(&header).chain(&rows) {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i > 0 {
+                line.push_str("  ");
+            }
+            line.push_str(cell);
+            if i + 1 < row.len() {
+                let pad = widths[i] - cell.chars().count();
+                line.extend(std::iter::repeat_n(' ', pad));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+// === the whole command ===
+
+/// One `sluice deny` action.
+#[derive(Debug, Clone)]
+pub enum Action {
+    Add {
+        target: Target,
+        ttl: Option<Ttl>,
+        reason: Option<String>,
+    },
+    Remove {
+        target: Target,
+    },
+    List {
+        json: bool,
+    },
+}
+
+/// Run `action` against `endpoint`; what to print on stdout.
+pub async fn run(endpoint: &Endpoint, action: &Action) -> Result<String, ClientError> {
+    match action {
+        Action::Add {
+            target,
+            ttl,
+            reason,
+        } => {
+            let entry = endpoint
+                .add(target, ttl.as_ref(), reason.as_deref())
+                .await?;
+            Ok(added_line(target, Some(&entry), ttl.as_ref(), reason.as_deref()) + "\n")
+        }
+        Action::Remove { target } => {
+            endpoint.remove(target).await?;
+            Ok(removed_line(target) + "\n")
+        }
+        Action::List { json } => {
+            let (entries, body) = endpoint.list().await?;
+            if *json {
+                let mut text = String::from_utf8_lossy(&body).into_owned();
+                if !text.ends_with('\n') {
+                    text.push('\n');
+                }
+                Ok(text)
+            } else {
+                Ok(table(&entries))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ip_values_as_the_api_takes_them() {
+        let v = |s: &str| parse_ip(s).unwrap().value();
+        assert_eq!(v("203.0.113.7"), "203.0.113.7");
+        assert_eq!(v("203.0.113.7/32"), "203.0.113.7");
+        assert_eq!(v("10.1.2.3/16"), "10.1.0.0/16");
+        assert_eq!(v("2001:db8::1/32"), "2001:db8::/32");
+        assert_eq!(v("::1"), "::1");
+        assert_eq!(v("::ffff:192.0.2.1"), "192.0.2.1");
+        assert!(parse_ip("10.0.0.0/33").is_err());
+        assert!(parse_ip("example.com").is_err());
+        assert!(parse_key("").is_err());
+    }
+
+    #[test]
+    fn ttl_uses_the_config_durations() {
+        assert_eq!(parse_ttl("10m").unwrap().duration, Duration::from_secs(600));
+        assert_eq!(parse_ttl("250ms").unwrap().text, "250ms");
+        assert!(parse_ttl("0s").is_err());
+        assert!(parse_ttl("10 minutes").is_err());
+        assert!(parse_ttl("").is_err());
+    }
+
+    #[test]
+    fn urls() {
+        let e = Endpoint::new("http://127.0.0.1:9091/", None).unwrap();
+        assert_eq!(
+            (e.base.as_str(), e.host.as_str(), e.port),
+            ("http://127.0.0.1:9091", "127.0.0.1", 9091)
+        );
+        let e = Endpoint::new("[::1]:9091", None).unwrap();
+        assert_eq!(
+            (e.base.as_str(), e.host.as_str(), e.authority.as_str()),
+            ("http://[::1]:9091", "::1", "[::1]:9091")
+        );
+        let e = Endpoint::new("http://admin.internal/sluice/", None).unwrap();
+        assert_eq!(
+            (e.base.as_str(), e.port),
+            ("http://admin.internal/sluice", 80)
+        );
+        assert_eq!(uri_path(&e.base), "/sluice");
+        assert!(Endpoint::new("https://127.0.0.1:9091", None).is_err());
+        assert!(Endpoint::new("ftp://x", None).is_err());
+        assert!(Endpoint::new("http://", None).is_err());
+    }
+
+    #[test]
+    fn unspecified_listen_addresses_mean_loopback() {
+        let url = |s: &str| listen_url(s.parse().unwrap());
+        assert_eq!(url("0.0.0.0:9091"), "http://127.0.0.1:9091");
+        assert_eq!(url("[::]:9091"), "http://[::1]:9091");
+        assert_eq!(url("10.0.0.5:9091"), "http://10.0.0.5:9091");
+    }
+
+    #[test]
+    fn lines() {
+        let ip = parse_ip("203.0.113.7").unwrap();
+        let ttl = parse_ttl("10m").unwrap();
+        assert_eq!(
+            added_line(&ip, None, Some(&ttl), Some("scraping")),
+            "denied ip 203.0.113.7 for 10m (reason: scraping)"
+        );
+        let key = Target::Key("leaked-key-123".into());
+        assert_eq!(
+            added_line(&key, None, None, None),
+            "denied key leaked-key-123 until removed"
+        );
+        assert_eq!(removed_line(&ip), "removed ip 203.0.113.7");
+        assert_eq!(
+            refusal(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong bearer token"
+            ),
+            "401 Unauthorized: missing or wrong bearer token (set SLUICE_ADMIN_TOKEN or admin.token)"
+        );
+        assert_eq!(refusal(StatusCode::NOT_FOUND, ""), "404 Not Found");
+    }
+
+    #[test]
+    fn table_aligns_columns() {
+        let entries: Vec<Entry> = serde_json::from_str(
+            r#"[
+            {"kind":"ip","value":"10.1.0.0/16","expires_at":"2026-11-21T22:10:00Z","reason":"scraping","source":"api"},
+            {"kind":"key","value":"leaked-key-123","expires_at":null,"reason":null,"source":"static"},
+            {"kind":"ip","value":"2001:db8::/32","expires_at":null,"reason":"","source":"ban","route":"login"}
+            ]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            table(&entries),
+            "KIND  VALUE           SOURCE  EXPIRES               REASON\n\
+             ip    10.1.0.0/16     api     2026-11-21T22:10:00Z  scraping\n\
+             key   leaked-key-123  static  never                 -\n\
+             ip    2001:db8::/32   ban     never                 -\n"
+        );
+        assert_eq!(table(&[]), "KIND  VALUE  SOURCE  EXPIRES  REASON\n");
+    }
+
+    #[test]
+    fn io_errors_read_as_phrases() {
+        let e = std::io::Error::from_raw_os_error(111);
+        assert_eq!(io_phrase(&e), "connection refused");
+    }
+}
