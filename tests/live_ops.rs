@@ -100,8 +100,8 @@ async fn start_at(path: &Path) -> Running {
         .unwrap_or_else(|e| panic!("gateway does not start: {e}"))
 }
 
-/// A gateway from `dir/rules.yaml` in a directory of its own. Tests that count
-/// reloads use it: a gateway from `start_gateway` watches the working directory.
+/// A gateway from `dir/rules.yaml` in a directory of its own, watched: no other
+/// test's files wake its watcher.
 async fn start_in_dir(yaml: &str) -> (Running, tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = write_config(dir.path(), yaml);
