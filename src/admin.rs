@@ -234,6 +234,11 @@ async fn read<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<
         }
         Err(e) => return Err(bad_request(&format!("cannot read the body: {e}"))),
     };
+    // serde reads a struct from a JSON array too (`["10.0.0.1"]` as `{"ip": …}`);
+    // every body of this API is an object.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(bad_request("malformed JSON body: expected a JSON object"));
+    }
     serde_json::from_slice(&body).map_err(|e| bad_request(&format!("malformed JSON body: {e}")))
 }
 
