@@ -26,8 +26,6 @@ pub enum Command {
     DenyRemove(Target),
     /// Deny a key that kept hitting a route's limit.
     Ban(BanRequest),
-    /// A change another instance made, or the whole list, from the shared store.
-    Remote(Remote),
     /// Drop expired entries and write the state file if anything changed.
     Tick,
 }
@@ -108,13 +106,13 @@ pub struct Control {
     /// Dynamic entries, authoritative for this instance; `Shared::deny` holds a copy.
     dynamic: Mutex<Dynamic>,
     sync: Option<Arc<DenySync>>,
+    /// Bans made while Redis was unreachable: kept when the shared list is read
+    /// again, and shared then.
+    unshared: Arc<Mutex<Vec<Target>>>,
 }
 
 struct Dynamic {
     table: DenyTable,
-    /// Bans made while Redis was unreachable: kept when the shared list is read, and
-    /// shared then.
-    unshared: Vec<Target>,
     /// Changed since the state file was last written.
     dirty: bool,
     state_file: Option<PathBuf>,
@@ -172,9 +170,9 @@ impl Control {
                 loaded_at_ms: now_ms(),
                 last_reload: None,
             }),
+            unshared: Arc::new(Mutex::new(Vec::new())),
             dynamic: Mutex::new(Dynamic {
                 table,
-                unshared: Vec::new(),
                 dirty: false,
                 state_file,
             }),
@@ -191,10 +189,6 @@ impl Control {
             Command::DenyRemove(t) => self.deny_remove(t).await,
             Command::Ban(b) => {
                 self.ban(b).await;
-                Ok(Reply::Done)
-            }
-            Command::Remote(r) => {
-                self.remote(r).await;
                 Ok(Reply::Done)
             }
             Command::Tick => {
@@ -293,34 +287,31 @@ impl Control {
     // === the deny list ===
 
     async fn deny_add(&self, e: Entry) -> Result<Reply, ControlError> {
-        if let Some(sync) = &self.sync {
-            sync.put(&e)
-                .await
-                .map_err(|err| ControlError::Store(err.to_string()))?;
-        }
+        let version = match &self.sync {
+            Some(sync) => Some(sync.put(&e).await.map_err(store_error)?),
+            None => None,
+        };
         tracing::info!(entry = %e.target, expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
-        self.change(|t| {
+        self.change_unless_followed(version, |t| {
             t.insert(e.clone());
         });
         Ok(Reply::Added(e))
     }
 
     async fn deny_remove(&self, target: Target) -> Result<Reply, ControlError> {
-        let shared_had = match &self.sync {
-            Some(sync) => sync
-                .delete(&target)
-                .await
-                .map_err(|err| ControlError::Store(err.to_string()))?,
-            None => false,
+        let shared = match &self.sync {
+            Some(sync) => sync.delete(&target).await.map_err(store_error)?,
+            None => None,
         };
         let mut removed = None;
-        self.change(|t| removed = t.remove(&target));
+        self.change_unless_followed(shared, |t| removed = t.remove(&target));
         match removed {
             Some(e) => {
                 tracing::info!(entry = %e.target, "deny entry removed");
                 Ok(Reply::Removed(e))
             }
-            None if shared_had => Ok(Reply::Removed(Entry {
+            // Removed from Redis, and already from here by the follower.
+            None if shared.is_some() => Ok(Reply::Removed(Entry {
                 target,
                 meta: Meta {
                     expires_at_ms: None,
@@ -333,6 +324,23 @@ impl Control {
                 Err(ControlError::Static(target))
             }
             None => Err(ControlError::NotFound),
+        }
+    }
+
+    /// Applies this instance's own change to the local copy, unless the follower has
+    /// already applied the shared list's `version` of it (or anything later): then
+    /// applying it again could undo a later change from another instance. Without
+    /// Redis (`version` None) the change is always applied.
+    fn change_unless_followed(&self, version: Option<u64>, f: impl FnOnce(&mut DenyTable)) {
+        let mut d = lock(&self.dynamic);
+        let followed = match (&self.sync, version) {
+            (Some(sync), Some(v)) => sync.applied() >= v,
+            _ => false,
+        };
+        if !followed {
+            f(&mut d.table);
+            d.dirty = true;
+            self.publish(&d.table);
         }
     }
 
@@ -373,56 +381,67 @@ impl Control {
             // Enforced here already; the fleet learns of it when Redis answers.
             if let Err(err) = sync.put(&e).await {
                 tracing::warn!(error = %err, entry = %e.target, "ban not shared: Redis unavailable");
-                lock(&self.dynamic).unshared.push(e.target);
+                lock(&self.unshared).push(e.target);
             }
         }
     }
 
-    async fn remote(&self, r: Remote) {
-        let entries = match r {
+    /// A change from the shared list, or the whole of it, with its version: applied
+    /// by the follower in version order, under the same lock as this instance's own
+    /// changes (see `change_unless_followed`), so it bypasses the command queue.
+    pub fn remote(&self, r: Remote, version: u64) {
+        let mut d = lock(&self.dynamic);
+        match r {
             Remote::Put(e) => {
-                return self.change(|t| {
-                    t.insert(e);
-                })
+                d.table.insert(e);
             }
             Remote::Delete(target) => {
-                return self.change(|t| {
-                    t.remove(&target);
-                })
+                d.table.remove(&target);
             }
-            Remote::All(entries) => entries,
-        };
-        // Bans this instance made while Redis was unreachable are not in the shared
-        // list yet: keep them, and share them now.
-        let mut unshared = Vec::new();
-        {
-            let mut d = lock(&self.dynamic);
-            let mut all = DenyTable::new();
-            for e in entries {
-                all.insert(e);
-            }
-            let now = now_ms();
-            for target in std::mem::take(&mut d.unshared) {
-                match d.table.get(&target) {
-                    Some(e) if e.meta.expires_at_ms.is_none_or(|at| at > now) => {
-                        all.insert(e.clone());
-                        unshared.push(e);
-                    }
-                    _ => {}
+            Remote::All(entries) => {
+                let mut all = DenyTable::new();
+                for e in entries {
+                    all.insert(e);
                 }
+                // Bans this instance made while Redis was unreachable are not in the
+                // shared list yet: keep them, and share them now.
+                let now = now_ms();
+                let mut unshared = Vec::new();
+                for target in std::mem::take(&mut *lock(&self.unshared)) {
+                    match d.table.get(&target) {
+                        Some(e) if e.meta.expires_at_ms.is_none_or(|at| at > now) => {
+                            all.insert(e.clone());
+                            unshared.push(e);
+                        }
+                        _ => {}
+                    }
+                }
+                d.table = all;
+                self.share_later(unshared);
             }
-            d.table = all;
-            d.dirty = true;
-            self.publish(&d.table);
         }
         if let Some(sync) = &self.sync {
-            for e in unshared {
+            sync.set_applied(version);
+        }
+        d.dirty = true;
+        self.publish(&d.table);
+    }
+
+    /// Puts bans that could not be shared when they were made; those that still
+    /// cannot be are tried again at the next read of the shared list.
+    fn share_later(&self, bans: Vec<Entry>) {
+        let (Some(sync), false) = (self.sync.clone(), bans.is_empty()) else {
+            return;
+        };
+        let unshared = self.unshared.clone();
+        tokio::spawn(async move {
+            for e in bans {
                 if let Err(err) = sync.put(&e).await {
                     tracing::debug!(error = %err, entry = %e.target, "ban still not shared");
-                    lock(&self.dynamic).unshared.push(e.target);
+                    lock(&unshared).push(e.target);
                 }
             }
-        }
+        });
     }
 
     async fn tick(&self) {
@@ -475,6 +494,10 @@ impl Control {
 }
 
 // === helpers ===
+
+fn store_error(e: crate::limit::StoreError) -> ControlError {
+    ControlError::Store(e.to_string())
+}
 
 /// The configuration as JSON with defaults filled in, secrets replaced by `***`.
 fn effective(f: &schema::File) -> serde_json::Value {

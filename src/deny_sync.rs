@@ -28,6 +28,9 @@ pub enum Remote {
     All(Vec<Entry>),
 }
 
+/// Applies one change to the local copy and records its version.
+type Apply = dyn Fn(Remote, u64) + Send + Sync;
+
 /// How often the version is compared, to heal missed messages.
 const POLL: Duration = Duration::from_secs(1);
 
@@ -92,24 +95,37 @@ impl DenySync {
         }
     }
 
-    /// Adds or replaces `e` in the shared list.
-    pub async fn put(&self, e: &Entry) -> Result<(), StoreError> {
-        let json = serde_json::to_string(&e.to_json())
-            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-        self.write("put", &e.target, &json).await.map(drop)
+    /// The version the local copy reflects; 0 before the first read.
+    pub fn applied(&self) -> u64 {
+        self.applied.load(Ordering::Relaxed)
     }
 
-    /// Removes `t` from the shared list; false if it was not there.
-    pub async fn delete(&self, t: &Target) -> Result<bool, StoreError> {
+    /// Called by whoever applies a change to the local copy, in the same critical
+    /// section, so that a writer can tell whether its own change is already there.
+    pub fn set_applied(&self, version: u64) {
+        self.applied.store(version, Ordering::Relaxed);
+    }
+
+    /// Adds or replaces `e` in the shared list; the version of the change.
+    pub async fn put(&self, e: &Entry) -> Result<u64, StoreError> {
+        let json = serde_json::to_string(&e.to_json())
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        let v = self.write("put", &e.target, &json).await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// Removes `t` from the shared list: the version of the change, None if it was
+    /// not there.
+    pub async fn delete(&self, t: &Target) -> Result<Option<u64>, StoreError> {
         self.write("del", t, "").await
     }
 
     /// Removes `t` if its entry has expired (so a fresh entry added meanwhile stays).
-    pub async fn expire(&self, t: &Target) -> Result<bool, StoreError> {
+    pub async fn expire(&self, t: &Target) -> Result<Option<u64>, StoreError> {
         self.write("expire", t, &now_ms().to_string()).await
     }
 
-    async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<bool, StoreError> {
+    async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<Option<u64>, StoreError> {
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(WRITE)
             .arg(2)
@@ -120,7 +136,10 @@ impl DenySync {
             .arg(arg)
             .arg(&self.channel);
         let reply: Vec<u64> = self.store.query(&cmd).await?;
-        Ok(reply.first() == Some(&1))
+        Ok(match reply.as_slice() {
+            [1, v] => Some(*v),
+            _ => None,
+        })
     }
 
     /// The whole list and its version.
@@ -150,17 +169,17 @@ impl DenySync {
     }
 
     /// Reads the whole list into the local copy.
-    async fn resync(&self, apply: &(dyn Fn(Remote) + Send + Sync)) -> Result<(), StoreError> {
+    async fn resync(&self, apply: &Apply) -> Result<(), StoreError> {
         let (version, entries) = self.read_all().await?;
         tracing::debug!(version, entries = entries.len(), "shared deny list read");
-        apply(Remote::All(entries));
-        self.applied.store(version, Ordering::Relaxed);
+        apply(Remote::All(entries), version);
         Ok(())
     }
 
     /// Keeps the local copy in step with the shared list until the process ends:
     /// subscribes, reads everything, then applies each published change in order.
-    pub fn follow(self: Arc<Self>, apply: impl Fn(Remote) + Send + Sync + 'static) {
+    /// `apply` gets each change with its version and must call `set_applied`.
+    pub fn follow(self: Arc<Self>, apply: impl Fn(Remote, u64) + Send + Sync + 'static) {
         tokio::spawn(async move {
             loop {
                 if let Err(e) = self.follow_once(&apply).await {
@@ -171,7 +190,7 @@ impl DenySync {
         });
     }
 
-    async fn follow_once(&self, apply: &(dyn Fn(Remote) + Send + Sync)) -> Result<(), StoreError> {
+    async fn follow_once(&self, apply: &Apply) -> Result<(), StoreError> {
         let unavailable = |e: redis::RedisError| StoreError::Unavailable(e.to_string());
         let mut pubsub = None;
         let mut last_err = None;
@@ -217,13 +236,12 @@ impl DenySync {
                     }
                     match (m.op.as_str(), parse_field(&m.field)) {
                         ("put", _) => match parse_entry(&m.entry) {
-                            Some(e) => apply(Remote::Put(e)),
+                            Some(e) => apply(Remote::Put(e), m.v),
                             None => { self.resync(apply).await?; continue; }
                         },
-                        (_, Some(t)) => apply(Remote::Delete(t)),
+                        (_, Some(t)) => apply(Remote::Delete(t), m.v),
                         (_, None) => { self.resync(apply).await?; continue; }
                     }
-                    self.applied.store(m.v, Ordering::Relaxed);
                 }
                 _ = poll.tick() => {
                     if self.remote_version().await? != self.applied.load(Ordering::Relaxed) {

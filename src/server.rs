@@ -214,10 +214,8 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     // (bans, the shared deny list, expiry, the file watcher) goes through it.
     let (commands, mut command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
     if let Some(sync) = sync {
-        let commands = commands.clone();
-        sync.follow(move |r| {
-            let _ = commands.send(Command::Remote(r));
-        });
+        let control = control.clone();
+        sync.follow(move |r, version| control.remote(r, version));
     }
     // A configuration that was not read from a file (tests) has nothing to watch.
     let watch = if !loaded.path.is_file() {
