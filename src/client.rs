@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::net::IpAddr;
 
-use http::header::{HeaderMap, HeaderName, COOKIE};
+use http::header::{HeaderMap, HeaderName, HeaderValue, COOKIE};
 use http::request::Parts;
 use ipnet::IpNet;
 
@@ -16,7 +16,7 @@ pub struct TrustedProxies(Vec<IpNet>);
 
 impl TrustedProxies {
     pub fn new(nets: Vec<IpNet>) -> TrustedProxies {
-        TrustedProxies(nets)
+        TrustedProxies(nets.into_iter().map(canonical_net).collect())
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {
@@ -58,6 +58,19 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
         v4 => v4,
     }
+}
+
+/// A block in the form lookups use: IPv4-mapped IPv6 blocks (`::ffff:10.9.0.0/112`)
+/// as IPv4 (`10.9.0.0/16`), like `canonical` does for addresses; host bits cleared.
+pub fn canonical_net(net: IpNet) -> IpNet {
+    if let IpNet::V6(v6) = net {
+        if let (Some(v4), true) = (v6.addr().to_ipv4_mapped(), v6.prefix_len() >= 96) {
+            if let Ok(n) = ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96) {
+                return IpNet::V4(n.trunc());
+            }
+        }
+    }
+    net.trunc()
 }
 
 /// An address as proxies write it: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`,
@@ -210,15 +223,11 @@ impl KeySpec {
         self.parts.iter().any(|part| match part {
             KeyPart::Ip => f(&ip.to_string()),
             KeyPart::Global => false,
-            KeyPart::Header(h) => req
-                .headers
-                .get_all(h)
-                .iter()
-                .any(|v| f(&String::from_utf8_lossy(v.as_bytes()))),
+            KeyPart::Header(h) => req.headers.get_all(h).iter().any(|v| f(&header_text(v))),
             KeyPart::Query(name) => req.uri.query().is_some_and(|q| {
                 form_urlencoded::parse(q.as_bytes()).any(|(k, v)| k == name.as_str() && f(&v))
             }),
-            KeyPart::Cookie(name) => cookies(&req.headers, name).any(&mut f),
+            KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| f(&v)),
         })
     }
 }
@@ -231,15 +240,13 @@ fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'
     let v: Cow<'a, str> = match part {
         KeyPart::Ip => Cow::Owned(ip.to_string()),
         KeyPart::Global => Cow::Borrowed("global"),
-        KeyPart::Header(h) => {
-            String::from_utf8_lossy(single(req.headers.get_all(h).iter())?.as_bytes())
-        }
+        KeyPart::Header(h) => header_text(single(req.headers.get_all(h).iter())?),
         KeyPart::Query(name) => single(
             form_urlencoded::parse(req.uri.query()?.as_bytes())
                 .filter(|(k, _)| k == name)
                 .map(|(_, v)| v),
         )?,
-        KeyPart::Cookie(name) => Cow::Borrowed(single(cookies(&req.headers, name))?),
+        KeyPart::Cookie(name) => single(cookies(&req.headers, name))?,
     };
     if v.is_empty() {
         None
@@ -254,15 +261,38 @@ fn single<T>(mut it: impl Iterator<Item = T>) -> Option<T> {
     it.next().is_none().then_some(first)
 }
 
-fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+/// A header value as an HTTP/1 upstream will read it: without the spaces and tabs
+/// around it (hyper strips them from HTTP/1 requests, but not from HTTP/2 ones), any
+/// bytes that are not UTF-8 replaced.
+fn header_text(v: &HeaderValue) -> Cow<'_, str> {
+    let b = v.as_bytes();
+    let ows = |c: &u8| *c == b' ' || *c == b'\t';
+    let start = b.iter().position(|c| !ows(c)).unwrap_or(b.len());
+    let end = b.iter().rposition(|c| !ows(c)).map_or(start, |i| i + 1);
+    String::from_utf8_lossy(&b[start..end])
+}
+
+/// The values of cookie `name` in every `Cookie` header, as lenient servers read them:
+/// pairs split on `;`, spaces around names and values trimmed, a value's quotes
+/// removed, bytes that are not UTF-8 replaced (one odd byte elsewhere in the header
+/// must not hide a cookie from the deny list).
+fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Cow<'a, str>> + 'a {
     headers
         .get_all(COOKIE)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .filter(move |(k, _)| *k == name)
-        .map(|(_, v)| v.trim_matches('"'))
+        .flat_map(|v| v.as_bytes().split(|b| *b == b';'))
+        .filter_map(|pair| {
+            let eq = pair.iter().position(|b| *b == b'=')?;
+            let (k, v) = (&pair[..eq], &pair[eq + 1..]);
+            (k.trim_ascii() == name.as_bytes()).then_some(v.trim_ascii())
+        })
+        .map(|v| {
+            let v = v
+                .strip_prefix(b"\"")
+                .and_then(|v| v.strip_suffix(b"\""))
+                .unwrap_or(v);
+            String::from_utf8_lossy(v)
+        })
 }
 
 #[cfg(test)]
@@ -408,6 +438,42 @@ mod tests {
         assert_ne!(s.extract(&p1, a).unwrap(), s.extract(&p2, a).unwrap());
         assert!(KeyPart::parse("header:").is_none());
         assert!(KeyPart::parse("bogus").is_none());
+    }
+
+    #[test]
+    fn padded_headers_and_lenient_cookies() {
+        let p = parts(
+            "/",
+            &[
+                ("x-api-key", " k1\t"),
+                ("cookie", "theme=caf\u{e9}; session =k2"),
+                ("cookie", "a=\"q\""),
+            ],
+        );
+        let a = ip("1.2.3.4");
+        assert_eq!(
+            spec(&["header:x-api-key"]).extract(&p, a).unwrap().value,
+            "k1"
+        );
+        assert_eq!(
+            spec(&["cookie:session"]).extract(&p, a).unwrap().value,
+            "k2"
+        );
+        assert_eq!(spec(&["cookie:a"]).extract(&p, a).unwrap().value, "q");
+        assert!(spec(&["cookie:session"]).any_value(&p, a, |v| v == "k2"));
+        assert!(spec(&["header:x-api-key"]).any_value(&p, a, |v| v == "k1"));
+    }
+
+    #[test]
+    fn mapped_blocks_are_ipv4() {
+        let n = |s: &str| canonical_net(s.parse().unwrap()).to_string();
+        assert_eq!(n("::ffff:10.9.0.0/112"), "10.9.0.0/16");
+        assert_eq!(n("::ffff:1.2.3.4/128"), "1.2.3.4/32");
+        assert_eq!(n("2001:db8::1/32"), "2001:db8::/32");
+        assert!(
+            TrustedProxies::new(vec!["::ffff:10.0.0.0/104".parse().unwrap()])
+                .contains(ip("10.1.2.3"))
+        );
     }
 
     #[test]

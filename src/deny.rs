@@ -13,7 +13,7 @@ use ipnet::IpNet;
 use prefix_trie::joint::JointPrefixMap;
 use serde::{Deserialize, Serialize};
 
-use crate::client::canonical;
+use crate::client::{canonical, canonical_net};
 
 // === entries ===
 
@@ -31,7 +31,7 @@ impl Target {
     pub fn ip(s: &str) -> Option<Target> {
         let s = s.trim();
         let net = match s.parse::<IpNet>() {
-            Ok(n) => n.trunc(),
+            Ok(n) => canonical_net(n),
             Err(_) => IpNet::from(canonical(s.parse::<IpAddr>().ok()?)),
         };
         Some(Target::Ip(net))
@@ -310,7 +310,7 @@ impl StaticDeny {
         let mut table = DenyTable::new();
         for n in ips {
             table.insert(Entry {
-                target: Target::Ip(n.trunc()),
+                target: Target::Ip(canonical_net(n)),
                 meta: meta.clone(),
             });
         }
@@ -407,6 +407,10 @@ mod tests {
         assert_eq!(Target::ip("10.1.2.3").unwrap().value(), "10.1.2.3");
         assert_eq!(Target::ip("10.1.2.3/32").unwrap().value(), "10.1.2.3");
         assert_eq!(Target::ip("::ffff:10.1.2.3").unwrap().value(), "10.1.2.3");
+        assert_eq!(
+            Target::ip("::ffff:10.9.0.0/112").unwrap().value(),
+            "10.9.0.0/16"
+        );
         assert_eq!(
             Target::ip("2001:db8::1/48").unwrap().value(),
             "2001:db8::/48"

@@ -1016,6 +1016,7 @@ routes:
   - {name: by_query, match: {path: /q}, key: "query:k", upstream: api}
   - {name: by_cookie, match: {path: /c}, key: "cookie:session", upstream: api}
   - {name: by_header_or_ip, match: {path: /f}, key: "header:x-api-key", missing_key: ip, upstream: api}
+  - {name: by_cookie_or_ip, match: {path: /cf}, key: "cookie:session", missing_key: ip, upstream: api}
 "#;
 
 /// Every way to send key `k` among others: (path, headers), each denied.
@@ -1046,6 +1047,20 @@ fn disguised(k: &str) -> Vec<(String, Vec<(&'static str, String)>)> {
                 ("cookie", format!("session={k}")),
             ],
         ),
+        // Padding an HTTP/1 upstream strips (hyper keeps it on HTTP/2).
+        ("/h".into(), vec![h(&format!(" {k}\t"))]),
+        ("/f".into(), vec![h(&format!("{k} "))]),
+        // A byte that is not visible ASCII elsewhere in the header, a space before `=`.
+        (
+            "/c".into(),
+            vec![("cookie", format!("session={k}; theme=caf\u{e9}"))],
+        ),
+        ("/c".into(), vec![("cookie", format!("session ={k}"))]),
+        (
+            "/cf".into(),
+            vec![("cookie", format!("theme=caf\u{e9}; session={k}"))],
+        ),
+        ("/cf".into(), vec![("cookie", format!("session = {k}"))]),
     ]
 }
 
@@ -1071,12 +1086,13 @@ async fn a_denied_key_is_denied_however_it_is_sent() {
     let gw = start_gateway(&KEYED.replace("UP", &up.url())).await;
     all_denied(&gw, &up, "leaked-key-123").await;
     let m = metrics(gw.admin_addr).await;
-    // 2 clients: /h 3 times, /f once, /q 4 times, /c 4 times.
+    // 2 clients: /h 4 times, /f twice, /q 4 times, /c 6 times, /cf twice.
     let denied = [
-        ("by_header", 6.0),
-        ("by_header_or_ip", 2.0),
+        ("by_header", 8.0),
+        ("by_header_or_ip", 4.0),
         ("by_query", 8.0),
-        ("by_cookie", 8.0),
+        ("by_cookie", 12.0),
+        ("by_cookie_or_ip", 4.0),
     ];
     for (route, n) in denied {
         assert_eq!(decisions(&m, route), [("denied", n)], "{route}");
