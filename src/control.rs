@@ -241,6 +241,17 @@ impl Control {
             Ok(l) => l,
             Err(e) => return self.reload_failed(trigger, e.to_string()),
         };
+        // The admin listener stays where it was bound until a restart: a file that
+        // moves it to loopback must not drop the token it needs where it still is.
+        let bound = self.started_with.admin.listen.0;
+        let token = loaded.file.admin.token.as_ref().filter(|t| !t.is_empty());
+        if !bound.ip().is_loopback() && token.is_none() {
+            let msg = format!(
+                "{}: admin.token: the admin listener stays on {bound}, off loopback, until a restart, so it needs a token",
+                self.path.display()
+            );
+            return self.reload_failed(trigger, msg);
+        }
         let rt = match compile(&loaded, m) {
             Ok(rt) => rt,
             Err(e) => return self.reload_failed(trigger, e.to_string()),

@@ -1506,3 +1506,30 @@ routes:
     assert_eq!(c["routes"][0]["name"], "main");
     assert_eq!(c["routes"][0]["key"], "ip");
 }
+
+/// The admin listener stays where it was bound until a restart: a reload that moves
+/// it to loopback in the file cannot drop the token it needs where it still listens.
+#[tokio::test]
+async fn a_reload_cannot_drop_the_token_of_an_admin_listener_off_loopback() {
+    let body = "routes: [{name: r, match: {path_prefix: /}, respond: {body: ok}}]\n";
+    let server = "server: {listen: \"127.0.0.1:0\"}\n";
+    let (gw, file) = start_gateway_file(&format!(
+        "{server}admin: {{listen: \"0.0.0.0:0\", token: s3cret}}\n{body}"
+    ))
+    .await;
+    let admin = format!("http://127.0.0.1:{}/admin/deny", gw.admin_addr.port());
+    assert_eq!(http1().get(&admin, &[]).await.status, 401);
+    std::fs::write(
+        file.path(),
+        format!("{server}admin: {{listen: \"127.0.0.1:0\"}}\n{body}"),
+    )
+    .unwrap();
+    let err = gw.reload().await.expect_err("the token is still needed");
+    assert!(
+        err.ends_with("admin.token: the admin listener stays on 0.0.0.0:0, off loopback, until a restart, so it needs a token"),
+        "{err}"
+    );
+    assert_eq!(http1().get(&admin, &[]).await.status, 401);
+    let ok = [("authorization", "Bearer s3cret")];
+    assert_eq!(http1().get(&admin, &ok).await.status, 200);
+}
