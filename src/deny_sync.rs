@@ -31,6 +31,10 @@ pub enum Remote {
 /// Applies one change to the local copy and records its version.
 type Apply = dyn Fn(Remote, u64) + Send + Sync;
 
+/// Entries asked for per HSCAN page, and how long one page may take.
+const PAGE: usize = 1000;
+const PAGE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How often the version is compared, to heal missed messages.
 const POLL: Duration = Duration::from_secs(1);
 
@@ -51,14 +55,6 @@ end
 local v = redis.call('INCR', KEYS[2])
 redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, op = op, field = field, entry = ARGV[3]}))
 return {1, v}
-"#;
-
-/// {version, field, value, field, value, ...}, read atomically.
-const READ_ALL: &str = r#"
-local out = {redis.call('GET', KEYS[2]) or '0'}
-local all = redis.call('HGETALL', KEYS[1])
-for i = 1, #all do out[#out + 1] = all[i] end
-return out
 "#;
 
 /// A published change.
@@ -142,22 +138,24 @@ impl DenySync {
         })
     }
 
-    /// The whole list and its version.
+    /// The whole list, and the version read before it. Read page by page (HSCAN), so
+    /// a large list never blocks Redis for long; a change made while the pages are
+    /// read is published with a later version and applied after.
     async fn read_all(&self) -> Result<(u64, Vec<Entry>), StoreError> {
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(READ_ALL)
-            .arg(2)
-            .arg(&self.entries)
-            .arg(&self.version);
-        let reply: Vec<String> = self.store.query(&cmd).await?;
-        let version = reply.first().and_then(|v| v.parse().ok()).unwrap_or(0);
-        let entries = reply
-            .get(1..)
-            .unwrap_or_default()
-            .chunks_exact(2)
-            .filter_map(|kv| parse_entry(&kv[1]))
-            .collect();
-        Ok((version, entries))
+        let version = self.remote_version().await?;
+        let mut entries = Vec::new();
+        let mut cursor = 0u64;
+        loop {
+            let mut cmd = redis::cmd("HSCAN");
+            cmd.arg(&self.entries).arg(cursor).arg("COUNT").arg(PAGE);
+            let (next, page): (u64, Vec<String>) =
+                self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
+            entries.extend(page.chunks_exact(2).filter_map(|kv| parse_entry(&kv[1])));
+            if next == 0 {
+                return Ok((version, entries));
+            }
+            cursor = next;
+        }
     }
 
     async fn remote_version(&self) -> Result<u64, StoreError> {
@@ -210,7 +208,10 @@ impl DenySync {
         let Some(mut pubsub) = pubsub else {
             return Err(last_err.unwrap_or(StoreError::Timeout));
         };
-        pubsub.subscribe(&self.channel).await.map_err(unavailable)?;
+        tokio::time::timeout(POLL, pubsub.subscribe(&self.channel))
+            .await
+            .map_err(|_| StoreError::Timeout)?
+            .map_err(unavailable)?;
         // Subscribed first, then read: no change can fall between the two.
         self.resync(apply).await?;
         let mut messages = pubsub.into_on_message();

@@ -850,3 +850,47 @@ async fn deny_entry_gauge_on_one_instance_counts_what_another_added() {
     let took = eventually(PROPAGATION, || async { a.deny_entries("api").await == 1.0 }).await;
     took.expect("A's gauge does not drop to 1 within 1 s");
 }
+
+/// 100,000 shared entries: read page by page within the limiter's 50 ms timeout per
+/// call, never in one long Redis call, and the limiter keeps answering meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_list_of_100k_entries_is_read_and_enforced() {
+    const FILL: &str = "for i=1,100000 do redis.call('HSET', KEYS[1], 'key:k'..i, \
+        cjson.encode({kind='key',value='k'..i,source='ban',route='login',\
+        reason='kept hitting the limits of route login (banned for 15m)',\
+        expires_at_ms=4102444800000})) end return 1";
+    let redis = RedisServer::start();
+    let _: i64 = redis.cmd(&["EVAL", FILL, "1", "sluice:{deny}:entries"]);
+    let _: String = redis.cmd(&["SET", "sluice:{deny}:version", "5"]);
+    let yaml = format!(
+        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{body: \"ok\\n\"}}\n    \
+         key: header:x-key\n    limits: [{{algorithm: fixed_window, limit: 100000000, window: 1h}}]\n",
+        redis_store(&url_target(&redis.url()), "allow", 50)
+    );
+    let gw = start_gateway(&yaml).await;
+    let denied = eventually(Duration::from_secs(10), || async {
+        get(gw.addr, "/", &[("x-key", "k99999")]).await.status == 403
+    })
+    .await;
+    assert!(denied.is_some(), "k99999 was not denied within 10 s");
+    eprintln!("100k shared entries enforced after {denied:?}");
+    assert_eq!(get(gw.addr, "/", &[("x-key", "k5")]).await.status, 403);
+    let m = |labels: &'static [(&'static str, &'static str)]| {
+        metric(gw.admin_addr, "sluice_requests_total", labels)
+    };
+    // Polls before the list was read were admitted, each decided in Redis.
+    let before = m(&[("route", "api"), ("decision", "allowed")]).await;
+    assert_eq!(get(gw.addr, "/", &[("x-key", "other")]).await.status, 200);
+    assert_eq!(
+        m(&[("route", "api"), ("decision", "allowed")]).await,
+        before + 1.0
+    );
+    assert_eq!(
+        m(&[("route", "api"), ("decision", "store_error_allowed")]).await,
+        0.0
+    );
+    assert_eq!(
+        metric(gw.admin_addr, "sluice_deny_entries", &[("source", "ban")]).await,
+        100_000.0
+    );
+}

@@ -224,7 +224,17 @@ impl RedisStore {
     /// Runs one command over the store's shared connection, bounded by its timeout;
     /// for the other users of the same Redis (the shared deny list).
     pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.inner.timeout, self.inner.query(cmd)).await {
+        self.query_within(cmd, self.inner.timeout).await
+    }
+
+    /// `query` with its own bound, for calls that may take longer than a limiter call
+    /// (reading a large deny list page by page).
+    pub async fn query_within<T: FromRedisValue>(
+        &self,
+        cmd: &Cmd,
+        timeout: Duration,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(timeout, self.inner.query(cmd)).await {
             Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string())),
             Err(_) => Err(StoreError::Timeout),
         }
