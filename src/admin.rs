@@ -123,7 +123,7 @@ impl Admin {
             target,
             meta: Meta {
                 expires_at_ms: ttl.map(|d| now_ms().saturating_add(d.as_millis() as u64)),
-                reason: r.reason.filter(|s| !s.is_empty()),
+                reason: r.reason.filter(|s| !s.is_empty()).map(Into::into),
                 source: Source::Api,
                 route: None,
             },

@@ -5,6 +5,7 @@
 //! survive reloads.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use crate::config::value::{fmt_dur, redact_url};
 use crate::deny::{now_ms, BanRequest, DenyTable, Entry, EntryJson, Meta, Source, Target};
 use crate::deny_sync::{DenySync, Remote};
 use crate::gateway::Shared;
+use tokio::sync::Notify;
 
 /// Everything that can change a running gateway.
 #[derive(Debug)]
@@ -109,6 +111,9 @@ pub struct Control {
     /// Bans made while Redis was unreachable: kept when the shared list is read
     /// again, and shared then.
     unshared: Arc<Mutex<Vec<Target>>>,
+    /// A change not yet published to the request path (see `publish_soon`).
+    publish_pending: AtomicBool,
+    publish_wake: Notify,
 }
 
 struct Dynamic {
@@ -153,7 +158,11 @@ impl Control {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(file = %p.display(), error = %e, "deny.state_file not loaded; starting with no dynamic entries")
+                    // Kept for a person to look at: the next change overwrites the file.
+                    let mut aside = p.as_os_str().to_owned();
+                    aside.push(".corrupt");
+                    let moved = std::fs::rename(p, &aside).is_ok();
+                    tracing::error!(file = %p.display(), error = %e, moved_to = ?moved.then_some(&aside), "deny.state_file not loaded; starting with no dynamic entries")
                 }
             }
         }
@@ -171,6 +180,8 @@ impl Control {
                 last_reload: None,
             }),
             unshared: Arc::new(Mutex::new(Vec::new())),
+            publish_pending: AtomicBool::new(false),
+            publish_wake: Notify::new(),
             dynamic: Mutex::new(Dynamic {
                 table,
                 dirty: false,
@@ -370,13 +381,16 @@ impl Control {
             target: b.target,
             meta: Meta {
                 expires_at_ms: Some(until),
-                reason: Some(format!(
-                    "kept hitting the limits of route {} (banned for {})",
-                    b.route,
-                    fmt_dur(b.duration)
-                )),
+                reason: Some(
+                    format!(
+                        "kept hitting the limits of route {} (banned for {})",
+                        b.route,
+                        fmt_dur(b.duration)
+                    )
+                    .into(),
+                ),
                 source: Source::Ban,
-                route: Some(b.route.clone()),
+                route: Some(b.route.as_str().into()),
             },
         };
         tracing::warn!(route = %b.route, entry = %e.target, duration = %fmt_dur(b.duration), "banned");
@@ -385,7 +399,7 @@ impl Control {
             .bans
             .with_label_values(&[b.route.as_str()])
             .inc();
-        self.change(|t| {
+        self.change_soon(|t| {
             t.insert(e.clone());
         });
         if let Some(sync) = &self.sync {
@@ -435,7 +449,7 @@ impl Control {
             sync.set_applied(version);
         }
         d.dirty = true;
-        self.publish(&d.table);
+        self.publish_soon();
     }
 
     /// Puts bans that could not be shared when they were made; those that still
@@ -456,25 +470,36 @@ impl Control {
     }
 
     async fn tick(&self) {
-        let expired = {
+        let (expired, save) = {
             let mut d = lock(&self.dynamic);
             let expired = d.table.purge(now_ms());
             if !expired.is_empty() {
                 d.dirty = true;
-                self.publish(&d.table);
+                self.publish_soon();
             }
-            if d.dirty {
-                if let Some(p) = &d.state_file {
-                    match write_state(p, &d.table) {
-                        Ok(()) => d.dirty = false,
-                        Err(e) => {
-                            tracing::error!(file = %p.display(), error = %e, "cannot write deny.state_file")
-                        }
-                    }
+            // The file is written from a snapshot, off the lock and the runtime.
+            let save = match (d.state_file.clone(), d.dirty) {
+                (Some(p), true) => {
+                    d.dirty = false;
+                    let list: Vec<EntryJson> =
+                        d.table.entries().iter().map(Entry::to_json).collect();
+                    Some((p, list))
                 }
-            }
-            expired
+                _ => None,
+            };
+            (expired, save)
         };
+        if let Some((p, list)) = save {
+            let written = tokio::task::spawn_blocking({
+                let p = p.clone();
+                move || write_state(&p, &list)
+            })
+            .await;
+            if let Err(e) = written.map_err(std::io::Error::other).and_then(|r| r) {
+                tracing::error!(file = %p.display(), error = %e, "cannot write deny.state_file");
+                lock(&self.dynamic).dirty = true;
+            }
+        }
         for e in &expired {
             tracing::info!(entry = %e.target, "deny entry expired");
             if let Some(sync) = &self.sync {
@@ -486,12 +511,32 @@ impl Control {
         }
     }
 
-    /// Changes the dynamic table and publishes the result to the request path.
-    fn change(&self, f: impl FnOnce(&mut DenyTable)) {
+    /// Changes the dynamic table; the request path sees it within `PUBLISH_EVERY`.
+    fn change_soon(&self, f: impl FnOnce(&mut DenyTable)) {
         let mut d = lock(&self.dynamic);
         f(&mut d.table);
         d.dirty = true;
-        self.publish(&d.table);
+        self.publish_soon();
+    }
+
+    /// Publishing copies the whole table: changes that come in bursts (bans, other
+    /// instances' changes, expiries) are published together, at most once per
+    /// `PUBLISH_EVERY`, by `run_publisher`.
+    fn publish_soon(&self) {
+        self.publish_pending.store(true, Ordering::Release);
+        self.publish_wake.notify_one();
+    }
+
+    /// Publishes pending changes until the process ends.
+    pub async fn run_publisher(self: Arc<Self>) {
+        loop {
+            self.publish_wake.notified().await;
+            if self.publish_pending.swap(false, Ordering::AcqRel) {
+                let d = lock(&self.dynamic);
+                self.publish(&d.table);
+            }
+            tokio::time::sleep(PUBLISH_EVERY).await;
+        }
     }
 
     fn publish(&self, table: &DenyTable) {
@@ -503,6 +548,9 @@ impl Control {
         }
     }
 }
+
+/// How often, at most, bursts of changes are published to the request path.
+const PUBLISH_EVERY: Duration = Duration::from_millis(20);
 
 // === helpers ===
 
@@ -587,10 +635,9 @@ fn read_state(p: &std::path::Path) -> std::io::Result<Vec<Entry>> {
 
 /// Temp file in the same directory, fsync, rename: a crash leaves the old file or the
 /// new one, never half of one.
-fn write_state(p: &std::path::Path, table: &DenyTable) -> std::io::Result<()> {
+fn write_state(p: &std::path::Path, list: &[EntryJson]) -> std::io::Result<()> {
     use std::io::Write;
-    let list: Vec<EntryJson> = table.entries().iter().map(Entry::to_json).collect();
-    let body = serde_json::to_vec_pretty(&list).map_err(std::io::Error::other)?;
+    let body = serde_json::to_vec_pretty(list).map_err(std::io::Error::other)?;
     let mut tmp = p.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);

@@ -4,9 +4,10 @@
 //! beside it in the same kind of table and survive reloads. Addresses are looked up
 //! in a prefix trie, so a check costs O(prefix length) however many entries there are.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ipnet::IpNet;
@@ -18,7 +19,7 @@ use crate::client::{canonical, canonical_net};
 // === entries ===
 
 /// What an entry refuses: an address or block, or a client key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Target {
     /// Always truncated to its network (`10.1.2.3/16` is `10.1.0.0/16`).
     Ip(IpNet),
@@ -82,6 +83,10 @@ impl Source {
             Source::Ban => "ban",
         }
     }
+
+    fn index(self) -> usize {
+        self as usize
+    }
 }
 
 /// One entry with everything the admin API shows about it.
@@ -95,10 +100,11 @@ pub struct Entry {
 pub struct Meta {
     /// Milliseconds since the UNIX epoch; None for an entry that stays until removed.
     pub expires_at_ms: Option<u64>,
-    pub reason: Option<String>,
+    /// Shared, not copied, when the table is cloned for the request path.
+    pub reason: Option<Arc<str>>,
     pub source: Source,
     /// The route whose `ban` made the entry.
-    pub route: Option<String>,
+    pub route: Option<Arc<str>>,
 }
 
 impl Meta {
@@ -116,9 +122,9 @@ impl Entry {
             value: self.target.value(),
             expires_at: m.expires_at_ms.map(rfc3339),
             expires_at_ms: m.expires_at_ms,
-            reason: m.reason.clone(),
+            reason: m.reason.as_deref().map(str::to_string),
             source: m.source,
-            route: m.route.clone(),
+            route: m.route.as_deref().map(str::to_string),
         }
     }
 
@@ -132,9 +138,9 @@ impl Entry {
             target,
             meta: Meta {
                 expires_at_ms: j.expires_at_ms,
-                reason: j.reason,
+                reason: j.reason.map(Arc::from),
                 source: j.source,
-                route: j.route,
+                route: j.route.map(Arc::from),
             },
         })
     }
@@ -168,11 +174,15 @@ pub struct BanRequest {
 
 // === the table ===
 
-/// Entries by target: addresses and blocks in a prefix trie, keys in a hash map.
+/// Entries by target: addresses and blocks in a prefix trie, keys in a hash map, with
+/// an index of expiry times and counts by source kept up to date, so purging and
+/// counting cost nothing for entries that are not expiring.
 #[derive(Debug, Clone, Default)]
 pub struct DenyTable {
     ips: JointPrefixMap<IpNet, Meta>,
     keys: HashMap<String, Meta>,
+    expiries: BTreeSet<(u64, Target)>,
+    counts: [usize; 3],
 }
 
 impl DenyTable {
@@ -215,10 +225,19 @@ impl DenyTable {
 
     /// Adds or replaces the entry for its target; returns the one it replaced.
     pub fn insert(&mut self, e: Entry) -> Option<Entry> {
+        let (source, expires) = (e.meta.source, e.meta.expires_at_ms);
         let old = match &e.target {
             Target::Ip(n) => self.ips.insert(*n, e.meta),
             Target::Key(k) => self.keys.insert(k.clone(), e.meta),
         };
+        // The old entry leaves the index first: it may expire at the same time.
+        if let Some(meta) = &old {
+            self.forget(&e.target, meta);
+        }
+        self.counts[source.index()] += 1;
+        if let Some(at) = expires {
+            self.expiries.insert((at, e.target.clone()));
+        }
         old.map(|meta| Entry {
             target: e.target,
             meta,
@@ -230,10 +249,19 @@ impl DenyTable {
             Target::Ip(n) => self.ips.remove(n),
             Target::Key(k) => self.keys.remove(k),
         }?;
+        self.forget(t, &meta);
         Some(Entry {
             target: t.clone(),
             meta,
         })
+    }
+
+    /// Drops a removed entry from the expiry index and the counts.
+    fn forget(&mut self, t: &Target, meta: &Meta) {
+        self.counts[meta.source.index()] -= 1;
+        if let Some(at) = meta.expires_at_ms {
+            self.expiries.remove(&(at, t.clone()));
+        }
     }
 
     pub fn get(&self, t: &Target) -> Option<Entry> {
@@ -264,27 +292,30 @@ impl DenyTable {
             .collect()
     }
 
-    /// Removes the entries expired at `now_ms`; returns them.
+    /// Removes the entries expired at `now_ms`, soonest first; returns them.
     pub fn purge(&mut self, now_ms: u64) -> Vec<Entry> {
-        let expired: Vec<Entry> = self
-            .entries()
-            .into_iter()
-            .filter(|e| !e.meta.live(now_ms))
-            .collect();
-        for e in &expired {
-            self.remove(&e.target);
+        let mut expired = Vec::new();
+        while let Some((at, _)) = self.expiries.first() {
+            if *at > now_ms {
+                break;
+            }
+            let Some((_, target)) = self.expiries.pop_first() else {
+                break;
+            };
+            if let Some(e) = self.remove(&target) {
+                expired.push(e);
+            }
         }
         expired
     }
 
     /// How many entries came from `source`.
     pub fn count(&self, source: Source) -> usize {
-        self.ips.iter().filter(|(_, m)| m.source == source).count()
-            + self.keys.values().filter(|m| m.source == source).count()
+        self.counts[source.index()]
     }
 
     pub fn len(&self) -> usize {
-        self.ips.len() + self.keys.len()
+        self.counts.iter().sum()
     }
 }
 
@@ -436,6 +467,24 @@ mod tests {
         let purged: Vec<String> = t.purge(now).iter().map(|e| e.target.to_string()).collect();
         assert_eq!(purged, ["ip 10.1.2.0/24", "ip 10.9.0.0/16", "key gone"]);
         assert_eq!((t.count(Source::Api), t.count(Source::Ban)), (1, 1));
+
+        // The same entry again (as the follower applies this instance's own change),
+        // and an entry replaced by one of another source and expiry.
+        let again = entry("twice", Source::Api, Some(now + 5));
+        t.insert(again.clone());
+        t.insert(again);
+        t.insert(entry("10.1.0.0/16", Source::Api, Some(now + 6)));
+        assert_eq!(
+            (t.count(Source::Api), t.count(Source::Ban), t.len()),
+            (3, 0, 3)
+        );
+        let purged: Vec<String> = t
+            .purge(now + 6)
+            .iter()
+            .map(|e| e.target.to_string())
+            .collect();
+        assert_eq!(purged, ["key twice", "ip 10.1.0.0/16"]);
+        assert_eq!((t.count(Source::Api), t.len()), (1, 1));
     }
 
     #[test]
@@ -454,8 +503,8 @@ mod tests {
     #[test]
     fn json_round_trip() {
         let mut e = entry("2001:db8::/32", Source::Ban, Some(1_800_057_600_123));
-        e.meta.route = Some("login".into());
-        e.meta.reason = Some("too many refusals".into());
+        e.meta.route = Some(Arc::from("login"));
+        e.meta.reason = Some(Arc::from("too many refusals"));
         let j = serde_json::to_string(&e.to_json()).unwrap();
         assert_eq!(
             j,

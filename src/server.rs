@@ -76,6 +76,8 @@ pub struct Running {
     pub control: Arc<Control>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    /// Runs until the process ends; stopped with the rest.
+    publisher: JoinHandle<()>,
     _watch: Option<crate::config::watch::Watch>,
 }
 
@@ -232,6 +234,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             }
         }
     };
+    let publisher = tokio::spawn(control.clone().run_publisher());
     let control_loop = {
         let control = control.clone();
         let mut stop_rx = stop_rx.clone();
@@ -260,6 +263,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         control,
         stop,
         tasks: vec![gw, admin, sweeper, control_loop],
+        publisher,
         _watch: watch,
     })
 }
@@ -296,6 +300,7 @@ impl Running {
         for t in self.tasks {
             let _ = t.await;
         }
+        self.publisher.abort();
     }
 }
 
