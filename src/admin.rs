@@ -42,10 +42,15 @@ impl Admin {
             }
             (&Method::GET, "/healthz") => answer::text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") => {
-                if self.shared.store.ready() {
-                    answer::text(StatusCode::OK, "ready\n")
-                } else {
+                if !self.shared.store.ready() {
                     answer::text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+                } else if !self.control.ready() {
+                    answer::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "shared deny list not read yet\n",
+                    )
+                } else {
+                    answer::text(StatusCode::OK, "ready\n")
                 }
             }
             (_, p) if p.starts_with("/admin/") => {

@@ -209,15 +209,20 @@ impl Control {
         }
     }
 
+    /// False with the Redis store until the shared deny list has been read once.
+    pub fn ready(&self) -> bool {
+        self.sync.as_ref().is_none_or(|s| s.ready())
+    }
+
     pub fn status(&self) -> Status {
         lock(&self.status).clone()
     }
 
-    /// Every entry, static ones first.
+    /// Every entry the request path enforces, static ones first.
     pub fn entries(&self) -> Vec<Entry> {
         let rt = self.shared.runtime.load();
         let mut all = rt.deny.table.entries();
-        all.extend(lock(&self.dynamic).table.entries());
+        all.extend(self.shared.deny.load().entries());
         all
     }
 
@@ -362,8 +367,11 @@ impl Control {
         if !followed {
             f(&mut d.table);
             d.dirty = true;
-            self.publish(&d.table);
         }
+        // Published before the caller answers, also when the follower applied the
+        // change (it publishes a little later): an admin call takes effect at once.
+        self.publish_pending.store(false, Ordering::Release);
+        self.publish(&d.table);
     }
 
     async fn ban(&self, b: BanRequest) {
@@ -566,18 +574,24 @@ fn effective(f: &schema::File) -> serde_json::Value {
             *token = "***".into();
         }
     }
-    if let Some(url) = v.pointer_mut("/store/redis/url") {
-        if let Some(s) = url.as_str() {
-            *url = redact_url(s).into();
+    let redact = |u: &mut serde_json::Value| {
+        if let Some(s) = u.as_str() {
+            *u = redact_url(s).into();
         }
+    };
+    if let Some(url) = v.pointer_mut("/store/redis/url") {
+        redact(url);
     }
     if let Some(nodes) = v
         .pointer_mut("/store/redis/cluster")
         .and_then(|c| c.as_array_mut())
     {
-        for n in nodes {
-            if let Some(s) = n.as_str() {
-                *n = redact_url(s).into();
+        nodes.iter_mut().for_each(redact);
+    }
+    if let Some(ups) = v.pointer_mut("/upstreams").and_then(|u| u.as_object_mut()) {
+        for up in ups.values_mut() {
+            if let Some(ts) = up.get_mut("targets").and_then(|t| t.as_array_mut()) {
+                ts.iter_mut().for_each(redact);
             }
         }
     }
@@ -609,7 +623,15 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
         o.shutdown_grace != n.shutdown_grace,
     );
     check("admin.listen", old.admin.listen != new.admin.listen);
-    check("store", json(&old.store) != json(&new.store));
+    // on_error is read per request from the swapped configuration.
+    let store = |f: &schema::File| {
+        let mut v = json(&f.store);
+        if let Some(m) = v.as_object_mut() {
+            m.remove("on_error");
+        }
+        v
+    };
+    check("store", store(old) != store(new));
     check(
         "deny.state_file",
         old.deny.state_file != new.deny.state_file,

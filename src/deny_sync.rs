@@ -8,7 +8,7 @@
 //! (a lost message, a restarted Redis). Both keys share a hash tag, so this works on
 //! Redis Cluster, where published messages reach subscribers on every node.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use futures_util::StreamExt;
 use redis::Cmd;
 use serde::{Deserialize, Serialize};
 
-use crate::deny::{now_ms, Entry, EntryJson, Target};
+use crate::deny::{Entry, EntryJson, Target};
 use crate::limit::{RedisStore, RedisTarget, StoreError};
 
 /// A change to the local copy, from the shared list.
@@ -30,6 +30,9 @@ pub enum Remote {
 
 /// Applies one change to the local copy and records its version.
 type Apply = dyn Fn(Remote, u64) + Send + Sync;
+
+/// How soon a follower that lost Redis tries again.
+const RETRY: Duration = Duration::from_millis(250);
 
 /// Entries asked for per HSCAN page, and how long one page may take.
 const PAGE: usize = 1000;
@@ -46,8 +49,12 @@ if op == 'put' then
 elseif op == 'expire' then
   local j = redis.call('HGET', KEYS[1], field)
   if not j then return {0} end
+  -- Redis' clock, not the caller's: an instance whose clock runs fast must not
+  -- expire entries early for everyone.
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local at = cjson.decode(j).expires_at_ms
-  if type(at) ~= 'number' or at > tonumber(ARGV[3]) then return {0} end
+  if type(at) ~= 'number' or at > now then return {0} end
   redis.call('HDEL', KEYS[1], field)
 else
   if redis.call('HDEL', KEYS[1], field) == 0 then return {0} end
@@ -76,6 +83,10 @@ pub struct DenySync {
     channel: String,
     /// The version the local copy reflects; 0 before the first read.
     applied: AtomicU64,
+    /// The whole list has been read at least once.
+    read: AtomicBool,
+    /// Subscribed and in step (for logging an outage once).
+    following: AtomicBool,
 }
 
 impl DenySync {
@@ -88,12 +99,20 @@ impl DenySync {
             store,
             target,
             applied: AtomicU64::new(0),
+            read: AtomicBool::new(false),
+            following: AtomicBool::new(false),
         }
     }
 
     /// The version the local copy reflects; 0 before the first read.
     pub fn applied(&self) -> u64 {
         self.applied.load(Ordering::Relaxed)
+    }
+
+    /// Whether the shared list has been read once: until then this instance does not
+    /// enforce it, and says so on `/readyz`.
+    pub fn ready(&self) -> bool {
+        self.read.load(Ordering::Relaxed)
     }
 
     /// Called by whoever applies a change to the local copy, in the same critical
@@ -118,7 +137,7 @@ impl DenySync {
 
     /// Removes `t` if its entry has expired (so a fresh entry added meanwhile stays).
     pub async fn expire(&self, t: &Target) -> Result<Option<u64>, StoreError> {
-        self.write("expire", t, &now_ms().to_string()).await
+        self.write("expire", t, "").await
     }
 
     async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<Option<u64>, StoreError> {
@@ -171,7 +190,23 @@ impl DenySync {
         let (version, entries) = self.read_all().await?;
         tracing::debug!(version, entries = entries.len(), "shared deny list read");
         apply(Remote::All(entries), version);
+        self.read.store(true, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Reads the whole list once, within `within`: at startup, so that an instance
+    /// whose Redis answers enforces the shared list (and is ready) from its first
+    /// request. A failure is left to the follower.
+    pub async fn read_once(
+        &self,
+        apply: impl Fn(Remote, u64) + Send + Sync + 'static,
+        within: Duration,
+    ) {
+        match tokio::time::timeout(within, self.resync(&apply)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "shared deny list not read at startup"),
+            Err(_) => tracing::warn!("shared deny list not read at startup: Redis too slow"),
+        }
     }
 
     /// Keeps the local copy in step with the shared list until the process ends:
@@ -179,16 +214,22 @@ impl DenySync {
     /// `apply` gets each change with its version and must call `set_applied`.
     pub fn follow(self: Arc<Self>, apply: impl Fn(Remote, u64) + Send + Sync + 'static) {
         tokio::spawn(async move {
+            let mut first = true;
             loop {
-                if let Err(e) = self.follow_once(&apply).await {
+                let Err(e) = self.follow_once(&apply).await;
+                // Said once per outage; the retries every RETRY are at debug level.
+                if std::mem::take(&mut first) || self.following.swap(false, Ordering::Relaxed) {
                     tracing::warn!(error = %e, "shared deny list: following interrupted; retrying");
+                } else {
+                    tracing::debug!(error = %e, "shared deny list: still not following");
                 }
-                tokio::time::sleep(POLL).await;
+                tokio::time::sleep(RETRY).await;
             }
         });
     }
 
-    async fn follow_once(&self, apply: &Apply) -> Result<(), StoreError> {
+    /// Follows until something fails; returns why.
+    async fn follow_once(&self, apply: &Apply) -> Result<std::convert::Infallible, StoreError> {
         let unavailable = |e: redis::RedisError| StoreError::Unavailable(e.to_string());
         let mut pubsub = None;
         let mut last_err = None;
@@ -214,6 +255,7 @@ impl DenySync {
             .map_err(unavailable)?;
         // Subscribed first, then read: no change can fall between the two.
         self.resync(apply).await?;
+        self.following.store(true, Ordering::Relaxed);
         let mut messages = pubsub.into_on_message();
         let mut poll = tokio::time::interval(POLL);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -81,6 +81,9 @@ pub struct Running {
     _watch: Option<crate::config::watch::Watch>,
 }
 
+/// How long startup waits to read the shared deny list before serving without it.
+const STARTUP_READ: Duration = Duration::from_secs(1);
+
 /// Bans the request path can ask for before the control loop has caught up; more
 /// are dropped (the next refusal of the key asks again).
 const BAN_QUEUE: usize = 1024;
@@ -216,8 +219,11 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     // (bans, the shared deny list, expiry, the file watcher) goes through it.
     let (commands, mut command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
     if let Some(sync) = sync {
-        let control = control.clone();
-        sync.follow(move |r, version| control.remote(r, version));
+        let c = control.clone();
+        sync.read_once(move |r, version| c.remote(r, version), STARTUP_READ)
+            .await;
+        let c = control.clone();
+        sync.follow(move |r, version| c.remote(r, version));
     }
     // A configuration that was not read from a file (tests) has nothing to watch.
     let watch = if !loaded.path.is_file() {

@@ -1051,6 +1051,24 @@ routes:
 }
 
 #[test]
+fn ban_needs_a_per_client_key() {
+    let yaml = "\
+routes:
+  - name: a
+    respond: {}
+    key: global
+    limits: [{algorithm: gcra, rate: 1/s}]
+    ban: {after: 5, within: 1m, for: 1h}
+";
+    assert_eq!(
+        error(yaml),
+        "rules.yaml:6:5: ban needs a per-client key: with key: global every client shares one key, and banning it would deny nobody in particular"
+    );
+    let composite = yaml.replace("key: global", "key: [global, ip]");
+    assert!(errors(&composite).is_empty());
+}
+
+#[test]
 fn server_values_are_positive() {
     let yaml = "\
 server:

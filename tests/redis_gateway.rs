@@ -362,7 +362,12 @@ async fn a_gateway_started_before_redis_serves_once_it_answers() {
     })
     .await;
     assert!(up.is_some(), "not decided by Redis within 3 s of its start");
-    assert_eq!(get(gw.admin_addr, "/readyz", &[]).await.status, 200);
+    // Ready once the shared deny list has been read too (within one retry).
+    let ready = eventually(Duration::from_secs(1), || async {
+        get(gw.admin_addr, "/readyz", &[]).await.status == 200
+    })
+    .await;
+    assert!(ready.is_some(), "not ready within 1 s of deciding in Redis");
     assert_eq!(redis.cmd::<i64>(&["DBSIZE"]), 1);
 }
 

@@ -557,6 +557,17 @@ impl Checker<'_> {
                     "ban needs limits on the route: it bans keys that keep hitting them",
                 );
             }
+            let global = |k: &Text| k.as_str() == "global";
+            let only_global = match &route.key {
+                KeySpec::One(k) => global(k),
+                KeySpec::Composite(ks) => ks.iter().all(global),
+            };
+            if only_global {
+                self.at_key(
+                    &bp,
+                    "ban needs a per-client key: with key: global every client shares one key, and banning it would deny nobody in particular",
+                );
+            }
         }
     }
 
