@@ -431,26 +431,40 @@ impl Control {
             Remote::Delete(target) => {
                 d.table.remove(&target);
             }
-            Remote::All(entries) => {
+            Remote::All { entries, lost } => {
                 let mut all = DenyTable::new();
                 for e in entries {
                     all.insert(e);
                 }
-                // Bans this instance made while Redis was unreachable are not in the
-                // shared list yet: keep them, and share them now.
                 let now = now_ms();
-                let mut unshared = Vec::new();
-                for target in std::mem::take(&mut *lock(&self.unshared)) {
-                    match d.table.get(&target) {
-                        Some(e) if e.meta.expires_at_ms.is_none_or(|at| at > now) => {
-                            all.insert(e.clone());
-                            unshared.push(e);
-                        }
-                        _ => {}
+                let live = |e: &Entry| e.meta.expires_at_ms.is_none_or(|at| at > now);
+                // Redis lost its data (restarted without persistence, failed over):
+                // every live entry of this copy is kept and written back, so that a
+                // Redis restart does not lift every ban of the fleet.
+                let restore: Vec<Entry> = if lost {
+                    d.table.entries().into_iter().filter(live).collect()
+                } else {
+                    // Bans this instance made while Redis was unreachable are not in
+                    // the shared list yet: keep them, and share them now.
+                    std::mem::take(&mut *lock(&self.unshared))
+                        .iter()
+                        .filter_map(|t| d.table.get(t))
+                        .filter(live)
+                        .collect()
+                };
+                for e in &restore {
+                    if all.get(&e.target).is_none() {
+                        all.insert(e.clone());
                     }
                 }
+                if lost {
+                    tracing::warn!(
+                        entries = restore.len(),
+                        "the shared deny list went back in time (Redis lost its data); writing this instance's entries back"
+                    );
+                }
                 d.table = all;
-                self.share_later(unshared);
+                self.share_later(restore);
             }
         }
         if let Some(sync) = &self.sync {
@@ -460,19 +474,23 @@ impl Control {
         self.publish_soon();
     }
 
-    /// Puts bans that could not be shared when they were made; those that still
-    /// cannot be are tried again at the next read of the shared list.
-    fn share_later(&self, bans: Vec<Entry>) {
-        let (Some(sync), false) = (self.sync.clone(), bans.is_empty()) else {
+    /// Writes entries the shared list lacks (bans made while Redis was unreachable,
+    /// or everything after Redis lost its data) without replacing any it has; those
+    /// that cannot be written yet are tried again at the next read of the list.
+    fn share_later(&self, entries: Vec<Entry>) {
+        let (Some(sync), false) = (self.sync.clone(), entries.is_empty()) else {
             return;
         };
         let unshared = self.unshared.clone();
         tokio::spawn(async move {
-            for e in bans {
-                if let Err(err) = sync.put(&e).await {
-                    tracing::debug!(error = %err, entry = %e.target, "ban still not shared");
-                    lock(&unshared).push(e.target);
-                }
+            if let Err(err) = sync.restore(&entries).await {
+                tracing::debug!(error = %err, entries = entries.len(), "entries still not shared");
+                lock(&unshared).extend(
+                    entries
+                        .into_iter()
+                        .filter(|e| e.meta.source == Source::Ban)
+                        .map(|e| e.target),
+                );
             }
         });
     }

@@ -24,8 +24,12 @@ use crate::limit::{RedisStore, RedisTarget, StoreError};
 pub enum Remote {
     Put(Entry),
     Delete(Target),
-    /// The whole list, replacing the local copy.
-    All(Vec<Entry>),
+    /// The whole list, replacing the local copy; `lost` when Redis lost its data
+    /// since the last read (its epoch changed).
+    All {
+        entries: Vec<Entry>,
+        lost: bool,
+    },
 }
 
 /// Applies one change to the local copy and records its version.
@@ -60,14 +64,47 @@ else
   if redis.call('HDEL', KEYS[1], field) == 0 then return {0} end
 end
 local v = redis.call('INCR', KEYS[2])
-redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, op = op, field = field, entry = ARGV[3]}))
+redis.call('SET', KEYS[3], ARGV[5], 'NX')
+local e = redis.call('GET', KEYS[3])
+redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, e = e, op = op, field = field, entry = ARGV[3]}))
 return {1, v}
 "#;
+
+/// KEYS: entries, version, epoch. ARGV: the channel, an epoch to set if there is
+/// none, then (field, entry) pairs. Adds each pair the hash does not have yet
+/// (HSETNX), then, if any was added, bumps the version and publishes a `restore`,
+/// which makes every follower read the list again. Reply: {added, version}.
+const RESTORE: &str = r#"
+local added = 0
+for i = 3, #ARGV - 1, 2 do
+  added = added + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+if added == 0 then return {0, tonumber(redis.call('GET', KEYS[2]) or '0')} end
+local v = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[3], ARGV[2], 'NX')
+redis.call('PUBLISH', ARGV[1], cjson.encode({v = v, op = 'restore', field = ''}))
+return {added, v}
+"#;
+
+/// A random epoch candidate.
+fn new_epoch() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    format!(
+        "{:016x}",
+        RandomState::new().hash_one(std::time::SystemTime::now())
+    )
+}
+
+/// Entries written back per script call.
+const RESTORE_BATCH: usize = 500;
 
 /// A published change.
 #[derive(Debug, Serialize, Deserialize)]
 struct Message {
     v: u64,
+    /// The list's epoch.
+    #[serde(default)]
+    e: Option<String>,
     op: String,
     field: String,
     /// The entry's JSON for `put`.
@@ -80,6 +117,9 @@ pub struct DenySync {
     target: RedisTarget,
     entries: String,
     version: String,
+    /// Set by the first write to an empty Redis: a different one (or none) where this
+    /// instance saw one means Redis lost its data.
+    epoch: String,
     channel: String,
     /// The version the local copy reflects; 0 before the first read.
     applied: AtomicU64,
@@ -87,6 +127,8 @@ pub struct DenySync {
     read: AtomicBool,
     /// Subscribed and in step (for logging an outage once).
     following: AtomicBool,
+    /// The epoch of the list as last read; None before the first read.
+    seen_epoch: std::sync::Mutex<Option<Option<String>>>,
 }
 
 impl DenySync {
@@ -95,12 +137,14 @@ impl DenySync {
         DenySync {
             entries: format!("{p}{{deny}}:entries"),
             version: format!("{p}{{deny}}:version"),
+            epoch: format!("{p}{{deny}}:epoch"),
             channel: format!("{p}deny"),
             store,
             target,
             applied: AtomicU64::new(0),
             read: AtomicBool::new(false),
             following: AtomicBool::new(false),
+            seen_epoch: std::sync::Mutex::new(None),
         }
     }
 
@@ -140,16 +184,39 @@ impl DenySync {
         self.write("expire", t, "").await
     }
 
+    /// Writes back entries the shared list does not have, keeping those it has.
+    pub async fn restore(&self, entries: &[Entry]) -> Result<(), StoreError> {
+        for batch in entries.chunks(RESTORE_BATCH) {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(RESTORE)
+                .arg(3)
+                .arg(&self.entries)
+                .arg(&self.version)
+                .arg(&self.epoch)
+                .arg(&self.channel)
+                .arg(new_epoch());
+            for e in batch {
+                let json = serde_json::to_string(&e.to_json())
+                    .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                cmd.arg(field(&e.target)).arg(json);
+            }
+            let _: Vec<u64> = self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
+        }
+        Ok(())
+    }
+
     async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<Option<u64>, StoreError> {
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(WRITE)
-            .arg(2)
+            .arg(3)
             .arg(&self.entries)
             .arg(&self.version)
+            .arg(&self.epoch)
             .arg(op)
             .arg(field(t))
             .arg(arg)
-            .arg(&self.channel);
+            .arg(&self.channel)
+            .arg(new_epoch());
         let reply: Vec<u64> = self.store.query(&cmd).await?;
         Ok(match reply.as_slice() {
             [1, v] => Some(*v),
@@ -160,8 +227,10 @@ impl DenySync {
     /// The whole list, and the version read before it. Read page by page (HSCAN), so
     /// a large list never blocks Redis for long; a change made while the pages are
     /// read is published with a later version and applied after.
-    async fn read_all(&self) -> Result<(u64, Vec<Entry>), StoreError> {
-        let version = self.remote_version().await?;
+    async fn read_all(&self) -> Result<(u64, Option<String>, Vec<Entry>), StoreError> {
+        let mut cmd = redis::cmd("MGET");
+        cmd.arg(&self.version).arg(&self.epoch);
+        let (version, epoch): (Option<u64>, Option<String>) = self.store.query(&cmd).await?;
         let mut entries = Vec::new();
         let mut cursor = 0u64;
         loop {
@@ -171,7 +240,7 @@ impl DenySync {
                 self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
             entries.extend(page.chunks_exact(2).filter_map(|kv| parse_entry(&kv[1])));
             if next == 0 {
-                return Ok((version, entries));
+                return Ok((version.unwrap_or(0), epoch, entries));
             }
             cursor = next;
         }
@@ -187,9 +256,15 @@ impl DenySync {
 
     /// Reads the whole list into the local copy.
     async fn resync(&self, apply: &Apply) -> Result<(), StoreError> {
-        let (version, entries) = self.read_all().await?;
+        let (version, epoch, entries) = self.read_all().await?;
         tracing::debug!(version, entries = entries.len(), "shared deny list read");
-        apply(Remote::All(entries), version);
+        let lost = {
+            let mut seen = self.seen_epoch.lock().unwrap_or_else(|p| p.into_inner());
+            let lost = matches!(&*seen, Some(Some(before)) if epoch.as_ref() != Some(before));
+            *seen = Some(epoch);
+            lost
+        };
+        apply(Remote::All { entries, lost }, version);
         self.read.store(true, Ordering::Relaxed);
         Ok(())
     }
@@ -276,6 +351,9 @@ impl DenySync {
                         // A gap: some change was missed.
                         self.resync(apply).await?;
                         continue;
+                    }
+                    if let Some(e) = m.e.clone() {
+                        *self.seen_epoch.lock().unwrap_or_else(|p| p.into_inner()) = Some(Some(e));
                     }
                     match (m.op.as_str(), parse_field(&m.field)) {
                         ("put", _) => match parse_entry(&m.entry) {
