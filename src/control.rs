@@ -114,6 +114,8 @@ pub struct Control {
     /// A change not yet published to the request path (see `publish_soon`).
     publish_pending: AtomicBool,
     publish_wake: Notify,
+    /// The table published before the current one.
+    retired: Mutex<Option<Arc<DenyTable>>>,
 }
 
 struct Dynamic {
@@ -182,6 +184,7 @@ impl Control {
             unshared: Arc::new(Mutex::new(Vec::new())),
             publish_pending: AtomicBool::new(false),
             publish_wake: Notify::new(),
+            retired: Mutex::new(None),
             dynamic: Mutex::new(Dynamic {
                 table,
                 dirty: false,
@@ -566,7 +569,10 @@ impl Control {
     }
 
     fn publish(&self, table: &DenyTable) {
-        self.shared.deny.store(Arc::new(table.clone()));
+        let old = self.shared.deny.swap(Arc::new(table.clone()));
+        // Freed at the next publish, here, not by whichever request happens to drop
+        // the last reference (a large table takes milliseconds to free).
+        *lock(&self.retired) = Some(old);
         let g = &self.shared.metrics.deny_entries;
         for source in [Source::Api, Source::Ban] {
             let n = i64::try_from(table.count(source)).unwrap_or(i64::MAX);

@@ -150,9 +150,7 @@ pub async fn handle(
         };
         // Every value of every key part, before any fallback: a denied key sent twice
         // (which makes it missing) is still denied.
-        if denied_key(&rt, &shared, |denied| {
-            route.key.any_value(&parts, ip, denied)
-        }) {
+        if denied_key(&rt, &shared, |denied| route.key.any_value(&parts, denied)) {
             break 'answer (denied(&rt), Decision::Denied);
         }
         let (ns, key) = match route.key.extract(&parts, ip) {
