@@ -486,7 +486,6 @@ mod tests {
                 ("cookie", "s=c1; s=c2"),
             ],
         );
-        let a = ip("1.2.3.4");
         let seen = |spec: &KeySpec| {
             let mut v = Vec::new();
             spec.any_value(&p, |x| {
