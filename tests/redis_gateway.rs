@@ -198,21 +198,12 @@ async fn script_flush_mid_traffic_loses_no_request() {
     );
     assert!(flushes >= 10, "{flushes}");
     // The script really was lost: requests found it missing and sent it whole.
-    let (evalsha, eval) = (calls(&redis, "evalsha"), calls(&redis, "eval"));
+    let (evalsha, eval) = (redis.calls("evalsha"), redis.calls("eval"));
     // (Each of the 300 admitted and at least the first refused went to Redis.)
     assert!(
         eval >= 1 && evalsha >= 301,
         "EVALSHA {evalsha}, EVAL {eval}"
     );
-}
-
-/// Calls of `command` so far, from `INFO commandstats`.
-fn calls(redis: &RedisServer, command: &str) -> u64 {
-    let info: String = redis.cmd(&["INFO", "commandstats"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 // === d: Redis dies and comes back ===

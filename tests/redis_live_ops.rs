@@ -175,15 +175,6 @@ impl Db<'_> {
     }
 }
 
-/// Calls of `command` so far, from `INFO commandstats`.
-fn calls(redis: &RedisServer, command: &str) -> u64 {
-    let info: String = redis.cmd(&["INFO", "commandstats"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
-        .unwrap_or(0)
-}
-
 /// Waits until the followers have subscribed: `per_node` subscribers on each node.
 async fn subscribed(db: &Db<'_>, per_node: &[i64]) {
     let ok = eventually(Duration::from_secs(5), || async {
@@ -431,7 +422,7 @@ async fn an_expiry_never_removes_a_fresher_entry() {
         "source": "api",
     });
     let _: i64 = db.cmd(&["HSET", ENTRIES, "key:renewed", &fresh.to_string()]);
-    let evals = calls(&redis, "eval");
+    let evals = redis.calls("eval");
     // Both expire their copy and try to remove it from Redis; neither does.
     let expired = eventually(Duration::from_millis(2500), || async {
         a.deny_entries("api").await == 0.0 && b.deny_entries("api").await == 0.0
@@ -444,7 +435,7 @@ async fn an_expiry_never_removes_a_fresher_entry() {
     assert_eq!(serde_json::from_str::<Value>(&stored).unwrap(), fresh);
     assert_eq!(db.version().as_deref(), Some("1"));
     // One attempt each (the expiry script), and nothing else went to Redis by EVAL.
-    assert_eq!(calls(&redis, "eval") - evals, 2);
+    assert_eq!(redis.calls("eval") - evals, 2);
 }
 
 // === 4: a missed message ===
@@ -814,9 +805,9 @@ async fn an_idle_instance_probes_redis_every_200ms() {
     let redis = RedisServer::start();
     let _gw = in_process(&open_gateway(&url_target(&redis.url()), 100)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = calls(&redis, "ping");
+    let before = redis.calls("ping");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let probes = calls(&redis, "ping") - before;
+    let probes = redis.calls("ping") - before;
     eprintln!("idle: {probes} probes in 2 s");
     assert!((8..=11).contains(&probes), "{probes} probes in 2 s");
 }

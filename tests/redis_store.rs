@@ -728,7 +728,7 @@ fn refusals_are_answered_locally_until_their_retry_time() {
     assert!((1_000_000..=1_500_000).contains(&retry), "{retry}");
 
     // Answered without a call: Redis sees no EVALSHA, and the retry time counts down.
-    let evals = evalsha_calls(&redis);
+    let evals = redis.calls("evalsha");
     std::thread::sleep(Duration::from_millis(100));
     let cached = check("a").unwrap();
     assert!(!cached.allowed);
@@ -738,7 +738,7 @@ fn refusals_are_answered_locally_until_their_retry_time() {
         cached.retry_after_us()
     );
     assert_eq!(cached.outcomes[0].remaining, 0);
-    assert_eq!(evalsha_calls(&redis), evals);
+    assert_eq!(redis.calls("evalsha"), evals);
 
     // Even with Redis gone the refusal holds (it is exact); other keys get the error.
     redis.kill();
@@ -749,14 +749,6 @@ fn refusals_are_answered_locally_until_their_retry_time() {
         Duration::from_micros(retry).saturating_sub(t0.elapsed()) + Duration::from_millis(50),
     );
     assert!(check("a").is_err());
-}
-
-fn evalsha_calls(redis: &RedisServer) -> u64 {
-    let info: String = redis.cmd(&["INFO", "commandstats"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 // === memory per tracked key (README numbers) ===
@@ -890,9 +882,9 @@ fn delay_mode_refusals_are_held_until_the_wait_fits() {
     assert!((1_500_000..=2 * S).contains(&retry), "{retry}");
 
     std::thread::sleep(Duration::from_millis(300));
-    let evals = evalsha_calls(&redis);
+    let evals = redis.calls("evalsha");
     assert!(!check().allowed, "held while the wait exceeds max_delay");
-    assert_eq!(evalsha_calls(&redis), evals);
+    assert_eq!(redis.calls("evalsha"), evals);
 
     // Past R - max_delay: Redis is asked and books a wait of at most max_delay.
     std::thread::sleep(
@@ -900,5 +892,5 @@ fn delay_mode_refusals_are_held_until_the_wait_fits() {
     );
     let v = check();
     assert!(v.allowed && v.delay_us > 0 && v.delay_us <= S, "{v:?}");
-    assert_eq!(evalsha_calls(&redis), evals + 1);
+    assert_eq!(redis.calls("evalsha"), evals + 1);
 }

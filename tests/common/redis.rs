@@ -142,6 +142,15 @@ impl RedisServer {
     }
 
     /// A command on this server, panicking on failure.
+    /// Calls of `command` so far, from `INFO commandstats`.
+    pub fn calls(&self, command: &str) -> u64 {
+        let info: String = self.cmd(&["INFO", "commandstats"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
     pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
         let mut c = self.connection().expect("connect to redis");
         let mut cmd = redis::cmd(args[0]);
