@@ -1,8 +1,9 @@
 //! The one place that changes a running gateway. The file watcher, SIGHUP, the admin
-//! API, automatic bans and the Redis follower only translate what they see into a
-//! `Command`; `Control::apply` carries it out. Reloads are serialized; dynamic deny
-//! entries live here (published to the request path as one swapped snapshot) and so
-//! survive reloads.
+//! API and automatic bans only translate what they see into a `Command`;
+//! `Control::apply` carries it out. The Redis follower calls `Control::remote`, which
+//! applies the shared list's changes in version order under the same lock as this
+//! instance's own. Reloads are serialized; dynamic deny entries live here (published
+//! to the request path as one swapped snapshot) and so survive reloads.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -134,7 +135,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Control {
     /// `loaded` is the configuration `shared` was started with. With the memory store
     /// and `deny.state_file`, the entries saved there are loaded (expired ones dropped);
-    /// with `sync`, the shared list is read by the follower.
+    /// with `sync`, the shared list is read at startup and kept by the follower, both
+    /// through `remote`.
     pub fn new(
         shared: Arc<Shared>,
         loaded: &crate::config::Loaded,
