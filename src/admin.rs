@@ -114,10 +114,10 @@ impl Admin {
         };
         let ttl = match r.ttl.as_deref().map(|t| (t, parse_duration(t.trim()))) {
             None => None,
-            Some((_, Some(d))) if !d.is_zero() => Some(d),
+            Some((_, Some(d))) if d.as_millis() > 0 => Some(d),
             Some((t, _)) => {
                 return bad_request(&format!(
-                    "ttl {t:?} is not a duration like 30s, 10m, 1h or 1d"
+                    "ttl {t:?} is not a duration of at least 1ms like 30s, 10m, 1h or 1d"
                 ))
             }
         };

@@ -353,14 +353,14 @@ pub fn added_line(
     ttl: Option<&Ttl>,
     reason: Option<&str>,
 ) -> String {
-    let value = entry.map(|e| e.value.clone()).unwrap_or(target.value());
+    let value = printable(&entry.map(|e| e.value.clone()).unwrap_or(target.value()));
     let mut line = format!("denied {} {value}", target.kind());
     match ttl {
         Some(t) => line.push_str(&format!(" for {}", t.text)),
         None => line.push_str(" until removed"),
     }
     if let Some(r) = reason.filter(|r| !r.is_empty()) {
-        line.push_str(&format!(" (reason: {r})"));
+        line.push_str(&format!(" (reason: {})", printable(r)));
     }
     line
 }
@@ -372,9 +372,24 @@ pub fn removed_line(target: &Target) -> String {
 
 /// The entries as an aligned table under a header row; every line ends in `\n`,
 /// and no line in trailing spaces.
+/// `s` with control characters escaped (`\n`, `\u{1b}`).
+fn printable(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 pub fn table(entries: &[Entry]) -> String {
     let header = ["KIND", "VALUE", "SOURCE", "EXPIRES", "REASON"];
-    let rows: Vec<[&str; 5]> = entries
+    // Keys and reasons come from clients: control characters are shown escaped, so
+    // a key can never move the cursor or forge a line of the table.
+    let rows: Vec<[String; 5]> = entries
         .iter()
         .map(|e| {
             [
@@ -384,9 +399,11 @@ pub fn table(entries: &[Entry]) -> String {
                 e.expires_at.as_deref().unwrap_or("never"),
                 e.reason.as_deref().filter(|r| !r.is_empty()).unwrap_or("-"),
             ]
+            .map(printable)
         })
         .collect();
-    let mut widths = header.map(|h| h.chars().count());
+    let header = header.map(String::from);
+    let mut widths = header.each_ref().map(|h| h.chars().count());
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
@@ -541,6 +558,19 @@ mod tests {
             "401 Unauthorized: missing or wrong bearer token (set SLUICE_ADMIN_TOKEN or admin.token)"
         );
         assert_eq!(refusal(StatusCode::NOT_FOUND, ""), "404 Not Found");
+    }
+
+    #[test]
+    fn control_characters_are_shown_escaped() {
+        let entries: Vec<Entry> = serde_json::from_str(
+            r#"[{"kind":"key","value":"evil\n2026 INFO forged\u001b[2J","reason":"a\rb","source":"ban"}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            table(&entries),
+            "KIND  VALUE                            SOURCE  EXPIRES  REASON\n\
+             key   evil\\n2026 INFO forged\\u{1b}[2J  ban     never    a\\rb\n"
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::config::compile::compile;
 use crate::config::schema;
 use crate::config::value::{fmt_dur, redact_url};
 use crate::deny::{now_ms, BanRequest, DenyTable, Entry, EntryJson, Meta, Source, Target};
-use crate::deny_sync::{DenySync, Remote};
+use crate::deny_sync::{DenySync, Position, Remote};
 use crate::gateway::Shared;
 use tokio::sync::Notify;
 
@@ -109,9 +109,10 @@ pub struct Control {
     /// Dynamic entries, authoritative for this instance; `Shared::deny` holds a copy.
     dynamic: Mutex<Dynamic>,
     sync: Option<Arc<DenySync>>,
-    /// Bans made while Redis was unreachable: kept when the shared list is read
-    /// again, and shared then.
-    unshared: Arc<Mutex<Vec<Target>>>,
+    /// Entries the shared list should have but may not: bans made while Redis was
+    /// unreachable, and everything this copy held when Redis lost its data. Kept in
+    /// the local copy whenever the shared list is read, until written back.
+    pending: Arc<Mutex<Vec<Entry>>>,
     /// A change not yet published to the request path (see `publish_soon`).
     publish_pending: AtomicBool,
     publish_wake: Notify,
@@ -161,12 +162,15 @@ impl Control {
                         table.insert(e);
                     }
                 }
-                Err(e) => {
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                     // Kept for a person to look at: the next change overwrites the file.
                     let mut aside = p.as_os_str().to_owned();
                     aside.push(".corrupt");
                     let moved = std::fs::rename(p, &aside).is_ok();
                     tracing::error!(file = %p.display(), error = %e, moved_to = ?moved.then_some(&aside), "deny.state_file not loaded; starting with no dynamic entries")
+                }
+                Err(e) => {
+                    tracing::error!(file = %p.display(), error = %e, "deny.state_file cannot be read; starting with no dynamic entries")
                 }
             }
         }
@@ -183,7 +187,7 @@ impl Control {
                 loaded_at_ms: now_ms(),
                 last_reload: None,
             }),
-            unshared: Arc::new(Mutex::new(Vec::new())),
+            pending: Arc::new(Mutex::new(Vec::new())),
             publish_pending: AtomicBool::new(false),
             publish_wake: Notify::new(),
             retired: Mutex::new(None),
@@ -319,12 +323,12 @@ impl Control {
     // === the deny list ===
 
     async fn deny_add(&self, e: Entry) -> Result<Reply, ControlError> {
-        let version = match &self.sync {
-            Some(sync) => Some(sync.put(&e).await.map_err(store_error)?),
+        let written = match &self.sync {
+            Some(sync) => sync.put(&e).await.map_err(store_error)?,
             None => None,
         };
-        tracing::info!(entry = %e.target, expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
-        self.change_unless_followed(version, |t| {
+        tracing::info!(entry = ?e.target, expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
+        self.change_unless_followed(written.as_ref(), |t| {
             t.insert(e.clone());
         });
         Ok(Reply::Added(e))
@@ -335,11 +339,12 @@ impl Control {
             Some(sync) => sync.delete(&target).await.map_err(store_error)?,
             None => None,
         };
+        lock(&self.pending).retain(|e| e.target != target);
         let mut removed = None;
-        self.change_unless_followed(shared, |t| removed = t.remove(&target));
+        self.change_unless_followed(shared.as_ref(), |t| removed = t.remove(&target));
         match removed {
             Some(e) => {
-                tracing::info!(entry = %e.target, "deny entry removed");
+                tracing::info!(entry = ?e.target, "deny entry removed");
                 Ok(Reply::Removed(e))
             }
             // Removed from Redis, and already from here by the follower.
@@ -360,13 +365,13 @@ impl Control {
     }
 
     /// Applies this instance's own change to the local copy, unless the follower has
-    /// already applied the shared list's `version` of it (or anything later): then
+    /// already applied the shared list's change (or a later one) that `written` names:
     /// applying it again could undo a later change from another instance. Without
-    /// Redis (`version` None) the change is always applied.
-    fn change_unless_followed(&self, version: Option<u64>, f: impl FnOnce(&mut DenyTable)) {
+    /// Redis (`written` None) the change is always applied.
+    fn change_unless_followed(&self, written: Option<&Position>, f: impl FnOnce(&mut DenyTable)) {
         let mut d = lock(&self.dynamic);
-        let followed = match (&self.sync, version) {
-            (Some(sync), Some(v)) => sync.applied() >= v,
+        let followed = match (&self.sync, written) {
+            (Some(sync), Some(w)) => sync.followed(w),
             _ => false,
         };
         if !followed {
@@ -406,7 +411,7 @@ impl Control {
                 route: Some(b.route.as_str().into()),
             },
         };
-        tracing::warn!(route = %b.route, entry = %e.target, duration = %fmt_dur(b.duration), "banned");
+        tracing::warn!(route = %b.route, entry = ?e.target, duration = %fmt_dur(b.duration), "banned");
         self.shared
             .metrics
             .bans
@@ -415,25 +420,32 @@ impl Control {
         self.change_soon(|t| {
             t.insert(e.clone());
         });
-        if let Some(sync) = &self.sync {
-            // Enforced here already; the fleet learns of it when Redis answers.
-            if let Err(err) = sync.put(&e).await {
-                tracing::warn!(error = %err, entry = %e.target, "ban not shared: Redis unavailable");
-                lock(&self.unshared).push(e.target);
-            }
+        // Enforced here already; shared off the control loop, so a burst of bans
+        // never waits for Redis one round trip at a time.
+        if let Some(sync) = self.sync.clone() {
+            let pending = self.pending.clone();
+            tokio::spawn(async move {
+                if let Err(err) = sync.put(&e).await {
+                    tracing::warn!(error = %err, entry = ?e.target, "ban not shared yet: Redis unavailable");
+                    lock(&pending).push(e);
+                }
+            });
         }
     }
 
-    /// A change from the shared list, or the whole of it, with its version: applied
-    /// by the follower in version order, under the same lock as this instance's own
-    /// changes (see `change_unless_followed`), so it bypasses the command queue.
-    pub fn remote(&self, r: Remote, version: u64) {
+    /// A change from the shared list, or the whole of it, with the position it
+    /// reaches: applied by the follower in version order, under the same lock as this
+    /// instance's own changes (see `change_unless_followed`), so it bypasses the
+    /// command queue.
+    pub fn remote(&self, r: Remote, at: Position) {
         let mut d = lock(&self.dynamic);
+        let sync = self.sync.as_ref();
         match r {
             Remote::Put(e) => {
                 d.table.insert(e);
             }
             Remote::Delete(target) => {
+                lock(&self.pending).retain(|e| e.target != target);
                 d.table.remove(&target);
             }
             Remote::All { entries, lost } => {
@@ -443,59 +455,57 @@ impl Control {
                 }
                 let now = now_ms();
                 let live = |e: &Entry| e.meta.expires_at_ms.is_none_or(|at| at > now);
-                // Redis lost its data (restarted without persistence, failed over):
-                // every live entry of this copy is kept and written back, so that a
-                // Redis restart does not lift every ban of the fleet.
-                let restore: Vec<Entry> = if lost {
-                    d.table.entries().into_iter().filter(live).collect()
-                } else {
-                    // Bans this instance made while Redis was unreachable are not in
-                    // the shared list yet: keep them, and share them now.
-                    std::mem::take(&mut *lock(&self.unshared))
-                        .iter()
-                        .filter_map(|t| d.table.get(t))
-                        .filter(live)
-                        .collect()
-                };
-                for e in &restore {
+                let mut pending = lock(&self.pending);
+                if lost {
+                    // Redis lost its data (restarted without persistence, a flush, an
+                    // empty replica): everything this copy holds is written back, so
+                    // that a Redis restart lifts no entry.
+                    tracing::warn!(
+                        entries = d.table.len(),
+                        "the shared deny list was lost in Redis; writing this instance's copy back"
+                    );
+                    pending.extend(d.table.entries());
+                }
+                pending.retain(live);
+                // Until written back, pending entries stay enforced here, whatever a
+                // half-restored list says.
+                for e in pending.iter() {
                     if all.get(&e.target).is_none() {
                         all.insert(e.clone());
                     }
                 }
-                if lost {
-                    tracing::warn!(
-                        entries = restore.len(),
-                        "the shared deny list went back in time (Redis lost its data); writing this instance's entries back"
-                    );
-                }
                 d.table = all;
-                self.share_later(restore);
+                let restore = pending.clone();
+                drop(pending);
+                if let Some(sync) = sync {
+                    sync.set_position(at);
+                }
+                d.dirty = true;
+                self.publish_pending.store(false, Ordering::Release);
+                self.publish(&d.table);
+                return self.write_back(restore);
             }
         }
-        if let Some(sync) = &self.sync {
-            sync.set_applied(version);
+        if let Some(sync) = sync {
+            sync.set_position(at);
         }
         d.dirty = true;
         self.publish_soon();
     }
 
-    /// Writes entries the shared list lacks (bans made while Redis was unreachable,
-    /// or everything after Redis lost its data) without replacing any it has; those
-    /// that cannot be written yet are tried again at the next read of the list.
-    fn share_later(&self, entries: Vec<Entry>) {
+    /// Writes `entries` back to the shared list (keeping any entry it has), off the
+    /// caller; once written they are no longer pending.
+    fn write_back(&self, entries: Vec<Entry>) {
         let (Some(sync), false) = (self.sync.clone(), entries.is_empty()) else {
             return;
         };
-        let unshared = self.unshared.clone();
+        let pending = self.pending.clone();
         tokio::spawn(async move {
-            if let Err(err) = sync.restore(&entries).await {
-                tracing::debug!(error = %err, entries = entries.len(), "entries still not shared");
-                lock(&unshared).extend(
-                    entries
-                        .into_iter()
-                        .filter(|e| e.meta.source == Source::Ban)
-                        .map(|e| e.target),
-                );
+            match sync.restore(&entries).await {
+                Ok(()) => lock(&pending).retain(|p| !entries.iter().any(|e| e.target == p.target)),
+                Err(err) => {
+                    tracing::debug!(error = %err, entries = entries.len(), "entries not written back yet")
+                }
             }
         });
     }
@@ -532,13 +542,17 @@ impl Control {
             }
         }
         for e in &expired {
-            tracing::info!(entry = %e.target, "deny entry expired");
-            if let Some(sync) = &self.sync {
-                // Every instance tries; the first removes it, unless re-added meanwhile.
-                if let Err(err) = sync.expire(&e.target).await {
-                    tracing::debug!(error = %err, "expired entry not removed from Redis");
+            tracing::info!(entry = ?e.target, "deny entry expired");
+        }
+        if let (Some(sync), false) = (self.sync.clone(), expired.is_empty()) {
+            // Every instance tries, in batches, off the control loop; Redis' clock
+            // decides, so an entry renewed meanwhile stays.
+            let targets: Vec<Target> = expired.into_iter().map(|e| e.target).collect();
+            tokio::spawn(async move {
+                if let Err(err) = sync.expire(&targets).await {
+                    tracing::debug!(error = %err, "expired entries not removed from Redis");
                 }
-            }
+            });
         }
     }
 
@@ -671,11 +685,13 @@ fn json<T: serde::Serialize>(v: &T) -> serde_json::Value {
 }
 
 fn read_state(p: &std::path::Path) -> std::io::Result<Vec<Entry>> {
-    let text = match std::fs::read_to_string(p) {
-        Ok(t) => t,
+    let bytes = match std::fs::read(p) {
+        Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     };
+    let text = String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     let list: Vec<EntryJson> = serde_json::from_str(&text)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     Ok(list.into_iter().filter_map(Entry::from_json).collect())

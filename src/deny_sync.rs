@@ -8,7 +8,7 @@
 //! (a lost message, a restarted Redis). Both keys share a hash tag, so this works on
 //! Redis Cluster, where published messages reach subscribers on every node.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,8 +32,18 @@ pub enum Remote {
     },
 }
 
-/// Applies one change to the local copy and records its version.
-type Apply = dyn Fn(Remote, u64) + Send + Sync;
+/// Where a copy of the shared list stands: the version it reflects, and the epoch of
+/// the list that version belongs to (None while the list has none: nothing was ever
+/// written to this Redis).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Position {
+    pub version: u64,
+    pub epoch: Option<String>,
+}
+
+/// Applies one change to the local copy and records the position it reaches (with
+/// `set_position`, in the same critical section).
+type Apply = dyn Fn(Remote, Position) + Send + Sync;
 
 /// How soon a follower that lost Redis tries again.
 const RETRY: Duration = Duration::from_millis(250);
@@ -45,45 +55,72 @@ const PAGE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often the version is compared, to heal missed messages.
 const POLL: Duration = Duration::from_secs(1);
 
-/// put: {version}. del / expire: {1, version} if removed, else {0}.
+/// One change. KEYS: entries, version, epoch. ARGV: op (`put`, `ban`, `del`), field,
+/// entry JSON, channel, an epoch to set if there is none. A `ban` never replaces an
+/// entry that lasts longer (or for ever). Reply: {1, version, epoch} if the list
+/// changed, else {0}.
 const WRITE: &str = r#"
 local op, field = ARGV[1], ARGV[2]
+if op == 'ban' then
+  local j = redis.call('HGET', KEYS[1], field)
+  if j then
+    local at = cjson.decode(j).expires_at_ms
+    if type(at) ~= 'number' or at >= cjson.decode(ARGV[3]).expires_at_ms then return {0} end
+  end
+  op = 'put'
+end
 if op == 'put' then
   redis.call('HSET', KEYS[1], field, ARGV[3])
-elseif op == 'expire' then
-  local j = redis.call('HGET', KEYS[1], field)
-  if not j then return {0} end
-  -- Redis' clock, not the caller's: an instance whose clock runs fast must not
-  -- expire entries early for everyone.
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local at = cjson.decode(j).expires_at_ms
-  if type(at) ~= 'number' or at > now then return {0} end
-  redis.call('HDEL', KEYS[1], field)
-else
-  if redis.call('HDEL', KEYS[1], field) == 0 then return {0} end
+elseif redis.call('HDEL', KEYS[1], field) == 0 then
+  return {0}
 end
 local v = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[3], ARGV[5], 'NX')
 local e = redis.call('GET', KEYS[3])
 redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, e = e, op = op, field = field, entry = ARGV[3]}))
-return {1, v}
+return {1, v, e}
 "#;
 
-/// KEYS: entries, version, epoch. ARGV: the channel, an epoch to set if there is
-/// none, then (field, entry) pairs. Adds each pair the hash does not have yet
-/// (HSETNX), then, if any was added, bumps the version and publishes a `restore`,
-/// which makes every follower read the list again. Reply: {added, version}.
+/// Removes the given fields whose entries have expired by Redis' clock (not the
+/// caller's: an instance whose clock runs fast must not expire entries early for
+/// everyone). Every copy drops an expired entry by itself, so nothing is published.
+/// KEYS: entries. ARGV: fields. Reply: how many were removed.
+const EXPIRE: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local removed = 0
+for i = 1, #ARGV do
+  local j = redis.call('HGET', KEYS[1], ARGV[i])
+  if j then
+    local at = cjson.decode(j).expires_at_ms
+    if type(at) == 'number' and at <= now then
+      removed = removed + redis.call('HDEL', KEYS[1], ARGV[i])
+    end
+  end
+end
+return removed
+"#;
+
+/// Writes back (field, entry) pairs the hash does not have (HSETNX), publishing
+/// nothing: `ANNOUNCE` follows the last batch. KEYS: entries. Reply: how many were
+/// added.
 const RESTORE: &str = r#"
 local added = 0
-for i = 3, #ARGV - 1, 2 do
+for i = 1, #ARGV - 1, 2 do
   added = added + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
 end
-if added == 0 then return {0, tonumber(redis.call('GET', KEYS[2]) or '0')} end
-local v = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[3], ARGV[2], 'NX')
-redis.call('PUBLISH', ARGV[1], cjson.encode({v = v, op = 'restore', field = ''}))
-return {added, v}
+return added
+"#;
+
+/// After a write-back: bumps the version and publishes a `restore`, which makes every
+/// follower read the list again. KEYS: version, epoch. ARGV: channel, an epoch to set
+/// if there is none.
+const ANNOUNCE: &str = r#"
+local v = redis.call('INCR', KEYS[1])
+redis.call('SET', KEYS[2], ARGV[2], 'NX')
+local e = redis.call('GET', KEYS[2])
+redis.call('PUBLISH', ARGV[1], cjson.encode({v = v, e = e, op = 'restore', field = ''}))
+return v
 "#;
 
 /// A random epoch candidate.
@@ -95,8 +132,8 @@ fn new_epoch() -> String {
     )
 }
 
-/// Entries written back per script call.
-const RESTORE_BATCH: usize = 500;
+/// Entries written back, or expired, per script call.
+const BATCH: usize = 500;
 
 /// A published change.
 #[derive(Debug, Serialize, Deserialize)]
@@ -121,14 +158,12 @@ pub struct DenySync {
     /// instance saw one means Redis lost its data.
     epoch: String,
     channel: String,
-    /// The version the local copy reflects; 0 before the first read.
-    applied: AtomicU64,
+    /// Where the local copy stands.
+    position: std::sync::Mutex<Position>,
     /// The whole list has been read at least once.
     read: AtomicBool,
     /// Subscribed and in step (for logging an outage once).
     following: AtomicBool,
-    /// The epoch of the list as last read; None before the first read.
-    seen_epoch: std::sync::Mutex<Option<Option<String>>>,
 }
 
 impl DenySync {
@@ -141,16 +176,10 @@ impl DenySync {
             channel: format!("{p}deny"),
             store,
             target,
-            applied: AtomicU64::new(0),
+            position: std::sync::Mutex::new(Position::default()),
             read: AtomicBool::new(false),
             following: AtomicBool::new(false),
-            seen_epoch: std::sync::Mutex::new(None),
         }
-    }
-
-    /// The version the local copy reflects; 0 before the first read.
-    pub fn applied(&self) -> u64 {
-        self.applied.load(Ordering::Relaxed)
     }
 
     /// Whether the shared list has been read once: until then this instance does not
@@ -159,53 +188,45 @@ impl DenySync {
         self.read.load(Ordering::Relaxed)
     }
 
+    pub fn position(&self) -> Position {
+        self.position
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Called by whoever applies a change to the local copy, in the same critical
     /// section, so that a writer can tell whether its own change is already there.
-    pub fn set_applied(&self, version: u64) {
-        self.applied.store(version, Ordering::Relaxed);
+    pub fn set_position(&self, p: Position) {
+        *self.position.lock().unwrap_or_else(|p| p.into_inner()) = p;
     }
 
-    /// Adds or replaces `e` in the shared list; the version of the change.
-    pub async fn put(&self, e: &Entry) -> Result<u64, StoreError> {
+    /// Whether the local copy already reflects the change that produced `written`
+    /// (same list, same or later version).
+    pub fn followed(&self, written: &Position) -> bool {
+        let at = self.position();
+        at.epoch.is_some() && at.epoch == written.epoch && at.version >= written.version
+    }
+
+    /// Adds or replaces `e` in the shared list (a ban never replaces an entry that
+    /// lasts longer); where the list stands after it, None if nothing changed.
+    pub async fn put(&self, e: &Entry) -> Result<Option<Position>, StoreError> {
         let json = serde_json::to_string(&e.to_json())
             .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-        let v = self.write("put", &e.target, &json).await?;
-        Ok(v.unwrap_or(0))
+        let op = if e.meta.source == crate::deny::Source::Ban {
+            "ban"
+        } else {
+            "put"
+        };
+        self.write(op, &e.target, &json).await
     }
 
-    /// Removes `t` from the shared list: the version of the change, None if it was
-    /// not there.
-    pub async fn delete(&self, t: &Target) -> Result<Option<u64>, StoreError> {
+    /// Removes `t` from the shared list; None if it was not there.
+    pub async fn delete(&self, t: &Target) -> Result<Option<Position>, StoreError> {
         self.write("del", t, "").await
     }
 
-    /// Removes `t` if its entry has expired (so a fresh entry added meanwhile stays).
-    pub async fn expire(&self, t: &Target) -> Result<Option<u64>, StoreError> {
-        self.write("expire", t, "").await
-    }
-
-    /// Writes back entries the shared list does not have, keeping those it has.
-    pub async fn restore(&self, entries: &[Entry]) -> Result<(), StoreError> {
-        for batch in entries.chunks(RESTORE_BATCH) {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(RESTORE)
-                .arg(3)
-                .arg(&self.entries)
-                .arg(&self.version)
-                .arg(&self.epoch)
-                .arg(&self.channel)
-                .arg(new_epoch());
-            for e in batch {
-                let json = serde_json::to_string(&e.to_json())
-                    .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                cmd.arg(field(&e.target)).arg(json);
-            }
-            let _: Vec<u64> = self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
-        }
-        Ok(())
-    }
-
-    async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<Option<u64>, StoreError> {
+    async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<Option<Position>, StoreError> {
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(WRITE)
             .arg(3)
@@ -217,11 +238,54 @@ impl DenySync {
             .arg(arg)
             .arg(&self.channel)
             .arg(new_epoch());
-        let reply: Vec<u64> = self.store.query(&cmd).await?;
+        let reply: Vec<String> = self.store.query(&cmd).await?;
         Ok(match reply.as_slice() {
-            [1, v] => Some(*v),
+            [changed, v, e] if changed == "1" => Some(Position {
+                version: v.parse().unwrap_or(0),
+                epoch: Some(e.clone()),
+            }),
             _ => None,
         })
+    }
+
+    /// Removes those of `targets` whose entries have expired in Redis.
+    pub async fn expire(&self, targets: &[Target]) -> Result<(), StoreError> {
+        for batch in targets.chunks(BATCH) {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(EXPIRE).arg(1).arg(&self.entries);
+            for t in batch {
+                cmd.arg(field(t));
+            }
+            let _: u64 = self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes back entries the shared list does not have, keeping those it has, then
+    /// makes every follower read the list again if anything was added.
+    pub async fn restore(&self, entries: &[Entry]) -> Result<(), StoreError> {
+        let mut added = 0u64;
+        for batch in entries.chunks(BATCH) {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(RESTORE).arg(1).arg(&self.entries);
+            for e in batch {
+                let json = serde_json::to_string(&e.to_json())
+                    .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                cmd.arg(field(&e.target)).arg(json);
+            }
+            added += self.store.query_within::<u64>(&cmd, PAGE_TIMEOUT).await?;
+        }
+        if added > 0 {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(ANNOUNCE)
+                .arg(2)
+                .arg(&self.version)
+                .arg(&self.epoch)
+                .arg(&self.channel)
+                .arg(new_epoch());
+            let _: u64 = self.store.query(&cmd).await?;
+        }
+        Ok(())
     }
 
     /// The whole list, and the version read before it. Read page by page (HSCAN), so
@@ -254,17 +318,14 @@ impl DenySync {
         Ok(v.unwrap_or(0))
     }
 
-    /// Reads the whole list into the local copy.
+    /// Reads the whole list into the local copy. A list of another epoch than the
+    /// one this copy followed means Redis lost its data: `lost`.
     async fn resync(&self, apply: &Apply) -> Result<(), StoreError> {
         let (version, epoch, entries) = self.read_all().await?;
         tracing::debug!(version, entries = entries.len(), "shared deny list read");
-        let lost = {
-            let mut seen = self.seen_epoch.lock().unwrap_or_else(|p| p.into_inner());
-            let lost = matches!(&*seen, Some(Some(before)) if epoch.as_ref() != Some(before));
-            *seen = Some(epoch);
-            lost
-        };
-        apply(Remote::All { entries, lost }, version);
+        let before = self.position().epoch;
+        let lost = before.is_some() && before != epoch;
+        apply(Remote::All { entries, lost }, Position { version, epoch });
         self.read.store(true, Ordering::Relaxed);
         Ok(())
     }
@@ -274,7 +335,7 @@ impl DenySync {
     /// request. A failure is left to the follower.
     pub async fn read_once(
         &self,
-        apply: impl Fn(Remote, u64) + Send + Sync + 'static,
+        apply: impl Fn(Remote, Position) + Send + Sync + 'static,
         within: Duration,
     ) {
         match tokio::time::timeout(within, self.resync(&apply)).await {
@@ -286,8 +347,8 @@ impl DenySync {
 
     /// Keeps the local copy in step with the shared list until the process ends:
     /// subscribes, reads everything, then applies each published change in order.
-    /// `apply` gets each change with its version and must call `set_applied`.
-    pub fn follow(self: Arc<Self>, apply: impl Fn(Remote, u64) + Send + Sync + 'static) {
+    /// `apply` gets each change with its position and must call `set_position`.
+    pub fn follow(self: Arc<Self>, apply: impl Fn(Remote, Position) + Send + Sync + 'static) {
         tokio::spawn(async move {
             let mut first = true;
             loop {
@@ -343,29 +404,33 @@ impl DenySync {
                     let Ok(m) = serde_json::from_slice::<Message>(msg.get_payload_bytes()) else {
                         continue;
                     };
-                    let applied = self.applied.load(Ordering::Relaxed);
-                    if m.v <= applied {
+                    let at = self.position();
+                    // A message of another list: Redis lost its data (a flush, an
+                    // empty replica) while this subscription stayed up.
+                    if m.e.is_some() && at.epoch.is_some() && m.e != at.epoch {
+                        self.resync(apply).await?;
                         continue;
                     }
-                    if m.v != applied + 1 {
+                    if m.v <= at.version {
+                        continue;
+                    }
+                    if m.v != at.version + 1 {
                         // A gap: some change was missed.
                         self.resync(apply).await?;
                         continue;
                     }
-                    if let Some(e) = m.e.clone() {
-                        *self.seen_epoch.lock().unwrap_or_else(|p| p.into_inner()) = Some(Some(e));
-                    }
+                    let next = Position { version: m.v, epoch: m.e.clone().or(at.epoch) };
                     match (m.op.as_str(), parse_field(&m.field)) {
                         ("put", _) => match parse_entry(&m.entry) {
-                            Some(e) => apply(Remote::Put(e), m.v),
+                            Some(e) => apply(Remote::Put(e), next),
                             None => { self.resync(apply).await?; continue; }
                         },
-                        (_, Some(t)) => apply(Remote::Delete(t), m.v),
-                        (_, None) => { self.resync(apply).await?; continue; }
+                        ("del", Some(t)) => apply(Remote::Delete(t), next),
+                        _ => { self.resync(apply).await?; continue; }
                     }
                 }
                 _ = poll.tick() => {
-                    if self.remote_version().await? != self.applied.load(Ordering::Relaxed) {
+                    if self.remote_version().await? != self.position().version {
                         self.resync(apply).await?;
                     }
                 }

@@ -220,10 +220,10 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let (commands, mut command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
     if let Some(sync) = sync {
         let c = control.clone();
-        sync.read_once(move |r, version| c.remote(r, version), STARTUP_READ)
+        sync.read_once(move |r, at| c.remote(r, at), STARTUP_READ)
             .await;
         let c = control.clone();
-        sync.follow(move |r, version| c.remote(r, version));
+        sync.follow(move |r, at| c.remote(r, at));
     }
     // A configuration that was not read from a file (tests) has nothing to watch.
     let watch = if !loaded.path.is_file() {

@@ -144,7 +144,7 @@ fn route(out: &mut String, r: &Route, width: usize, indent: &str) {
         if let Some(ban) = &r.ban {
             let _ = write!(
                 limits,
-                "; ban after {} within {} for {} (not enforced in this version)",
+                "; ban after {} within {} for {}",
                 ban.after.get(),
                 fmt_dur(ban.within.get()),
                 fmt_dur(ban.duration.get())
