@@ -889,3 +889,78 @@ async fn a_shared_list_of_100k_entries_is_read_and_enforced() {
         100_000.0
     );
 }
+
+// === review2 ===
+
+/// Redis loses its data while the subscription stays up (FLUSHALL, a cluster node
+/// replaced while the follower is subscribed elsewhere), and the fleet makes as many
+/// changes as this instance had seen before the 1 s version poll: the versions line
+/// up again, the follower takes the new epoch from a message without noticing the
+/// loss, and the writer thinks the follower applied its own changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review2_changes_after_a_flush_are_enforced() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let a = in_process(&yaml).await;
+    let db = Db::One(&redis);
+    subscribed(&db, &[1]).await;
+    for k in ["k1", "k2", "k3"] {
+        a.add(json!({"key": k})).await;
+    }
+    let _: String = db.cmd(&["FLUSHALL"]);
+    for k in ["k4", "k5", "k6", "k7"] {
+        a.add(json!({"key": k})).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let admitted: Vec<&str> = {
+        let mut v = Vec::new();
+        for k in ["k1", "k2", "k3", "k4", "k5", "k6", "k7"] {
+            if a.ask("10.0.0.1", k).await != 403 {
+                v.push(k);
+            }
+        }
+        v
+    };
+    assert!(admitted.is_empty(), "admitted after the flush: {admitted:?}");
+    assert_eq!(db.entries(), 7, "entries written back to Redis");
+}
+
+/// While an instance writes its entries back after Redis lost its data, every batch
+/// it writes makes it read the (partial) list again and replace its copy with it:
+/// the entries of later batches are not enforced until their batch lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review2_no_entry_is_lifted_while_entries_are_written_back() {
+    let mut redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let a = in_process(&yaml).await;
+    {
+        let db = Db::One(&redis);
+        subscribed(&db, &[1]).await;
+        let pairs: Vec<(String, String)> = (0..20_000)
+            .map(|i| {
+                let e = json!({"kind": "key", "value": format!("perm{i}"), "source": "api"});
+                (format!("key:perm{i}"), e.to_string())
+            })
+            .collect();
+        let mut args = vec!["HSET", ENTRIES];
+        for (f, v) in &pairs {
+            args.push(f);
+            args.push(v);
+        }
+        let _: i64 = db.cmd(&args);
+        let _: i64 = db.cmd(&["INCR", VERSION]);
+        let _: String = db.cmd(&["SET", "sluice:{deny}:epoch", "e1"]);
+    }
+    answers("read", &a, "10.0.0.1", "perm9999", 403, Duration::from_secs(3)).await;
+    redis.kill();
+    redis.restart();
+    let until = Instant::now() + Duration::from_secs(3);
+    let (mut asked, mut admitted) = (0, 0);
+    while Instant::now() < until {
+        asked += 1;
+        if a.ask("10.0.0.1", "perm9999").await != 403 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 0, "perm9999 admitted {admitted} of {asked} times during the write-back");
+}
