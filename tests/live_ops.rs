@@ -635,6 +635,11 @@ routes:
             r#"{"ip":"10.0.0.1","ttl":"0s"}"#.into(),
             "ttl",
         ),
+        (
+            "a ttl under a millisecond",
+            r#"{"ip":"10.0.0.1","ttl":"999us"}"#.into(),
+            "at least 1ms",
+        ),
         ("an empty key", r#"{"key":""}"#.into(), "key is empty"),
         ("70 KiB", huge, "body larger than 65536 bytes"),
     ];

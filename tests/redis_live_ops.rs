@@ -379,12 +379,13 @@ async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
     assert!(took >= Duration::from_secs(1), "admitted after {took:?}");
     eprintln!("ttl 1s: admitted again on both after {took:?}");
 
-    // Removed from Redis by exactly one of the instances (the other finds it gone).
+    // Removed from Redis by the instances, unpublished (every copy expires it by
+    // itself), so the version stays where the addition left it.
     let gone = eventually(Duration::from_secs(2), || async { db.entries() == 0 }).await;
     assert!(gone.is_some(), "expired entry still in Redis");
     eprintln!("ttl 1s: gone from Redis after {:?}", t0.elapsed());
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(db.version().as_deref(), Some("2"));
+    assert_eq!(db.version().as_deref(), Some("1"));
     assert_eq!(a.list().await, Vec::<Value>::new());
     assert_eq!(b.list().await, Vec::<Value>::new());
     assert_eq!(a.deny_entries("api").await, 0.0);
@@ -890,7 +891,7 @@ async fn a_shared_list_of_100k_entries_is_read_and_enforced() {
     );
 }
 
-// === review2 ===
+// === Redis losing its data ===
 
 /// Redis loses its data while the subscription stays up (FLUSHALL, a cluster node
 /// replaced while the follower is subscribed elsewhere), and the fleet makes as many
@@ -898,7 +899,7 @@ async fn a_shared_list_of_100k_entries_is_read_and_enforced() {
 /// up again, the follower takes the new epoch from a message without noticing the
 /// loss, and the writer thinks the follower applied its own changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review2_changes_after_a_flush_are_enforced() {
+async fn changes_after_a_flush_are_enforced_and_the_copy_written_back() {
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let a = in_process(&yaml).await;
@@ -921,7 +922,10 @@ async fn review2_changes_after_a_flush_are_enforced() {
         }
         v
     };
-    assert!(admitted.is_empty(), "admitted after the flush: {admitted:?}");
+    assert!(
+        admitted.is_empty(),
+        "admitted after the flush: {admitted:?}"
+    );
     assert_eq!(db.entries(), 7, "entries written back to Redis");
 }
 
@@ -929,7 +933,7 @@ async fn review2_changes_after_a_flush_are_enforced() {
 /// it writes makes it read the (partial) list again and replace its copy with it:
 /// the entries of later batches are not enforced until their batch lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review2_no_entry_is_lifted_while_entries_are_written_back() {
+async fn no_entry_is_lifted_while_entries_are_written_back() {
     let mut redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let a = in_process(&yaml).await;
@@ -951,7 +955,15 @@ async fn review2_no_entry_is_lifted_while_entries_are_written_back() {
         let _: i64 = db.cmd(&["INCR", VERSION]);
         let _: String = db.cmd(&["SET", "sluice:{deny}:epoch", "e1"]);
     }
-    answers("read", &a, "10.0.0.1", "perm9999", 403, Duration::from_secs(3)).await;
+    answers(
+        "read",
+        &a,
+        "10.0.0.1",
+        "perm9999",
+        403,
+        Duration::from_secs(3),
+    )
+    .await;
     redis.kill();
     redis.restart();
     let until = Instant::now() + Duration::from_secs(3);
@@ -962,5 +974,111 @@ async fn review2_no_entry_is_lifted_while_entries_are_written_back() {
             admitted += 1;
         }
     }
-    assert_eq!(admitted, 0, "perm9999 admitted {admitted} of {asked} times during the write-back");
+    assert_eq!(
+        admitted, 0,
+        "perm9999 admitted {admitted} of {asked} times during the write-back"
+    );
+}
+
+/// A ban never replaces, in Redis, an entry that lasts longer: a permanent entry
+/// added on another instance while the ban was on its way stays permanent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ban_never_replaces_a_longer_entry_in_redis() {
+    use sluice::deny::{Entry, Meta, Source, Target};
+    use sluice::deny_sync::DenySync;
+    use sluice::limit::{RedisOptions, RedisStore, RedisTarget};
+
+    let redis = RedisServer::start();
+    let target = RedisTarget::Url(redis.url());
+    let store = RedisStore::connect(RedisOptions {
+        target: target.clone(),
+        timeout: Duration::from_millis(500),
+        key_prefix: "sluice:".into(),
+        refusal_cache: 0,
+    })
+    .await
+    .expect("store");
+    let sync = DenySync::new(store, target);
+    let entry = |key: &str, source: Source, expires_at_ms: Option<u64>| Entry {
+        target: Target::Key(key.into()),
+        meta: Meta {
+            expires_at_ms,
+            reason: None,
+            source,
+            route: None,
+        },
+    };
+    let stored = |key: &str| -> Value {
+        let json: String = redis.cmd(&["HGET", ENTRIES, &format!("key:{key}")]);
+        serde_json::from_str(&json).unwrap()
+    };
+    let now = now_ms();
+    sync.put(&entry("perm", Source::Api, None)).await.unwrap();
+    sync.put(&entry("later", Source::Api, Some(now + 600_000)))
+        .await
+        .unwrap();
+    sync.put(&entry("sooner", Source::Ban, Some(now + 1_000)))
+        .await
+        .unwrap();
+    for key in ["perm", "later", "sooner", "new"] {
+        let written = sync
+            .put(&entry(key, Source::Ban, Some(now + 60_000)))
+            .await
+            .unwrap();
+        assert_eq!(written.is_some(), key == "sooner" || key == "new", "{key}");
+    }
+    assert_eq!(stored("perm")["source"], "api");
+    assert_eq!(stored("perm")["expires_at_ms"], Value::Null);
+    assert_eq!(stored("later")["expires_at_ms"], json!(now + 600_000));
+    assert_eq!(stored("sooner")["expires_at_ms"], json!(now + 60_000));
+    assert_eq!(stored("new")["source"], "ban");
+    // An API entry replaces whatever is there: the operator's word is last.
+    sync.put(&entry("later", Source::Api, Some(now + 5_000)))
+        .await
+        .unwrap();
+    assert_eq!(stored("later")["expires_at_ms"], json!(now + 5_000));
+}
+
+/// A burst of bans is applied and shared in full: sharing happens off the control
+/// loop, so bans do not queue behind Redis round trips (and are not dropped when
+/// the queue fills).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_bans_is_applied_and_shared_in_full() {
+    const KEYS: usize = 2_000;
+    let redis = RedisServer::start();
+    let yaml = banning_gateway(&redis, "deny", "10m");
+    let a = in_process(&yaml).await;
+    let db = Db::One(&redis);
+    subscribed(&db, &[1]).await;
+    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(30)).await;
+    // Each key: admitted, refused, refused (the second refusal asks for the ban).
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let addr = a.addr;
+            tokio::spawn(async move {
+                for k in (t..KEYS).step_by(8) {
+                    let key = format!("burst{k}");
+                    for _ in 0..3 {
+                        get(addr, "/", &[("x-key", key.as_str())]).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    let all = eventually(Duration::from_secs(5), || async {
+        metric(a.admin, "sluice_bans_total", &[("route", "api")]).await == KEYS as f64
+            && db.entries() == KEYS as i64
+            && a.deny_entries("ban").await == KEYS as f64
+    })
+    .await;
+    assert!(
+        all.is_some(),
+        "bans {} of {KEYS}, in Redis {}",
+        metric(a.admin, "sluice_bans_total", &[("route", "api")]).await,
+        db.entries()
+    );
+    assert_eq!(a.ask("10.0.0.1", "burst1999").await, 403);
 }
