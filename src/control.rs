@@ -541,8 +541,10 @@ impl Control {
                 lock(&self.dynamic).dirty = true;
             }
         }
-        for e in &expired {
-            tracing::info!(entry = ?e.target, "deny entry expired");
+        match expired.as_slice() {
+            [] => {}
+            [e] => tracing::info!(entry = ?e.target, "deny entry expired"),
+            many => tracing::info!(entries = many.len(), "deny entries expired"),
         }
         if let (Some(sync), false) = (self.sync.clone(), expired.is_empty()) {
             // Every instance tries, in batches, off the control loop; Redis' clock
