@@ -118,6 +118,8 @@ pub struct Control {
     publish_wake: Notify,
     /// The table published before the current one.
     retired: Mutex<Option<Arc<DenyTable>>>,
+    /// A write-back is under way.
+    writing_back: Arc<AtomicBool>,
 }
 
 struct Dynamic {
@@ -191,6 +193,7 @@ impl Control {
             publish_pending: AtomicBool::new(false),
             publish_wake: Notify::new(),
             retired: Mutex::new(None),
+            writing_back: Arc::new(AtomicBool::new(false)),
             dynamic: Mutex::new(Dynamic {
                 table,
                 dirty: false,
@@ -421,13 +424,17 @@ impl Control {
             t.insert(e.clone());
         });
         // Enforced here already; shared off the control loop, so a burst of bans
-        // never waits for Redis one round trip at a time.
+        // never waits for Redis one round trip at a time. Pending until shared, so a
+        // read of the shared list meanwhile keeps it.
         if let Some(sync) = self.sync.clone() {
+            lock(&self.pending).push(e.clone());
             let pending = self.pending.clone();
             tokio::spawn(async move {
-                if let Err(err) = sync.put(&e).await {
-                    tracing::warn!(error = %err, entry = ?e.target, "ban not shared yet: Redis unavailable");
-                    lock(&pending).push(e);
+                match sync.put(&e).await {
+                    Ok(_) => lock(&pending).retain(|p| *p != e),
+                    Err(err) => {
+                        tracing::warn!(error = %err, entry = ?e.target, "ban not shared yet: Redis unavailable")
+                    }
                 }
             });
         }
@@ -454,19 +461,19 @@ impl Control {
                     all.insert(e);
                 }
                 let now = now_ms();
-                let live = |e: &Entry| e.meta.expires_at_ms.is_none_or(|at| at > now);
                 let mut pending = lock(&self.pending);
                 if lost {
                     // Redis lost its data (restarted without persistence, a flush, an
-                    // empty replica): everything this copy holds is written back, so
-                    // that a Redis restart lifts no entry.
+                    // empty replica, a failover that went back in time): everything
+                    // this copy holds is written back, so that a Redis restart lifts
+                    // no entry. Entries deleted since are not (tombstones).
                     tracing::warn!(
                         entries = d.table.len(),
                         "the shared deny list was lost in Redis; writing this instance's copy back"
                     );
                     pending.extend(d.table.entries());
                 }
-                pending.retain(live);
+                tidy(&mut pending, now);
                 // Until written back, pending entries stay enforced here, whatever a
                 // half-restored list says.
                 for e in pending.iter() {
@@ -494,23 +501,43 @@ impl Control {
     }
 
     /// Writes `entries` back to the shared list (keeping any entry it has), off the
-    /// caller; once written they are no longer pending.
+    /// caller; once written they are no longer pending. One write-back at a time.
     fn write_back(&self, entries: Vec<Entry>) {
         let (Some(sync), false) = (self.sync.clone(), entries.is_empty()) else {
             return;
         };
-        let pending = self.pending.clone();
+        if self.writing_back.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (pending, writing) = (self.pending.clone(), self.writing_back.clone());
         tokio::spawn(async move {
-            match sync.restore(&entries).await {
-                Ok(()) => lock(&pending).retain(|p| !entries.iter().any(|e| e.target == p.target)),
-                Err(err) => {
-                    tracing::debug!(error = %err, entries = entries.len(), "entries not written back yet")
-                }
+            let (changed, result) = sync.restore(&entries).await;
+            if result.is_ok() {
+                // No longer pending before the followers read the list again: entries
+                // deleted since must then leave every copy.
+                let written: std::collections::HashSet<&Entry> = entries.iter().collect();
+                lock(&pending).retain(|p| !written.contains(p));
             }
+            let announced = if changed {
+                sync.announce().await
+            } else {
+                Ok(())
+            };
+            if let Err(err) = result.and(announced) {
+                tracing::debug!(error = %err, entries = entries.len(), "entries not written back yet");
+            }
+            writing.store(false, Ordering::Release);
         });
     }
 
     async fn tick(&self) {
+        // Entries not written back yet (Redis away, a failed write) are tried again.
+        let retry = {
+            let mut pending = lock(&self.pending);
+            tidy(&mut pending, now_ms());
+            pending.clone()
+        };
+        self.write_back(retry);
         let (expired, save) = {
             let mut d = lock(&self.dynamic);
             let expired = d.table.purge(now_ms());
@@ -603,6 +630,17 @@ impl Control {
 const PUBLISH_EVERY: Duration = Duration::from_millis(20);
 
 // === helpers ===
+
+/// Pending entries: expired ones dropped, one per target (the latest).
+fn tidy(pending: &mut Vec<Entry>, now: u64) {
+    pending.retain(|e| e.meta.expires_at_ms.is_none_or(|at| at > now));
+    let mut seen = std::collections::HashSet::new();
+    for i in (0..pending.len()).rev() {
+        if !seen.insert(pending[i].target.clone()) {
+            pending.remove(i);
+        }
+    }
+}
 
 fn store_error(e: crate::limit::StoreError) -> ControlError {
     ControlError::Store(e.to_string())

@@ -90,13 +90,13 @@ impl Source {
 }
 
 /// One entry with everything the admin API shows about it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Entry {
     pub target: Target,
     pub meta: Meta,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Meta {
     /// Milliseconds since the UNIX epoch; None for an entry that stays until removed.
     pub expires_at_ms: Option<u64>,

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::Cmd;
 use serde::{Deserialize, Serialize};
 
 use crate::deny::{Entry, EntryJson, Target};
@@ -39,6 +38,8 @@ pub enum Remote {
 pub struct Position {
     pub version: u64,
     pub epoch: Option<String>,
+    /// The id of the last change applied.
+    pub last: Option<String>,
 }
 
 /// Applies one change to the local copy and records the position it reaches (with
@@ -55,36 +56,56 @@ const PAGE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often the version is compared, to heal missed messages.
 const POLL: Duration = Duration::from_secs(1);
 
-/// One change. KEYS: entries, version, epoch. ARGV: op (`put`, `ban`, `del`), field,
-/// entry JSON, channel, an epoch to set if there is none. A `ban` never replaces an
-/// entry that lasts longer (or for ever). Reply: {1, version, epoch} if the list
-/// changed, else {0}.
+/// The expiry of a stored entry: a number, nil/null for none, false if it does not
+/// decode (such an entry is replaced, or removed, rather than failing the script).
+const EXPIRY: &str = r#"
+local function expiry(j)
+  local ok, e = pcall(cjson.decode, j)
+  if not ok or type(e) ~= 'table' then return false end
+  return e.expires_at_ms
+end
+"#;
+
+/// One change. KEYS: entries, version, epoch, last, deleted. ARGV: op (`put`, `ban`,
+/// `del`), field, entry JSON, channel, an epoch to set if there is none, this
+/// change's id, how long a tombstone lasts (ms). A `ban` never replaces an entry
+/// that lasts longer (or for ever). A `del` leaves a tombstone, also when there was
+/// nothing to delete (the list may have been lost), so that no write-back brings the
+/// entry back. Reply: {1, version, epoch} if the list changed, else {0}.
 const WRITE: &str = r#"
 local op, field = ARGV[1], ARGV[2]
 if op == 'ban' then
   local j = redis.call('HGET', KEYS[1], field)
   if j then
-    local at = cjson.decode(j).expires_at_ms
-    if type(at) ~= 'number' or at >= cjson.decode(ARGV[3]).expires_at_ms then return {0} end
+    local at = expiry(j)
+    if at ~= false and (type(at) ~= 'number' or at >= cjson.decode(ARGV[3]).expires_at_ms) then
+      return {0}
+    end
   end
   op = 'put'
 end
 if op == 'put' then
   redis.call('HSET', KEYS[1], field, ARGV[3])
-elseif redis.call('HDEL', KEYS[1], field) == 0 then
-  return {0}
+  redis.call('HDEL', KEYS[5], field)
+else
+  local removed = redis.call('HDEL', KEYS[1], field)
+  redis.call('HSET', KEYS[5], field, '1')
+  redis.call('PEXPIRE', KEYS[5], ARGV[7])
+  if removed == 0 then return {0} end
 end
 local v = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[3], ARGV[5], 'NX')
 local e = redis.call('GET', KEYS[3])
-redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, e = e, op = op, field = field, entry = ARGV[3]}))
+redis.call('SET', KEYS[4], ARGV[6])
+redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, e = e, id = ARGV[6], op = op, field = field, entry = ARGV[3]}))
 return {1, v, e}
 "#;
 
 /// Removes the given fields whose entries have expired by Redis' clock (not the
 /// caller's: an instance whose clock runs fast must not expire entries early for
-/// everyone). Every copy drops an expired entry by itself, so nothing is published.
-/// KEYS: entries. ARGV: fields. Reply: how many were removed.
+/// everyone), and any that does not decode. Every copy drops an expired entry by
+/// itself, so nothing is published. KEYS: entries. ARGV: fields. Reply: how many
+/// were removed.
 const EXPIRE: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -92,8 +113,8 @@ local removed = 0
 for i = 1, #ARGV do
   local j = redis.call('HGET', KEYS[1], ARGV[i])
   if j then
-    local at = cjson.decode(j).expires_at_ms
-    if type(at) == 'number' and at <= now then
+    local at = expiry(j)
+    if at == false or (type(at) == 'number' and at <= now) then
       removed = removed + redis.call('HDEL', KEYS[1], ARGV[i])
     end
   end
@@ -101,30 +122,43 @@ end
 return removed
 "#;
 
-/// Writes back (field, entry) pairs the hash does not have (HSETNX), publishing
-/// nothing: `ANNOUNCE` follows the last batch. KEYS: entries. Reply: how many were
-/// added.
+/// Writes back (field, entry) pairs the hash does not have (HSETNX) and that were not
+/// deleted since (no tombstone), publishing nothing: `ANNOUNCE` follows. KEYS:
+/// entries, deleted. Reply: how many were added, how many were deleted since.
 const RESTORE: &str = r#"
-local added = 0
+local added, deleted = 0, 0
 for i = 1, #ARGV - 1, 2 do
-  added = added + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+    added = added + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+  else
+    deleted = deleted + 1
+  end
 end
-return added
+return {added, deleted}
 "#;
 
 /// After a write-back: bumps the version and publishes a `restore`, which makes every
-/// follower read the list again. KEYS: version, epoch. ARGV: channel, an epoch to set
-/// if there is none.
+/// follower read the list again. KEYS: version, epoch, last. ARGV: channel, an epoch
+/// to set if there is none, this change's id.
 const ANNOUNCE: &str = r#"
 local v = redis.call('INCR', KEYS[1])
 redis.call('SET', KEYS[2], ARGV[2], 'NX')
 local e = redis.call('GET', KEYS[2])
-redis.call('PUBLISH', ARGV[1], cjson.encode({v = v, e = e, op = 'restore', field = ''}))
+redis.call('SET', KEYS[3], ARGV[3])
+redis.call('PUBLISH', ARGV[1], cjson.encode({v = v, e = e, id = ARGV[3], op = 'restore', field = ''}))
 return v
 "#;
 
-/// A random epoch candidate.
-fn new_epoch() -> String {
+/// A script with the helpers it uses.
+fn script(body: &str) -> String {
+    format!("{EXPIRY}{body}")
+}
+
+/// How long a deletion's tombstone keeps write-backs from bringing an entry back.
+const TOMBSTONE_MS: u64 = 10 * 60 * 1000;
+
+/// A random id: an epoch candidate, a change's id.
+fn new_id() -> String {
     use std::hash::{BuildHasher, RandomState};
     format!(
         "{:016x}",
@@ -142,6 +176,9 @@ struct Message {
     /// The list's epoch.
     #[serde(default)]
     e: Option<String>,
+    /// This change's id.
+    #[serde(default)]
+    id: Option<String>,
     op: String,
     field: String,
     /// The entry's JSON for `put`.
@@ -157,6 +194,12 @@ pub struct DenySync {
     /// Set by the first write to an empty Redis: a different one (or none) where this
     /// instance saw one means Redis lost its data.
     epoch: String,
+    /// The id of the last change: with the version, names where the list stands, so
+    /// a Redis that went back in time (a failover to a replica that missed writes)
+    /// and then moved on to the same version is noticed.
+    last: String,
+    /// Tombstones of deleted entries, which write-backs respect.
+    deleted: String,
     channel: String,
     /// Where the local copy stands.
     position: std::sync::Mutex<Position>,
@@ -173,6 +216,8 @@ impl DenySync {
             entries: format!("{p}{{deny}}:entries"),
             version: format!("{p}{{deny}}:version"),
             epoch: format!("{p}{{deny}}:epoch"),
+            last: format!("{p}{{deny}}:last"),
+            deleted: format!("{p}{{deny}}:deleted"),
             channel: format!("{p}deny"),
             store,
             target,
@@ -227,22 +272,28 @@ impl DenySync {
     }
 
     async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<Option<Position>, StoreError> {
+        let id = new_id();
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(WRITE)
-            .arg(3)
+        cmd.arg(script(WRITE))
+            .arg(5)
             .arg(&self.entries)
             .arg(&self.version)
             .arg(&self.epoch)
+            .arg(&self.last)
+            .arg(&self.deleted)
             .arg(op)
             .arg(field(t))
             .arg(arg)
             .arg(&self.channel)
-            .arg(new_epoch());
+            .arg(new_id())
+            .arg(&id)
+            .arg(TOMBSTONE_MS);
         let reply: Vec<String> = self.store.query(&cmd).await?;
         Ok(match reply.as_slice() {
             [changed, v, e] if changed == "1" => Some(Position {
                 version: v.parse().unwrap_or(0),
                 epoch: Some(e.clone()),
+                last: Some(id),
             }),
             _ => None,
         })
@@ -252,7 +303,7 @@ impl DenySync {
     pub async fn expire(&self, targets: &[Target]) -> Result<(), StoreError> {
         for batch in targets.chunks(BATCH) {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(EXPIRE).arg(1).arg(&self.entries);
+            cmd.arg(script(EXPIRE)).arg(1).arg(&self.entries);
             for t in batch {
                 cmd.arg(field(t));
             }
@@ -261,40 +312,55 @@ impl DenySync {
         Ok(())
     }
 
-    /// Writes back entries the shared list does not have, keeping those it has, then
-    /// makes every follower read the list again if anything was added.
-    pub async fn restore(&self, entries: &[Entry]) -> Result<(), StoreError> {
-        let mut added = 0u64;
+    /// Writes back entries the shared list does not have and did not delete, keeping
+    /// those it has. Whether every follower must read the list again (`announce`):
+    /// something was added, or found deleted since (copies still hold it). On an
+    /// error, what was written before it still counts.
+    pub async fn restore(&self, entries: &[Entry]) -> (bool, Result<(), StoreError>) {
+        let mut changed = false;
         for batch in entries.chunks(BATCH) {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(RESTORE).arg(1).arg(&self.entries);
-            for e in batch {
-                let json = serde_json::to_string(&e.to_json())
-                    .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                cmd.arg(field(&e.target)).arg(json);
-            }
-            added += self.store.query_within::<u64>(&cmd, PAGE_TIMEOUT).await?;
-        }
-        if added > 0 {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(ANNOUNCE)
+            cmd.arg(RESTORE)
                 .arg(2)
-                .arg(&self.version)
-                .arg(&self.epoch)
-                .arg(&self.channel)
-                .arg(new_epoch());
-            let _: u64 = self.store.query(&cmd).await?;
+                .arg(&self.entries)
+                .arg(&self.deleted);
+            for e in batch {
+                match serde_json::to_string(&e.to_json()) {
+                    Ok(json) => cmd.arg(field(&e.target)).arg(json),
+                    Err(err) => return (changed, Err(StoreError::Unavailable(err.to_string()))),
+                };
+            }
+            match self
+                .store
+                .query_within::<(u64, u64)>(&cmd, PAGE_TIMEOUT)
+                .await
+            {
+                Ok((added, deleted)) => changed |= added + deleted > 0,
+                Err(e) => return (changed, Err(e)),
+            }
         }
-        Ok(())
+        (changed, Ok(()))
+    }
+
+    /// Makes every follower read the list again (after a write-back).
+    pub async fn announce(&self) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(ANNOUNCE)
+            .arg(3)
+            .arg(&self.version)
+            .arg(&self.epoch)
+            .arg(&self.last)
+            .arg(&self.channel)
+            .arg(new_id())
+            .arg(new_id());
+        self.store.query::<u64>(&cmd).await.map(drop)
     }
 
     /// The whole list, and the version read before it. Read page by page (HSCAN), so
     /// a large list never blocks Redis for long; a change made while the pages are
     /// read is published with a later version and applied after.
-    async fn read_all(&self) -> Result<(u64, Option<String>, Vec<Entry>), StoreError> {
-        let mut cmd = redis::cmd("MGET");
-        cmd.arg(&self.version).arg(&self.epoch);
-        let (version, epoch): (Option<u64>, Option<String>) = self.store.query(&cmd).await?;
+    async fn read_all(&self) -> Result<(Position, Vec<Entry>), StoreError> {
+        let at = self.remote_position().await?;
         let mut entries = Vec::new();
         let mut cursor = 0u64;
         loop {
@@ -304,28 +370,41 @@ impl DenySync {
                 self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
             entries.extend(page.chunks_exact(2).filter_map(|kv| parse_entry(&kv[1])));
             if next == 0 {
-                return Ok((version.unwrap_or(0), epoch, entries));
+                return Ok((at, entries));
             }
             cursor = next;
         }
     }
 
-    async fn remote_version(&self) -> Result<u64, StoreError> {
-        let v: Option<u64> = self
-            .store
-            .query(Cmd::new().arg("GET").arg(&self.version))
-            .await?;
-        Ok(v.unwrap_or(0))
+    /// Where the shared list stands now.
+    async fn remote_position(&self) -> Result<Position, StoreError> {
+        let mut cmd = redis::cmd("MGET");
+        cmd.arg(&self.version).arg(&self.epoch).arg(&self.last);
+        let (version, epoch, last): (Option<u64>, Option<String>, Option<String>) =
+            self.store.query(&cmd).await?;
+        Ok(Position {
+            version: version.unwrap_or(0),
+            epoch,
+            last,
+        })
     }
 
-    /// Reads the whole list into the local copy. A list of another epoch than the
-    /// one this copy followed means Redis lost its data: `lost`.
+    /// Reads the whole list into the local copy. The list was lost (Redis lost its
+    /// data) if it has another epoch than the one this copy followed, or went back
+    /// to an earlier version, or stands at this copy's version through other changes.
     async fn resync(&self, apply: &Apply) -> Result<(), StoreError> {
-        let (version, epoch, entries) = self.read_all().await?;
-        tracing::debug!(version, entries = entries.len(), "shared deny list read");
-        let before = self.position().epoch;
-        let lost = before.is_some() && before != epoch;
-        apply(Remote::All { entries, lost }, Position { version, epoch });
+        let (at, entries) = self.read_all().await?;
+        tracing::debug!(
+            version = at.version,
+            entries = entries.len(),
+            "shared deny list read"
+        );
+        let before = self.position();
+        let lost = before.epoch.is_some()
+            && (before.epoch != at.epoch
+                || at.version < before.version
+                || (at.version == before.version && at.last != before.last));
+        apply(Remote::All { entries, lost }, at);
         self.read.store(true, Ordering::Relaxed);
         Ok(())
     }
@@ -419,7 +498,11 @@ impl DenySync {
                         self.resync(apply).await?;
                         continue;
                     }
-                    let next = Position { version: m.v, epoch: m.e.clone().or(at.epoch) };
+                    let next = Position {
+                        version: m.v,
+                        epoch: m.e.clone().or(at.epoch),
+                        last: m.id.clone(),
+                    };
                     match (m.op.as_str(), parse_field(&m.field)) {
                         ("put", _) => match parse_entry(&m.entry) {
                             Some(e) => apply(Remote::Put(e), next),
@@ -430,7 +513,8 @@ impl DenySync {
                     }
                 }
                 _ = poll.tick() => {
-                    if self.remote_version().await? != self.position().version {
+                    let (remote, local) = (self.remote_position().await?, self.position());
+                    if (remote.version, &remote.last) != (local.version, &local.last) {
                         self.resync(apply).await?;
                     }
                 }

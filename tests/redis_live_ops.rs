@@ -330,15 +330,16 @@ async fn two_instances_on_a_cluster_share_the_deny_list() {
     // least one of them is not the node that holds the list and publishes.
     subscribed(&db, &[1, 0, 1]).await;
     two_instances_share_the_deny_list(db, &a, &b).await;
-    // The version and the epoch are all that is left, on the one node that owns the
+    // The list's bookkeeping is all that is left, on the one node that owns the
     // `{deny}` slot.
     let keys: Vec<i64> = cluster.nodes.iter().map(|n| n.cmd(&["DBSIZE"])).collect();
     let mut sorted = keys.clone();
     sorted.sort();
-    assert_eq!(sorted, [0, 0, 2], "{keys:?}");
+    // version, epoch, last change and the tombstones of the deletions.
+    assert_eq!(sorted, [0, 0, 4], "{keys:?}");
     eprintln!(
         "the list lives on node {:?} of 3",
-        keys.iter().position(|&k| k == 2)
+        keys.iter().position(|&k| k == 4)
     );
 }
 
@@ -1081,4 +1082,116 @@ async fn a_burst_of_bans_is_applied_and_shared_in_full() {
         db.entries()
     );
     assert_eq!(a.ask("10.0.0.1", "burst1999").await, 403);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_after_a_flush_is_not_undone_by_another_instances_write_back() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let db = Db::One(&redis);
+    subscribed(&db, &[2]).await;
+    a.add(json!({"key": "k1"})).await;
+    answers("k1 on B", &b, "10.0.0.1", "k1", 403, PROPAGATION).await;
+    let _: String = db.cmd(&["FLUSHALL"]);
+    b.remove(json!({"key": "k1"})).await; // 204: "removed"
+    assert_eq!(b.ask("10.0.0.1", "k1").await, 200);
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let in_redis: i64 = db.cmd(&["HEXISTS", ENTRIES, "key:k1"]);
+    let on_b = b.ask("10.0.0.1", "k1").await;
+    let on_a = a.ask("10.0.0.1", "k1").await;
+    assert_eq!(
+        (in_redis, on_a, on_b),
+        (0, 200, 200),
+        "k1 deleted on B came back (in Redis, status on A, status on B)"
+    );
+}
+
+/// R2. Redis rolls back to an older state of the same epoch (failover to a replica
+/// that missed the last writes, AOF everysec / RDB restart): versions are reused.
+/// B's two next changes get versions 2 and 3, which both followers think they
+/// already have: they are ignored, the poll sees 3 == 3, and B's writer skips its
+/// own change as "already followed". B answers 201 for k4 and enforces it nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// Redis goes back to an earlier version within the same epoch (a failover to a
+/// replica that missed the last writes) and then moves on to the same version through
+/// other changes: the version and the id of the last change disagree with the copies,
+/// which read the list again, enforce the new changes and write back what was lost.
+async fn a_rollback_within_the_epoch_is_noticed_and_healed() {
+    let redis = RedisServer::start();
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let db = Db::One(&redis);
+    subscribed(&db, &[2]).await;
+    a.add(json!({"key": "k1"})).await; // v1
+    let k1: String = db.cmd(&["HGET", ENTRIES, "key:k1"]);
+    a.add(json!({"key": "k2"})).await; // v2
+    a.add(json!({"key": "k3"})).await; // v3
+    answers("k3 on B", &b, "10.0.0.1", "k3", 403, PROPAGATION).await;
+    // The replica promoted had seen v1 only.
+    let _: i64 = db.cmd(&["DEL", ENTRIES]);
+    let _: i64 = db.cmd(&["HSET", ENTRIES, "key:k1", &k1]);
+    let _: String = db.cmd(&["SET", VERSION, "1"]);
+    b.add(json!({"key": "k4"})).await; // v2 again
+    b.add(json!({"key": "k5"})).await; // v3 again
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let mut wrong = Vec::new();
+    for (who, inst) in [("A", &a), ("B", &b)] {
+        for (k, want) in [("k4", 403), ("k5", 403), ("k2", 403), ("k3", 403)] {
+            let got = inst.ask("10.0.0.1", k).await;
+            if got != want {
+                wrong.push(format!("{who}:{k}={got}"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "after the rollback: {wrong:?} (Redis: {:?})",
+        db.cmd::<Vec<String>>(&["HKEYS", ENTRIES])
+    );
+}
+
+/// R3. One malformed value in the hash makes the ban script fail (cjson.decode
+/// raises): the ban is reported as "Redis unavailable"; and one such field in an
+/// expiry batch makes the whole batch fail, leaving every other expired entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_stored_json_neither_blocks_a_ban_nor_an_expiry_batch() {
+    use sluice::deny::{Entry, Meta, Source, Target};
+    use sluice::deny_sync::DenySync;
+    use sluice::limit::{RedisOptions, RedisStore, RedisTarget};
+    let redis = RedisServer::start();
+    let target = RedisTarget::Url(redis.url());
+    let store = RedisStore::connect(RedisOptions {
+        target: target.clone(),
+        timeout: Duration::from_millis(500),
+        key_prefix: "sluice:".into(),
+        refusal_cache: 0,
+    })
+    .await
+    .expect("store");
+    let sync = DenySync::new(store, target);
+    let entry = |key: &str, expires_at_ms: Option<u64>| Entry {
+        target: Target::Key(key.into()),
+        meta: Meta {
+            expires_at_ms,
+            reason: None,
+            source: Source::Ban,
+            route: None,
+        },
+    };
+    let now = now_ms();
+    let _: i64 = redis.cmd(&["HSET", ENTRIES, "key:bad", "{not json"]);
+    let r = sync.put(&entry("bad", Some(now + 60_000))).await;
+    eprintln!("ban over malformed: {r:?}");
+    sync.put(&entry("old", Some(now + 200))).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let r2 = sync
+        .expire(&[Target::Key("bad".into()), Target::Key("old".into())])
+        .await;
+    eprintln!("expire batch with malformed: {r2:?}");
+    let old_left: i64 = redis.cmd(&["HEXISTS", ENTRIES, "key:old"]);
+    assert!(
+        r.is_ok() && r2.is_ok() && old_left == 0,
+        "ban {r:?}, expire {r2:?}, expired entry still in Redis: {old_left}"
+    );
 }
