@@ -614,15 +614,16 @@ impl Control {
     }
 
     fn publish(&self, table: &DenyTable) {
-        let old = self.shared.deny.swap(Arc::new(table.clone()));
-        // Freed at the next publish, here, not by whichever request happens to drop
-        // the last reference (a large table takes milliseconds to free).
-        *lock(&self.retired) = Some(old);
+        // Counted before it is enforced, so the gauge is never behind the table.
         let g = &self.shared.metrics.deny_entries;
         for source in [Source::Api, Source::Ban] {
             let n = i64::try_from(table.count(source)).unwrap_or(i64::MAX);
             g.with_label_values(&[source.as_str()]).set(n);
         }
+        let old = self.shared.deny.swap(Arc::new(table.clone()));
+        // Freed at the next publish, here, not by whichever request happens to drop
+        // the last reference (a large table takes milliseconds to free).
+        *lock(&self.retired) = Some(old);
     }
 }
 
