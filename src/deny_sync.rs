@@ -1,11 +1,14 @@
 //! The deny list shared through Redis, so that every instance enforces an entry any
 //! of them added. Entries live in one hash (`<prefix>{deny}:entries`, field
-//! `ip:10.1.0.0/16` or `key:K`, value the entry's JSON) beside a version counter;
-//! every change bumps the version and is published on `<prefix>deny` in the same
-//! script. Each instance keeps a local copy: it applies published changes in version
-//! order, and reads the whole hash again when it sees a gap, when it (re)subscribes,
-//! and when a once-a-second look at the version finds it moved without a message
-//! (a lost message, a restarted Redis). Both keys share a hash tag, so this works on
+//! `ip:10.1.0.0/16` or `key:K`, value the entry's JSON) beside a version counter, an
+//! epoch (set by the first write to an empty Redis), the id of the last change, and
+//! tombstones of deletions. Every change is one script that also publishes it on
+//! `<prefix>deny`. Each instance keeps a local copy: it applies published changes in
+//! version order, and reads the whole hash again (page by page) when it sees a gap or
+//! a message of another epoch, when it (re)subscribes, and when a once-a-second look
+//! finds the version or the last change moved without a message. A list of another
+//! epoch, or one that went back in time, was lost: the copies write themselves back,
+//! leaving out what was deleted since. All keys share a hash tag, so this works on
 //! Redis Cluster, where published messages reach subscribers on every node.
 
 use std::sync::atomic::{AtomicBool, Ordering};
