@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use harness::*;
 use serde_json::{json, Value};
+use sluice::deny::{Entry, Meta, Source, Target};
 
 /// The Redis keys of the shared list, with the harness' `key_prefix: "sluice:"`.
 const ENTRIES: &str = "sluice:{deny}:entries";
@@ -900,10 +901,10 @@ async fn a_shared_list_of_100k_entries_is_read_and_enforced() {
 // === Redis losing its data ===
 
 /// Redis loses its data while the subscription stays up (FLUSHALL, a cluster node
-/// replaced while the follower is subscribed elsewhere), and the fleet makes as many
-/// changes as this instance had seen before the 1 s version poll: the versions line
-/// up again, the follower takes the new epoch from a message without noticing the
-/// loss, and the writer thinks the follower applied its own changes.
+/// replaced while the follower is subscribed elsewhere), and as many changes follow
+/// as this instance had seen, so the versions line up again: the message of the new
+/// epoch makes the follower read the list, the changes are enforced, and the lost
+/// entries are written back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changes_after_a_flush_are_enforced_and_the_copy_written_back() {
     let redis = RedisServer::start();
@@ -935,9 +936,9 @@ async fn changes_after_a_flush_are_enforced_and_the_copy_written_back() {
     assert_eq!(db.entries(), 7, "entries written back to Redis");
 }
 
-/// While an instance writes its entries back after Redis lost its data, every batch
-/// it writes makes it read the (partial) list again and replace its copy with it:
-/// the entries of later batches are not enforced until their batch lands.
+/// While an instance writes 20,000 entries back after Redis lost its data, none of
+/// them stops being enforced: until written back they stay in its copy, whatever a
+/// partly restored list says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_entry_is_lifted_while_entries_are_written_back() {
     let mut redis = RedisServer::start();
@@ -986,15 +987,9 @@ async fn no_entry_is_lifted_while_entries_are_written_back() {
     );
 }
 
-/// A ban never replaces, in Redis, an entry that lasts longer: a permanent entry
-/// added on another instance while the ban was on its way stays permanent.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_ban_never_replaces_a_longer_entry_in_redis() {
-    use sluice::deny::{Entry, Meta, Source, Target};
-    use sluice::deny_sync::DenySync;
+/// The shared deny list's writer on `redis`, as a gateway would make it.
+async fn deny_sync(redis: &RedisServer) -> sluice::deny_sync::DenySync {
     use sluice::limit::{RedisOptions, RedisStore, RedisTarget};
-
-    let redis = RedisServer::start();
     let target = RedisTarget::Url(redis.url());
     let store = RedisStore::connect(RedisOptions {
         target: target.clone(),
@@ -1004,8 +999,11 @@ async fn a_ban_never_replaces_a_longer_entry_in_redis() {
     })
     .await
     .expect("store");
-    let sync = DenySync::new(store, target);
-    let entry = |key: &str, source: Source, expires_at_ms: Option<u64>| Entry {
+    sluice::deny_sync::DenySync::new(store, target)
+}
+
+fn key_entry(key: &str, source: Source, expires_at_ms: Option<u64>) -> Entry {
+    Entry {
         target: Target::Key(key.into()),
         meta: Meta {
             expires_at_ms,
@@ -1013,22 +1011,32 @@ async fn a_ban_never_replaces_a_longer_entry_in_redis() {
             source,
             route: None,
         },
-    };
+    }
+}
+
+/// A ban never replaces, in Redis, an entry that lasts longer: a permanent entry
+/// added on another instance while the ban was on its way stays permanent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ban_never_replaces_a_longer_entry_in_redis() {
+    let redis = RedisServer::start();
+    let sync = deny_sync(&redis).await;
     let stored = |key: &str| -> Value {
         let json: String = redis.cmd(&["HGET", ENTRIES, &format!("key:{key}")]);
         serde_json::from_str(&json).unwrap()
     };
     let now = now_ms();
-    sync.put(&entry("perm", Source::Api, None)).await.unwrap();
-    sync.put(&entry("later", Source::Api, Some(now + 600_000)))
+    sync.put(&key_entry("perm", Source::Api, None))
         .await
         .unwrap();
-    sync.put(&entry("sooner", Source::Ban, Some(now + 1_000)))
+    sync.put(&key_entry("later", Source::Api, Some(now + 600_000)))
+        .await
+        .unwrap();
+    sync.put(&key_entry("sooner", Source::Ban, Some(now + 1_000)))
         .await
         .unwrap();
     for key in ["perm", "later", "sooner", "new"] {
         let written = sync
-            .put(&entry(key, Source::Ban, Some(now + 60_000)))
+            .put(&key_entry(key, Source::Ban, Some(now + 60_000)))
             .await
             .unwrap();
         assert_eq!(written.is_some(), key == "sooner" || key == "new", "{key}");
@@ -1039,7 +1047,7 @@ async fn a_ban_never_replaces_a_longer_entry_in_redis() {
     assert_eq!(stored("sooner")["expires_at_ms"], json!(now + 60_000));
     assert_eq!(stored("new")["source"], "ban");
     // An API entry replaces whatever is there: the operator's word is last.
-    sync.put(&entry("later", Source::Api, Some(now + 5_000)))
+    sync.put(&key_entry("later", Source::Api, Some(now + 5_000)))
         .await
         .unwrap();
     assert_eq!(stored("later")["expires_at_ms"], json!(now + 5_000));
@@ -1089,6 +1097,9 @@ async fn a_burst_of_bans_is_applied_and_shared_in_full() {
     assert_eq!(a.ask("10.0.0.1", "burst1999").await, 403);
 }
 
+/// An entry deleted after Redis lost its data (nothing left to delete there) is not
+/// brought back by another instance writing its copy back: the deletion left a
+/// tombstone, and every copy drops the entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_after_a_flush_is_not_undone_by_another_instances_write_back() {
     let redis = RedisServer::start();
@@ -1112,16 +1123,12 @@ async fn a_delete_after_a_flush_is_not_undone_by_another_instances_write_back() 
     );
 }
 
-/// R2. Redis rolls back to an older state of the same epoch (failover to a replica
-/// that missed the last writes, AOF everysec / RDB restart): versions are reused.
-/// B's two next changes get versions 2 and 3, which both followers think they
-/// already have: they are ignored, the poll sees 3 == 3, and B's writer skips its
-/// own change as "already followed". B answers 201 for k4 and enforces it nowhere.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 /// Redis goes back to an earlier version within the same epoch (a failover to a
-/// replica that missed the last writes) and then moves on to the same version through
-/// other changes: the version and the id of the last change disagree with the copies,
-/// which read the list again, enforce the new changes and write back what was lost.
+/// replica that missed the last writes, a restart from an older AOF or RDB) and then
+/// moves on to the same version through other changes: the version and the id of the
+/// last change disagree with the copies, which read the list again, enforce the new
+/// changes and write back what was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollback_within_the_epoch_is_noticed_and_healed() {
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
@@ -1156,39 +1163,22 @@ async fn a_rollback_within_the_epoch_is_noticed_and_healed() {
     );
 }
 
-/// R3. One malformed value in the hash makes the ban script fail (cjson.decode
-/// raises): the ban is reported as "Redis unavailable"; and one such field in an
-/// expiry batch makes the whole batch fail, leaving every other expired entry.
+/// A stored value that does not decode is replaced by a ban and removed by an expiry
+/// batch, instead of failing the script (the ban unshared, every other expired entry
+/// of the batch left in Redis).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_stored_json_neither_blocks_a_ban_nor_an_expiry_batch() {
-    use sluice::deny::{Entry, Meta, Source, Target};
-    use sluice::deny_sync::DenySync;
-    use sluice::limit::{RedisOptions, RedisStore, RedisTarget};
     let redis = RedisServer::start();
-    let target = RedisTarget::Url(redis.url());
-    let store = RedisStore::connect(RedisOptions {
-        target: target.clone(),
-        timeout: Duration::from_millis(500),
-        key_prefix: "sluice:".into(),
-        refusal_cache: 0,
-    })
-    .await
-    .expect("store");
-    let sync = DenySync::new(store, target);
-    let entry = |key: &str, expires_at_ms: Option<u64>| Entry {
-        target: Target::Key(key.into()),
-        meta: Meta {
-            expires_at_ms,
-            reason: None,
-            source: Source::Ban,
-            route: None,
-        },
-    };
+    let sync = deny_sync(&redis).await;
     let now = now_ms();
     let _: i64 = redis.cmd(&["HSET", ENTRIES, "key:bad", "{not json"]);
-    let r = sync.put(&entry("bad", Some(now + 60_000))).await;
+    let r = sync
+        .put(&key_entry("bad", Source::Ban, Some(now + 60_000)))
+        .await;
     eprintln!("ban over malformed: {r:?}");
-    sync.put(&entry("old", Some(now + 200))).await.unwrap();
+    sync.put(&key_entry("old", Source::Ban, Some(now + 200)))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     let r2 = sync
         .expire(&[Target::Key("bad".into()), Target::Key("old".into())])
