@@ -41,6 +41,19 @@ struct Instance {
     _process: Option<SluiceProcess>,
 }
 
+/// Tests of a large list or a burst run alone (`alone`), the others side by side
+/// (`shared`): their bounds (a change enforced within a second) are about sluice,
+/// not about a neighbour parsing 100,000 entries on the same two cores.
+static LOAD: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+async fn shared() -> tokio::sync::RwLockReadGuard<'static, ()> {
+    LOAD.read().await
+}
+
+async fn alone() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    LOAD.write().await
+}
+
 async fn in_process(yaml: &str) -> Instance {
     let r = start_gateway(yaml).await;
     Instance {
@@ -307,6 +320,7 @@ async fn two_instances_share_the_deny_list(db: Db<'_>, a: &Instance, b: &Instanc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_on_one_redis_share_the_deny_list() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let a = in_process(&yaml).await;
@@ -319,6 +333,7 @@ async fn two_instances_on_one_redis_share_the_deny_list() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_on_a_cluster_share_the_deny_list() {
+    let _load = shared().await;
     let cluster = RedisCluster::start();
     let urls = cluster.urls();
     // B's seeds in the other order, after one where nothing listens.
@@ -348,6 +363,7 @@ async fn two_instances_on_a_cluster_share_the_deny_list() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -398,6 +414,7 @@ async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
 /// Redis still holds that copy: a fresher one (added meanwhile elsewhere) stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expiry_never_removes_a_fresher_entry() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -445,6 +462,7 @@ async fn an_expiry_never_removes_a_fresher_entry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_without_a_message_is_healed_by_the_version_poll() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -509,6 +527,7 @@ async fn a_change_without_a_message_is_healed_by_the_version_poll() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_redis_restart_the_followers_resubscribe_and_resync() {
+    let _load = shared().await;
     let mut redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -595,6 +614,7 @@ fn banning_gateway(redis: &RedisServer, on_error: &str, ban_for: &str) -> String
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ban_on_one_instance_is_enforced_on_the_other() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = banning_gateway(&redis, "deny", "2s");
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -692,6 +712,7 @@ async fn a_ban_on_one_instance_is_enforced_on_the_other() {
 /// and is shared then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ban_made_while_redis_is_down_is_shared_when_it_is_back() {
+    let _load = shared().await;
     let mut redis = RedisServer::start();
     let yaml = banning_gateway(&redis, "local", "1m");
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -734,6 +755,7 @@ async fn a_ban_made_while_redis_is_down_is_shared_when_it_is_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changes_while_redis_is_down_are_refused_with_503() {
+    let _load = shared().await;
     let mut redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -782,6 +804,7 @@ async fn changes_while_redis_is_down_are_refused_with_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_follows_redis_without_any_traffic() {
+    let _load = shared().await;
     let mut redis = RedisServer::start();
     let gw = process(&open_gateway(&url_target(&redis.url()), 100)).await;
     assert_eq!(gw.ready().await, 200);
@@ -810,6 +833,7 @@ async fn readyz_follows_redis_without_any_traffic() {
 /// breaker is closed) runs every 200 ms, its own answers included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_instance_probes_redis_every_200ms() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let _gw = in_process(&open_gateway(&url_target(&redis.url()), 100)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -824,6 +848,7 @@ async fn an_idle_instance_probes_redis_every_200ms() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deny_entry_gauge_on_one_instance_counts_what_another_added() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -858,6 +883,7 @@ async fn deny_entry_gauge_on_one_instance_counts_what_another_added() {
 /// call, never in one long Redis call, and the limiter keeps answering meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_list_of_100k_entries_is_read_and_enforced() {
+    let _load = alone().await;
     const FILL: &str = "for i=1,100000 do redis.call('HSET', KEYS[1], 'key:k'..i, \
         cjson.encode({kind='key',value='k'..i,source='ban',route='login',\
         reason='kept hitting the limits of route login (banned for 15m)',\
@@ -907,6 +933,7 @@ async fn a_shared_list_of_100k_entries_is_read_and_enforced() {
 /// entries are written back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changes_after_a_flush_are_enforced_and_the_copy_written_back() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let a = in_process(&yaml).await;
@@ -941,6 +968,7 @@ async fn changes_after_a_flush_are_enforced_and_the_copy_written_back() {
 /// partly restored list says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_entry_is_lifted_while_entries_are_written_back() {
+    let _load = alone().await;
     let mut redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let a = in_process(&yaml).await;
@@ -1018,6 +1046,7 @@ fn key_entry(key: &str, source: Source, expires_at_ms: Option<u64>) -> Entry {
 /// added on another instance while the ban was on its way stays permanent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ban_never_replaces_a_longer_entry_in_redis() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let sync = deny_sync(&redis).await;
     let stored = |key: &str| -> Value {
@@ -1058,6 +1087,7 @@ async fn a_ban_never_replaces_a_longer_entry_in_redis() {
 /// the queue fills).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_bans_is_applied_and_shared_in_full() {
+    let _load = alone().await;
     const KEYS: usize = 2_000;
     let redis = RedisServer::start();
     let yaml = banning_gateway(&redis, "deny", "10m");
@@ -1102,6 +1132,7 @@ async fn a_burst_of_bans_is_applied_and_shared_in_full() {
 /// tombstone, and every copy drops the entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_after_a_flush_is_not_undone_by_another_instances_write_back() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -1130,6 +1161,7 @@ async fn a_delete_after_a_flush_is_not_undone_by_another_instances_write_back() 
 /// changes and write back what was lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollback_within_the_epoch_is_noticed_and_healed() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let yaml = open_gateway(&url_target(&redis.url()), 500);
     let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
@@ -1168,6 +1200,7 @@ async fn a_rollback_within_the_epoch_is_noticed_and_healed() {
 /// of the batch left in Redis).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_stored_json_neither_blocks_a_ban_nor_an_expiry_batch() {
+    let _load = shared().await;
     let redis = RedisServer::start();
     let sync = deny_sync(&redis).await;
     let now = now_ms();
