@@ -339,7 +339,15 @@ impl Control {
 
     async fn deny_remove(&self, target: Target) -> Result<Reply, ControlError> {
         let shared = match &self.sync {
-            Some(sync) => sync.delete(&target).await.map_err(store_error)?,
+            Some(sync) => {
+                let written = sync.delete(&target).await.map_err(store_error)?;
+                // Nothing to delete in Redis: if another instance adds it meanwhile,
+                // this copy must not be the one that forgets it.
+                if written.is_none() {
+                    sync.recheck();
+                }
+                written
+            }
             None => None,
         };
         lock(&self.pending).retain(|e| e.target != target);
@@ -431,7 +439,13 @@ impl Control {
             let pending = self.pending.clone();
             tokio::spawn(async move {
                 match sync.put(&e).await {
-                    Ok(_) => lock(&pending).retain(|p| *p != e),
+                    Ok(written) => {
+                        lock(&pending).retain(|p| *p != e);
+                        // Redis kept a longer entry: this copy holds the ban instead.
+                        if written.is_none() {
+                            sync.recheck();
+                        }
+                    }
                     Err(err) => {
                         tracing::warn!(error = %err, entry = ?e.target, "ban not shared yet: Redis unavailable")
                     }

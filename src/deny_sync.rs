@@ -210,6 +210,9 @@ pub struct DenySync {
     read: AtomicBool,
     /// Subscribed and in step (for logging an outage once).
     following: AtomicBool,
+    /// A writer saw Redis keep something other than what it wrote: read the list at
+    /// the next poll.
+    recheck: AtomicBool,
 }
 
 impl DenySync {
@@ -227,6 +230,7 @@ impl DenySync {
             position: std::sync::Mutex::new(Position::default()),
             read: AtomicBool::new(false),
             following: AtomicBool::new(false),
+            recheck: AtomicBool::new(false),
         }
     }
 
@@ -247,6 +251,12 @@ impl DenySync {
     /// section, so that a writer can tell whether its own change is already there.
     pub fn set_position(&self, p: Position) {
         *self.position.lock().unwrap_or_else(|p| p.into_inner()) = p;
+    }
+
+    /// Reads the whole list at the next poll (within a second): for a write that
+    /// changed nothing in Redis, where the local copy may now differ from it.
+    pub fn recheck(&self) {
+        self.recheck.store(true, Ordering::Relaxed);
     }
 
     /// Whether the local copy already reflects the change that produced `written`
@@ -517,7 +527,8 @@ impl DenySync {
                 }
                 _ = poll.tick() => {
                     let (remote, local) = (self.remote_position().await?, self.position());
-                    if (remote.version, &remote.last) != (local.version, &local.last) {
+                    let asked = self.recheck.swap(false, Ordering::Relaxed);
+                    if asked || (remote.version, &remote.last) != (local.version, &local.last) {
                         self.resync(apply).await?;
                     }
                 }

@@ -1223,3 +1223,42 @@ async fn malformed_stored_json_neither_blocks_a_ban_nor_an_expiry_batch() {
         "ban {r:?}, expire {r2:?}, expired entry still in Redis: {old_left}"
     );
 }
+
+/// A ban that Redis does not take, because it holds a longer entry for the key (here
+/// written behind the instance's back, with no message), makes the instance read
+/// the list again within a second: its copy then holds the longer entry, not the
+/// ban that would have lifted it early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ban_redis_did_not_take_is_replaced_by_the_longer_entry() {
+    let _load = shared().await;
+    let redis = RedisServer::start();
+    let a = in_process(&banning_gateway(&redis, "deny", "2s")).await;
+    let db = Db::One(&redis);
+    subscribed(&db, &[1]).await;
+    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(10)).await;
+    let permanent = json!({
+        "kind": "key",
+        "value": "abuser",
+        "expires_at": null,
+        "expires_at_ms": null,
+        "reason": "for ever",
+        "source": "api",
+    });
+    let _: i64 = db.cmd(&["HSET", ENTRIES, "key:abuser", &permanent.to_string()]);
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(a.ask("10.0.0.1", "abuser").await);
+    }
+    assert_eq!(statuses, [200, 429, 429]);
+    let replaced = eventually(Duration::from_millis(1500), || async {
+        a.list().await == vec![permanent.clone()]
+    })
+    .await;
+    assert!(replaced.is_some(), "A lists {:?}", a.list().await);
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    assert_eq!(
+        a.ask("10.0.0.1", "abuser").await,
+        403,
+        "lifted with the ban"
+    );
+}
