@@ -52,8 +52,9 @@ type Apply = dyn Fn(Remote, Position) + Send + Sync;
 /// How soon a follower that lost Redis tries again.
 const RETRY: Duration = Duration::from_millis(250);
 
-/// Entries asked for per HSCAN page, and how long one page may take.
-const PAGE: usize = 1000;
+/// Entries asked for per HSCAN page (small pages: a reply is decoded on the
+/// connection the limiter shares), and how long one page may take.
+const PAGE: usize = 250;
 const PAGE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How often the version is compared, to heal missed messages.

@@ -88,19 +88,36 @@ impl RedisServer {
         Self::start_on(port, false)
     }
 
+    /// On `port`, or (when `port` is taken by the time the server binds it, as by a
+    /// cluster node's bus port) on another free port.
     fn start_on(port: u16, cluster: bool) -> RedisServer {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let mut s = RedisServer {
-            port,
-            child: None,
-            dir,
-            cluster,
-        };
-        s.spawn();
-        s
+        let mut port = port;
+        for _ in 0..5 {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let mut s = RedisServer {
+                port,
+                child: None,
+                dir,
+                cluster,
+            };
+            if s.try_spawn() {
+                return s;
+            }
+            port = free_port(cluster);
+        }
+        panic!("redis-server found no port it could bind");
     }
 
     fn spawn(&mut self) {
+        assert!(
+            self.try_spawn(),
+            "redis-server on {} exited (port taken?)",
+            self.port
+        );
+    }
+
+    /// Starts the server and waits for PING; false if it exited first.
+    fn try_spawn(&mut self) -> bool {
         let mut cmd = Command::new("redis-server");
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -121,7 +138,13 @@ impl RedisServer {
         loop {
             if let Ok(mut c) = self.connection() {
                 if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return;
+                    return true;
+                }
+            }
+            if let Some(child) = &mut self.child {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    self.child = None;
+                    return false;
                 }
             }
             assert!(
