@@ -36,15 +36,6 @@ routes:
     respond: {body: "hi\n"}
 "#;
 
-fn config_file(text: &str) -> tempfile::NamedTempFile {
-    let f = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(f.path(), text).expect("write config");
-    f
-}
-
 /// Run `sluice ARGS` to completion, without `SLUICE_CONFIG` unless `env` sets it.
 fn sluice(args: &[&str], env: Option<&Path>) -> Output {
     let mut cmd = Command::new(SLUICE);

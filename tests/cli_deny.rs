@@ -40,15 +40,6 @@ async fn gateway() -> (Running, tempfile::NamedTempFile) {
     start_gateway_file(&config("127.0.0.1:0", TOKEN)).await
 }
 
-fn config_file(text: &str) -> tempfile::NamedTempFile {
-    let f = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(f.path(), text).expect("write config");
-    f
-}
-
 // === running `sluice deny` ===
 
 /// How `sluice deny` ended.

@@ -84,6 +84,16 @@ pub fn with_listeners(yaml: &str) -> String {
     text
 }
 
+/// A `.yaml` temp file holding `text` (removed when dropped).
+pub fn config_file(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(f.path(), text).expect("write config");
+    f
+}
+
 /// `http://ADDR` + `path`.
 pub fn url(addr: SocketAddr, path: &str) -> String {
     format!("http://{addr}{path}")
