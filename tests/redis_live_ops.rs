@@ -1237,6 +1237,13 @@ async fn a_ban_redis_did_not_take_is_replaced_by_the_longer_entry() {
     let a = in_process(&banning_gateway(&redis, "deny", "2s")).await;
     let db = Db::One(&redis);
     subscribed(&db, &[1]).await;
+    // Read at startup and again once subscribed: only then is the entry below
+    // written behind the instance's back.
+    let read = eventually(Duration::from_secs(2), || async {
+        redis.calls("hscan") >= 2
+    })
+    .await;
+    assert!(read.is_some(), "the follower did not read the list");
     clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(10)).await;
     let permanent = json!({
         "kind": "key",
