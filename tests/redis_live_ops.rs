@@ -54,6 +54,15 @@ async fn alone() -> tokio::sync::RwLockWriteGuard<'static, ()> {
     LOAD.write().await
 }
 
+/// Two in-process gateways on `redis` (open admin API), both following the shared
+/// deny list.
+async fn two_following(redis: &RedisServer) -> (Instance, Instance) {
+    let yaml = open_gateway(&url_target(&redis.url()), 500);
+    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    subscribed(&Db::One(redis), &[2]).await;
+    (a, b)
+}
+
 async fn in_process(yaml: &str) -> Instance {
     let r = start_gateway(yaml).await;
     Instance {
@@ -365,10 +374,8 @@ async fn two_instances_on_a_cluster_share_the_deny_list() {
 async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
     let _load = shared().await;
     let redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let (a, b) = two_following(&redis).await;
     let db = Db::One(&redis);
-    subscribed(&db, &[2]).await;
 
     let t0 = Instant::now();
     let e = a.add(json!({"key": "brief", "ttl": "1s"})).await;
@@ -416,10 +423,8 @@ async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
 async fn an_expiry_never_removes_a_fresher_entry() {
     let _load = shared().await;
     let redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let (a, b) = two_following(&redis).await;
     let db = Db::One(&redis);
-    subscribed(&db, &[2]).await;
 
     a.add(json!({"key": "renewed", "ttl": "1s"})).await;
     answers(
@@ -464,10 +469,8 @@ async fn an_expiry_never_removes_a_fresher_entry() {
 async fn a_change_without_a_message_is_healed_by_the_version_poll() {
     let _load = shared().await;
     let redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let (a, b) = two_following(&redis).await;
     let db = Db::One(&redis);
-    subscribed(&db, &[2]).await;
 
     // Written the way the script would, but never published.
     let entry = json!({
@@ -529,9 +532,7 @@ async fn a_change_without_a_message_is_healed_by_the_version_poll() {
 async fn after_a_redis_restart_the_followers_resubscribe_and_resync() {
     let _load = shared().await;
     let mut redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
-    subscribed(&Db::One(&redis), &[2]).await;
+    let (a, b) = two_following(&redis).await;
     let old = a.add(json!({"key": "old"})).await;
     answers(
         "before the restart, refused on B",
@@ -757,9 +758,7 @@ async fn a_ban_made_while_redis_is_down_is_shared_when_it_is_back() {
 async fn changes_while_redis_is_down_are_refused_with_503() {
     let _load = shared().await;
     let mut redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
-    subscribed(&Db::One(&redis), &[2]).await;
+    let (a, b) = two_following(&redis).await;
     let kept = a.add(json!({"key": "kept"})).await;
     answers(
         "before the outage, refused on B",
@@ -850,9 +849,7 @@ async fn an_idle_instance_probes_redis_every_200ms() {
 async fn deny_entry_gauge_on_one_instance_counts_what_another_added() {
     let _load = shared().await;
     let redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
-    subscribed(&Db::One(&redis), &[2]).await;
+    let (a, b) = two_following(&redis).await;
     assert_eq!(b.deny_entries("api").await, 0.0);
 
     a.add(json!({"key": "m1"})).await;
@@ -1136,10 +1133,8 @@ async fn a_burst_of_bans_is_applied_and_shared_in_full() {
 async fn a_delete_after_a_flush_is_not_undone_by_another_instances_write_back() {
     let _load = shared().await;
     let redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let (a, b) = two_following(&redis).await;
     let db = Db::One(&redis);
-    subscribed(&db, &[2]).await;
     a.add(json!({"key": "k1"})).await;
     answers("k1 on B", &b, "10.0.0.1", "k1", 403, PROPAGATION).await;
     let _: String = db.cmd(&["FLUSHALL"]);
@@ -1165,10 +1160,8 @@ async fn a_delete_after_a_flush_is_not_undone_by_another_instances_write_back() 
 async fn a_rollback_within_the_epoch_is_noticed_and_healed() {
     let _load = shared().await;
     let redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+    let (a, b) = two_following(&redis).await;
     let db = Db::One(&redis);
-    subscribed(&db, &[2]).await;
     a.add(json!({"key": "k1"})).await; // v1
     let k1: String = db.cmd(&["HGET", ENTRIES, "key:k1"]);
     a.add(json!({"key": "k2"})).await; // v2
