@@ -8,7 +8,7 @@
 -- ARGV[3]   a request id unique across instances (sliding_log members).
 -- ARGV[4 + 5(i-1) ..] per limit: algorithm, cost, a, b, c where (a, b, c) is
 --           (limit, window_us, 0) for the windows and logs, (count, per_us, burst)
---           for token_bucket and gcra.
+--           for token_bucket and gcra, (limit, lease_us, 0) for concurrency.
 -- Reply: {allowed, delay_us, now_us, then per limit: allowed, remaining, reset_us,
 --         retry_after_us, delay_us}.
 local algorithms = {
@@ -17,6 +17,7 @@ local algorithms = {
   sliding_log = sliding_log,
   token_bucket = token_bucket,
   gcra = gcra,
+  concurrency = concurrency,
 }
 
 local now

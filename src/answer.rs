@@ -1,13 +1,21 @@
-//! The one place where sluice writes its own answers: 404, 400, 403, 413, 429, 502,
-//! 503, 504 and `respond` routes, each with a short text body, plus the rate-limit
-//! headers that go on every answer of a limited route.
+//! The one place where sluice writes its own answers: every `Refusal` of the request
+//! path (404, 400, 403, 413, 429, 502, 503, 504) maps to its status, decision, short
+//! text body and whether the connection closes; plus the rate-limit headers that go
+//! on every answer of a limited route, and the body wrapper that keeps a request's
+//! end-of-request work (tally, concurrency permit) alive until its body ends.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
+use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 
 use crate::limit::{Plan, Verdict};
+use crate::metrics::Decision;
+use crate::proxy::{ClientFault, ProxyError};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body of every response sluice sends: its own or a streamed upstream one.
@@ -52,6 +60,175 @@ pub fn limited(route: &str, limit: &str, retry_after_us: u64) -> Response<Body> 
     r
 }
 
+// === refusals ===
+
+/// Why a request is answered by sluice instead of its route's action, whichever phase
+/// decided it. Each knows its status, its decision and whether the connection closes.
+#[derive(Debug)]
+pub enum Refusal<'a> {
+    /// On the deny list: the configured status (403).
+    Denied(StatusCode),
+    Unmatched,
+    /// The key the route needs is absent, empty or repeated; says which part.
+    MissingKey(String),
+    /// `Content-Length` over `max_request_body`.
+    TooLarge(u64),
+    Limited(Box<Limited<'a>>),
+    /// The store is unreachable and `on_error: deny`.
+    StoreDown,
+    /// Forwarding failed (the decision made for the request stands).
+    Upstream(ProxyError),
+    /// The client broke its own request body.
+    Client(ClientFault),
+}
+
+/// A request refused by a limit: what the 429 says.
+#[derive(Debug)]
+pub struct Limited<'a> {
+    pub route: &'a str,
+    pub plan: &'a Plan,
+    pub policy: Option<&'a HeaderValue>,
+    pub headers: &'a RateHeaders,
+    pub verdict: Verdict,
+}
+
+impl From<ProxyError> for Refusal<'_> {
+    fn from(e: ProxyError) -> Self {
+        match e {
+            ProxyError::Client(fault) => Refusal::Client(fault),
+            e => Refusal::Upstream(e),
+        }
+    }
+}
+
+impl Refusal<'_> {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Refusal::Denied(status) => *status,
+            Refusal::Unmatched => StatusCode::NOT_FOUND,
+            Refusal::MissingKey(_) | Refusal::Client(_) => StatusCode::BAD_REQUEST,
+            Refusal::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::StoreDown => StatusCode::SERVICE_UNAVAILABLE,
+            Refusal::Upstream(e) => e.status(),
+        }
+    }
+
+    /// The decision counted for it; `None` keeps the one the limits made (forwarding
+    /// failed after the request was admitted).
+    pub fn decision(&self) -> Option<Decision> {
+        Some(match self {
+            Refusal::Denied(_) => Decision::Denied,
+            Refusal::Unmatched => Decision::Unmatched,
+            Refusal::MissingKey(_) | Refusal::TooLarge(_) | Refusal::Client(_) => {
+                Decision::BadRequest
+            }
+            Refusal::Limited(_) => Decision::Limited,
+            Refusal::StoreDown => Decision::StoreErrorDenied,
+            Refusal::Upstream(_) => return None,
+        })
+    }
+
+    /// Whether the connection must close after the answer: always when the client's
+    /// body broke (the connection's framing is lost); when the answer comes before a
+    /// request body was read (`unread_body`), so unread bytes are never taken for the
+    /// next request.
+    pub fn closes(&self, unread_body: bool) -> bool {
+        match self {
+            Refusal::Client(_) => true,
+            Refusal::Upstream(_) => false,
+            _ => unread_body,
+        }
+    }
+
+    /// The answer.
+    pub fn respond(self, unread_body: bool) -> Response<Body> {
+        let status = self.status();
+        let closes = self.closes(unread_body);
+        let mut r = match self {
+            Refusal::Denied(_) => text(status, "access denied\n"),
+            Refusal::Unmatched => text(status, "no route matches this request\n"),
+            Refusal::MissingKey(part) => text(
+                status,
+                format!("missing {part} (absent, empty or sent more than once): this route needs it to identify the client\n"),
+            ),
+            Refusal::TooLarge(max) => text(status, format!("request body larger than {max} bytes\n")),
+            Refusal::Limited(l) => {
+                let (name, retry) = match l.verdict.headline() {
+                    Some((i, o)) => (l.plan.limits[i].name.as_str(), o.retry_after_us),
+                    None => ("", l.verdict.retry_after_us()),
+                };
+                let mut r = limited(l.route, name, retry);
+                l.headers.apply(r.headers_mut(), l.plan, l.policy, &l.verdict);
+                r
+            }
+            Refusal::StoreDown => text(status, "rate limiter unavailable; try again later\n"),
+            Refusal::Upstream(e) => text(
+                status,
+                match e {
+                    ProxyError::Timeout => "upstream did not answer in time\n",
+                    ProxyError::TooLarge => "request body too large\n",
+                    _ => "upstream unavailable\n",
+                },
+            ),
+            Refusal::Client(ClientFault::Malformed) => text(status, "malformed request body\n"),
+            Refusal::Client(ClientFault::Aborted) => {
+                text(status, "request body ended before its end\n")
+            }
+        };
+        if closes {
+            r = close(r);
+        }
+        r
+    }
+}
+
+// === the end of a response ===
+
+/// A response body that holds `guard` until the body has ended (its last frame was
+/// taken, or it failed) or is dropped unfinished (the client went away): work that
+/// belongs to the end of a request runs in the guard's `Drop`.
+pub fn guarded<G: Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
+    Guarded {
+        body,
+        guard: Some(guard),
+    }
+    .boxed()
+}
+
+struct Guarded<G> {
+    body: Body,
+    guard: Option<G>,
+}
+
+impl<G: Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // Both fields are Unpin (a boxed body and an Option).
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.guard = None,
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.guard = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 // === rate-limit headers ===
 
 /// Which header families a route sends, and its precomputed `RateLimit-Policy`.
@@ -74,12 +251,12 @@ pub fn policy_header(plan: &Plan) -> Option<HeaderValue> {
         if i > 0 {
             s.push_str(", ");
         }
-        s.push_str(&format!(
-            "{};q={};w={}",
-            sf_string(&l.name),
-            l.algorithm.quota(),
-            ceil_secs(l.algorithm.policy_window_us())
-        ));
+        s.push_str(&format!("{};q={}", sf_string(&l.name), l.algorithm.quota()));
+        // No window for concurrency: in flight is not per time.
+        let w = l.algorithm.policy_window_us();
+        if w > 0 {
+            s.push_str(&format!(";w={}", ceil_secs(w)));
+        }
     }
     HeaderValue::from_str(&s).ok()
 }

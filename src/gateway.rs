@@ -4,7 +4,7 @@
 //! through one `Arc` that a reload swaps whole.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,12 +14,12 @@ use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 
-use crate::answer::{self, Body, RateHeaders};
+use crate::answer::{self, Body, Limited, RateHeaders, Refusal};
 use crate::client::{ClientKey, KeySpec, MissingKey, TrustedProxies};
 use crate::deny::{BanRequest, DenyTable, StaticDeny, Target};
-use crate::limit::{MemoryStore, OnError, Plan, Store, Verdict};
+use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
-use crate::proxy::{Origin, ProxyError, Upstream};
+use crate::proxy::{ClientFault, Origin, ProxyError, Upstream};
 use crate::route::Matcher;
 
 // === the compiled configuration ===
@@ -119,180 +119,234 @@ pub async fn handle(
     req: Request<Incoming>,
     peer: SocketAddr,
 ) -> Response<Body> {
-    let started = Instant::now();
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
     let (parts, body) = req.into_parts();
-
     let ip = rt.trusted.client_ip(peer.ip(), &parts.headers);
-    let route = rt.routes.iter().find(|r| r.matcher.matches(&parts));
-    // Counted when dropped: a client that goes away while delayed or while the
-    // upstream works is still counted, with the decision made for it.
-    let mut tally = Tally {
-        metrics: route.map_or(&rt.unmatched, |r| &r.metrics),
-        started,
-        decision: Decision::Allowed,
+    let route = rt.routes.iter().position(|r| r.matcher.matches(&parts));
+    // Counted when the response body ends, or when the client goes away first (while
+    // delayed, while the upstream works, or mid-body), with the decision made for it.
+    let mut tally = Tally::new(rt.clone(), route);
+    let unread_body = (parts.headers.contains_key(TRANSFER_ENCODING)
+        || parts.headers.get(CONTENT_LENGTH).is_some_and(|v| v != "0"))
+        && parts.version < Version::HTTP_2;
+
+    let ctx = Ctx {
+        shared: &shared,
+        rt: &rt,
+        ip,
+        peer,
     };
-    let has_body = parts.headers.contains_key(TRANSFER_ENCODING)
-        || parts.headers.get(CONTENT_LENGTH).is_some_and(|v| v != "0");
-    let http1 = parts.version < Version::HTTP_2;
+    let resp = match pass(&ctx, route, parts, body, &mut tally).await {
+        Ok(resp) => resp,
+        Err(refusal) => {
+            if let Some(d) = refusal.decision() {
+                tally.decision = d;
+            }
+            refusal.respond(unread_body)
+        }
+    };
+    let (parts, body) = resp.into_parts();
+    Response::from_parts(parts, answer::guarded(body, tally))
+}
 
-    let (resp, decision) = 'answer: {
-        // Deny by IP, whatever the route.
-        if rt.deny.table.ip(ip) || shared.deny.load().ip(ip) {
-            break 'answer (denied(&rt), Decision::Denied);
-        }
-        let Some(route) = route else {
-            break 'answer (
-                answer::text(StatusCode::NOT_FOUND, "no route matches this request\n"),
-                Decision::Unmatched,
-            );
-        };
-        // Every value of every key part, before any fallback: a denied key sent twice
-        // (which makes it missing) is still denied.
-        if denied_key(&rt, &shared, |denied| route.key.any_value(&parts, denied)) {
-            break 'answer (denied(&rt), Decision::Denied);
-        }
-        let (ns, key) = match route.key.extract(&parts, ip) {
-            Ok(k) => (&route.ns, k),
-            Err(part) => match route.missing_key {
-                MissingKey::Ip => (&route.fallback_ns, ClientKey::new(ip.to_string())),
-                MissingKey::Reject => {
-                    let msg = format!(
-                        "missing {} (absent, empty or sent more than once): this route needs it to identify the client\n",
-                        part.describe()
-                    );
-                    break 'answer (
-                        answer::text(StatusCode::BAD_REQUEST, msg),
-                        Decision::BadRequest,
-                    );
-                }
-            },
-        };
-        // A composite key as a whole (bans deny the joined form).
-        if !key.parts.is_empty() && denied_key(&rt, &shared, |denied| denied(&key.value)) {
-            break 'answer (denied(&rt), Decision::Denied);
-        }
-        if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
-            let msg = format!("request body larger than {} bytes\n", rt.max_request_body);
-            break 'answer (
-                answer::text(StatusCode::PAYLOAD_TOO_LARGE, msg),
-                Decision::BadRequest,
-            );
-        }
+/// What every phase of one request may read.
+struct Ctx<'a> {
+    shared: &'a Shared,
+    rt: &'a Runtime,
+    ip: IpAddr,
+    peer: SocketAddr,
+}
 
-        let mut decision = Decision::Allowed;
-        let mut report: Option<(&Tier, Verdict)> = None;
-        if let Some(limits) = &route.limits {
-            let tier = limits.tier(&key.value);
-            let stored = key.stored();
-            // Store unreachable: answer 503, forward unchecked, or decide in this
-            // instance's memory (`on_error`); either way the decision is counted.
-            let (checked, store_failed) = match shared.store.check(ns, &stored, &tier.plan).await {
-                Ok(v) => (Some(v), false),
-                Err(e) => {
-                    // The store logs its failures; this would repeat them per request.
-                    tracing::debug!(route = %route.name, error = %e, "limiter store failed");
-                    match rt.on_error {
-                        OnError::Deny => {
-                            let r = answer::text(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                "rate limiter unavailable; try again later\n",
-                            );
-                            break 'answer (r, Decision::StoreErrorDenied);
-                        }
-                        OnError::Allow => (None, true),
-                        OnError::Local => (shared.store.fallback(ns, &stored, &tier.plan), true),
-                    }
-                }
+/// The phases in order: deny by IP → route → key (and deny by key) → size → limits →
+/// the route's action. Each returns a refusal to answer instead.
+async fn pass<'a>(
+    ctx: &Ctx<'a>,
+    route: Option<usize>,
+    parts: http::request::Parts,
+    body: Incoming,
+    tally: &mut Tally,
+) -> Result<Response<Body>, Refusal<'a>> {
+    let rt = ctx.rt;
+    deny_ip(ctx)?;
+    let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
+    let (ns, key) = client_key(ctx, route, &parts)?;
+    if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
+        return Err(Refusal::TooLarge(rt.max_request_body));
+    }
+    let report = limits(ctx, route, ns, &key, tally).await?;
+    let mut resp = act(ctx, route, parts, body).await?;
+    if let Some((tier, v)) = &report {
+        rt.rate_headers
+            .apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
+    }
+    Ok(resp)
+}
+
+/// Deny by IP, whatever the route.
+fn deny_ip<'a>(ctx: &Ctx<'a>) -> Result<(), Refusal<'a>> {
+    if ctx.rt.deny.table.ip(ctx.ip) || ctx.shared.deny.load().ip(ctx.ip) {
+        return Err(Refusal::Denied(ctx.rt.deny.status));
+    }
+    Ok(())
+}
+
+/// The route's key, with the namespace its state lives in; denied keys refused.
+fn client_key<'a, 'r>(
+    ctx: &Ctx<'a>,
+    route: &'r Route,
+    parts: &http::request::Parts,
+) -> Result<(&'r str, ClientKey), Refusal<'a>> {
+    let (rt, shared) = (ctx.rt, ctx.shared);
+    let denied = || Refusal::Denied(rt.deny.status);
+    // Every value of every key part, before any fallback: a denied key sent twice
+    // (which makes it missing) is still denied.
+    if denied_key(rt, shared, |d| route.key.any_value(parts, d)) {
+        return Err(denied());
+    }
+    let (ns, key) = match route.key.extract(parts, ctx.ip) {
+        Ok(k) => (&route.ns, k),
+        Err(part) => match route.missing_key {
+            MissingKey::Ip => (&route.fallback_ns, ClientKey::new(ctx.ip.to_string())),
+            MissingKey::Reject => return Err(Refusal::MissingKey(part.describe())),
+        },
+    };
+    // A composite key as a whole (bans deny the joined form).
+    if !key.parts.is_empty() && denied_key(rt, shared, |d| d(&key.value)) {
+        return Err(denied());
+    }
+    Ok((ns, key))
+}
+
+/// Decides the route's limits; the decision goes on the tally, and an admitted
+/// request's concurrency permit into it (released when the response ends). Returns
+/// what the rate-limit headers of the answer report.
+async fn limits<'a>(
+    ctx: &Ctx<'a>,
+    route: &'a Route,
+    ns: &str,
+    key: &ClientKey,
+    tally: &mut Tally,
+) -> Result<Option<(&'a Tier, Verdict)>, Refusal<'a>> {
+    let (rt, shared) = (ctx.rt, ctx.shared);
+    let Some(limits) = &route.limits else {
+        return Ok(None);
+    };
+    let tier = limits.tier(&key.value);
+    let stored = key.stored();
+    // Store unreachable: answer 503, forward unchecked, or decide in this instance's
+    // memory (`on_error`); either way the decision is counted.
+    let (checked, store_failed) = match shared.store.check(ns, &stored, &tier.plan).await {
+        Ok(c) => (Some(c), false),
+        Err(e) => {
+            // The store logs its failures; this would repeat them per request.
+            tracing::debug!(route = %route.name, error = %e, "limiter store failed");
+            match rt.on_error {
+                OnError::Deny => return Err(Refusal::StoreDown),
+                OnError::Allow => (None, true),
+                OnError::Local => (shared.store.fallback(ns, &stored, &tier.plan), true),
+            }
+        }
+    };
+    let Some(Checked { verdict: v, permit }) = checked else {
+        tally.decision = Decision::StoreErrorAllowed;
+        return Ok(None);
+    };
+    if !v.allowed {
+        if route.shadow {
+            tally.decision = Decision::Shadow;
+            return Ok(None);
+        }
+        if let Some(ban) = &route.ban {
+            strike(shared, route, ban, ns, &stored, key, ctx.ip);
+        }
+        return Err(Refusal::Limited(Box::new(Limited {
+            route: &route.name,
+            plan: &tier.plan,
+            policy: tier.policy.as_ref(),
+            headers: &rt.rate_headers,
+            verdict: v,
+        })));
+    }
+    tally.permit = permit;
+    tally.decision = match (store_failed, v.delay_us > 0) {
+        (true, _) => Decision::StoreErrorAllowed,
+        (false, true) => Decision::Delayed,
+        (false, false) => Decision::Allowed,
+    };
+    if v.delay_us > 0 {
+        tokio::time::sleep(v.delay()).await;
+    }
+    Ok((!route.shadow).then_some((tier, v)))
+}
+
+/// The route's action: its own answer, or the upstream's.
+async fn act<'a>(
+    ctx: &Ctx<'a>,
+    route: &Route,
+    parts: http::request::Parts,
+    body: Incoming,
+) -> Result<Response<Body>, Refusal<'a>> {
+    match &route.action {
+        Action::Respond {
+            status,
+            body,
+            headers,
+        } => {
+            let mut r = Response::new(answer::full(body.clone()));
+            *r.status_mut() = *status;
+            r.headers_mut()
+                .extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+            Ok(r)
+        }
+        Action::Upstream(up) => {
+            let origin = Origin {
+                peer: ctx.peer.ip(),
+                trusted: ctx.rt.trusted.contains(ctx.peer.ip()),
+                proto: ctx.shared.proto,
             };
-            match checked {
-                Some(v) if v.allowed => {
-                    decision = match (store_failed, v.delay_us > 0) {
-                        (true, _) => Decision::StoreErrorAllowed,
-                        (false, true) => Decision::Delayed,
-                        (false, false) => Decision::Allowed,
-                    };
-                    if v.delay_us > 0 {
-                        tally.decision = decision;
-                        tokio::time::sleep(v.delay()).await;
-                    }
-                    report = (!route.shadow).then_some((tier, v));
-                }
-                Some(_) if route.shadow => decision = Decision::Shadow,
-                Some(v) => {
-                    if let Some(ban) = &route.ban {
-                        strike(&shared, route, ban, ns, &stored, &key, ip);
-                    }
-                    let (name, retry) = refusal(&tier.plan, &v);
-                    let mut r = answer::limited(&route.name, name, retry);
-                    rt.rate_headers
-                        .apply(r.headers_mut(), &tier.plan, tier.policy.as_ref(), &v);
-                    break 'answer (r, Decision::Limited);
-                }
-                None => decision = Decision::StoreErrorAllowed,
-            }
+            up.forward(
+                Request::from_parts(parts, body),
+                &origin,
+                ctx.rt.max_request_body,
+            )
+            .await
+            .map_err(|e| forward_failed(ctx.shared, route, e))
         }
-
-        tally.decision = decision;
-        let mut resp = match &route.action {
-            Action::Respond {
-                status,
-                body,
-                headers,
-            } => {
-                let mut r = Response::new(answer::full(body.clone()));
-                *r.status_mut() = *status;
-                r.headers_mut()
-                    .extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
-                r
-            }
-            Action::Upstream(up) => {
-                let origin = Origin {
-                    peer: peer.ip(),
-                    trusted: rt.trusted.contains(peer.ip()),
-                    proto: shared.proto,
-                };
-                match up
-                    .forward(
-                        Request::from_parts(parts, body),
-                        &origin,
-                        rt.max_request_body,
-                    )
-                    .await
-                {
-                    Ok(r) => r,
-                    Err(e) => upstream_failed(route, e),
-                }
-            }
-        };
-        if let Some((tier, v)) = &report {
-            rt.rate_headers
-                .apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
-        }
-        return resp;
-    };
-    tally.decision = decision;
-
-    // Answered before the body was read: close an HTTP/1 connection that carries one.
-    if has_body && http1 {
-        answer::close(resp)
-    } else {
-        resp
     }
 }
 
-/// Counts one request's decision and duration when dropped.
-struct Tally<'a> {
-    metrics: &'a RouteMetrics,
+/// Counts one request's decision and duration when dropped: when its response body
+/// ends, or the client goes away first. Holds the request's concurrency permit, which
+/// is released right after.
+struct Tally {
+    rt: Arc<Runtime>,
+    route: Option<usize>,
     started: Instant,
     decision: Decision,
+    permit: Permit,
 }
 
-impl Drop for Tally<'_> {
+impl Tally {
+    fn new(rt: Arc<Runtime>, route: Option<usize>) -> Tally {
+        Tally {
+            rt,
+            route,
+            started: Instant::now(),
+            decision: Decision::Allowed,
+            permit: Permit::None,
+        }
+    }
+}
+
+impl Drop for Tally {
     fn drop(&mut self) {
-        self.metrics.count(self.decision);
-        self.metrics
+        let metrics = match self.route {
+            Some(i) => &self.rt.routes[i].metrics,
+            None => &self.rt.unmatched,
+        };
+        metrics.count(self.decision);
+        metrics
             .duration
             .observe(self.started.elapsed().as_secs_f64());
     }
@@ -311,10 +365,6 @@ fn denied_key(
         return false;
     }
     values(&mut |k| rt.deny.table.key(k) || dynamic.key(k))
-}
-
-fn denied(rt: &Runtime) -> Response<Body> {
-    answer::text(rt.deny.status, "access denied\n")
 }
 
 /// Counts a refusal towards the route's ban; the `after`th within `within` asks the
@@ -348,26 +398,16 @@ fn content_length(h: &HeaderMap) -> Option<u64> {
     h.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
-/// The name of the limit that refused and how long until a retry can pass.
-fn refusal<'a>(plan: &'a Plan, v: &Verdict) -> (&'a str, u64) {
-    match v.headline() {
-        Some((i, o)) => (plan.limits[i].name.as_str(), o.retry_after_us),
-        None => ("", v.retry_after_us()),
-    }
-}
-
-fn upstream_failed(route: &Route, e: ProxyError) -> Response<Body> {
+/// Counts a failed forward: the client's fault or the upstream's.
+fn forward_failed<'a>(shared: &Shared, route: &Route, e: ProxyError) -> Refusal<'a> {
     match &e {
         ProxyError::Connect(_) => route.metrics.upstream_connect.inc(),
         ProxyError::Timeout => route.metrics.upstream_timeout.inc(),
         ProxyError::Reset(_) => route.metrics.upstream_reset.inc(),
         ProxyError::TooLarge => {}
+        ProxyError::Client(ClientFault::Malformed) => shared.metrics.client_body.inc(),
+        ProxyError::Client(ClientFault::Aborted) => shared.metrics.client_aborted.inc(),
     }
     tracing::debug!(route = %route.name, error = %e, "forwarding failed");
-    let msg = match e.status() {
-        StatusCode::GATEWAY_TIMEOUT => "upstream did not answer in time\n",
-        StatusCode::PAYLOAD_TOO_LARGE => "request body too large\n",
-        _ => "upstream unavailable\n",
-    };
-    answer::text(e.status(), msg)
+    Refusal::from(e)
 }

@@ -21,6 +21,10 @@ pub struct Metrics {
     pub limiter_duration: HistogramVec,
     pub store_errors: IntCounterVec,
     pub upstream_errors: IntCounterVec,
+    pub client_errors: IntCounterVec,
+    /// The children of `client_errors`, resolved once.
+    pub client_body: IntCounter,
+    pub client_aborted: IntCounter,
     pub config_reloads: IntCounterVec,
     pub config_last_reload_success: IntGauge,
     pub deny_entries: IntGaugeVec,
@@ -39,7 +43,7 @@ impl Metrics {
         let request_duration = HistogramVec::new(
             HistogramOpts::new(
                 "sluice_request_duration_seconds",
-                "Time from request head to response head, by route.",
+                "Time from request head to the end of the response body (or the client going away), by route.",
             )
             .buckets(BUCKETS.to_vec()),
             &["route"],
@@ -68,6 +72,14 @@ impl Metrics {
                 "Upstream failures by route and kind (connect, timeout, reset).",
             ),
             &["route", "kind"],
+        )
+        .expect("metric definition");
+        let client_errors = IntCounterVec::new(
+            Opts::new(
+                "sluice_client_errors_total",
+                "Requests whose body the client did not complete, by kind (body: malformed, aborted: closed mid-body); never forwarded.",
+            ),
+            &["kind"],
         )
         .expect("metric definition");
         let config_reloads = IntCounterVec::new(
@@ -104,6 +116,7 @@ impl Metrics {
             Box::new(limiter_duration.clone()),
             Box::new(store_errors.clone()),
             Box::new(upstream_errors.clone()),
+            Box::new(client_errors.clone()),
             Box::new(config_reloads.clone()),
             Box::new(config_last_reload_success.clone()),
             Box::new(deny_entries.clone()),
@@ -123,6 +136,8 @@ impl Metrics {
         for source in crate::deny::Source::ALL {
             deny_entries.with_label_values(&[source.as_str()]);
         }
+        let client_body = client_errors.with_label_values(&["body"]);
+        let client_aborted = client_errors.with_label_values(&["aborted"]);
         Metrics {
             registry,
             requests,
@@ -130,6 +145,9 @@ impl Metrics {
             limiter_duration,
             store_errors,
             upstream_errors,
+            client_errors,
+            client_body,
+            client_aborted,
             config_reloads,
             config_last_reload_success,
             deny_entries,

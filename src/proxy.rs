@@ -49,6 +49,61 @@ pub enum ProxyError {
     Reset(BoxError),
     #[error("request body larger than the limit")]
     TooLarge,
+    /// The client's own request body failed: not the upstream's fault.
+    #[error("client request body: {0}")]
+    Client(ClientFault),
+}
+
+/// How a client broke its request body (`sluice_client_errors_total{kind}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientFault {
+    /// Not valid HTTP framing (a bad chunk size, say).
+    Malformed,
+    /// The connection ended before the body did.
+    Aborted,
+}
+
+impl std::fmt::Display for ClientFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            ClientFault::Malformed => "malformed",
+            ClientFault::Aborted => "aborted",
+        })
+    }
+}
+
+/// An error reading the client's request body, marked as the client's so `classify`
+/// can tell it from the upstream's failures wherever it sits in the error chain.
+#[derive(Debug, thiserror::Error)]
+#[error("client request body ({fault}): {source}")]
+pub struct ClientBodyError {
+    pub fault: ClientFault,
+    source: hyper::Error,
+}
+
+impl ClientBodyError {
+    fn new(source: hyper::Error) -> ClientBodyError {
+        // hyper reports a bad chunk or length as InvalidData/InvalidInput, and a body
+        // cut short as UnexpectedEof or an incomplete message; anything else (a reset,
+        // an h2 stream the client cancelled) is a client that went away.
+        let mut fault = ClientFault::Aborted;
+        let mut src: Option<&(dyn std::error::Error + 'static)> = source.source();
+        while let Some(s) = src {
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                if matches!(
+                    io.kind(),
+                    std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput
+                ) {
+                    fault = ClientFault::Malformed;
+                }
+            }
+            src = s.source();
+        }
+        if source.is_parse() {
+            fault = ClientFault::Malformed;
+        }
+        ClientBodyError { fault, source }
+    }
 }
 
 impl ProxyError {
@@ -57,6 +112,7 @@ impl ProxyError {
             ProxyError::Connect(_) | ProxyError::Reset(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::Client(_) => StatusCode::BAD_REQUEST,
         }
     }
 }
@@ -226,6 +282,8 @@ impl Upstream {
             parts.headers.insert(header::HOST, h);
         }
 
+        // A failure of the client's body carries its mark through the upstream client.
+        let body = body.map_err(ClientBodyError::new);
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
@@ -280,6 +338,9 @@ fn classify(e: hyper_util::client::legacy::Error) -> ProxyError {
     while let Some(s) = src {
         if s.is::<LengthLimitError>() {
             return ProxyError::TooLarge;
+        }
+        if let Some(c) = s.downcast_ref::<ClientBodyError>() {
+            return ProxyError::Client(c.fault);
         }
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
             if io.kind() == std::io::ErrorKind::TimedOut {

@@ -423,11 +423,56 @@ fn bucket_algorithms_reject_limit_window_and_lease() {
 }
 
 #[test]
-fn concurrency_is_not_available() {
-    let yaml = with_limit("      - algorithm: concurrency\n        limit: 5\n");
+fn concurrency_takes_limit_and_lease_only() {
     assert_eq!(
-        error(&yaml),
-        "rules.yaml:6:20: the concurrency algorithm is not available in this version"
+        errors(&with_limit(
+            "      - algorithm: concurrency\n        limit: 5\n        lease: 30s\n"
+        )),
+        Vec::<String>::new()
+    );
+    let yaml = with_limit(
+        "      - algorithm: concurrency\n        limit: 5\n        window: 1m\n        rate: 1/s\n        burst: 2\n        cost: 2\n",
+    );
+    assert_eq!(
+        errors(&yaml),
+        [
+            "rules.yaml:8:9: concurrency does not take window; it takes limit and optionally lease",
+            "rules.yaml:9:9: concurrency does not take rate; it takes limit and optionally lease",
+            "rules.yaml:10:9: concurrency does not take burst; it takes limit and optionally lease",
+            "rules.yaml:11:9: concurrency does not take cost: each request in flight takes one slot",
+        ]
+    );
+    assert_eq!(
+        errors(&with_limit(
+            "      - algorithm: concurrency\n        lease: 1m\n"
+        )),
+        ["rules.yaml:6:9: concurrency needs limit, the requests of a key in flight at once"]
+    );
+    assert_eq!(
+        errors(&with_limit(
+            "      - algorithm: concurrency\n        limit: 0\n        lease: 0s\n"
+        )),
+        [
+            "rules.yaml:7:16: limit must be greater than 0",
+            "rules.yaml:8:16: lease must be at least 1ms",
+        ]
+    );
+    assert_eq!(
+        errors(&with_limit(
+            "      - algorithm: concurrency\n        limit: 1\n        lease: 8d\n"
+        )),
+        ["rules.yaml:8:16: lease must be at most 7d: it is how long a slot stays taken after an instance died"]
+    );
+}
+
+#[test]
+fn concurrency_cannot_delay() {
+    let yaml = with_limit(
+        "      - {name: inflight, algorithm: concurrency, limit: 5}\n    on_limit: delay\n    max_delay: 1s\n",
+    );
+    assert_eq!(
+        errors(&yaml),
+        ["rules.yaml:7:15: on_limit: delay is valid only with token_bucket and gcra, found \"inflight\" (concurrency)"]
     );
 }
 

@@ -298,12 +298,10 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
             bucket().map(|(rate, burst)| Algorithm::TokenBucket { rate, burst })?
         }
         AlgorithmName::Gcra => bucket().map(|(rate, burst)| Algorithm::Gcra { rate, burst })?,
-        AlgorithmName::Concurrency => {
-            return Err(route_err(
-                route,
-                "the concurrency algorithm is not available in this version",
-            ))
-        }
+        AlgorithmName::Concurrency => Algorithm::Concurrency {
+            limit: l.limit.ok_or_else(|| missing("limit"))?.get(),
+            lease_us: us(l.lease.map_or(DEFAULT_LEASE, |d| d.get())),
+        },
     };
     Ok(LimitDef::new(
         name,
@@ -311,6 +309,10 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
         l.cost.map_or(1, |c| c.get()),
     ))
 }
+
+/// How long a concurrency slot stays taken when the instance holding it dies without
+/// giving it back (Redis store): `lease` of a concurrency limit, by default.
+pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// `count` per `per_us` with their common factor divided out: the same rate, with
 /// smaller numbers for the integer arithmetic (`100000/d` is `1` per 864ms).

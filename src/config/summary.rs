@@ -226,6 +226,14 @@ fn describe_limit(l: &Limit, j: usize) -> String {
                 let _ = write!(s, " burst {b}");
             }
         }
+        AlgorithmName::Concurrency => {
+            if let Some(n) = l.limit {
+                let _ = write!(s, " {} in flight", n.get());
+            }
+            if let Some(d) = l.lease {
+                let _ = write!(s, " lease {}", fmt_dur(d.get()));
+            }
+        }
         _ => {
             if let Some(n) = l.limit {
                 let _ = write!(s, " {}", n.get());

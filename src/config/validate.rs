@@ -618,11 +618,7 @@ impl Checker<'_> {
         }
         let (takes, rejects): (&str, &[&str]) = match l.algorithm {
             AlgorithmName::Concurrency => {
-                self.at(
-                    &format!("{lp}.algorithm"),
-                    "the concurrency algorithm is not available in this version",
-                );
-                return;
+                ("limit and optionally lease", &["window", "rate", "burst"])
             }
             AlgorithmName::FixedWindow
             | AlgorithmName::SlidingWindow
@@ -648,12 +644,44 @@ impl Checker<'_> {
         }
 
         let cost = l.cost.map(|c| c.get());
+        if l.algorithm == AlgorithmName::Concurrency && l.cost.is_some() {
+            self.at_key(
+                &format!("{lp}.cost"),
+                "concurrency does not take cost: each request in flight takes one slot",
+            );
+        }
         if cost == Some(0) {
             self.at(&format!("{lp}.cost"), "cost must be greater than 0");
         }
         let cost = cost.unwrap_or(1);
 
         match l.algorithm {
+            AlgorithmName::Concurrency => {
+                let Some(limit) = l.limit else {
+                    self.at(
+                        lp,
+                        "concurrency needs limit, the requests of a key in flight at once",
+                    );
+                    return;
+                };
+                let limit = limit.get();
+                if limit == 0 {
+                    self.at(&format!("{lp}.limit"), "limit must be greater than 0");
+                } else if limit > MAX_LIMIT {
+                    self.at(
+                        &format!("{lp}.limit"),
+                        format!("limit {limit} is too large: at most 2^40 ({MAX_LIMIT})"),
+                    );
+                }
+                if let Some(lease) = l.lease {
+                    let lp = format!("{lp}.lease");
+                    if lease.get() < std::time::Duration::from_millis(1) {
+                        self.at(&lp, "lease must be at least 1ms");
+                    } else if lease.get() > std::time::Duration::from_secs(7 * 86_400) {
+                        self.at(&lp, "lease must be at most 7d: it is how long a slot stays taken after an instance died");
+                    }
+                }
+            }
             AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
                 let Some(rate) = l.rate else {
                     self.at(lp, format!("{alg} needs rate, like 10/s"));

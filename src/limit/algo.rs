@@ -21,12 +21,38 @@ pub struct Rate {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
-    FixedWindow { limit: u64, window_us: u64 },
-    SlidingWindow { limit: u64, window_us: u64 },
-    SlidingLog { limit: u64, window_us: u64 },
-    TokenBucket { rate: Rate, burst: u64 },
-    Gcra { rate: Rate, burst: u64 },
+    FixedWindow {
+        limit: u64,
+        window_us: u64,
+    },
+    SlidingWindow {
+        limit: u64,
+        window_us: u64,
+    },
+    SlidingLog {
+        limit: u64,
+        window_us: u64,
+    },
+    TokenBucket {
+        rate: Rate,
+        burst: u64,
+    },
+    Gcra {
+        rate: Rate,
+        burst: u64,
+    },
+    /// At most `limit` requests in flight; a slot is held until the response ends. With
+    /// the Redis store a slot is a lease that expires after `lease_us` if its instance
+    /// dies without giving it back.
+    Concurrency {
+        limit: u64,
+        lease_us: u64,
+    },
 }
+
+/// What a refused `concurrency` request is told to wait: a slot may free at any moment,
+/// and nothing says when, so a short fixed retry (1 s, `Retry-After: 1`).
+pub const CONCURRENCY_RETRY_US: u64 = 1_000_000;
 
 /// Stored state of one limit for one key.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -57,6 +83,10 @@ pub enum State {
         rate: Rate,
         burst: u64,
     },
+    /// concurrency: requests in flight. The memory store keeps these counts beside its
+    /// other state (they end with a permit, not with time); the pure functions and the
+    /// table of cases see them as this state, a request that never ends.
+    InFlight(u64),
 }
 
 /// What one limit says about one request.
@@ -107,6 +137,10 @@ enum Next {
         rate: Rate,
         burst: u64,
     },
+    /// concurrency: one more request in flight.
+    Acquire {
+        count: u64,
+    },
 }
 
 // === impl Algorithm ===
@@ -151,6 +185,7 @@ impl Algorithm {
                 rate,
                 burst,
             },
+            Next::Acquire { count } => State::InFlight(count),
             Next::LogPush => {
                 let mut log = match state {
                     State::Log(log) => {
@@ -203,6 +238,7 @@ impl Algorithm {
                     burst,
                 }
             }
+            Next::Acquire { count } => *state = State::InFlight(count),
             Next::LogPush => {
                 if let State::Log(log) = state {
                     let w = self.window_us();
@@ -269,6 +305,8 @@ impl Algorithm {
                 }
                 tat.min(gcra_convert(tat, ts, r0, b0, rate, burst))
             }
+            // Never while a request is in flight: a slot ends with its response.
+            (Algorithm::Concurrency { .. }, &State::InFlight(n)) if n > 0 => u64::MAX,
             _ => 0,
         }
     }
@@ -278,13 +316,15 @@ impl Algorithm {
         match *self {
             Algorithm::FixedWindow { limit, .. }
             | Algorithm::SlidingWindow { limit, .. }
-            | Algorithm::SlidingLog { limit, .. } => limit,
+            | Algorithm::SlidingLog { limit, .. }
+            | Algorithm::Concurrency { limit, .. } => limit,
             Algorithm::TokenBucket { burst, .. } | Algorithm::Gcra { burst, .. } => burst,
         }
     }
 
     /// The `w` of `RateLimit-Policy`, in µs: the window, or for token_bucket and gcra
-    /// the time to refill `burst` from empty, ceil(burst * per_us / count).
+    /// the time to refill `burst` from empty, ceil(burst * per_us / count). 0 for
+    /// concurrency, which has no window (the header then has no `w`).
     pub fn policy_window_us(&self) -> u64 {
         match *self {
             Algorithm::FixedWindow { window_us, .. }
@@ -294,6 +334,7 @@ impl Algorithm {
                 let (n, p) = rate_parts(rate);
                 to_u64(ceil_div(i128::from(burst) * p, n))
             }
+            Algorithm::Concurrency { .. } => 0,
         }
     }
 
@@ -304,8 +345,15 @@ impl Algorithm {
             Algorithm::FixedWindow { window_us, .. }
             | Algorithm::SlidingWindow { window_us, .. }
             | Algorithm::SlidingLog { window_us, .. } => Some(window_us),
-            Algorithm::TokenBucket { .. } | Algorithm::Gcra { .. } => None,
+            Algorithm::TokenBucket { .. }
+            | Algorithm::Gcra { .. }
+            | Algorithm::Concurrency { .. } => None,
         }
+    }
+
+    /// Whether this limit counts requests in flight rather than requests over time.
+    pub fn is_concurrency(&self) -> bool {
+        matches!(self, Algorithm::Concurrency { .. })
     }
 
     /// The configuration name of the algorithm.
@@ -316,6 +364,7 @@ impl Algorithm {
             Algorithm::SlidingLog { .. } => "sliding_log",
             Algorithm::TokenBucket { .. } => "token_bucket",
             Algorithm::Gcra { .. } => "gcra",
+            Algorithm::Concurrency { .. } => "concurrency",
         }
     }
 
@@ -324,7 +373,9 @@ impl Algorithm {
             Algorithm::FixedWindow { window_us, .. }
             | Algorithm::SlidingWindow { window_us, .. }
             | Algorithm::SlidingLog { window_us, .. } => window_us.max(1),
-            Algorithm::TokenBucket { .. } | Algorithm::Gcra { .. } => 1,
+            Algorithm::TokenBucket { .. }
+            | Algorithm::Gcra { .. }
+            | Algorithm::Concurrency { .. } => 1,
         }
     }
 
@@ -343,6 +394,7 @@ impl Algorithm {
                 token_bucket(rate, burst, state, now, cost, max_delay_us)
             }
             Algorithm::Gcra { rate, burst } => gcra(rate, burst, state, now, cost, max_delay_us),
+            Algorithm::Concurrency { limit, .. } => concurrency(limit, state, cost),
         };
         outcome.quota = self.quota();
         (outcome, next)
@@ -462,6 +514,33 @@ fn sliding_window(limit: u64, w: u64, state: &State, now: u64, cost: u64) -> (Ou
         remaining: f64_to_u64((limit as f64 - estimate).max(0.0).floor()),
         reset_us,
         retry_after_us,
+        ..Outcome::default()
+    };
+    (outcome, Next::Keep)
+}
+
+/// concurrency: admit iff in_flight + cost <= limit; remaining = limit - in flight
+/// after this one. Nothing resets with time: reset is 0 when admitted; a refusal is
+/// told to retry in `CONCURRENCY_RETRY_US` (its reset too).
+fn concurrency(limit: u64, state: &State, cost: u64) -> (Outcome, Next) {
+    let count = match *state {
+        State::InFlight(n) => n,
+        _ => 0,
+    };
+    let after = count.saturating_add(cost);
+    if after <= limit {
+        let outcome = Outcome {
+            allowed: true,
+            remaining: limit - after,
+            ..Outcome::default()
+        };
+        return (outcome, Next::Acquire { count: after });
+    }
+    let outcome = Outcome {
+        allowed: false,
+        remaining: limit.saturating_sub(count),
+        reset_us: CONCURRENCY_RETRY_US,
+        retry_after_us: CONCURRENCY_RETRY_US,
         ..Outcome::default()
     };
     (outcome, Next::Keep)

@@ -4,6 +4,7 @@
 //! ones are evicted, and a request's whole check-then-charge runs under one lock.
 
 use std::borrow::Borrow;
+use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -11,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use lru::LruCache;
 
 use super::algo::{judge, EMPTY};
-use super::{Clock, Plan, State, Verdict};
+use super::{Checked, Clock, Permit, Plan, State, Verdict};
 
 /// Shards of the key space; fewer when `max_keys` is smaller.
 const SHARDS: usize = 32;
@@ -21,6 +22,26 @@ pub struct MemoryStore {
     /// Picks the shard; random per process so no one can aim keys at one shard.
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    /// Requests in flight of the concurrency limits, one shard per LRU shard.
+    in_flight: Arc<InFlight>,
+}
+
+/// Requests in flight per (route, client key) and concurrency limit id, kept beside the
+/// LRU shards and never evicted: an entry lives exactly while permits hold its slots, so
+/// the map is bounded by the requests in flight, and no eviction can hand out a slot
+/// that is still taken. Locked after the LRU shard of the same index, and alone by a
+/// permit's release.
+struct InFlight {
+    shards: Box<[Mutex<HashMap<EntryKey, Vec<(u64, u64)>>>]>,
+}
+
+/// The concurrency slots of one admitted request; dropping it gives them back.
+pub struct Slots {
+    in_flight: Arc<InFlight>,
+    shard: usize,
+    key: EntryKey,
+    /// (limit id, slots taken).
+    taken: Vec<(u64, u64)>,
 }
 
 /// The state of one limit for one key, with the time it stops mattering.
@@ -53,6 +74,9 @@ impl MemoryStore {
             })
             .collect();
         MemoryStore {
+            in_flight: Arc::new(InFlight {
+                shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+            }),
             shards,
             hasher: RandomState::new(),
             clock,
@@ -61,34 +85,135 @@ impl MemoryStore {
 
     /// Decides one request of `key` on `route` against every limit of `plan`, and
     /// charges all of them if all admit (atomically: under the entry's shard lock).
+    /// Concurrency slots it takes are given back at once: see `acquire`.
     pub fn check(&self, route: &str, key: &str, plan: &Plan) -> Verdict {
+        self.acquire(route, key, plan).verdict
+    }
+
+    /// `check`, returning with the verdict the permit that holds the request's
+    /// concurrency slots until it is dropped. The in-flight counts are read and taken
+    /// under the same locks as the other limits: a request refused by another limit
+    /// takes no slot, and one refused for want of a slot is charged nothing.
+    pub fn acquire(&self, route: &str, key: &str, plan: &Plan) -> Checked {
         let probe = (route, key);
         let mut cache = self.shard(&probe);
+        let shard = self.shard_index(&probe);
         // Read under the lock so commits to one entry happen in clock order.
         let now = self.clock.now_us();
-        if let Some(entry) = cache.get_mut(&probe as &dyn RouteKey) {
-            let verdict = judge(plan, now, |i| entry.state(plan.limits[i].id));
-            if verdict.allowed {
-                entry.charge(plan, now);
+        let mut in_flight = plan
+            .has_concurrency()
+            .then(|| lock(&self.in_flight.shards[shard]));
+        // The in-flight counts as states, by plan index (empty for the other limits).
+        let held: Vec<State> = match &in_flight {
+            None => Vec::new(),
+            Some(map) => {
+                let counts = map.get(&probe as &dyn RouteKey);
+                plan.limits
+                    .iter()
+                    .map(|l| match counts {
+                        Some(c) if l.algorithm.is_concurrency() => {
+                            let n = c.iter().find(|(id, _)| *id == l.id).map_or(0, |c| c.1);
+                            State::InFlight(n)
+                        }
+                        _ => State::Empty,
+                    })
+                    .collect()
             }
-            return verdict;
+        };
+        let verdict = match cache.get_mut(&probe as &dyn RouteKey) {
+            Some(entry) => {
+                let verdict = judge(plan, now, |i| {
+                    if plan.limits[i].algorithm.is_concurrency() {
+                        &held[i]
+                    } else {
+                        entry.state(plan.limits[i].id)
+                    }
+                });
+                if verdict.allowed {
+                    entry.charge(plan, now);
+                }
+                verdict
+            }
+            None => {
+                let verdict = judge(plan, now, |i| held.get(i).unwrap_or(&EMPTY));
+                if verdict.allowed && plan.limits.iter().any(|l| !l.algorithm.is_concurrency()) {
+                    self.insert_new(&mut cache, route, key, plan, now);
+                }
+                verdict
+            }
+        };
+        drop(cache);
+        let permit = match in_flight.as_mut() {
+            Some(map) if verdict.allowed => Permit::Memory(self.take(map, shard, route, key, plan)),
+            _ => Permit::None,
+        };
+        Checked { verdict, permit }
+    }
+
+    /// Takes one slot of every concurrency limit of `plan` (which admitted).
+    fn take(
+        &self,
+        map: &mut HashMap<EntryKey, Vec<(u64, u64)>>,
+        shard: usize,
+        route: &str,
+        key: &str,
+        plan: &Plan,
+    ) -> Slots {
+        let key = EntryKey {
+            route: route.into(),
+            key: key.into(),
+        };
+        let counts = map.entry(key.clone()).or_default();
+        let mut taken = Vec::with_capacity(1);
+        for l in plan.limits.iter().filter(|l| l.algorithm.is_concurrency()) {
+            match counts.iter_mut().find(|(id, _)| *id == l.id) {
+                Some(c) => c.1 += l.cost,
+                None => counts.push((l.id, l.cost)),
+            }
+            taken.push((l.id, l.cost));
         }
-        let verdict = judge(plan, now, |_| &EMPTY);
-        if verdict.allowed && !plan.limits.is_empty() {
-            let mut entry = Entry {
-                slots: Vec::with_capacity(plan.limits.len()),
-                expires_at_us: 0,
-            };
-            entry.charge(plan, now);
-            cache.put(
-                EntryKey {
-                    route: route.into(),
-                    key: key.into(),
-                },
-                entry,
-            );
+        Slots {
+            in_flight: self.in_flight.clone(),
+            shard,
+            key,
+            taken,
         }
-        verdict
+    }
+
+    /// Requests in flight of `key` on `route` under the concurrency limit `id`.
+    pub fn in_flight(&self, route: &str, key: &str, id: u64) -> u64 {
+        let probe = (route, key);
+        let map = lock(&self.in_flight.shards[self.shard_index(&probe)]);
+        map.get(&probe as &dyn RouteKey)
+            .and_then(|c| c.iter().find(|(i, _)| *i == id))
+            .map_or(0, |c| c.1)
+    }
+
+    fn shard_index(&self, probe: &(&str, &str)) -> usize {
+        (self.hasher.hash_one(probe) % self.shards.len() as u64) as usize
+    }
+
+    /// Stores the entry of a key seen for the first time, charged with this request.
+    fn insert_new(
+        &self,
+        cache: &mut LruCache<EntryKey, Entry>,
+        route: &str,
+        key: &str,
+        plan: &Plan,
+        now: u64,
+    ) {
+        let mut entry = Entry {
+            slots: Vec::with_capacity(plan.limits.len()),
+            expires_at_us: 0,
+        };
+        entry.charge(plan, now);
+        cache.put(
+            EntryKey {
+                route: route.into(),
+                key: key.into(),
+            },
+            entry,
+        );
     }
 
     /// Number of (route, client key) entries held.
@@ -122,8 +247,27 @@ impl MemoryStore {
     }
 
     fn shard(&self, probe: &(&str, &str)) -> MutexGuard<'_, LruCache<EntryKey, Entry>> {
-        let i = self.hasher.hash_one(probe) % self.shards.len() as u64;
-        lock(&self.shards[i as usize])
+        lock(&self.shards[self.shard_index(probe)])
+    }
+}
+
+// === impl Slots ===
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        let mut map = lock(&self.in_flight.shards[self.shard]);
+        let Some(counts) = map.get_mut(&self.key) else {
+            return;
+        };
+        for (id, n) in &self.taken {
+            if let Some(c) = counts.iter_mut().find(|(i, _)| i == id) {
+                c.1 = c.1.saturating_sub(*n);
+            }
+        }
+        counts.retain(|c| c.1 > 0);
+        if counts.is_empty() {
+            map.remove(&self.key);
+        }
     }
 }
 
@@ -146,7 +290,8 @@ impl Entry {
     /// Charges the request to every limit of `plan` (after all of them admitted).
     fn charge(&mut self, plan: &Plan, now: u64) {
         let max_delay_us = plan.max_delay_us();
-        for limit in &plan.limits {
+        // Requests in flight are counted beside the entry (`InFlight`), not in it.
+        for limit in plan.limits.iter().filter(|l| !l.algorithm.is_concurrency()) {
             let i = match self.slots.iter().position(|s| s.id == limit.id) {
                 Some(i) => i,
                 None => {
@@ -185,6 +330,7 @@ impl Entry {
 // so a request allocates only when its key is new: both forms are seen through the
 // `RouteKey` trait object, which hashes and compares the two strings.
 
+#[derive(Clone)]
 struct EntryKey {
     route: Box<str>,
     key: Box<str>,

@@ -126,6 +126,32 @@ impl Verdict {
     }
 }
 
+/// A store's answer for one request: the verdict and, when admitted, the permit that
+/// holds its concurrency slots.
+pub struct Checked {
+    pub verdict: Verdict,
+    pub permit: Permit,
+}
+
+/// The concurrency slots an admitted request holds until its response ends. Dropping
+/// it gives them back: at once in memory, with a `ZREM` sent off the request path in
+/// Redis (and if that never arrives, the lease expires). Empty for a plan without a
+/// concurrency limit, and for a refused request, which takes nothing.
+#[derive(Default)]
+pub enum Permit {
+    #[default]
+    None,
+    Memory(memory::Slots),
+    Redis(redis::Leases),
+}
+
+impl Plan {
+    /// Whether any limit of the plan counts requests in flight.
+    pub fn has_concurrency(&self) -> bool {
+        self.limits.iter().any(|l| l.algorithm.is_concurrency())
+    }
+}
+
 /// FNV-1a, 64 bit: a hash that is the same in every process and every version, for
 /// ids that name stored state.
 pub fn stable_id(s: &str) -> u64 {

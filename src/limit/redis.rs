@@ -15,7 +15,7 @@ use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
-use super::{Algorithm, Mode, Outcome, Plan, StoreError, Verdict};
+use super::{Algorithm, Checked, Mode, Outcome, Permit, Plan, StoreError, Verdict};
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
 /// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
@@ -31,6 +31,8 @@ const SCRIPT: &str = concat!(
     include_str!("../../lua/token_bucket.lua"),
     "\n",
     include_str!("../../lua/gcra.lua"),
+    "\n",
+    include_str!("../../lua/concurrency.lua"),
     "\n",
     include_str!("../../lua/request.lua"),
 );
@@ -162,35 +164,51 @@ impl RedisStore {
     }
 
     /// Decides one request against every limit of `plan` for `key` in the namespace
-    /// `ns`, at the Redis server's time.
+    /// `ns`, at the Redis server's time. Concurrency slots it takes are given back at
+    /// once: see `acquire`.
     pub async fn check(&self, ns: &str, key: &str, plan: &Plan) -> Result<Verdict, StoreError> {
+        self.acquire(ns, key, plan).await.map(|c| c.verdict)
+    }
+
+    /// `check`, returning with the verdict the permit that holds the request's
+    /// concurrency leases until it is dropped.
+    pub async fn acquire(&self, ns: &str, key: &str, plan: &Plan) -> Result<Checked, StoreError> {
         let inner = &self.inner;
         if plan.limits.is_empty() {
-            return Ok(allowed_empty());
+            return Ok(Checked {
+                verdict: allowed_empty(),
+                permit: Permit::None,
+            });
         }
         let cache_key = (inner.tag(ns, key), fingerprint(plan));
         let sent = Instant::now();
         if let Some(cache) = &inner.refusals {
             if let Some(v) = cache.get(&cache_key, sent) {
-                return Ok(v);
+                return Ok(Checked {
+                    verdict: v,
+                    permit: Permit::None,
+                });
             }
         }
         if inner.breaker.is_open() {
             inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
             return Err(StoreError::Open);
         }
-        let result = inner.call(&cache_key.0, plan, None).await;
+        let uid = inner.uid();
+        let result = inner.call_as(&cache_key.0, plan, None, &uid).await;
         match &result {
             Ok(v) => {
                 inner.breaker.success();
                 if let (false, Some(cache)) = (v.allowed, &inner.refusals) {
                     // Refused until `retry`; with delay mode a wait of max_delay would be
                     // admitted, so only until retry - max_delay. Counted from when the
-                    // call was sent, which is no later than the server's now.
-                    let hold = v.retry_after_us().saturating_sub(plan.max_delay_us());
+                    // call was sent, which is no later than the server's now. Only the
+                    // limits that use capacity up count: a concurrency slot can free at
+                    // any moment.
+                    let hold = refused_until_us(plan, v).saturating_sub(plan.max_delay_us());
                     if hold > 0 {
                         let hold = Duration::from_micros(hold).min(REFUSAL_HOLD_MAX);
-                        cache.insert(cache_key, sent, sent + hold, v);
+                        cache.insert(cache_key.clone(), sent, sent + hold, v);
                     }
                 }
             }
@@ -202,7 +220,21 @@ impl RedisStore {
                 }
             }
         }
-        result
+        let verdict = result?;
+        let permit = match verdict.allowed && plan.has_concurrency() {
+            true => Permit::Redis(Leases {
+                inner: self.inner.clone(),
+                keys: plan
+                    .limits
+                    .iter()
+                    .filter(|l| l.algorithm.is_concurrency())
+                    .map(|l| limit_key(&cache_key.0, &l.name, l.id))
+                    .collect(),
+                uid,
+            }),
+            false => Permit::None,
+        };
+        Ok(Checked { verdict, permit })
     }
 
     /// `check` at an explicit time instead of the server's clock, for driving a table of
@@ -323,8 +355,23 @@ impl Inner {
         plan: &Plan,
         now_us: Option<u64>,
     ) -> Result<Verdict, StoreError> {
+        self.call_as(tag, plan, now_us, &self.uid()).await
+    }
+
+    /// A request id unique across instances: sliding-log members, concurrency leases.
+    fn uid(&self) -> String {
         let seq = self.requests.fetch_add(1, Ordering::Relaxed);
-        let uid = format!("{:x}.{seq:x}", self.instance);
+        format!("{:x}.{seq:x}", self.instance)
+    }
+
+    /// `call` for the request `uid`.
+    async fn call_as(
+        &self,
+        tag: &str,
+        plan: &Plan,
+        now_us: Option<u64>,
+        uid: &str,
+    ) -> Result<Verdict, StoreError> {
         let command = |verb: &str, script: &str| {
             let mut cmd = redis::cmd(verb);
             cmd.arg(script).arg(plan.limits.len());
@@ -335,7 +382,7 @@ impl Inner {
                 Some(now) => cmd.arg(now),
                 None => cmd.arg(""),
             };
-            cmd.arg(plan.max_delay_us()).arg(&uid);
+            cmd.arg(plan.max_delay_us()).arg(uid);
             for l in &plan.limits {
                 let (name, a, b, c) = params(&l.algorithm);
                 cmd.arg(name).arg(l.cost).arg(a).arg(b).arg(c);
@@ -398,6 +445,52 @@ fn params(a: &Algorithm) -> (&'static str, u64, u64, u64) {
         Algorithm::SlidingLog { limit, window_us } => ("sliding_log", limit, window_us, 0),
         Algorithm::TokenBucket { rate, burst } => ("token_bucket", rate.count, rate.per_us, burst),
         Algorithm::Gcra { rate, burst } => ("gcra", rate.count, rate.per_us, burst),
+        Algorithm::Concurrency { limit, lease_us } => ("concurrency", limit, lease_us, 0),
+    }
+}
+
+/// How long a refusal holds whatever other instances do: the longest retry of the
+/// refusing limits that only ever use capacity up (not concurrency, whose slots can
+/// free at any moment). 0 when only concurrency refused.
+fn refused_until_us(plan: &Plan, v: &Verdict) -> u64 {
+    plan.limits
+        .iter()
+        .zip(&v.outcomes)
+        .filter(|(l, o)| !o.allowed && !l.algorithm.is_concurrency())
+        .map(|(_, o)| o.retry_after_us)
+        .max()
+        .unwrap_or(0)
+}
+
+// === leases ===
+
+/// The concurrency leases of one admitted request: dropping it removes them (`ZREM`)
+/// from a task of its own, so neither the response nor the drop waits for Redis. If
+/// that fails, or the instance dies first, each lease expires on its own.
+pub struct Leases {
+    inner: Arc<Inner>,
+    keys: Vec<String>,
+    uid: String,
+}
+
+impl Drop for Leases {
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = self.inner.clone();
+        let keys = std::mem::take(&mut self.keys);
+        let uid = std::mem::take(&mut self.uid);
+        runtime.spawn(async move {
+            for key in keys {
+                let mut cmd = redis::cmd("ZREM");
+                cmd.arg(&key).arg(&uid);
+                let sent = tokio::time::timeout(inner.timeout, inner.query::<i64>(&cmd)).await;
+                if !matches!(sent, Ok(Ok(_))) {
+                    tracing::debug!(key = %key, "concurrency lease not released; it expires on its own");
+                }
+            }
+        });
     }
 }
 

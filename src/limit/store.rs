@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use prometheus::{Histogram, IntCounter};
 
-use super::{MemoryStore, Plan, RedisStore, SystemClock, Verdict};
+use super::{Checked, MemoryStore, Plan, RedisStore, SystemClock};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -77,11 +77,12 @@ impl Store {
     }
 
     /// Decide one request against `plan` for `key` in the namespace `ns` (the route).
-    pub async fn check(&self, ns: &str, key: &str, plan: &Plan) -> Result<Verdict, StoreError> {
+    /// An admitted request's concurrency slots are held by the permit of the answer.
+    pub async fn check(&self, ns: &str, key: &str, plan: &Plan) -> Result<Checked, StoreError> {
         let timer = self.latency.start_timer();
         let v = match &self.backend {
-            Backend::Memory(m) => Ok(m.check(ns, key, plan)),
-            Backend::Redis { redis, .. } => redis.check(ns, key, plan).await,
+            Backend::Memory(m) => Ok(m.acquire(ns, key, plan)),
+            Backend::Redis { redis, .. } => redis.acquire(ns, key, plan).await,
         };
         match &v {
             // Not a call: neither timed nor counted again.
@@ -101,7 +102,7 @@ impl Store {
 
     /// Decide in this instance's memory while the shared store is unreachable
     /// (`on_error: local`). None for the memory store, which cannot fail.
-    pub fn fallback(&self, ns: &str, key: &str, plan: &Plan) -> Option<Verdict> {
+    pub fn fallback(&self, ns: &str, key: &str, plan: &Plan) -> Option<Checked> {
         match &self.backend {
             Backend::Memory(_) => None,
             Backend::Redis {
@@ -111,7 +112,7 @@ impl Store {
             } => {
                 let m = fallback
                     .get_or_init(|| MemoryStore::new(*fallback_max_keys, SystemClock::new()));
-                Some(m.check(ns, key, plan))
+                Some(m.acquire(ns, key, plan))
             }
         }
     }

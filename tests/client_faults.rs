@@ -1,0 +1,197 @@
+//! A client that breaks its own request body (a malformed chunk, or closing
+//! mid-body) is the client's fault: 400 (or just a close when it is gone), decision
+//! `bad_request`, `sluice_client_errors_total{kind}`, and never an upstream error.
+//! The upstream must never see the request complete.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+
+use common::*;
+
+/// An upstream that reads every request body to its end before answering 200, and
+/// counts the heads it received and the requests whose body arrived complete.
+struct Counting {
+    addr: SocketAddr,
+    heads: Arc<AtomicUsize>,
+    complete: Arc<AtomicUsize>,
+}
+
+async fn counting_upstream() -> Counting {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let heads = Arc::new(AtomicUsize::new(0));
+    let complete = Arc::new(AtomicUsize::new(0));
+    let (h, c) = (heads.clone(), complete.clone());
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (h, c) = (h.clone(), c.clone());
+            tokio::spawn(async move {
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let (h, c) = (h.clone(), c.clone());
+                    async move {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        if req.into_body().collect().await.is_ok() {
+                            c.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("ok\n"))))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Counting {
+        addr,
+        heads,
+        complete,
+    }
+}
+
+fn config(up: &Counting) -> String {
+    format!(
+        "upstreams:\n  api: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: up\n    match: {{path_prefix: /}}\n    upstream: api\n",
+        up.addr
+    )
+}
+
+/// The metric lines a client fault moves, in one string.
+fn fault_lines(text: &str) -> Vec<String> {
+    [
+        "sluice_client_errors_total{kind=\"aborted\"}",
+        "sluice_client_errors_total{kind=\"body\"}",
+        "sluice_requests_total{decision=\"allowed\",route=\"up\"}",
+        "sluice_requests_total{decision=\"bad_request\",route=\"up\"}",
+        "sluice_upstream_errors_total{kind=\"connect\",route=\"up\"}",
+        "sluice_upstream_errors_total{kind=\"reset\",route=\"up\"}",
+        "sluice_upstream_errors_total{kind=\"timeout\",route=\"up\"}",
+    ]
+    .iter()
+    .map(|s| format!("{s} {}", metric(text, s).unwrap_or(-1.0)))
+    .collect()
+}
+
+fn expected(aborted: u32, body: u32, bad_request: u32) -> Vec<String> {
+    vec![
+        format!("sluice_client_errors_total{{kind=\"aborted\"}} {aborted}"),
+        format!("sluice_client_errors_total{{kind=\"body\"}} {body}"),
+        "sluice_requests_total{decision=\"allowed\",route=\"up\"} 0".into(),
+        format!("sluice_requests_total{{decision=\"bad_request\",route=\"up\"}} {bad_request}"),
+        "sluice_upstream_errors_total{kind=\"connect\",route=\"up\"} 0".into(),
+        "sluice_upstream_errors_total{kind=\"reset\",route=\"up\"} 0".into(),
+        "sluice_upstream_errors_total{kind=\"timeout\",route=\"up\"} 0".into(),
+    ]
+}
+
+/// Waits (bounded) until the metric lines are `want`; returns the last seen.
+async fn settle(admin: SocketAddr, want: &[String]) -> Vec<String> {
+    let mut last = Vec::new();
+    for _ in 0..100 {
+        last = fault_lines(&metrics(admin).await);
+        if last == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    last
+}
+
+#[tokio::test]
+async fn the_client_errors_start_at_zero() {
+    let up = counting_upstream().await;
+    let gw = start_gateway(&config(&up)).await;
+    assert_eq!(
+        fault_lines(&metrics(gw.admin_addr).await),
+        expected(0, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_chunked_body_is_a_bad_request_not_an_upstream_failure() {
+    let up = counting_upstream().await;
+    let gw = start_gateway(&config(&up)).await;
+    let got = exchange(
+        gw.addr,
+        b"POST /upload HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nZZ-not-a-size\r\n\r\n",
+    )
+    .await;
+    let status = got.lines().next().unwrap_or_default();
+    assert_eq!(status, "HTTP/1.1 400 Bad Request", "{got}");
+    assert!(got.contains("\r\nconnection: close\r\n"), "{got}");
+    assert_eq!(
+        settle(gw.admin_addr, &expected(0, 1, 1)).await,
+        expected(0, 1, 1)
+    );
+    assert_eq!(up.complete.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_client_that_closes_mid_body_is_counted_as_aborted_and_never_completes_upstream() {
+    let up = counting_upstream().await;
+    let gw = start_gateway(&config(&up)).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789")
+        .await
+        .expect("write");
+    // The head reaches the upstream (the body streams), then the client goes away.
+    for _ in 0..100 {
+        if up.heads.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(up.heads.load(Ordering::SeqCst), 1);
+    drop(s);
+    assert_eq!(
+        settle(gw.admin_addr, &expected(1, 0, 1)).await,
+        expected(1, 0, 1)
+    );
+    assert_eq!(up.complete.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_chunked_body_cut_short_is_aborted_too() {
+    let up = counting_upstream().await;
+    let gw = start_gateway(&config(&up)).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .expect("write");
+    for _ in 0..100 {
+        if up.heads.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(s);
+    assert_eq!(
+        settle(gw.admin_addr, &expected(1, 0, 1)).await,
+        expected(1, 0, 1)
+    );
+    assert_eq!(up.complete.load(Ordering::SeqCst), 0);
+    // A complete request still goes through, on the same gateway.
+    let ok = exchange(
+        gw.addr,
+        b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
+    )
+    .await;
+    assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+    assert_eq!(up.complete.load(Ordering::SeqCst), 1);
+}

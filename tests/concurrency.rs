@@ -1,0 +1,421 @@
+//! The `concurrency` algorithm end to end: at most `limit` requests of a key in
+//! flight, a slot held until the response body ends or the client goes away, on the
+//! memory store and on Redis (where a slot is a lease that expires when the instance
+//! holding it dies). The decision and duration of a request are recorded when its
+//! body ends, not when its head is sent.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Frame;
+use http_body_util::StreamBody;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use common::*;
+
+/// The body of one response the upstream is sending: each `send` is a chunk; dropping
+/// it ends the body.
+type Tap = mpsc::Sender<Bytes>;
+
+/// An upstream whose responses (200, streamed) end only when the test says so: every
+/// request hands the test its `Tap`.
+struct Slow {
+    addr: SocketAddr,
+    taps: mpsc::UnboundedReceiver<Tap>,
+}
+
+impl Slow {
+    async fn next_tap(&mut self) -> Tap {
+        bounded("a request at the upstream", self.taps.recv())
+            .await
+            .expect("upstream running")
+    }
+}
+
+async fn slow_upstream() -> Slow {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, taps) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |_req: Request<Incoming>| {
+                    let tx = tx.clone();
+                    async move {
+                        let (tap, rx) = mpsc::channel::<Bytes>(4);
+                        let _ = tx.send(tap);
+                        let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+                            let chunk = rx.recv().await?;
+                            Some((Ok::<_, Infallible>(Frame::data(chunk)), rx))
+                        });
+                        Ok::<_, Infallible>(Response::new(StreamBody::new(frames)))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Slow { addr, taps }
+}
+
+fn config(up: &Slow, store: &str) -> String {
+    format!(
+        "{store}upstreams:\n  slow: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 2, lease: 2s}}]\n",
+        up.addr
+    )
+}
+
+/// Sends a GET for `key` on a connection of its own and reads the response head.
+async fn open(addr: SocketAddr, key: &str) -> (TcpStream, String) {
+    let mut s = connect(addr).await;
+    let req = format!("GET /stream HTTP/1.1\r\nHost: a\r\nx-key: {key}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let head = read_head(&mut s).await.expect("a response head");
+    (s, head)
+}
+
+fn status(head: &str) -> &str {
+    head.lines().next().unwrap_or_default()
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+/// The request counts and the duration histogram's count of route `slow`.
+fn counted(text: &str) -> [u64; 3] {
+    let m = |s: &str| metric(text, s).unwrap_or(-1.0) as u64;
+    [
+        m("sluice_requests_total{decision=\"allowed\",route=\"slow\"}"),
+        m("sluice_requests_total{decision=\"limited\",route=\"slow\"}"),
+        m("sluice_request_duration_seconds_count{route=\"slow\"}"),
+    ]
+}
+
+/// Waits (bounded) until `counted` is `want`; returns the last seen.
+async fn counted_eventually(admin: SocketAddr, want: [u64; 3]) -> [u64; 3] {
+    let mut last = [0; 3];
+    for _ in 0..200 {
+        last = counted(&metrics(admin).await);
+        if last == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    last
+}
+
+/// Ends a streamed response: one last chunk, then the end; the client reads it all.
+async fn finish(tap: Tap, client: &mut TcpStream) -> String {
+    tap.send(Bytes::from("done\n")).await.expect("body open");
+    drop(tap);
+    let mut body = String::new();
+    loop {
+        let line = read_line(client).await;
+        let size = usize::from_str_radix(line.trim(), 16).expect("chunk size");
+        let mut chunk = vec![0; size + 2];
+        bounded(
+            "read chunk",
+            tokio::io::AsyncReadExt::read_exact(client, &mut chunk),
+        )
+        .await
+        .expect("chunk");
+        if size == 0 {
+            return body;
+        }
+        body.push_str(&String::from_utf8_lossy(&chunk[..size]));
+    }
+}
+
+async fn read_line(s: &mut TcpStream) -> String {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while !line.ends_with(b"\r\n") {
+        let n = bounded("read line", tokio::io::AsyncReadExt::read(s, &mut b))
+            .await
+            .expect("read");
+        assert_eq!(n, 1, "connection closed mid-line");
+        line.push(b[0]);
+    }
+    String::from_utf8_lossy(&line).into_owned()
+}
+
+/// Two in flight pass, the third gets 429 (Retry-After: 1, remaining 0), another key
+/// is not affected; after one body ends the next passes. Nothing is counted while
+/// the bodies stream; each request is counted once, when its body ends.
+async fn slots_are_held_until_the_body_ends(store: &str, release: impl AsyncFn()) {
+    let mut up = slow_upstream().await;
+    let gw = start_gateway(&config(&up, store)).await;
+    let (mut c1, h1) = open(gw.addr, "k").await;
+    let t1 = up.next_tap().await;
+    assert_eq!(status(&h1), "HTTP/1.1 200 OK", "{h1}");
+    assert_eq!(header(&h1, "x-ratelimit-remaining"), Some("1"), "{h1}");
+    assert_eq!(header(&h1, "x-ratelimit-limit"), Some("2"), "{h1}");
+    let (mut c2, h2) = open(gw.addr, "k").await;
+    let t2 = up.next_tap().await;
+    assert_eq!(status(&h2), "HTTP/1.1 200 OK", "{h2}");
+    assert_eq!(header(&h2, "x-ratelimit-remaining"), Some("0"), "{h2}");
+    assert_eq!(header(&h2, "x-ratelimit-reset"), Some("0"), "{h2}");
+
+    let (_c3, h3) = open(gw.addr, "k").await;
+    assert_eq!(status(&h3), "HTTP/1.1 429 Too Many Requests", "{h3}");
+    assert_eq!(header(&h3, "retry-after"), Some("1"), "{h3}");
+    assert_eq!(header(&h3, "x-ratelimit-remaining"), Some("0"), "{h3}");
+    assert_eq!(header(&h3, "x-ratelimit-reset"), Some("1"), "{h3}");
+    assert_eq!(
+        header(&h3, "ratelimit-policy"),
+        Some("\"inflight\";q=2"),
+        "{h3}"
+    );
+    // Another key has its own slots.
+    let (mut other, ho) = open(gw.addr, "other").await;
+    let to = up.next_tap().await;
+    assert_eq!(status(&ho), "HTTP/1.1 200 OK", "{ho}");
+    assert_eq!(finish(to, &mut other).await, "done\n");
+
+    // The 429 and `other` ended; the two of `k` still stream: not counted yet.
+    assert_eq!(
+        counted_eventually(gw.admin_addr, [1, 1, 2]).await,
+        [1, 1, 2]
+    );
+    t2.send(Bytes::from("partial\n")).await.expect("body open");
+    assert_eq!(counted(&metrics(gw.admin_addr).await), [1, 1, 2]);
+
+    assert_eq!(finish(t1, &mut c1).await, "done\n");
+    assert_eq!(
+        counted_eventually(gw.admin_addr, [2, 1, 3]).await,
+        [2, 1, 3]
+    );
+    release().await;
+    let (mut c4, h4) = open(gw.addr, "k").await;
+    assert_eq!(status(&h4), "HTTP/1.1 200 OK", "{h4}");
+    let t4 = up.next_tap().await;
+    // Still two in flight (2 and 4).
+    let (_c5, h5) = open(gw.addr, "k").await;
+    assert_eq!(status(&h5), "HTTP/1.1 429 Too Many Requests", "{h5}");
+
+    assert_eq!(finish(t2, &mut c2).await, "partial\ndone\n");
+    assert_eq!(finish(t4, &mut c4).await, "done\n");
+    assert_eq!(
+        counted_eventually(gw.admin_addr, [4, 2, 6]).await,
+        [4, 2, 6]
+    );
+}
+
+/// A client that goes away mid-response gives its slot back (and is counted then).
+async fn a_client_that_goes_away_releases_its_slot(store: &str, release: impl AsyncFn()) {
+    let mut up = slow_upstream().await;
+    let gw = start_gateway(&config(&up, store)).await;
+    let (c1, h1) = open(gw.addr, "k").await;
+    let t1 = up.next_tap().await;
+    let (_c2, h2) = open(gw.addr, "k").await;
+    let _t2 = up.next_tap().await;
+    assert_eq!(
+        (status(&h1), status(&h2)),
+        ("HTTP/1.1 200 OK", "HTTP/1.1 200 OK")
+    );
+    let (_c3, h3) = open(gw.addr, "k").await;
+    assert_eq!(status(&h3), "HTTP/1.1 429 Too Many Requests", "{h3}");
+    assert_eq!(counted(&metrics(gw.admin_addr).await), [0, 1, 1]);
+
+    drop(c1);
+    // The next chunk finds the client gone (if the close was not noticed already).
+    let _ = t1.send(Bytes::from("anyone?\n")).await;
+    assert_eq!(
+        counted_eventually(gw.admin_addr, [1, 1, 2]).await,
+        [1, 1, 2]
+    );
+    release().await;
+    let (_c4, h4) = open(gw.addr, "k").await;
+    assert_eq!(status(&h4), "HTTP/1.1 200 OK", "{h4}");
+}
+
+async fn nothing() {}
+
+#[tokio::test]
+async fn memory_slots_are_held_until_the_body_ends() {
+    slots_are_held_until_the_body_ends("", nothing).await;
+}
+
+#[tokio::test]
+async fn memory_a_client_that_goes_away_releases_its_slot() {
+    a_client_that_goes_away_releases_its_slot("", nothing).await;
+}
+
+#[tokio::test]
+async fn a_refusal_by_another_limit_takes_no_slot_and_a_full_slot_charges_nothing() {
+    let mut up = slow_upstream().await;
+    let yaml = format!(
+        "upstreams:\n  slow: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits:\n      - {{name: inflight, algorithm: concurrency, limit: 1}}\n      - {{name: hourly, algorithm: fixed_window, limit: 2, window: 1h}}\n",
+        up.addr
+    );
+    let gw = start_gateway(&yaml).await;
+    let (mut c1, h1) = open(gw.addr, "k").await;
+    let t1 = up.next_tap().await;
+    assert_eq!(header(&h1, "x-ratelimit-remaining"), Some("0"), "{h1}");
+    // Refused by concurrency: the hourly count stays at 1.
+    for _ in 0..3 {
+        let (_c, h) = open(gw.addr, "k").await;
+        assert_eq!(status(&h), "HTTP/1.1 429 Too Many Requests", "{h}");
+        assert_eq!(header(&h, "ratelimit"), Some("\"inflight\";r=0;t=1"), "{h}");
+    }
+    finish(t1, &mut c1).await;
+    assert_eq!(
+        counted_eventually(gw.admin_addr, [1, 3, 4]).await,
+        [1, 3, 4]
+    );
+    let (mut c2, h2) = open(gw.addr, "k").await;
+    assert_eq!(status(&h2), "HTTP/1.1 200 OK", "{h2}");
+    finish(up.next_tap().await, &mut c2).await;
+    assert_eq!(
+        counted_eventually(gw.admin_addr, [2, 3, 5]).await,
+        [2, 3, 5]
+    );
+    // Refused by the hourly limit: no slot is taken, so none is left held.
+    let (_c, h) = open(gw.addr, "k").await;
+    assert_eq!(status(&h), "HTTP/1.1 429 Too Many Requests", "{h}");
+    let id = gw.shared.runtime.load().routes[0]
+        .limits
+        .as_ref()
+        .expect("limits")
+        .default
+        .plan
+        .limits[0]
+        .id;
+    let store = gw.shared.store.memory_store().expect("memory store");
+    assert_eq!(store.in_flight("slow", "k", id), 0);
+}
+
+// === Redis ===
+
+#[path = "common/redis.rs"]
+#[allow(dead_code)]
+mod harness;
+
+fn redis_yaml(url: &str) -> String {
+    harness::redis_store(&harness::url_target(url), "deny", 500)
+}
+
+#[tokio::test]
+async fn redis_slots_are_held_until_the_body_ends() {
+    let redis = harness::RedisServer::start();
+    let store = redis_yaml(&redis.url());
+    let key = "sluice:{slow:k}:inflight:";
+    let live = || {
+        let keys: Vec<String> = redis.cmd(&["KEYS", &format!("{key}*")]);
+        keys.first()
+            .map_or(0, |k| redis.cmd::<u64>(&["ZCARD", k.as_str()]))
+    };
+    // The lease is removed off the request path: wait for it before the next request.
+    let release = async || {
+        for _ in 0..200 {
+            if live() <= 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(live(), 1);
+    };
+    slots_are_held_until_the_body_ends(&store, release).await;
+}
+
+#[tokio::test]
+async fn redis_a_client_that_goes_away_releases_its_slot() {
+    let redis = harness::RedisServer::start();
+    let store = redis_yaml(&redis.url());
+    let release = async || {
+        for _ in 0..200 {
+            let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
+            if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the lease of the client that went away is still there");
+    };
+    a_client_that_goes_away_releases_its_slot(&store, release).await;
+}
+
+#[tokio::test]
+async fn redis_cluster_runs_the_concurrency_script() {
+    let cluster = harness::RedisCluster::start();
+    let store = harness::redis_store(&harness::cluster_target(&cluster.urls()), "deny", 500);
+    let mut up = slow_upstream().await;
+    let gw = start_gateway(&config(&up, &store)).await;
+    let (mut c1, h1) = open(gw.addr, "k").await;
+    let t1 = up.next_tap().await;
+    let (_c2, h2) = open(gw.addr, "k").await;
+    let _t2 = up.next_tap().await;
+    let (_c3, h3) = open(gw.addr, "k").await;
+    assert_eq!(
+        [status(&h1), status(&h2), status(&h3)],
+        [
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 429 Too Many Requests"
+        ]
+    );
+    finish(t1, &mut c1).await;
+    let mut passed = false;
+    for _ in 0..200 {
+        let (_c, h) = open(gw.addr, "k").await;
+        if status(&h) == "HTTP/1.1 200 OK" {
+            passed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(passed, "the released slot was never free again");
+}
+
+/// An instance that dies holding a slot: its lease (2 s) expires and the slot is
+/// free again for the other instances.
+#[tokio::test]
+async fn a_lease_of_a_dead_instance_expires() {
+    let redis = harness::RedisServer::start();
+    let store = redis_yaml(&redis.url());
+    let mut up = slow_upstream().await;
+    let yaml = format!(
+        "{store}upstreams:\n  slow: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 1, lease: 2s}}]\n",
+        up.addr
+    );
+    let mut holder = harness::SluiceProcess::start(&[], &[], &yaml).await;
+    let other = start_gateway(&yaml).await;
+    let (_held, h) = open(holder.addr, "k").await;
+    assert_eq!(status(&h), "HTTP/1.1 200 OK", "{h}");
+    let _tap = up.next_tap().await;
+    let (_c, h) = open(other.addr, "k").await;
+    assert_eq!(status(&h), "HTTP/1.1 429 Too Many Requests", "{h}");
+
+    // Killed while holding the slot: it never gives the lease back.
+    unsafe {
+        libc::killpg(holder.child.id() as i32, libc::SIGKILL);
+    }
+    let _ = holder.child.wait();
+    let mut passed = None;
+    for i in 0..400 {
+        let (c, h) = open(other.addr, "k").await;
+        if status(&h) == "HTTP/1.1 200 OK" {
+            passed = Some((i, c));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(passed.is_some(), "the dead instance's lease never expired");
+}
