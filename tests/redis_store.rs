@@ -324,6 +324,10 @@ fn renumbered(plan: &Plan, rng: &mut Rng) -> Plan {
                     rate: rate(about(r.count), about(r.per_us).max(r.count * 2)),
                     burst: about(burst),
                 },
+                Algorithm::Concurrency { limit, lease_us } => Algorithm::Concurrency {
+                    limit: about(limit),
+                    lease_us,
+                },
             };
             LimitDef::new(l.name.clone(), algorithm, about(l.cost).min(l.cost + 1))
         })
@@ -466,6 +470,7 @@ fn unit_us(a: &Algorithm) -> u64 {
         Algorithm::TokenBucket { rate, .. } | Algorithm::Gcra { rate, .. } => {
             (rate.per_us / rate.count.max(1)).max(1)
         }
+        Algorithm::Concurrency { lease_us, .. } => lease_us,
     }
 }
 

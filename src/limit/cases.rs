@@ -147,7 +147,72 @@ fn gcra(count: u64, per_us: u64, burst: u64) -> Algorithm {
 pub fn all() -> Vec<Case> {
     let mut cases = steady();
     cases.extend(reloaded());
+    cases.extend(in_flight());
     cases
+}
+
+fn concurrency(limit: u64) -> Algorithm {
+    Algorithm::Concurrency {
+        limit,
+        lease_us: 3_600 * S,
+    }
+}
+
+/// concurrency, with requests that never end (the runner holds every permit to the
+/// end of the case): admitted while in flight + 1 <= limit, remaining = limit - in
+/// flight; refused with retry 1 s. Combined with another limit, a request refused by
+/// either is charged to neither.
+fn in_flight() -> Vec<Case> {
+    vec![
+        Case {
+            name: "concurrency: fill, refuse with retry 1s, time does not free a slot",
+            plan: one(concurrency(2), 1),
+            reloads: vec![],
+            steps: vec![
+                ok(0, 1),
+                ok(0, 0),
+                refused(0, 0, S),
+                refused(30 * 60 * S, 0, S),
+            ],
+        },
+        Case {
+            name: "concurrency and fixed_window: refused by either, charged to neither",
+            plan: plan(vec![
+                limit("inflight", concurrency(2), 1),
+                limit("hourly", fixed(2, 3_600 * S), 1),
+            ]),
+            reloads: vec![],
+            steps: vec![
+                ok(0, 1),
+                // In flight 2, hourly 2 of 2.
+                ok(0, 0),
+                // Both refuse; the headline is the longer wait (the hour).
+                refused(0, 0, 3_600 * S),
+            ],
+        },
+        Case {
+            name: "concurrency full: the window limit is not charged",
+            plan: plan(vec![
+                limit("inflight", concurrency(1), 1),
+                limit("hourly", fixed(3, 3_600 * S), 1),
+            ]),
+            // Raised to 2 in flight: the slot taken stays counted.
+            reloads: vec![(
+                3,
+                plan(vec![
+                    limit("inflight", concurrency(2), 1),
+                    limit("hourly", fixed(3, 3_600 * S), 1),
+                ]),
+            )],
+            steps: vec![
+                ok(0, 0),
+                refused(0, 0, S),
+                refused(0, 0, S),
+                // 2 of 2 in flight, hourly 2 of 3.
+                ok(S, 0),
+            ],
+        },
+    ]
 }
 
 /// Cases under one plan throughout.
@@ -930,9 +995,13 @@ mod tests {
         for case in all() {
             let clock = ManualClock::new(BASE_US);
             let store = MemoryStore::new(100, clock.clone());
+            // Every request stays in flight to the end of the case.
+            let mut held = Vec::new();
             let result = run(&case, |plan, now| {
                 clock.set(now);
-                store.check("route", "client", plan)
+                let checked = store.acquire("route", "client", plan);
+                held.push(checked.permit);
+                checked.verdict
             });
             if let Err(e) = result {
                 failures.push(e);

@@ -582,6 +582,111 @@ mod tests {
         assert_eq!(store.len(), 5);
     }
 
+    fn concurrency(name: &str, limit: u64) -> LimitDef {
+        LimitDef::new(
+            name.into(),
+            Algorithm::Concurrency {
+                limit,
+                lease_us: 60 * S,
+            },
+            1,
+        )
+    }
+
+    #[test]
+    fn slots_are_held_by_permits_and_given_back_on_drop() {
+        let (_, store) = store(100);
+        let p = plan(vec![concurrency("c", 2)]);
+        let id = p.limits[0].id;
+        let a = store.acquire("r", "k", &p);
+        let b = store.acquire("r", "k", &p);
+        assert_eq!(
+            (remaining(&a.verdict), remaining(&b.verdict)),
+            (vec![1], vec![0])
+        );
+        let c = store.acquire("r", "k", &p);
+        assert!(!c.verdict.allowed);
+        assert!(matches!(c.permit, Permit::None));
+        assert_eq!(c.verdict.retry_after_us(), 1_000_000);
+        assert_eq!(store.in_flight("r", "k", id), 2);
+        // Other keys and routes have their own slots.
+        assert!(store.acquire("r", "other", &p).verdict.allowed);
+        assert!(store.acquire("r2", "k", &p).verdict.allowed);
+        drop(a);
+        assert_eq!(store.in_flight("r", "k", id), 1);
+        let d = store.acquire("r", "k", &p);
+        assert_eq!(remaining(&d.verdict), [0]);
+        drop((b, d));
+        assert_eq!(store.in_flight("r", "k", id), 0);
+        // `check` gives its slot back at once; only concurrency: no entry is kept.
+        assert!(store.check("r", "k", &p).allowed);
+        assert_eq!(store.in_flight("r", "k", id), 0);
+        assert!(store.is_empty());
+        assert!(lock(&store.in_flight.shards[0]).is_empty());
+    }
+
+    #[test]
+    fn eviction_and_sweep_never_free_a_slot_in_flight() {
+        let (clock, store) = store(1);
+        let p = plan(vec![concurrency("c", 1), fixed("w", 100, S)]);
+        let held = store.acquire("r", "k", &p);
+        assert!(held.verdict.allowed);
+        // Evicts the entry of "k" (max_keys 1), and time passes its window.
+        for i in 0..10 {
+            store.check("r", &format!("other-{i}"), &p);
+        }
+        clock.advance(10 * S);
+        store.sweep();
+        let v = store.acquire("r", "k", &p).verdict;
+        assert!(!v.allowed, "{v:?}");
+        drop(held);
+        assert!(store.acquire("r", "k", &p).verdict.allowed);
+    }
+
+    #[test]
+    fn a_reload_keeps_the_slots_in_flight_of_an_unchanged_limit() {
+        let (_, store) = store(10);
+        let old = plan(vec![concurrency("c", 1)]);
+        let held = store.acquire("r", "k", &old);
+        let raised = plan(vec![LimitDef::new(
+            "c".into(),
+            Algorithm::Concurrency {
+                limit: 2,
+                lease_us: 5 * S,
+            },
+            1,
+        )]);
+        assert_eq!(old.limits[0].id, raised.limits[0].id);
+        let again = store.acquire("r", "k", &raised);
+        assert_eq!(remaining(&again.verdict), [0]);
+        assert!(!store.acquire("r", "k", &raised).verdict.allowed);
+        // Released under the new plan, by the permit taken under the old one.
+        drop(held);
+        assert_eq!(remaining(&store.acquire("r", "k", &raised).verdict), [0]);
+        drop(again);
+    }
+
+    #[test]
+    fn slots_are_taken_exactly_up_to_the_limit_under_contention() {
+        let (_, store) = store(1000);
+        let p = plan(vec![concurrency("c", 10), fixed("w", 1000, 60 * S)]);
+        let held = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..100 {
+                s.spawn(|| {
+                    let c = store.acquire("r", "k", &p);
+                    if c.verdict.allowed {
+                        lock(&held).push(c.permit);
+                    }
+                });
+            }
+        });
+        assert_eq!(lock(&held).len(), 10);
+        // The window limit was charged by the 10 admitted only.
+        lock(&held).clear();
+        assert_eq!(remaining(&store.check("r", "k", &p)), [9, 989]);
+    }
+
     #[test]
     fn a_poisoned_shard_keeps_serving() {
         let (_, store) = store(1);

@@ -761,6 +761,7 @@ mod tests {
             "sliding_log",
             "token_bucket",
             "gcra",
+            "concurrency",
         ] {
             assert!(
                 SCRIPT.contains(&format!("local function {name}(")),
@@ -898,6 +899,35 @@ mod tests {
             .is_none());
         assert!(cache.get(&key, t0).is_none(), "expired entries are dropped");
         assert!(RefusalCache::new(0).is_none());
+    }
+
+    /// A concurrency slot can free at any moment: a refusal holds only as long as the
+    /// limits that use capacity up say.
+    #[test]
+    fn only_limits_that_use_capacity_up_hold_a_refusal() {
+        let mut p = plan(Mode::Reject);
+        p.limits.push(LimitDef::new(
+            "c".into(),
+            Algorithm::Concurrency {
+                limit: 1,
+                lease_us: 60_000_000,
+            },
+            1,
+        ));
+        let o = |allowed, retry_after_us| Outcome {
+            allowed,
+            retry_after_us,
+            ..Outcome::default()
+        };
+        let v = |outcomes: Vec<Outcome>| Verdict {
+            allowed: false,
+            delay_us: 0,
+            outcomes,
+        };
+        let only_slots = v(vec![o(true, 0), o(true, 0), o(false, 1_000_000)]);
+        assert_eq!(refused_until_us(&p, &only_slots), 0);
+        let both = v(vec![o(false, 300), o(true, 0), o(false, 1_000_000)]);
+        assert_eq!(refused_until_us(&p, &both), 300);
     }
 
     #[test]
