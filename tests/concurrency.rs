@@ -305,7 +305,6 @@ async fn a_refusal_by_another_limit_takes_no_slot_and_a_full_slot_charges_nothin
 // === Redis ===
 
 #[path = "common/redis.rs"]
-#[allow(dead_code)]
 mod harness;
 
 fn redis_yaml(url: &str) -> String {

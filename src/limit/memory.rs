@@ -32,8 +32,11 @@ pub struct MemoryStore {
 /// that is still taken. Locked after the LRU shard of the same index, and alone by a
 /// permit's release.
 struct InFlight {
-    shards: Box<[Mutex<HashMap<EntryKey, Vec<(u64, u64)>>>]>,
+    shards: Box<[Mutex<Counts>]>,
 }
+
+/// (limit id, requests in flight) per (route, client key).
+type Counts = HashMap<EntryKey, Vec<(u64, u64)>>;
 
 /// The concurrency slots of one admitted request; dropping it gives them back.
 pub struct Slots {
@@ -153,7 +156,7 @@ impl MemoryStore {
     /// Takes one slot of every concurrency limit of `plan` (which admitted).
     fn take(
         &self,
-        map: &mut HashMap<EntryKey, Vec<(u64, u64)>>,
+        map: &mut Counts,
         shard: usize,
         route: &str,
         key: &str,
