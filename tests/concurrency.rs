@@ -418,3 +418,83 @@ async fn a_lease_of_a_dead_instance_expires() {
     }
     assert!(passed.is_some(), "the dead instance's lease never expired");
 }
+
+/// A reload that raises the limit keeps the requests in flight: one more passes, not
+/// `limit` more; a slot taken before the reload is given back after it.
+async fn a_reload_keeps_the_requests_in_flight(store: &str, release: impl AsyncFn(u64)) {
+    let mut up = slow_upstream().await;
+    let base = config(&up, store);
+    let with_limit =
+        |limit: u64| base.replace("limit: 2, lease: 2s", &format!("limit: {limit}, lease: 3s"));
+    let (gw, file) = start_gateway_file(&with_limit(1)).await;
+    let (mut c1, h1) = open(gw.addr, "k").await;
+    let t1 = up.next_tap().await;
+    assert_eq!(status(&h1), "HTTP/1.1 200 OK", "{h1}");
+    std::fs::write(file.path(), with_listeners(&with_limit(2))).expect("write config");
+    gw.reload().await.expect("reload");
+    let (mut c2, h2) = open(gw.addr, "k").await;
+    let t2 = up.next_tap().await;
+    assert_eq!(status(&h2), "HTTP/1.1 200 OK", "{h2}");
+    assert_eq!(header(&h2, "x-ratelimit-remaining"), Some("0"), "{h2}");
+    let (_c3, h3) = open(gw.addr, "k").await;
+    assert_eq!(status(&h3), "HTTP/1.1 429 Too Many Requests", "{h3}");
+    finish(t1, &mut c1).await;
+    release(1).await;
+    let (mut c4, h4) = open(gw.addr, "k").await;
+    assert_eq!(status(&h4), "HTTP/1.1 200 OK", "{h4}");
+    finish(up.next_tap().await, &mut c4).await;
+    finish(t2, &mut c2).await;
+}
+
+#[tokio::test]
+async fn memory_a_reload_keeps_the_requests_in_flight() {
+    let up = async |_: u64| {};
+    a_reload_keeps_the_requests_in_flight("", up).await;
+}
+
+#[tokio::test]
+async fn redis_a_reload_keeps_the_requests_in_flight() {
+    let redis = harness::RedisServer::start();
+    let store = redis_yaml(&redis.url());
+    let release = async |left: u64| {
+        for _ in 0..200 {
+            let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
+            if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == left {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the lease was not removed");
+    };
+    a_reload_keeps_the_requests_in_flight(&store, release).await;
+}
+
+/// Redis unreachable with `on_error: local`: this instance's memory holds the slots.
+#[tokio::test]
+async fn redis_down_the_local_fallback_holds_the_slots() {
+    let mut redis = harness::RedisServer::start();
+    let store = harness::redis_store(&harness::url_target(&redis.url()), "local", 100);
+    let mut up = slow_upstream().await;
+    let gw = start_gateway(&config(&up, &store)).await;
+    redis.kill();
+    let (mut c1, h1) = open(gw.addr, "k").await;
+    let t1 = up.next_tap().await;
+    let (_c2, h2) = open(gw.addr, "k").await;
+    let _t2 = up.next_tap().await;
+    let (_c3, h3) = open(gw.addr, "k").await;
+    assert_eq!(
+        [status(&h1), status(&h2), status(&h3)],
+        [
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 429 Too Many Requests"
+        ]
+    );
+    finish(t1, &mut c1).await;
+    let (mut c4, h4) = open(gw.addr, "k").await;
+    assert_eq!(status(&h4), "HTTP/1.1 200 OK", "{h4}");
+    finish(up.next_tap().await, &mut c4).await;
+    let text = metrics(gw.admin_addr).await;
+    assert_eq!(requests(&text, "slow", "store_error_allowed"), 2.0);
+    assert_eq!(requests(&text, "slow", "limited"), 1.0);
+}

@@ -154,14 +154,7 @@ impl MemoryStore {
     }
 
     /// Takes one slot of every concurrency limit of `plan` (which admitted).
-    fn take(
-        &self,
-        map: &mut Counts,
-        shard: usize,
-        route: &str,
-        key: &str,
-        plan: &Plan,
-    ) -> Slots {
+    fn take(&self, map: &mut Counts, shard: usize, route: &str, key: &str, plan: &Plan) -> Slots {
         let key = EntryKey {
             route: route.into(),
             key: key.into(),
