@@ -19,7 +19,7 @@ use crate::client::{ClientKey, KeySpec, MissingKey, TrustedProxies};
 use crate::deny::{BanRequest, DenyTable, StaticDeny, Target};
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
-use crate::proxy::{ClientFault, Origin, ProxyError, Upstream};
+use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
 use crate::route::Matcher;
 
 // === the compiled configuration ===
@@ -146,7 +146,15 @@ pub async fn handle(
             refusal.respond(unread_body)
         }
     };
-    let (parts, body) = resp.into_parts();
+    let (mut parts, body) = resp.into_parts();
+    // A spliced tunnel (WebSocket) ends when it closes, not with its 101.
+    if let Some(TunnelEnd(mut end)) = parts.extensions.remove::<TunnelEnd>() {
+        tokio::spawn(async move {
+            let _ = end.changed().await;
+            drop(tally);
+        });
+        return Response::from_parts(parts, body);
+    }
     Response::from_parts(parts, answer::guarded(body, tally))
 }
 

@@ -308,11 +308,18 @@ impl Upstream {
     }
 }
 
+/// In the extensions of a 101 answer: closed when the spliced tunnel ends, so the
+/// end of the request (its tally, its concurrency slots) can wait for it.
+#[derive(Clone)]
+pub struct TunnelEnd(pub tokio::sync::watch::Receiver<()>);
+
 /// Pass a 101 answer on and join the two upgraded connections once both sides
 /// have switched.
 fn splice(mut resp: Response<Incoming>, client: hyper::upgrade::OnUpgrade) -> Response<Body> {
     let upstream = hyper::upgrade::on(&mut resp);
+    let (open, end) = tokio::sync::watch::channel(());
     tokio::spawn(async move {
+        let _open = open;
         let (Ok(c), Ok(u)) = (client.await, upstream.await) else {
             tracing::debug!("upgrade failed on one side");
             return;
@@ -320,7 +327,8 @@ fn splice(mut resp: Response<Incoming>, client: hyper::upgrade::OnUpgrade) -> Re
         let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
         let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
     });
-    let (parts, _) = resp.into_parts();
+    let (mut parts, _) = resp.into_parts();
+    parts.extensions.insert(TunnelEnd(end));
     Response::from_parts(parts, crate::answer::full(bytes::Bytes::new()))
 }
 

@@ -498,3 +498,51 @@ async fn redis_down_the_local_fallback_holds_the_slots() {
     assert_eq!(requests(&text, "slow", "store_error_allowed"), 2.0);
     assert_eq!(requests(&text, "slow", "limited"), 1.0);
 }
+
+/// A WebSocket holds its slot for as long as its tunnel is open.
+#[tokio::test]
+async fn a_websocket_holds_its_slot_until_the_tunnel_closes() {
+    let up = upstream().await;
+    let yaml = format!(
+        "upstreams:\n  ws: {{targets: [\"{}\"]}}\nroutes:\n  - name: ws\n    match: {{path_prefix: /}}\n    upstream: ws\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 1}}]\n",
+        up.url()
+    );
+    let gw = start_gateway(&yaml).await;
+    let upgrade = b"GET /ws HTTP/1.1\r\nHost: a\r\nx-key: k\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
+    let mut ws = connect(gw.addr).await;
+    ws.write_all(upgrade).await.expect("write");
+    let head = read_head(&mut ws).await.expect("101");
+    assert_eq!(status(&head), "HTTP/1.1 101 Switching Protocols", "{head}");
+    // The tunnel echoes.
+    ws.write_all(b"ping").await.expect("write");
+    let mut buf = [0u8; 4];
+    bounded(
+        "echo",
+        tokio::io::AsyncReadExt::read_exact(&mut ws, &mut buf),
+    )
+    .await
+    .expect("echo");
+    assert_eq!(&buf, b"ping");
+
+    let mut second = connect(gw.addr).await;
+    second.write_all(upgrade).await.expect("write");
+    let head = read_head(&mut second).await.expect("answer");
+    assert_eq!(status(&head), "HTTP/1.1 429 Too Many Requests", "{head}");
+    let text = metrics(gw.admin_addr).await;
+    assert_eq!(requests(&text, "ws", "allowed"), 0.0);
+
+    drop(ws);
+    let mut passed = None;
+    for _ in 0..200 {
+        let text = metrics(gw.admin_addr).await;
+        if requests(&text, "ws", "allowed") == 1.0 {
+            let mut third = connect(gw.addr).await;
+            third.write_all(upgrade).await.expect("write");
+            passed = read_head(&mut third).await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let head = passed.expect("the tunnel's end was counted");
+    assert_eq!(status(&head), "HTTP/1.1 101 Switching Protocols", "{head}");
+}
