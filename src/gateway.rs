@@ -1,7 +1,8 @@
 //! The request path, top to bottom: client IP → deny → route → key → limits →
-//! forward or respond. `handle` is the whole product in one function; each phase is
-//! a call into its own module. The compiled configuration (`Runtime`) is read
-//! through one `Arc` that a reload swaps whole.
+//! forward or respond → end. `handle` is the whole product in one function: each
+//! phase (`pass`) returns a `Refusal` to answer instead, and the end of the request
+//! (tally, concurrency permit) travels with the response body. The compiled
+//! configuration (`Runtime`) is read through one `Arc` that a reload swaps whole.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -146,8 +147,14 @@ pub async fn handle(
             refusal.respond(unread_body)
         }
     };
+    end_with(resp, tally)
+}
+
+/// The end of the request (pingora's `logging` phase): the tally, and the permit in
+/// it, go with the response body and are dropped when it ends or the client goes
+/// away; for an upgraded connection (WebSocket), when its tunnel closes.
+fn end_with(resp: Response<Body>, tally: Tally) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
-    // A spliced tunnel (WebSocket) ends when it closes, not with its 101.
     if let Some(TunnelEnd(mut end)) = parts.extensions.remove::<TunnelEnd>() {
         tokio::spawn(async move {
             let _ = end.changed().await;
