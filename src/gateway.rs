@@ -122,7 +122,17 @@ pub async fn handle(
     let started = Instant::now();
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
+    // A malformed or ambiguous head is refused before anything reads it (400, on
+    // route `unmatched`: nothing can be routed on it); the rest is normalised.
+    if let Err(bad) = crate::request::admit(&mut parts) {
+        let _tally = Tally {
+            metrics: &rt.unmatched,
+            started,
+            decision: Decision::BadRequest,
+        };
+        return answer::close(bad.answer());
+    }
 
     let ip = rt.trusted.client_ip(peer.ip(), &parts.headers);
     let route = rt.routes.iter().find(|r| r.matcher.matches(&parts));
@@ -245,6 +255,10 @@ pub async fn handle(
                 *r.status_mut() = *status;
                 r.headers_mut()
                     .extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+                // The body is not read: as every early answer.
+                if has_body && http1 {
+                    r = answer::close(r);
+                }
                 r
             }
             Action::Upstream(up) => {

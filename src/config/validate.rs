@@ -413,6 +413,24 @@ impl Checker<'_> {
                         &format!("{mp}.{name}"),
                         format!("{name} must start with \"/\", found {:?}", p.as_str()),
                     );
+                    continue;
+                }
+                // Requests are matched in normal form: any other spelling never matches.
+                let normal =
+                    crate::path::normalize(p).map(|n| crate::path::route_view(&n).into_owned());
+                match normal {
+                    Ok(n) if n == p.as_str() => {}
+                    Ok(n) => self.at(
+                        &format!("{mp}.{name}"),
+                        format!(
+                            "requests are matched with their path normalised, so {:?} never matches; write {n:?}",
+                            p.as_str()
+                        ),
+                    ),
+                    Err(e) => self.at(
+                        &format!("{mp}.{name}"),
+                        format!("{name} {:?} can never match: {e}", p.as_str()),
+                    ),
                 }
             }
         }
