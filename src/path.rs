@@ -268,6 +268,46 @@ mod tests {
         }
     }
 
+    /// Every path of up to five characters over an alphabet that makes dot
+    /// segments, escapes, slashes and parameters: a normal form is its own normal
+    /// form (found without copying), has no dot segment and no empty segment but a
+    /// trailing one, and the route view of it is stable too.
+    #[test]
+    fn normal_forms_are_fixed_points() {
+        const ALPHABET: &[u8] = b"/.%2eEfF;a5c";
+        let mut raw = Vec::new();
+        let mut checked = 0;
+        for len in 0..=5u32 {
+            for mut n in 0..ALPHABET.len().pow(len) {
+                raw.clear();
+                raw.push(b'/');
+                for _ in 0..len {
+                    raw.push(ALPHABET[n % ALPHABET.len()]);
+                    n /= ALPHABET.len();
+                }
+                let raw = std::str::from_utf8(&raw).unwrap();
+                let Ok(normal) = normalize(raw) else { continue };
+                checked += 1;
+                assert!(
+                    matches!(normalize(&normal), Ok(Cow::Borrowed(n)) if n == normal),
+                    "{raw} -> {normal}"
+                );
+                let segments: Vec<&str> = normal[1..].split('/').collect();
+                for (i, s) in segments.iter().enumerate() {
+                    assert!(!matches!(bare(s), "." | ".."), "{raw} -> {normal}");
+                    assert!(
+                        !s.is_empty() || i + 1 == segments.len(),
+                        "{raw} -> {normal}"
+                    );
+                }
+                let view = route_view(&normal);
+                assert_eq!(route_view(&view), view, "{raw} -> {normal} -> {view}");
+                assert!(view.starts_with('/'));
+            }
+        }
+        assert!(checked > 10_000, "{checked}");
+    }
+
     #[test]
     fn routes_see_paths_without_parameters() {
         for (path, want) in [

@@ -938,6 +938,20 @@ mod tests {
     }
 
     #[test]
+    fn match_paths_must_be_in_normal_form() {
+        let yaml = "routes:\n  - name: a\n    respond: {}\n    match: {path: /a//b, case_insensitive: true}\n  - name: b\n    respond: {}\n    match: {path_prefix: /%7euser/}\n  - name: c\n    respond: {}\n    match: {path: /login;x}\n  - name: d\n    respond: {}\n    match: {path: /a%2Fb}\n  - name: e\n    respond: {}\n    match: {path: /caf%C3%A9, path_prefix: /}\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "4:19: requests are matched with their path normalised, so \"/a//b\" never matches; write \"/a/b\"",
+                "7:26: requests are matched with their path normalised, so \"/%7euser/\" never matches; write \"/~user/\"",
+                "10:19: requests are matched with their path normalised, so \"/login;x\" never matches; write \"/login\"",
+                "13:19: path \"/a%2Fb\" can never match: an encoded \"/\" (%2F) in the path",
+            ]
+        );
+    }
+
+    #[test]
     fn errors_come_in_file_order() {
         let yaml = "routes:\n  - name: a\n    upstream: nope\nserver: {max_connections: 0}\n";
         assert_eq!(
