@@ -16,6 +16,7 @@ use http_body_util::{BodyExt, Full};
 use crate::limit::{Plan, Verdict};
 use crate::metrics::Decision;
 use crate::proxy::{ClientFault, ProxyError};
+use crate::request::BadRequest;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body of every response sluice sends: its own or a streamed upstream one.
@@ -66,6 +67,8 @@ pub fn limited(route: &str, limit: &str, retry_after_us: u64) -> Response<Body> 
 /// decided it. Each knows its status, its decision and whether the connection closes.
 #[derive(Debug)]
 pub enum Refusal<'a> {
+    /// A malformed or ambiguous request head (method, Host, path).
+    BadHead(BadRequest),
     /// On the deny list: the configured status (403).
     Denied(StatusCode),
     Unmatched,
@@ -106,7 +109,9 @@ impl Refusal<'_> {
         match self {
             Refusal::Denied(status) => *status,
             Refusal::Unmatched => StatusCode::NOT_FOUND,
-            Refusal::MissingKey(_) | Refusal::Client(_) => StatusCode::BAD_REQUEST,
+            Refusal::BadHead(_) | Refusal::MissingKey(_) | Refusal::Client(_) => {
+                StatusCode::BAD_REQUEST
+            }
             Refusal::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
             Refusal::StoreDown => StatusCode::SERVICE_UNAVAILABLE,
@@ -120,9 +125,10 @@ impl Refusal<'_> {
         Some(match self {
             Refusal::Denied(_) => Decision::Denied,
             Refusal::Unmatched => Decision::Unmatched,
-            Refusal::MissingKey(_) | Refusal::TooLarge(_) | Refusal::Client(_) => {
-                Decision::BadRequest
-            }
+            Refusal::BadHead(_)
+            | Refusal::MissingKey(_)
+            | Refusal::TooLarge(_)
+            | Refusal::Client(_) => Decision::BadRequest,
             Refusal::Limited(_) => Decision::Limited,
             Refusal::StoreDown => Decision::StoreErrorDenied,
             Refusal::Upstream(_) => return None,
@@ -135,7 +141,8 @@ impl Refusal<'_> {
     /// next request.
     pub fn closes(&self, unread_body: bool) -> bool {
         match self {
-            Refusal::Client(_) => true,
+            // The head itself is not to be trusted, nor where its body ends.
+            Refusal::BadHead(_) | Refusal::Client(_) => true,
             Refusal::Upstream(_) => false,
             _ => unread_body,
         }
@@ -146,6 +153,7 @@ impl Refusal<'_> {
         let status = self.status();
         let closes = self.closes(unread_body);
         let mut r = match self {
+            Refusal::BadHead(bad) => bad.answer(),
             Refusal::Denied(_) => text(status, "access denied\n"),
             Refusal::Unmatched => text(status, "no route matches this request\n"),
             Refusal::MissingKey(part) => text(

@@ -21,6 +21,7 @@ use crate::deny::{BanRequest, DenyTable, StaticDeny, Target};
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
 use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
+use crate::request::BadRequest;
 use crate::route::Matcher;
 
 // === the compiled configuration ===
@@ -122,9 +123,15 @@ pub async fn handle(
 ) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
+    // A malformed or ambiguous head is refused before anything reads it (400, on
+    // route `unmatched`: nothing can be routed on it); the rest is normalised.
+    let head = crate::request::admit(&mut parts);
     let ip = rt.trusted.client_ip(peer.ip(), &parts.headers);
-    let route = rt.routes.iter().position(|r| r.matcher.matches(&parts));
+    let route = head
+        .is_ok()
+        .then(|| rt.routes.iter().position(|r| r.matcher.matches(&parts)))
+        .flatten();
     // Counted when the response body ends, or when the client goes away first (while
     // delayed, while the upstream works, or mid-body), with the decision made for it.
     let mut tally = Tally::new(rt.clone(), route);
@@ -137,8 +144,9 @@ pub async fn handle(
         rt: &rt,
         ip,
         peer,
+        unread_body,
     };
-    let resp = match pass(&ctx, route, parts, body, &mut tally).await {
+    let resp = match pass(&ctx, head, route, parts, body, &mut tally).await {
         Ok(resp) => resp,
         Err(refusal) => {
             if let Some(d) = refusal.decision() {
@@ -171,18 +179,22 @@ struct Ctx<'a> {
     rt: &'a Runtime,
     ip: IpAddr,
     peer: SocketAddr,
+    /// An HTTP/1 request with a body: answered before reading it, the connection closes.
+    unread_body: bool,
 }
 
-/// The phases in order: deny by IP → route → key (and deny by key) → size → limits →
-/// the route's action. Each returns a refusal to answer instead.
+/// The phases in order: request head → deny by IP → route → key (and deny by key) →
+/// size → limits → the route's action. Each returns a refusal to answer instead.
 async fn pass<'a>(
     ctx: &Ctx<'a>,
+    head: Result<(), BadRequest>,
     route: Option<usize>,
     parts: http::request::Parts,
     body: Incoming,
     tally: &mut Tally,
 ) -> Result<Response<Body>, Refusal<'a>> {
     let rt = ctx.rt;
+    head.map_err(Refusal::BadHead)?;
     deny_ip(ctx)?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
     let (ns, key) = client_key(ctx, route, &parts)?;
@@ -312,6 +324,10 @@ async fn act<'a>(
             *r.status_mut() = *status;
             r.headers_mut()
                 .extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+            // The body is not read: as every early answer.
+            if ctx.unread_body {
+                r = answer::close(r);
+            }
             Ok(r)
         }
         Action::Upstream(up) => {

@@ -12,6 +12,8 @@ pub mod deny_sync;
 pub mod gateway;
 pub mod limit;
 pub mod metrics;
+pub mod path;
 pub mod proxy;
+pub mod request;
 pub mod route;
 pub mod server;

@@ -198,7 +198,7 @@ impl Metrics {
             store_error_allowed: detached(),
             store_error_denied: detached(),
             unmatched: d("unmatched"),
-            bad_request: detached(),
+            bad_request: d("bad_request"),
             duration: self.request_duration.with_label_values(&[UNMATCHED]),
             upstream_connect: detached(),
             upstream_timeout: detached(),

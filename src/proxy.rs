@@ -391,6 +391,12 @@ fn te_has_trailers(h: &HeaderMap) -> bool {
 }
 
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a message with
+    // both must lose its Content-Length before it is passed on (hyper has decoded
+    // the chunks; left alone, the length would cut the body short).
+    if h.contains_key(header::TRANSFER_ENCODING) {
+        h.remove(header::CONTENT_LENGTH);
+    }
     let named: Vec<HeaderName> = h
         .get_all(header::CONNECTION)
         .iter()
@@ -406,10 +412,16 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
 static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 
 /// Append the peer to `X-Forwarded-For`; set `X-Forwarded-Proto`/`-Host` unless a
-/// trusted proxy already did.
+/// trusted proxy already did. `Forwarded` and `X-Real-IP` pass only from a trusted
+/// proxy: from anyone else they are claims the upstream must not believe.
 fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>) {
+    if !origin.trusted {
+        h.remove(header::FORWARDED);
+        h.remove(&X_REAL_IP);
+    }
     let peer = crate::client::canonical(origin.peer).to_string();
     let prior: Vec<&str> = h
         .get_all(&XFF)
@@ -451,6 +463,16 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert_eq!(h["x-kept"], "yes");
+
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, "5".parse().unwrap());
+        h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, "5".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h[header::CONTENT_LENGTH], "5");
     }
 
     #[test]
@@ -474,7 +496,15 @@ mod tests {
         assert_eq!(h["x-forwarded-host"], "api.example.com");
         let mut h2 = HeaderMap::new();
         h2.insert("x-forwarded-proto", "https".parse().unwrap());
+        h2.insert("forwarded", "for=1.2.3.4".parse().unwrap());
+        h2.insert("x-real-ip", "1.2.3.4".parse().unwrap());
+        let mut h3 = h2.clone();
+        set_forwarded(&mut h3, &o, None);
+        assert_eq!(h3.get("forwarded"), None);
+        assert_eq!(h3.get("x-real-ip"), None);
         set_forwarded(&mut h2, &Origin { trusted: true, ..o }, None);
         assert_eq!(h2["x-forwarded-proto"], "https");
+        assert_eq!(h2["forwarded"], "for=1.2.3.4");
+        assert_eq!(h2["x-real-ip"], "1.2.3.4");
     }
 }

@@ -6,6 +6,8 @@ use http::request::Parts;
 use http::Method;
 use regex::Regex;
 
+use crate::path::RoutePath;
+
 #[derive(Debug, Clone)]
 pub enum HostMatch {
     /// Lower-case host name.
@@ -29,6 +31,9 @@ pub struct Matcher {
     pub path_regex: Option<Regex>,
     pub methods: Option<Vec<Method>>,
     pub headers: Vec<(HeaderName, HeaderMatch)>,
+    /// `path` and `path_prefix` compared ignoring ASCII case (`path_regex` is
+    /// compiled case-insensitive for it).
+    pub case_insensitive: bool,
 }
 
 /// The host a request is for: the URI authority (HTTP/2, absolute-form) or `Host`,
@@ -58,14 +63,29 @@ impl Matcher {
                 return false;
             }
         }
-        let path = req.uri.path();
+        // The normalised path (see `request::admit`), without `;parameters`.
+        let path = req
+            .extensions
+            .get::<RoutePath>()
+            .map_or(req.uri.path(), |p| p.0.as_str());
         if let Some(p) = &self.path {
-            if path != p {
+            let same = if self.case_insensitive {
+                path.eq_ignore_ascii_case(p)
+            } else {
+                path == p
+            };
+            if !same {
                 return false;
             }
         }
         if let Some(p) = &self.path_prefix {
-            if !path.starts_with(p.as_str()) {
+            let head = path.as_bytes().get(..p.len());
+            let starts = if self.case_insensitive {
+                head.is_some_and(|h| h.eq_ignore_ascii_case(p.as_bytes()))
+            } else {
+                head == Some(p.as_bytes())
+            };
+            if !starts {
                 return false;
             }
         }

@@ -97,7 +97,7 @@ routes:
     assert_eq!(
         error(yaml),
         "rules.yaml:3:23: routes[0].match: unknown field `method`, expected one of `host`, \
-         `path`, `path_prefix`, `path_regex`, `methods`, `headers`"
+         `path`, `path_prefix`, `path_regex`, `methods`, `headers`, `case_insensitive`"
     );
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
-use regex::Regex;
+use regex::RegexBuilder;
 
 use super::schema::{self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit};
 use super::Loaded;
@@ -246,13 +246,17 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
         path: m.path.as_ref().map(|p| p.0.clone()),
         path_prefix: m.path_prefix.as_ref().map(|p| p.0.clone()),
         path_regex: match &m.path_regex {
-            Some(re) => {
-                Some(Regex::new(re).map_err(|e| route_err(route, format!("path_regex: {e}")))?)
-            }
+            Some(re) => Some(
+                RegexBuilder::new(re)
+                    .case_insensitive(m.case_insensitive)
+                    .build()
+                    .map_err(|e| route_err(route, format!("path_regex: {e}")))?,
+            ),
             None => None,
         },
         methods,
         headers,
+        case_insensitive: m.case_insensitive,
     })
 }
 

@@ -241,6 +241,9 @@ pub struct Match {
     pub methods: Option<Vec<Text>>,
     #[serde(default)]
     pub headers: Option<BTreeMap<String, Text>>,
+    /// `path`, `path_prefix` and `path_regex` compared ignoring case.
+    #[serde(default)]
+    pub case_insensitive: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -181,6 +181,9 @@ fn describe_match(r: &Route) -> String {
     if let Some(p) = &m.path_regex {
         parts.push(format!("regex {p}"));
     }
+    if m.case_insensitive {
+        parts.push("any case".into());
+    }
     if let Some(headers) = &m.headers {
         // Names only: a matched value may be a credential.
         for name in headers.keys() {

@@ -413,6 +413,24 @@ impl Checker<'_> {
                         &format!("{mp}.{name}"),
                         format!("{name} must start with \"/\", found {:?}", p.as_str()),
                     );
+                    continue;
+                }
+                // Requests are matched in normal form: any other spelling never matches.
+                let normal =
+                    crate::path::normalize(p).map(|n| crate::path::route_view(&n).into_owned());
+                match normal {
+                    Ok(n) if n == p.as_str() => {}
+                    Ok(n) => self.at(
+                        &format!("{mp}.{name}"),
+                        format!(
+                            "requests are matched with their path normalised, so {:?} never matches; write {n:?}",
+                            p.as_str()
+                        ),
+                    ),
+                    Err(e) => self.at(
+                        &format!("{mp}.{name}"),
+                        format!("{name} {:?} can never match: {e}", p.as_str()),
+                    ),
                 }
             }
         }
@@ -944,6 +962,20 @@ mod tests {
         assert_eq!(
             errors(&yaml),
             ["7:9: limit name \"gcra_1\" is already used at line 6; limit names must be unique within a list (a limit without a name is called <algorithm>_<index>)"]
+        );
+    }
+
+    #[test]
+    fn match_paths_must_be_in_normal_form() {
+        let yaml = "routes:\n  - name: a\n    respond: {}\n    match: {path: /a//b, case_insensitive: true}\n  - name: b\n    respond: {}\n    match: {path_prefix: /%7euser/}\n  - name: c\n    respond: {}\n    match: {path: /login;x}\n  - name: d\n    respond: {}\n    match: {path: /a%2Fb}\n  - name: e\n    respond: {}\n    match: {path: /caf%C3%A9, path_prefix: /}\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "4:19: requests are matched with their path normalised, so \"/a//b\" never matches; write \"/a/b\"",
+                "7:26: requests are matched with their path normalised, so \"/%7euser/\" never matches; write \"/~user/\"",
+                "10:19: requests are matched with their path normalised, so \"/login;x\" never matches; write \"/login\"",
+                "13:19: path \"/a%2Fb\" can never match: an encoded \"/\" (%2F) in the path",
+            ]
         );
     }
 

@@ -1,0 +1,563 @@
+//! Requests written as an attacker writes them, byte by byte: path variants that
+//! must not step around a route, malformed Host and method tokens, forwarding
+//! headers a client must not forge, h2 cookie fields, and an upstream whose
+//! response framing is ambiguous. Raw sockets where a client library would clean
+//! the request up first.
+
+mod common;
+
+use common::*;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+
+/// One request written raw on a new connection: the status, the lower-cased head
+/// and the body of the answer.
+async fn raw(addr: std::net::SocketAddr, request: &str) -> (u16, String, String) {
+    let mut s = connect(addr).await;
+    s.write_all(request.as_bytes()).await.expect("write");
+    let (head, body) = read_response(&mut s).await.expect("an answer");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    (status, head.to_ascii_lowercase(), body)
+}
+
+/// One h2c GET of `uri` (any authority: the connection goes to `addr`), with
+/// `headers`; the status and body.
+async fn h2_get(addr: std::net::SocketAddr, uri: &str, headers: Headers<'_>) -> (u16, String) {
+    use http_body_util::{BodyExt, Empty};
+    let io = hyper_util::rt::TokioIo::new(connect(addr).await);
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+            .await
+            .expect("h2 handshake");
+    tokio::spawn(conn);
+    let mut req = http::Request::get(uri);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Empty::<bytes::Bytes>::new()).expect("request");
+    let resp = bounded("h2 request", send.send_request(req))
+        .await
+        .expect("h2 response");
+    let status = resp.status().as_u16();
+    let body = bounded("h2 body", resp.into_body().collect())
+        .await
+        .expect("h2 body")
+        .to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// `METHOD TARGET HTTP/1.1` with `Host: h` and the extra header lines.
+fn req(method: &str, target: &str, extra: &str) -> String {
+    format!("{method} {target} HTTP/1.1\r\nhost: h\r\n{extra}connection: close\r\n\r\n")
+}
+
+/// `path: /login` (1 per minute and key `x-k`) before a loose catch-all, both to
+/// the echo upstream `UP`.
+const LOGIN: &str = r#"
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - name: login
+    match: {path: /login}
+    upstream: app
+    key: header:x-k
+    limits: [{name: one, algorithm: fixed_window, limit: 1, window: 1m}]
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#;
+
+async fn login_gateway() -> (Upstream, Running) {
+    let up = upstream().await;
+    let gw = start_gateway(&LOGIN.replace("UP", &up.url())).await;
+    (up, gw)
+}
+
+// === paths ===
+
+#[tokio::test]
+async fn path_variants_of_login_hit_the_login_route_and_reach_the_upstream_as_login() {
+    let (_up, gw) = login_gateway().await;
+    let variants = [
+        "/%6Cogin",
+        "/%6cogin",
+        "/./login",
+        "//login",
+        "/x/../login",
+        "/login/.",
+        "/%2e/login",
+        "/a/%2E%2e/login",
+        "/x/%2e%2e/login",
+        "///x//..//login",
+    ];
+    for (i, v) in variants.iter().enumerate() {
+        let key = format!("x-k: k{i}\r\n");
+        let (status, head, body) = raw(gw.addr, &req("GET", v, &key)).await;
+        assert_eq!(status, 200, "{v}: {head}{body}");
+        let e: Echo = serde_json::from_str(&body).expect("an echo");
+        assert_eq!(e.uri, "/login", "{v}");
+        // The same key on the plain path: the variant was charged to /login.
+        let (status, _, _) = raw(gw.addr, &req("GET", "/login", &key)).await;
+        assert_eq!(status, 429, "{v} was not counted against /login");
+    }
+    let n = variants.len() as f64;
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(decisions(&m, "login"), [("allowed", n), ("limited", n)]);
+    assert_eq!(decisions(&m, "rest"), []);
+}
+
+#[tokio::test]
+async fn the_query_is_forwarded_untouched_after_a_normalised_path() {
+    let (_up, gw) = login_gateway().await;
+    let (status, _, body) = raw(
+        gw.addr,
+        &req("GET", "/a/./b/../%7Euser//x?p=%2e%2E/..&q=%6C", ""),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    assert_eq!(e.uri, "/a/~user/x?p=%2e%2E/..&q=%6C");
+    // Escapes that stay escaped get upper-case hex.
+    let (_, _, body) = raw(gw.addr, &req("GET", "/caf%c3%a9/%3b", "")).await;
+    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    assert_eq!(e.uri, "/caf%C3%A9/%3B");
+}
+
+#[tokio::test]
+async fn paths_that_cannot_be_normalised_safely_get_400() {
+    let (up, gw) = login_gateway().await;
+    let bad = [
+        "/login%2f",
+        "/login%2F",
+        "/x%2F..%2Flogin",
+        "/lo%00gin",
+        "/../login",
+        "/x/../../login",
+        "/%2e%2e/login",
+        "/..;/login",
+        "/x/.;a/login",
+        "/a\\login",
+        "/a%5clogin",
+        "/lo%zzgin",
+        "/login%2",
+        "/login%",
+    ];
+    for p in bad {
+        let (status, head, body) = raw(gw.addr, &req("GET", p, "x-k: k\r\n")).await;
+        assert_eq!(status, 400, "{p}: {head}{body}");
+        assert!(head.contains("\r\nconnection: close\r\n"), "{p}: {head}");
+        assert!(body.starts_with("bad request: "), "{p}: {body:?}");
+        assert_eq!(body.matches('\n').count(), 1, "{p}: {body:?}");
+    }
+    // Asterisk-form is refused too (as nginx does).
+    let (status, _, _) = raw(gw.addr, &req("OPTIONS", "*", "")).await;
+    assert_eq!(status, 400);
+    assert_eq!(up.hits(), 0);
+    let m = metrics(gw.admin_addr).await;
+    let n = bad.len() as f64 + 1.0;
+    assert_eq!(decisions(&m, "unmatched"), [("bad_request", n)]);
+    assert_eq!(decisions(&m, "login"), []);
+}
+
+#[tokio::test]
+async fn path_parameters_are_ignored_for_matching_and_forwarded_as_sent() {
+    let (_up, gw) = login_gateway().await;
+    // Java servers strip `;jsessionid=...` and serve /login: it is /login here too.
+    let (status, _, body) = raw(gw.addr, &req("GET", "/login;foo=1", "x-k: a\r\n")).await;
+    assert_eq!(status, 200);
+    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    assert_eq!(e.uri, "/login;foo=1");
+    let (status, _, _) = raw(gw.addr, &req("GET", "/login", "x-k: a\r\n")).await;
+    assert_eq!(status, 429);
+    // `path` is exact: /login/ is another path (README says how to cover both).
+    let (status, _, body) = raw(gw.addr, &req("GET", "/login/", "x-k: a\r\n")).await;
+    assert_eq!(status, 200);
+    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    assert_eq!(e.uri, "/login/");
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(decisions(&m, "login"), [("allowed", 1.0), ("limited", 1.0)]);
+    assert_eq!(decisions(&m, "rest"), [("allowed", 1.0)]);
+}
+
+#[tokio::test]
+async fn case_insensitive_matching_is_opt_in_per_route() {
+    let gw = start_gateway(
+        r#"
+routes:
+  - {name: admin, match: {path_prefix: /Admin/, case_insensitive: true}, respond: {body: "admin\n"}}
+  - {name: login, match: {path: /login}, respond: {body: "login\n"}}
+  - {name: regex, match: {path_regex: "^/users/[a-z]+$", case_insensitive: true}, respond: {body: "regex\n"}}
+  - {name: rest, match: {path_prefix: /}, respond: {body: "rest\n"}}
+"#,
+    )
+    .await;
+    for (path, want) in [
+        ("/LOGIN", "rest\n"),
+        ("/Login", "rest\n"),
+        ("/login", "login\n"),
+        ("/admin/x", "admin\n"),
+        ("/ADMIN/x", "admin\n"),
+        ("/%41dmin/x", "admin\n"),
+        ("/USERS/Bob", "regex\n"),
+    ] {
+        let (status, _, body) = raw(gw.addr, &req("GET", path, "")).await;
+        assert_eq!((status, body.as_str()), (200, want), "{path}");
+    }
+}
+
+#[tokio::test]
+async fn absolute_form_and_h2_paths_are_normalised_too() {
+    let (_up, gw) = login_gateway().await;
+    let (status, _, body) = raw(
+        gw.addr,
+        &req("GET", "http://h/x/../%6Cogin?q=1", "x-k: abs\r\n"),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    assert_eq!(e.uri, "/login?q=1");
+    let (status, _, _) = raw(gw.addr, &req("GET", "/login", "x-k: abs\r\n")).await;
+    assert_eq!(status, 429);
+
+    let c = h2c();
+    let r = c.get(&url(gw.addr, "//./%6Cogin"), &[("x-k", "h2")]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.echo().uri, "/login");
+    let r = c.get(&url(gw.addr, "/login"), &[("x-k", "h2")]).await;
+    assert_eq!(r.status, 429);
+    let r = c.get(&url(gw.addr, "/login%2F"), &[("x-k", "h2b")]).await;
+    assert_eq!(r.status, 400);
+}
+
+// === Host ===
+
+#[tokio::test]
+async fn a_missing_repeated_or_invalid_host_gets_400() {
+    let up = upstream().await;
+    let gw = start_gateway(
+        &r#"
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - {name: api, match: {host: api.example.com}, upstream: app}
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#
+        .replace("UP", &up.url()),
+    )
+    .await;
+    let bad = [
+        "GET / HTTP/1.1\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: api.example.com\r\nhost: api.example.com\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a, b\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a,b\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a@evil\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a:abc\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a:\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a:80x\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a:99999\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a b\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: \r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a..b\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: a/b\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: [::1\r\nconnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nhost: .\r\nconnection: close\r\n\r\n",
+        // Absolute-form still needs a Host, and its authority is checked as well.
+        "GET http://api.example.com/ HTTP/1.1\r\nconnection: close\r\n\r\n",
+        "GET http://a@api.example.com/ HTTP/1.1\r\nhost: api.example.com\r\nconnection: close\r\n\r\n",
+    ];
+    for r in bad {
+        let (status, head, body) = raw(gw.addr, r).await;
+        assert_eq!(status, 400, "{r:?}: {head}{body}");
+        assert!(head.contains("\r\nconnection: close\r\n"), "{r:?}: {head}");
+    }
+    assert_eq!(up.hits(), 0);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        decisions(&m, "unmatched"),
+        [("bad_request", bad.len() as f64)]
+    );
+
+    // Accepted: ports, IP literals, and HTTP/1.0 without Host (as nginx does).
+    for (r, route) in [
+        (
+            "GET / HTTP/1.1\r\nhost: api.example.com:8080\r\n\r\n",
+            "api",
+        ),
+        ("GET / HTTP/1.1\r\nhost: API.Example.COM\r\n\r\n", "api"),
+        ("GET / HTTP/1.1\r\nhost: 127.0.0.1:80\r\n\r\n", "rest"),
+        ("GET / HTTP/1.1\r\nhost: [::1]:80\r\n\r\n", "rest"),
+        ("GET / HTTP/1.1\r\nhost: my_host.internal\r\n\r\n", "rest"),
+        ("GET / HTTP/1.0\r\n\r\n", "rest"),
+    ] {
+        let before = requests(&metrics(gw.admin_addr).await, route, "allowed");
+        let (status, head, body) = raw(gw.addr, r).await;
+        assert_eq!(status, 200, "{r:?}: {head}{body}");
+        let after = requests(&metrics(gw.admin_addr).await, route, "allowed");
+        assert_eq!(after, before + 1.0, "{r:?} did not go to {route}");
+    }
+}
+
+#[tokio::test]
+async fn a_trailing_dot_is_removed_from_the_host_before_routing_and_forwarding() {
+    let up = upstream().await;
+    let gw = start_gateway(
+        &r#"
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - {name: api, match: {host: api.example.com}, upstream: app, key: ip, limits: [{algorithm: fixed_window, limit: 1, window: 1m}]}
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#
+        .replace("UP", &up.url()),
+    )
+    .await;
+    let (status, _, body) = raw(
+        gw.addr,
+        "GET / HTTP/1.1\r\nhost: api.example.com.:8080\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 200);
+    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    assert_eq!(e.header("host"), Some("api.example.com:8080"));
+    assert_eq!(e.header("x-forwarded-host"), Some("api.example.com:8080"));
+    let (status, _, _) = raw(
+        gw.addr,
+        "GET http://api.example.com./ HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 429);
+    let (status, _) = h2_get(gw.addr, "http://api.example.com./", &[]).await;
+    assert_eq!(status, 429);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(decisions(&m, "api"), [("allowed", 1.0), ("limited", 2.0)]);
+}
+
+#[tokio::test]
+async fn an_h2_authority_is_checked_like_a_host() {
+    let up = upstream().await;
+    let gw = start_gateway(
+        &r#"
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#
+        .replace("UP", &up.url()),
+    )
+    .await;
+    let c = h2c();
+    let port = gw.addr.port();
+    let r = c.get(&format!("http://user@127.0.0.1:{port}/"), &[]).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    // A Host naming another authority than `:authority` (RFC 9113 §8.3.1).
+    let r = c
+        .get(&url(gw.addr, "/"), &[("host", "other.example.com")])
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = c.get(&url(gw.addr, "/"), &[]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(up.hits(), 1);
+}
+
+// === methods ===
+
+#[tokio::test]
+async fn lower_case_and_unknown_methods_get_400() {
+    let up = upstream().await;
+    let gw = start_gateway(
+        &r#"
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - name: login
+    match: {path: /login, methods: [POST]}
+    upstream: app
+    key: ip
+    limits: [{algorithm: fixed_window, limit: 1, window: 1m}]
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#
+        .replace("UP", &up.url()),
+    )
+    .await;
+    for m in ["post", "Post", "GET2", "FOO", "G-E-T", "PRI"] {
+        let (status, head, body) = raw(gw.addr, &req(m, "/login", "content-length: 0\r\n")).await;
+        assert_eq!(status, 400, "{m}: {head}{body}");
+    }
+    assert_eq!(up.hits(), 0);
+    for m in [
+        "GET", "PUT", "DELETE", "PATCH", "OPTIONS", "PROPFIND", "MKCOL", "SEARCH",
+    ] {
+        let (status, _, body) = raw(gw.addr, &req(m, "/login", "content-length: 0\r\n")).await;
+        assert_eq!(status, 200, "{m}: {body}");
+    }
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(decisions(&m, "unmatched"), [("bad_request", 6.0)]);
+    assert_eq!(decisions(&m, "rest"), [("allowed", 8.0)]);
+}
+
+// === forwarding headers ===
+
+const ECHO: &str = r#"
+client_ip: {trusted_proxies: [TRUSTED]}
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#;
+
+#[tokio::test]
+async fn forwarded_and_x_real_ip_from_an_untrusted_peer_are_removed() {
+    let up = upstream().await;
+    let sent = [
+        ("forwarded", "for=1.2.3.4;proto=https"),
+        ("x-real-ip", "1.2.3.4"),
+    ];
+    let untrusted = start_gateway(
+        &ECHO
+            .replace("UP", &up.url())
+            .replace("TRUSTED", "10.0.0.0/8"),
+    )
+    .await;
+    let trusted = start_gateway(
+        &ECHO
+            .replace("UP", &up.url())
+            .replace("TRUSTED", "127.0.0.1/32"),
+    )
+    .await;
+    for c in [http1(), h2c()] {
+        let e = c.get(&url(untrusted.addr, "/"), &sent).await.echo();
+        assert_eq!(e.all("forwarded"), Vec::<&str>::new());
+        assert_eq!(e.all("x-real-ip"), Vec::<&str>::new());
+        let e = c.get(&url(trusted.addr, "/"), &sent).await.echo();
+        assert_eq!(e.header("forwarded"), Some("for=1.2.3.4;proto=https"));
+        assert_eq!(e.header("x-real-ip"), Some("1.2.3.4"));
+    }
+}
+
+// === h2 cookies ===
+
+#[tokio::test]
+async fn h2_cookie_fields_reach_an_http1_upstream_as_one_header() {
+    let up = upstream().await;
+    let gw = start_gateway(
+        &r#"
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - name: session
+    match: {path: /s}
+    upstream: app
+    key: cookie:sid
+    limits: [{algorithm: fixed_window, limit: 1, window: 1m}]
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#
+        .replace("UP", &up.url()),
+    )
+    .await;
+    let c = h2c();
+    let cookies = [("cookie", "a=1"), ("cookie", "sid=x"), ("cookie", "b=2")];
+    let r = c.get(&url(gw.addr, "/s"), &cookies).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.echo().all("cookie"), ["a=1; sid=x; b=2"]);
+    // The key is read from the joined header: the same session, in one field now.
+    let r = c
+        .get(&url(gw.addr, "/s"), &[("cookie", "b=2; sid=x")])
+        .await;
+    assert_eq!(r.status, 429);
+    // Two fields each naming sid: two values, so the key is missing.
+    let r = c
+        .get(
+            &url(gw.addr, "/s"),
+            &[("cookie", "sid=y"), ("cookie", "sid=z")],
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    // HTTP/1.1 requests are passed on as they came.
+    let r = http1()
+        .get(&url(gw.addr, "/x"), &[("cookie", "a=1"), ("cookie", "b=2")])
+        .await;
+    assert_eq!(r.echo().all("cookie"), ["a=1", "b=2"]);
+}
+
+// === responses ===
+
+/// An upstream that answers every request with `response`, then closes.
+async fn scripted_upstream(response: &'static str) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if read_head(&mut s).await.is_some() {
+                    let _ = s.write_all(response.as_bytes()).await;
+                    let _ = s.shutdown().await;
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn a_response_with_content_length_and_transfer_encoding_loses_its_length() {
+    let up = scripted_upstream(
+        "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\na\r\n0123456789\r\n6\r\nabcdef\r\n0\r\n\r\n",
+    )
+    .await;
+    let gw = start_gateway(
+        &r#"
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#
+        .replace("UP", &up),
+    )
+    .await;
+    let (status, head, body) = raw(gw.addr, &req("GET", "/", "")).await;
+    assert_eq!(status, 200);
+    assert!(!head.contains("content-length: 5"), "{head}");
+    assert_eq!(body, "0123456789abcdef");
+    let r = h2c().get(&url(gw.addr, "/"), &[]).await;
+    assert_eq!((r.status, r.text()), (200, "0123456789abcdef"));
+    assert_eq!(r.header("content-length"), None);
+}
+
+// === respond ===
+
+#[tokio::test]
+async fn respond_answers_to_a_request_with_an_unread_body_close_the_connection() {
+    let gw = start_gateway(
+        r#"
+routes:
+  - {name: health, match: {path: /health}, respond: {body: "ok\n"}}
+"#,
+    )
+    .await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /health HTTP/1.1\r\nhost: h\r\ncontent-length: 5\r\n\r\nhello")
+        .await
+        .expect("write");
+    let (head, body) = read_response(&mut s).await.expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{head}"
+    );
+    assert_eq!(body, "ok\n");
+    assert_eq!(read_to_close(&mut s).await, "");
+    // Without a body the connection stays open.
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET /health HTTP/1.1\r\nhost: h\r\n\r\n")
+        .await
+        .expect("write");
+    let (head, _) = read_response(&mut s).await.expect("an answer");
+    assert!(
+        !head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
+    );
+}
