@@ -183,3 +183,53 @@ async fn a_cluster_survives_idle_timeouts() {
         serves_after(&gw, round).await;
     }
 }
+
+// === item 7: eviction keeps each route's share ===
+
+/// `/login` by client IP (3 per hour), everything else by `x-key` (10 per hour), in a
+/// memory store of 1,000 entries.
+const TWO_ROUTES: &str = "store:\n  backend: memory\n  memory: {max_keys: 1000}\nroutes:\n  - name: login\n    match: {path: /login}\n    respond: {status: 200, body: \"ok\\n\"}\n    key: ip\n    limits: [{name: hourly, algorithm: fixed_window, limit: 3, window: 1h}]\n  - name: api\n    match: {path_prefix: /}\n    respond: {status: 200, body: \"ok\\n\"}\n    key: header:x-key\n    limits: [{name: hourly, algorithm: fixed_window, limit: 10, window: 1h}]\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_keys_on_one_route_does_not_reset_login() {
+    let gw = start_gateway(TWO_ROUTES).await;
+    let login = || get(gw.addr, "/login", &[]);
+    assert_eq!([login().await.status, login().await.status], [200, 200]);
+    // 2,500 distinct keys on the other route, 50 at a time.
+    let addr = gw.addr;
+    for chunk in 0..50 {
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..50 {
+            let key = format!("key-{}", chunk * 50 + i);
+            tasks.spawn(async move { get(addr, "/api", &[("x-key", &key)]).await.status });
+        }
+        while let Some(s) = tasks.join_next().await {
+            assert_eq!(s.expect("request task"), 200);
+        }
+    }
+    // The IP's budget on /login is where it was: one left, then refused.
+    assert_eq!(
+        [
+            login().await.status,
+            login().await.status,
+            login().await.status
+        ],
+        [200, 429, 429]
+    );
+    let evictions = |route: &'static str| async move {
+        metric(
+            gw.admin_addr,
+            "sluice_store_evictions_total",
+            &[("route", route)],
+        )
+        .await
+    };
+    // 2,501 entries made in a store of 1,000: every eviction was api's live state.
+    assert_eq!(evictions("api").await, 1_501.0);
+    assert_eq!(evictions("login").await, 0.0);
+    let text = get(gw.admin_addr, "/metrics", &[]).await.body;
+    assert!(
+        text.contains("sluice_store_evictions_total{route=\"login\"} 0"),
+        "{text}"
+    );
+}
