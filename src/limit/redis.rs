@@ -874,4 +874,28 @@ mod tests {
         let held: usize = cache.shards.iter().map(|s| s.lock().unwrap().len()).sum();
         assert!(held <= REFUSAL_SHARDS, "{held}");
     }
+
+    fn dropped() -> redis::RedisError {
+        std::io::Error::from(std::io::ErrorKind::BrokenPipe).into()
+    }
+
+    /// Refused within the first poll: never written, so sent again. Failed after
+    /// waiting for an answer: it may have run, so not.
+    #[tokio::test]
+    async fn only_a_command_refused_unsent_counts_as_unsent() {
+        let unsent = attempt(async { Err::<(), _>(dropped()) }).await;
+        assert!(matches!(unsent, Sent::Unsent(_)));
+        let in_flight = attempt(async {
+            tokio::task::yield_now().await;
+            Err::<(), _>(dropped())
+        })
+        .await;
+        assert!(matches!(in_flight, Sent::Done(Err(_))));
+        // Other errors are answers, however fast.
+        let refused =
+            attempt(async { Err::<(), _>(redis::RedisError::from((ErrorKind::Client, "no"))) })
+                .await;
+        assert!(matches!(refused, Sent::Done(Err(_))));
+        assert!(matches!(attempt(async { Ok(7) }).await, Sent::Done(Ok(7))));
+    }
 }
