@@ -202,7 +202,29 @@ const TWO_ROUTES: &str = "store:\n  backend: memory\n  memory: {max_keys: 1000}\
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_keys_on_one_route_does_not_reset_login() {
-    let gw = start_gateway(TWO_ROUTES).await;
+    flood_keeps_login(&start_gateway(TWO_ROUTES).await).await;
+}
+
+/// The same in the memory store that decides while Redis is unreachable
+/// (`on_error: local`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_fallback_keeps_each_routes_share_too() {
+    // Nothing listens there: the breaker is open from the start.
+    let dead = format!("redis://127.0.0.1:{}", free_port(false));
+    let yaml = TWO_ROUTES.replace(
+        "store:\n  backend: memory\n",
+        &format!(
+            "store:\n  backend: redis\n  redis: {{url: \"{dead}\", timeout: 200ms}}\n  on_error: local\n"
+        ),
+    );
+    assert_ne!(yaml, TWO_ROUTES);
+    let gw = start_gateway(&yaml).await;
+    assert_eq!(get(gw.admin_addr, "/readyz", &[]).await.status, 503);
+    flood_keeps_login(&gw).await;
+}
+
+/// Two requests on /login, 2,500 new keys on the other route, then /login again.
+async fn flood_keeps_login(gw: &Running) {
     let login = || get(gw.addr, "/login", &[]);
     assert_eq!([login().await.status, login().await.status], [200, 200]);
     // 2,500 distinct keys on the other route, 50 at a time.
