@@ -2,6 +2,9 @@
 //! path never formats a label: each route resolves its labelled children when the
 //! configuration is compiled (`RouteMetrics`), and a client key is never a label.
 
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
+
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -20,6 +23,9 @@ pub struct Metrics {
     pub request_duration: HistogramVec,
     pub limiter_duration: HistogramVec,
     pub store_errors: IntCounterVec,
+    pub store_evictions: IntCounterVec,
+    /// `store_evictions` children by limiter namespace, for the memory stores.
+    pub eviction_counters: Arc<EvictionCounters>,
     pub upstream_errors: IntCounterVec,
     pub client_errors: IntCounterVec,
     /// The children of `client_errors`, resolved once.
@@ -64,6 +70,14 @@ impl Metrics {
                 "Limiter calls that failed, by store.",
             ),
             &["store"],
+        )
+        .expect("metric definition");
+        let store_evictions = IntCounterVec::new(
+            Opts::new(
+                "sluice_store_evictions_total",
+                "Limiter state evicted from the memory store while still in use (the store was full), by route.",
+            ),
+            &["route"],
         )
         .expect("metric definition");
         let upstream_errors = IntCounterVec::new(
@@ -115,6 +129,7 @@ impl Metrics {
             Box::new(request_duration.clone()),
             Box::new(limiter_duration.clone()),
             Box::new(store_errors.clone()),
+            Box::new(store_evictions.clone()),
             Box::new(upstream_errors.clone()),
             Box::new(client_errors.clone()),
             Box::new(config_reloads.clone()),
@@ -144,6 +159,8 @@ impl Metrics {
             request_duration,
             limiter_duration,
             store_errors,
+            store_evictions,
+            eviction_counters: Arc::new(EvictionCounters::default()),
             upstream_errors,
             client_errors,
             client_body,
@@ -185,6 +202,20 @@ impl Metrics {
         }
     }
 
+    /// Creates the route's `sluice_store_evictions_total` child at 0, and tells the
+    /// memory stores that state in each of `namespaces` belongs to `route`.
+    pub fn store_namespaces(&self, route: &str, namespaces: &[&str]) {
+        let counter = self.store_evictions.with_label_values(&[route]);
+        let mut by_ns = self
+            .eviction_counters
+            .by_ns
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        for ns in namespaces {
+            by_ns.insert((*ns).to_string(), counter.clone());
+        }
+    }
+
     /// The children for requests that match no route (label `unmatched`): only the
     /// decisions such a request can get are exported.
     pub fn unmatched(&self) -> RouteMetrics {
@@ -210,6 +241,23 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
+    }
+}
+
+/// The `sluice_store_evictions_total` children, resolved when routes are compiled and
+/// found by the namespace a store was given (a route's, or its IP fallback's).
+#[derive(Default)]
+pub struct EvictionCounters {
+    by_ns: RwLock<HashMap<String, IntCounter>>,
+}
+
+impl EvictionCounters {
+    /// One live entry of `ns` evicted; a namespace no route has is not counted.
+    pub fn count(&self, ns: &str) {
+        let by_ns = self.by_ns.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(c) = by_ns.get(ns) {
+            c.inc();
+        }
     }
 }
 

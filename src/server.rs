@@ -96,7 +96,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let max_keys = f.store.memory.max_keys.get();
     let store = match (f.store.backend, &f.store.redis) {
         (Backend::Memory, _) => {
-            Store::memory(MemoryStore::new(max_keys, SystemClock::new()), &metrics)
+            let m = MemoryStore::new(max_keys, SystemClock::new())
+                .with_evictions(metrics.eviction_counters.clone());
+            Store::memory(m, &metrics)
         }
         (Backend::Redis, Some(redis)) => {
             let redis = RedisStore::connect(crate::config::compile::redis_options(redis)?).await?;

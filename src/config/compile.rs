@@ -200,13 +200,15 @@ fn compile_route(
         }
     });
 
+    let (ns, fallback_ns) = (name.clone(), format!("{name}/ip"));
+    metrics.store_namespaces(&name, &[&ns, &fallback_ns]);
     Ok(Route {
         matcher: matcher(&name, &r.matcher)?,
         action,
         key,
         missing_key: r.missing_key,
-        ns: name.clone(),
-        fallback_ns: format!("{name}/ip"),
+        ns,
+        fallback_ns,
         limits,
         shadow: r.shadow,
         ban,

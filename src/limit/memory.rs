@@ -1,50 +1,80 @@
 //! The embedded store: limiter state in process, bounded and swept. One entry per
 //! (route, client key) holds the states of that route's limits; entries live in
-//! sharded LRU caches, so the number of keys is bounded and the least recently used
-//! ones are evicted, and a request's whole check-then-charge runs under one lock.
+//! sharded maps, one LRU list per route within each shard, so the number of keys is
+//! bounded, and a request's whole check-then-charge runs under one lock.
+//!
+//! A full shard makes room for a new entry by evicting, in this order: state that can
+//! no longer matter (expired: back to full capacity), found among the least recently
+//! used entries of each route; then the least recently used entry of the route that
+//! holds the most entries in the shard (the inserting route on a tie). So a flood of
+//! keys on one route evicts that route's own state, never another route's: no one can
+//! buy a fresh budget on `/login` with keys sent to `/api`. Evictions of live state
+//! are counted (`sluice_store_evictions_total{route}`) and logged.
 
-use std::borrow::Borrow;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher, RandomState};
-use std::num::NonZeroUsize;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use lru::LruCache;
 
 use super::algo::{judge, EMPTY};
 use super::{Checked, Clock, Permit, Plan, State, Verdict};
+use crate::metrics::EvictionCounters;
 
 /// Shards of the key space; fewer when `max_keys` is smaller.
 const SHARDS: usize = 32;
+/// Entries a shard holds at least (when `max_keys` allows): routes share a shard, so
+/// it must be large enough for each route's share to mean something.
+const MIN_SHARD: usize = 64;
+/// Least recently used entries of each route looked at for expired state before live
+/// state is evicted.
+const EXPIRED_SCAN: usize = 8;
+/// Evictions of live state are logged at most this often.
+const WARN_EVERY_US: u64 = 10_000_000;
 
 pub struct MemoryStore {
-    shards: Box<[Mutex<LruCache<EntryKey, Entry>>]>,
+    shards: Box<[Mutex<Shard>]>,
     /// Picks the shard; random per process so no one can aim keys at one shard.
     hasher: RandomState,
     clock: Arc<dyn Clock>,
-    /// Requests in flight of the concurrency limits, one shard per LRU shard.
+    max_keys: usize,
+    /// Counts evictions of live state by route; none for stores not reported.
+    evictions: Option<Arc<EvictionCounters>>,
+    /// Live entries evicted since the last warning, and when that was (clock µs).
+    unwarned: AtomicU64,
+    warned_at_us: AtomicU64,
+    /// Requests in flight of the concurrency limits, one shard per entry shard.
     in_flight: Arc<InFlight>,
 }
 
 /// Requests in flight per (route, client key) and concurrency limit id, kept beside the
-/// LRU shards and never evicted: an entry lives exactly while permits hold its slots, so
+/// entries and never evicted: a count lives exactly while permits hold its slots, so
 /// the map is bounded by the requests in flight, and no eviction can hand out a slot
-/// that is still taken. Locked after the LRU shard of the same index, and alone by a
-/// permit's release.
+/// that is still taken. Locked after the entry shard of the same index, and alone by
+/// a permit's release.
 struct InFlight {
     shards: Box<[Mutex<Counts>]>,
 }
 
-/// (limit id, requests in flight) per (route, client key).
-type Counts = HashMap<EntryKey, Vec<(u64, u64)>>;
+/// (limit id, requests in flight), by route and client key.
+type Counts = HashMap<Box<str>, HashMap<Box<str>, Vec<(u64, u64)>>>;
 
 /// The concurrency slots of one admitted request; dropping it gives them back.
 pub struct Slots {
     in_flight: Arc<InFlight>,
     shard: usize,
-    key: EntryKey,
+    route: Box<str>,
+    key: Box<str>,
     /// (limit id, slots taken).
     taken: Vec<(u64, u64)>,
+}
+
+/// One shard: the entries of each namespace (route), in least recently used order.
+struct Shard {
+    routes: HashMap<Box<str>, LruCache<Box<str>, Entry>>,
+    len: usize,
+    cap: usize,
 }
 
 /// The state of one limit for one key, with the time it stops mattering.
@@ -67,23 +97,35 @@ impl MemoryStore {
     /// A store holding at most `max_keys` (route, client key) entries.
     pub fn new(max_keys: usize, clock: Arc<dyn Clock>) -> MemoryStore {
         let max_keys = max_keys.max(1);
-        let n = SHARDS.min(max_keys);
+        let n = (max_keys / MIN_SHARD).clamp(1, SHARDS);
         // Capacities add up to exactly max_keys.
         let shards = (0..n)
             .map(|i| {
-                let cap = max_keys / n + usize::from(i < max_keys % n);
-                let cap = NonZeroUsize::new(cap).unwrap_or(NonZeroUsize::MIN);
-                Mutex::new(LruCache::new(cap))
+                Mutex::new(Shard {
+                    routes: HashMap::new(),
+                    len: 0,
+                    cap: (max_keys / n + usize::from(i < max_keys % n)).max(1),
+                })
             })
             .collect();
         MemoryStore {
-            in_flight: Arc::new(InFlight {
-                shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
-            }),
             shards,
             hasher: RandomState::new(),
             clock,
+            max_keys,
+            evictions: None,
+            unwarned: AtomicU64::new(0),
+            warned_at_us: AtomicU64::new(0),
+            in_flight: Arc::new(InFlight {
+                shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+            }),
         }
+    }
+
+    /// Counts this store's evictions of live state in `counters`, by route.
+    pub fn with_evictions(mut self, counters: Arc<EvictionCounters>) -> MemoryStore {
+        self.evictions = Some(counters);
+        self
     }
 
     /// Decides one request of `key` on `route` against every limit of `plan`, and
@@ -99,8 +141,8 @@ impl MemoryStore {
     /// takes no slot, and one refused for want of a slot is charged nothing.
     pub fn acquire(&self, route: &str, key: &str, plan: &Plan) -> Checked {
         let probe = (route, key);
-        let mut cache = self.shard(&probe);
         let shard = self.shard_index(&probe);
+        let mut cache = self.shard(&probe);
         // Read under the lock so commits to one entry happen in clock order.
         let now = self.clock.now_us();
         let mut in_flight = plan
@@ -110,7 +152,7 @@ impl MemoryStore {
         let held: Vec<State> = match &in_flight {
             None => Vec::new(),
             Some(map) => {
-                let counts = map.get(&probe as &dyn RouteKey);
+                let counts = map.get(route).and_then(|keys| keys.get(key));
                 plan.limits
                     .iter()
                     .map(|l| match counts {
@@ -123,29 +165,37 @@ impl MemoryStore {
                     .collect()
             }
         };
-        let verdict = match cache.get_mut(&probe as &dyn RouteKey) {
-            Some(entry) => {
-                let verdict = judge(plan, now, |i| {
-                    if plan.limits[i].algorithm.is_concurrency() {
-                        &held[i]
-                    } else {
-                        entry.state(plan.limits[i].id)
-                    }
-                });
-                if verdict.allowed {
-                    entry.charge(plan, now);
+        let verdict = if let Some(entry) = cache.get_mut(route, key) {
+            let verdict = judge(plan, now, |i| {
+                if plan.limits[i].algorithm.is_concurrency() {
+                    &held[i]
+                } else {
+                    entry.state(plan.limits[i].id)
                 }
-                verdict
+            });
+            if verdict.allowed {
+                entry.charge(plan, now);
             }
-            None => {
-                let verdict = judge(plan, now, |i| held.get(i).unwrap_or(&EMPTY));
-                if verdict.allowed && plan.limits.iter().any(|l| !l.algorithm.is_concurrency()) {
-                    self.insert_new(&mut cache, route, key, plan, now);
+            drop(cache);
+            verdict
+        } else {
+            let verdict = judge(plan, now, |i| held.get(i).unwrap_or(&EMPTY));
+            // Requests in flight are counted beside the entries: a plan of
+            // concurrency limits alone keeps no entry.
+            if verdict.allowed && plan.limits.iter().any(|l| !l.algorithm.is_concurrency()) {
+                let mut entry = Entry {
+                    slots: Vec::with_capacity(plan.limits.len()),
+                    expires_at_us: 0,
+                };
+                entry.charge(plan, now);
+                let evicted = cache.insert(route, key, entry, now);
+                drop(cache);
+                if let Some(ns) = evicted {
+                    self.evicted_live(&ns, now);
                 }
-                verdict
             }
+            verdict
         };
-        drop(cache);
         let permit = match in_flight.as_mut() {
             Some(map) if verdict.allowed => Permit::Memory(self.take(map, shard, route, key, plan)),
             _ => Permit::None,
@@ -155,11 +205,11 @@ impl MemoryStore {
 
     /// Takes one slot of every concurrency limit of `plan` (which admitted).
     fn take(&self, map: &mut Counts, shard: usize, route: &str, key: &str, plan: &Plan) -> Slots {
-        let key = EntryKey {
-            route: route.into(),
-            key: key.into(),
-        };
-        let counts = map.entry(key.clone()).or_default();
+        let counts = map
+            .entry(route.into())
+            .or_default()
+            .entry(key.into())
+            .or_default();
         let mut taken = Vec::with_capacity(1);
         for l in plan.limits.iter().filter(|l| l.algorithm.is_concurrency()) {
             match counts.iter_mut().find(|(id, _)| *id == l.id) {
@@ -171,16 +221,17 @@ impl MemoryStore {
         Slots {
             in_flight: self.in_flight.clone(),
             shard,
-            key,
+            route: route.into(),
+            key: key.into(),
             taken,
         }
     }
 
     /// Requests in flight of `key` on `route` under the concurrency limit `id`.
     pub fn in_flight(&self, route: &str, key: &str, id: u64) -> u64 {
-        let probe = (route, key);
-        let map = lock(&self.in_flight.shards[self.shard_index(&probe)]);
-        map.get(&probe as &dyn RouteKey)
+        let map = lock(&self.in_flight.shards[self.shard_index(&(route, key))]);
+        map.get(route)
+            .and_then(|keys| keys.get(key))
             .and_then(|c| c.iter().find(|(i, _)| *i == id))
             .map_or(0, |c| c.1)
     }
@@ -189,36 +240,13 @@ impl MemoryStore {
         (self.hasher.hash_one(probe) % self.shards.len() as u64) as usize
     }
 
-    /// Stores the entry of a key seen for the first time, charged with this request.
-    fn insert_new(
-        &self,
-        cache: &mut LruCache<EntryKey, Entry>,
-        route: &str,
-        key: &str,
-        plan: &Plan,
-        now: u64,
-    ) {
-        let mut entry = Entry {
-            slots: Vec::with_capacity(plan.limits.len()),
-            expires_at_us: 0,
-        };
-        entry.charge(plan, now);
-        cache.put(
-            EntryKey {
-                route: route.into(),
-                key: key.into(),
-            },
-            entry,
-        );
-    }
-
     /// Number of (route, client key) entries held.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| lock(s).len()).sum()
+        self.shards.iter().map(|s| lock(s).len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.shards.iter().all(|s| lock(s).is_empty())
+        self.shards.iter().all(|s| lock(s).len == 0)
     }
 
     /// Removes every entry that can no longer influence a decision at the clock's now;
@@ -230,10 +258,14 @@ impl MemoryStore {
         self.shards
             .iter()
             .map(|s| {
-                let mut cache = lock(s);
-                let before = cache.len();
-                cache.retain(|_, entry| entry.expires_at_us > now);
-                before - cache.len()
+                let mut shard = lock(s);
+                let before = shard.len;
+                for lru in shard.routes.values_mut() {
+                    lru.retain(|_, entry| entry.expires_at_us > now);
+                }
+                shard.routes.retain(|_, lru| !lru.is_empty());
+                shard.len = shard.routes.values().map(LruCache::len).sum();
+                before - shard.len
             })
             .sum()
     }
@@ -242,8 +274,32 @@ impl MemoryStore {
         &self.clock
     }
 
-    fn shard(&self, probe: &(&str, &str)) -> MutexGuard<'_, LruCache<EntryKey, Entry>> {
+    fn shard(&self, probe: &(&str, &str)) -> MutexGuard<'_, Shard> {
         lock(&self.shards[self.shard_index(probe)])
+    }
+
+    /// Counts a live entry of `ns` evicted, and says so in the log now and then (with
+    /// how many since the last time), not once per request.
+    fn evicted_live(&self, ns: &str, now: u64) {
+        if let Some(counters) = &self.evictions {
+            counters.count(ns);
+        }
+        self.unwarned.fetch_add(1, Ordering::Relaxed);
+        let last = self.warned_at_us.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= WARN_EVERY_US)
+            && self
+                .warned_at_us
+                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let evicted = self.unwarned.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                namespace = ns,
+                evicted,
+                max_keys = self.max_keys,
+                "memory store full: evicted limiter state that was still in use (its keys start afresh); raise store.memory.max_keys"
+            );
+        }
     }
 }
 
@@ -252,17 +308,22 @@ impl MemoryStore {
 impl Drop for Slots {
     fn drop(&mut self) {
         let mut map = lock(&self.in_flight.shards[self.shard]);
-        let Some(counts) = map.get_mut(&self.key) else {
+        let Some(keys) = map.get_mut(&self.route) else {
             return;
         };
-        for (id, n) in &self.taken {
-            if let Some(c) = counts.iter_mut().find(|(i, _)| i == id) {
-                c.1 = c.1.saturating_sub(*n);
+        if let Some(counts) = keys.get_mut(&self.key) {
+            for (id, n) in &self.taken {
+                if let Some(c) = counts.iter_mut().find(|(i, _)| i == id) {
+                    c.1 = c.1.saturating_sub(*n);
+                }
+            }
+            counts.retain(|c| c.1 > 0);
+            if counts.is_empty() {
+                keys.remove(&self.key);
             }
         }
-        counts.retain(|c| c.1 > 0);
-        if counts.is_empty() {
-            map.remove(&self.key);
+        if keys.is_empty() {
+            map.remove(&self.route);
         }
     }
 }
@@ -271,6 +332,68 @@ impl Drop for Slots {
 /// store keeps serving rather than poisoning every later request.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// === impl Shard ===
+
+impl Shard {
+    /// The entry of (`route`, `key`), now the most recently used of its route.
+    fn get_mut(&mut self, route: &str, key: &str) -> Option<&mut Entry> {
+        self.routes.get_mut(route)?.get_mut(key)
+    }
+
+    /// Adds a new entry, making room first when the shard is full. Returns the
+    /// namespace of the live entry evicted for it, if one was.
+    fn insert(&mut self, route: &str, key: &str, entry: Entry, now: u64) -> Option<Box<str>> {
+        let mut evicted = None;
+        if self.len >= self.cap && self.evict_expired(now) == 0 {
+            evicted = self.evict_live(route, now);
+        }
+        self.routes
+            .entry(route.into())
+            .or_insert_with(LruCache::unbounded)
+            .put(key.into(), entry);
+        self.len += 1;
+        evicted
+    }
+
+    /// Removes the expired entries among the `EXPIRED_SCAN` least recently used of
+    /// every route; returns how many.
+    fn evict_expired(&mut self, now: u64) -> usize {
+        let mut removed = 0;
+        for lru in self.routes.values_mut() {
+            let expired: Vec<Box<str>> = lru
+                .iter()
+                .rev()
+                .take(EXPIRED_SCAN)
+                .filter(|(_, e)| e.expires_at_us <= now)
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in &expired {
+                lru.pop(k);
+            }
+            removed += expired.len();
+        }
+        self.routes.retain(|_, lru| !lru.is_empty());
+        self.len -= removed;
+        removed
+    }
+
+    /// Evicts the least recently used entry of the route with the most entries here
+    /// (`inserting` on a tie); returns its namespace if the entry was live.
+    fn evict_live(&mut self, inserting: &str, now: u64) -> Option<Box<str>> {
+        let (ns, lru) = self
+            .routes
+            .iter_mut()
+            .max_by_key(|(ns, lru)| (lru.len(), &***ns == inserting))?;
+        let (_, entry) = lru.pop_lru()?;
+        let ns = ns.clone();
+        if lru.is_empty() {
+            self.routes.remove(&ns);
+        }
+        self.len -= 1;
+        (entry.expires_at_us > now).then_some(ns)
+    }
 }
 
 // === impl Entry ===
@@ -320,69 +443,6 @@ impl Entry {
     }
 }
 
-// === keys ===
-//
-// Entries are keyed by an owned (route, key) pair but looked up with borrowed strings,
-// so a request allocates only when its key is new: both forms are seen through the
-// `RouteKey` trait object, which hashes and compares the two strings.
-
-#[derive(Clone)]
-struct EntryKey {
-    route: Box<str>,
-    key: Box<str>,
-}
-
-trait RouteKey {
-    fn parts(&self) -> (&str, &str);
-}
-
-impl RouteKey for EntryKey {
-    fn parts(&self) -> (&str, &str) {
-        (&self.route, &self.key)
-    }
-}
-
-impl RouteKey for (&str, &str) {
-    fn parts(&self) -> (&str, &str) {
-        (self.0, self.1)
-    }
-}
-
-impl<'a> Borrow<dyn RouteKey + 'a> for EntryKey {
-    fn borrow(&self) -> &(dyn RouteKey + 'a) {
-        self
-    }
-}
-
-impl Hash for dyn RouteKey + '_ {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.parts().hash(state);
-    }
-}
-
-impl PartialEq for dyn RouteKey + '_ {
-    fn eq(&self, other: &Self) -> bool {
-        self.parts() == other.parts()
-    }
-}
-
-impl Eq for dyn RouteKey + '_ {}
-
-// Must hash and compare exactly like the borrowed form.
-impl Hash for EntryKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.parts().hash(state);
-    }
-}
-
-impl PartialEq for EntryKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.parts() == other.parts()
-    }
-}
-
-impl Eq for EntryKey {}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -427,9 +487,11 @@ mod tests {
 
     fn slots(store: &MemoryStore, route: &str, key: &str) -> Option<Vec<u64>> {
         let probe = (route, key);
-        let cache = store.shard(&probe);
-        cache
-            .peek(&probe as &dyn RouteKey)
+        let shard = store.shard(&probe);
+        shard
+            .routes
+            .get(route)?
+            .peek(key)
             .map(|e| e.slots.iter().map(|s| s.id).collect())
     }
 
@@ -437,7 +499,7 @@ mod tests {
     fn capacity_is_exactly_max_keys() {
         for max_keys in [0, 1, 5, 31, 32, 33, 1000, 1_000_000] {
             let (_, store) = store(max_keys);
-            let total: usize = store.shards.iter().map(|s| lock(s).cap().get()).sum();
+            let total: usize = store.shards.iter().map(|s| lock(s).cap).sum();
             assert_eq!(total, max_keys.max(1), "{max_keys}");
             assert!(store.shards.len() <= SHARDS);
         }
@@ -699,5 +761,89 @@ mod tests {
         assert!(panicked && store.shards[0].is_poisoned());
         assert_eq!(remaining(&store.check("r", "k", &p)), [3]);
         assert_eq!((store.len(), store.sweep()), (1, 0));
+    }
+
+    /// Counters for routes "api" and "login" (its IP fallback namespace included).
+    fn counted(store: MemoryStore) -> (MemoryStore, crate::metrics::Metrics) {
+        let m = crate::metrics::Metrics::new();
+        m.store_namespaces("api", &["api", "api/ip"]);
+        m.store_namespaces("login", &["login", "login/ip"]);
+        m.store_namespaces("a", &["a"]);
+        m.store_namespaces("b", &["b"]);
+        (store.with_evictions(m.eviction_counters.clone()), m)
+    }
+
+    fn evictions(m: &crate::metrics::Metrics, route: &str) -> u64 {
+        m.store_evictions.with_label_values(&[route]).get()
+    }
+
+    /// 2,500 API keys on one route do not give an IP on /login a fresh budget.
+    #[test]
+    fn a_flood_of_keys_on_one_route_keeps_another_routes_state() {
+        let (_, store) = store(1000);
+        let (store, m) = counted(store);
+        let login = plan(vec![fixed("w", 5, 60 * S)]);
+        let api = plan(vec![fixed("h", 10, 3_600 * S)]);
+        for left in [4, 3, 2, 1] {
+            assert_eq!(
+                remaining(&store.check("login/ip", "10.0.0.1", &login)),
+                [left]
+            );
+        }
+        for i in 0..2_500 {
+            assert!(store.check("api", &format!("key-{i}"), &api).allowed);
+        }
+        assert_eq!(store.len(), 1000);
+        let last = store.check("login/ip", "10.0.0.1", &login);
+        assert_eq!((last.allowed, remaining(&last)), (true, vec![0]));
+        assert!(!store.check("login/ip", "10.0.0.1", &login).allowed);
+        // Every eviction was of the flooding route's live state: 2,501 entries made,
+        // 1,000 kept.
+        assert_eq!(evictions(&m, "api"), 1_501);
+        assert_eq!(evictions(&m, "login"), 0);
+    }
+
+    #[test]
+    fn expired_state_is_evicted_before_live_state() {
+        let (clock, store) = store(2);
+        let (store, m) = counted(store);
+        assert_eq!(store.shards.len(), 1);
+        let hour = plan(vec![fixed("h", 5, 3_600 * S)]);
+        let second = plan(vec![fixed("s", 5, S)]);
+        store.check("a", "live", &hour);
+        // Used last, but back to full capacity a second later.
+        store.check("a", "expired", &second);
+        clock.advance(S);
+        store.check("b", "new", &hour);
+        assert_eq!(slots(&store, "a", "expired"), None);
+        assert!(slots(&store, "a", "live").is_some());
+        assert_eq!((evictions(&m, "a"), evictions(&m, "b")), (0, 0));
+        // Only live state left, one entry each: the inserting route gives up its own.
+        store.check("b", "newer", &hour);
+        assert_eq!(slots(&store, "b", "new"), None);
+        assert_eq!(remaining(&store.check("a", "live", &hour)), [3]);
+        assert_eq!((evictions(&m, "a"), evictions(&m, "b")), (0, 1));
+        assert_eq!(store.len(), 2);
+    }
+
+    /// A route that holds most of a shard gives up its entries to one that holds few.
+    #[test]
+    fn the_route_holding_most_entries_is_evicted_from() {
+        let (_, store) = store(3);
+        let (store, m) = counted(store);
+        let hour = plan(vec![fixed("h", 5, 3_600 * S)]);
+        store.check("a", "1", &hour);
+        store.check("a", "2", &hour);
+        store.check("b", "1", &hour);
+        // b inserts: a holds two, so a's least recently used goes.
+        store.check("b", "2", &hour);
+        assert_eq!(slots(&store, "a", "1"), None);
+        assert!(slots(&store, "a", "2").is_some());
+        assert_eq!((evictions(&m, "a"), evictions(&m, "b")), (1, 0));
+        // Now b holds two: it evicts its own from here on.
+        store.check("b", "3", &hour);
+        assert_eq!(slots(&store, "b", "1"), None);
+        assert!(slots(&store, "a", "2").is_some());
+        assert_eq!((evictions(&m, "a"), evictions(&m, "b")), (1, 1));
     }
 }

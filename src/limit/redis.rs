@@ -3,10 +3,12 @@
 //! clock; a breaker stops calling a Redis that keeps failing, and a refusal cache
 //! answers keys that Redis has refused until their retry time without asking again.
 
+use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use lru::LruCache;
@@ -322,9 +324,21 @@ impl Inner {
         }
     }
 
+    /// One command. A command the connection refused unsent, because it was found
+    /// already closed (Redis closed it while idle: `timeout`, `CLIENT KILL`, a proxy's
+    /// idle timeout), is sent again at once, on the new connection. A command that was
+    /// written and then lost its connection is not: Redis may have run it, and a
+    /// script run twice charges a request twice.
     async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         match self.conn.clone() {
-            Connection::Single(mut c) => cmd.query_async(&mut c).await,
+            Connection::Single(mut c) => match attempt(cmd.query_async(&mut c)).await {
+                Sent::Done(r) => r,
+                Sent::Unsent(e) => {
+                    // The manager has started reconnecting; this waits for it.
+                    tracing::debug!(error = %e, "Redis connection was closed; sending again on a new one");
+                    cmd.query_async(&mut c).await
+                }
+            },
             Connection::Cluster(mut c) => cmd.query_async(&mut c).await,
         }
     }
@@ -407,6 +421,37 @@ impl Inner {
         };
         verdict(plan, &reply)
     }
+}
+
+/// How one attempt to send a command ended.
+enum Sent<T> {
+    /// Answered, or failed after the command may have reached Redis.
+    Done(RedisResult<T>),
+    /// Refused before anything was written: the connection was already closed.
+    Unsent(redis::RedisError),
+}
+
+/// Runs one command future and tells whether a dropped-connection error came back
+/// without the command having been written. The multiplexed connection hands a
+/// command to its writer task through a channel; once the server has closed the
+/// connection that task has ended, and the command is refused on the spot, within
+/// the first poll. A command that got as far as the writer has to wait for its
+/// answer (at least one `Pending`), so any failure after that counts as possibly run.
+async fn attempt<T>(f: impl Future<Output = RedisResult<T>>) -> Sent<T> {
+    let mut f = std::pin::pin!(f);
+    let mut first = true;
+    std::future::poll_fn(|cx| {
+        let polled = f.as_mut().poll(cx);
+        let was_first = std::mem::replace(&mut first, false);
+        match polled {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err(e)) if was_first && e.is_connection_dropped() => {
+                Poll::Ready(Sent::Unsent(e))
+            }
+            Poll::Ready(r) => Poll::Ready(Sent::Done(r)),
+        }
+    })
+    .await
 }
 
 /// `<prefix>{<ns>:<key>}`: the part every key of the request shares, braces included,
@@ -609,7 +654,10 @@ impl Breaker {
 /// Probes Redis every `PROBE_EVERY` unless a call has just succeeded: while the
 /// breaker is open, the first answer closes it; while it is closed, failed probes
 /// count like failed calls, so an idle instance notices a Redis that went away (and
-/// `/readyz` says so) within `TRIP_AFTER` probes. Ends when the store is dropped.
+/// `/readyz` says so) within `TRIP_AFTER` probes. The PINGs are also the keepalive: no
+/// connection is ever idle for longer than `PROBE_EVERY`, far below the smallest
+/// server `timeout` (1 s), so Redis never closes one as idle. Ends when the store is
+/// dropped.
 fn spawn_prober(store: Weak<Inner>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(PROBE_EVERY);
@@ -618,7 +666,11 @@ fn spawn_prober(store: Weak<Inner>) {
             tick.tick().await;
             let Some(inner) = store.upgrade() else { return };
             let open = inner.breaker.is_open();
-            if !open && inner.breaker.answered_within(PROBE_EVERY) {
+            // A call that just answered kept the one connection busy; on a cluster it
+            // reached one node, and the PING (sent to every node) keeps the others'
+            // connections from being closed as idle.
+            let cluster = matches!(inner.conn, Connection::Cluster(_));
+            if !open && !cluster && inner.breaker.answered_within(PROBE_EVERY) {
                 continue;
             }
             // An open breaker closes only once the script itself runs; an idle one
@@ -944,5 +996,29 @@ mod tests {
         }
         let held: usize = cache.shards.iter().map(|s| s.lock().unwrap().len()).sum();
         assert!(held <= REFUSAL_SHARDS, "{held}");
+    }
+
+    fn dropped() -> redis::RedisError {
+        std::io::Error::from(std::io::ErrorKind::BrokenPipe).into()
+    }
+
+    /// Refused within the first poll: never written, so sent again. Failed after
+    /// waiting for an answer: it may have run, so not.
+    #[tokio::test]
+    async fn only_a_command_refused_unsent_counts_as_unsent() {
+        let unsent = attempt(async { Err::<(), _>(dropped()) }).await;
+        assert!(matches!(unsent, Sent::Unsent(_)));
+        let in_flight = attempt(async {
+            tokio::task::yield_now().await;
+            Err::<(), _>(dropped())
+        })
+        .await;
+        assert!(matches!(in_flight, Sent::Done(Err(_))));
+        // Other errors are answers, however fast.
+        let refused =
+            attempt(async { Err::<(), _>(redis::RedisError::from((ErrorKind::Client, "no"))) })
+                .await;
+        assert!(matches!(refused, Sent::Done(Err(_))));
+        assert!(matches!(attempt(async { Ok(7) }).await, Sent::Done(Ok(7))));
     }
 }

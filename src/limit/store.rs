@@ -2,11 +2,12 @@
 //! does not care which it is. The memory store cannot fail; the Redis store reports
 //! errors, and the gateway applies `on_error` (with `local`, through `fallback`).
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use prometheus::{Histogram, IntCounter};
 
 use super::{Checked, MemoryStore, Plan, RedisStore, SystemClock};
+use crate::metrics::EvictionCounters;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -40,6 +41,8 @@ pub enum Backend {
         /// (`on_error: local`); created on first use.
         fallback: OnceLock<MemoryStore>,
         fallback_max_keys: usize,
+        /// Where the fallback counts its evictions of live state.
+        evictions: Arc<EvictionCounters>,
     },
 }
 
@@ -70,6 +73,7 @@ impl Store {
                 redis: store,
                 fallback: OnceLock::new(),
                 fallback_max_keys,
+                evictions: metrics.eviction_counters.clone(),
             },
             latency: metrics.limiter_duration.with_label_values(&["redis"]),
             errors: Some(metrics.store_errors.with_label_values(&["redis"])),
@@ -108,10 +112,13 @@ impl Store {
             Backend::Redis {
                 fallback,
                 fallback_max_keys,
+                evictions,
                 ..
             } => {
-                let m = fallback
-                    .get_or_init(|| MemoryStore::new(*fallback_max_keys, SystemClock::new()));
+                let m = fallback.get_or_init(|| {
+                    MemoryStore::new(*fallback_max_keys, SystemClock::new())
+                        .with_evictions(evictions.clone())
+                });
                 Some(m.acquire(ns, key, plan))
             }
         }
