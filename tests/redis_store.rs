@@ -2,8 +2,8 @@
 //! on one server and on a cluster, exactness across gateway instances, script
 //! flushes, outages and recovery, skewed clocks, and that refusals write nothing.
 
-#[path = "common/redis.rs"]
-mod harness;
+mod common;
+use common::redis as harness;
 
 use std::time::Duration;
 

@@ -4,8 +4,7 @@
 //! fresh budget and raising it admits exactly the difference.
 
 mod common;
-#[path = "common/redis.rs"]
-mod harness;
+use common::redis as harness;
 
 use std::time::{Duration, Instant};
 
