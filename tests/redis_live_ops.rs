@@ -4,8 +4,8 @@
 //! change the shared list cannot take is refused with 503; `/readyz` follows Redis
 //! without any traffic. Real `redis-server` processes, real gateways, real HTTP.
 
-mod common;
-use common::redis as harness;
+#[path = "common/redis.rs"]
+mod harness;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

@@ -2,8 +2,8 @@
 //! on one server and on a cluster, exactness across gateway instances, script
 //! flushes, outages and recovery, skewed clocks, and that refusals write nothing.
 
-mod common;
-use common::redis as harness;
+#[path = "common/redis.rs"]
+mod harness;
 
 use std::time::Duration;
 

@@ -3,12 +3,13 @@
 //! (read by the system roots loader). One test in its own binary, so setting the
 //! environment cannot race another test.
 
-mod common;
+#[path = "common/redis.rs"]
+mod harness;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, spawn_grouped};
+use harness::{free_port, spawn_grouped};
 use sluice::limit::{Algorithm, LimitDef, Mode, Plan, RedisOptions, RedisStore, RedisTarget};
 
 #[test]

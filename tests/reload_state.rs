@@ -4,7 +4,8 @@
 //! fresh budget and raising it admits exactly the difference.
 
 mod common;
-use common::redis as harness;
+#[path = "common/redis.rs"]
+mod harness;
 
 use std::time::{Duration, Instant};
 

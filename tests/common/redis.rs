@@ -1,10 +1,12 @@
 //! The Redis test harness: real `redis-server` processes (one server, or a 3-node
 //! cluster) on free loopback ports, killed with the test; gateways on the Redis
 //! store; a raw HTTP/1.1 client; the metrics endpoint; and the `sluice` binary as a
-//! process. It is `common::redis` (`mod common;` in the test file); a test file may
-//! also include it as `#[path = "common/redis.rs"] mod harness;` next to
-//! `mod common;`. Ports, bounds, children and the gateway starter are `common`'s.
+//! process. It is `common::redis` (`mod common;` in the test file), or included
+//! by path alone (`#[path = "common/redis.rs"] mod harness;`). Ports, bounds,
+//! children and the gateway starter are in `base.rs`, loaded here and re-exported
+//! by `common` too.
 #![allow(dead_code)]
+#![allow(clippy::duplicate_mod)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -14,12 +16,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-// What the Redis test files used from this harness before it moved to `common`.
-#[allow(unused_imports)]
-pub use crate::common::{
-    bounded, eventually, free_port, run_grouped, spawn_grouped, start_gateway, with_listeners,
-    Running, Spawned, BOUND,
-};
+#[path = "base.rs"]
+pub mod base;
+pub use base::*;
 
 // === one redis-server ===
 
