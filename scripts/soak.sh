@@ -159,7 +159,7 @@ routes:
     key: ip
     limits:
       - {name: per_second, algorithm: sliding_window, limit: $1, window: 1s}
-      - {name: bucket, algorithm: token_bucket, rate: $1/s, burst: $1}
+      - {name: bucket, algorithm: token_bucket, rate: $1/m, burst: $1}
 EOF
   # Renamed into place, as an editor or a ConfigMap update does.
   mv "$work/sluice.yaml.new" "$work/sluice.yaml"
@@ -226,9 +226,9 @@ for ((t = 1; t < duration; t++)); do
   limit=$((limit == 1000000 ? 1000001 : 1000000))
   write_config "$limit"
   reloads=$((reloads + 1))
-  if ((t % 5 == 0)); then kill -HUP "$sluice_pid" && signals=$((signals + 1)); fi
-  if ((t % 7 == 0)); then
-    [ "$(api -X POST "$admin/admin/reload")" = 200 ] && api_reloads=$((api_reloads + 1))
+  if ((t % 5 == 0)) && kill -HUP "$sluice_pid"; then signals=$((signals + 1)); fi
+  if ((t % 7 == 0)) && [ "$(api -X POST "$admin/admin/reload")" = 200 ]; then
+    api_reloads=$((api_reloads + 1))
   fi
   # Deny entries on other clients: two added, the two of the previous second removed.
   # (While Redis is down the API answers 503: counted, expected.)
