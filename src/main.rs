@@ -160,6 +160,15 @@ fn run(path: PathBuf) -> ExitCode {
         }
     };
     rt.block_on(async move {
+        // Before anything listens: a signal sent as soon as /healthz answers must
+        // find its handler, not the default action (death by the signal).
+        let signals = match Signals::install() {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("signal handling: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         let running = match sluice::server::start(loaded).await {
             Ok(r) => r,
             Err(e) => {
@@ -167,9 +176,7 @@ fn run(path: PathBuf) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        if let Err(e) = wait_for_signals(&running).await {
-            eprintln!("signal handling: {e}");
-        }
+        signals.wait(&running).await;
         tracing::info!("shutting down: no new connections, waiting for requests in flight");
         running.shutdown().await;
         tracing::info!("stopped");
@@ -221,17 +228,31 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
     }
 }
 
-/// Reload on SIGHUP; return on SIGTERM or SIGINT.
-async fn wait_for_signals(running: &sluice::server::Running) -> std::io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    loop {
-        tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = int.recv() => return Ok(()),
-            _ = hup.recv() => { let _ = running.reload().await; }
+/// SIGTERM, SIGINT and SIGHUP, caught from `install` on.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// Reload on SIGHUP; return on SIGTERM or SIGINT.
+    async fn wait(mut self, running: &sluice::server::Running) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => { let _ = running.reload().await; }
+            }
         }
     }
 }
