@@ -717,6 +717,15 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
         "server.shutdown_grace",
         o.shutdown_grace != n.shutdown_grace,
     );
+    check(
+        "server.max_connections_per_ip",
+        o.max_connections_per_ip != n.max_connections_per_ip,
+    );
+    check("server.idle_timeout", o.idle_timeout != n.idle_timeout);
+    check(
+        "server.max_header_bytes",
+        o.max_header_bytes != n.max_header_bytes,
+    );
     check("admin.listen", old.admin.listen != new.admin.listen);
     // on_error is read per request from the swapped configuration.
     let store = |f: &schema::File| {
