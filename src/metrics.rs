@@ -65,7 +65,7 @@ impl Metrics {
         let upstream_errors = IntCounterVec::new(
             Opts::new(
                 "sluice_upstream_errors_total",
-                "Upstream failures by route and kind (connect, timeout, reset).",
+                "Upstream failures by route and kind (connect, timeout, reset, busy).",
             ),
             &["route", "kind"],
         )
@@ -164,6 +164,7 @@ impl Metrics {
             upstream_connect: u("connect"),
             upstream_timeout: u("timeout"),
             upstream_reset: u("reset"),
+            upstream_busy: u("busy"),
         }
     }
 
@@ -180,11 +181,13 @@ impl Metrics {
             store_error_allowed: detached(),
             store_error_denied: detached(),
             unmatched: d("unmatched"),
-            bad_request: detached(),
+            // CONNECT, refused whatever the route.
+            bad_request: d("bad_request"),
             duration: self.request_duration.with_label_values(&[UNMATCHED]),
             upstream_connect: detached(),
             upstream_timeout: detached(),
             upstream_reset: detached(),
+            upstream_busy: detached(),
         }
     }
 }
@@ -234,6 +237,7 @@ pub struct RouteMetrics {
     pub upstream_connect: IntCounter,
     pub upstream_timeout: IntCounter,
     pub upstream_reset: IntCounter,
+    pub upstream_busy: IntCounter,
 }
 
 impl RouteMetrics {
