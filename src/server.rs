@@ -655,32 +655,35 @@ async fn serve<S, F>(
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
         tokio::spawn(async move {
             let _slots = (permit, ip_slot);
-            let conn_stop = stop.clone();
-            let serve = async move {
-                match tls {
-                    None if !first_bytes(&stream, header_timeout).await => {
+            // Until its first request, a connection has nothing to finish at shutdown.
+            let result = match tls {
+                None => {
+                    let started = tokio::select! {
+                        ok = first_bytes(&stream, header_timeout) => ok,
+                        _ = stop.wait_for(|s| *s) => false,
+                    };
+                    if started {
+                        let io = TokioIo::new(stream);
+                        drive(&builder, io, service, idle_timeout, header_timeout, stop).await
+                    } else {
                         Err("no request before the header timeout".into())
                     }
-                    None => {
-                        let io = TokioIo::new(stream);
-                        drive(&builder, io, service, idle_timeout, header_timeout, conn_stop).await
-                    }
-                    Some(acceptor) => {
-                        match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                            Ok(Ok(stream)) => {
-                                let io = TokioIo::new(stream);
-                                drive(&builder, io, service, idle_timeout, header_timeout, conn_stop).await
-                            }
-                            Ok(Err(e)) => Err(e.into()),
-                            Err(_) => Err("TLS handshake timed out".into()),
+                }
+                Some(acceptor) => {
+                    let shaken = tokio::select! {
+                        r = tokio::time::timeout(header_timeout, acceptor.accept(stream)) => r,
+                        _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
+                    };
+                    match shaken {
+                        Ok(Ok(stream)) => {
+                            let io = TokioIo::new(stream);
+                            drive(&builder, io, service, idle_timeout, header_timeout, stop)
+                                .await
                         }
+                        Ok(Err(e)) => Err(e.into()),
+                        Err(_) => Err("TLS handshake timed out".into()),
                     }
                 }
-            };
-            let result = tokio::select! {
-                r = serve => r,
-                // Stopped before its first request: nothing to finish.
-                _ = stop.wait_for(|s| *s) => Ok(()),
             };
             if let Err(e) = result {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
