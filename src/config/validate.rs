@@ -984,6 +984,22 @@ mod tests {
     }
 
     #[test]
+    fn connection_settings() {
+        let yaml = "server:\n  max_header_bytes: 4KiB\n  idle_timeout: 0s\n  max_connections_per_ip: 0\n  upgrades: [websocket, H2C, \"a b\"]\nupstreams:\n  api: {targets: [http://127.0.0.1:1, http://127.0.0.1:2], max_connections: 1}\nroutes: []\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "2:21: max_header_bytes must be between 8KiB and 1MiB, found 4096 bytes",
+                "3:17: idle_timeout must be greater than 0",
+                "4:27: max_connections_per_ip must be greater than 0",
+                "5:25: h2c cannot be passed through: its tunnel would carry requests past every route and limit (clients can speak h2c to sluice directly)",
+                "5:30: \"a b\" is not an Upgrade protocol token, expected like websocket",
+                "7:77: max_connections (1) must be at least the number of targets (2): the connections are split across them",
+            ]
+        );
+    }
+
+    #[test]
     fn hosts() {
         for ok in [
             "api.example.com",
