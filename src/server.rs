@@ -677,8 +677,7 @@ async fn serve<S, F>(
                     match shaken {
                         Ok(Ok(stream)) => {
                             let io = TokioIo::new(stream);
-                            drive(&builder, io, service, idle_timeout, header_timeout, stop)
-                                .await
+                            drive(&builder, io, service, idle_timeout, header_timeout, stop).await
                         }
                         Ok(Err(e)) => Err(e.into()),
                         Err(_) => Err("TLS handshake timed out".into()),

@@ -193,9 +193,15 @@ async fn an_h2c_upgrade_is_not_spliced_and_the_requests_after_it_are_limited() {
     for h in ["upgrade", "http2-settings", "connection"] {
         assert_eq!(header(&first, h), None, "{h} forwarded: {first:?}");
     }
-    assert!(heads[1].starts_with("POST /login HTTP/1.1\r\n"), "{heads:?}");
+    assert!(
+        heads[1].starts_with("POST /login HTTP/1.1\r\n"),
+        "{heads:?}"
+    );
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "login"), [("allowed", 1.0), ("limited", 19.0)]);
+    assert_eq!(
+        decisions(&m, "login"),
+        [("allowed", 1.0), ("limited", 19.0)]
+    );
     assert_eq!(decisions(&m, "rest"), [("allowed", 1.0)]);
 }
 
@@ -211,7 +217,9 @@ async fn only_listed_upgrade_tokens_are_spliced() {
     // Listed, in any case: a 101 and a working tunnel.
     for token in ["WebSocket", "x-TUNNEL"] {
         let mut s = connect(gw.addr).await;
-        let req = format!("GET /ws HTTP/1.1\r\nhost: a\r\nconnection: upgrade\r\nupgrade: {token}\r\n\r\n");
+        let req = format!(
+            "GET /ws HTTP/1.1\r\nhost: a\r\nconnection: upgrade\r\nupgrade: {token}\r\n\r\n"
+        );
         s.write_all(req.as_bytes()).await.unwrap();
         let head = read_head(&mut s).await.expect("an answer");
         assert_eq!(status(&head), 101, "{head:?}");
@@ -336,7 +344,9 @@ async fn an_idle_keep_alive_connection_is_closed() {
     ))
     .await;
     let mut s = connect(gw.addr).await;
-    s.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
     let (head, _) = read_response(&mut s).await.expect("a response");
     assert_eq!(status(&head), 200);
     assert_eq!(read_to_close(&mut s).await, "");
@@ -362,7 +372,9 @@ async fn a_long_response_is_not_cut_by_the_idle_timeout() {
 
 /// Send a GET on `s`; the response status, or `None` when the connection closed.
 async fn get_on(s: &mut TcpStream) -> Option<u16> {
-    s.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n").await.ok()?;
+    s.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .ok()?;
     read_response(s).await.map(|(head, _)| status(&head))
 }
 
@@ -494,7 +506,10 @@ async fn a_slow_oversized_head_is_cut_at_the_limit() {
     }
     let head = bounded("the 431", reader).await.unwrap();
     assert!(head.starts_with("HTTP/1.1 431 "), "{head:?}");
-    assert!(sent < TOTAL, "the whole {TOTAL} bytes were taken before the answer");
+    assert!(
+        sent < TOTAL,
+        "the whole {TOTAL} bytes were taken before the answer"
+    );
     assert_eq!(up.hits(), 0);
 }
 
@@ -520,7 +535,11 @@ async fn an_h2_header_list_over_max_header_bytes_is_431() {
 #[tokio::test]
 async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
     let up = CountingUpstream::start(Duration::from_millis(20)).await;
-    let gw = start_gateway(&proxy(up.addr, ", max_connections: 10, connect_timeout: 10s")).await;
+    let gw = start_gateway(&proxy(
+        up.addr,
+        ", max_connections: 10, connect_timeout: 10s",
+    ))
+    .await;
     let client = h2c();
     let u = url(gw.addr, "/x");
     let tasks: Vec<_> = (0..200)
@@ -534,11 +553,18 @@ async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
         statuses.push(t.await.unwrap());
     }
     assert_eq!(statuses, vec![200; 200]);
-    assert!(up.most() <= 10, "{} upstream connections at once", up.most());
+    assert!(
+        up.most() <= 10,
+        "{} upstream connections at once",
+        up.most()
+    );
     assert!(up.open.load(Ordering::SeqCst) <= 10);
     let m = metrics(gw.admin_addr).await;
     assert_eq!(
-        metric(&m, "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"),
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
+        ),
         Some(0.0)
     );
 }
@@ -546,7 +572,11 @@ async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
 #[tokio::test]
 async fn requests_over_the_upstream_cap_wait_then_get_503() {
     let up = CountingUpstream::start(Duration::from_millis(1500)).await;
-    let gw = start_gateway(&proxy(up.addr, ", max_connections: 2, connect_timeout: 200ms")).await;
+    let gw = start_gateway(&proxy(
+        up.addr,
+        ", max_connections: 2, connect_timeout: 200ms",
+    ))
+    .await;
     let client = h2c();
     let u = url(gw.addr, "/x");
     let tasks: Vec<_> = (0..6)
@@ -569,7 +599,10 @@ async fn requests_over_the_upstream_cap_wait_then_get_503() {
     assert_eq!(up.most(), 2);
     let m = metrics(gw.admin_addr).await;
     assert_eq!(
-        metric(&m, "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"),
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
+        ),
         Some(4.0)
     );
 }
@@ -621,7 +654,10 @@ async fn the_open_file_limit_is_raised_to_its_hard_limit() {
     let gw: SocketAddr = ([127, 0, 0, 1], port).into();
     let served = bounded("sluice comes up", async {
         loop {
-            if let Ok(r) = http1().try_send(Method::GET, &url(gw, "/"), &[], Bytes::new()).await {
+            if let Ok(r) = http1()
+                .try_send(Method::GET, &url(gw, "/"), &[], Bytes::new())
+                .await
+            {
                 return r.status;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -180,7 +180,10 @@ impl Checker<'_> {
             if token.is_empty() || !token.bytes().all(is_tchar) {
                 self.at(
                     &path,
-                    format!("{:?} is not an Upgrade protocol token, expected like websocket", token.as_str()),
+                    format!(
+                        "{:?} is not an Upgrade protocol token, expected like websocket",
+                        token.as_str()
+                    ),
                 );
             } else if token.eq_ignore_ascii_case("h2c") {
                 self.at(
