@@ -1,7 +1,8 @@
-//! Forwarding: one pooled hyper-util client per upstream, round robin over its
-//! targets, bodies streamed both ways, hop-by-hop headers dropped, `X-Forwarded-*`
-//! set, the client's `Host` kept, `Upgrade` (WebSocket) connections spliced, and
-//! failures sorted into connect / timeout / reset for a 502 or 504.
+//! Forwarding: one pooled hyper-util client per upstream target (its connections
+//! capped), round robin over the targets, bodies streamed both ways, hop-by-hop
+//! headers dropped, `X-Forwarded-*` set, the client's `Host` kept, listed `Upgrade`
+//! protocols (WebSocket) spliced, and failures sorted into connect / timeout /
+//! reset / busy for a 502, 504 or 503.
 
 use std::error::Error as _;
 use std::future::Future;
@@ -249,6 +250,10 @@ impl Upstream {
         let client_upgrade = upgrade_proto
             .is_some()
             .then(|| hyper::upgrade::on(&mut req));
+        let held = upgrade_proto
+            .is_some()
+            .then(|| req.extensions_mut().remove::<ConnectionHeld>())
+            .flatten();
 
         let (mut parts, body) = req.into_parts();
         // The target's authority (HTTP/2 `:authority`, HTTP/1.1 absolute-form) wins
@@ -308,7 +313,7 @@ impl Upstream {
 
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             return match client_upgrade {
-                Some(client_upgrade) => Ok(splice(resp, client_upgrade)),
+                Some(client_upgrade) => Ok(splice(resp, client_upgrade, held)),
                 // A switch nobody asked for: its connection speaks something else now.
                 None => Err(ProxyError::Reset(
                     "the upstream switched protocols without an upgrade request".into(),
@@ -324,11 +329,22 @@ impl Upstream {
     }
 }
 
+/// What the listener holds for a client connection (its `max_connections` and
+/// per-IP slots), put on upgrade requests: a tunnel keeps it until it closes, so
+/// tunnels count against the connection limits like any connection.
+#[derive(Clone)]
+pub struct ConnectionHeld(pub Arc<dyn std::any::Any + Send + Sync>);
+
 /// Pass a 101 answer on and join the two upgraded connections once both sides
 /// have switched.
-fn splice(mut resp: Response<Incoming>, client: hyper::upgrade::OnUpgrade) -> Response<Body> {
+fn splice(
+    mut resp: Response<Incoming>,
+    client: hyper::upgrade::OnUpgrade,
+    held: Option<ConnectionHeld>,
+) -> Response<Body> {
     let upstream = hyper::upgrade::on(&mut resp);
     tokio::spawn(async move {
+        let _held = held;
         let (Ok(c), Ok(u)) = (client.await, upstream.await) else {
             tracing::debug!("upgrade failed on one side");
             return;

@@ -1,5 +1,6 @@
 //! Listeners and lifecycle: the gateway port (HTTP/1.1 and h2c on one socket, with
-//! a header-read timeout and a connection cap), the admin port, the control loop
+//! a header-read timeout, a head size limit, an idle timeout, and connection caps
+//! in total and per peer address), the admin port, the control loop
 //! (file watcher, bans, the shared deny list, expiry), the memory store's sweeper,
 //! and graceful shutdown.
 
@@ -32,6 +33,7 @@ use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
+use crate::proxy::ConnectionHeld;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -523,6 +525,8 @@ impl http_body::Body for TrackedBody {
 struct Tracked<S> {
     inner: S,
     activity: Arc<Activity>,
+    /// The connection's slots, lent to an upgrade request's tunnel.
+    held: Arc<dyn std::any::Any + Send + Sync>,
 }
 
 type Served = Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>;
@@ -536,7 +540,11 @@ where
     type Error = Infallible;
     type Future = Served;
 
-    fn call(&self, req: Request<Incoming>) -> Served {
+    fn call(&self, mut req: Request<Incoming>) -> Served {
+        if req.headers().contains_key(http::header::UPGRADE) {
+            req.extensions_mut()
+                .insert(ConnectionHeld(self.held.clone()));
+        }
         let in_flight = self.activity.start();
         let answer = self.inner.call(req);
         Box::pin(async move {
@@ -648,13 +656,16 @@ async fn serve<S, F>(
             }
         };
         let _ = stream.set_nodelay(true);
+        // Held by the connection, and by a tunnel it upgrades to.
+        let held = Arc::new((permit, ip_slot));
         let service = Tracked {
             inner: service(peer),
             activity: Activity::new(),
+            held: held.clone(),
         };
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
         tokio::spawn(async move {
-            let _slots = (permit, ip_slot);
+            let _held = held;
             // Until its first request, a connection has nothing to finish at shutdown.
             let result = match tls {
                 None => {
@@ -690,7 +701,8 @@ async fn serve<S, F>(
         });
     }
     drop(listener);
-    // Every connection holds a slot until it ends.
+    // Every connection holds a slot until it ends (an upgraded one: until its
+    // tunnel closes).
     let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
     if tokio::time::timeout(grace, slots.acquire_many(all))
         .await

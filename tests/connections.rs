@@ -669,3 +669,44 @@ async fn the_open_file_limit_is_raised_to_its_hard_limit() {
     assert_eq!(soft, hard, "soft limit left at {soft}");
     assert_ne!(soft, "256");
 }
+
+#[tokio::test]
+async fn an_upgraded_tunnel_keeps_its_connection_slot() {
+    let up = upstream().await;
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", max_connections_per_ip: 2}}\n{}",
+        proxy(up.addr, "")
+    ))
+    .await;
+    let mut tunnel = connect(gw.addr).await;
+    tunnel
+        .write_all(
+            b"GET /ws HTTP/1.1\r\nhost: a\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let head = read_head(&mut tunnel).await.expect("an answer");
+    assert_eq!(status(&head), 101, "{head:?}");
+    tunnel.write_all(b"ping").await.unwrap();
+    let mut back = [0u8; 4];
+    bounded("echo", tunnel.read_exact(&mut back)).await.unwrap();
+    let mut second = connect(gw.addr).await;
+    assert_eq!(get_on(&mut second).await, Some(200));
+    let mut third = connect(gw.addr).await;
+    assert_eq!(get_on(&mut third).await, None);
+    // The tunnel closes: its slot comes back.
+    tunnel.shutdown().await.unwrap();
+    assert_eq!(read_to_close(&mut tunnel).await, "");
+    drop(tunnel);
+    let served = bounded("a connection accepted after the tunnel closed", async {
+        loop {
+            let mut s = connect(gw.addr).await;
+            if let Some(code) = get_on(&mut s).await {
+                return code;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(served, 200);
+}
