@@ -21,6 +21,8 @@ pub struct Metrics {
     pub limiter_duration: HistogramVec,
     pub store_errors: IntCounterVec,
     pub upstream_errors: IntCounterVec,
+    /// Connections closed at accept, by reason (`per_ip`).
+    pub connections_refused: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub config_last_reload_success: IntGauge,
     pub deny_entries: IntGaugeVec,
@@ -70,6 +72,14 @@ impl Metrics {
             &["route", "kind"],
         )
         .expect("metric definition");
+        let connections_refused = IntCounterVec::new(
+            Opts::new(
+                "sluice_connections_refused_total",
+                "Client connections closed at once when accepted, by reason (per_ip).",
+            ),
+            &["reason"],
+        )
+        .expect("metric definition");
         let config_reloads = IntCounterVec::new(
             Opts::new(
                 "sluice_config_reloads_total",
@@ -104,6 +114,7 @@ impl Metrics {
             Box::new(limiter_duration.clone()),
             Box::new(store_errors.clone()),
             Box::new(upstream_errors.clone()),
+            Box::new(connections_refused.clone()),
             Box::new(config_reloads.clone()),
             Box::new(config_last_reload_success.clone()),
             Box::new(deny_entries.clone()),
@@ -120,6 +131,7 @@ impl Metrics {
         for result in ["success", "failure"] {
             config_reloads.with_label_values(&[result]);
         }
+        connections_refused.with_label_values(&["per_ip"]);
         for source in crate::deny::Source::ALL {
             deny_entries.with_label_values(&[source.as_str()]);
         }
@@ -130,6 +142,7 @@ impl Metrics {
             limiter_duration,
             store_errors,
             upstream_errors,
+            connections_refused,
             config_reloads,
             config_last_reload_success,
             deny_entries,

@@ -158,6 +158,10 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let grace = f.server.shutdown_grace.get();
 
     let gw = {
+        let refused = shared
+            .metrics
+            .connections_refused
+            .with_label_values(&["per_ip"]);
         let shared_for_exempt = shared.clone();
         let shared = shared.clone();
         let service = move |peer: SocketAddr| {
@@ -179,6 +183,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             max_connections: f.server.max_connections.get(),
             per_ip: f.server.max_connections_per_ip.get(),
             exempt,
+            refused: Some(refused),
             grace,
         };
         tokio::spawn(serve(
@@ -208,6 +213,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             max_connections: 256,
             per_ip: usize::MAX,
             exempt: Arc::new(|_| true),
+            refused: None,
             grace: Duration::from_secs(1),
         };
         let builder = Arc::new(http_builder(header_timeout, max_head));
@@ -374,6 +380,8 @@ struct Limits {
     /// Connections one peer address may hold; more are closed at once.
     per_ip: usize,
     exempt: Exempt,
+    /// Counts connections closed for `per_ip`.
+    refused: Option<prometheus::IntCounter>,
     /// How long shutdown waits for requests in flight.
     grace: Duration,
 }
@@ -622,6 +630,7 @@ async fn serve<S, F>(
         max_connections,
         per_ip,
         exempt,
+        refused,
         grace,
     } = limits;
     let slots = Arc::new(Semaphore::new(max_connections));
@@ -650,6 +659,9 @@ async fn serve<S, F>(
             match PerIp::take(&peers, ip, per_ip) {
                 Some(slot) => Some(slot),
                 None => {
+                    if let Some(c) = &refused {
+                        c.inc();
+                    }
                     tracing::debug!(%peer, per_ip, "connection closed: the address holds max_connections_per_ip");
                     continue;
                 }

@@ -392,8 +392,11 @@ async fn a_peer_over_its_connection_cap_is_closed_at_once() {
         assert_eq!(get_on(&mut s).await, Some(200));
         open.push(s);
     }
+    let refused = "sluice_connections_refused_total{reason=\"per_ip\"}";
+    assert_eq!(metric(&metrics(gw.admin_addr).await, refused), Some(0.0));
     let mut fourth = connect(gw.addr).await;
     assert_eq!(get_on(&mut fourth).await, None);
+    assert_eq!(metric(&metrics(gw.admin_addr).await, refused), Some(1.0));
     // The three are still served.
     for s in &mut open {
         assert_eq!(get_on(s).await, Some(200));
