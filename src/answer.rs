@@ -36,6 +36,17 @@ pub fn close(mut r: Response<Body>) -> Response<Body> {
     r
 }
 
+/// The answer to `CONNECT`: sluice is no forward proxy, and a tunnel would carry
+/// requests past every route and limit.
+pub fn connect_refused() -> Response<Body> {
+    let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "CONNECT is not supported\n");
+    r.headers_mut().insert(
+        http::header::ALLOW,
+        HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS"),
+    );
+    r
+}
+
 /// Whole seconds, rounded up.
 pub fn ceil_secs(us: u64) -> u64 {
     us.div_ceil(1_000_000)

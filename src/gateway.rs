@@ -148,6 +148,9 @@ pub async fn handle(
     let http1 = parts.version < Version::HTTP_2;
 
     let (resp, decision) = 'answer: {
+        if parts.method == http::Method::CONNECT {
+            break 'answer (answer::connect_refused(), Decision::BadRequest);
+        }
         // Deny by IP, whatever the route.
         if rt.deny.table.ip(ip) || shared.deny.load().ip(ip) {
             break 'answer (denied(&rt), Decision::Denied);
@@ -375,12 +378,14 @@ fn upstream_failed(route: &Route, e: ProxyError) -> Response<Body> {
         ProxyError::Connect(_) => route.metrics.upstream_connect.inc(),
         ProxyError::Timeout => route.metrics.upstream_timeout.inc(),
         ProxyError::Reset(_) => route.metrics.upstream_reset.inc(),
+        ProxyError::Busy => route.metrics.upstream_busy.inc(),
         ProxyError::TooLarge => {}
     }
     tracing::debug!(route = %route.name, error = %e, "forwarding failed");
     let msg = match e.status() {
         StatusCode::GATEWAY_TIMEOUT => "upstream did not answer in time\n",
         StatusCode::PAYLOAD_TOO_LARGE => "request body too large\n",
+        StatusCode::SERVICE_UNAVAILABLE => "upstream busy\n",
         _ => "upstream unavailable\n",
     };
     answer::text(e.status(), msg)

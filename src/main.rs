@@ -149,6 +149,7 @@ fn run(path: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    raise_open_files();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -226,6 +227,36 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Every client connection and every upstream connection is a file descriptor:
+/// raise the soft limit on them to the hard limit, as nginx's
+/// `worker_rlimit_nofile` or systemd's `LimitNOFILE` would.
+fn raise_open_files() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot read the open-file limit");
+        return;
+    }
+    let before = lim.rlim_cur;
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), soft = before, hard = lim.rlim_max, "cannot raise the open-file limit");
+            return;
+        }
+    }
+    tracing::debug!(
+        soft = lim.rlim_cur,
+        hard = lim.rlim_max,
+        was = before,
+        "open-file limit"
+    );
 }
 
 /// SIGTERM, SIGINT and SIGHUP, caught from `install` on.

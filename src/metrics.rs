@@ -27,6 +27,8 @@ pub struct Metrics {
     /// `store_evictions` children by limiter namespace, for the memory stores.
     pub eviction_counters: Arc<EvictionCounters>,
     pub upstream_errors: IntCounterVec,
+    /// Connections closed at accept, by reason (`per_ip`).
+    pub connections_refused: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub config_last_reload_success: IntGauge,
     pub deny_entries: IntGaugeVec,
@@ -79,9 +81,17 @@ impl Metrics {
         let upstream_errors = IntCounterVec::new(
             Opts::new(
                 "sluice_upstream_errors_total",
-                "Upstream failures by route and kind (connect, timeout, reset).",
+                "Upstream failures by route and kind (connect, timeout, reset, busy).",
             ),
             &["route", "kind"],
+        )
+        .expect("metric definition");
+        let connections_refused = IntCounterVec::new(
+            Opts::new(
+                "sluice_connections_refused_total",
+                "Client connections closed at once when accepted, by reason (per_ip).",
+            ),
+            &["reason"],
         )
         .expect("metric definition");
         let config_reloads = IntCounterVec::new(
@@ -119,6 +129,7 @@ impl Metrics {
             Box::new(store_errors.clone()),
             Box::new(store_evictions.clone()),
             Box::new(upstream_errors.clone()),
+            Box::new(connections_refused.clone()),
             Box::new(config_reloads.clone()),
             Box::new(config_last_reload_success.clone()),
             Box::new(deny_entries.clone()),
@@ -135,6 +146,7 @@ impl Metrics {
         for result in ["success", "failure"] {
             config_reloads.with_label_values(&[result]);
         }
+        connections_refused.with_label_values(&["per_ip"]);
         for source in crate::deny::Source::ALL {
             deny_entries.with_label_values(&[source.as_str()]);
         }
@@ -147,6 +159,7 @@ impl Metrics {
             store_evictions,
             eviction_counters: Arc::new(EvictionCounters::default()),
             upstream_errors,
+            connections_refused,
             config_reloads,
             config_last_reload_success,
             deny_entries,
@@ -181,6 +194,7 @@ impl Metrics {
             upstream_connect: u("connect"),
             upstream_timeout: u("timeout"),
             upstream_reset: u("reset"),
+            upstream_busy: u("busy"),
         }
     }
 
@@ -216,6 +230,7 @@ impl Metrics {
             upstream_connect: detached(),
             upstream_timeout: detached(),
             upstream_reset: detached(),
+            upstream_busy: detached(),
         }
     }
 }
@@ -282,6 +297,7 @@ pub struct RouteMetrics {
     pub upstream_connect: IntCounter,
     pub upstream_timeout: IntCounter,
     pub upstream_reset: IntCounter,
+    pub upstream_busy: IntCounter,
 }
 
 impl RouteMetrics {
