@@ -45,6 +45,17 @@ pub fn close(mut r: Response<Body>) -> Response<Body> {
     r
 }
 
+/// The answer to `CONNECT`: sluice is no forward proxy, and a tunnel would carry
+/// requests past every route and limit.
+pub fn connect_refused() -> Response<Body> {
+    let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "CONNECT is not supported\n");
+    r.headers_mut().insert(
+        http::header::ALLOW,
+        HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS"),
+    );
+    r
+}
+
 /// Whole seconds, rounded up.
 pub fn ceil_secs(us: u64) -> u64 {
     us.div_ceil(1_000_000)
@@ -69,6 +80,8 @@ pub fn limited(route: &str, limit: &str, retry_after_us: u64) -> Response<Body> 
 pub enum Refusal<'a> {
     /// A malformed or ambiguous request head (method, Host, path).
     BadHead(BadRequest),
+    /// `CONNECT`: sluice is no forward proxy (405).
+    Connect,
     /// On the deny list: the configured status (403).
     Denied(StatusCode),
     Unmatched,
@@ -108,6 +121,7 @@ impl Refusal<'_> {
     pub fn status(&self) -> StatusCode {
         match self {
             Refusal::Denied(status) => *status,
+            Refusal::Connect => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::Unmatched => StatusCode::NOT_FOUND,
             Refusal::BadHead(_) | Refusal::MissingKey(_) | Refusal::Client(_) => {
                 StatusCode::BAD_REQUEST
@@ -126,6 +140,7 @@ impl Refusal<'_> {
             Refusal::Denied(_) => Decision::Denied,
             Refusal::Unmatched => Decision::Unmatched,
             Refusal::BadHead(_)
+            | Refusal::Connect
             | Refusal::MissingKey(_)
             | Refusal::TooLarge(_)
             | Refusal::Client(_) => Decision::BadRequest,
@@ -154,6 +169,7 @@ impl Refusal<'_> {
         let closes = self.closes(unread_body);
         let mut r = match self {
             Refusal::BadHead(bad) => bad.answer(),
+            Refusal::Connect => connect_refused(),
             Refusal::Denied(_) => text(status, "access denied\n"),
             Refusal::Unmatched => text(status, "no route matches this request\n"),
             Refusal::MissingKey(part) => text(
@@ -176,6 +192,7 @@ impl Refusal<'_> {
                 match e {
                     ProxyError::Timeout => "upstream did not answer in time\n",
                     ProxyError::TooLarge => "request body too large\n",
+                    ProxyError::Busy => "upstream busy\n",
                     _ => "upstream unavailable\n",
                 },
             ),

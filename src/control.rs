@@ -717,6 +717,15 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
         "server.shutdown_grace",
         o.shutdown_grace != n.shutdown_grace,
     );
+    check(
+        "server.max_connections_per_ip",
+        o.max_connections_per_ip != n.max_connections_per_ip,
+    );
+    check("server.idle_timeout", o.idle_timeout != n.idle_timeout);
+    check(
+        "server.max_header_bytes",
+        o.max_header_bytes != n.max_header_bytes,
+    );
     check("admin.listen", old.admin.listen != new.admin.listen);
     // on_error is read per request from the swapped configuration.
     let store = |f: &schema::File| {
@@ -770,3 +779,28 @@ fn write_state(p: &std::path::Path, list: &[EntryJson]) -> std::io::Result<()> {
 
 /// How often expired entries are dropped and the state file written.
 pub const TICK: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(yaml: &str) -> schema::File {
+        serde_yaml::from_str(yaml).expect("valid schema")
+    }
+
+    #[test]
+    fn listener_settings_need_a_restart_upstream_and_upgrade_ones_do_not() {
+        let old = file("routes: []\n");
+        let new = file(
+            "server: {idle_timeout: 5s, max_connections_per_ip: 3, max_header_bytes: 16KiB, upgrades: []}\nupstreams: {a: {targets: [http://127.0.0.1:1], max_connections: 5}}\nroutes: []\n",
+        );
+        assert_eq!(
+            needs_restart(&old, &new),
+            [
+                "server.max_connections_per_ip",
+                "server.idle_timeout",
+                "server.max_header_bytes"
+            ]
+        );
+    }
+}

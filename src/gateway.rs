@@ -183,7 +183,7 @@ struct Ctx<'a> {
     unread_body: bool,
 }
 
-/// The phases in order: request head → deny by IP → route → key (and deny by key) →
+/// The phases in order: request head (and no CONNECT) → deny by IP → route → key (and deny by key) →
 /// size → limits → the route's action. Each returns a refusal to answer instead.
 async fn pass<'a>(
     ctx: &Ctx<'a>,
@@ -195,6 +195,9 @@ async fn pass<'a>(
 ) -> Result<Response<Body>, Refusal<'a>> {
     let rt = ctx.rt;
     head.map_err(Refusal::BadHead)?;
+    if parts.method == http::Method::CONNECT {
+        return Err(Refusal::Connect);
+    }
     deny_ip(ctx)?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
     let (ns, key) = client_key(ctx, route, &parts)?;
@@ -435,6 +438,7 @@ fn forward_failed<'a>(shared: &Shared, route: &Route, e: ProxyError) -> Refusal<
         ProxyError::Connect(_) => route.metrics.upstream_connect.inc(),
         ProxyError::Timeout => route.metrics.upstream_timeout.inc(),
         ProxyError::Reset(_) => route.metrics.upstream_reset.inc(),
+        ProxyError::Busy => route.metrics.upstream_busy.inc(),
         ProxyError::TooLarge => {}
         ProxyError::Client(ClientFault::Malformed) => shared.metrics.client_body.inc(),
         ProxyError::Client(ClientFault::Aborted) => shared.metrics.client_aborted.inc(),

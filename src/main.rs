@@ -149,6 +149,7 @@ fn run(path: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    raise_open_files();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -160,6 +161,15 @@ fn run(path: PathBuf) -> ExitCode {
         }
     };
     rt.block_on(async move {
+        // Before anything listens: a signal sent as soon as /healthz answers must
+        // find its handler, not the default action (death by the signal).
+        let signals = match Signals::install() {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("signal handling: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         let running = match sluice::server::start(loaded).await {
             Ok(r) => r,
             Err(e) => {
@@ -167,9 +177,7 @@ fn run(path: PathBuf) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        if let Err(e) = wait_for_signals(&running).await {
-            eprintln!("signal handling: {e}");
-        }
+        signals.wait(&running).await;
         tracing::info!("shutting down: no new connections, waiting for requests in flight");
         running.shutdown().await;
         tracing::info!("stopped");
@@ -221,17 +229,61 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
     }
 }
 
-/// Reload on SIGHUP; return on SIGTERM or SIGINT.
-async fn wait_for_signals(running: &sluice::server::Running) -> std::io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    loop {
-        tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = int.recv() => return Ok(()),
-            _ = hup.recv() => { let _ = running.reload().await; }
+/// Every client connection and every upstream connection is a file descriptor:
+/// raise the soft limit on them to the hard limit, as nginx's
+/// `worker_rlimit_nofile` or systemd's `LimitNOFILE` would.
+fn raise_open_files() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot read the open-file limit");
+        return;
+    }
+    let before = lim.rlim_cur;
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), soft = before, hard = lim.rlim_max, "cannot raise the open-file limit");
+            return;
+        }
+    }
+    tracing::debug!(
+        soft = lim.rlim_cur,
+        hard = lim.rlim_max,
+        was = before,
+        "open-file limit"
+    );
+}
+
+/// SIGTERM, SIGINT and SIGHUP, caught from `install` on.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// Reload on SIGHUP; return on SIGTERM or SIGINT.
+    async fn wait(mut self, running: &sluice::server::Running) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => { let _ = running.reload().await; }
+            }
         }
     }
 }

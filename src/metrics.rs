@@ -31,6 +31,8 @@ pub struct Metrics {
     /// The children of `client_errors`, resolved once.
     pub client_body: IntCounter,
     pub client_aborted: IntCounter,
+    /// Connections closed at accept, by reason (`per_ip`).
+    pub connections_refused: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub config_last_reload_success: IntGauge,
     pub deny_entries: IntGaugeVec,
@@ -83,7 +85,7 @@ impl Metrics {
         let upstream_errors = IntCounterVec::new(
             Opts::new(
                 "sluice_upstream_errors_total",
-                "Upstream failures by route and kind (connect, timeout, reset).",
+                "Upstream failures by route and kind (connect, timeout, reset, busy).",
             ),
             &["route", "kind"],
         )
@@ -94,6 +96,14 @@ impl Metrics {
                 "Requests whose body the client did not complete, by kind (body: malformed, aborted: closed mid-body); never forwarded.",
             ),
             &["kind"],
+        )
+        .expect("metric definition");
+        let connections_refused = IntCounterVec::new(
+            Opts::new(
+                "sluice_connections_refused_total",
+                "Client connections closed at once when accepted, by reason (per_ip).",
+            ),
+            &["reason"],
         )
         .expect("metric definition");
         let config_reloads = IntCounterVec::new(
@@ -132,6 +142,7 @@ impl Metrics {
             Box::new(store_evictions.clone()),
             Box::new(upstream_errors.clone()),
             Box::new(client_errors.clone()),
+            Box::new(connections_refused.clone()),
             Box::new(config_reloads.clone()),
             Box::new(config_last_reload_success.clone()),
             Box::new(deny_entries.clone()),
@@ -148,6 +159,7 @@ impl Metrics {
         for result in ["success", "failure"] {
             config_reloads.with_label_values(&[result]);
         }
+        connections_refused.with_label_values(&["per_ip"]);
         for source in crate::deny::Source::ALL {
             deny_entries.with_label_values(&[source.as_str()]);
         }
@@ -165,6 +177,7 @@ impl Metrics {
             client_errors,
             client_body,
             client_aborted,
+            connections_refused,
             config_reloads,
             config_last_reload_success,
             deny_entries,
@@ -199,6 +212,7 @@ impl Metrics {
             upstream_connect: u("connect"),
             upstream_timeout: u("timeout"),
             upstream_reset: u("reset"),
+            upstream_busy: u("busy"),
         }
     }
 
@@ -234,6 +248,7 @@ impl Metrics {
             upstream_connect: detached(),
             upstream_timeout: detached(),
             upstream_reset: detached(),
+            upstream_busy: detached(),
         }
     }
 }
@@ -300,6 +315,7 @@ pub struct RouteMetrics {
     pub upstream_connect: IntCounter,
     pub upstream_timeout: IntCounter,
     pub upstream_reset: IntCounter,
+    pub upstream_busy: IntCounter,
 }
 
 impl RouteMetrics {

@@ -1,13 +1,17 @@
-//! Forwarding: one pooled hyper-util client per upstream, round robin over its
-//! targets, bodies streamed both ways, hop-by-hop headers dropped, `X-Forwarded-*`
-//! set, the client's `Host` kept, `Upgrade` (WebSocket) connections spliced, and
-//! failures sorted into connect / timeout / reset for a 502 or 504.
+//! Forwarding: one pooled hyper-util client per upstream target (its connections
+//! capped), round robin over the targets, bodies streamed both ways, hop-by-hop
+//! headers dropped, `X-Forwarded-*` set, the client's `Host` kept, listed `Upgrade`
+//! protocols (WebSocket) spliced, and failures sorted into connect / timeout /
+//! reset / busy for a 502, 504 or 503.
 
 use std::error::Error as _;
+use std::future::Future;
 use std::net::IpAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -16,11 +20,12 @@ use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::answer::{Body, BoxError};
 
@@ -49,6 +54,8 @@ pub enum ProxyError {
     Reset(BoxError),
     #[error("request body larger than the limit")]
     TooLarge,
+    #[error("no free connection to the upstream in time")]
+    Busy,
     /// The client's own request body failed: not the upstream's fault.
     #[error("client request body: {0}")]
     Client(ClientFault),
@@ -113,22 +120,44 @@ impl ProxyError {
             ProxyError::Timeout => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Client(_) => StatusCode::BAD_REQUEST,
+            ProxyError::Busy => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }
 
-#[derive(Debug)]
+/// One target of an upstream, with its own pool and its share of the upstream's
+/// connections.
 struct Target {
     scheme: Scheme,
     authority: Authority,
+    client: Client<Capped<HttpsConnector<HttpConnector>>, Body>,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.authority)
+    }
 }
 
 pub struct Upstream {
     pub name: String,
     targets: Vec<Target>,
     next: AtomicUsize,
-    client: Client<HttpsConnector<HttpConnector>, Body>,
     timeout: Duration,
+    /// `Upgrade` protocols passed through, lower-case.
+    upgrades: Vec<String>,
+}
+
+/// How an upstream is reached, beyond its targets.
+pub struct UpstreamOpts<'a> {
+    pub connect_timeout: Duration,
+    pub timeout: Duration,
+    pub tls_ca: Option<&'a Path>,
+    /// At most this many connections, split evenly across the targets; a request
+    /// that finds none free waits up to `connect_timeout`, then fails `Busy`.
+    pub max_connections: usize,
+    /// `server.upgrades`: the `Upgrade` protocols passed through.
+    pub upgrades: &'a [String],
 }
 
 impl std::fmt::Debug for Upstream {
@@ -151,14 +180,8 @@ pub struct Origin {
 }
 
 impl Upstream {
-    pub fn new(
-        name: &str,
-        targets: &[String],
-        connect_timeout: Duration,
-        timeout: Duration,
-        tls_ca: Option<&Path>,
-    ) -> Result<Upstream, BuildError> {
-        let targets = targets
+    pub fn new(name: &str, targets: &[String], o: UpstreamOpts) -> Result<Upstream, BuildError> {
+        let addrs = targets
             .iter()
             .map(|t| {
                 let uri: Uri = t.parse().map_err(|_| BuildError::Target {
@@ -166,10 +189,9 @@ impl Upstream {
                     target: t.clone(),
                 })?;
                 match (uri.scheme(), uri.authority()) {
-                    (Some(s), Some(a)) if *s == Scheme::HTTP || *s == Scheme::HTTPS => Ok(Target {
-                        scheme: s.clone(),
-                        authority: a.clone(),
-                    }),
+                    (Some(s), Some(a)) if *s == Scheme::HTTP || *s == Scheme::HTTPS => {
+                        Ok((s.clone(), a.clone()))
+                    }
                     _ => Err(BuildError::Target {
                         upstream: name.into(),
                         target: t.clone(),
@@ -177,6 +199,7 @@ impl Upstream {
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let (connect_timeout, tls_ca) = (o.connect_timeout, o.tls_ca);
 
         let mut roots = rustls::RootCertStore {
             roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
@@ -207,16 +230,56 @@ impl Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
+        // Validation keeps max_connections at least the number of targets.
+        let n = addrs.len().max(1);
+        let targets = addrs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (scheme, authority))| {
+                let share = (o.max_connections / n + usize::from(i < o.max_connections % n)).max(1);
+                let capped = Capped {
+                    inner: connector.clone(),
+                    slots: Arc::new(Semaphore::new(share)),
+                    wait: connect_timeout,
+                };
+                let client = Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(90))
+                    .pool_max_idle_per_host(share)
+                    .build(capped);
+                Target {
+                    scheme,
+                    authority,
+                    client,
+                }
+            })
+            .collect();
         Ok(Upstream {
             name: name.into(),
             targets,
             next: AtomicUsize::new(0),
-            client,
-            timeout,
+            timeout: o.timeout,
+            upgrades: o.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
         })
+    }
+
+    /// The `Upgrade` value to pass on: the offered protocols that are listed in
+    /// `server.upgrades` (by name, any case), or `None`.
+    fn allowed_upgrade(&self, h: &HeaderMap) -> Option<HeaderValue> {
+        let offered: Vec<&str> = h
+            .get_all(header::UPGRADE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|t| {
+                let name = t.split('/').next().unwrap_or("").trim();
+                self.upgrades.iter().any(|u| u.eq_ignore_ascii_case(name))
+            })
+            .collect();
+        if offered.is_empty() {
+            return None;
+        }
+        HeaderValue::from_str(&offered.join(", ")).ok()
     }
 
     fn pick(&self) -> &Target {
@@ -232,8 +295,21 @@ impl Upstream {
         max_body: u64,
     ) -> Result<Response<Body>, ProxyError> {
         let target = self.pick();
-        let upgrade = wants_upgrade(req.headers());
-        let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+        // Only listed protocols are spliced: any other `Upgrade` (h2c above all,
+        // whose tunnel would carry requests past every route and limit) is dropped
+        // with the hop-by-hop headers and the request forwarded as a plain one.
+        let upgrade_proto = if wants_upgrade(req.headers()) {
+            self.allowed_upgrade(req.headers())
+        } else {
+            None
+        };
+        let client_upgrade = upgrade_proto
+            .is_some()
+            .then(|| hyper::upgrade::on(&mut req));
+        let held = upgrade_proto
+            .is_some()
+            .then(|| req.extensions_mut().remove::<ConnectionHeld>())
+            .flatten();
 
         let (mut parts, body) = req.into_parts();
         // The target's authority (HTTP/2 `:authority`, HTTP/1.1 absolute-form) wins
@@ -259,9 +335,8 @@ impl Upstream {
             .build()
             .map_err(|e| ProxyError::Reset(e.into()))?;
         parts.version = Version::HTTP_11;
-        let upgrade_proto = upgrade
-            .then(|| parts.headers.get(header::UPGRADE).cloned())
-            .flatten();
+        // Settings for an h2c upgrade, never passed on (RFC 9113 §3.2.1 drops the upgrade).
+        parts.headers.remove(&HTTP2_SETTINGS);
         let accepts_trailers = te_has_trailers(&parts.headers);
         strip_hop_by_hop(&mut parts.headers);
         if accepts_trailers {
@@ -287,7 +362,7 @@ impl Upstream {
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
-        let sent = self.client.request(Request::from_parts(parts, body));
+        let sent = target.client.request(Request::from_parts(parts, body));
         let resp = match tokio::time::timeout(self.timeout, sent).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(e)) => return Err(classify(e)),
@@ -295,9 +370,13 @@ impl Upstream {
         };
 
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-            if let Some(client_upgrade) = client_upgrade {
-                return Ok(splice(resp, client_upgrade));
-            }
+            return match client_upgrade {
+                Some(client_upgrade) => Ok(splice(resp, client_upgrade, held)),
+                // A switch nobody asked for: its connection speaks something else now.
+                None => Err(ProxyError::Reset(
+                    "the upstream switched protocols without an upgrade request".into(),
+                )),
+            };
         }
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -313,13 +392,24 @@ impl Upstream {
 #[derive(Clone)]
 pub struct TunnelEnd(pub tokio::sync::watch::Receiver<()>);
 
+/// What the listener holds for a client connection (its `max_connections` and
+/// per-IP slots), put on upgrade requests: a tunnel keeps it until it closes, so
+/// tunnels count against the connection limits like any connection.
+#[derive(Clone)]
+pub struct ConnectionHeld(pub Arc<dyn std::any::Any + Send + Sync>);
+
 /// Pass a 101 answer on and join the two upgraded connections once both sides
 /// have switched.
-fn splice(mut resp: Response<Incoming>, client: hyper::upgrade::OnUpgrade) -> Response<Body> {
+fn splice(
+    mut resp: Response<Incoming>,
+    client: hyper::upgrade::OnUpgrade,
+    held: Option<ConnectionHeld>,
+) -> Response<Body> {
     let upstream = hyper::upgrade::on(&mut resp);
     let (open, end) = tokio::sync::watch::channel(());
     tokio::spawn(async move {
         let _open = open;
+        let _held = held;
         let (Ok(c), Ok(u)) = (client.await, upstream.await) else {
             tracing::debug!("upgrade failed on one side");
             return;
@@ -344,6 +434,9 @@ fn wants_upgrade(h: &HeaderMap) -> bool {
 fn classify(e: hyper_util::client::legacy::Error) -> ProxyError {
     let mut src: Option<&(dyn std::error::Error + 'static)> = e.source();
     while let Some(s) = src {
+        if s.is::<NoFreeConnection>() {
+            return ProxyError::Busy;
+        }
         if s.is::<LengthLimitError>() {
             return ProxyError::TooLarge;
         }
@@ -361,6 +454,108 @@ fn classify(e: hyper_util::client::legacy::Error) -> ProxyError {
         ProxyError::Connect(e.into())
     } else {
         ProxyError::Reset(e.into())
+    }
+}
+
+static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
+
+// === the connection cap ===
+
+/// A connector that opens a connection only with a slot of its semaphore, held by
+/// the connection until it closes (pooled, in use or upgraded). A request that gets
+/// no slot within `wait` (and no pooled connection meanwhile) fails.
+#[derive(Clone)]
+struct Capped<C> {
+    inner: C,
+    slots: Arc<Semaphore>,
+    wait: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("no free connection to the upstream within {0:?}")]
+struct NoFreeConnection(Duration);
+
+type Connecting<T> = Pin<Box<dyn Future<Output = Result<CappedIo<T>, BoxError>> + Send>>;
+
+impl<C> tower_service::Service<Uri> for Capped<C>
+where
+    C: tower_service::Service<Uri> + Send + 'static,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+    C::Response: Send + 'static,
+{
+    type Response = CappedIo<C::Response>;
+    type Error = BoxError;
+    type Future = Connecting<C::Response>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        // Lazy: nothing connects before the slot is there.
+        let connecting = self.inner.call(dst);
+        let (slots, wait) = (self.slots.clone(), self.wait);
+        Box::pin(async move {
+            let slot = match tokio::time::timeout(wait, slots.acquire_owned()).await {
+                Ok(Ok(slot)) => slot,
+                _ => return Err(NoFreeConnection(wait).into()),
+            };
+            let io = connecting.await.map_err(Into::into)?;
+            Ok(CappedIo { io, _slot: slot })
+        })
+    }
+}
+
+/// A connection holding its slot.
+struct CappedIo<T> {
+    io: T,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<T: hyper::rt::Read + Unpin> hyper::rt::Read for CappedIo<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for CappedIo<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+}
+
+impl<T: Connection> Connection for CappedIo<T> {
+    fn connected(&self) -> Connected {
+        self.io.connected()
     }
 }
 

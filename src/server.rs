@@ -1,23 +1,29 @@
 //! Listeners and lifecycle: the gateway port (HTTP/1.1 and h2c on one socket, with
-//! a header-read timeout and a connection cap), the admin port, the control loop
+//! a header-read timeout, a head size limit, an idle timeout, and connection caps
+//! in total and per peer address), the admin port, the control loop
 //! (file watcher, bans, the shared deny list, expiry), the memory store's sweeper,
 //! and graceful shutdown.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use http::{Request, Response};
+use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
+use crate::answer::Body;
 use crate::config::compile::{compile, redis_options, CompileError};
 use crate::config::schema::Backend;
 use crate::config::{ConfigErrors, Loaded};
@@ -27,6 +33,7 @@ use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
+use crate::proxy::ConnectionHeld;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -146,11 +153,18 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         })?;
 
     let header_timeout = f.server.request_header_timeout.get();
-    let builder = http_builder(header_timeout);
+    // Validation keeps it between 8KiB and 1MiB.
+    let max_head = usize::try_from(f.server.max_header_bytes.0).unwrap_or(usize::MAX);
+    let builder = http_builder(header_timeout, max_head);
     let (stop, stop_rx) = watch::channel(false);
     let grace = f.server.shutdown_grace.get();
 
     let gw = {
+        let refused = shared
+            .metrics
+            .connections_refused
+            .with_label_values(&["per_ip"]);
+        let shared_for_exempt = shared.clone();
         let shared = shared.clone();
         let service = move |peer: SocketAddr| {
             let shared = shared.clone();
@@ -159,10 +173,19 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 async move { Ok::<_, Infallible>(gateway::handle(shared, req, peer).await) }
             })
         };
+        // A load balancer in front carries many clients' connections.
+        let exempt: Exempt = {
+            let shared = shared_for_exempt;
+            Arc::new(move |ip| shared.runtime.load().trusted.contains(ip))
+        };
         let limits = Limits {
             tls,
             header_timeout,
+            idle_timeout: f.server.idle_timeout.get(),
             max_connections: f.server.max_connections.get(),
+            per_ip: f.server.max_connections_per_ip.get(),
+            exempt,
+            refused: Some(refused),
             grace,
         };
         tokio::spawn(serve(
@@ -188,10 +211,14 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         let limits = Limits {
             tls: None,
             header_timeout,
+            idle_timeout: f.server.idle_timeout.get(),
             max_connections: 256,
+            per_ip: usize::MAX,
+            exempt: Arc::new(|_| true),
+            refused: None,
             grace: Duration::from_secs(1),
         };
-        let builder = Arc::new(http_builder(header_timeout));
+        let builder = Arc::new(http_builder(header_timeout, max_head));
         tokio::spawn(serve(
             admin_listener,
             limits,
@@ -314,26 +341,49 @@ impl Running {
 
 /// HTTP/1.1 and h2c on one socket. The header-read timeout needs the timer to do
 /// anything; HTTP/2 connections are pinged so that dead peers are noticed.
-fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
+///
+/// A request head (HTTP/1.1: request line and header fields; HTTP/2: the decoded
+/// header list) larger than `max_head` is answered 431: HTTP/1.1 then closes the
+/// connection, HTTP/2 resets the stream. HTTP/1.1 heads have at most
+/// `MAX_HEADERS` fields (431 beyond).
+fn http_builder(header_timeout: Duration, max_head: usize) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        // hyper answers 431 once this much of a head is buffered and it is not
+        // complete; bodies are read through the same buffer, in pieces.
+        .max_buf_size(max_head)
+        .max_headers(MAX_HEADERS);
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(20));
+        .keep_alive_timeout(Duration::from_secs(20))
+        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
     builder
 }
+
+/// Header fields an HTTP/1.1 request may have (Envoy's default).
+const MAX_HEADERS: usize = 100;
+
+/// Whether a peer is exempt from the per-IP connection cap.
+type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
 
 /// How a listener treats its connections.
 struct Limits {
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// Bounds the TLS handshake and the wait for a request's first bytes.
     header_timeout: Duration,
+    /// A connection with no request in flight for this long is closed.
+    idle_timeout: Duration,
     max_connections: usize,
+    /// Connections one peer address may hold; more are closed at once.
+    per_ip: usize,
+    exempt: Exempt,
+    /// Counts connections closed for `per_ip`.
+    refused: Option<prometheus::IntCounter>,
     /// How long shutdown waits for requests in flight.
     grace: Duration,
 }
@@ -370,6 +420,196 @@ async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> bool {
     }
 }
 
+/// Connections per peer address.
+#[derive(Default)]
+struct PerIp(Mutex<HashMap<IpAddr, usize>>);
+
+/// One connection of a peer, given back when dropped.
+struct IpSlot {
+    table: Arc<PerIp>,
+    ip: IpAddr,
+}
+
+impl PerIp {
+    /// A slot for `ip`, or `None` when it already holds `cap` connections.
+    fn take(table: &Arc<PerIp>, ip: IpAddr, cap: usize) -> Option<IpSlot> {
+        let mut t = table.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = t.entry(ip).or_insert(0);
+        if *n >= cap {
+            return None;
+        }
+        *n += 1;
+        Some(IpSlot {
+            table: table.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut t = self.table.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = t.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                t.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Requests in flight on one connection, and how many have started: what the idle
+/// timeout watches. hyper has no idle timeout for HTTP/2, and for HTTP/1.1 only
+/// its header-read timeout.
+struct Activity(watch::Sender<(usize, u64)>);
+
+/// One request in flight; ends when its response body has been sent (or dropped).
+struct InFlight(Arc<Activity>);
+
+impl Activity {
+    fn new() -> Arc<Activity> {
+        Arc::new(Activity(watch::channel((0, 0)).0))
+    }
+
+    fn start(self: &Arc<Self>) -> InFlight {
+        self.0.send_modify(|(n, started)| {
+            *n += 1;
+            *started += 1;
+        });
+        InFlight(self.clone())
+    }
+
+    fn busy(&self) -> bool {
+        self.0.borrow().0 > 0
+    }
+
+    /// Resolves once no request has been in flight for `timeout`.
+    async fn idle(&self, timeout: Duration) {
+        let mut rx = self.0.subscribe();
+        loop {
+            let seen = match rx.wait_for(|s| s.0 == 0).await {
+                Ok(s) => s.1,
+                Err(_) => return,
+            };
+            let woke = rx.wait_for(|s| s.0 > 0 || s.1 != seen);
+            if tokio::time::timeout(timeout, woke).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0 .0.send_modify(|(n, _)| *n -= 1);
+    }
+}
+
+/// A response body that keeps its request counted as in flight until it ends.
+struct TrackedBody {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl http_body::Body for TrackedBody {
+    type Data = bytes::Bytes;
+    type Error = crate::answer::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The listener's service with each request counted in the connection's `Activity`.
+struct Tracked<S> {
+    inner: S,
+    activity: Arc<Activity>,
+    /// The connection's slots, lent to an upgrade request's tunnel.
+    held: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+type Served = Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>;
+
+impl<S> hyper::service::Service<Request<Incoming>> for Tracked<S>
+where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<TrackedBody>;
+    type Error = Infallible;
+    type Future = Served;
+
+    fn call(&self, mut req: Request<Incoming>) -> Served {
+        if req.headers().contains_key(http::header::UPGRADE) {
+            req.extensions_mut()
+                .insert(ConnectionHeld(self.held.clone()));
+        }
+        let in_flight = self.activity.start();
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let resp = answer.await?;
+            Ok(resp.map(|inner| TrackedBody {
+                inner,
+                _in_flight: in_flight,
+            }))
+        })
+    }
+}
+
+/// Serve one connection until it ends: closed gracefully once idle for
+/// `idle_timeout` or when the listener stops. A connection closed for idleness
+/// that has not ended after `linger` more (a peer that does not answer the h2
+/// GOAWAY's PING) and still has nothing in flight is dropped.
+async fn drive<I, S>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    service: Tracked<S>,
+    idle_timeout: Duration,
+    linger: Duration,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), crate::answer::BoxError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let activity = service.activity.clone();
+    let conn = builder.serve_connection_with_upgrades(io, service);
+    tokio::pin!(conn);
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => return r,
+            _ = activity.idle(idle_timeout), if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = stop.wait_for(|s| *s), if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = tokio::time::sleep(linger), if closing => {
+                if !activity.busy() {
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
 /// Accept connections until told to stop, then drain them for at most `grace`.
 /// With `tls`, each connection is first handshaken (bounded by the header timeout).
 async fn serve<S, F>(
@@ -380,22 +620,23 @@ async fn serve<S, F>(
     mut stop: watch::Receiver<bool>,
 ) where
     F: Fn(SocketAddr) -> S,
-    S: hyper::service::Service<
-            http::Request<hyper::body::Incoming>,
-            Response = http::Response<crate::answer::Body>,
-            Error = Infallible,
-        > + Send
+    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Send
         + 'static,
     S::Future: Send + 'static,
 {
     let Limits {
         tls,
         header_timeout,
+        idle_timeout,
         max_connections,
+        per_ip,
+        exempt,
+        refused,
         grace,
     } = limits;
     let slots = Arc::new(Semaphore::new(max_connections));
-    let graceful = GracefulShutdown::new();
+    let peers = Arc::new(PerIp::default());
     loop {
         let permit = tokio::select! {
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
@@ -413,30 +654,55 @@ async fn serve<S, F>(
             },
             _ = stop.changed() => break,
         };
-        let _ = stream.set_nodelay(true);
-        let (builder, service, watcher, tls) = (
-            builder.clone(),
-            service(peer),
-            graceful.watcher(),
-            tls.clone(),
-        );
-        tokio::spawn(async move {
-            let _permit = permit;
-            let result = match tls {
-                None if !first_bytes(&stream, header_timeout).await => {
-                    Err("no request before the header timeout".into())
-                }
+        let ip = crate::client::canonical(peer.ip());
+        let ip_slot = if exempt(ip) {
+            None
+        } else {
+            match PerIp::take(&peers, ip, per_ip) {
+                Some(slot) => Some(slot),
                 None => {
-                    let conn =
-                        builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                    watcher.watch(conn.into_owned()).await
+                    if let Some(c) = &refused {
+                        c.inc();
+                    }
+                    tracing::debug!(%peer, per_ip, "connection closed: the address holds max_connections_per_ip");
+                    continue;
+                }
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        // Held by the connection, and by a tunnel it upgrades to.
+        let held = Arc::new((permit, ip_slot));
+        let service = Tracked {
+            inner: service(peer),
+            activity: Activity::new(),
+            held: held.clone(),
+        };
+        let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
+        tokio::spawn(async move {
+            let _held = held;
+            // Until its first request, a connection has nothing to finish at shutdown.
+            let result = match tls {
+                None => {
+                    let started = tokio::select! {
+                        ok = first_bytes(&stream, header_timeout) => ok,
+                        _ = stop.wait_for(|s| *s) => false,
+                    };
+                    if started {
+                        let io = TokioIo::new(stream);
+                        drive(&builder, io, service, idle_timeout, header_timeout, stop).await
+                    } else {
+                        Err("no request before the header timeout".into())
+                    }
                 }
                 Some(acceptor) => {
-                    match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                    let shaken = tokio::select! {
+                        r = tokio::time::timeout(header_timeout, acceptor.accept(stream)) => r,
+                        _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
+                    };
+                    match shaken {
                         Ok(Ok(stream)) => {
-                            let conn = builder
-                                .serve_connection_with_upgrades(TokioIo::new(stream), service);
-                            watcher.watch(conn.into_owned()).await
+                            let io = TokioIo::new(stream);
+                            drive(&builder, io, service, idle_timeout, header_timeout, stop).await
                         }
                         Ok(Err(e)) => Err(e.into()),
                         Err(_) => Err("TLS handshake timed out".into()),
@@ -449,7 +715,10 @@ async fn serve<S, F>(
         });
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown())
+    // Every connection holds a slot until it ends (an upgraded one: until its
+    // tunnel closes).
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
+    if tokio::time::timeout(grace, slots.acquire_many(all))
         .await
         .is_err()
     {

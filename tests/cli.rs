@@ -45,7 +45,7 @@ fn sluice(args: &[&str], env: Option<&Path>) -> Output {
     if let Some(path) = env {
         cmd.env("SLUICE_CONFIG", path);
     }
-    cmd.output().expect("sluice runs")
+    run_grouped(&mut cmd).expect("sluice runs")
 }
 
 fn stderr(o: &Output) -> String {
@@ -117,38 +117,33 @@ fn version() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "sluice 0.1.0\n");
 }
 
-/// A running `sluice`, killed if the test ends before it exits.
-struct Process(std::process::Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
+/// A running `sluice`, killed (its group) if the test ends before it exits.
+struct Process(Spawned);
 
 /// Start `sluice ARGS` in the background; its stderr is kept for `stderr`.
 fn spawn(args: &[&str]) -> Process {
-    let child = Command::new(SLUICE)
-        .args(args)
-        .env_remove("SLUICE_CONFIG")
-        .env("SLUICE_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("sluice starts");
+    let child = spawn_grouped(
+        Command::new(SLUICE)
+            .args(args)
+            .env_remove("SLUICE_CONFIG")
+            .env("SLUICE_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    )
+    .expect("sluice starts");
     Process(child)
 }
 
 impl Process {
     fn signal(&self, name: &str) {
-        let status = Command::new("kill")
-            .args([&format!("-{name}"), &self.0.id().to_string()])
-            .status();
-        assert!(status.expect("kill runs").success(), "kill -{name}");
+        let signal = match name {
+            "HUP" => libc::SIGHUP,
+            "TERM" => libc::SIGTERM,
+            "INT" => libc::SIGINT,
+            _ => panic!("signal {name}?"),
+        };
+        self.0.signal(signal);
     }
 
     /// The exit status, waiting at most `BOUND`.

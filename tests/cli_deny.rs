@@ -6,7 +6,6 @@ mod common;
 
 use std::io::Read;
 use std::net::SocketAddr;
-use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -68,21 +67,6 @@ impl Out {
     }
 }
 
-/// A `sluice` child in its own process group, killed with the group if the test
-/// ends before it exits.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", self.0.id())])
-                .status();
-            let _ = self.0.wait();
-        }
-    }
-}
-
 fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
     std::thread::spawn(move || {
         let mut text = String::new();
@@ -107,15 +91,15 @@ async fn deny(args: &[&str], env: &[(&str, &str)]) -> Out {
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let mut child = Child(cmd.spawn().expect("sluice starts"));
-    let stdout = drain(child.0.stdout.take());
-    let stderr = drain(child.0.stderr.take());
+        .stderr(Stdio::piped());
+    // In its own process group, killed with the group if the test ends first.
+    let mut child = spawn_grouped(&mut cmd).expect("sluice starts");
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
     let limit = 2 * BOUND;
     let mut waited = Duration::ZERO;
     let status = loop {
-        if let Some(status) = child.0.try_wait().expect("wait") {
+        if let Some(status) = child.try_wait().expect("wait") {
             break status;
         }
         assert!(

@@ -1,15 +1,118 @@
 //! The gateway's decisions end to end: limits and their headers, routing, client
 //! keys and addresses, the deny list and body limits, each checked through real
-//! sockets with exact statuses, header values and metric lines.
+//! sockets with exact statuses, header values and metric lines. The tests that
+//! involve the limiter or the deny list run twice, with the same assertions: on
+//! the memory store (`on_memory::`) and on a real redis-server (`on_redis::`).
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::*;
 use http::Method;
 use tokio::io::AsyncWriteExt;
+
+// === both stores ===
+
+/// Where a gateway keeps its limits.
+#[derive(Clone)]
+enum Store {
+    Memory,
+    /// The test binary's one redis-server, under a key prefix of the test's own (so
+    /// neither limits nor the shared deny list of one test reach another).
+    Redis {
+        prefix: String,
+    },
+}
+
+impl Store {
+    fn redis(test: &str) -> Store {
+        Store::Redis {
+            prefix: format!("{test}:"),
+        }
+    }
+
+    /// `yaml` on this store (a `store:` section added for Redis; `on_error: deny`,
+    /// so a store failure shows as a 503 no test expects).
+    fn yaml(&self, yaml: &str) -> String {
+        match self {
+            Store::Memory => yaml.to_string(),
+            Store::Redis { prefix } => format!(
+                "store:\n  backend: redis\n  redis: {{url: \"{}\", timeout: 2s, key_prefix: \"{prefix}\"}}\n  on_error: deny\n{yaml}",
+                shared_redis().url()
+            ),
+        }
+    }
+
+    /// The `store` label of its metrics.
+    fn label(&self) -> &'static str {
+        match self {
+            Store::Memory => "memory",
+            Store::Redis { .. } => "redis",
+        }
+    }
+
+    async fn start(&self, yaml: &str) -> Running {
+        start_gateway(&self.yaml(yaml)).await
+    }
+
+    async fn start_file(&self, yaml: &str) -> (Running, tempfile::NamedTempFile) {
+        start_gateway_file(&self.yaml(yaml)).await
+    }
+}
+
+/// One redis-server for every test of this binary, started by the first that needs
+/// it (killed when the process ends: see `common::spawn_grouped`).
+fn shared_redis() -> &'static common::redis::RedisServer {
+    static SERVER: OnceLock<common::redis::RedisServer> = OnceLock::new();
+    SERVER.get_or_init(common::redis::RedisServer::start)
+}
+
+/// Each named `async fn NAME(store: Store)` becomes two tests, `on_memory::NAME`
+/// and `on_redis::NAME` (as linkerd's transparency tests run one suite per
+/// protocol).
+macro_rules! on_both_stores {
+    ($($test:ident),* $(,)?) => {
+        mod on_memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(super::Store::Memory).await
+                }
+            )*
+        }
+
+        mod on_redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(super::Store::redis(stringify!($test))).await
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(
+    fixed_window_admits_exactly_the_limit_then_429_with_headers,
+    concurrent_requests_admit_exactly_the_limit,
+    a_refused_request_charges_no_limit,
+    overrides_give_named_keys_their_own_limits,
+    shadow_counts_but_never_refuses,
+    delay_waits_for_capacity_up_to_max_delay,
+    concurrent_delayed_requests_queue_one_after_another,
+    every_algorithm_admits_its_quota_then_refuses,
+    each_key_kind_has_its_own_budgets,
+    x_forwarded_for_is_ignored_from_untrusted_peers,
+    x_forwarded_for_from_a_trusted_proxy_names_the_client,
+    denied_addresses_get_the_configured_status_everywhere,
+    denied_requests_are_not_charged,
+    denied_keys_get_403_and_only_they,
+    reload_keeps_unchanged_limits_and_survives_a_bad_file,
+    a_shadow_route_never_delays,
+    a_client_gone_while_delayed_is_still_counted,
+);
 
 const FIXED_5_PER_2S: &str = r#"
 routes:
@@ -23,9 +126,8 @@ routes:
 
 // === limits and their headers ===
 
-#[tokio::test]
-async fn fixed_window_admits_exactly_the_limit_then_429_with_headers() {
-    let gw = start_gateway(FIXED_5_PER_2S).await;
+async fn fixed_window_admits_exactly_the_limit_then_429_with_headers(store: Store) {
+    let gw = store.start(FIXED_5_PER_2S).await;
     let c = http1();
     let u = url(gw.addr, "/hello");
     at_window_start(Duration::from_secs(2)).await;
@@ -73,8 +175,11 @@ async fn fixed_window_admits_exactly_the_limit_then_429_with_headers() {
         ),
         Some(6.0)
     );
-    let limiter = r#"sluice_limiter_duration_seconds_count{store="memory"}"#;
-    assert_eq!(metric(&m, limiter), Some(6.0));
+    let limiter = format!(
+        r#"sluice_limiter_duration_seconds_count{{store="{}"}}"#,
+        store.label()
+    );
+    assert_eq!(metric(&m, &limiter), Some(6.0));
 }
 
 #[tokio::test]
@@ -103,12 +208,12 @@ async fn response_headers_choose_the_families() {
     assert_eq!(r.rate_headers(), ["ratelimit", "ratelimit-policy"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_requests_admit_exactly_the_limit() {
+async fn concurrent_requests_admit_exactly_the_limit(store: Store) {
     const N: usize = 300;
     let up = upstream().await;
-    let gw = start_gateway(
-        &r#"
+    let gw = store
+        .start(
+            &r#"
 upstreams:
   api: {targets: ["UP"]}
 routes:
@@ -119,9 +224,9 @@ routes:
     limits:
       - {name: hundred, algorithm: sliding_log, limit: 100, window: 1m}
 "#
-        .replace("UP", &up.url()),
-    )
-    .await;
+            .replace("UP", &up.url()),
+        )
+        .await;
     let c = http1();
     let u = url(gw.addr, "/burst");
     // Every task waits at the barrier, so all 300 are in flight together.
@@ -153,12 +258,12 @@ routes:
     );
 }
 
-#[tokio::test]
-async fn a_refused_request_charges_no_limit() {
+async fn a_refused_request_charges_no_limit(store: Store) {
     // `a` refuses often and resets every 2 s; `b` would run out at once if the
     // requests `a` refuses were charged to it.
-    let gw = start_gateway(
-        r#"
+    let gw = store
+        .start(
+            r#"
 routes:
   - name: two
     match: {path: /two}
@@ -168,8 +273,8 @@ routes:
       - {name: b, algorithm: sliding_log, limit: 4, window: 1m}
     respond: {body: "ok\n"}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     let u = url(gw.addr, "/two");
     at_window_start(Duration::from_secs(2)).await;
@@ -223,10 +328,10 @@ routes:
     assert_eq!(decisions(&m, "two"), [("allowed", 4.0), ("limited", 6.0)]);
 }
 
-#[tokio::test]
-async fn overrides_give_named_keys_their_own_limits() {
-    let gw = start_gateway(
-        r#"
+async fn overrides_give_named_keys_their_own_limits(store: Store) {
+    let gw = store
+        .start(
+            r#"
 routes:
   - name: tiers
     match: {path: /tiers}
@@ -237,8 +342,8 @@ routes:
         limits: [{name: base, algorithm: sliding_log, limit: 4, window: 1m}]
     respond: {body: "ok\n"}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     let u = url(gw.addr, "/tiers");
     assert_eq!(
@@ -261,10 +366,10 @@ routes:
     );
 }
 
-#[tokio::test]
-async fn shadow_counts_but_never_refuses() {
-    let gw = start_gateway(
-        r#"
+async fn shadow_counts_but_never_refuses(store: Store) {
+    let gw = store
+        .start(
+            r#"
 routes:
   - name: shadowed
     match: {path: /s}
@@ -273,8 +378,8 @@ routes:
     limits: [{name: s, algorithm: sliding_log, limit: 2, window: 1m}]
     respond: {body: "ok\n"}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     for _ in 0..5 {
         let r = c.get(&url(gw.addr, "/s"), &[]).await;
@@ -288,12 +393,12 @@ routes:
     );
 }
 
-#[tokio::test]
-async fn delay_waits_for_capacity_up_to_max_delay() {
+async fn delay_waits_for_capacity_up_to_max_delay(store: Store) {
     // `strict` refills once a second, so its second request would have to wait far
     // longer than its 50 ms, however slowly this machine runs.
-    let gw = start_gateway(
-        r#"
+    let gw = store
+        .start(
+            r#"
 routes:
   - name: paced
     match: {path: /paced}
@@ -310,8 +415,8 @@ routes:
     limits: [{name: pace, algorithm: token_bucket, rate: 1/s, burst: 1}]
     respond: {body: "ok\n"}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     let started = Instant::now();
     assert_eq!(c.get(&url(gw.addr, "/paced"), &[]).await.status, 200);
@@ -336,10 +441,10 @@ routes:
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_delayed_requests_queue_one_after_another() {
-    let gw = start_gateway(
-        r#"
+async fn concurrent_delayed_requests_queue_one_after_another(store: Store) {
+    let gw = store
+        .start(
+            r#"
 routes:
   - name: paced
     match: {path: /paced}
@@ -349,8 +454,8 @@ routes:
     limits: [{name: pace, algorithm: token_bucket, rate: 10/s, burst: 1}]
     respond: {body: "ok\n"}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     let started = Instant::now();
     let tasks: Vec<_> = (0..5)
@@ -373,10 +478,9 @@ routes:
     assert_eq!(decisions(&m, "paced"), [("allowed", 1.0), ("delayed", 4.0)]);
 }
 
-#[tokio::test]
-async fn every_algorithm_admits_its_quota_then_refuses() {
+async fn every_algorithm_admits_its_quota_then_refuses(store: Store) {
     // Windows long enough that no aligned boundary falls inside the test.
-    let gw = start_gateway(
+    let gw = store.start(
         r#"
 routes:
   - {name: fw, match: {path: /fixed_window}, limits: [{algorithm: fixed_window, limit: 3, window: 1d}], respond: {body: ok}}
@@ -520,9 +624,8 @@ async fn expect(c: &HttpClient, addr: std::net::SocketAddr, steps: &[(&str, Head
     }
 }
 
-#[tokio::test]
-async fn each_key_kind_has_its_own_budgets() {
-    let gw = start_gateway(&KEYS.replace("ONE", ONE)).await;
+async fn each_key_kind_has_its_own_budgets(store: Store) {
+    let gw = store.start(&KEYS.replace("ONE", ONE)).await;
     let c = http1();
     let (ip1, ip2) = (
         ("x-forwarded-for", "1.1.1.1"),
@@ -589,16 +692,16 @@ async fn a_missing_key_is_400_naming_it() {
     assert_eq!(decisions(&m, "composite"), [("bad_request", 1.0)]);
 }
 
-#[tokio::test]
-async fn x_forwarded_for_is_ignored_from_untrusted_peers() {
-    let gw = start_gateway(&format!(
-        r#"
+async fn x_forwarded_for_is_ignored_from_untrusted_peers(store: Store) {
+    let gw = store
+        .start(&format!(
+            r#"
 deny: {{ips: [9.9.9.9]}}
 routes:
   - {{name: per-ip, match: {{path: /ip}}, key: ip, limits: [{ONE}], respond: {{body: ok}}}}
 "#
-    ))
-    .await;
+        ))
+        .await;
     let c = http1();
     #[rustfmt::skip]
     expect(&c, gw.addr, &[
@@ -608,17 +711,17 @@ routes:
     ]).await;
 }
 
-#[tokio::test]
-async fn x_forwarded_for_from_a_trusted_proxy_names_the_client() {
-    let gw = start_gateway(&format!(
-        r#"
+async fn x_forwarded_for_from_a_trusted_proxy_names_the_client(store: Store) {
+    let gw = store
+        .start(&format!(
+            r#"
 client_ip: {{trusted_proxies: [127.0.0.1/32]}}
 deny: {{ips: [9.9.9.9]}}
 routes:
   - {{name: per-ip, match: {{path: /ip}}, key: ip, limits: [{ONE}], respond: {{body: ok}}}}
 "#
-    ))
-    .await;
+        ))
+        .await;
     let c = http1();
     #[rustfmt::skip]
     expect(&c, gw.addr, &[
@@ -635,12 +738,12 @@ routes:
 
 // === deny ===
 
-#[tokio::test]
-async fn denied_addresses_get_the_configured_status_everywhere() {
+async fn denied_addresses_get_the_configured_status_everywhere(store: Store) {
     for entry in ["127.0.0.1", "127.0.0.0/8"] {
         let up = upstream().await;
-        let gw = start_gateway(
-            &r#"
+        let gw = store
+            .start(
+                &r#"
 deny: {ips: [ENTRY], status: 451}
 upstreams:
   api: {targets: ["UP"]}
@@ -648,11 +751,11 @@ routes:
   - {name: proxied, match: {path: /api}, upstream: api, key: ip, limits: [ONE]}
   - {name: local, match: {path: /local}, respond: {body: ok}}
 "#
-            .replace("ENTRY", entry)
-            .replace("UP", &up.url())
-            .replace("ONE", ONE),
-        )
-        .await;
+                .replace("ENTRY", entry)
+                .replace("UP", &up.url())
+                .replace("ONE", ONE),
+            )
+            .await;
         let c = http1();
         for path in ["/api", "/local", "/nowhere"] {
             let r = c.get(&url(gw.addr, path), &[]).await;
@@ -667,11 +770,11 @@ routes:
     }
 }
 
-#[tokio::test]
-async fn denied_requests_are_not_charged() {
+async fn denied_requests_are_not_charged(store: Store) {
     // Behind a trusted proxy, so one test can be a denied and an admitted client.
-    let gw = start_gateway(
-        r#"
+    let gw = store
+        .start(
+            r#"
 client_ip: {trusted_proxies: [127.0.0.1/32]}
 deny: {ips: [127.0.0.1, 10.0.0.0/8], status: 451}
 routes:
@@ -681,8 +784,8 @@ routes:
     limits: [{name: two, algorithm: sliding_log, limit: 2, window: 1m}]
     respond: {body: ok}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     let u = url(gw.addr, "/g");
     assert_eq!(statuses(&c, 3, &u, &[]).await, [451; 3]);
@@ -707,9 +810,8 @@ routes:
     );
 }
 
-#[tokio::test]
-async fn denied_keys_get_403_and_only_they() {
-    let gw = start_gateway(
+async fn denied_keys_get_403_and_only_they(store: Store) {
+    let gw = store.start(
         r#"
 deny: {keys: [leaked]}
 routes:
@@ -799,17 +901,19 @@ async fn a_chunked_body_growing_over_the_limit_is_413() {
 
 // === reload ===
 
-#[tokio::test]
-async fn reload_keeps_unchanged_limits_and_survives_a_bad_file() {
+async fn reload_keeps_unchanged_limits_and_survives_a_bad_file(store: Store) {
     let config = r#"
 routes:
   - {name: r, match: {path_prefix: /}, key: ip, limits: [{name: l, algorithm: sliding_log, limit: LIMIT, window: 1m}], respond: {body: BODY}}
 "#;
     let write = |file: &tempfile::NamedTempFile, limit: &str, body: &str| {
-        let text = with_listeners(&config.replace("LIMIT", limit).replace("BODY", body));
+        let text =
+            with_listeners(&store.yaml(&config.replace("LIMIT", limit).replace("BODY", body)));
         std::fs::write(file.path(), text).unwrap();
     };
-    let (gw, file) = start_gateway_file(&config.replace("LIMIT", "3").replace("BODY", "v1")).await;
+    let (gw, file) = store
+        .start_file(&config.replace("LIMIT", "3").replace("BODY", "v1"))
+        .await;
     let c = http1();
     let u = url(gw.addr, "/");
     assert_eq!(statuses(&c, 2, &u, &[]).await, [200, 200]);
@@ -861,10 +965,10 @@ routes:
     assert_eq!(metric(&m, "sluice_config_last_reload_success"), Some(1.0));
 }
 
-#[tokio::test]
-async fn a_shadow_route_never_delays() {
-    let gw = start_gateway(
-        r#"
+async fn a_shadow_route_never_delays(store: Store) {
+    let gw = store
+        .start(
+            r#"
 routes:
   - name: quiet
     match: {path: /}
@@ -875,8 +979,8 @@ routes:
     limits: [{name: pace, algorithm: token_bucket, rate: 1/m, burst: 1}]
     respond: {body: "ok\n"}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     let started = Instant::now();
     assert_eq!(
@@ -889,10 +993,10 @@ routes:
     assert_eq!(decisions(&m, "quiet"), [("allowed", 1.0), ("shadow", 2.0)]);
 }
 
-#[tokio::test]
-async fn a_client_gone_while_delayed_is_still_counted() {
-    let gw = start_gateway(
-        r#"
+async fn a_client_gone_while_delayed_is_still_counted(store: Store) {
+    let gw = store
+        .start(
+            r#"
 routes:
   - name: paced
     match: {path: /}
@@ -902,8 +1006,8 @@ routes:
     limits: [{name: pace, algorithm: token_bucket, rate: 1/m, burst: 1}]
     respond: {body: "ok\n"}
 "#,
-    )
-    .await;
+        )
+        .await;
     let c = http1();
     assert_eq!(c.get(&url(gw.addr, "/"), &[]).await.status, 200);
     // The second request would wait a minute for its token; hang up long before, and

@@ -3,8 +3,7 @@
 //! applies `on_error` without waiting on a dead Redis and recovers by itself; and
 //! processes with skewed clocks agree because Redis' clock decides.
 
-#[path = "common/redis.rs"]
-mod harness;
+mod common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -13,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use harness::*;
+use common::redis::*;
 
 /// One route answered by sluice itself, keyed by `x-key`, with `limits`.
 fn route(limits: &str) -> String {
@@ -332,7 +331,7 @@ async fn redis_down_with_on_error_local_applies_the_limit_in_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_started_before_redis_serves_once_it_answers() {
-    let port = free_port(false);
+    let port = free_port();
     let url = format!("redis://127.0.0.1:{port}");
     let limits = "[{algorithm: sliding_log, limit: 5, window: 1h}]";
     let yaml = format!(
@@ -421,11 +420,9 @@ fn until_window_end(redis: &RedisServer, window_us: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processes_with_skewed_clocks_agree_on_every_decision() {
-    // faketime works here: a process under it sees its clock an hour off.
-    let faked = Command::new("faketime")
-        .args(["-f", "-1h", "date", "+%s"])
-        .output()
-        .expect("faketime runs");
+    // libfaketime works here: a process under it sees its clock an hour off.
+    let faked =
+        run_grouped(Command::new("date").arg("+%s").envs(faketime_env("-1h"))).expect("date runs");
     let faked: u64 = String::from_utf8_lossy(&faked.stdout)
         .trim()
         .parse()
@@ -452,9 +449,8 @@ async fn processes_with_skewed_clocks_agree_on_every_decision() {
         redis_store(&url_target(&redis.url()), "deny", 2000),
         route(limits)
     );
-    let env = [("FAKETIME_DONT_FAKE_MONOTONIC", "1")];
-    let behind = SluiceProcess::start(&["faketime", "-m", "-f", "-1h"], &env, &yaml).await;
-    let ahead = SluiceProcess::start(&["faketime", "-m", "-f", "+1h"], &env, &yaml).await;
+    let behind = SluiceProcess::start_faked("-1h", &yaml).await;
+    let ahead = SluiceProcess::start_faked("+1h", &yaml).await;
 
     let mut admitted = [0, 0];
     let mut refused = [0, 0];

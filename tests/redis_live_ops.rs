@@ -346,7 +346,7 @@ async fn two_instances_on_a_cluster_share_the_deny_list() {
     let cluster = RedisCluster::start();
     let urls = cluster.urls();
     // B's seeds in the other order, after one where nothing listens.
-    let mut other = vec![format!("redis://127.0.0.1:{}", free_port(false))];
+    let mut other = vec![format!("redis://127.0.0.1:{}", free_port())];
     other.extend(urls.iter().rev().cloned());
     let a = in_process(&open_gateway(&cluster_target(&urls), 500)).await;
     let b = process(&open_gateway(&cluster_target(&other), 500)).await;

@@ -6,20 +6,11 @@
 #[path = "common/redis.rs"]
 mod harness;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::free_port;
+use harness::{free_port, spawn_grouped};
 use sluice::limit::{Algorithm, LimitDef, Mode, Plan, RedisOptions, RedisStore, RedisTarget};
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 #[test]
 fn the_store_works_over_rediss() {
@@ -31,8 +22,8 @@ fn the_store_works_over_rediss() {
     std::fs::write(&key_file, cert.signing_key.serialize_pem()).expect("write key");
     std::env::set_var("SSL_CERT_FILE", &cert_file);
 
-    let port = free_port(false);
-    let _redis = Killed(
+    let port = free_port();
+    let _redis = spawn_grouped(
         Command::new("redis-server")
             .args([
                 "--port",
@@ -59,10 +50,9 @@ fn the_store_works_over_rediss() {
             .arg("--dir")
             .arg(dir.path())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server runs"),
-    );
+            .stderr(Stdio::null()),
+    )
+    .expect("redis-server runs");
     let t0 = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(

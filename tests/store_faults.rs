@@ -210,7 +210,7 @@ async fn a_flood_of_keys_on_one_route_does_not_reset_login() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_local_fallback_keeps_each_routes_share_too() {
     // Nothing listens there: the breaker is open from the start.
-    let dead = format!("redis://127.0.0.1:{}", free_port(false));
+    let dead = format!("redis://127.0.0.1:{}", free_port());
     let yaml = TWO_ROUTES.replace(
         "store:\n  backend: memory\n",
         &format!(

@@ -22,7 +22,7 @@ use crate::gateway::{Action, BanRule, Limits, Route, Runtime, Tier};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisTarget, StoreError};
 use crate::metrics::Metrics;
-use crate::proxy::{BuildError, Upstream};
+use crate::proxy::{BuildError, Upstream, UpstreamOpts};
 use crate::route::{HeaderMatch, HostMatch, Matcher};
 
 #[derive(Debug, thiserror::Error)]
@@ -43,10 +43,18 @@ fn route_err(route: &str, message: impl Into<String>) -> CompileError {
 pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileError> {
     let f = &loaded.file;
     let mut upstreams = HashMap::new();
+    let upgrades: Vec<String> = f.server.upgrades.iter().map(|u| u.0.clone()).collect();
     for (name, u) in &f.upstreams {
         let targets: Vec<String> = u.targets.iter().map(|t| t.0.clone()).collect();
         let ca = u.tls_ca.as_ref().map(|p| Path::new(p.as_str()));
-        let up = Upstream::new(name, &targets, u.connect_timeout.get(), u.timeout.get(), ca)?;
+        let opts = UpstreamOpts {
+            connect_timeout: u.connect_timeout.get(),
+            timeout: u.timeout.get(),
+            tls_ca: ca,
+            max_connections: u.max_connections.get(),
+            upgrades: &upgrades,
+        };
+        let up = Upstream::new(name, &targets, opts)?;
         upstreams.insert(name.clone(), Arc::new(up));
     }
 

@@ -46,6 +46,11 @@ pub struct Server {
     pub max_request_body: Size,
     pub shutdown_grace: Dur,
     pub max_connections: Num<usize>,
+    pub max_connections_per_ip: Num<usize>,
+    pub idle_timeout: Dur,
+    pub max_header_bytes: Size,
+    /// `Upgrade` tokens passed through to upstreams (compared case-insensitively).
+    pub upgrades: Vec<Text>,
     pub tls: Option<Tls>,
 }
 
@@ -57,6 +62,10 @@ impl Default for Server {
             max_request_body: Size(10 * 1024 * 1024),
             shutdown_grace: Dur::secs(30),
             max_connections: Num(10_000),
+            max_connections_per_ip: Num(256),
+            idle_timeout: Dur::secs(60),
+            max_header_bytes: Size(32 * 1024),
+            upgrades: vec![Text::literal("websocket")],
             tls: None,
         }
     }
@@ -166,6 +175,14 @@ pub struct Upstream {
     /// built-in web roots; for upstreams with a private CA.
     #[serde(default)]
     pub tls_ca: Option<Text>,
+    /// At most this many connections to the upstream, split evenly across its
+    /// targets.
+    #[serde(default = "default_upstream_connections")]
+    pub max_connections: Num<usize>,
+}
+
+fn default_upstream_connections() -> Num<usize> {
+    Num(1024)
 }
 
 fn default_connect_timeout() -> Dur {

@@ -42,6 +42,16 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     errors
 }
 
+/// `server.max_header_bytes` bounds: hyper's smallest read buffer, and a size no
+/// legitimate request head needs.
+const MIN_HEADER_BYTES: u64 = 8 * 1024;
+const MAX_HEADER_BYTES: u64 = 1024 * 1024;
+
+/// A character of an HTTP token (RFC 9110 §5.6.2).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
 /// Route and limit names end up in metric labels, header values and Redis keys.
 fn safe_name(s: &str) -> bool {
     s.bytes()
@@ -152,6 +162,36 @@ impl Checker<'_> {
             "max_connections",
             s.max_connections.get(),
         );
+        self.positive(
+            "server.max_connections_per_ip",
+            "max_connections_per_ip",
+            s.max_connections_per_ip.get(),
+        );
+        self.positive_dur("server.idle_timeout", "idle_timeout", s.idle_timeout);
+        let head = s.max_header_bytes.0;
+        if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&head) {
+            self.at(
+                "server.max_header_bytes",
+                format!("max_header_bytes must be between 8KiB and 1MiB, found {head} bytes"),
+            );
+        }
+        for (i, token) in s.upgrades.iter().enumerate() {
+            let path = item("server.upgrades", i);
+            if token.is_empty() || !token.bytes().all(is_tchar) {
+                self.at(
+                    &path,
+                    format!(
+                        "{:?} is not an Upgrade protocol token, expected like websocket",
+                        token.as_str()
+                    ),
+                );
+            } else if token.eq_ignore_ascii_case("h2c") {
+                self.at(
+                    &path,
+                    "h2c cannot be passed through: its tunnel would carry requests past every route and limit (clients can speak h2c to sluice directly)",
+                );
+            }
+        }
         if let Some(tls) = &s.tls {
             self.readable_file("server.tls.cert", "cert file", &tls.cert);
             self.readable_file("server.tls.key", "key file", &tls.key);
@@ -288,6 +328,21 @@ impl Checker<'_> {
             self.positive_dur(&format!("{base}.timeout"), "timeout", up.timeout);
             if let Some(ca) = &up.tls_ca {
                 self.readable_file(&format!("{base}.tls_ca"), "CA file", ca);
+            }
+            let cap = up.max_connections.get();
+            if cap == 0 {
+                self.at(
+                    &format!("{base}.max_connections"),
+                    "max_connections must be greater than 0",
+                );
+            } else if cap < up.targets.len() {
+                self.at(
+                    &format!("{base}.max_connections"),
+                    format!(
+                        "max_connections ({cap}) must be at least the number of targets ({}): the connections are split across them",
+                        up.targets.len()
+                    ),
+                );
             }
         }
     }
@@ -987,6 +1042,22 @@ mod tests {
             [
                 "3:15: unknown upstream \"nope\", no upstreams are defined",
                 "4:27: max_connections must be greater than 0",
+            ]
+        );
+    }
+
+    #[test]
+    fn connection_settings() {
+        let yaml = "server:\n  max_header_bytes: 4KiB\n  idle_timeout: 0s\n  max_connections_per_ip: 0\n  upgrades: [websocket, H2C, \"a b\"]\nupstreams:\n  api: {targets: [http://127.0.0.1:1, http://127.0.0.1:2], max_connections: 1}\nroutes: []\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "2:21: max_header_bytes must be between 8KiB and 1MiB, found 4096 bytes",
+                "3:17: idle_timeout must be greater than 0",
+                "4:27: max_connections_per_ip must be greater than 0",
+                "5:25: h2c cannot be passed through: its tunnel would carry requests past every route and limit (clients can speak h2c to sluice directly)",
+                "5:30: \"a b\" is not an Upgrade protocol token, expected like websocket",
+                "7:77: max_connections (1) must be at least the number of targets (2): the connections are split across them",
             ]
         );
     }

@@ -1,14 +1,18 @@
 //! The end-to-end harness: a gateway started from YAML text, real upstreams (echo,
 //! slow, closing, upgrading, TLS), real HTTP/1.1 and h2c clients, raw sockets for
-//! the cases where the bytes matter, and the metrics endpoint. Everything listens
-//! on 127.0.0.1:0, so tests run in parallel without sharing a port.
+//! the cases where the bytes matter, the metrics endpoint, free ports, and child
+//! processes that never outlive the test. Gateways and upstreams listen on
+//! 127.0.0.1:0, so tests run in parallel without sharing a port. `redis` adds real
+//! `redis-server`s and the `sluice` binary as a process.
 #![allow(dead_code)]
+
+pub mod redis;
+
+pub use redis::base::*;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -27,63 +31,6 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-pub use sluice::server::Running;
-
-/// How long any single network step of a test may take before the test fails
-/// instead of hanging.
-pub const BOUND: Duration = Duration::from_secs(10);
-
-pub async fn bounded<F: Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(BOUND, f)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: no answer within {BOUND:?}"))
-}
-
-// === gateway ===
-
-/// Start a gateway from YAML text. A `server:` or `admin:` section the text does not
-/// have is added, listening on 127.0.0.1:0; a text that has one must say
-/// `listen: 127.0.0.1:0` itself.
-pub async fn start_gateway(yaml: &str) -> Running {
-    let text = with_listeners(yaml);
-    let loaded = sluice::config::parse(&text, Path::new("test.yaml"))
-        .unwrap_or_else(|e| panic!("config does not parse: {e}\n{text}"));
-    start(loaded).await
-}
-
-/// Like `start_gateway`, but from a file (kept alive by the returned handle), for
-/// tests that reload it.
-pub async fn start_gateway_file(yaml: &str) -> (Running, tempfile::NamedTempFile) {
-    let file = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(file.path(), with_listeners(yaml)).expect("write config");
-    let loaded =
-        sluice::config::load(file.path()).unwrap_or_else(|e| panic!("config does not load: {e}"));
-    (start(loaded).await, file)
-}
-
-async fn start(loaded: sluice::config::Loaded) -> Running {
-    match sluice::server::start(loaded).await {
-        Ok(r) => r,
-        Err(e) => panic!("gateway does not start: {e}"),
-    }
-}
-
-pub fn with_listeners(yaml: &str) -> String {
-    let has = |section: &str| yaml.lines().any(|l| l.starts_with(section));
-    let mut text = String::new();
-    if !has("server:") {
-        text.push_str("server: {listen: \"127.0.0.1:0\"}\n");
-    }
-    if !has("admin:") {
-        text.push_str("admin: {listen: \"127.0.0.1:0\"}\n");
-    }
-    text.push_str(yaml);
-    text
-}
-
 /// A `.yaml` temp file holding `text` (removed when dropped).
 pub fn config_file(text: &str) -> tempfile::NamedTempFile {
     let f = tempfile::Builder::new()
@@ -97,12 +44,6 @@ pub fn config_file(text: &str) -> tempfile::NamedTempFile {
 /// `http://ADDR` + `path`.
 pub fn url(addr: SocketAddr, path: &str) -> String {
     format!("http://{addr}{path}")
-}
-
-/// A port nothing listens on (bound once, then released).
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("local addr").port()
 }
 
 /// Sleep until just after the next multiple of `window` since the UNIX epoch, so a

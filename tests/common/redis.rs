@@ -1,86 +1,40 @@
 //! The Redis test harness: real `redis-server` processes (one server, or a 3-node
-//! cluster) on free loopback ports, killed on drop; gateways started from YAML
-//! text; a raw HTTP/1.1 client; and the metrics endpoint. Used through
-//! `#[path = "common/redis.rs"] mod harness;`.
+//! cluster) on free loopback ports, killed with the test; gateways on the Redis
+//! store; a raw HTTP/1.1 client; the metrics endpoint; and the `sluice` binary as a
+//! process. It is `common::redis` (`mod common;` in the test file), or included
+//! by path alone (`#[path = "common/redis.rs"] mod harness;`). Ports, bounds,
+//! children and the gateway starter are in `base.rs`, loaded here and re-exported
+//! by `common` too.
 #![allow(dead_code)]
+#![allow(clippy::duplicate_mod)]
 
-use std::future::Future;
-use std::net::{SocketAddr, TcpListener};
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-pub use sluice::server::Running;
-
-/// How long any single step of a test may take before the test fails instead of
-/// hanging.
-pub const BOUND: Duration = Duration::from_secs(20);
-
-pub async fn bounded<F: Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(BOUND, f)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: no answer within {BOUND:?}"))
-}
-
-// === children ===
-
-/// Starts `cmd` in a process group of its own, so that killing the group also ends
-/// whatever it started (`faketime` runs sluice as its child).
-fn spawn_grouped(cmd: &mut Command) -> std::io::Result<Child> {
-    cmd.process_group(0).spawn()
-}
-
-/// SIGKILL to the child's whole group, then reap the child.
-fn kill_group(child: &mut Child) {
-    // The group id is the child's pid (`process_group(0)`).
-    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-        // SAFETY: kill(2) with a negative pid signals that process group; no memory
-        // is involved.
-        unsafe {
-            libc::kill(-pid, libc::SIGKILL);
-        }
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-// === ports ===
-
-/// A port free on 127.0.0.1 now, and (for cluster nodes) its bus port p + 10000 too.
-/// Below 55536 so the bus port exists; spread by process id so parallel test
-/// binaries rarely probe the same ones.
-pub fn free_port(with_bus: bool) -> u16 {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let base = 20_000 + (std::process::id() * 7919) % 30_000;
-    for _ in 0..5_000 {
-        let p = 20_000 + (base + NEXT.fetch_add(1, Ordering::Relaxed) * 13) % 35_000;
-        let p = p as u16;
-        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if free(p) && (!with_bus || free(p + 10_000)) {
-            return p;
-        }
-    }
-    panic!("no free port");
-}
+#[path = "base.rs"]
+pub mod base;
+pub use base::*;
 
 // === one redis-server ===
 
 pub struct RedisServer {
     pub port: u16,
-    child: Option<Child>,
-    dir: tempfile::TempDir,
+    child: Option<Spawned>,
+    /// A cluster node's own directory, for its nodes.conf (a single server writes
+    /// nothing: no persistence).
+    dir: Option<tempfile::TempDir>,
     cluster: bool,
 }
 
 impl RedisServer {
     /// A fresh server: no persistence, loopback only.
     pub fn start() -> RedisServer {
-        Self::start_on(free_port(false), false)
+        Self::start_on(free_port(), false)
     }
 
     /// A fresh server on `port`.
@@ -93,7 +47,7 @@ impl RedisServer {
     fn start_on(port: u16, cluster: bool) -> RedisServer {
         let mut port = port;
         for _ in 0..5 {
-            let dir = tempfile::tempdir().expect("temp dir");
+            let dir = cluster.then(|| tempfile::tempdir().expect("temp dir"));
             let mut s = RedisServer {
                 port,
                 child: None,
@@ -103,7 +57,7 @@ impl RedisServer {
             if s.try_spawn() {
                 return s;
             }
-            port = free_port(cluster);
+            port = free_port();
         }
         panic!("redis-server found no port it could bind");
     }
@@ -122,11 +76,14 @@ impl RedisServer {
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
-            .arg(self.dir.path())
+            .arg(match &self.dir {
+                Some(dir) => dir.path().to_path_buf(),
+                None => std::env::temp_dir(),
+            })
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        if self.cluster {
-            let conf = self.dir.path().join(format!("nodes-{}.conf", self.port));
+        if let Some(dir) = &self.dir {
+            let conf = dir.path().join(format!("nodes-{}.conf", self.port));
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"])
                 .arg("--cluster-config-file")
                 .arg(conf);
@@ -187,7 +144,7 @@ impl RedisServer {
     /// Kill the server (SIGKILL: no goodbye to clients).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            kill_group(&mut c);
+            c.kill();
         }
     }
 
@@ -214,18 +171,19 @@ impl RedisCluster {
     /// Three primaries, no replicas, all 16384 slots assigned and agreed.
     pub fn start() -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| RedisServer::start_on(free_port(true), true))
+            .map(|_| RedisServer::start_on(free_port(), true))
             .collect();
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .expect("redis-cli runs");
+        let out = run_grouped(
+            Command::new("redis-cli")
+                .args(["--cluster", "create"])
+                .args(&addrs)
+                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+        )
+        .expect("redis-cli runs");
         assert!(
             out.status.success(),
             "cluster create failed: {}{}",
@@ -270,31 +228,6 @@ impl RedisCluster {
 }
 
 // === gateways ===
-
-/// A gateway from YAML text; `server` and `admin` listen on 127.0.0.1:0 unless the
-/// text has those sections.
-pub async fn start_gateway(yaml: &str) -> Running {
-    let text = with_listeners(yaml);
-    let loaded = sluice::config::parse(&text, Path::new("test.yaml"))
-        .unwrap_or_else(|e| panic!("config does not parse: {e}\n{text}"));
-    match sluice::server::start(loaded).await {
-        Ok(r) => r,
-        Err(e) => panic!("gateway does not start: {e}"),
-    }
-}
-
-pub fn with_listeners(yaml: &str) -> String {
-    let has = |section: &str| yaml.lines().any(|l| l.starts_with(section));
-    let mut text = String::new();
-    if !has("server:") {
-        text.push_str("server: {listen: \"127.0.0.1:0\"}\n");
-    }
-    if !has("admin:") {
-        text.push_str("admin: {listen: \"127.0.0.1:0\"}\n");
-    }
-    text.push_str(yaml);
-    text
-}
 
 /// A YAML `store:` section for one server or a cluster.
 pub fn redis_store(target: &str, on_error: &str, timeout_ms: u64) -> String {
@@ -395,37 +328,23 @@ pub fn metric_in(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// Polls `f` every 50ms until it is true or `within` passes; how long it took.
-pub async fn eventually<F, Fut>(within: Duration, mut f: F) -> Option<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let t0 = Instant::now();
-    while t0.elapsed() < within {
-        if f().await {
-            return Some(t0.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    None
-}
-
 // === the sluice binary ===
 
-/// A `sluice run` process, killed on drop.
+/// A `sluice run` process, killed (its group) when dropped or when the test dies.
 pub struct SluiceProcess {
-    pub child: Child,
+    pub child: Spawned,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     _config: tempfile::NamedTempFile,
 }
 
 impl SluiceProcess {
-    /// Runs `prefix... sluice run -c <config>` (prefix: e.g. `faketime -f -1h`) with
-    /// `yaml` plus listeners on free ports; waits for `/healthz`.
+    /// Runs `prefix... sluice run -c <config>` with `yaml` plus listeners on free
+    /// ports; waits for `/healthz`. A prefix command should exec sluice, not fork it
+    /// (a forked grandchild is killed with the group on drop, but would outlive a
+    /// test process that dies); for a skewed clock use `start_faked`.
     pub async fn start(prefix: &[&str], env: &[(&str, &str)], yaml: &str) -> SluiceProcess {
-        let (port, admin_port) = (free_port(false), free_port(false));
+        let (port, admin_port) = (free_port(), free_port());
         let text = format!(
             "server: {{listen: \"127.0.0.1:{port}\"}}\nadmin: {{listen: \"127.0.0.1:{admin_port}\"}}\n{yaml}"
         );
@@ -465,10 +384,40 @@ impl SluiceProcess {
         assert!(up.is_some(), "sluice process did not come up");
         p
     }
+
+    /// Like `start`, with the process' clock `offset` off (libfaketime's offset
+    /// syntax: `-1h`, `+1h`); monotonic time is not faked.
+    pub async fn start_faked(offset: &str, yaml: &str) -> SluiceProcess {
+        let env = faketime_env(offset);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        Self::start(&[], &env, yaml).await
+    }
 }
 
-impl Drop for SluiceProcess {
-    fn drop(&mut self) {
-        kill_group(&mut self.child);
+/// The environment that runs a program with its clock `offset` off: libfaketime
+/// preloaded directly. (The `faketime` command forks the program as its own child,
+/// one process more to leave behind.)
+pub fn faketime_env(offset: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("LD_PRELOAD", libfaketime()),
+        ("FAKETIME", offset.to_string()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ]
+}
+
+/// The multi-threaded libfaketime of the `faketime` package.
+fn libfaketime() -> String {
+    let mut dirs = vec![
+        PathBuf::from("/usr/lib/faketime"),
+        PathBuf::from("/usr/local/lib/faketime"),
+    ];
+    if let Ok(entries) = std::fs::read_dir("/usr/lib") {
+        dirs.extend(entries.flatten().map(|e| e.path().join("faketime")));
     }
+    dirs.iter()
+        .map(|d| d.join("libfaketimeMT.so.1"))
+        .find(|lib| lib.exists())
+        .unwrap_or_else(|| panic!("no libfaketimeMT.so.1 (tests/run.sh installs faketime)"))
+        .display()
+        .to_string()
 }
