@@ -29,6 +29,7 @@ pub const TARGETS: &[(&str, fn(&[u8]))] = &[
     ("duration_rate", duration_rate),
     ("client_ip", client_ip),
     ("key", key),
+    ("path", path),
 ];
 
 /// A configuration file: parsed and validated; when valid, summarised, shown as
@@ -270,6 +271,55 @@ pub fn key(data: &[u8]) {
     assert!(!stored.contains(['{', '}']));
 }
 
+/// A request path through `path::normalize` and `route_view`.
+///
+/// - A normalised path starts with `/`, has no empty, `.` or `..` segment and no
+///   escape of an unreserved character, `/`, `\\` or NUL.
+/// - Normalising is idempotent: the normal form is its own normal form, and is
+///   returned as it is (no allocation).
+/// - What routes see (`route_view`) is normal too and has no `;parameters`.
+pub fn path(data: &[u8]) {
+    let Ok(raw) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(normal) = crate::path::normalize(raw) else {
+        return;
+    };
+    assert!(normal.starts_with('/'), "{raw:?} -> {normal:?}");
+    let again =
+        crate::path::normalize(&normal).unwrap_or_else(|e| panic!("{raw:?} -> {normal:?} -> {e}"));
+    assert!(
+        matches!(again, std::borrow::Cow::Borrowed(_)) && again == normal,
+        "{raw:?} -> {normal:?} -> {again:?}"
+    );
+    let segments: Vec<&str> = normal[1..].split('/').collect();
+    for (i, s) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        assert!(!s.is_empty() || last, "{raw:?} -> {normal:?}");
+        assert!(!matches!(*s, "." | ".."), "{raw:?} -> {normal:?}");
+    }
+    assert!(!normal.contains('\\'), "{raw:?} -> {normal:?}");
+    for (i, _) in normal.match_indices('%') {
+        let hex = normal.get(i + 1..i + 3).unwrap_or_default();
+        let byte = (hex.len() == 2 && hex.bytes().all(|h| h.is_ascii_hexdigit()))
+            .then(|| u8::from_str_radix(hex, 16).ok())
+            .flatten();
+        let kept = |b: u8| {
+            !(b.is_ascii_alphanumeric() || b"-._~/\\\0".contains(&b))
+                && !hex.bytes().any(|h| h.is_ascii_lowercase())
+        };
+        assert!(byte.is_some_and(kept), "{raw:?} -> {normal:?}");
+    }
+    let view = crate::path::route_view(&normal);
+    assert!(!view.contains(';'), "{raw:?} -> {view:?}");
+    assert_eq!(
+        crate::path::normalize(&view).as_deref(),
+        Ok(&*view),
+        "{raw:?} -> {normal:?} -> {view:?}"
+    );
+    assert_eq!(crate::path::route_view(&view), view);
+}
+
 /// A composite key's parts: split on `|`, with `\` escaping the next character.
 fn split_key(k: &str) -> Vec<String> {
     let mut parts = vec![String::new()];
@@ -294,5 +344,6 @@ mod tests {
         duration_rate(b"5/10s");
         client_ip(b"10.0.0.0/8\n10.0.0.2\n6.6.6.6, 203.0.113.7\n10.1.1.1");
         key(b"header:x-api-key cookie:s\n/?k=1\nx-api-key: a|b\ncookie: s=c\\d");
+        path(b"/x/../%6Cogin;a/.");
     }
 }
