@@ -54,7 +54,9 @@ pub fn config(data: &[u8]) {
         Ok(l) => l,
         Err(errors) => {
             assert!(!errors.0.is_empty(), "rejected without an error: {text:?}");
-            let lines = text.lines().count() + 1;
+            // Lines as YAML counts them (`\r\n`, `\r` and `\n` each end one), and the
+            // one just past the end, where a missing field is reported.
+            let lines = text.replace("\r\n", "\n").matches(['\r', '\n']).count() + 2;
             for e in &errors.0 {
                 assert!(e.line <= lines, "{e} is past the end of {text:?}");
                 let _ = e.to_string();
