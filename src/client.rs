@@ -75,7 +75,7 @@ pub fn canonical_net(net: IpNet) -> IpNet {
 
 /// An address as proxies write it: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`,
 /// `[2001:db8::1]:5678`.
-fn parse_hop(hop: &str) -> Option<IpAddr> {
+pub(crate) fn parse_hop(hop: &str) -> Option<IpAddr> {
     let hop = hop.trim();
     if let Ok(ip) = hop.parse::<IpAddr>() {
         return Some(canonical(ip));

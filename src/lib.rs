@@ -9,6 +9,7 @@ pub mod config;
 pub mod control;
 pub mod deny;
 pub mod deny_sync;
+pub mod fuzzing;
 pub mod gateway;
 pub mod limit;
 pub mod metrics;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of sluice. On a fresh machine it first installs what cargo
 # cannot: redis-server and redis-cli (the Redis store's tests start their own
-# servers) and faketime (clock-skew tests), from Debian's packages.
+# servers) and faketime (clock-skew tests), from Debian's packages; and cargo-deny,
+# which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,30 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+# Dependency audit: licenses, duplicate versions and sources always; advisories
+# only against a RustSec database this machine can reach (GitHub, or a local copy
+# named by SLUICE_ADVISORY_DB), and otherwise said plainly not to have been checked.
+command -v cargo-deny >/dev/null 2>&1 || {
+  echo "installing cargo-deny" >&2
+  cargo install --locked cargo-deny
+}
+audit=0
+unchecked=""
+cargo deny --locked check licenses bans sources || audit=1
+advisory_url=https://github.com/RustSec/advisory-db
+if [ -n "${SLUICE_ADVISORY_DB:-}" ]; then
+  # cargo-deny clones the database with git: point its URL at the local copy.
+  db=$(cd "$SLUICE_ADVISORY_DB" && pwd)
+  echo "advisories: against the local copy $db ($(git -C "$db" log -1 --format='%h of %cs' main))" >&2
+  GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0="url.file://$db.insteadOf" GIT_CONFIG_VALUE_0="$advisory_url" \
+    cargo deny --locked check advisories || audit=1
+elif timeout 20 git ls-remote "$advisory_url" HEAD >/dev/null 2>&1; then
+  cargo deny --locked check advisories || audit=1
+else
+  unchecked="advisories: NOT CHECKED: $advisory_url is unreachable and SLUICE_ADVISORY_DB is not set"
+  echo "$unchecked" >&2
+fi
+
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
@@ -26,4 +51,7 @@ set -e
 # One closing line over every test binary (cargo's own last line is the doctests').
 awk '/^test result:/ { for (i = 2; i <= NF; i++) { if ($i == "passed;") p += $(i-1); if ($i == "failed;") f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+[ -z "$unchecked" ] || echo "$unchecked"
+[ "$audit" -eq 0 ] || echo "dependency audit FAILED (cargo deny, above)"
+[ "$rc" -ne 0 ] || rc=$audit
 exit "$rc"

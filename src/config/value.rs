@@ -331,7 +331,8 @@ macro_rules! serialize_as {
     };
 }
 
-serialize_as!(Text, |v, s| s.serialize_str(&v.0));
+// A literal `${` is written `$${`, or it would be interpolated when read back.
+serialize_as!(Text, |v, s| s.serialize_str(&v.0.replace("${", "$${")));
 serialize_as!(Dur, |v, s| s.serialize_str(&fmt_dur(v.0)));
 serialize_as!(RateSpec, |v, s| s.serialize_str(&fmt_rate(*v)));
 serialize_as!(Size, |v, s| s.serialize_u64(v.0));
@@ -468,6 +469,16 @@ mod tests {
         assert_eq!(fmt_rate(rate(100, 60)), "100/m");
         assert_eq!(fmt_rate(rate(5, 10)), "5/10s");
         assert_eq!(fmt_rate(rate(5, 86_400)), "5/d");
+    }
+
+    #[test]
+    fn text_is_shown_as_written() {
+        // `$${` is how a file writes a literal `${`; shown unescaped, the value would
+        // be interpolated when copied back into a file.
+        let shown = serde_json::to_string(&Text::literal("a ${HOME} $5")).unwrap();
+        assert_eq!(shown, r#""a $${HOME} $5""#);
+        let back: Text = serde_yaml::from_str(&shown).unwrap();
+        assert_eq!(back.as_str(), "a ${HOME} $5");
     }
 
     #[test]

@@ -1,0 +1,354 @@
+//! Entry points of the fuzz targets (`fuzz/fuzz_targets/*.rs`). Each takes arbitrary
+//! bytes, runs one piece of the code a client or an operator feeds, and asserts what
+//! must hold for any input: no panic, and the invariants written at each function. The
+//! cargo-fuzz targets and `tests/fuzz_corpus.rs` (which replays every corpus file on
+//! the stable toolchain) call the same functions, so a crash found once stays fixed.
+//!
+//! Inputs are text, one field per line, so a corpus file can be read and written by
+//! hand; a line that does not parse is skipped rather than ending the run.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::Request;
+
+use crate::client::{canonical, parse_hop, ClientKey, KeyPart, KeySpec, TrustedProxies};
+use crate::config::compile::{compile, CompileError};
+use crate::config::value::{
+    fmt_dur, fmt_rate, interpolate_with, parse_duration, parse_net, parse_rate, parse_size,
+};
+use crate::limit::{decide, State};
+use crate::metrics::Metrics;
+use crate::proxy::BuildError;
+
+/// A fuzz target's entry point: panics on an input that breaks an invariant.
+pub type Target = fn(&[u8]);
+
+/// The fuzz targets, by name, for the corpus test: `fuzz/corpus/NAME/` holds the inputs
+/// of `fuzz/fuzz_targets/NAME.rs`.
+pub const TARGETS: &[(&str, Target)] = &[
+    ("config", config),
+    ("duration_rate", duration_rate),
+    ("client_ip", client_ip),
+    ("key", key),
+    ("path", path),
+];
+
+/// A configuration file: parsed and validated; when valid, summarised, shown as
+/// `/admin/config` shows it, compiled, and each limit plan run for a few requests.
+///
+/// - `parse` never panics, and a rejected file has at least one error, each inside
+///   the file (line 0 only for an error with no place).
+/// - What `/admin/config` shows (the file serialized) is itself a valid file that
+///   reads back to the same thing.
+/// - A valid file compiles: validation rejects everything compile cannot build
+///   (only the outside world, a CA file, may still fail; the fuzzer's files have none).
+/// - No compiled limit panics or overflows on its first requests, at time 0 or late.
+pub fn config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let path = Path::new("fuzz.yaml");
+    let loaded = match crate::config::parse(text, path) {
+        Ok(l) => l,
+        Err(errors) => {
+            assert!(!errors.0.is_empty(), "rejected without an error: {text:?}");
+            // Lines as YAML counts them (`\r\n`, `\r` and `\n` each end one), and the
+            // one just past the end, where a missing field is reported.
+            let lines = text.replace("\r\n", "\n").matches(['\r', '\n']).count() + 2;
+            for e in &errors.0 {
+                assert!(e.line <= lines, "{e} is past the end of {text:?}");
+                let _ = e.to_string();
+            }
+            return;
+        }
+    };
+    let _ = crate::config::summary::summary(&loaded);
+
+    let shown = serde_json::to_string(&loaded.file).expect("a loaded file serializes");
+    let again = crate::config::parse(&shown, path)
+        .unwrap_or_else(|e| panic!("the file as shown does not load:\n{shown}\n{e}"));
+    assert_eq!(
+        serde_json::to_string(&again.file).expect("serializes"),
+        shown,
+        "the file as shown reads back differently"
+    );
+
+    // The fuzzer must not read the machine's files (a CA path of /dev/zero never ends).
+    let mut loaded = loaded;
+    for u in loaded.file.upstreams.values_mut() {
+        u.tls_ca = None;
+    }
+    let runtime = match compile(&loaded, &Metrics::new()) {
+        Ok(r) => r,
+        Err(CompileError::Upstream(BuildError::Ca { .. })) => return,
+        Err(e) => panic!("validated but does not compile: {e}\n{text}"),
+    };
+    for route in &runtime.routes {
+        let Some(limits) = &route.limits else {
+            continue;
+        };
+        let tiers = std::iter::once(&limits.default).chain(limits.overrides.values().map(|t| &**t));
+        for tier in tiers {
+            for start in [0, u64::MAX / 2, u64::MAX - 1] {
+                let mut states: Vec<State> = Vec::new();
+                for step in 0..3u64 {
+                    let (_, new) = decide(&tier.plan, &states, start.saturating_add(step));
+                    if let Some(new) = new {
+                        states = new;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A line of text as a duration, a rate, a size and an interpolated string.
+///
+/// - A duration that parses prints (`fmt_dur`) as text that parses to the same duration;
+///   likewise a rate (`fmt_rate`) and a size.
+/// - Interpolation never panics, and text without `$` is left as it is.
+pub fn duration_rate(data: &[u8]) {
+    let Ok(s) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Some(d) = parse_duration(s) {
+        let shown = fmt_dur(d);
+        assert_eq!(parse_duration(&shown), Some(d), "{s:?} prints as {shown:?}");
+    }
+    if let Some(r) = parse_rate(s) {
+        let shown = fmt_rate(r);
+        assert_eq!(parse_rate(&shown), Some(r), "{s:?} prints as {shown:?}");
+    }
+    if let Some(n) = parse_size(s) {
+        assert_eq!(parse_size(&n.to_string()), Some(n), "{s:?}");
+    }
+    let env = |name: &str| (name == "SET").then(|| "value".to_string());
+    match interpolate_with(s, env) {
+        Ok(out) if !s.contains('$') => assert_eq!(out, s),
+        _ => {}
+    }
+}
+
+/// `client_ip` over a trusted list, a peer and `X-Forwarded-For` values.
+///
+/// Input lines: trusted blocks separated by spaces or commas; the peer address; then
+/// one header value per line (raw bytes).
+///
+/// - An untrusted peer (or an empty trusted list) is the client, whatever it sends.
+/// - Otherwise the client is the peer or an address written in the header.
+/// - An untrusted address, once chosen, cannot be changed by the client: whatever is
+///   added to the left of the header (where a client writes) leaves it as it is.
+pub fn client_ip(data: &[u8]) {
+    let mut lines = data.split(|b| *b == b'\n');
+    let trusted_line = String::from_utf8_lossy(lines.next().unwrap_or_default());
+    let nets = trusted_line
+        .split([' ', ','])
+        .filter_map(|s| parse_net(s.trim()))
+        .collect();
+    let trusted = TrustedProxies::new(nets);
+    let peer = std::str::from_utf8(lines.next().unwrap_or_default())
+        .ok()
+        .and_then(|s| s.trim().parse::<IpAddr>().ok())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)));
+    let values: Vec<HeaderValue> = lines
+        .filter_map(|l| HeaderValue::from_bytes(l).ok())
+        .collect();
+    let mut headers = HeaderMap::new();
+    for v in &values {
+        headers.append("x-forwarded-for", v.clone());
+    }
+
+    let ip = trusted.client_ip(peer, &headers);
+    if !trusted.contains(peer) {
+        assert_eq!(ip, canonical(peer), "an untrusted peer chose {ip}");
+        return;
+    }
+    let written = values
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(parse_hop);
+    assert!(
+        ip == canonical(peer) || written.clone().any(|w| w == ip),
+        "{ip} is neither the peer {peer} nor in the header"
+    );
+    if !trusted.contains(ip) {
+        for spoof in ["198.51.100.66", "nonsense", "10.0.0.1, 203.0.113.5", ""] {
+            // A header line of the client's own, before the others...
+            let mut before = HeaderMap::new();
+            before.append("x-forwarded-for", HeaderValue::from_static(spoof));
+            for v in &values {
+                before.append("x-forwarded-for", v.clone());
+            }
+            assert_eq!(
+                trusted.client_ip(peer, &before),
+                ip,
+                "{spoof:?} added before"
+            );
+            // ...or written into the left-most value.
+            let Some(Ok(first)) = values.first().map(|v| v.to_str()) else {
+                continue;
+            };
+            let mut joined = HeaderMap::new();
+            let first = HeaderValue::from_str(&format!("{spoof}, {first}")).expect("text");
+            joined.append("x-forwarded-for", first);
+            for v in &values[1..] {
+                joined.append("x-forwarded-for", v.clone());
+            }
+            assert_eq!(trusted.client_ip(peer, &joined), ip, "{spoof:?} prepended");
+        }
+    }
+}
+
+/// Key extraction over arbitrary headers, query and cookies.
+///
+/// Input lines: the key's parts separated by spaces (`ip header:x-api-key cookie:s
+/// query:k global`); the request target (`/path?query`); then one `name: value`
+/// header per line (raw bytes).
+///
+/// - A key that is found is never empty, nor any part of it.
+/// - Every part's value is one the deny list sees (`any_value`): a denied key is
+///   denied however it is sent.
+/// - A composite key splits back into its parts (two different lists never join to
+///   one key).
+/// - The stored form is short and never holds a Redis hash tag.
+pub fn key(data: &[u8]) {
+    let mut lines = data.split(|b| *b == b'\n');
+    let spec_line = String::from_utf8_lossy(lines.next().unwrap_or_default());
+    let mut parts: Vec<KeyPart> = spec_line.split(' ').filter_map(KeyPart::parse).collect();
+    if parts.is_empty() {
+        parts.push(KeyPart::Header(HeaderName::from_static("x-api-key")));
+    }
+    let spec = KeySpec { parts };
+    let uri = lines.next().unwrap_or_default();
+    let mut req = Request::builder().uri(uri);
+    if req.uri_ref().is_none() {
+        req = Request::builder().uri("/");
+    }
+    for line in lines {
+        let Some(colon) = line.iter().position(|b| *b == b':') else {
+            continue;
+        };
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(&line[..colon]),
+            HeaderValue::from_bytes(&line[colon + 1..]),
+        ) else {
+            continue;
+        };
+        req = req.header(name, value);
+    }
+    let Ok(req) = req.body(()) else {
+        return;
+    };
+    let (req, ()) = req.into_parts();
+    let ip = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+
+    let key = match spec.extract(&req, ip) {
+        Ok(key) => key,
+        Err(missing) => {
+            assert!(spec.parts.contains(missing));
+            return;
+        }
+    };
+    assert!(!key.value.is_empty());
+    let values: Vec<&str> = match spec.parts.len() {
+        1 => vec![key.value.as_str()],
+        _ => key.parts.iter().map(String::as_str).collect(),
+    };
+    assert_eq!(values.len(), spec.parts.len());
+    for (part, value) in spec.parts.iter().zip(&values) {
+        assert!(!value.is_empty(), "{part:?} is empty");
+        if !matches!(part, KeyPart::Ip | KeyPart::Global) {
+            assert!(
+                spec.any_value(&req, |v| v == *value),
+                "the deny list does not see {value:?} of {part:?}"
+            );
+        }
+    }
+    if spec.parts.len() > 1 {
+        assert_eq!(split_key(&key.value), key.parts, "{:?}", key.value);
+    }
+    let stored = ClientKey::new(key.value.clone());
+    let stored = stored.stored();
+    assert!(stored.len() <= crate::client::MAX_STORED_KEY.max(41));
+    assert!(!stored.contains(['{', '}']));
+}
+
+/// A request path through `path::normalize` and `route_view`.
+///
+/// - A normalised path starts with `/`, has no empty, `.` or `..` segment and no
+///   escape of an unreserved character, `/`, `\\` or NUL.
+/// - Normalising is idempotent: the normal form is its own normal form, and is
+///   returned as it is (no allocation).
+/// - What routes see (`route_view`) is normal too and has no `;parameters`.
+pub fn path(data: &[u8]) {
+    let Ok(raw) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(normal) = crate::path::normalize(raw) else {
+        return;
+    };
+    assert!(normal.starts_with('/'), "{raw:?} -> {normal:?}");
+    let again =
+        crate::path::normalize(&normal).unwrap_or_else(|e| panic!("{raw:?} -> {normal:?} -> {e}"));
+    assert!(
+        matches!(again, std::borrow::Cow::Borrowed(_)) && again == normal,
+        "{raw:?} -> {normal:?} -> {again:?}"
+    );
+    let segments: Vec<&str> = normal[1..].split('/').collect();
+    for (i, s) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        assert!(!s.is_empty() || last, "{raw:?} -> {normal:?}");
+        assert!(!matches!(*s, "." | ".."), "{raw:?} -> {normal:?}");
+    }
+    assert!(!normal.contains('\\'), "{raw:?} -> {normal:?}");
+    for (i, _) in normal.match_indices('%') {
+        let hex = normal.get(i + 1..i + 3).unwrap_or_default();
+        let byte = (hex.len() == 2 && hex.bytes().all(|h| h.is_ascii_hexdigit()))
+            .then(|| u8::from_str_radix(hex, 16).ok())
+            .flatten();
+        let kept = |b: u8| {
+            let lower_hex = hex.bytes().any(|h| h.is_ascii_lowercase());
+            !(b.is_ascii_alphanumeric() || b"-._~/\\\0".contains(&b) || lower_hex)
+        };
+        assert!(byte.is_some_and(kept), "{raw:?} -> {normal:?}");
+    }
+    let view = crate::path::route_view(&normal);
+    assert!(!view.contains(';'), "{raw:?} -> {view:?}");
+    assert_eq!(
+        crate::path::normalize(&view).as_deref(),
+        Ok(&*view),
+        "{raw:?} -> {normal:?} -> {view:?}"
+    );
+    assert_eq!(crate::path::route_view(&view), view);
+}
+
+/// A composite key's parts: split on `|`, with `\` escaping the next character.
+fn split_key(k: &str) -> Vec<String> {
+    let mut parts = vec![String::new()];
+    let mut chars = k.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => parts.last_mut().unwrap().extend(chars.next()),
+            '|' => parts.push(String::new()),
+            c => parts.last_mut().unwrap().push(c),
+        }
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readable_inputs() {
+        config(b"routes:\n  - name: api\n    respond: {status: 200}\n    limits:\n      - {algorithm: gcra, rate: 10/s}\n");
+        duration_rate(b"5/10s");
+        client_ip(b"10.0.0.0/8\n10.0.0.2\n6.6.6.6, 203.0.113.7\n10.1.1.1");
+        key(b"header:x-api-key cookie:s\n/?k=1\nx-api-key: a|b\ncookie: s=c\\d");
+        path(b"/x/../%6Cogin;a/.");
+    }
+}
