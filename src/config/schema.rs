@@ -48,6 +48,12 @@ pub struct Server {
     pub max_connections: Num<usize>,
     pub max_connections_per_ip: Num<usize>,
     pub idle_timeout: Dur,
+    /// Writing to the client making no progress this long closes the connection.
+    pub send_timeout: Dur,
+    /// The client's request body making no progress this long fails the request (408).
+    pub request_body_timeout: Dur,
+    /// A spliced tunnel with no byte either way this long is closed.
+    pub tunnel_idle_timeout: Dur,
     pub max_header_bytes: Size,
     /// `Upgrade` tokens passed through to upstreams (compared case-insensitively).
     pub upgrades: Vec<Text>,
@@ -64,6 +70,9 @@ impl Default for Server {
             max_connections: Num(10_000),
             max_connections_per_ip: Num(256),
             idle_timeout: Dur::secs(60),
+            send_timeout: Dur::secs(60),
+            request_body_timeout: Dur::secs(60),
+            tunnel_idle_timeout: Dur::secs(60),
             max_header_bytes: Size(32 * 1024),
             upgrades: vec![Text::literal("websocket")],
             tls: None,

@@ -168,6 +168,17 @@ impl Checker<'_> {
             s.max_connections_per_ip.get(),
         );
         self.positive_dur("server.idle_timeout", "idle_timeout", s.idle_timeout);
+        self.positive_dur("server.send_timeout", "send_timeout", s.send_timeout);
+        self.positive_dur(
+            "server.request_body_timeout",
+            "request_body_timeout",
+            s.request_body_timeout,
+        );
+        self.positive_dur(
+            "server.tunnel_idle_timeout",
+            "tunnel_idle_timeout",
+            s.tunnel_idle_timeout,
+        );
         let head = s.max_header_bytes.0;
         if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&head) {
             self.at(
@@ -1042,6 +1053,19 @@ mod tests {
             [
                 "3:15: unknown upstream \"nope\", no upstreams are defined",
                 "4:27: max_connections must be greater than 0",
+            ]
+        );
+    }
+
+    #[test]
+    fn stall_timeouts_must_be_positive() {
+        let yaml = "server:\n  send_timeout: 0s\n  request_body_timeout: 0ms\n  tunnel_idle_timeout: 0s\nroutes: []\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "2:17: send_timeout must be greater than 0",
+                "3:25: request_body_timeout must be greater than 0",
+                "4:24: tunnel_idle_timeout must be greater than 0",
             ]
         );
     }

@@ -1,0 +1,228 @@
+//! Clients that stall mid-request: one that stops reading its response
+//! (`server.send_timeout`), one that stops sending its request body
+//! (`server.request_body_timeout`), and an idle WebSocket tunnel
+//! (`server.tunnel_idle_timeout`). Each is cut after its timeout and gives back
+//! the upstream connection it held; clients that are slow but progressing are not.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use common::*;
+
+/// Bytes of the large response body.
+const BIG: usize = 32 << 20;
+
+/// An upstream answering `/big` with `BIG` bytes and anything else with `ok`;
+/// counts the request bodies that arrived complete.
+async fn big_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let big = Bytes::from(vec![b'x'; BIG]);
+    let complete = Arc::new(AtomicUsize::new(0));
+    let done = complete.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            let (big, done) = (big.clone(), done.clone());
+            tokio::spawn(async move {
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let (big, done) = (big.clone(), done.clone());
+                    async move {
+                        let big_one = req.uri().path() == "/big";
+                        if req.into_body().collect().await.is_ok() {
+                            done.fetch_add(1, Ordering::SeqCst);
+                        }
+                        let body = if big_one {
+                            big
+                        } else {
+                            Bytes::from_static(b"ok")
+                        };
+                        Ok::<_, Infallible>(Response::new(Full::new(body)))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), service)
+                    .await;
+            });
+        }
+    });
+    (addr, complete)
+}
+
+fn config(up: SocketAddr, server: &str) -> String {
+    format!(
+        "server: {{listen: \"127.0.0.1:0\", {server}}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], max_connections: 1, connect_timeout: 200ms, timeout: 10s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    )
+}
+
+/// Read from `s` until it ends (EOF or reset), at most `within`; the bytes read,
+/// or `None` if it was still open.
+async fn drain(s: &mut tokio::net::TcpStream, within: Duration) -> Option<usize> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0;
+    tokio::time::timeout(within, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return n,
+                Ok(k) => n += k,
+            }
+        }
+    })
+    .await
+    .ok()
+}
+
+/// The reviewer's case: with `max_connections: 1`, a client that asks for a large
+/// body and never reads it held the only upstream connection for ever (every other
+/// request got 503). Its writes now stall out after `send_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_cut_and_frees_the_upstream() {
+    let (up, _) = big_upstream().await;
+    let gw = start_gateway(&config(up, "send_timeout: 500ms")).await;
+    let mut slow = connect(gw.addr).await;
+    slow.write_all(b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    // Wait until the stalled request holds the upstream's only connection.
+    let client = http1();
+    let busy = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw.addr, "/small"), &[]).await.status == 503
+    })
+    .await;
+    assert!(busy.is_some(), "the large response never held the upstream");
+    let freed = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw.addr, "/small"), &[]).await.status == 200
+    })
+    .await;
+    assert!(freed.is_some(), "the upstream connection was never given back");
+    // The stalled client's connection was closed before its body was sent.
+    let got = drain(&mut slow, Duration::from_secs(5))
+        .await
+        .expect("the stalled connection is closed");
+    assert!(got < BIG, "the whole body arrived ({got} bytes)");
+}
+
+/// A download read slowly, but steadily, for longer than `send_timeout` is whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_but_steady_reader_gets_the_whole_body() {
+    let (up, _) = big_upstream().await;
+    let gw = start_gateway(&config(up, "send_timeout: 500ms")).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut s).await.expect("a head");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head:?}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains(&format!("\r\ncontent-length: {BIG}\r\n")),
+        "{head:?}"
+    );
+    // 1 MiB every 200 ms for 2 s: four times the timeout.
+    let mut got = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let n = bounded("slow read", s.read_exact(&mut buf)).await.unwrap();
+        got += n;
+    }
+    // Keep-alive: the connection stays open, so read exactly what is left.
+    assert_eq!(got, 10 << 20);
+    let mut rest = vec![0u8; BIG - got];
+    bounded("the rest", s.read_exact(&mut rest)).await.unwrap();
+    assert!(rest.iter().all(|b| *b == b'x'));
+}
+
+/// A request body that stops arriving: 408 once `request_body_timeout` passes,
+/// counted as a client fault, and the upstream never gets the whole request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_upload_gets_408() {
+    let (up, complete) = big_upstream().await;
+    let gw = start_gateway(&config(up, "request_body_timeout: 500ms")).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\nabc")
+        .await
+        .unwrap();
+    // Trickle a byte every 200 ms for a second: progress, not a stall.
+    for b in [b"d", b"e", b"f", b"g", b"h"] {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.write_all(b).await.unwrap();
+    }
+    let (head, body) = tokio::time::timeout(Duration::from_secs(5), read_response(&mut s))
+        .await
+        .expect("an answer within 5s")
+        .expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 408 "), "{head:?}");
+    assert!(
+        head.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+        "{head:?}"
+    );
+    assert_eq!(body, "request body stalled\n");
+    assert_eq!(drain(&mut s, Duration::from_secs(5)).await, Some(0));
+    assert_eq!(complete.load(Ordering::SeqCst), 0);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(&m, "sluice_client_errors_total{kind=\"timeout\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&m, "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"),
+        Some(0.0)
+    );
+    assert_eq!(requests(&m, "rest", "bad_request"), 1.0);
+    // The upstream connection is free again.
+    assert_eq!(http1().get(&url(gw.addr, "/small"), &[]).await.status, 200);
+}
+
+/// The `timeout` child exists from the start.
+#[tokio::test]
+async fn the_client_timeout_counter_starts_at_zero() {
+    let gw = start_gateway("routes: []\n").await;
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(&m, "sluice_client_errors_total{kind=\"timeout\"}"),
+        Some(0.0)
+    );
+}
+
+/// A WebSocket tunnel is closed once no byte has crossed it either way for
+/// `tunnel_idle_timeout`; traffic keeps it open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_tunnel_is_closed() {
+    let up = upstream().await;
+    let yaml = format!(
+        "server: {{listen: \"127.0.0.1:0\", tunnel_idle_timeout: 500ms}}\nupstreams:\n  app: {{targets: [\"{}\"]}}\nroutes:\n  - {{name: ws, match: {{path_prefix: /}}, upstream: app}}\n",
+        up.url()
+    );
+    let gw = start_gateway(&yaml).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET /ws HTTP/1.1\r\nhost: a\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut s).await.expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 101 "), "{head:?}");
+    // A message every 200 ms for 2 s: never idle for the timeout.
+    for i in 0..10u8 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let msg = [b'm', i];
+        s.write_all(&msg).await.unwrap();
+        let mut back = [0u8; 2];
+        bounded("echo", s.read_exact(&mut back)).await.unwrap();
+        assert_eq!(back, msg);
+    }
+    // Then silence: closed, with nothing more sent.
+    assert_eq!(drain(&mut s, Duration::from_secs(5)).await, Some(0));
+}
