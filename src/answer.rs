@@ -123,6 +123,7 @@ impl Refusal<'_> {
             Refusal::Denied(status) => *status,
             Refusal::Connect => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::Unmatched => StatusCode::NOT_FOUND,
+            Refusal::Client(ClientFault::Timeout) => StatusCode::REQUEST_TIMEOUT,
             Refusal::BadHead(_) | Refusal::MissingKey(_) | Refusal::Client(_) => {
                 StatusCode::BAD_REQUEST
             }
@@ -197,6 +198,7 @@ impl Refusal<'_> {
                 },
             ),
             Refusal::Client(ClientFault::Malformed) => text(status, "malformed request body\n"),
+            Refusal::Client(ClientFault::Timeout) => text(status, "request body stalled\n"),
             Refusal::Client(ClientFault::Aborted) => {
                 text(status, "request body ended before its end\n")
             }

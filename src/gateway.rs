@@ -442,6 +442,7 @@ fn forward_failed<'a>(shared: &Shared, route: &Route, e: ProxyError) -> Refusal<
         ProxyError::TooLarge => {}
         ProxyError::Client(ClientFault::Malformed) => shared.metrics.client_body.inc(),
         ProxyError::Client(ClientFault::Aborted) => shared.metrics.client_aborted.inc(),
+        ProxyError::Client(ClientFault::Timeout) => shared.metrics.client_timeout.inc(),
     }
     tracing::debug!(route = %route.name, error = %e, "forwarding failed");
     Refusal::from(e)

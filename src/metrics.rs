@@ -31,6 +31,7 @@ pub struct Metrics {
     /// The children of `client_errors`, resolved once.
     pub client_body: IntCounter,
     pub client_aborted: IntCounter,
+    pub client_timeout: IntCounter,
     /// Connections closed at accept, by reason (`per_ip`).
     pub connections_refused: IntCounterVec,
     pub config_reloads: IntCounterVec,
@@ -93,7 +94,7 @@ impl Metrics {
         let client_errors = IntCounterVec::new(
             Opts::new(
                 "sluice_client_errors_total",
-                "Requests whose body the client did not complete, by kind (body: malformed, aborted: closed mid-body); never forwarded.",
+                "Requests whose body the client did not complete, by kind (body: malformed, aborted: closed mid-body, timeout: stalled for server.request_body_timeout); never forwarded.",
             ),
             &["kind"],
         )
@@ -165,6 +166,7 @@ impl Metrics {
         }
         let client_body = client_errors.with_label_values(&["body"]);
         let client_aborted = client_errors.with_label_values(&["aborted"]);
+        let client_timeout = client_errors.with_label_values(&["timeout"]);
         Metrics {
             registry,
             requests,
@@ -177,6 +179,7 @@ impl Metrics {
             client_errors,
             client_body,
             client_aborted,
+            client_timeout,
             connections_refused,
             config_reloads,
             config_last_reload_success,

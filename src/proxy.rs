@@ -68,6 +68,8 @@ pub enum ClientFault {
     Malformed,
     /// The connection ended before the body did.
     Aborted,
+    /// The body made no progress for `server.request_body_timeout`.
+    Timeout,
 }
 
 impl std::fmt::Display for ClientFault {
@@ -75,6 +77,7 @@ impl std::fmt::Display for ClientFault {
         f.write_str(match self {
             ClientFault::Malformed => "malformed",
             ClientFault::Aborted => "aborted",
+            ClientFault::Timeout => "timeout",
         })
     }
 }
@@ -85,8 +88,13 @@ impl std::fmt::Display for ClientFault {
 #[error("client request body ({fault}): {source}")]
 pub struct ClientBodyError {
     pub fault: ClientFault,
-    source: hyper::Error,
+    source: BoxError,
 }
+
+/// Why a stalled request body failed.
+#[derive(Debug, thiserror::Error)]
+#[error("no progress within {0:?}")]
+struct BodyStalled(Duration);
 
 impl ClientBodyError {
     fn new(source: hyper::Error) -> ClientBodyError {
@@ -109,7 +117,64 @@ impl ClientBodyError {
         if source.is_parse() {
             fault = ClientFault::Malformed;
         }
-        ClientBodyError { fault, source }
+        ClientBodyError {
+            fault,
+            source: source.into(),
+        }
+    }
+
+    fn stalled(after: Duration) -> ClientBodyError {
+        ClientBodyError {
+            fault: ClientFault::Timeout,
+            source: BodyStalled(after).into(),
+        }
+    }
+}
+
+/// The client's request body, failed with `ClientFault::Timeout` when the client
+/// sends nothing of it for `timeout` (as nginx's `client_body_timeout`: the time
+/// between two reads, not for the whole body). The timer runs only while the body
+/// is asked for and has nothing to give: an upstream that stops reading does not
+/// make it the client's fault.
+struct Watched {
+    inner: Incoming,
+    timeout: Duration,
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl http_body::Body for Watched {
+    type Data = bytes::Bytes;
+    type Error = ClientBodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, ClientBodyError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.stall = None;
+                Poll::Ready(frame.map(|f| f.map_err(ClientBodyError::new)))
+            }
+            Poll::Pending => {
+                let timeout = this.timeout;
+                let stall = this
+                    .stall
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                match stall.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(ClientBodyError::stalled(timeout)))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -119,6 +184,7 @@ impl ProxyError {
             ProxyError::Connect(_) | ProxyError::Reset(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::Client(ClientFault::Timeout) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Client(_) => StatusCode::BAD_REQUEST,
             ProxyError::Busy => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -146,6 +212,10 @@ pub struct Upstream {
     timeout: Duration,
     /// `Upgrade` protocols passed through, lower-case.
     upgrades: Vec<String>,
+    /// `server.request_body_timeout`.
+    body_timeout: Duration,
+    /// `server.tunnel_idle_timeout`.
+    tunnel_idle: Duration,
 }
 
 /// How an upstream is reached, beyond its targets.
@@ -158,6 +228,11 @@ pub struct UpstreamOpts<'a> {
     pub max_connections: usize,
     /// `server.upgrades`: the `Upgrade` protocols passed through.
     pub upgrades: &'a [String],
+    /// `server.request_body_timeout`: the longest a request body may stall.
+    pub body_timeout: Duration,
+    /// `server.tunnel_idle_timeout`: a tunnel with no bytes either way this long
+    /// is closed.
+    pub tunnel_idle: Duration,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -259,6 +334,8 @@ impl Upstream {
             next: AtomicUsize::new(0),
             timeout: o.timeout,
             upgrades: o.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
+            body_timeout: o.body_timeout,
+            tunnel_idle: o.tunnel_idle,
         })
     }
 
@@ -357,8 +434,13 @@ impl Upstream {
             parts.headers.insert(header::HOST, h);
         }
 
-        // A failure of the client's body carries its mark through the upstream client.
-        let body = body.map_err(ClientBodyError::new);
+        // A failure of the client's body (a stall too) carries its mark through the
+        // upstream client.
+        let body = Watched {
+            inner: body,
+            timeout: self.body_timeout,
+            stall: None,
+        };
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
@@ -371,7 +453,7 @@ impl Upstream {
 
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             return match client_upgrade {
-                Some(client_upgrade) => Ok(splice(resp, client_upgrade, held)),
+                Some(client_upgrade) => Ok(splice(resp, client_upgrade, held, self.tunnel_idle)),
                 // A switch nobody asked for: its connection speaks something else now.
                 None => Err(ProxyError::Reset(
                     "the upstream switched protocols without an upgrade request".into(),
@@ -399,11 +481,13 @@ pub struct TunnelEnd(pub tokio::sync::watch::Receiver<()>);
 pub struct ConnectionHeld(pub Arc<dyn std::any::Any + Send + Sync>);
 
 /// Pass a 101 answer on and join the two upgraded connections once both sides
-/// have switched.
+/// have switched. The tunnel is closed (both connections) once no byte has
+/// crossed it, either way, for `idle` (nginx's `proxy_read_timeout`).
 fn splice(
     mut resp: Response<Incoming>,
     client: hyper::upgrade::OnUpgrade,
     held: Option<ConnectionHeld>,
+    idle: Duration,
 ) -> Response<Body> {
     let upstream = hyper::upgrade::on(&mut resp);
     let (open, end) = tokio::sync::watch::channel(());
@@ -414,12 +498,97 @@ fn splice(
             tracing::debug!("upgrade failed on one side");
             return;
         };
-        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
-        let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
+        let last = Arc::new(LastActive::new());
+        let mut c = Active {
+            io: TokioIo::new(c),
+            last: last.clone(),
+        };
+        let mut u = Active {
+            io: TokioIo::new(u),
+            last: last.clone(),
+        };
+        tokio::select! {
+            _ = tokio::io::copy_bidirectional(&mut c, &mut u) => {}
+            _ = last.idle(idle) => tracing::debug!(?idle, "tunnel idle: closed"),
+        }
     });
     let (mut parts, _) = resp.into_parts();
     parts.extensions.insert(TunnelEnd(end));
     Response::from_parts(parts, crate::answer::full(bytes::Bytes::new()))
+}
+
+/// When a tunnel last carried a byte, in milliseconds since it opened.
+struct LastActive {
+    opened: tokio::time::Instant,
+    at: std::sync::atomic::AtomicU64,
+}
+
+impl LastActive {
+    fn new() -> LastActive {
+        LastActive {
+            opened: tokio::time::Instant::now(),
+            at: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.at.store(ms, Ordering::Relaxed);
+    }
+
+    /// Resolves once nothing has crossed for `idle`.
+    async fn idle(&self, idle: Duration) {
+        loop {
+            let seen = self.at.load(Ordering::Relaxed);
+            tokio::time::sleep_until(self.opened + Duration::from_millis(seen) + idle).await;
+            if self.at.load(Ordering::Relaxed) == seen {
+                return;
+            }
+        }
+    }
+}
+
+/// One side of a tunnel, noting each byte read or written in `last`.
+struct Active<T> {
+    io: T,
+    last: Arc<LastActive>,
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Active<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.last.touch();
+        }
+        r
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Active<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.last.touch();
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 fn wants_upgrade(h: &HeaderMap) -> bool {

@@ -182,6 +182,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             tls,
             header_timeout,
             idle_timeout: f.server.idle_timeout.get(),
+            send_timeout: f.server.send_timeout.get(),
             max_connections: f.server.max_connections.get(),
             per_ip: f.server.max_connections_per_ip.get(),
             exempt,
@@ -212,6 +213,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             tls: None,
             header_timeout,
             idle_timeout: f.server.idle_timeout.get(),
+            send_timeout: f.server.send_timeout.get(),
             max_connections: 256,
             per_ip: usize::MAX,
             exempt: Arc::new(|_| true),
@@ -378,6 +380,8 @@ struct Limits {
     header_timeout: Duration,
     /// A connection with no request in flight for this long is closed.
     idle_timeout: Duration,
+    /// A connection whose writes make no progress for this long is closed.
+    send_timeout: Duration,
     max_connections: usize,
     /// Connections one peer address may hold; more are closed at once.
     per_ip: usize,
@@ -417,6 +421,104 @@ async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> bool {
         {
             return false;
         }
+    }
+}
+
+/// A client connection whose writes fail with `TimedOut` once one has waited
+/// `timeout` without the socket taking a byte (nginx's `send_timeout`: the time
+/// between two successive writes, not for the whole response). hyper does not poll
+/// a response body while the socket is not writable, so no timer in the body would
+/// fire: the clock has to be here, under TLS and HTTP. The failed write ends the
+/// connection, and with it every request on it (the upstream connection and the
+/// slots they hold). Reading is left alone: `request_header_timeout`,
+/// `request_body_timeout` and `idle_timeout` cover a client that sends nothing.
+struct WriteStall<T> {
+    io: T,
+    timeout: Duration,
+    /// Armed when a write first waits, cleared when one goes through.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> WriteStall<T> {
+    fn new(io: T, timeout: Duration) -> WriteStall<T> {
+        WriteStall {
+            io,
+            timeout,
+            stall: None,
+        }
+    }
+
+    fn watch<R>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        r: std::task::Poll<std::io::Result<R>>,
+    ) -> std::task::Poll<std::io::Result<R>> {
+        use std::task::Poll;
+        if r.is_ready() {
+            self.stall = None;
+            return r;
+        }
+        let timeout = self.timeout;
+        let stall = self
+            .stall
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match stall.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client took nothing for {timeout:?} (server.send_timeout)"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for WriteStall<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteStall<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.watch(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.watch(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.io).poll_flush(cx);
+        self.watch(cx, r)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.watch(cx, r)
     }
 }
 
@@ -629,6 +731,7 @@ async fn serve<S, F>(
         tls,
         header_timeout,
         idle_timeout,
+        send_timeout,
         max_connections,
         per_ip,
         exempt,
@@ -688,7 +791,7 @@ async fn serve<S, F>(
                         _ = stop.wait_for(|s| *s) => false,
                     };
                     if started {
-                        let io = TokioIo::new(stream);
+                        let io = TokioIo::new(WriteStall::new(stream, send_timeout));
                         drive(&builder, io, service, idle_timeout, header_timeout, stop).await
                     } else {
                         Err("no request before the header timeout".into())
@@ -696,7 +799,7 @@ async fn serve<S, F>(
                 }
                 Some(acceptor) => {
                     let shaken = tokio::select! {
-                        r = tokio::time::timeout(header_timeout, acceptor.accept(stream)) => r,
+                        r = tokio::time::timeout(header_timeout, acceptor.accept(WriteStall::new(stream, send_timeout))) => r,
                         _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
                     };
                     match shaken {

@@ -53,6 +53,8 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
             tls_ca: ca,
             max_connections: u.max_connections.get(),
             upgrades: &upgrades,
+            body_timeout: f.server.request_body_timeout.get(),
+            tunnel_idle: f.server.tunnel_idle_timeout.get(),
         };
         let up = Upstream::new(name, &targets, opts)?;
         upstreams.insert(name.clone(), Arc::new(up));
