@@ -722,6 +722,9 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
         o.max_connections_per_ip != n.max_connections_per_ip,
     );
     check("server.idle_timeout", o.idle_timeout != n.idle_timeout);
+    // Held by each connection's socket; request_body_timeout and
+    // tunnel_idle_timeout go with the upstreams and apply to the next request.
+    check("server.send_timeout", o.send_timeout != n.send_timeout);
     check(
         "server.max_header_bytes",
         o.max_header_bytes != n.max_header_bytes,
@@ -792,13 +795,14 @@ mod tests {
     fn listener_settings_need_a_restart_upstream_and_upgrade_ones_do_not() {
         let old = file("routes: []\n");
         let new = file(
-            "server: {idle_timeout: 5s, max_connections_per_ip: 3, max_header_bytes: 16KiB, upgrades: []}\nupstreams: {a: {targets: [http://127.0.0.1:1], max_connections: 5}}\nroutes: []\n",
+            "server: {idle_timeout: 5s, send_timeout: 5s, request_body_timeout: 5s, tunnel_idle_timeout: 5s, max_connections_per_ip: 3, max_header_bytes: 16KiB, upgrades: []}\nupstreams: {a: {targets: [http://127.0.0.1:1], max_connections: 5}}\nroutes: []\n",
         );
         assert_eq!(
             needs_restart(&old, &new),
             [
                 "server.max_connections_per_ip",
                 "server.idle_timeout",
+                "server.send_timeout",
                 "server.max_header_bytes"
             ]
         );

@@ -107,7 +107,10 @@ async fn a_client_that_stops_reading_is_cut_and_frees_the_upstream() {
         client.get(&url(gw.addr, "/small"), &[]).await.status == 200
     })
     .await;
-    assert!(freed.is_some(), "the upstream connection was never given back");
+    assert!(
+        freed.is_some(),
+        "the upstream connection was never given back"
+    );
     // The stalled client's connection was closed before its body was sent.
     let got = drain(&mut slow, Duration::from_secs(5))
         .await
@@ -167,7 +170,8 @@ async fn a_stalled_upload_gets_408() {
         .expect("an answer");
     assert!(head.starts_with("HTTP/1.1 408 "), "{head:?}");
     assert!(
-        head.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+        head.to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
         "{head:?}"
     );
     assert_eq!(body, "request body stalled\n");
@@ -179,7 +183,10 @@ async fn a_stalled_upload_gets_408() {
         Some(1.0)
     );
     assert_eq!(
-        metric(&m, "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"),
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"
+        ),
         Some(0.0)
     );
     assert_eq!(requests(&m, "rest", "bad_request"), 1.0);
@@ -209,9 +216,11 @@ async fn an_idle_tunnel_is_closed() {
     );
     let gw = start_gateway(&yaml).await;
     let mut s = connect(gw.addr).await;
-    s.write_all(b"GET /ws HTTP/1.1\r\nhost: a\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\n")
-        .await
-        .unwrap();
+    s.write_all(
+        b"GET /ws HTTP/1.1\r\nhost: a\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\n",
+    )
+    .await
+    .unwrap();
     let head = read_head(&mut s).await.expect("an answer");
     assert!(head.starts_with("HTTP/1.1 101 "), "{head:?}");
     // A message every 200 ms for 2 s: never idle for the timeout.
@@ -225,4 +234,48 @@ async fn an_idle_tunnel_is_closed() {
     }
     // Then silence: closed, with nothing more sent.
     assert_eq!(drain(&mut s, Duration::from_secs(5)).await, Some(0));
+}
+
+/// The same over h2c: a client that opens every flow-control window but stops
+/// reading its socket stalls the whole connection, which is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_client_that_stops_reading_is_cut_and_frees_the_upstream() {
+    let (up, _) = big_upstream().await;
+    let gw = start_gateway(&config(up, "send_timeout: 500ms")).await;
+    let mut slow = connect(gw.addr).await;
+    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend_from_slice(&[kind, flags]);
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    };
+    let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    // SETTINGS_INITIAL_WINDOW_SIZE = 2^31-1, and the connection window opened to it.
+    bytes.extend(frame(0x4, 0, 0, &[0, 4, 0x7f, 0xff, 0xff, 0xff]));
+    bytes.extend(frame(0x8, 0, 0, &0x7fff_0000u32.to_be_bytes()));
+    // HEADERS, END_STREAM | END_HEADERS: GET http://a/big.
+    let mut block = vec![0x82, 0x86, 0x04, 4];
+    block.extend_from_slice(b"/big");
+    block.extend_from_slice(&[0x01, 1, b'a']);
+    bytes.extend(frame(0x1, 0x5, 1, &block));
+    slow.write_all(&bytes).await.unwrap();
+    let client = http1();
+    let busy = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw.addr, "/small"), &[]).await.status == 503
+    })
+    .await;
+    assert!(busy.is_some(), "the large response never held the upstream");
+    let freed = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw.addr, "/small"), &[]).await.status == 200
+    })
+    .await;
+    assert!(
+        freed.is_some(),
+        "the upstream connection was never given back"
+    );
+    let got = drain(&mut slow, Duration::from_secs(5))
+        .await
+        .expect("the stalled connection is closed");
+    assert!(got < BIG, "the whole body arrived ({got} bytes)");
 }
