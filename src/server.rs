@@ -609,8 +609,60 @@ impl Drop for InFlight {
 
 /// A response body that keeps its request counted as in flight until it ends.
 struct TrackedBody {
-    inner: Body,
+    inner: Held,
+    send_timeout: Duration,
     _in_flight: InFlight,
+}
+
+/// The response body itself, or (HTTP/2) shared with a watchdog.
+enum Held {
+    Own(Body),
+    Watched(Arc<Mutex<Taken>>),
+}
+
+/// An HTTP/2 response body and when it last handed out a frame that has not been
+/// followed by a request for the next one. The HTTP/2 layer asks for the next
+/// frame only once the stream has flow-control window for the last one: a client
+/// that keeps its connection flowing but never opens one stream's window stalls
+/// that stream without stalling the socket, out of `WriteStall`'s sight. When
+/// that lasts `send_timeout`, the watchdog drops the body (releasing its upstream
+/// connection, concurrency lease and tally); the stream is reset with an error
+/// when (if ever) the client opens the window.
+struct Taken {
+    body: Option<Body>,
+    handed: Option<tokio::time::Instant>,
+    watched: bool,
+}
+
+fn lock(t: &Mutex<Taken>) -> std::sync::MutexGuard<'_, Taken> {
+    t.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+async fn watch_stream(taken: std::sync::Weak<Mutex<Taken>>, timeout: Duration) {
+    loop {
+        let due = {
+            let Some(t) = taken.upgrade() else { return };
+            let g = lock(&t);
+            g.handed.unwrap_or_else(tokio::time::Instant::now) + timeout
+        };
+        tokio::time::sleep_until(due).await;
+        let Some(t) = taken.upgrade() else { return };
+        let stalled = {
+            let mut g = lock(&t);
+            match g.handed {
+                Some(at) if at.elapsed() >= timeout => g.body.take(),
+                _ => None,
+            }
+        };
+        if let Some(body) = stalled {
+            drop(body);
+            tracing::debug!(
+                ?timeout,
+                "an HTTP/2 stream's window stayed closed for send_timeout: response dropped"
+            );
+            return;
+        }
+    }
 }
 
 impl http_body::Body for TrackedBody {
@@ -621,15 +673,48 @@ impl http_body::Body for TrackedBody {
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        use std::task::Poll;
+        let shared = match &mut self.inner {
+            Held::Own(body) => return Pin::new(body).poll_frame(cx),
+            Held::Watched(shared) => shared.clone(),
+        };
+        let mut g = lock(&shared);
+        g.handed = None;
+        let Some(body) = g.body.as_mut() else {
+            return Poll::Ready(Some(Err(
+                "the client opened no window for the stream within send_timeout".into(),
+            )));
+        };
+        let r = Pin::new(&mut *body).poll_frame(cx);
+        if matches!(r, Poll::Ready(Some(Ok(_)))) && !body.is_end_stream() {
+            g.handed = Some(tokio::time::Instant::now());
+            if !g.watched {
+                g.watched = true;
+                tokio::spawn(watch_stream(Arc::downgrade(&shared), self.send_timeout));
+            }
+        }
+        r
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        match &self.inner {
+            Held::Own(body) => body.is_end_stream(),
+            Held::Watched(shared) => lock(shared)
+                .body
+                .as_ref()
+                .is_some_and(|b| b.is_end_stream()),
+        }
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
+        match &self.inner {
+            Held::Own(body) => body.size_hint(),
+            Held::Watched(shared) => lock(shared)
+                .body
+                .as_ref()
+                .map(|b| b.size_hint())
+                .unwrap_or_default(),
+        }
     }
 }
 
@@ -639,6 +724,8 @@ struct Tracked<S> {
     activity: Arc<Activity>,
     /// The connection's slots, lent to an upgrade request's tunnel.
     held: Arc<dyn std::any::Any + Send + Sync>,
+    /// `server.send_timeout`, for HTTP/2 streams (see `Taken`).
+    send_timeout: Duration,
 }
 
 type Served = Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>;
@@ -658,11 +745,22 @@ where
                 .insert(ConnectionHeld(self.held.clone()));
         }
         let in_flight = self.activity.start();
+        let h2 = req.version() == http::Version::HTTP_2;
+        let send_timeout = self.send_timeout;
         let answer = self.inner.call(req);
         Box::pin(async move {
             let resp = answer.await?;
-            Ok(resp.map(|inner| TrackedBody {
-                inner,
+            Ok(resp.map(|body| TrackedBody {
+                inner: if h2 {
+                    Held::Watched(Arc::new(Mutex::new(Taken {
+                        body: Some(body),
+                        handed: None,
+                        watched: false,
+                    })))
+                } else {
+                    Held::Own(body)
+                },
+                send_timeout,
                 _in_flight: in_flight,
             }))
         })
@@ -779,6 +877,7 @@ async fn serve<S, F>(
             inner: service(peer),
             activity: Activity::new(),
             held: held.clone(),
+            send_timeout,
         };
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
         tokio::spawn(async move {

@@ -279,3 +279,55 @@ async fn an_h2_client_that_stops_reading_is_cut_and_frees_the_upstream() {
         .expect("the stalled connection is closed");
     assert!(got < BIG, "the whole body arrived ({got} bytes)");
 }
+
+/// An h2c client that reads its socket but never opens one stream's flow-control
+/// window: that stream's response is dropped after `send_timeout`, and with it the
+/// upstream connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_stream_whose_window_stays_closed_frees_the_upstream() {
+    let (up, _) = big_upstream().await;
+    let gw = start_gateway(&config(up, "send_timeout: 500ms")).await;
+    let mut slow = connect(gw.addr).await;
+    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend_from_slice(&[kind, flags]);
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    };
+    let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    // Default windows (64 KiB), never opened.
+    bytes.extend(frame(0x4, 0, 0, &[]));
+    let mut block = vec![0x82, 0x86, 0x04, 4];
+    block.extend_from_slice(b"/big");
+    block.extend_from_slice(&[0x01, 1, b'a']);
+    bytes.extend(frame(0x1, 0x5, 1, &block));
+    slow.write_all(&bytes).await.unwrap();
+    // Keep reading the socket: the connection itself never stalls.
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0u8; 1 << 16];
+        let mut n = 0;
+        while let Ok(k) = slow.read(&mut buf).await {
+            if k == 0 {
+                break;
+            }
+            n += k;
+        }
+        n
+    });
+    let client = http1();
+    let busy = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw.addr, "/small"), &[]).await.status == 503
+    })
+    .await;
+    assert!(busy.is_some(), "the large response never held the upstream");
+    let freed = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw.addr, "/small"), &[]).await.status == 200
+    })
+    .await;
+    assert!(
+        freed.is_some(),
+        "the upstream connection was never given back"
+    );
+    reader.abort();
+}
