@@ -64,7 +64,7 @@ pub fn admit(req: &mut Parts) -> Result<(), BadRequest> {
 /// The IANA HTTP Method Registry, less `CONNECT` (decided elsewhere) and `PRI`
 /// (the HTTP/2 preface); `QUERY` too. Method names are case-sensitive (RFC 9110
 /// §9.1): `post` is not `POST`, and a route limited to POST must not let it past.
-const METHODS: [&str; 38] = [
+pub(crate) const METHODS: [&str; 38] = [
     "GET",
     "POST",
     "HEAD",
