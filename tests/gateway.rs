@@ -890,6 +890,20 @@ async fn a_chunked_body_growing_over_the_limit_is_413() {
     s.write_all(post(2).as_bytes()).await.unwrap();
     let (head, _) = read_response(&mut s).await.expect("an answer");
     assert!(head.starts_with("HTTP/1.1 413 "), "{head:?}");
+    // Refused for the client's body, as a declared length over the limit is: counted
+    // bad_request (not as the admission it was), and the connection closes.
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{head:?}"
+    );
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        decisions(&m, "upload")
+            .into_iter()
+            .filter(|(_, n)| *n > 0.0)
+            .collect::<Vec<_>>(),
+        [("bad_request", 1.0)]
+    );
     // The connection is closed, or else the rest of the refused body must not be
     // taken for a request: the next one on it is answered as itself.
     if s.write_all(post(1).as_bytes()).await.is_ok() {
