@@ -558,22 +558,31 @@ impl Drop for Leases {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        // The lease was taken no later than now: it expires no later than now + lease.
+        // An admitted request's lease was taken no later than now, so it expires no
+        // later than now + lease. (After a failed call the script may run later still,
+        // but the first `ZREM` follows it on the connection.)
         let now = Instant::now();
         let keys = self.keys.drain(..).map(|(k, d)| (k, now + d)).collect();
         let uid = std::mem::take(&mut self.uid);
-        runtime.spawn(release(Arc::downgrade(&self.inner), keys, uid));
+        runtime.spawn(release(self.inner.clone(), keys, uid));
     }
 }
 
 /// Removes the leases of `uid` (each key with the time its lease expires by), trying
-/// again with backoff those that fail, while they would still be held.
-async fn release(store: Weak<Inner>, mut keys: Vec<(String, Instant)>, uid: String) {
+/// again with backoff those that fail, while they would still be held. The first try
+/// is sent whatever the breaker says (as soon as possible, right behind a call that
+/// failed); later ones wait for the breaker to close, and end if the store is gone.
+async fn release(first: Arc<Inner>, mut keys: Vec<(String, Instant)>, uid: String) {
+    let store = Arc::downgrade(&first);
+    let mut first = Some(first);
     let mut wait = RELEASE_RETRY_FIRST;
     let mut retrying: Option<Retrying> = None;
     loop {
-        let Some(inner) = store.upgrade() else { return };
-        if !inner.breaker.is_open() {
+        let try_now = first.is_some();
+        let Some(inner) = first.take().or_else(|| store.upgrade()) else {
+            return;
+        };
+        if try_now || !inner.breaker.is_open() {
             let mut failed = Vec::new();
             for (key, until) in keys {
                 let mut cmd = redis::cmd("ZREM");
@@ -1090,6 +1099,22 @@ mod tests {
         }
         let held: usize = cache.shards.iter().map(|s| s.lock().unwrap().len()).sum();
         assert!(held <= REFUSAL_SHARDS, "{held}");
+    }
+
+    /// Failed releases are retried for a bounded number of requests at once; a slot
+    /// is given back when its release ends.
+    #[test]
+    fn retried_releases_are_bounded() {
+        let count = Arc::new(AtomicUsize::new(RELEASES_RETRYING_MAX - 2));
+        let a = Retrying::take(&count).unwrap();
+        let b = Retrying::take(&count).unwrap();
+        assert!(Retrying::take(&count).is_none());
+        assert_eq!(count.load(Ordering::Relaxed), RELEASES_RETRYING_MAX);
+        drop(a);
+        assert_eq!(count.load(Ordering::Relaxed), RELEASES_RETRYING_MAX - 1);
+        let c = Retrying::take(&count).unwrap();
+        drop((b, c));
+        assert_eq!(count.load(Ordering::Relaxed), RELEASES_RETRYING_MAX - 2);
     }
 
     fn dropped() -> redis::RedisError {
