@@ -1,6 +1,7 @@
 //! `concurrency` on the Redis store when Redis misbehaves: a call that fails after its
 //! script was sent, and a release that fails, must not leave a slot taken until its
-//! lease expires. Against a real `redis-server`, through the store itself.
+//! lease expires. Against a real `redis-server`, through the store itself and through
+//! the gateway.
 
 mod common;
 
@@ -227,4 +228,49 @@ async fn a_release_lost_in_an_outage_is_tried_again() {
     assert!(next.verdict.allowed, "the next request is admitted");
     assert_eq!(held(&server, &store, "k"), 1);
     drop(next);
+}
+
+/// The same through the gateway: a response ends while its lease release is lost in
+/// a short outage; once Redis is back the slot frees long before its lease (1m), and
+/// the key's next request is answered 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_a_release_lost_in_an_outage_frees_the_slot() {
+    let server = RedisServer::start();
+    let blip = Blip::start(server.port).await;
+    let up = common::upstream().await;
+    let store = common::redis::redis_store(&common::redis::url_target(&blip.url()), "deny", 100);
+    let yaml = format!(
+        "{store}upstreams:\n  up: {{targets: [\"{}\"]}}\nroutes:\n  - name: r\n    match: {{path_prefix: /}}\n    upstream: up\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 1, lease: 1m}}]\n",
+        up.url()
+    );
+    let gw = common::start_gateway(&yaml).await;
+    let client = common::http1();
+    let page = common::url(gw.addr, "/x");
+    let readyz = common::url(gw.admin_addr, "/readyz");
+    let held = || -> i64 {
+        let keys: Vec<String> = server.cmd(&["KEYS", "sluice:{r:k}:inflight:*"]);
+        keys.first()
+            .map_or(0, |k| server.cmd::<i64>(&["ZCARD", k.as_str()]))
+    };
+
+    let cut = blip.cut.notified();
+    blip.armed.store(true, Ordering::SeqCst);
+    let first = client.get(&page, &[("x-key", "k")]).await;
+    assert_eq!(first.status, 200);
+    bounded("the release's ZREM at the proxy", cut).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(held(), 1, "the ZREM was lost");
+    blip.down.store(false, Ordering::SeqCst);
+
+    let freed = eventually(Duration::from_secs(2), || async { held() == 0 }).await;
+    assert!(freed.is_some(), "the lost release was never tried again");
+    assert_eq!(held(), 0);
+    let ready = eventually(Duration::from_secs(2), || async {
+        client.get(&readyz, &[]).await.status == 200
+    })
+    .await;
+    assert!(ready.is_some(), "the gateway is ready again");
+    let next = client.get(&page, &[("x-key", "k")]).await;
+    assert_eq!(next.status, 200);
+    assert_eq!(up.hits(), 2);
 }
