@@ -3,7 +3,8 @@
 -- expires. The request's permit removes it when the response ends (ZREM, tried
 -- again with backoff if it fails; also sent after a call that failed on the client,
 -- which may have run here all the same); the lease of an instance that died expires
--- after `lease` µs. Expired leases are not counted,
+-- after `lease` µs (a live instance renews its leases while the request runs:
+-- redis.rs RENEW). Expired leases are not counted,
 -- and are removed when a request is admitted. Each request takes one slot (config
 -- validation rejects another cost). A refused request is told to retry in 1 s
 -- (algo.rs: CONCURRENCY_RETRY_US).

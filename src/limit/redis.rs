@@ -257,7 +257,7 @@ impl RedisStore {
         // script never ran, it removes nothing.
         let verdict = result?;
         let permit = match (verdict.allowed, leases.take()) {
-            (true, Some(leases)) => Permit::Redis(leases),
+            (true, Some(leases)) => Permit::Redis(leases.hold()),
             // Refused: the script took nothing (all limits admit, or none is charged).
             (false, Some(mut leases)) => {
                 leases.keys.clear();
@@ -538,8 +538,10 @@ fn refused_until_us(plan: &Plan, v: &Verdict) -> u64 {
 
 // === leases ===
 
-/// The concurrency leases of one request: dropping it removes them (`ZREM`) from a
-/// task of its own, so neither the response nor the drop waits for Redis. A removal
+/// The concurrency leases a call may take. Admitted, they are `hold`-en while the
+/// request runs; dropped otherwise (a failed call, a dropped future), they are
+/// removed (`ZREM`) from a task of its own, so neither the response nor the drop
+/// waits for Redis. A removal
 /// that fails is tried again with backoff (`RELEASE_RETRY_FIRST` doubling up to
 /// `RELEASE_RETRY_MAX`, not while the breaker is open) until it succeeds or the lease
 /// would have expired anyway; if the instance dies first, each lease expires on its own.
@@ -566,6 +568,78 @@ impl Drop for Leases {
         let uid = std::mem::take(&mut self.uid);
         runtime.spawn(release(self.inner.clone(), keys, uid));
     }
+}
+
+impl Leases {
+    /// The leases of an admitted request, held while it runs: a task of their own
+    /// renews them every third of the shortest `lease` (so a response that streams
+    /// longer than its lease keeps its slot, as in memory) and removes them when the
+    /// returned `Held` is dropped.
+    fn hold(mut self) -> Held {
+        let (done, until) = tokio::sync::oneshot::channel();
+        let keys = std::mem::take(&mut self.keys);
+        let uid = std::mem::take(&mut self.uid);
+        tokio::spawn(keep(self.inner.clone(), keys, uid, until));
+        Held(done)
+    }
+}
+
+/// An admitted request's concurrency leases; dropping it gives them back.
+pub struct Held(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>);
+
+/// Moves a lease's expiry to the server's now + `lease` (µs) if the lease is still
+/// there, and keeps its key alive at least that long. A lease that already expired,
+/// and was removed, is not taken again.
+const RENEW: &str = r"
+local t = redis.call('TIME')
+local expires = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[2])
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', string.format('%.0f', expires), ARGV[1])
+local want = math.ceil(tonumber(ARGV[2]) / 1000)
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl >= 0 and ttl < want then redis.call('PEXPIRE', KEYS[1], want) end
+return 1
+";
+
+/// Renews the leases of `uid` until `done` (the request ended), then removes them.
+async fn keep(
+    inner: Arc<Inner>,
+    keys: Vec<(String, Duration)>,
+    uid: String,
+    mut done: tokio::sync::oneshot::Receiver<()>,
+) {
+    let shortest = keys.iter().map(|(_, d)| *d).min().unwrap_or(Duration::MAX);
+    let every = (shortest / 3).max(Duration::from_millis(10));
+    // Each lease expires by the time of its last renewal (or its taking) + its lease.
+    let mut renewed: Vec<Instant> = vec![Instant::now(); keys.len()];
+    loop {
+        tokio::select! {
+            _ = &mut done => break,
+            _ = tokio::time::sleep(every) => {}
+        }
+        if inner.breaker.is_open() {
+            continue;
+        }
+        for ((key, lease), at) in keys.iter().zip(renewed.iter_mut()) {
+            let now = Instant::now();
+            let micros = u64::try_from(lease.as_micros()).unwrap_or(u64::MAX);
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(RENEW).arg(1).arg(key).arg(&uid).arg(micros);
+            match tokio::time::timeout(inner.timeout, inner.query::<i64>(&cmd)).await {
+                Ok(Ok(_)) => *at = now,
+                Ok(Err(e)) => {
+                    tracing::debug!(key = %key, error = %e, "concurrency lease not renewed")
+                }
+                Err(_) => tracing::debug!(key = %key, "concurrency lease renewal timed out"),
+            }
+        }
+    }
+    let keys = keys
+        .into_iter()
+        .zip(renewed)
+        .map(|((k, d), at)| (k, at + d))
+        .collect();
+    release(inner, keys, uid).await;
 }
 
 /// Removes the leases of `uid` (each key with the time its lease expires by), trying
