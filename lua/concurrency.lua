@@ -1,7 +1,10 @@
 -- concurrency: at most `limit` requests in flight. Each admitted request holds a
 -- lease: a member (its request id) of a sorted set, scored by the time the lease
--- expires. The request's permit removes it when the response ends (ZREM); the lease
--- of an instance that died expires after `lease` µs. Expired leases are not counted,
+-- expires. The request's permit removes it when the response ends (ZREM, tried
+-- again with backoff if it fails; also sent after a call that failed on the client,
+-- which may have run here all the same); the lease of an instance that died expires
+-- after `lease` µs (a live instance renews its leases while the request runs:
+-- redis.rs RENEW). Expired leases are not counted,
 -- and are removed when a request is admitted. Each request takes one slot (config
 -- validation rejects another cost). A refused request is told to retry in 1 s
 -- (algo.rs: CONCURRENCY_RETRY_US).

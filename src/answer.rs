@@ -147,6 +147,8 @@ impl Refusal<'_> {
             | Refusal::Client(_) => Decision::BadRequest,
             Refusal::Limited(_) => Decision::Limited,
             Refusal::StoreDown => Decision::StoreErrorDenied,
+            // A chunked body that grew over the limit: the client's request, refused.
+            Refusal::Upstream(ProxyError::TooLarge) => Decision::BadRequest,
             Refusal::Upstream(_) => return None,
         })
     }
@@ -159,6 +161,8 @@ impl Refusal<'_> {
         match self {
             // The head itself is not to be trusted, nor where its body ends.
             Refusal::BadHead(_) | Refusal::Client(_) => true,
+            // The rest of the body was not read.
+            Refusal::Upstream(ProxyError::TooLarge) => true,
             Refusal::Upstream(_) => false,
             _ => unread_body,
         }

@@ -223,10 +223,16 @@ impl KeySpec {
         self.parts.iter().any(|part| match part {
             // The address is checked against the deny list's IP entries already.
             KeyPart::Ip | KeyPart::Global => false,
-            KeyPart::Header(h) => req.headers.get_all(h).iter().any(|v| f(&header_text(v))),
-            KeyPart::Query(name) => req.uri.query().is_some_and(|q| {
-                form_urlencoded::parse(q.as_bytes()).any(|(k, v)| k == name.as_str() && f(&v))
+            // A comma list is the same as several header lines (RFC 9110 §5.3), which
+            // an upstream may read either way: each element is checked as well.
+            KeyPart::Header(h) => req.headers.get_all(h).iter().any(|v| {
+                let text = header_text(v);
+                f(&text) || (text.contains(',') && text.split(',').any(|e| f(e.trim())))
             }),
+            KeyPart::Query(name) => req
+                .uri
+                .query()
+                .is_some_and(|q| query_pairs(q).any(|(k, v)| k == name.as_str() && f(&v))),
             KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| f(&v)),
         })
     }
@@ -242,7 +248,7 @@ fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'
         KeyPart::Global => Cow::Borrowed("global"),
         KeyPart::Header(h) => header_text(single(req.headers.get_all(h).iter())?),
         KeyPart::Query(name) => single(
-            form_urlencoded::parse(req.uri.query()?.as_bytes())
+            query_pairs(req.uri.query()?)
                 .filter(|(k, _)| k == name)
                 .map(|(_, v)| v),
         )?,
@@ -253,6 +259,42 @@ fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'
     } else {
         Some(v)
     }
+}
+
+/// The parameters of a query, decoded, split on `&` and on `;` as well: Rack 2, Go
+/// before 1.17 and Python before 3.9.2 split on both, so `k=bad;x` is `k=bad` to
+/// them, and must be to the key and the deny list.
+fn query_pairs(q: &str) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> {
+    q.split(['&', ';'])
+        .flat_map(|seg| form_urlencoded::parse(seg.as_bytes()))
+}
+
+/// `%XX` escapes decoded (others left as they are), as PHP, Express and most cookie
+/// parsers read a cookie value: `sid=%62ad` is `bad` to them.
+fn percent_decoded(v: &[u8]) -> Cow<'_, [u8]> {
+    if !v.contains(&b'%') {
+        return Cow::Borrowed(v);
+    }
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(v.len());
+    let mut i = 0;
+    while i < v.len() {
+        match (
+            v[i],
+            v.get(i + 1).copied().and_then(hex),
+            v.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push(h << 4 | l);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// The only item, or None when there is none or more than one.
@@ -274,7 +316,7 @@ fn header_text(v: &HeaderValue) -> Cow<'_, str> {
 
 /// The values of cookie `name` in every `Cookie` header, as lenient servers read them:
 /// pairs split on `;`, spaces around names and values trimmed, a value's quotes
-/// removed, bytes that are not UTF-8 replaced (one odd byte elsewhere in the header
+/// removed, `%XX` escapes decoded, bytes that are not UTF-8 replaced (one odd byte elsewhere in the header
 /// must not hide a cookie from the deny list).
 fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Cow<'a, str>> + 'a {
     headers
@@ -291,7 +333,10 @@ fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Co
                 .strip_prefix(b"\"")
                 .and_then(|v| v.strip_suffix(b"\""))
                 .unwrap_or(v);
-            String::from_utf8_lossy(v)
+            match percent_decoded(v) {
+                Cow::Borrowed(v) => String::from_utf8_lossy(v),
+                Cow::Owned(v) => Cow::Owned(String::from_utf8_lossy(&v).into_owned()),
+            }
         })
 }
 
@@ -462,6 +507,60 @@ mod tests {
         assert_eq!(spec(&["cookie:a"]).extract(&p, a).unwrap().value, "q");
         assert!(spec(&["cookie:session"]).any_value(&p, |v| v == "k2"));
         assert!(spec(&["header:x-api-key"]).any_value(&p, |v| v == "k1"));
+    }
+
+    #[test]
+    fn one_key_however_it_is_spelled() {
+        let a = ip("1.2.3.4");
+        let key = |spec_: &[&str], uri: &str, headers: &[(&str, &str)]| {
+            spec(spec_)
+                .extract(&parts(uri, headers), a)
+                .map(|k| k.value)
+                .map_err(|p| p.describe())
+        };
+        // Cookie values are read with their escapes decoded, as PHP and Express do.
+        for cookie in [
+            "sid=victim",
+            "sid=%76ictim",
+            "sid=v%69ctim",
+            "sid=\"%76ictim\"",
+        ] {
+            assert_eq!(
+                key(&["cookie:sid"], "/", &[("cookie", cookie)]),
+                Ok("victim".into()),
+                "{cookie}"
+            );
+        }
+        assert_eq!(
+            key(&["cookie:sid"], "/", &[("cookie", "sid=a%zz%4")]),
+            Ok("a%zz%4".into())
+        );
+        // Queries are split on ';' as well as '&', as Rack 2 and older Go and Python do.
+        assert_eq!(key(&["query:k"], "/?k=victim;1", &[]), Ok("victim".into()));
+        assert_eq!(key(&["query:k"], "/?x=1;k=v&y=2", &[]), Ok("v".into()));
+        assert_eq!(
+            key(&["query:k"], "/?k=a;k=b", &[]),
+            Err("query parameter k".into()),
+            "sent twice"
+        );
+        // The deny list sees the decoded values, and each element of a comma list.
+        let seen = |spec_: &[&str], uri: &str, headers: &[(&str, &str)]| {
+            let mut v = Vec::new();
+            spec(spec_).any_value(&parts(uri, headers), |x| {
+                v.push(x.to_string());
+                false
+            });
+            v
+        };
+        assert_eq!(
+            seen(&["cookie:sid"], "/", &[("cookie", "sid=%62ad")]),
+            ["bad"]
+        );
+        assert_eq!(seen(&["query:k"], "/?k=bad;x", &[]), ["bad"]);
+        assert_eq!(
+            seen(&["header:x-api-key"], "/", &[("x-api-key", "bad, good")]),
+            ["bad, good", "bad", "good"]
+        );
     }
 
     #[test]

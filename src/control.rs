@@ -280,7 +280,7 @@ impl Control {
             );
             return self.reload_failed(trigger, msg);
         }
-        let rt = match compile(&loaded, m) {
+        let rt = match compile(&loaded, m, Some(&self.shared.runtime.load())) {
             Ok(rt) => rt,
             Err(e) => return self.reload_failed(trigger, e.to_string()),
         };

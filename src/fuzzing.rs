@@ -80,7 +80,7 @@ pub fn config(data: &[u8]) {
     for u in loaded.file.upstreams.values_mut() {
         u.tls_ca = None;
     }
-    let runtime = match compile(&loaded, &Metrics::new()) {
+    let runtime = match compile(&loaded, &Metrics::new(), None) {
         Ok(r) => r,
         Err(CompileError::Upstream(BuildError::Ca { .. })) => return,
         Err(e) => panic!("validated but does not compile: {e}\n{text}"),

@@ -28,6 +28,8 @@ use crate::route::Matcher;
 
 pub struct Runtime {
     pub routes: Vec<Route>,
+    /// By name; a reload takes over the unchanged ones (with their pools).
+    pub upstreams: HashMap<String, Arc<Upstream>>,
     pub trusted: TrustedProxies,
     /// `deny:` of the configuration; dynamic entries are in `Shared::deny`.
     pub deny: StaticDeny,

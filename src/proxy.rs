@@ -207,6 +207,9 @@ impl std::fmt::Debug for Target {
 
 pub struct Upstream {
     pub name: String,
+    /// Everything it was built from (`UpstreamOpts::spec`): a reload keeps an
+    /// upstream whose spec is unchanged.
+    pub spec: String,
     targets: Vec<Target>,
     next: AtomicUsize,
     timeout: Duration,
@@ -235,6 +238,30 @@ pub struct UpstreamOpts<'a> {
     pub tunnel_idle: Duration,
 }
 
+impl UpstreamOpts<'_> {
+    /// What an upstream built from these options and `targets` is: equal specs build
+    /// equal upstreams. The CA file's content is part of it (hashed), so a reload
+    /// after replacing the file takes the new one.
+    pub fn spec(&self, name: &str, targets: &[String]) -> String {
+        let ca = self.tls_ca.map(|p| {
+            let content = std::fs::read(p).unwrap_or_default();
+            (
+                p.display().to_string(),
+                sha1_smol::Sha1::from(content).digest().to_string(),
+            )
+        });
+        format!(
+            "{name}|{targets:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{:?}",
+            self.connect_timeout,
+            self.timeout,
+            self.max_connections,
+            self.upgrades,
+            self.body_timeout,
+            self.tunnel_idle
+        )
+    }
+}
+
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.debug_struct("Upstream")
@@ -256,6 +283,7 @@ pub struct Origin {
 
 impl Upstream {
     pub fn new(name: &str, targets: &[String], o: UpstreamOpts) -> Result<Upstream, BuildError> {
+        let spec = o.spec(name, targets);
         let addrs = targets
             .iter()
             .map(|t| {
@@ -330,6 +358,7 @@ impl Upstream {
             .collect();
         Ok(Upstream {
             name: name.into(),
+            spec,
             targets,
             next: AtomicUsize::new(0),
             timeout: o.timeout,

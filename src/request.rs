@@ -64,7 +64,7 @@ pub fn admit(req: &mut Parts) -> Result<(), BadRequest> {
 /// The IANA HTTP Method Registry, less `CONNECT` (decided elsewhere) and `PRI`
 /// (the HTTP/2 preface); `QUERY` too. Method names are case-sensitive (RFC 9110
 /// §9.1): `post` is not `POST`, and a route limited to POST must not let it past.
-const METHODS: [&str; 38] = [
+pub(crate) const METHODS: [&str; 38] = [
     "GET",
     "POST",
     "HEAD",
@@ -137,7 +137,10 @@ fn host(req: &mut Parts) -> Result<(), BadRequest> {
         return Err(BadRequest::NoHost);
     }
     if let (Some(h), Some(a)) = (&header, &authority) {
-        if req.version >= Version::HTTP_2 && !h.eq_ignore_ascii_case(a) {
+        // The host names must agree (routing reads the name); a port that one of
+        // them leaves out (`a` beside `a:443`) is no conflict.
+        let name = crate::route::strip_port;
+        if req.version >= Version::HTTP_2 && !name(h).eq_ignore_ascii_case(name(a)) {
             return Err(BadRequest::HostMismatch);
         }
     }
@@ -341,6 +344,23 @@ mod tests {
         );
         assert_eq!(
             admit(&mut parts("GET", "http://a/", h2, &[("host", "b")])),
+            Err(BadRequest::HostMismatch)
+        );
+        // A port only one of them names is no conflict; a different port neither
+        // (routing reads the name).
+        for host in ["a:443", "A:8443"] {
+            assert_eq!(
+                admit(&mut parts("GET", "http://a/", h2, &[("host", host)])),
+                Ok(()),
+                "{host}"
+            );
+        }
+        assert_eq!(
+            admit(&mut parts("GET", "http://a:443/", h2, &[("host", "a")])),
+            Ok(())
+        );
+        assert_eq!(
+            admit(&mut parts("GET", "http://a:443/", h2, &[("host", "b:443")])),
             Err(BadRequest::HostMismatch)
         );
         let mut p = parts("GET", "http://a.b./x", v11, &[("host", "c.d.:81")]);

@@ -46,7 +46,7 @@ pub fn request_host(req: &Parts) -> Option<&str> {
     Some(strip_port(raw))
 }
 
-fn strip_port(h: &str) -> &str {
+pub(crate) fn strip_port(h: &str) -> &str {
     if h.starts_with('[') {
         return h.split_inclusive(']').next().unwrap_or(h);
     }

@@ -97,7 +97,7 @@ const BAN_QUEUE: usize = 1024;
 
 pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
-    let runtime = compile(&loaded, &metrics)?;
+    let runtime = compile(&loaded, &metrics, None)?;
     let f = &loaded.file;
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let max_keys = f.store.memory.max_keys.get();

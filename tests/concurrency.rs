@@ -419,6 +419,45 @@ async fn a_lease_of_a_dead_instance_expires() {
     assert!(passed.is_some(), "the dead instance's lease never expired");
 }
 
+/// A response that streams for several leases keeps its slot: a live instance renews
+/// its leases (a third of `lease` apart), so only a dead one's expire; when the
+/// response ends, the slot is free.
+#[tokio::test]
+async fn redis_a_response_longer_than_its_lease_keeps_its_slot() {
+    let redis = harness::RedisServer::start();
+    let store = redis_yaml(&redis.url());
+    let mut up = slow_upstream().await;
+    let yaml = format!(
+        "{store}upstreams:\n  slow: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 1, lease: 300ms}}]\n",
+        up.addr
+    );
+    let gw = start_gateway(&yaml).await;
+    let (mut first, h) = open(gw.addr, "k").await;
+    assert_eq!(status(&h), "HTTP/1.1 200 OK", "{h}");
+    let tap = up.next_tap().await;
+    // Three leases' time, the body still streaming.
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tap.send(Bytes::from("more\n")).await.expect("body open");
+    }
+    let (_c, h) = open(gw.addr, "k").await;
+    assert_eq!(status(&h), "HTTP/1.1 429 Too Many Requests", "{h}");
+    finish(tap, &mut first).await;
+    let mut passed = false;
+    for _ in 0..200 {
+        let (_c, h) = open(gw.addr, "k").await;
+        if status(&h) == "HTTP/1.1 200 OK" {
+            passed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        passed,
+        "the slot was not given back when the response ended"
+    );
+}
+
 /// A reload that raises the limit keeps the requests in flight: one more passes, not
 /// `limit` more; a slot taken before the reload is given back after it.
 async fn a_reload_keeps_the_requests_in_flight(store: &str, release: impl AsyncFn(u64)) {

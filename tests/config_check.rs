@@ -805,11 +805,16 @@ fn methods_are_tokens() {
 routes:
   - name: a
     respond: {}
-    match: {methods: [get, 'PO ST']}
+    match: {methods: [GET, 'PO ST']}
 ";
     assert_eq!(
         error(yaml),
         "rules.yaml:4:28: \"PO ST\" is not a valid HTTP method, expected a token like GET or POST"
+    );
+    let yaml = "routes:\n  - name: a\n    respond: {}\n    match: {methods: [get]}\n";
+    assert_eq!(
+        error(yaml),
+        "rules.yaml:4:23: \"get\" is not a registered HTTP method (methods are case-sensitive; sluice answers 400 to unregistered ones), expected one like GET or POST"
     );
     let yaml = "routes:\n  - name: a\n    respond: {}\n    match: {methods: []}\n";
     assert_eq!(

@@ -713,3 +713,54 @@ async fn an_upgraded_tunnel_keeps_its_connection_slot() {
     .await;
     assert_eq!(served, 200);
 }
+
+/// A reload keeps an unchanged upstream, pool and cap included: connections in use
+/// when it happens still count. A changed cap builds a new upstream.
+#[tokio::test]
+async fn a_reload_keeps_the_upstream_connection_cap_unless_it_changes() {
+    let up = CountingUpstream::start(Duration::from_millis(1500)).await;
+    let one = proxy(up.addr, ", max_connections: 1, connect_timeout: 200ms");
+    let (gw, file) = start_gateway_file(&one).await;
+    let client = h2c();
+    let u = url(gw.addr, "/x");
+    let first = {
+        let (client, u) = (client.clone(), u.clone());
+        tokio::spawn(async move { client.get(&u, &[]).await.status })
+    };
+    let open = up.open.clone();
+    assert!(
+        eventually(Duration::from_secs(2), || {
+            let open = open.clone();
+            async move { open.load(Ordering::SeqCst) == 1 }
+        })
+        .await
+        .is_some(),
+        "the first request never reached the upstream"
+    );
+    gw.reload().await.unwrap();
+    let second = client.get(&u, &[]).await;
+    assert_eq!((second.status, second.text()), (503, "upstream busy\n"));
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(up.most(), 1);
+
+    std::fs::write(
+        file.path(),
+        with_listeners(&proxy(
+            up.addr,
+            ", max_connections: 2, connect_timeout: 200ms",
+        )),
+    )
+    .unwrap();
+    gw.reload().await.unwrap();
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let (client, u) = (client.clone(), u.clone());
+            tokio::spawn(async move { client.get(&u, &[]).await.status })
+        })
+        .collect();
+    let mut got = Vec::new();
+    for t in both {
+        got.push(t.await.unwrap());
+    }
+    assert_eq!(got, [200, 200]);
+}

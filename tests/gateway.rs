@@ -214,6 +214,7 @@ async fn concurrent_requests_admit_exactly_the_limit(store: Store) {
     let gw = store
         .start(
             &r#"
+server: {listen: "127.0.0.1:0", max_connections_per_ip: 1000}
 upstreams:
   api: {targets: ["UP"]}
 routes:
@@ -889,6 +890,20 @@ async fn a_chunked_body_growing_over_the_limit_is_413() {
     s.write_all(post(2).as_bytes()).await.unwrap();
     let (head, _) = read_response(&mut s).await.expect("an answer");
     assert!(head.starts_with("HTTP/1.1 413 "), "{head:?}");
+    // Refused for the client's body, as a declared length over the limit is: counted
+    // bad_request (not as the admission it was), and the connection closes.
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{head:?}"
+    );
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        decisions(&m, "upload")
+            .into_iter()
+            .filter(|(_, n)| *n > 0.0)
+            .collect::<Vec<_>>(),
+        [("bad_request", 1.0)]
+    );
     // The connection is closed, or else the rest of the refused body must not be
     // taken for a request: the next one on it is answered as itself.
     if s.write_all(post(1).as_bytes()).await.is_ok() {
@@ -917,10 +932,21 @@ routes:
     let c = http1();
     let u = url(gw.addr, "/");
     assert_eq!(statuses(&c, 2, &u, &[]).await, [200, 200]);
+    // The file is watched: each change is waited for as the watcher applies it, so
+    // the counts below do not depend on whether it or a SIGHUP-like reload is first.
+    let admin = gw.admin_addr;
+    let reloads = |result: &'static str, n: f64| async move {
+        let series = format!("sluice_config_reloads_total{{result=\"{result}\"}}");
+        let seen = eventually(Duration::from_secs(10), || async {
+            metric(&metrics(admin).await, &series) == Some(n)
+        })
+        .await;
+        assert!(seen.is_some(), "{series} never reached {n}");
+    };
 
     // Same limit, new body: the new config serves and the budget carries over.
     write(&file, "3", "v2");
-    gw.reload().await.expect("reload");
+    reloads("success", 1.0).await;
     let r = c.get(&u, &[]).await;
     assert_eq!(
         (r.status, r.text(), r.num("x-ratelimit-remaining")),
@@ -930,6 +956,7 @@ routes:
 
     // A broken file changes nothing.
     std::fs::write(file.path(), "routes: [").unwrap();
+    reloads("failure", 1.0).await;
     let err = gw.reload().await.expect_err("a broken file must not load");
     assert!(
         err.starts_with(&format!("{}:", file.path().display())),
@@ -946,7 +973,7 @@ routes:
 
     // A raised limit keeps the count: 3 used, 4 of 5 now.
     write(&file, "5", "v3");
-    gw.reload().await.expect("reload");
+    reloads("success", 2.0).await;
     let r = c.get(&u, &[]).await;
     assert_eq!(
         (r.status, r.text(), r.num("x-ratelimit-remaining")),
@@ -960,7 +987,8 @@ routes:
     );
     assert_eq!(
         metric(&m, r#"sluice_config_reloads_total{result="failure"}"#),
-        Some(1.0)
+        Some(2.0),
+        "the watcher's and the explicit reload's"
     );
     assert_eq!(metric(&m, "sluice_config_last_reload_success"), Some(1.0));
 }

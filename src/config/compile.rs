@@ -40,7 +40,15 @@ fn route_err(route: &str, message: impl Into<String>) -> CompileError {
     }
 }
 
-pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileError> {
+/// Compiles a loaded file into the runtime that serves it. An upstream whose
+/// settings (and CA file) are those of one in `previous` is taken over as it is, with
+/// its pool and its connection cap: connections in use when a reload happens still
+/// count, and an unchanged upstream's idle connections are not thrown away.
+pub fn compile(
+    loaded: &Loaded,
+    metrics: &Metrics,
+    previous: Option<&Runtime>,
+) -> Result<Runtime, CompileError> {
     let f = &loaded.file;
     let mut upstreams = HashMap::new();
     let upgrades: Vec<String> = f.server.upgrades.iter().map(|u| u.0.clone()).collect();
@@ -56,8 +64,12 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
             body_timeout: f.server.request_body_timeout.get(),
             tunnel_idle: f.server.tunnel_idle_timeout.get(),
         };
-        let up = Upstream::new(name, &targets, opts)?;
-        upstreams.insert(name.clone(), Arc::new(up));
+        let spec = opts.spec(name, &targets);
+        let up = match previous.and_then(|p| p.upstreams.get(name)) {
+            Some(up) if up.spec == spec => up.clone(),
+            _ => Arc::new(Upstream::new(name, &targets, opts)?),
+        };
+        upstreams.insert(name.clone(), up);
     }
 
     let routes = f
@@ -80,6 +92,7 @@ pub fn compile(loaded: &Loaded, metrics: &Metrics) -> Result<Runtime, CompileErr
 
     Ok(Runtime {
         routes,
+        upstreams,
         trusted: TrustedProxies::new(f.client_ip.trusted_proxies.iter().map(|n| n.0).collect()),
         deny,
         rate_headers: RateHeaders {

@@ -528,6 +528,17 @@ impl Checker<'_> {
                             method.as_str()
                         ),
                     );
+                } else if !crate::request::METHODS.contains(&method.as_str())
+                    && method.as_str() != "CONNECT"
+                {
+                    // Requests with it get 400 before routing: the route could never match.
+                    self.at(
+                        &item(&path, i),
+                        format!(
+                            "{:?} is not a registered HTTP method (methods are case-sensitive; sluice answers 400 to unregistered ones), expected one like GET or POST",
+                            method.as_str()
+                        ),
+                    );
                 }
             }
         }
@@ -1041,6 +1052,18 @@ mod tests {
                 "7:26: requests are matched with their path normalised, so \"/%7euser/\" never matches; write \"/~user/\"",
                 "10:19: requests are matched with their path normalised, so \"/login;x\" never matches; write \"/login\"",
                 "13:19: path \"/a%2Fb\" can never match: an encoded \"/\" (%2F) in the path",
+            ]
+        );
+    }
+
+    #[test]
+    fn match_methods_must_be_ones_requests_can_carry() {
+        let yaml = "routes:\n  - name: a\n    respond: {}\n    match: {methods: [GET, PURGE, post, PROPFIND]}\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "4:28: \"PURGE\" is not a registered HTTP method (methods are case-sensitive; sluice answers 400 to unregistered ones), expected one like GET or POST",
+                "4:35: \"post\" is not a registered HTTP method (methods are case-sensitive; sluice answers 400 to unregistered ones), expected one like GET or POST",
             ]
         );
     }

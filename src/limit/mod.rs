@@ -142,7 +142,7 @@ pub enum Permit {
     #[default]
     None,
     Memory(memory::Slots),
-    Redis(redis::Leases),
+    Redis(redis::Held),
 }
 
 impl Plan {
