@@ -140,6 +140,9 @@ struct Watched {
     inner: Incoming,
     timeout: Duration,
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Told of every frame handed on (`true` once the body is over), so the upstream's
+    /// `timeout` runs from the body's last progress, not from the request head.
+    progress: Option<tokio::sync::watch::Sender<bool>>,
 }
 
 impl http_body::Body for Watched {
@@ -154,6 +157,13 @@ impl http_body::Body for Watched {
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
                 this.stall = None;
+                let over = !matches!(frame, Some(Ok(_))) || this.inner.is_end_stream();
+                if let Some(p) = &this.progress {
+                    p.send_replace(over);
+                }
+                if over {
+                    this.progress = None;
+                }
                 Poll::Ready(frame.map(|f| f.map_err(ClientBodyError::new)))
             }
             Poll::Pending => {
@@ -394,6 +404,34 @@ impl Upstream {
     }
 
     /// Forward `req` to the next target and return its answer with a streaming body.
+    /// The upstream's answer to `sent`, within `timeout`: counted from the end of the
+    /// request body (`sending` reports its progress), and while the body is being sent,
+    /// from its last progress. A slow but steady upload is no upstream timeout; an
+    /// upstream that stops taking the body is; a client that stops sending it is the
+    /// client's (`request_body_timeout`).
+    async fn answer<F: std::future::Future>(
+        &self,
+        sent: F,
+        sending: Option<tokio::sync::watch::Receiver<bool>>,
+    ) -> Result<F::Output, tokio::time::error::Elapsed> {
+        let mut sent = std::pin::pin!(sent);
+        if let Some(mut sending) = sending {
+            loop {
+                tokio::select! {
+                    r = &mut sent => return Ok(r),
+                    changed = tokio::time::timeout(self.timeout, sending.changed()) => match changed {
+                        Err(elapsed) => return Err(elapsed),
+                        // A frame went on: the clock starts again.
+                        Ok(Ok(())) if !*sending.borrow_and_update() => {}
+                        // The body is over (or was dropped with an error).
+                        Ok(_) => break,
+                    },
+                }
+            }
+        }
+        tokio::time::timeout(self.timeout, sent).await
+    }
+
     pub async fn forward(
         &self,
         mut req: Request<Incoming>,
@@ -465,16 +503,23 @@ impl Upstream {
 
         // A failure of the client's body (a stall too) carries its mark through the
         // upstream client.
+        let (progress, sending) = if http_body::Body::is_end_stream(&body) {
+            (None, None)
+        } else {
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            (Some(tx), Some(rx))
+        };
         let body = Watched {
             inner: body,
             timeout: self.body_timeout,
             stall: None,
+            progress,
         };
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
         let sent = target.client.request(Request::from_parts(parts, body));
-        let resp = match tokio::time::timeout(self.timeout, sent).await {
+        let resp = match self.answer(sent, sending).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(e)) => return Err(classify(e)),
             Ok(Ok(r)) => r,

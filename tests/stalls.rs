@@ -331,3 +331,92 @@ async fn an_h2_stream_whose_window_stays_closed_frees_the_upstream() {
     );
     reader.abort();
 }
+
+/// The upstream's `timeout` runs from the end of the request body (and, while it is
+/// sent, from its last progress): a slow but steady upload is no upstream timeout.
+/// Before, a client trickling its body past `timeout` got 504 counted against the
+/// upstream.
+#[tokio::test]
+async fn a_slow_steady_upload_is_not_an_upstream_timeout() {
+    let (up, complete) = big_upstream().await;
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\"}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 600ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    ))
+    .await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 8\r\n\r\n")
+        .await
+        .unwrap();
+    // A byte every 200 ms: 1.6 s in all, well past the upstream's 600 ms.
+    for b in b"abcdefgh" {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.write_all(&[*b]).await.unwrap();
+    }
+    let (head, body) = read_response(&mut s).await.expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head:?}");
+    assert_eq!(body, "ok");
+    assert_eq!(complete.load(Ordering::SeqCst), 1);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"
+        ),
+        Some(0.0)
+    );
+}
+
+/// An upstream that stops taking the request body is still bounded by its `timeout`
+/// (counted from the body's last progress): 504, the upstream's fault.
+#[tokio::test]
+async fn an_upstream_that_stops_reading_the_body_times_out() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let h = held.clone();
+    tokio::spawn(async move {
+        // Accepts, never reads.
+        while let Ok((s, _)) = listener.accept().await {
+            h.lock().unwrap().push(s);
+        }
+    });
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", max_request_body: 256MiB}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 500ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    ))
+    .await;
+    const LEN: usize = 128 << 20;
+    let s = connect(gw.addr).await;
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let head = format!("POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: {LEN}\r\n\r\n");
+        wr.write_all(head.as_bytes()).await?;
+        let chunk = vec![b'x'; 1 << 20];
+        for _ in 0..(LEN >> 20) {
+            wr.write_all(&chunk).await?;
+        }
+        Ok::<_, std::io::Error>(wr)
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let head = bounded("a 504", async {
+        loop {
+            let n = rd.read(&mut buf).await.unwrap_or(0);
+            assert!(n > 0, "closed without an answer: {got:?}");
+            got.extend_from_slice(&buf[..n]);
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                return String::from_utf8_lossy(&got[..end]).into_owned();
+            }
+        }
+    })
+    .await;
+    assert!(head.starts_with("HTTP/1.1 504 "), "{head:?}");
+    writer.abort();
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"
+        ),
+        Some(1.0)
+    );
+}
