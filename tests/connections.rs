@@ -378,6 +378,31 @@ async fn get_on(s: &mut TcpStream) -> Option<u16> {
     read_response(s).await.map(|(head, _)| status(&head))
 }
 
+/// Open `n` connections to `addr`, each served a 200 on a GET, and keep them open.
+async fn open_served(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut open = Vec::new();
+    for _ in 0..n {
+        let mut s = connect(addr).await;
+        assert_eq!(get_on(&mut s).await, Some(200));
+        open.push(s);
+    }
+    open
+}
+
+/// Connect to `addr` again and again until a connection is served; its status.
+async fn first_served_get(addr: SocketAddr, what: &str) -> u16 {
+    bounded(what, async {
+        loop {
+            let mut s = connect(addr).await;
+            if let Some(code) = get_on(&mut s).await {
+                return code;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
 #[tokio::test]
 async fn a_peer_over_its_connection_cap_is_closed_at_once() {
     let up = upstream().await;
@@ -386,12 +411,7 @@ async fn a_peer_over_its_connection_cap_is_closed_at_once() {
         proxy(up.addr, "")
     ))
     .await;
-    let mut open = Vec::new();
-    for _ in 0..3 {
-        let mut s = connect(gw.addr).await;
-        assert_eq!(get_on(&mut s).await, Some(200));
-        open.push(s);
-    }
+    let mut open = open_served(gw.addr, 3).await;
     let refused = "sluice_connections_refused_total{reason=\"per_ip\"}";
     assert_eq!(metric(&metrics(gw.admin_addr).await, refused), Some(0.0));
     let mut fourth = connect(gw.addr).await;
@@ -403,16 +423,7 @@ async fn a_peer_over_its_connection_cap_is_closed_at_once() {
     }
     // One closes: a new connection is accepted once the gateway has seen it go.
     drop(open.pop());
-    let served = bounded("a connection accepted after one closed", async {
-        loop {
-            let mut s = connect(gw.addr).await;
-            if let Some(code) = get_on(&mut s).await {
-                return code;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let served = first_served_get(gw.addr, "a connection accepted after one closed").await;
     assert_eq!(served, 200);
 }
 
@@ -424,12 +435,7 @@ async fn trusted_proxies_are_exempt_from_the_per_ip_cap() {
         proxy(up.addr, "")
     ))
     .await;
-    let mut open = Vec::new();
-    for _ in 0..3 {
-        let mut s = connect(gw.addr).await;
-        assert_eq!(get_on(&mut s).await, Some(200));
-        open.push(s);
-    }
+    let _open = open_served(gw.addr, 3).await;
 }
 
 // === request heads ===
@@ -701,16 +707,7 @@ async fn an_upgraded_tunnel_keeps_its_connection_slot() {
     tunnel.shutdown().await.unwrap();
     assert_eq!(read_to_close(&mut tunnel).await, "");
     drop(tunnel);
-    let served = bounded("a connection accepted after the tunnel closed", async {
-        loop {
-            let mut s = connect(gw.addr).await;
-            if let Some(code) = get_on(&mut s).await {
-                return code;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let served = first_served_get(gw.addr, "a connection accepted after the tunnel closed").await;
     assert_eq!(served, 200);
 }
 
