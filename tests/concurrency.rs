@@ -351,6 +351,19 @@ async fn a_refusal_by_another_limit_takes_no_slot_and_a_full_slot_charges_nothin
 #[path = "common/redis.rs"]
 mod harness;
 
+/// Waits (200 times 10 ms at most) until Redis holds `left` leases of the key `k`;
+/// else fail with `why`.
+async fn leases_come_down_to(redis: &harness::RedisServer, left: u64, why: &str) {
+    for _ in 0..200 {
+        let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
+        if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == left {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{why}");
+}
+
 fn redis_yaml(url: &str) -> String {
     harness::redis_store(&harness::url_target(url), "deny", 500)
 }
@@ -383,14 +396,12 @@ async fn redis_a_client_that_goes_away_releases_its_slot() {
     let redis = harness::RedisServer::start();
     let store = redis_yaml(&redis.url());
     let release = async || {
-        for _ in 0..200 {
-            let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
-            if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == 1 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the lease of the client that went away is still there");
+        leases_come_down_to(
+            &redis,
+            1,
+            "the lease of the client that went away is still there",
+        )
+        .await;
     };
     a_client_that_goes_away_releases_its_slot(&store, release).await;
 }
@@ -502,14 +513,7 @@ async fn redis_a_reload_keeps_the_requests_in_flight() {
     let redis = harness::RedisServer::start();
     let store = redis_yaml(&redis.url());
     let release = async |left: u64| {
-        for _ in 0..200 {
-            let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
-            if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == left {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the lease was not removed");
+        leases_come_down_to(&redis, left, "the lease was not removed").await;
     };
     a_reload_keeps_the_requests_in_flight(&store, release).await;
 }

@@ -541,6 +541,29 @@ async fn an_h2_header_list_over_max_header_bytes_is_431() {
 
 // === upstream connection cap ===
 
+/// `n` GETs of `u` sent at once on `client`; the responses, in the order sent.
+async fn concurrent_gets(client: &HttpClient, u: &str, n: usize) -> Vec<Resp> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (client, u) = (client.clone(), u.to_string());
+            tokio::spawn(async move { client.get(&u, &[]).await })
+        })
+        .collect();
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(t.await.unwrap());
+    }
+    got
+}
+
+/// `sluice_upstream_errors_total` for a full upstream on the route `rest`.
+fn busy_errors(m: &str) -> Option<f64> {
+    metric(
+        m,
+        "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}",
+    )
+}
+
 #[tokio::test]
 async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
     let up = CountingUpstream::start(Duration::from_millis(20)).await;
@@ -551,16 +574,11 @@ async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
     .await;
     let client = h2c();
     let u = url(gw.addr, "/x");
-    let tasks: Vec<_> = (0..200)
-        .map(|_| {
-            let (client, u) = (client.clone(), u.clone());
-            tokio::spawn(async move { client.get(&u, &[]).await.status })
-        })
+    let statuses: Vec<u16> = concurrent_gets(&client, &u, 200)
+        .await
+        .iter()
+        .map(|r| r.status)
         .collect();
-    let mut statuses = Vec::new();
-    for t in tasks {
-        statuses.push(t.await.unwrap());
-    }
     assert_eq!(statuses, vec![200; 200]);
     assert!(
         up.most() <= 10,
@@ -569,13 +587,7 @@ async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
     );
     assert!(up.open.load(Ordering::SeqCst) <= 10);
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        metric(
-            &m,
-            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
-        ),
-        Some(0.0)
-    );
+    assert_eq!(busy_errors(&m), Some(0.0));
 }
 
 #[tokio::test]
@@ -588,32 +600,18 @@ async fn requests_over_the_upstream_cap_wait_then_get_503() {
     .await;
     let client = h2c();
     let u = url(gw.addr, "/x");
-    let tasks: Vec<_> = (0..6)
-        .map(|_| {
-            let (client, u) = (client.clone(), u.clone());
-            tokio::spawn(async move {
-                let r = client.get(&u, &[]).await;
-                (r.status, r.text().to_string())
-            })
-        })
+    let mut got: Vec<_> = concurrent_gets(&client, &u, 6)
+        .await
+        .iter()
+        .map(|r| (r.status, r.text().to_string()))
         .collect();
-    let mut got = Vec::new();
-    for t in tasks {
-        got.push(t.await.unwrap());
-    }
     got.sort();
     let mut want = vec![(200, "ok".to_string()); 2];
     want.extend(vec![(503, "upstream busy\n".to_string()); 4]);
     assert_eq!(got, want);
     assert_eq!(up.most(), 2);
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        metric(
-            &m,
-            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
-        ),
-        Some(4.0)
-    );
+    assert_eq!(busy_errors(&m), Some(4.0));
 }
 
 // === the open-file limit ===
@@ -749,15 +747,10 @@ async fn a_reload_keeps_the_upstream_connection_cap_unless_it_changes() {
     )
     .unwrap();
     gw.reload().await.unwrap();
-    let both: Vec<_> = (0..2)
-        .map(|_| {
-            let (client, u) = (client.clone(), u.clone());
-            tokio::spawn(async move { client.get(&u, &[]).await.status })
-        })
+    let got: Vec<u16> = concurrent_gets(&client, &u, 2)
+        .await
+        .iter()
+        .map(|r| r.status)
         .collect();
-    let mut got = Vec::new();
-    for t in both {
-        got.push(t.await.unwrap());
-    }
     assert_eq!(got, [200, 200]);
 }

@@ -104,6 +104,15 @@ async fn assert_upstream_held_then_freed(gw: SocketAddr) {
     );
 }
 
+/// The stalled connection `slow` is closed (within 5 s) before the whole `BIG` body
+/// reached it.
+async fn assert_closed_before_the_whole_body(slow: &mut tokio::net::TcpStream) {
+    let got = drain(slow, Duration::from_secs(5))
+        .await
+        .expect("the stalled connection is closed");
+    assert!(got < BIG, "the whole body arrived ({got} bytes)");
+}
+
 /// One HTTP/2 frame: the 9-byte header, then `payload`.
 fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
@@ -143,10 +152,7 @@ async fn a_client_that_stops_reading_is_cut_and_frees_the_upstream() {
     // Wait until the stalled request holds the upstream's only connection.
     assert_upstream_held_then_freed(gw.addr).await;
     // The stalled client's connection was closed before its body was sent.
-    let got = drain(&mut slow, Duration::from_secs(5))
-        .await
-        .expect("the stalled connection is closed");
-    assert!(got < BIG, "the whole body arrived ({got} bytes)");
+    assert_closed_before_the_whole_body(&mut slow).await;
 }
 
 /// A download read slowly, but steadily, for longer than `send_timeout` is whole.
@@ -275,10 +281,7 @@ async fn an_h2_client_that_stops_reading_is_cut_and_frees_the_upstream() {
     bytes.extend(get_big_frame());
     slow.write_all(&bytes).await.unwrap();
     assert_upstream_held_then_freed(gw.addr).await;
-    let got = drain(&mut slow, Duration::from_secs(5))
-        .await
-        .expect("the stalled connection is closed");
-    assert!(got < BIG, "the whole body arrived ({got} bytes)");
+    assert_closed_before_the_whole_body(&mut slow).await;
 }
 
 /// An h2c client that reads its socket but never opens one stream's flow-control
