@@ -111,6 +111,21 @@ async fn settle(admin: SocketAddr, want: &[String]) -> Vec<String> {
     last
 }
 
+/// The metric lines become `want` (within `settle`'s bound).
+async fn assert_settles(admin: SocketAddr, want: Vec<String>) {
+    assert_eq!(settle(admin, &want).await, want);
+}
+
+/// Waits (bounded, without failing) until the upstream has seen one request head.
+async fn wait_for_one_head(up: &Counting) {
+    for _ in 0..100 {
+        if up.heads.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn the_client_errors_start_at_zero() {
     let up = counting_upstream().await;
@@ -133,10 +148,7 @@ async fn a_malformed_chunked_body_is_a_bad_request_not_an_upstream_failure() {
     let status = got.lines().next().unwrap_or_default();
     assert_eq!(status, "HTTP/1.1 400 Bad Request", "{got}");
     assert!(got.contains("\r\nconnection: close\r\n"), "{got}");
-    assert_eq!(
-        settle(gw.admin_addr, &expected(0, 1, 1)).await,
-        expected(0, 1, 1)
-    );
+    assert_settles(gw.admin_addr, expected(0, 1, 1)).await;
     assert_eq!(up.complete.load(Ordering::SeqCst), 0);
 }
 
@@ -149,18 +161,10 @@ async fn a_client_that_closes_mid_body_is_counted_as_aborted_and_never_completes
         .await
         .expect("write");
     // The head reaches the upstream (the body streams), then the client goes away.
-    for _ in 0..100 {
-        if up.heads.load(Ordering::SeqCst) == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_one_head(&up).await;
     assert_eq!(up.heads.load(Ordering::SeqCst), 1);
     drop(s);
-    assert_eq!(
-        settle(gw.admin_addr, &expected(1, 0, 1)).await,
-        expected(1, 0, 1)
-    );
+    assert_settles(gw.admin_addr, expected(1, 0, 1)).await;
     assert_eq!(up.complete.load(Ordering::SeqCst), 0);
 }
 
@@ -174,17 +178,9 @@ async fn a_chunked_body_cut_short_is_aborted_too() {
     )
     .await
     .expect("write");
-    for _ in 0..100 {
-        if up.heads.load(Ordering::SeqCst) == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_one_head(&up).await;
     drop(s);
-    assert_eq!(
-        settle(gw.admin_addr, &expected(1, 0, 1)).await,
-        expected(1, 0, 1)
-    );
+    assert_settles(gw.admin_addr, expected(1, 0, 1)).await;
     assert_eq!(up.complete.load(Ordering::SeqCst), 0);
     // A complete request still goes through, on the same gateway.
     let ok = exchange(

@@ -78,6 +78,14 @@ fn config(up: &Slow, store: &str) -> String {
     )
 }
 
+/// Like `config`, with one slot a key and leases of `lease`.
+fn one_slot_config(up: &Slow, store: &str, lease: &str) -> String {
+    format!(
+        "{store}upstreams:\n  slow: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 1, lease: {lease}}}]\n",
+        up.addr
+    )
+}
+
 /// Sends a GET for `key` on a connection of its own and reads the response head.
 async fn open(addr: SocketAddr, key: &str) -> (TcpStream, String) {
     let mut s = connect(addr).await;
@@ -85,6 +93,42 @@ async fn open(addr: SocketAddr, key: &str) -> (TcpStream, String) {
     s.write_all(req.as_bytes()).await.expect("write");
     let head = read_head(&mut s).await.expect("a response head");
     (s, head)
+}
+
+/// Three requests of key `k` under a limit of 2: the first two pass and hold their
+/// slots, the third gets 429. The first one's client and tap, then what keeps the
+/// other two open.
+async fn two_pass_and_a_third_is_limited(
+    addr: SocketAddr,
+    up: &mut Slow,
+) -> (TcpStream, Tap, (TcpStream, Tap, TcpStream)) {
+    let (c1, h1) = open(addr, "k").await;
+    let t1 = up.next_tap().await;
+    let (c2, h2) = open(addr, "k").await;
+    let t2 = up.next_tap().await;
+    let (c3, h3) = open(addr, "k").await;
+    assert_eq!(
+        [status(&h1), status(&h2), status(&h3)],
+        [
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 429 Too Many Requests"
+        ]
+    );
+    (c1, t1, (c2, t2, c3))
+}
+
+/// Requests of key `k`, `gap` apart, at most `tries` of them, until one passes; its
+/// connection (still open), or `None` if none did.
+async fn passes_within(addr: SocketAddr, tries: usize, gap: Duration) -> Option<TcpStream> {
+    for _ in 0..tries {
+        let (c, h) = open(addr, "k").await;
+        if status(&h) == "HTTP/1.1 200 OK" {
+            return Some(c);
+        }
+        tokio::time::sleep(gap).await;
+    }
+    None
 }
 
 fn status(head: &str) -> &str {
@@ -307,6 +351,19 @@ async fn a_refusal_by_another_limit_takes_no_slot_and_a_full_slot_charges_nothin
 #[path = "common/redis.rs"]
 mod harness;
 
+/// Waits (200 times 10 ms at most) until Redis holds `left` leases of the key `k`;
+/// else fail with `why`.
+async fn leases_come_down_to(redis: &harness::RedisServer, left: u64, why: &str) {
+    for _ in 0..200 {
+        let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
+        if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == left {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{why}");
+}
+
 fn redis_yaml(url: &str) -> String {
     harness::redis_store(&harness::url_target(url), "deny", 500)
 }
@@ -339,14 +396,12 @@ async fn redis_a_client_that_goes_away_releases_its_slot() {
     let redis = harness::RedisServer::start();
     let store = redis_yaml(&redis.url());
     let release = async || {
-        for _ in 0..200 {
-            let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
-            if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == 1 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the lease of the client that went away is still there");
+        leases_come_down_to(
+            &redis,
+            1,
+            "the lease of the client that went away is still there",
+        )
+        .await;
     };
     a_client_that_goes_away_releases_its_slot(&store, release).await;
 }
@@ -357,29 +412,11 @@ async fn redis_cluster_runs_the_concurrency_script() {
     let store = harness::redis_store(&harness::cluster_target(&cluster.urls()), "deny", 500);
     let mut up = slow_upstream().await;
     let gw = start_gateway(&config(&up, &store)).await;
-    let (mut c1, h1) = open(gw.addr, "k").await;
-    let t1 = up.next_tap().await;
-    let (_c2, h2) = open(gw.addr, "k").await;
-    let _t2 = up.next_tap().await;
-    let (_c3, h3) = open(gw.addr, "k").await;
-    assert_eq!(
-        [status(&h1), status(&h2), status(&h3)],
-        [
-            "HTTP/1.1 200 OK",
-            "HTTP/1.1 200 OK",
-            "HTTP/1.1 429 Too Many Requests"
-        ]
-    );
+    let (mut c1, t1, _others) = two_pass_and_a_third_is_limited(gw.addr, &mut up).await;
     finish(t1, &mut c1).await;
-    let mut passed = false;
-    for _ in 0..200 {
-        let (_c, h) = open(gw.addr, "k").await;
-        if status(&h) == "HTTP/1.1 200 OK" {
-            passed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let passed = passes_within(gw.addr, 200, Duration::from_millis(10))
+        .await
+        .is_some();
     assert!(passed, "the released slot was never free again");
 }
 
@@ -390,10 +427,7 @@ async fn a_lease_of_a_dead_instance_expires() {
     let redis = harness::RedisServer::start();
     let store = redis_yaml(&redis.url());
     let mut up = slow_upstream().await;
-    let yaml = format!(
-        "{store}upstreams:\n  slow: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 1, lease: 2s}}]\n",
-        up.addr
-    );
+    let yaml = one_slot_config(&up, &store, "2s");
     let mut holder = harness::SluiceProcess::start(&[], &[], &yaml).await;
     let other = start_gateway(&yaml).await;
     let (_held, h) = open(holder.addr, "k").await;
@@ -407,15 +441,7 @@ async fn a_lease_of_a_dead_instance_expires() {
         libc::killpg(holder.child.id() as i32, libc::SIGKILL);
     }
     let _ = holder.child.wait();
-    let mut passed = None;
-    for i in 0..400 {
-        let (c, h) = open(other.addr, "k").await;
-        if status(&h) == "HTTP/1.1 200 OK" {
-            passed = Some((i, c));
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let passed = passes_within(other.addr, 400, Duration::from_millis(20)).await;
     assert!(passed.is_some(), "the dead instance's lease never expired");
 }
 
@@ -427,10 +453,7 @@ async fn redis_a_response_longer_than_its_lease_keeps_its_slot() {
     let redis = harness::RedisServer::start();
     let store = redis_yaml(&redis.url());
     let mut up = slow_upstream().await;
-    let yaml = format!(
-        "{store}upstreams:\n  slow: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 1, lease: 300ms}}]\n",
-        up.addr
-    );
+    let yaml = one_slot_config(&up, &store, "300ms");
     let gw = start_gateway(&yaml).await;
     let (mut first, h) = open(gw.addr, "k").await;
     assert_eq!(status(&h), "HTTP/1.1 200 OK", "{h}");
@@ -443,15 +466,9 @@ async fn redis_a_response_longer_than_its_lease_keeps_its_slot() {
     let (_c, h) = open(gw.addr, "k").await;
     assert_eq!(status(&h), "HTTP/1.1 429 Too Many Requests", "{h}");
     finish(tap, &mut first).await;
-    let mut passed = false;
-    for _ in 0..200 {
-        let (_c, h) = open(gw.addr, "k").await;
-        if status(&h) == "HTTP/1.1 200 OK" {
-            passed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let passed = passes_within(gw.addr, 200, Duration::from_millis(10))
+        .await
+        .is_some();
     assert!(
         passed,
         "the slot was not given back when the response ended"
@@ -496,14 +513,7 @@ async fn redis_a_reload_keeps_the_requests_in_flight() {
     let redis = harness::RedisServer::start();
     let store = redis_yaml(&redis.url());
     let release = async |left: u64| {
-        for _ in 0..200 {
-            let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
-            if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == left {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the lease was not removed");
+        leases_come_down_to(&redis, left, "the lease was not removed").await;
     };
     a_reload_keeps_the_requests_in_flight(&store, release).await;
 }
@@ -516,19 +526,7 @@ async fn redis_down_the_local_fallback_holds_the_slots() {
     let mut up = slow_upstream().await;
     let gw = start_gateway(&config(&up, &store)).await;
     redis.kill();
-    let (mut c1, h1) = open(gw.addr, "k").await;
-    let t1 = up.next_tap().await;
-    let (_c2, h2) = open(gw.addr, "k").await;
-    let _t2 = up.next_tap().await;
-    let (_c3, h3) = open(gw.addr, "k").await;
-    assert_eq!(
-        [status(&h1), status(&h2), status(&h3)],
-        [
-            "HTTP/1.1 200 OK",
-            "HTTP/1.1 200 OK",
-            "HTTP/1.1 429 Too Many Requests"
-        ]
-    );
+    let (mut c1, t1, _others) = two_pass_and_a_third_is_limited(gw.addr, &mut up).await;
     finish(t1, &mut c1).await;
     let (mut c4, h4) = open(gw.addr, "k").await;
     assert_eq!(status(&h4), "HTTP/1.1 200 OK", "{h4}");

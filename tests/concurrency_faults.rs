@@ -54,6 +54,27 @@ fn held(server: &RedisServer, store: &RedisStore, key: &str) -> i64 {
     server.cmd(&["ZCARD", &keys[0]])
 }
 
+/// No lease of `k` is held in Redis, within 2 s; else fail with `why`.
+async fn assert_freed(server: &RedisServer, store: &RedisStore, why: &str) {
+    let freed = eventually(Duration::from_secs(2), || async {
+        held(server, store, "k") == 0
+    })
+    .await;
+    assert!(freed.is_some(), "{why}");
+    assert_eq!(held(server, store, "k"), 0);
+}
+
+/// The store is ready again, within 2 s, and the next request of `k` is admitted
+/// and takes the slot (given back at the end).
+async fn the_next_request_is_admitted(server: &RedisServer, store: &RedisStore, plan: &Plan) {
+    let ready = eventually(Duration::from_secs(2), || async { store.ready() }).await;
+    assert!(ready.is_some(), "the store is ready again");
+    let next = store.acquire("r", "k", plan).await.expect("next");
+    assert!(next.verdict.allowed, "the next request is admitted");
+    assert_eq!(held(server, store, "k"), 1);
+    drop(next);
+}
+
 /// Whether Redis answers a PING within 20 ms (no: it is running a long script).
 fn answers(server: &RedisServer) -> bool {
     use std::io::{Read, Write};
@@ -103,20 +124,10 @@ async fn a_call_that_timed_out_gives_its_lease_back() {
     tokio::task::spawn_blocking(move || busy.join().unwrap())
         .await
         .unwrap();
-    let freed = eventually(Duration::from_secs(2), || async {
-        held(&server, &store, "k") == 0
-    })
-    .await;
-    assert!(freed.is_some(), "the timed-out call's lease is still held");
-    assert_eq!(held(&server, &store, "k"), 0);
+    assert_freed(&server, &store, "the timed-out call's lease is still held").await;
     // The stall may have opened the breaker (the call and the background PINGs all
     // failed); the first probe that answers closes it.
-    let ready = eventually(Duration::from_secs(2), || async { store.ready() }).await;
-    assert!(ready.is_some(), "the store is ready again");
-    let next = store.acquire("r", "k", &plan).await.expect("next");
-    assert!(next.verdict.allowed, "the next request is admitted");
-    assert_eq!(held(&server, &store, "k"), 1);
-    drop(next);
+    the_next_request_is_admitted(&server, &store, &plan).await;
 }
 
 /// A TCP proxy in front of Redis that, once armed, cuts the connection that carries
@@ -216,18 +227,8 @@ async fn a_release_lost_in_an_outage_is_tried_again() {
     assert_eq!(held(&server, &store, "k"), 1, "the ZREM was lost");
     blip.down.store(false, Ordering::SeqCst);
 
-    let freed = eventually(Duration::from_secs(2), || async {
-        held(&server, &store, "k") == 0
-    })
-    .await;
-    assert!(freed.is_some(), "the lost release was never tried again");
-    assert_eq!(held(&server, &store, "k"), 0);
-    let ready = eventually(Duration::from_secs(2), || async { store.ready() }).await;
-    assert!(ready.is_some(), "the store is ready again");
-    let next = store.acquire("r", "k", &plan).await.expect("next");
-    assert!(next.verdict.allowed, "the next request is admitted");
-    assert_eq!(held(&server, &store, "k"), 1);
-    drop(next);
+    assert_freed(&server, &store, "the lost release was never tried again").await;
+    the_next_request_is_admitted(&server, &store, &plan).await;
 }
 
 /// The same through the gateway: a response ends while its lease release is lost in

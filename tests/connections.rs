@@ -378,6 +378,31 @@ async fn get_on(s: &mut TcpStream) -> Option<u16> {
     read_response(s).await.map(|(head, _)| status(&head))
 }
 
+/// Open `n` connections to `addr`, each served a 200 on a GET, and keep them open.
+async fn open_served(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut open = Vec::new();
+    for _ in 0..n {
+        let mut s = connect(addr).await;
+        assert_eq!(get_on(&mut s).await, Some(200));
+        open.push(s);
+    }
+    open
+}
+
+/// Connect to `addr` again and again until a connection is served; its status.
+async fn first_served_get(addr: SocketAddr, what: &str) -> u16 {
+    bounded(what, async {
+        loop {
+            let mut s = connect(addr).await;
+            if let Some(code) = get_on(&mut s).await {
+                return code;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
 #[tokio::test]
 async fn a_peer_over_its_connection_cap_is_closed_at_once() {
     let up = upstream().await;
@@ -386,12 +411,7 @@ async fn a_peer_over_its_connection_cap_is_closed_at_once() {
         proxy(up.addr, "")
     ))
     .await;
-    let mut open = Vec::new();
-    for _ in 0..3 {
-        let mut s = connect(gw.addr).await;
-        assert_eq!(get_on(&mut s).await, Some(200));
-        open.push(s);
-    }
+    let mut open = open_served(gw.addr, 3).await;
     let refused = "sluice_connections_refused_total{reason=\"per_ip\"}";
     assert_eq!(metric(&metrics(gw.admin_addr).await, refused), Some(0.0));
     let mut fourth = connect(gw.addr).await;
@@ -403,16 +423,7 @@ async fn a_peer_over_its_connection_cap_is_closed_at_once() {
     }
     // One closes: a new connection is accepted once the gateway has seen it go.
     drop(open.pop());
-    let served = bounded("a connection accepted after one closed", async {
-        loop {
-            let mut s = connect(gw.addr).await;
-            if let Some(code) = get_on(&mut s).await {
-                return code;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let served = first_served_get(gw.addr, "a connection accepted after one closed").await;
     assert_eq!(served, 200);
 }
 
@@ -424,12 +435,7 @@ async fn trusted_proxies_are_exempt_from_the_per_ip_cap() {
         proxy(up.addr, "")
     ))
     .await;
-    let mut open = Vec::new();
-    for _ in 0..3 {
-        let mut s = connect(gw.addr).await;
-        assert_eq!(get_on(&mut s).await, Some(200));
-        open.push(s);
-    }
+    let _open = open_served(gw.addr, 3).await;
 }
 
 // === request heads ===
@@ -535,6 +541,29 @@ async fn an_h2_header_list_over_max_header_bytes_is_431() {
 
 // === upstream connection cap ===
 
+/// `n` GETs of `u` sent at once on `client`; the responses, in the order sent.
+async fn concurrent_gets(client: &HttpClient, u: &str, n: usize) -> Vec<Resp> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (client, u) = (client.clone(), u.to_string());
+            tokio::spawn(async move { client.get(&u, &[]).await })
+        })
+        .collect();
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(t.await.unwrap());
+    }
+    got
+}
+
+/// `sluice_upstream_errors_total` for a full upstream on the route `rest`.
+fn busy_errors(m: &str) -> Option<f64> {
+    metric(
+        m,
+        "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}",
+    )
+}
+
 #[tokio::test]
 async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
     let up = CountingUpstream::start(Duration::from_millis(20)).await;
@@ -545,16 +574,11 @@ async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
     .await;
     let client = h2c();
     let u = url(gw.addr, "/x");
-    let tasks: Vec<_> = (0..200)
-        .map(|_| {
-            let (client, u) = (client.clone(), u.clone());
-            tokio::spawn(async move { client.get(&u, &[]).await.status })
-        })
+    let statuses: Vec<u16> = concurrent_gets(&client, &u, 200)
+        .await
+        .iter()
+        .map(|r| r.status)
         .collect();
-    let mut statuses = Vec::new();
-    for t in tasks {
-        statuses.push(t.await.unwrap());
-    }
     assert_eq!(statuses, vec![200; 200]);
     assert!(
         up.most() <= 10,
@@ -563,13 +587,7 @@ async fn an_h2c_client_opens_no_more_upstream_connections_than_the_cap() {
     );
     assert!(up.open.load(Ordering::SeqCst) <= 10);
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        metric(
-            &m,
-            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
-        ),
-        Some(0.0)
-    );
+    assert_eq!(busy_errors(&m), Some(0.0));
 }
 
 #[tokio::test]
@@ -582,32 +600,18 @@ async fn requests_over_the_upstream_cap_wait_then_get_503() {
     .await;
     let client = h2c();
     let u = url(gw.addr, "/x");
-    let tasks: Vec<_> = (0..6)
-        .map(|_| {
-            let (client, u) = (client.clone(), u.clone());
-            tokio::spawn(async move {
-                let r = client.get(&u, &[]).await;
-                (r.status, r.text().to_string())
-            })
-        })
+    let mut got: Vec<_> = concurrent_gets(&client, &u, 6)
+        .await
+        .iter()
+        .map(|r| (r.status, r.text().to_string()))
         .collect();
-    let mut got = Vec::new();
-    for t in tasks {
-        got.push(t.await.unwrap());
-    }
     got.sort();
     let mut want = vec![(200, "ok".to_string()); 2];
     want.extend(vec![(503, "upstream busy\n".to_string()); 4]);
     assert_eq!(got, want);
     assert_eq!(up.most(), 2);
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        metric(
-            &m,
-            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
-        ),
-        Some(4.0)
-    );
+    assert_eq!(busy_errors(&m), Some(4.0));
 }
 
 // === the open-file limit ===
@@ -701,16 +705,7 @@ async fn an_upgraded_tunnel_keeps_its_connection_slot() {
     tunnel.shutdown().await.unwrap();
     assert_eq!(read_to_close(&mut tunnel).await, "");
     drop(tunnel);
-    let served = bounded("a connection accepted after the tunnel closed", async {
-        loop {
-            let mut s = connect(gw.addr).await;
-            if let Some(code) = get_on(&mut s).await {
-                return code;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let served = first_served_get(gw.addr, "a connection accepted after the tunnel closed").await;
     assert_eq!(served, 200);
 }
 
@@ -752,15 +747,10 @@ async fn a_reload_keeps_the_upstream_connection_cap_unless_it_changes() {
     )
     .unwrap();
     gw.reload().await.unwrap();
-    let both: Vec<_> = (0..2)
-        .map(|_| {
-            let (client, u) = (client.clone(), u.clone());
-            tokio::spawn(async move { client.get(&u, &[]).await.status })
-        })
+    let got: Vec<u16> = concurrent_gets(&client, &u, 2)
+        .await
+        .iter()
+        .map(|r| r.status)
         .collect();
-    let mut got = Vec::new();
-    for t in both {
-        got.push(t.await.unwrap());
-    }
     assert_eq!(got, [200, 200]);
 }

@@ -69,6 +69,19 @@ routes:
   - {name: rest, match: {path_prefix: /}, upstream: app}
 "#;
 
+/// A gateway with the upstream `app` at `up` and these `routes` (YAML list items).
+async fn app_gateway(up: &str, routes: &str) -> Running {
+    start_gateway(&format!(
+        "upstreams:\n  app: {{targets: [\"{up}\"]}}\nroutes:\n{routes}"
+    ))
+    .await
+}
+
+/// The echo upstream's account of the request, from a response body.
+fn echo_of(body: &str) -> Echo {
+    serde_json::from_str(body).expect("an echo")
+}
+
 async fn login_gateway() -> (Upstream, Running) {
     let up = upstream().await;
     let gw = start_gateway(&LOGIN.replace("UP", &up.url())).await;
@@ -96,7 +109,7 @@ async fn path_variants_of_login_hit_the_login_route_and_reach_the_upstream_as_lo
         let key = format!("x-k: k{i}\r\n");
         let (status, head, body) = raw(gw.addr, &req("GET", v, &key)).await;
         assert_eq!(status, 200, "{v}: {head}{body}");
-        let e: Echo = serde_json::from_str(&body).expect("an echo");
+        let e = echo_of(&body);
         assert_eq!(e.uri, "/login", "{v}");
         // The same key on the plain path: the variant was charged to /login.
         let (status, _, _) = raw(gw.addr, &req("GET", "/login", &key)).await;
@@ -117,11 +130,11 @@ async fn the_query_is_forwarded_untouched_after_a_normalised_path() {
     )
     .await;
     assert_eq!(status, 200);
-    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    let e = echo_of(&body);
     assert_eq!(e.uri, "/a/~user/x?p=%2e%2E/..&q=%6C");
     // Escapes that stay escaped get upper-case hex.
     let (_, _, body) = raw(gw.addr, &req("GET", "/caf%c3%a9/%3b", "")).await;
-    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    let e = echo_of(&body);
     assert_eq!(e.uri, "/caf%C3%A9/%3B");
 }
 
@@ -167,14 +180,14 @@ async fn path_parameters_are_ignored_for_matching_and_forwarded_as_sent() {
     // Java servers strip `;jsessionid=...` and serve /login: it is /login here too.
     let (status, _, body) = raw(gw.addr, &req("GET", "/login;foo=1", "x-k: a\r\n")).await;
     assert_eq!(status, 200);
-    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    let e = echo_of(&body);
     assert_eq!(e.uri, "/login;foo=1");
     let (status, _, _) = raw(gw.addr, &req("GET", "/login", "x-k: a\r\n")).await;
     assert_eq!(status, 429);
     // `path` is exact: /login/ is another path (README says how to cover both).
     let (status, _, body) = raw(gw.addr, &req("GET", "/login/", "x-k: a\r\n")).await;
     assert_eq!(status, 200);
-    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    let e = echo_of(&body);
     assert_eq!(e.uri, "/login/");
     let m = metrics(gw.admin_addr).await;
     assert_eq!(decisions(&m, "login"), [("allowed", 1.0), ("limited", 1.0)]);
@@ -216,7 +229,7 @@ async fn absolute_form_and_h2_paths_are_normalised_too() {
     )
     .await;
     assert_eq!(status, 200);
-    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    let e = echo_of(&body);
     assert_eq!(e.uri, "/login?q=1");
     let (status, _, _) = raw(gw.addr, &req("GET", "/login", "x-k: abs\r\n")).await;
     assert_eq!(status, 429);
@@ -236,15 +249,12 @@ async fn absolute_form_and_h2_paths_are_normalised_too() {
 #[tokio::test]
 async fn a_missing_repeated_or_invalid_host_gets_400() {
     let up = upstream().await;
-    let gw = start_gateway(
-        &r#"
-upstreams:
-  app: {targets: ["UP"]}
-routes:
+    let gw = app_gateway(
+        &up.url(),
+        r#"
   - {name: api, match: {host: api.example.com}, upstream: app}
   - {name: rest, match: {path_prefix: /}, upstream: app}
-"#
-        .replace("UP", &up.url()),
+"#,
     )
     .await;
     let bad = [
@@ -303,15 +313,12 @@ routes:
 #[tokio::test]
 async fn a_trailing_dot_is_removed_from_the_host_before_routing_and_forwarding() {
     let up = upstream().await;
-    let gw = start_gateway(
-        &r#"
-upstreams:
-  app: {targets: ["UP"]}
-routes:
+    let gw = app_gateway(
+        &up.url(),
+        r#"
   - {name: api, match: {host: api.example.com}, upstream: app, key: ip, limits: [{algorithm: fixed_window, limit: 1, window: 1m}]}
   - {name: rest, match: {path_prefix: /}, upstream: app}
-"#
-        .replace("UP", &up.url()),
+"#,
     )
     .await;
     let (status, _, body) = raw(
@@ -320,7 +327,7 @@ routes:
     )
     .await;
     assert_eq!(status, 200);
-    let e: Echo = serde_json::from_str(&body).expect("an echo");
+    let e = echo_of(&body);
     assert_eq!(e.header("host"), Some("api.example.com:8080"));
     assert_eq!(e.header("x-forwarded-host"), Some("api.example.com:8080"));
     let (status, _, _) = raw(
@@ -338,14 +345,11 @@ routes:
 #[tokio::test]
 async fn an_h2_authority_is_checked_like_a_host() {
     let up = upstream().await;
-    let gw = start_gateway(
-        &r#"
-upstreams:
-  app: {targets: ["UP"]}
-routes:
+    let gw = app_gateway(
+        &up.url(),
+        r#"
   - {name: rest, match: {path_prefix: /}, upstream: app}
-"#
-        .replace("UP", &up.url()),
+"#,
     )
     .await;
     let c = h2c();
@@ -367,19 +371,16 @@ routes:
 #[tokio::test]
 async fn lower_case_and_unknown_methods_get_400() {
     let up = upstream().await;
-    let gw = start_gateway(
-        &r#"
-upstreams:
-  app: {targets: ["UP"]}
-routes:
+    let gw = app_gateway(
+        &up.url(),
+        r#"
   - name: login
     match: {path: /login, methods: [POST]}
     upstream: app
     key: ip
     limits: [{algorithm: fixed_window, limit: 1, window: 1m}]
   - {name: rest, match: {path_prefix: /}, upstream: app}
-"#
-        .replace("UP", &up.url()),
+"#,
     )
     .await;
     for m in ["post", "Post", "GET2", "FOO", "G-E-T", "PRI"] {
@@ -442,19 +443,16 @@ async fn forwarded_and_x_real_ip_from_an_untrusted_peer_are_removed() {
 #[tokio::test]
 async fn h2_cookie_fields_reach_an_http1_upstream_as_one_header() {
     let up = upstream().await;
-    let gw = start_gateway(
-        &r#"
-upstreams:
-  app: {targets: ["UP"]}
-routes:
+    let gw = app_gateway(
+        &up.url(),
+        r#"
   - name: session
     match: {path: /s}
     upstream: app
     key: cookie:sid
     limits: [{algorithm: fixed_window, limit: 1, window: 1m}]
   - {name: rest, match: {path_prefix: /}, upstream: app}
-"#
-        .replace("UP", &up.url()),
+"#,
     )
     .await;
     let c = h2c();
@@ -507,14 +505,11 @@ async fn a_response_with_content_length_and_transfer_encoding_loses_its_length()
         "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\na\r\n0123456789\r\n6\r\nabcdef\r\n0\r\n\r\n",
     )
     .await;
-    let gw = start_gateway(
-        &r#"
-upstreams:
-  app: {targets: ["UP"]}
-routes:
+    let gw = app_gateway(
+        &up,
+        r#"
   - {name: rest, match: {path_prefix: /}, upstream: app}
-"#
-        .replace("UP", &up),
+"#,
     )
     .await;
     let (status, head, body) = raw(gw.addr, &req("GET", "/", "")).await;

@@ -85,6 +85,59 @@ async fn drain(s: &mut tokio::net::TcpStream, within: Duration) -> Option<usize>
     .ok()
 }
 
+/// While the stalled request holds the upstream's only connection, `/small` gets 503;
+/// then, once the stalled client is cut, 200 again.
+async fn assert_upstream_held_then_freed(gw: SocketAddr) {
+    let client = http1();
+    let busy = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw, "/small"), &[]).await.status == 503
+    })
+    .await;
+    assert!(busy.is_some(), "the large response never held the upstream");
+    let freed = eventually(Duration::from_secs(5), || async {
+        client.get(&url(gw, "/small"), &[]).await.status == 200
+    })
+    .await;
+    assert!(
+        freed.is_some(),
+        "the upstream connection was never given back"
+    );
+}
+
+/// The stalled connection `slow` is closed (within 5 s) before the whole `BIG` body
+/// reached it.
+async fn assert_closed_before_the_whole_body(slow: &mut tokio::net::TcpStream) {
+    let got = drain(slow, Duration::from_secs(5))
+        .await
+        .expect("the stalled connection is closed");
+    assert!(got < BIG, "the whole body arrived ({got} bytes)");
+}
+
+/// One HTTP/2 frame: the 9-byte header, then `payload`.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    f.extend_from_slice(&[kind, flags]);
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// HEADERS on stream 1, END_STREAM | END_HEADERS: GET http://a/big.
+fn get_big_frame() -> Vec<u8> {
+    let mut block = vec![0x82, 0x86, 0x04, 4];
+    block.extend_from_slice(b"/big");
+    block.extend_from_slice(&[0x01, 1, b'a']);
+    h2_frame(0x1, 0x5, 1, &block)
+}
+
+/// `sluice_upstream_errors_total` for timeouts on the route `rest`.
+fn upstream_timeouts(m: &str) -> Option<f64> {
+    metric(
+        m,
+        "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}",
+    )
+}
+
 /// The reviewer's case: with `max_connections: 1`, a client that asks for a large
 /// body and never reads it held the only upstream connection for ever (every other
 /// request got 503). Its writes now stall out after `send_timeout`.
@@ -97,25 +150,9 @@ async fn a_client_that_stops_reading_is_cut_and_frees_the_upstream() {
         .await
         .unwrap();
     // Wait until the stalled request holds the upstream's only connection.
-    let client = http1();
-    let busy = eventually(Duration::from_secs(5), || async {
-        client.get(&url(gw.addr, "/small"), &[]).await.status == 503
-    })
-    .await;
-    assert!(busy.is_some(), "the large response never held the upstream");
-    let freed = eventually(Duration::from_secs(5), || async {
-        client.get(&url(gw.addr, "/small"), &[]).await.status == 200
-    })
-    .await;
-    assert!(
-        freed.is_some(),
-        "the upstream connection was never given back"
-    );
+    assert_upstream_held_then_freed(gw.addr).await;
     // The stalled client's connection was closed before its body was sent.
-    let got = drain(&mut slow, Duration::from_secs(5))
-        .await
-        .expect("the stalled connection is closed");
-    assert!(got < BIG, "the whole body arrived ({got} bytes)");
+    assert_closed_before_the_whole_body(&mut slow).await;
 }
 
 /// A download read slowly, but steadily, for longer than `send_timeout` is whole.
@@ -182,13 +219,7 @@ async fn a_stalled_upload_gets_408() {
         metric(&m, "sluice_client_errors_total{kind=\"timeout\"}"),
         Some(1.0)
     );
-    assert_eq!(
-        metric(
-            &m,
-            "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"
-        ),
-        Some(0.0)
-    );
+    assert_eq!(upstream_timeouts(&m), Some(0.0));
     assert_eq!(requests(&m, "rest", "bad_request"), 1.0);
     // The upstream connection is free again.
     assert_eq!(http1().get(&url(gw.addr, "/small"), &[]).await.status, 200);
@@ -243,41 +274,14 @@ async fn an_h2_client_that_stops_reading_is_cut_and_frees_the_upstream() {
     let (up, _) = big_upstream().await;
     let gw = start_gateway(&config(up, "send_timeout: 500ms")).await;
     let mut slow = connect(gw.addr).await;
-    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
-        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
-        f.extend_from_slice(&[kind, flags]);
-        f.extend_from_slice(&stream.to_be_bytes());
-        f.extend_from_slice(payload);
-        f
-    };
     let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
     // SETTINGS_INITIAL_WINDOW_SIZE = 2^31-1, and the connection window opened to it.
-    bytes.extend(frame(0x4, 0, 0, &[0, 4, 0x7f, 0xff, 0xff, 0xff]));
-    bytes.extend(frame(0x8, 0, 0, &0x7fff_0000u32.to_be_bytes()));
-    // HEADERS, END_STREAM | END_HEADERS: GET http://a/big.
-    let mut block = vec![0x82, 0x86, 0x04, 4];
-    block.extend_from_slice(b"/big");
-    block.extend_from_slice(&[0x01, 1, b'a']);
-    bytes.extend(frame(0x1, 0x5, 1, &block));
+    bytes.extend(h2_frame(0x4, 0, 0, &[0, 4, 0x7f, 0xff, 0xff, 0xff]));
+    bytes.extend(h2_frame(0x8, 0, 0, &0x7fff_0000u32.to_be_bytes()));
+    bytes.extend(get_big_frame());
     slow.write_all(&bytes).await.unwrap();
-    let client = http1();
-    let busy = eventually(Duration::from_secs(5), || async {
-        client.get(&url(gw.addr, "/small"), &[]).await.status == 503
-    })
-    .await;
-    assert!(busy.is_some(), "the large response never held the upstream");
-    let freed = eventually(Duration::from_secs(5), || async {
-        client.get(&url(gw.addr, "/small"), &[]).await.status == 200
-    })
-    .await;
-    assert!(
-        freed.is_some(),
-        "the upstream connection was never given back"
-    );
-    let got = drain(&mut slow, Duration::from_secs(5))
-        .await
-        .expect("the stalled connection is closed");
-    assert!(got < BIG, "the whole body arrived ({got} bytes)");
+    assert_upstream_held_then_freed(gw.addr).await;
+    assert_closed_before_the_whole_body(&mut slow).await;
 }
 
 /// An h2c client that reads its socket but never opens one stream's flow-control
@@ -288,20 +292,10 @@ async fn an_h2_stream_whose_window_stays_closed_frees_the_upstream() {
     let (up, _) = big_upstream().await;
     let gw = start_gateway(&config(up, "send_timeout: 500ms")).await;
     let mut slow = connect(gw.addr).await;
-    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
-        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
-        f.extend_from_slice(&[kind, flags]);
-        f.extend_from_slice(&stream.to_be_bytes());
-        f.extend_from_slice(payload);
-        f
-    };
     let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
     // Default windows (64 KiB), never opened.
-    bytes.extend(frame(0x4, 0, 0, &[]));
-    let mut block = vec![0x82, 0x86, 0x04, 4];
-    block.extend_from_slice(b"/big");
-    block.extend_from_slice(&[0x01, 1, b'a']);
-    bytes.extend(frame(0x1, 0x5, 1, &block));
+    bytes.extend(h2_frame(0x4, 0, 0, &[]));
+    bytes.extend(get_big_frame());
     slow.write_all(&bytes).await.unwrap();
     // Keep reading the socket: the connection itself never stalls.
     let reader = tokio::spawn(async move {
@@ -315,20 +309,7 @@ async fn an_h2_stream_whose_window_stays_closed_frees_the_upstream() {
         }
         n
     });
-    let client = http1();
-    let busy = eventually(Duration::from_secs(5), || async {
-        client.get(&url(gw.addr, "/small"), &[]).await.status == 503
-    })
-    .await;
-    assert!(busy.is_some(), "the large response never held the upstream");
-    let freed = eventually(Duration::from_secs(5), || async {
-        client.get(&url(gw.addr, "/small"), &[]).await.status == 200
-    })
-    .await;
-    assert!(
-        freed.is_some(),
-        "the upstream connection was never given back"
-    );
+    assert_upstream_held_then_freed(gw.addr).await;
     reader.abort();
 }
 
@@ -357,13 +338,7 @@ async fn a_slow_steady_upload_is_not_an_upstream_timeout() {
     assert_eq!(body, "ok");
     assert_eq!(complete.load(Ordering::SeqCst), 1);
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        metric(
-            &m,
-            "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"
-        ),
-        Some(0.0)
-    );
+    assert_eq!(upstream_timeouts(&m), Some(0.0));
 }
 
 /// An upstream that stops taking the request body is still bounded by its `timeout`
@@ -412,11 +387,5 @@ async fn an_upstream_that_stops_reading_the_body_times_out() {
     assert!(head.starts_with("HTTP/1.1 504 "), "{head:?}");
     writer.abort();
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(
-        metric(
-            &m,
-            "sluice_upstream_errors_total{kind=\"timeout\",route=\"rest\"}"
-        ),
-        Some(1.0)
-    );
+    assert_eq!(upstream_timeouts(&m), Some(1.0));
 }

@@ -76,6 +76,15 @@ async fn serves_after(gw: &Running, round: usize) {
     assert_eq!(get(gw.admin_addr, "/readyz", &[]).await.status, 200);
 }
 
+/// A gateway on the Redis store at `target` (`on_error: deny`), checked to serve
+/// (round 0 of `serves_after`).
+async fn serving_gateway(target: &str) -> Running {
+    let yaml = format!("{}{ROUTE}", redis_store(target, "deny", 500));
+    let gw = start_gateway(&yaml).await;
+    serves_after(&gw, 0).await;
+    gw
+}
+
 // === item 4: idle connections closed by Redis ===
 
 /// Redis `timeout 1`: the gateway sits idle well past it, three times.
@@ -83,12 +92,7 @@ async fn serves_after(gw: &Running, round: usize) {
 async fn an_idle_timeout_on_redis_costs_no_request() {
     let redis = RedisServer::start();
     let _: () = redis.cmd(&["CONFIG", "SET", "timeout", "1"]);
-    let yaml = format!(
-        "{}{ROUTE}",
-        redis_store(&url_target(&redis.url()), "deny", 500)
-    );
-    let gw = start_gateway(&yaml).await;
-    serves_after(&gw, 0).await;
+    let gw = serving_gateway(&url_target(&redis.url())).await;
     let before = ids(&others(&redis));
     for round in 1..=3 {
         // The scenario itself: idle for longer than the server's timeout.
@@ -104,12 +108,7 @@ async fn an_idle_timeout_on_redis_costs_no_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_connection_costs_no_request() {
     let redis = RedisServer::start();
-    let yaml = format!(
-        "{}{ROUTE}",
-        redis_store(&url_target(&redis.url()), "deny", 500)
-    );
-    let gw = start_gateway(&yaml).await;
-    serves_after(&gw, 0).await;
+    let gw = serving_gateway(&url_target(&redis.url())).await;
     for round in 1..=3 {
         let killed: u64 = redis.cmd(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
         assert!(killed >= 1, "round {round}");
@@ -122,12 +121,7 @@ async fn a_killed_connection_costs_no_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_killed_by_id_costs_no_request() {
     let redis = RedisServer::start();
-    let yaml = format!(
-        "{}{ROUTE}",
-        redis_store(&url_target(&redis.url()), "deny", 500)
-    );
-    let gw = start_gateway(&yaml).await;
-    serves_after(&gw, 0).await;
+    let gw = serving_gateway(&url_target(&redis.url())).await;
     for round in 1..=3 {
         for id in ids(&others(&redis)) {
             let id = id.trim_start_matches("id=");
@@ -142,12 +136,7 @@ async fn a_connection_killed_by_id_costs_no_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_is_down_is_still_counted() {
     let mut redis = RedisServer::start();
-    let yaml = format!(
-        "{}{ROUTE}",
-        redis_store(&url_target(&redis.url()), "deny", 500)
-    );
-    let gw = start_gateway(&yaml).await;
-    serves_after(&gw, 0).await;
+    let gw = serving_gateway(&url_target(&redis.url())).await;
     redis.kill();
     // Before the prober notices, each request is a failed call: 503, counted.
     let first = get(gw.addr, "/", &[("x-key", "down")]).await.status;
@@ -171,12 +160,7 @@ async fn a_cluster_survives_idle_timeouts() {
     for n in &cluster.nodes {
         let _: () = n.cmd(&["CONFIG", "SET", "timeout", "1"]);
     }
-    let yaml = format!(
-        "{}{ROUTE}",
-        redis_store(&cluster_target(&cluster.urls()), "deny", 500)
-    );
-    let gw = start_gateway(&yaml).await;
-    serves_after(&gw, 0).await;
+    let gw = serving_gateway(&cluster_target(&cluster.urls())).await;
     for round in 1..=2 {
         tokio::time::sleep(Duration::from_millis(2_500)).await;
         serves_after(&gw, round).await;
