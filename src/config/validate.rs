@@ -93,6 +93,19 @@ impl Checker<'_> {
         self.index.nearest(path).0
     }
 
+    /// A limit's `limit` (of the limit at `lp`): above 0, and small enough for exact
+    /// arithmetic in the Redis store.
+    fn limit_in_range(&mut self, lp: &str, limit: u64) {
+        if limit == 0 {
+            self.at(&format!("{lp}.limit"), "limit must be greater than 0");
+        } else if limit > MAX_LIMIT {
+            self.at(
+                &format!("{lp}.limit"),
+                format!("limit {limit} is too large: at most 2^40 ({MAX_LIMIT}) for exact arithmetic in the Redis store"),
+            );
+        }
+    }
+
     fn positive_dur(&mut self, path: &str, name: &str, d: Dur) {
         if d.get().is_zero() {
             self.at(path, format!("{name} must be greater than 0"));
@@ -759,15 +772,7 @@ impl Checker<'_> {
                     );
                     return;
                 };
-                let limit = limit.get();
-                if limit == 0 {
-                    self.at(&format!("{lp}.limit"), "limit must be greater than 0");
-                } else if limit > MAX_LIMIT {
-                    self.at(
-                        &format!("{lp}.limit"),
-                        format!("limit {limit} is too large: at most 2^40 ({MAX_LIMIT})"),
-                    );
-                }
+                self.limit_in_range(lp, limit.get());
                 if let Some(lease) = l.lease {
                     let lp = format!("{lp}.lease");
                     if lease.get() < std::time::Duration::from_millis(1) {
@@ -839,14 +844,7 @@ impl Checker<'_> {
                     return;
                 };
                 let limit = limit.get();
-                if limit == 0 {
-                    self.at(&format!("{lp}.limit"), "limit must be greater than 0");
-                } else if limit > MAX_LIMIT {
-                    self.at(
-                        &format!("{lp}.limit"),
-                        format!("limit {limit} is too large: at most 2^40 ({MAX_LIMIT}) for exact arithmetic in the Redis store"),
-                    );
-                }
+                self.limit_in_range(lp, limit);
                 self.positive_dur(&format!("{lp}.window"), "window", window);
                 if limit > 0 && cost > limit {
                     self.at(
