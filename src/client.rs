@@ -269,34 +269,6 @@ fn query_pairs(q: &str) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> {
         .flat_map(|seg| form_urlencoded::parse(seg.as_bytes()))
 }
 
-/// `%XX` escapes decoded (others left as they are), as PHP, Express and most cookie
-/// parsers read a cookie value: `sid=%62ad` is `bad` to them.
-fn percent_decoded(v: &[u8]) -> Cow<'_, [u8]> {
-    if !v.contains(&b'%') {
-        return Cow::Borrowed(v);
-    }
-    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
-    let mut out = Vec::with_capacity(v.len());
-    let mut i = 0;
-    while i < v.len() {
-        match (
-            v[i],
-            v.get(i + 1).copied().and_then(hex),
-            v.get(i + 2).copied().and_then(hex),
-        ) {
-            (b'%', Some(h), Some(l)) => {
-                out.push(h << 4 | l);
-                i += 3;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    Cow::Owned(out)
-}
-
 /// The only item, or None when there is none or more than one.
 fn single<T>(mut it: impl Iterator<Item = T>) -> Option<T> {
     let first = it.next()?;
@@ -333,7 +305,9 @@ fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Co
                 .strip_prefix(b"\"")
                 .and_then(|v| v.strip_suffix(b"\""))
                 .unwrap_or(v);
-            match percent_decoded(v) {
+            // `%XX` escapes decoded (others left as they are), as PHP, Express and
+            // most cookie parsers read a value: `sid=%62ad` is `bad` to them.
+            match Cow::from(percent_encoding::percent_decode(v)) {
                 Cow::Borrowed(v) => String::from_utf8_lossy(v),
                 Cow::Owned(v) => Cow::Owned(String::from_utf8_lossy(&v).into_owned()),
             }
