@@ -9,6 +9,10 @@ use sluice::admin_client::{self, Action, Endpoint, Ttl};
 use sluice::deny::Target;
 use tracing_subscriber::EnvFilter;
 
+/// Measured against glibc malloc by `bench/run` (see the README's Performance section).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "sluice", version, about = "A rate-limiting reverse proxy")]
 struct Cli {
