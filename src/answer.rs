@@ -323,13 +323,22 @@ impl RateHeaders {
             if let Some(p) = policy {
                 headers.insert(RATELIMIT_POLICY.clone(), p.clone());
             }
-            let v = format!(
-                "{};r={};t={}",
-                sf_string(&plan.limits[i].name),
-                o.remaining,
-                reset
-            );
-            if let Ok(v) = HeaderValue::from_str(&v) {
+            // `"name";r=7;t=1`, in one allocation (the header is on every answer).
+            let name = &plan.limits[i].name;
+            let mut v = Vec::with_capacity(name.len() + 48);
+            v.push(b'"');
+            for &b in name.as_bytes() {
+                if b == b'"' || b == b'\\' {
+                    v.push(b'\\');
+                }
+                v.push(b);
+            }
+            let mut n = itoa::Buffer::new();
+            v.extend_from_slice(b"\";r=");
+            v.extend_from_slice(n.format(o.remaining).as_bytes());
+            v.extend_from_slice(b";t=");
+            v.extend_from_slice(n.format(reset).as_bytes());
+            if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(v)) {
                 headers.insert(RATELIMIT.clone(), v);
             }
         }

@@ -722,6 +722,7 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
         o.max_connections_per_ip != n.max_connections_per_ip,
     );
     check("server.idle_timeout", o.idle_timeout != n.idle_timeout);
+    check("server.workers", o.workers != n.workers);
     // Held by each connection's socket; request_body_timeout and
     // tunnel_idle_timeout go with the upstreams and apply to the next request.
     check("server.send_timeout", o.send_timeout != n.send_timeout);

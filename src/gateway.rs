@@ -118,18 +118,32 @@ pub struct Shared {
 
 // === the request path ===
 
-pub async fn handle(
-    shared: Arc<Shared>,
-    req: Request<Incoming>,
-    peer: SocketAddr,
-) -> Response<Body> {
+/// The client connection a request came on: its address, and that address as the
+/// `X-Forwarded-For` entry (formatted once per connection, not per request).
+pub struct Peer {
+    pub addr: SocketAddr,
+    pub forwarded_for: HeaderValue,
+}
+
+impl Peer {
+    pub fn new(addr: SocketAddr) -> Peer {
+        let canonical = crate::client::canonical(addr.ip()).to_string();
+        Peer {
+            addr,
+            forwarded_for: HeaderValue::from_str(&canonical)
+                .unwrap_or_else(|_| HeaderValue::from_static("unknown")),
+        }
+    }
+}
+
+pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: &Peer) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
     let (mut parts, body) = req.into_parts();
     // A malformed or ambiguous head is refused before anything reads it (400, on
     // route `unmatched`: nothing can be routed on it); the rest is normalised.
     let head = crate::request::admit(&mut parts);
-    let ip = rt.trusted.client_ip(peer.ip(), &parts.headers);
+    let ip = rt.trusted.client_ip(peer.addr.ip(), &parts.headers);
     let route = head
         .is_ok()
         .then(|| rt.routes.iter().position(|r| r.matcher.matches(&parts)))
@@ -180,7 +194,7 @@ struct Ctx<'a> {
     shared: &'a Shared,
     rt: &'a Runtime,
     ip: IpAddr,
-    peer: SocketAddr,
+    peer: &'a Peer,
     /// An HTTP/1 request with a body: answered before reading it, the connection closes.
     unread_body: bool,
 }
@@ -337,15 +351,17 @@ async fn act<'a>(
         }
         Action::Upstream(up) => {
             let origin = Origin {
-                peer: ctx.peer.ip(),
-                trusted: ctx.rt.trusted.contains(ctx.peer.ip()),
+                peer_forwarded_for: &ctx.peer.forwarded_for,
+                trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,
             };
-            up.forward(
+            // Boxed: the largest future of the request path, kept out of the
+            // futures that hold it, which are moved as they are built.
+            Box::pin(up.forward(
                 Request::from_parts(parts, body),
                 &origin,
                 ctx.rt.max_request_body,
-            )
+            ))
             .await
             .map_err(|e| forward_failed(ctx.shared, route, e))
         }

@@ -14,6 +14,7 @@ pub mod gateway;
 pub mod limit;
 pub mod metrics;
 pub mod path;
+pub mod pool;
 pub mod proxy;
 pub mod request;
 pub mod route;

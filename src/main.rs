@@ -154,7 +154,9 @@ fn run(path: PathBuf) -> ExitCode {
         }
     };
     raise_open_files();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
+    // The main thread is worker 0 (with the admin port and the control loop); the
+    // server starts the other workers, each a thread with its own runtime.
+    let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

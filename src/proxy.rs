@@ -1,4 +1,4 @@
-//! Forwarding: one pooled hyper-util client per upstream target (its connections
+//! Forwarding: one connection pool per upstream target (`pool`, its connections
 //! capped), round robin over the targets, bodies streamed both ways, hop-by-hop
 //! headers dropped, `X-Forwarded-*` set, the client's `Host` kept, listed `Upgrade`
 //! protocols (WebSocket) spliced, and failures sorted into connect / timeout /
@@ -6,7 +6,6 @@
 
 use std::error::Error as _;
 use std::future::Future;
-use std::net::IpAddr;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,13 +20,16 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::answer::{Body, BoxError};
+use crate::pool::{Pool, Pooled, SendError};
+
+/// A kept upstream connection idle longer than this is closed.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -206,8 +208,10 @@ impl ProxyError {
 struct Target {
     scheme: Scheme,
     authority: Authority,
-    client: Client<Capped<HttpsConnector<HttpConnector>>, Body>,
+    pool: Arc<Pool<Connector>>,
 }
+
+type Connector = Capped<HttpsConnector<HttpConnector>>;
 
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -282,9 +286,9 @@ impl std::fmt::Debug for Upstream {
 }
 
 /// What the proxy needs to know about the client connection.
-pub struct Origin {
-    /// The TCP peer, appended to `X-Forwarded-For`.
-    pub peer: IpAddr,
+pub struct Origin<'a> {
+    /// The TCP peer as an `X-Forwarded-For` entry (canonical form).
+    pub peer_forwarded_for: &'a HeaderValue,
     /// Whether the peer is a trusted proxy (its `X-Forwarded-Proto/-Host` are kept).
     pub trusted: bool,
     /// `http` or `https`: how the client reached us.
@@ -311,7 +315,7 @@ impl Upstream {
                     }),
                 }
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, BuildError>>()?;
         let (connect_timeout, tls_ca) = (o.connect_timeout, o.tls_ca);
 
         let mut roots = rustls::RootCertStore {
@@ -355,17 +359,22 @@ impl Upstream {
                     slots: Arc::new(Semaphore::new(share)),
                     wait: connect_timeout,
                 };
-                let client = Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(Duration::from_secs(90))
-                    .pool_max_idle_per_host(share)
-                    .build(capped);
-                Target {
+                let dst = Uri::builder()
+                    .scheme(scheme.clone())
+                    .authority(authority.clone())
+                    .path_and_query("/")
+                    .build()
+                    .map_err(|_| BuildError::Target {
+                        upstream: name.into(),
+                        target: format!("{scheme}://{authority}"),
+                    })?;
+                Ok(Target {
                     scheme,
                     authority,
-                    client,
-                }
+                    pool: Arc::new(Pool::new(capped, dst, POOL_IDLE_TIMEOUT)),
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>, BuildError>>()?;
         Ok(Upstream {
             name: name.into(),
             spec,
@@ -435,7 +444,7 @@ impl Upstream {
     pub async fn forward(
         &self,
         mut req: Request<Incoming>,
-        origin: &Origin,
+        origin: &Origin<'_>,
         max_body: u64,
     ) -> Result<Response<Body>, ProxyError> {
         let target = self.pick();
@@ -472,15 +481,13 @@ impl Upstream {
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        parts.uri = Uri::builder()
-            .scheme(target.scheme.clone())
-            .authority(target.authority.clone())
-            .path_and_query(path)
-            .build()
-            .map_err(|e| ProxyError::Reset(e.into()))?;
+        // Origin-form on the wire; the target is the connection's.
+        parts.uri = Uri::from(path);
         parts.version = Version::HTTP_11;
         // Settings for an h2c upgrade, never passed on (RFC 9113 §3.2.1 drops the upgrade).
-        parts.headers.remove(&HTTP2_SETTINGS);
+        if any_of(&parts.headers, std::slice::from_ref(&HTTP2_SETTINGS)) {
+            parts.headers.remove(&HTTP2_SETTINGS);
+        }
         let accepts_trailers = te_has_trailers(&parts.headers);
         strip_hop_by_hop(&mut parts.headers);
         if accepts_trailers {
@@ -497,8 +504,15 @@ impl Upstream {
             parts.headers.insert(header::UPGRADE, proto);
         }
         set_forwarded(&mut parts.headers, origin, host.as_ref());
-        if let Some(h) = host {
-            parts.headers.insert(header::HOST, h);
+        match host {
+            Some(h) => {
+                parts.headers.insert(header::HOST, h);
+            }
+            None => {
+                if let Ok(h) = HeaderValue::from_str(target.authority.as_str()) {
+                    parts.headers.insert(header::HOST, h);
+                }
+            }
         }
 
         // A failure of the client's body (a stall too) carries its mark through the
@@ -518,16 +532,23 @@ impl Upstream {
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
-        let sent = target.client.request(Request::from_parts(parts, body));
-        let resp = match self.answer(sent, sending).await {
+        let sent = target.pool.send(Request::from_parts(parts, body));
+        let (resp, lease) = match self.answer(sent, sending).await {
             Err(_) => return Err(ProxyError::Timeout),
-            Ok(Err(e)) => return Err(classify(e)),
+            Ok(Err(SendError::Connect(e))) => return Err(classify(&*e, true)),
+            Ok(Err(SendError::Send(e))) => return Err(classify(&e, false)),
             Ok(Ok(r)) => r,
         };
 
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             return match client_upgrade {
-                Some(client_upgrade) => Ok(splice(resp, client_upgrade, held, self.tunnel_idle)),
+                Some(client_upgrade) => Ok(splice(
+                    resp,
+                    client_upgrade,
+                    held,
+                    Box::new(lease),
+                    self.tunnel_idle,
+                )),
                 // A switch nobody asked for: its connection speaks something else now.
                 None => Err(ProxyError::Reset(
                     "the upstream switched protocols without an upgrade request".into(),
@@ -538,7 +559,7 @@ impl Upstream {
         strip_hop_by_hop(&mut parts.headers);
         Ok(Response::from_parts(
             parts,
-            body.map_err(BoxError::from).boxed(),
+            Pooled::new(body, lease).map_err(BoxError::from).boxed(),
         ))
     }
 }
@@ -561,6 +582,7 @@ fn splice(
     mut resp: Response<Incoming>,
     client: hyper::upgrade::OnUpgrade,
     held: Option<ConnectionHeld>,
+    lease: Box<dyn std::any::Any + Send>,
     idle: Duration,
 ) -> Response<Body> {
     let upstream = hyper::upgrade::on(&mut resp);
@@ -568,6 +590,8 @@ fn splice(
     tokio::spawn(async move {
         let _open = open;
         let _held = held;
+        // The upstream connection's sender, never to be used again.
+        let _lease = lease;
         let (Ok(c), Ok(u)) = (client.await, upstream.await) else {
             tracing::debug!("upgrade failed on one side");
             return;
@@ -674,8 +698,10 @@ fn wants_upgrade(h: &HeaderMap) -> bool {
             .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
 }
 
-fn classify(e: hyper_util::client::legacy::Error) -> ProxyError {
-    let mut src: Option<&(dyn std::error::Error + 'static)> = e.source();
+/// A failed exchange with the upstream, sorted by its causes: opening a connection
+/// (`connecting`) or on one.
+fn classify(e: &(dyn std::error::Error + 'static), connecting: bool) -> ProxyError {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = src {
         if s.is::<NoFreeConnection>() {
             return ProxyError::Busy;
@@ -693,10 +719,10 @@ fn classify(e: hyper_util::client::legacy::Error) -> ProxyError {
         }
         src = s.source();
     }
-    if e.is_connect() {
-        ProxyError::Connect(e.into())
+    if connecting {
+        ProxyError::Connect(e.to_string().into())
     } else {
-        ProxyError::Reset(e.into())
+        ProxyError::Reset(e.to_string().into())
     }
 }
 
@@ -817,6 +843,9 @@ const HOP_BY_HOP: [HeaderName; 7] = [
 
 /// Whether `TE` accepts trailers.
 fn te_has_trailers(h: &HeaderMap) -> bool {
+    if !any_of(h, std::slice::from_ref(&header::TE)) {
+        return false;
+    }
     h.get_all(header::TE)
         .iter()
         .filter_map(|v| v.to_str().ok())
@@ -828,7 +857,17 @@ fn te_has_trailers(h: &HeaderMap) -> bool {
         })
 }
 
+/// Whether `h` has any of `names`: one pass over its names, which costs less than a
+/// hashed lookup per name when (as on most requests) none is there.
+fn any_of(h: &HeaderMap, names: &[HeaderName]) -> bool {
+    h.keys().any(|k| names.contains(k))
+}
+
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // `Connection` names the others that go: without it, only the fixed list.
+    if !any_of(h, &HOP_BY_HOP) {
+        return;
+    }
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a message with
     // both must lose its Content-Length before it is passed on (hyper has decoded
     // the chunks; left alone, the length would cut the body short).
@@ -851,28 +890,34 @@ static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
 static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+const UNTRUSTED_CLAIMS: [HeaderName; 2] = [header::FORWARDED, HeaderName::from_static("x-real-ip")];
 
 /// Append the peer to `X-Forwarded-For`; set `X-Forwarded-Proto`/`-Host` unless a
 /// trusted proxy already did. `Forwarded` and `X-Real-IP` pass only from a trusted
 /// proxy: from anyone else they are claims the upstream must not believe.
 fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>) {
-    if !origin.trusted {
+    if !origin.trusted && any_of(h, &UNTRUSTED_CLAIMS) {
         h.remove(header::FORWARDED);
         h.remove(&X_REAL_IP);
     }
-    let peer = crate::client::canonical(origin.peer).to_string();
-    let prior: Vec<&str> = h
-        .get_all(&XFF)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .collect();
-    let xff = if prior.is_empty() {
-        peer
+    let peer = origin.peer_forwarded_for;
+    if !any_of(h, std::slice::from_ref(&XFF)) {
+        h.insert(XFF.clone(), peer.clone());
     } else {
-        format!("{}, {peer}", prior.join(", "))
-    };
-    if let Ok(v) = HeaderValue::from_str(&xff) {
-        h.insert(XFF.clone(), v);
+        let prior: Vec<&str> = h
+            .get_all(&XFF)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        let peer = peer.to_str().unwrap_or_default();
+        let xff = if prior.is_empty() {
+            peer.to_string()
+        } else {
+            format!("{}, {peer}", prior.join(", "))
+        };
+        if let Ok(v) = HeaderValue::from_str(&xff) {
+            h.insert(XFF.clone(), v);
+        }
     }
     if !(origin.trusted && h.contains_key(&XFP)) {
         h.insert(XFP.clone(), HeaderValue::from_static(origin.proto));
@@ -919,8 +964,9 @@ mod tests {
         h.append("x-forwarded-for", "1.1.1.1".parse().unwrap());
         h.append("x-forwarded-for", "2.2.2.2".parse().unwrap());
         h.insert("x-forwarded-proto", "https".parse().unwrap());
+        let peer = HeaderValue::from_static("10.0.0.1");
         let o = Origin {
-            peer: "10.0.0.1".parse().unwrap(),
+            peer_forwarded_for: &peer,
             trusted: false,
             proto: "http",
         };

@@ -9,6 +9,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -168,9 +169,10 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         let shared = shared.clone();
         let service = move |peer: SocketAddr| {
             let shared = shared.clone();
-            service_fn(move |req| {
-                let shared = shared.clone();
-                async move { Ok::<_, Infallible>(gateway::handle(shared, req, peer).await) }
+            let peer = Arc::new(gateway::Peer::new(peer));
+            service_fn(move |req| -> Answer {
+                let (shared, peer) = (shared.clone(), peer.clone());
+                Box::pin(async move { Ok(gateway::handle(shared, req, &peer).await) })
             })
         };
         // A load balancer in front carries many clients' connections.
@@ -188,14 +190,34 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             exempt,
             refused: Some(refused),
             grace,
+            caps: Caps::new(f.server.max_connections.get()),
         };
-        tokio::spawn(serve(
+        let builder = Arc::new(builder);
+        // Worker 0 is this runtime; each other worker is a thread with a runtime of
+        // its own, accepting on its own handle of the same socket.
+        let mut handles = Vec::new();
+        for i in 1..workers(f) {
+            let dup = std::os::fd::AsFd::as_fd(&listener)
+                .try_clone_to_owned()
+                .map(std::net::TcpListener::from)
+                .map_err(|source| StartError::Listen { addr, source })?;
+            handles.push(spawn_worker(
+                i,
+                dup,
+                limits.clone(),
+                builder.clone(),
+                service.clone(),
+                stop_rx.clone(),
+            )?);
+        }
+        handles.push(tokio::spawn(serve(
             listener,
             limits,
-            Arc::new(builder),
+            builder,
             service,
             stop_rx.clone(),
-        ))
+        )));
+        handles
     };
     let admin = {
         let admin = Arc::new(Admin {
@@ -204,9 +226,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         });
         let service = move |_peer: SocketAddr| {
             let admin = admin.clone();
-            service_fn(move |req| {
+            service_fn(move |req| -> Answer {
                 let admin = admin.clone();
-                async move { Ok::<_, Infallible>(admin.handle(req).await) }
+                Box::pin(async move { Ok(admin.handle(req).await) })
             })
         };
         let limits = Limits {
@@ -219,6 +241,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             exempt: Arc::new(|_| true),
             refused: None,
             grace: Duration::from_secs(1),
+            caps: Caps::new(256),
         };
         let builder = Arc::new(http_builder(header_timeout, max_head));
         tokio::spawn(serve(
@@ -229,6 +252,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             stop_rx.clone(),
         ))
     };
+    let mut tasks = gw;
     let sweeper = {
         let shared = shared.clone();
         let mut stop_rx = stop_rx.clone();
@@ -299,7 +323,10 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         shared,
         control,
         stop,
-        tasks: vec![gw, admin, sweeper, control_loop],
+        tasks: {
+            tasks.extend([admin, sweeper, control_loop]);
+            tasks
+        },
         publisher,
         _watch: watch,
     })
@@ -374,6 +401,7 @@ const MAX_HEADERS: usize = 100;
 type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
 
 /// How a listener treats its connections.
+#[derive(Clone)]
 struct Limits {
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// Bounds the TLS handshake and the wait for a request's first bytes.
@@ -390,6 +418,78 @@ struct Limits {
     refused: Option<prometheus::IntCounter>,
     /// How long shutdown waits for requests in flight.
     grace: Duration,
+    /// Shared by every worker accepting on the listener.
+    caps: Caps,
+}
+
+/// The listener's connection caps, in total and per peer address.
+#[derive(Clone)]
+struct Caps {
+    slots: Arc<Semaphore>,
+    peers: Arc<PerIp>,
+}
+
+impl Caps {
+    fn new(max_connections: usize) -> Caps {
+        Caps {
+            slots: Arc::new(Semaphore::new(max_connections)),
+            peers: Arc::new(PerIp::default()),
+        }
+    }
+}
+
+/// `server.workers`, or one per core this process may run on.
+fn workers(f: &crate::config::schema::File) -> usize {
+    f.server
+        .workers
+        .map(|n| n.get())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// A worker thread: a single-threaded runtime serving connections it accepts on
+/// `listener` (a handle of the gateway socket, which the kernel hands each
+/// connection to one worker). Its requests, their upstream connections and timers
+/// stay on the thread. The returned task ends when the worker has drained.
+fn spawn_worker<S, F>(
+    i: usize,
+    listener: std::net::TcpListener,
+    limits: Limits,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    service: F,
+    stop: watch::Receiver<bool>,
+) -> Result<JoinHandle<()>, StartError>
+where
+    F: Fn(SocketAddr) -> S + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Send
+        + 'static,
+    S::Future: Send + Unpin + 'static,
+{
+    let addr = listener.local_addr().map_err(|source| StartError::Listen {
+        addr: ([0, 0, 0, 0], 0).into(),
+        source,
+    })?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| StartError::Listen { addr, source })?;
+    let (done, drained) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name(format!("sluice-worker-{i}"))
+        .spawn(move || {
+            crate::pool::set_worker(i);
+            runtime.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(l) => serve(l, limits, builder, service, stop).await,
+                    Err(e) => tracing::error!(error = %e, "worker {i} cannot accept"),
+                }
+            });
+            let _ = done.send(());
+        })
+        .map_err(|source| StartError::Listen { addr, source })?;
+    Ok(tokio::spawn(async move {
+        let _ = drained.await;
+    }))
 }
 
 /// The HTTP/2 connection preface, which hyper waits for in full to tell h2c from
@@ -560,50 +660,68 @@ impl Drop for IpSlot {
     }
 }
 
-/// Requests in flight on one connection, and how many have started: what the idle
+/// Requests in flight on one connection, and when the last one ended: what the idle
 /// timeout watches. hyper has no idle timeout for HTTP/2, and for HTTP/1.1 only
-/// its header-read timeout.
-struct Activity(watch::Sender<(usize, u64)>);
+/// its header-read timeout. Plain atomics: a request costs two increments and a
+/// clock read, and nothing is woken; the idle timer checks them when it fires.
+struct Activity {
+    in_flight: AtomicUsize,
+    /// Milliseconds from `born` to the end of the last request (0: none yet).
+    last_end: AtomicU64,
+    born: tokio::time::Instant,
+}
 
 /// One request in flight; ends when its response body has been sent (or dropped).
 struct InFlight(Arc<Activity>);
 
 impl Activity {
     fn new() -> Arc<Activity> {
-        Arc::new(Activity(watch::channel((0, 0)).0))
+        Arc::new(Activity {
+            in_flight: AtomicUsize::new(0),
+            last_end: AtomicU64::new(0),
+            born: tokio::time::Instant::now(),
+        })
     }
 
     fn start(self: &Arc<Self>) -> InFlight {
-        self.0.send_modify(|(n, started)| {
-            *n += 1;
-            *started += 1;
-        });
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight(self.clone())
     }
 
     fn busy(&self) -> bool {
-        self.0.borrow().0 > 0
+        self.in_flight.load(Ordering::Acquire) > 0
+    }
+
+    fn since_last_end(&self) -> Duration {
+        let end = Duration::from_millis(self.last_end.load(Ordering::Relaxed));
+        self.born.elapsed().saturating_sub(end)
     }
 
     /// Resolves once no request has been in flight for `timeout`.
     async fn idle(&self, timeout: Duration) {
-        let mut rx = self.0.subscribe();
+        let mut wait = timeout;
         loop {
-            let seen = match rx.wait_for(|s| s.0 == 0).await {
-                Ok(s) => s.1,
-                Err(_) => return,
-            };
-            let woke = rx.wait_for(|s| s.0 > 0 || s.1 != seen);
-            if tokio::time::timeout(timeout, woke).await.is_err() {
+            tokio::time::sleep(wait).await;
+            if self.busy() {
+                // Whatever ends after this look ends at least `timeout` before the next.
+                wait = timeout;
+                continue;
+            }
+            let since = self.since_last_end();
+            if since >= timeout {
                 return;
             }
+            wait = timeout - since;
         }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0 .0.send_modify(|(n, _)| *n -= 1);
+        let a = &self.0;
+        let now = u64::try_from(a.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        a.last_end.store(now.max(1), Ordering::Relaxed);
+        a.in_flight.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -728,42 +846,73 @@ struct Tracked<S> {
     send_timeout: Duration,
 }
 
-type Served = Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>;
+/// What the gateway's and the admin port's services return: boxed once, where the
+/// request's future is made, so that it is never copied again on its way to hyper.
+type Answer = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
 impl<S> hyper::service::Service<Request<Incoming>> for Tracked<S>
 where
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>,
-    S::Future: Send + 'static,
+    S::Future: Send + Unpin + 'static,
 {
     type Response = Response<TrackedBody>;
     type Error = Infallible;
-    type Future = Served;
+    type Future = TrackedAnswer<S::Future>;
 
-    fn call(&self, mut req: Request<Incoming>) -> Served {
+    fn call(&self, mut req: Request<Incoming>) -> TrackedAnswer<S::Future> {
         if req.headers().contains_key(http::header::UPGRADE) {
             req.extensions_mut()
                 .insert(ConnectionHeld(self.held.clone()));
         }
         let in_flight = self.activity.start();
         let h2 = req.version() == http::Version::HTTP_2;
-        let send_timeout = self.send_timeout;
-        let answer = self.inner.call(req);
-        Box::pin(async move {
-            let resp = answer.await?;
-            Ok(resp.map(|body| TrackedBody {
-                inner: if h2 {
-                    Held::Watched(Arc::new(Mutex::new(Taken {
-                        body: Some(body),
-                        handed: None,
-                        watched: false,
-                    })))
-                } else {
-                    Held::Own(body)
-                },
-                send_timeout,
-                _in_flight: in_flight,
-            }))
-        })
+        TrackedAnswer {
+            answer: self.inner.call(req),
+            h2,
+            send_timeout: self.send_timeout,
+            in_flight: Some(in_flight),
+        }
+    }
+}
+
+/// The answer of `Tracked`'s service, its body tracked.
+struct TrackedAnswer<F> {
+    answer: F,
+    h2: bool,
+    send_timeout: Duration,
+    in_flight: Option<InFlight>,
+}
+
+impl<F> Future for TrackedAnswer<F>
+where
+    F: Future<Output = Result<Response<Body>, Infallible>> + Unpin,
+{
+    type Output = Result<Response<TrackedBody>, Infallible>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = &mut *self;
+        let Ok(resp) = std::task::ready!(Pin::new(&mut this.answer).poll(cx));
+        let in_flight = this
+            .in_flight
+            .take()
+            .expect("TrackedAnswer polled after it answered");
+        let (h2, send_timeout) = (this.h2, this.send_timeout);
+        std::task::Poll::Ready(Ok(resp.map(|body| TrackedBody {
+            inner: if h2 {
+                Held::Watched(Arc::new(Mutex::new(Taken {
+                    body: Some(body),
+                    handed: None,
+                    watched: false,
+                })))
+            } else {
+                Held::Own(body)
+            },
+            send_timeout,
+            _in_flight: in_flight,
+        })))
     }
 }
 
@@ -784,7 +933,7 @@ where
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
         + Send
         + 'static,
-    S::Future: Send + 'static,
+    S::Future: Send + Unpin + 'static,
 {
     let activity = service.activity.clone();
     let conn = builder.serve_connection_with_upgrades(io, service);
@@ -823,7 +972,7 @@ async fn serve<S, F>(
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
         + Send
         + 'static,
-    S::Future: Send + 'static,
+    S::Future: Send + Unpin + 'static,
 {
     let Limits {
         tls,
@@ -835,9 +984,8 @@ async fn serve<S, F>(
         exempt,
         refused,
         grace,
+        caps: Caps { slots, peers },
     } = limits;
-    let slots = Arc::new(Semaphore::new(max_connections));
-    let peers = Arc::new(PerIp::default());
     loop {
         let permit = tokio::select! {
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },

@@ -271,3 +271,40 @@ async fn run_refuses_a_bad_file_and_a_busy_port() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn run_starts_the_configured_workers_which_share_limits_and_drain_on_sigterm() {
+    let (port, admin) = (free_port(), free_port());
+    let text = run_config(port, admin, "w").replace(
+        &format!("server: {{listen: \"127.0.0.1:{port}\"}}"),
+        &format!("server: {{listen: \"127.0.0.1:{port}\", workers: 3}}"),
+    );
+    assert!(text.contains("workers: 3"));
+    let file = config_file(&text);
+    let mut p = spawn(&["run", "-c", &file.path().display().to_string()]);
+    p.wait_until_up(&format!("http://127.0.0.1:{admin}/healthz"))
+        .await;
+
+    // The main thread is the first worker; the other two are threads of their own.
+    let mut workers: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", p.0.id()))
+        .expect("/proc")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| c.starts_with("sluice-worker"))
+        .collect();
+    workers.sort();
+    assert_eq!(workers, ["sluice-worker-1", "sluice-worker-2"]);
+
+    // Each request on a connection of its own, taken by whichever worker accepts it:
+    // the limit (3 per minute per IP) is one for all of them.
+    let hello = format!("http://127.0.0.1:{port}/hello");
+    let mut codes = Vec::new();
+    for _ in 0..12 {
+        codes.push(http1().get(&hello, &[]).await.status);
+    }
+    assert_eq!(codes, ok_then_limited(3, 9));
+
+    p.signal("TERM");
+    let status = p.exit().await;
+    assert_eq!(status.code(), Some(0), "{status}: {}", p.stderr());
+}

@@ -58,6 +58,9 @@ pub struct Server {
     /// `Upgrade` tokens passed through to upstreams (compared case-insensitively).
     pub upgrades: Vec<Text>,
     pub tls: Option<Tls>,
+    /// Threads serving the gateway port, each with its own runtime; default: one per
+    /// core the process may run on.
+    pub workers: Option<Num<usize>>,
 }
 
 impl Default for Server {
@@ -76,6 +79,7 @@ impl Default for Server {
             max_header_bytes: Size(32 * 1024),
             upgrades: vec![Text::literal("websocket")],
             tls: None,
+            workers: None,
         }
     }
 }

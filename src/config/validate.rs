@@ -46,6 +46,8 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
 /// legitimate request head needs.
 const MIN_HEADER_BYTES: u64 = 8 * 1024;
 const MAX_HEADER_BYTES: u64 = 1024 * 1024;
+/// `server.workers`: threads, not a budget to spend on a typo.
+const MAX_WORKERS: usize = 256;
 
 /// A character of an HTTP token (RFC 9110 §5.6.2).
 fn is_tchar(b: u8) -> bool {
@@ -180,6 +182,17 @@ impl Checker<'_> {
             "max_connections_per_ip",
             s.max_connections_per_ip.get(),
         );
+        if let Some(w) = s.workers {
+            if !(1..=MAX_WORKERS).contains(&w.get()) {
+                self.at(
+                    "server.workers",
+                    format!(
+                        "workers must be between 1 and {MAX_WORKERS}, found {}",
+                        w.get()
+                    ),
+                );
+            }
+        }
         self.positive_dur("server.idle_timeout", "idle_timeout", s.idle_timeout);
         self.positive_dur("server.send_timeout", "send_timeout", s.send_timeout);
         self.positive_dur(
@@ -1089,6 +1102,19 @@ mod tests {
                 "4:24: tunnel_idle_timeout must be greater than 0",
             ]
         );
+    }
+
+    #[test]
+    fn workers_between_1_and_256() {
+        assert_eq!(
+            errors("server: {workers: 0}\nroutes: []\n"),
+            ["1:19: workers must be between 1 and 256, found 0"]
+        );
+        assert_eq!(
+            errors("server: {workers: 257}\nroutes: []\n"),
+            ["1:19: workers must be between 1 and 256, found 257"]
+        );
+        assert!(errors("server: {workers: 2}\nroutes: []\n").is_empty());
     }
 
     #[test]
