@@ -52,11 +52,17 @@ trap 'rm -f "$log"' EXIT
 set +e
 cargo test --locked "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
+# The micro-benchmarks (benches/) must compile; they are not run. The dev profile
+# reuses the test build above (the bench profile's release build takes minutes).
+cargo bench --locked --no-run --profile dev
+benches=$?
 set -e
 # One closing line over every test binary (cargo's own last line is the doctests').
 awk '/^test result:/ { for (i = 2; i <= NF; i++) { if ($i == "passed;") p += $(i-1); if ($i == "failed;") f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 [ -z "$unchecked" ] || echo "$unchecked"
 [ "$audit" -eq 0 ] || echo "dependency audit FAILED (cargo deny, above)"
+[ "$benches" -eq 0 ] || echo "micro-benchmarks do not compile (cargo bench --no-run, above)"
 [ "$rc" -ne 0 ] || rc=$audit
+[ "$rc" -ne 0 ] || rc=$benches
 exit "$rc"
