@@ -319,6 +319,8 @@ impl RateHeaders {
             return;
         };
         let reset = ceil_secs(o.reset_us);
+        // Room for all of them at once, rather than a resize (and rehash) midway.
+        headers.reserve(2 * usize::from(self.ietf) + 3 * usize::from(self.x_ratelimit));
         if self.ietf {
             if let Some(p) = policy {
                 headers.insert(RATELIMIT_POLICY.clone(), p.clone());

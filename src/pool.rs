@@ -11,6 +11,7 @@
 //! another, as hyper-util's client does.
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -21,6 +22,7 @@ use http::{Request, Response, Uri};
 use http_body::Body as _;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::answer::{Body, BoxError};
@@ -60,6 +62,9 @@ pub struct Pool<C> {
     /// `scheme://authority/` of the target, what the connector dials.
     dst: Uri,
     idle: [Mutex<Vec<Idle>>; LISTS],
+    /// Requests that found no kept connection and wait for one to be given back
+    /// while they try to open one (which waits for a free slot under the cap).
+    waiting: Mutex<VecDeque<oneshot::Sender<SendRequest<Body>>>>,
     /// A connection idle longer than this is closed rather than reused.
     idle_timeout: Duration,
 }
@@ -76,6 +81,7 @@ where
             connector,
             dst,
             idle: std::array::from_fn(|_| Mutex::new(Vec::new())),
+            waiting: Mutex::new(VecDeque::new()),
             idle_timeout,
         }
     }
@@ -90,7 +96,7 @@ where
         loop {
             let (mut tx, kept) = match self.checkout().await {
                 Some(tx) => (tx, true),
-                None => (self.connect().await.map_err(SendError::Connect)?, false),
+                None => self.connect_or_wait().await?,
             };
             match tx.try_send_request(req).await {
                 Ok(resp) => {
@@ -133,6 +139,31 @@ where
         None
     }
 
+    /// A new connection, or one another request gives back first (`true`: kept).
+    async fn connect_or_wait(&self) -> Result<(SendRequest<Body>, bool), SendError> {
+        let (give, mut given) = oneshot::channel();
+        lock(&self.waiting).push_back(give);
+        let connecting = self.connect();
+        tokio::pin!(connecting);
+        loop {
+            tokio::select! {
+                biased;
+                Ok(mut tx) = &mut given => {
+                    if tx.ready().await.is_ok() {
+                        return Ok((tx, true));
+                    }
+                    // Closed meanwhile: wait on for the connection being opened.
+                    let (give, again) = oneshot::channel();
+                    lock(&self.waiting).push_back(give);
+                    given = again;
+                }
+                opened = &mut connecting => {
+                    return opened.map(|tx| (tx, false)).map_err(SendError::Connect);
+                }
+            }
+        }
+    }
+
     async fn connect(&self) -> Result<SendRequest<Body>, BoxError> {
         let mut connector = self.connector.clone();
         std::future::poll_fn(|cx| connector.poll_ready(cx))
@@ -150,9 +181,20 @@ where
 }
 
 impl<C> Pool<C> {
-    fn give_back(&self, tx: SendRequest<Body>) {
+    fn give_back(&self, mut tx: SendRequest<Body>) {
         if tx.is_closed() {
             return;
+        }
+        // A request waiting for a connection takes it at once.
+        loop {
+            let Some(waiter) = lock(&self.waiting).pop_front() else {
+                break;
+            };
+            match waiter.send(tx) {
+                Ok(()) => return,
+                // That request went on without it.
+                Err(back) => tx = back,
+            }
         }
         let now = Instant::now();
         let mut idle = lock(&self.idle[worker() % LISTS]);

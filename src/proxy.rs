@@ -840,6 +840,9 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
     header::PROXY_AUTHENTICATE,
 ];
+/// Where `Connection` and `Transfer-Encoding` are in `HOP_BY_HOP`.
+const CONNECTION_AT: usize = 0;
+const TRANSFER_ENCODING_AT: usize = 4;
 
 /// Whether `TE` accepts trailers.
 fn te_has_trailers(h: &HeaderMap) -> bool {
@@ -864,25 +867,46 @@ fn any_of(h: &HeaderMap, names: &[HeaderName]) -> bool {
 }
 
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
-    // `Connection` names the others that go: without it, only the fixed list.
-    if !any_of(h, &HOP_BY_HOP) {
+    // One pass over the names: which of the list are there (most messages have
+    // none, or only `Connection`), and nothing is removed that is not.
+    let mut present = 0u8;
+    for k in h.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|n| n == k) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
         return;
     }
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a message with
     // both must lose its Content-Length before it is passed on (hyper has decoded
     // the chunks; left alone, the length would cut the body short).
-    if h.contains_key(header::TRANSFER_ENCODING) {
+    if present & (1 << TRANSFER_ENCODING_AT) != 0 {
         h.remove(header::CONTENT_LENGTH);
     }
-    let named: Vec<HeaderName> = h
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for n in named.iter().chain(HOP_BY_HOP.iter()) {
+    // The fields `Connection` names, those of them the message has.
+    let named: Vec<HeaderName> = if present & (1 << CONNECTION_AT) != 0 {
+        let tokens: Vec<&str> = h
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .collect();
+        h.keys()
+            .filter(|k| tokens.iter().any(|t| t.eq_ignore_ascii_case(k.as_str())))
+            .cloned()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for n in &named {
         h.remove(n);
+    }
+    for (i, n) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            h.remove(n);
+        }
     }
 }
 
@@ -935,6 +959,8 @@ mod tests {
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_go() {
+        assert_eq!(HOP_BY_HOP[CONNECTION_AT], header::CONNECTION);
+        assert_eq!(HOP_BY_HOP[TRANSFER_ENCODING_AT], header::TRANSFER_ENCODING);
         let mut h = HeaderMap::new();
         h.insert(header::CONNECTION, "keep-alive, X-Secret".parse().unwrap());
         h.insert("keep-alive", "timeout=5".parse().unwrap());

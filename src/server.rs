@@ -373,8 +373,9 @@ impl Running {
 ///
 /// A request head (HTTP/1.1: request line and header fields; HTTP/2: the decoded
 /// header list) larger than `max_head` is answered 431: HTTP/1.1 then closes the
-/// connection, HTTP/2 resets the stream. HTTP/1.1 heads have at most
-/// `MAX_HEADERS` fields (431 beyond).
+/// connection, HTTP/2 resets the stream. HTTP/1.1 heads have at most 100 fields
+/// (431 beyond): hyper's default, which is Envoy's. (Setting the same number
+/// explicitly would make hyper initialise a 100-entry array on every request.)
 fn http_builder(header_timeout: Duration, max_head: usize) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -383,8 +384,7 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> auto::Builder<Toki
         .header_read_timeout(header_timeout)
         // hyper answers 431 once this much of a head is buffered and it is not
         // complete; bodies are read through the same buffer, in pieces.
-        .max_buf_size(max_head)
-        .max_headers(MAX_HEADERS);
+        .max_buf_size(max_head);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -393,9 +393,6 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> auto::Builder<Toki
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
     builder
 }
-
-/// Header fields an HTTP/1.1 request may have (Envoy's default).
-const MAX_HEADERS: usize = 100;
 
 /// Whether a peer is exempt from the per-IP connection cap.
 type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
