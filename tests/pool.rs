@@ -1,0 +1,112 @@
+//! The upstream connection pool: a kept-alive connection is used again for the next
+//! request, one the upstream closed while it sat idle is not (the request goes on a
+//! new one and succeeds), and one whose response body was not read to its end is
+//! never given back.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use tokio::io::AsyncWriteExt;
+
+/// A raw HTTP/1.1 upstream that counts the connections it accepts. Each answer is
+/// `200` with a body of `body_len` bytes, keep-alive; with `close_after`, it closes
+/// the connection that long after each answer (an upstream's keep-alive timeout),
+/// without saying so in the answer.
+async fn counting_upstream(
+    body_len: usize,
+    close_after: Option<Duration>,
+) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let closed = Arc::new(AtomicUsize::new(0));
+    let (count, closes) = (accepted.clone(), closed.clone());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            let closes = closes.clone();
+            tokio::spawn(async move {
+                while read_head(&mut s).await.is_some() {
+                    let mut answer =
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n").into_bytes();
+                    answer.extend(std::iter::repeat_n(b'x', body_len));
+                    if s.write_all(&answer).await.is_err() {
+                        return;
+                    }
+                    if let Some(after) = close_after {
+                        tokio::time::sleep(after).await;
+                        drop(s);
+                        closes.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted, closed)
+}
+
+fn config(up: SocketAddr) -> String {
+    format!(
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"]}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    )
+}
+
+#[tokio::test]
+async fn sequential_requests_share_one_kept_connection() {
+    let (up, accepted, _) = counting_upstream(5, None).await;
+    let gw = start_gateway(&config(up)).await;
+    let client = http1();
+    for _ in 0..5 {
+        let r = client.get(&url(gw.addr, "/"), &[]).await;
+        assert_eq!((r.status, r.text()), (200, "xxxxx"));
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_connection_the_upstream_closed_while_idle_is_not_used_again() {
+    let (up, accepted, closed) = counting_upstream(2, Some(Duration::from_millis(20))).await;
+    let gw = start_gateway(&config(up)).await;
+    let client = http1();
+    for n in 1..=4 {
+        let r = client.get(&url(gw.addr, "/"), &[]).await;
+        assert_eq!((r.status, r.text()), (200, "xx"));
+        // The upstream closes the connection while it is idle in the pool.
+        let gone = eventually(Duration::from_secs(2), || async {
+            closed.load(Ordering::SeqCst) == n
+        })
+        .await;
+        assert!(gone.is_some(), "the upstream closed connection {n}");
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn a_response_the_client_left_half_read_does_not_give_its_connection_back() {
+    // Large enough not to fit in the socket buffers at once.
+    let (up, accepted, _) = counting_upstream(8 << 20, None).await;
+    let gw = start_gateway(&config(up)).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut s).await.expect("a response head");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head:?}");
+    drop(s);
+    // The next request gets a whole answer on a connection of its own.
+    let client = http1();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let _ = tx.send(client.get(&url(gw.addr, "/"), &[]).await);
+        drop(gw);
+    });
+    let r = bounded("the second request", rx).await.expect("an answer");
+    assert_eq!((r.status, r.text().len()), (200, 8 << 20));
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
