@@ -40,6 +40,9 @@ const MIN_SHARD: usize = 64;
 /// Entries a shard holds at most: an index slot keeps an entry number in 24 bits (more
 /// shards are made for a larger `max_keys`).
 const MAX_SHARD: usize = (1 << 24) - 1;
+/// Shards at most, however large `max_keys` is: with them the store holds up to 2^36
+/// entries, 4 TiB of them, more than any `max_keys` a machine can hold.
+const MAX_SHARDS: usize = 4096;
 /// Least recently used entries of each route looked at for expired state before live
 /// state is evicted.
 const EXPIRED_SCAN: usize = 8;
@@ -180,13 +183,13 @@ impl MemoryStore {
         let max_keys = max_keys.max(1);
         let n = (max_keys / MIN_SHARD)
             .clamp(1, SHARDS)
-            .max(max_keys.div_ceil(MAX_SHARD));
-        // Capacities add up to exactly max_keys.
+            .max(max_keys.div_ceil(MAX_SHARD))
+            .min(MAX_SHARDS);
+        // Capacities add up to exactly max_keys (up to MAX_SHARDS * MAX_SHARD).
         let shards = (0..n)
             .map(|i| {
-                Mutex::new(Shard::new(
-                    (max_keys / n + usize::from(i < max_keys % n)).max(1),
-                ))
+                let cap = max_keys / n + usize::from(i < max_keys % n);
+                Mutex::new(Shard::new(cap.clamp(1, MAX_SHARD)))
             })
             .collect();
         MemoryStore {
@@ -1138,6 +1141,15 @@ mod tests {
             assert_eq!(total, max_keys.max(1), "{max_keys}");
             assert!(store.shards.len() <= SHARDS);
         }
+        // Beyond what 32 shards can number: more shards, as many entries.
+        let (_, big) = store(64 * MAX_SHARD + 1);
+        assert_eq!(big.shards.len(), 65);
+        let total: usize = big.shards.iter().map(|s| lock(s).cap).sum();
+        assert_eq!(total, 64 * MAX_SHARD + 1);
+        // An absurd max_keys makes a bounded number of shards.
+        let (_, absurd) = store(usize::MAX);
+        assert_eq!(absurd.shards.len(), MAX_SHARDS);
+        assert!(absurd.shards.iter().all(|s| lock(s).cap == MAX_SHARD));
     }
 
     #[test]
