@@ -1,7 +1,8 @@
 //! The embedded store: limiter state in process, bounded and swept. One entry per
 //! (route, client key) holds the states of that route's limits; entries live in
-//! sharded maps, one LRU list per route within each shard, so the number of keys is
-//! bounded, and a request's whole check-then-charge runs under one lock.
+//! sharded tables, with one least-recently-used list per route within each shard, so
+//! the number of keys is bounded, and a request's whole check-then-charge runs under
+//! one lock.
 //!
 //! A full shard makes room for a new entry by evicting, in this order: state that can
 //! no longer matter (expired: back to full capacity), found among the least recently
@@ -10,16 +11,25 @@
 //! keys on one route evicts that route's own state, never another route's: no one can
 //! buy a fresh budget on `/login` with keys sent to `/api`. Evictions of live state
 //! are counted (`sluice_store_evictions_total{route}`) and logged.
+//!
+//! Memory per entry is what bounds the store, so an entry is small and flat (64
+//! bytes): the (route, client key) pair is not kept, only a keyed 128-bit hash of it
+//! (two pairs share an entry with probability about n²/2^129 for n keys); the route's
+//! list links are 32-bit entry numbers; and the state of a route's single limit is
+//! kept inline, three words plus the number of its limit's definition in a per-shard
+//! table (which holds the id, and for token_bucket and gcra the rate and burst the
+//! state was written under). Anything else (several limits, sliding_log, the old
+//! state of a limit a reload changed) is kept aside as a list of full states. Entries
+//! are stored densely in fixed chunks and found through an open-addressing index of
+//! 32-bit slots; a removed entry's place is taken by the last one.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, Hash as _, Hasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use lru::LruCache;
-
 use super::algo::{judge, EMPTY};
-use super::{Checked, Clock, Permit, Plan, State, Verdict};
+use super::{Algorithm, Checked, Clock, LimitDef, Permit, Plan, State, Verdict};
 use crate::metrics::EvictionCounters;
 
 /// Shards of the key space; fewer when `max_keys` is smaller.
@@ -27,15 +37,44 @@ const SHARDS: usize = 32;
 /// Entries a shard holds at least (when `max_keys` allows): routes share a shard, so
 /// it must be large enough for each route's share to mean something.
 const MIN_SHARD: usize = 64;
+/// Entries a shard holds at most: an index slot keeps an entry number in 24 bits (more
+/// shards are made for a larger `max_keys`).
+const MAX_SHARD: usize = (1 << 24) - 1;
+/// Shards at most, however large `max_keys` is: with them the store holds up to 2^36
+/// entries, 4 TiB of them, more than any `max_keys` a machine can hold.
+const MAX_SHARDS: usize = 4096;
 /// Least recently used entries of each route looked at for expired state before live
 /// state is evicted.
 const EXPIRED_SCAN: usize = 8;
 /// Evictions of live state are logged at most this often.
 const WARN_EVERY_US: u64 = 10_000_000;
+/// Entries per chunk of a shard's entry table: memory is taken a chunk at a time
+/// (64 KiB) and entries never move between allocations.
+const CHUNK: usize = 1024;
+/// Smallest index (slots).
+const MIN_INDEX: usize = 16;
+/// The end of a route's list.
+const NIL: u32 = u32::MAX;
+/// An index slot holding no entry. (No entry has number 2^24 - 1: see `MAX_SHARD`.)
+const FREE: u32 = u32::MAX;
+/// The entry-number bits of an index slot; the 8 bits above are a tag from the hash,
+/// so most probes of a full index never read an entry.
+const NUMBER: u32 = (1 << 24) - 1;
+/// `Entry::def` of an entry that has no state yet (being created).
+const NO_STATE: u32 = u32::MAX;
+/// `Entry::def` of an entry whose states are kept aside, in `Shard::spilled[w[0]]`.
+const SPILLED: u32 = u32::MAX - 1;
+/// The definitions table of a shard is compacted by a sweep when it holds more than
+/// this many and at least half of them are no longer used.
+const DEFS_COMPACT: usize = 64;
+
+/// A keyed 128-bit hash of (route, client key): the entry's identity.
+type Hash = [u64; 2];
 
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
-    /// Picks the shard; random per process so no one can aim keys at one shard.
+    /// Hashes (route, key); random per process so no one can aim keys at one shard or
+    /// one index slot, nor make two pairs collide.
     hasher: RandomState,
     clock: Arc<dyn Clock>,
     max_keys: usize,
@@ -70,11 +109,42 @@ pub struct Slots {
     taken: Vec<(u64, u64)>,
 }
 
-/// One shard: the entries of each namespace (route), in least recently used order.
+/// One shard: its entries, their index, and each route's list of them in least
+/// recently used order.
 struct Shard {
-    routes: HashMap<Box<str>, LruCache<Box<str>, Entry>>,
+    /// Open addressing with linear probing, a power of two long, at most 3/4 full:
+    /// per slot an entry number and 8 bits of its hash (`NUMBER`), or `FREE`.
+    index: Box<[u32]>,
+    /// The entries, numbered 0..len, `CHUNK` to a chunk; at most one chunk past them
+    /// is kept, empty, so a full shard evicting and inserting allocates nothing.
+    chunks: Vec<Vec<Entry>>,
     len: usize,
     cap: usize,
+    /// By namespace number (`Entry::ns`). A namespace is kept once seen.
+    routes: Vec<RouteList>,
+    route_numbers: HashMap<Arc<str>, u32>,
+    /// The limits whose state an entry holds inline (`Entry::def`).
+    defs: Vec<Def>,
+    def_numbers: HashMap<u64, u32>,
+    /// The states of entries with `def == SPILLED`; free places listed in `unspilled`.
+    spilled: Vec<Vec<Slot>>,
+    unspilled: Vec<u32>,
+}
+
+/// A namespace's entries, most recently used first.
+struct RouteList {
+    name: Arc<str>,
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+/// A limit definition as an entry's inline state refers to it: by `LimitDef::version`,
+/// so the algorithm holds the parameters the state was written under.
+struct Def {
+    id: u64,
+    version: u64,
+    algorithm: Algorithm,
 }
 
 /// The state of one limit for one key, with the time it stops mattering.
@@ -84,12 +154,26 @@ struct Slot {
     expires_at_us: u64,
 }
 
-/// The states of one (route, client key), by `LimitDef::id`.
+/// One (route, client key).
 struct Entry {
-    slots: Vec<Slot>,
-    /// Max of the slots' expiry: from then on the entry is as good as absent.
+    hash: Hash,
+    /// Neighbours in the route's list (`NIL` at the ends).
+    prev: u32,
+    next: u32,
+    /// The namespace (route), a number of the shard's `routes`.
+    ns: u32,
+    /// The limit whose state `w` holds, a number of the shard's `defs`; or `SPILLED`,
+    /// or `NO_STATE`.
+    def: u32,
+    /// Max of the states' expiry: from then on the entry is as good as absent.
     expires_at_us: u64,
+    /// The inline state (see `encode`), or with `SPILLED` the place of the states.
+    w: [u64; 3],
 }
+
+/// What a tracked key costs, besides its index slot: checked here so a change to the
+/// layout is a decision, not an accident.
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
 
 // === impl MemoryStore ===
 
@@ -97,15 +181,15 @@ impl MemoryStore {
     /// A store holding at most `max_keys` (route, client key) entries.
     pub fn new(max_keys: usize, clock: Arc<dyn Clock>) -> MemoryStore {
         let max_keys = max_keys.max(1);
-        let n = (max_keys / MIN_SHARD).clamp(1, SHARDS);
-        // Capacities add up to exactly max_keys.
+        let n = (max_keys / MIN_SHARD)
+            .clamp(1, SHARDS)
+            .max(max_keys.div_ceil(MAX_SHARD))
+            .min(MAX_SHARDS);
+        // Capacities add up to exactly max_keys (up to MAX_SHARDS * MAX_SHARD).
         let shards = (0..n)
             .map(|i| {
-                Mutex::new(Shard {
-                    routes: HashMap::new(),
-                    len: 0,
-                    cap: (max_keys / n + usize::from(i < max_keys % n)).max(1),
-                })
+                let cap = max_keys / n + usize::from(i < max_keys % n);
+                Mutex::new(Shard::new(cap.clamp(1, MAX_SHARD)))
             })
             .collect();
         MemoryStore {
@@ -140,9 +224,9 @@ impl MemoryStore {
     /// under the same locks as the other limits: a request refused by another limit
     /// takes no slot, and one refused for want of a slot is charged nothing.
     pub fn acquire(&self, route: &str, key: &str, plan: &Plan) -> Checked {
-        let probe = (route, key);
-        let shard = self.shard_index(&probe);
-        let mut cache = self.shard(&probe);
+        let hash = self.hash(route, key);
+        let shard = self.shard_index(&hash);
+        let mut entries = lock(&self.shards[shard]);
         // Read under the lock so commits to one entry happen in clock order.
         let now = self.clock.now_us();
         let mut in_flight = plan
@@ -165,31 +249,20 @@ impl MemoryStore {
                     .collect()
             }
         };
-        let verdict = if let Some(entry) = cache.get_mut(route, key) {
-            let verdict = judge(plan, now, |i| {
-                if plan.limits[i].algorithm.is_concurrency() {
-                    &held[i]
-                } else {
-                    entry.state(plan.limits[i].id)
-                }
-            });
-            if verdict.allowed {
-                entry.charge(plan, now);
-            }
-            drop(cache);
+        let verdict = if let Some(i) = entries.find(&hash) {
+            entries.touch(i);
+            let verdict = entries.decide(i, plan, now, &held);
+            drop(entries);
             verdict
         } else {
             let verdict = judge(plan, now, |i| held.get(i).unwrap_or(&EMPTY));
             // Requests in flight are counted beside the entries: a plan of
             // concurrency limits alone keeps no entry.
             if verdict.allowed && plan.limits.iter().any(|l| !l.algorithm.is_concurrency()) {
-                let mut entry = Entry {
-                    slots: Vec::with_capacity(plan.limits.len()),
-                    expires_at_us: 0,
-                };
-                entry.charge(plan, now);
-                let evicted = cache.insert(route, key, entry, now);
-                drop(cache);
+                let ns = entries.route_number(route);
+                let (i, evicted) = entries.insert(hash, ns, now);
+                entries.charge(i, plan, now);
+                drop(entries);
                 if let Some(ns) = evicted {
                     self.evicted_live(&ns, now);
                 }
@@ -229,15 +302,26 @@ impl MemoryStore {
 
     /// Requests in flight of `key` on `route` under the concurrency limit `id`.
     pub fn in_flight(&self, route: &str, key: &str, id: u64) -> u64 {
-        let map = lock(&self.in_flight.shards[self.shard_index(&(route, key))]);
+        let hash = self.hash(route, key);
+        let map = lock(&self.in_flight.shards[self.shard_index(&hash)]);
         map.get(route)
             .and_then(|keys| keys.get(key))
             .and_then(|c| c.iter().find(|(i, _)| *i == id))
             .map_or(0, |c| c.1)
     }
 
-    fn shard_index(&self, probe: &(&str, &str)) -> usize {
-        (self.hasher.hash_one(probe) % self.shards.len() as u64) as usize
+    /// The pair as a pair (not a concatenation), through one keyed SipHash pass: the
+    /// first word is its hash, the second the hash of it followed by one more byte.
+    fn hash(&self, route: &str, key: &str) -> Hash {
+        let mut h = self.hasher.build_hasher();
+        (route, key).hash(&mut h);
+        let first = h.finish();
+        h.write_u8(0xa5);
+        [first, h.finish()]
+    }
+
+    fn shard_index(&self, hash: &Hash) -> usize {
+        (hash[0] % self.shards.len() as u64) as usize
     }
 
     /// Number of (route, client key) entries held.
@@ -255,27 +339,11 @@ impl MemoryStore {
         // Read once before locking: entries only ever expire later, so whatever has
         // expired by this time has also expired by the time its shard is scanned.
         let now = self.clock.now_us();
-        self.shards
-            .iter()
-            .map(|s| {
-                let mut shard = lock(s);
-                let before = shard.len;
-                for lru in shard.routes.values_mut() {
-                    lru.retain(|_, entry| entry.expires_at_us > now);
-                }
-                shard.routes.retain(|_, lru| !lru.is_empty());
-                shard.len = shard.routes.values().map(LruCache::len).sum();
-                before - shard.len
-            })
-            .sum()
+        self.shards.iter().map(|s| lock(s).sweep(now)).sum()
     }
 
     pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.clock
-    }
-
-    fn shard(&self, probe: &(&str, &str)) -> MutexGuard<'_, Shard> {
-        lock(&self.shards[self.shard_index(probe)])
     }
 
     /// Counts a live entry of `ns` evicted, and says so in the log now and then (with
@@ -334,112 +402,639 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Where a probe for `hash` starts in an index of `mask + 1` slots.
+fn home(hash: &Hash, mask: usize) -> usize {
+    hash[1] as usize & mask
+}
+
+/// The 8 bits of `hash` an index slot keeps above the entry number (bits the home
+/// position never uses).
+fn tag(hash: &Hash) -> u32 {
+    ((hash[1] >> 32) as u32) & !NUMBER
+}
+
+/// Index slots for `n` entries: at most 3/4 full, a power of two.
+fn index_size(n: usize) -> usize {
+    (n * 4 / 3 + 1).next_power_of_two().max(MIN_INDEX)
+}
+
+/// The inline form of `state` for a definition of `algorithm`: None for what is kept
+/// only in full (sliding_log's log, no state, a state of other parameters).
+fn encode(algorithm: &Algorithm, state: &State) -> Option<[u64; 3]> {
+    match (*algorithm, state) {
+        (Algorithm::FixedWindow { .. }, &State::Window { idx, count }) => Some([idx, count, 0]),
+        (Algorithm::SlidingWindow { .. }, &State::Sliding { idx, prev, curr }) => {
+            Some([idx, prev, curr])
+        }
+        (
+            Algorithm::TokenBucket { rate, burst },
+            &State::Bucket {
+                tokens,
+                ts,
+                rate: r,
+                burst: b,
+            },
+        ) if (r, b) == (rate, burst) => Some([tokens as u64, ts, 0]),
+        (
+            Algorithm::Gcra { rate, burst },
+            &State::Gcra {
+                tat,
+                ts,
+                rate: r,
+                burst: b,
+            },
+        ) if (r, b) == (rate, burst) => Some([tat, ts, 0]),
+        _ => None,
+    }
+}
+
+/// The state `encode` made `w` from.
+fn decode(algorithm: &Algorithm, w: &[u64; 3]) -> State {
+    match *algorithm {
+        Algorithm::FixedWindow { .. } => State::Window {
+            idx: w[0],
+            count: w[1],
+        },
+        Algorithm::SlidingWindow { .. } => State::Sliding {
+            idx: w[0],
+            prev: w[1],
+            curr: w[2],
+        },
+        Algorithm::TokenBucket { rate, burst } => State::Bucket {
+            tokens: w[0] as i64,
+            ts: w[1],
+            rate,
+            burst,
+        },
+        Algorithm::Gcra { rate, burst } => State::Gcra {
+            tat: w[0],
+            ts: w[1],
+            rate,
+            burst,
+        },
+        Algorithm::SlidingLog { .. } | Algorithm::Concurrency { .. } => State::Empty,
+    }
+}
+
+/// Charges the request to every limit of `plan` (after all of them admitted); returns
+/// the max of the states' expiry.
+fn charge_slots(slots: &mut Vec<Slot>, plan: &Plan, now: u64) -> u64 {
+    let max_delay_us = plan.max_delay_us();
+    // Requests in flight are counted beside the entry (`InFlight`), not in it.
+    for limit in plan.limits.iter().filter(|l| !l.algorithm.is_concurrency()) {
+        let i = match slots.iter().position(|s| s.id == limit.id) {
+            Some(i) => i,
+            None => {
+                slots.push(Slot {
+                    id: limit.id,
+                    state: State::Empty,
+                    expires_at_us: 0,
+                });
+                slots.len() - 1
+            }
+        };
+        let slot = &mut slots[i];
+        limit
+            .algorithm
+            .charge(&mut slot.state, now, limit.cost, max_delay_us);
+        slot.expires_at_us = limit.algorithm.expires_at_us(&slot.state);
+    }
+    // States of limits a reload removed, or gave another algorithm or window (a new
+    // id), are not read now; drop them once they have expired.
+    if slots.len() > plan.limits.len() {
+        slots.retain(|s| s.expires_at_us > now || plan.limits.iter().any(|l| l.id == s.id));
+    }
+    slots.iter().map(|s| s.expires_at_us).max().unwrap_or(0)
+}
+
 // === impl Shard ===
 
 impl Shard {
-    /// The entry of (`route`, `key`), now the most recently used of its route.
-    fn get_mut(&mut self, route: &str, key: &str) -> Option<&mut Entry> {
-        self.routes.get_mut(route)?.get_mut(key)
+    fn new(cap: usize) -> Shard {
+        Shard {
+            index: vec![FREE; MIN_INDEX].into_boxed_slice(),
+            chunks: Vec::new(),
+            len: 0,
+            cap,
+            routes: Vec::new(),
+            route_numbers: HashMap::new(),
+            defs: Vec::new(),
+            def_numbers: HashMap::new(),
+            spilled: Vec::new(),
+            unspilled: Vec::new(),
+        }
     }
 
-    /// Adds a new entry, making room first when the shard is full. Returns the
-    /// namespace of the live entry evicted for it, if one was.
-    fn insert(&mut self, route: &str, key: &str, entry: Entry, now: u64) -> Option<Box<str>> {
+    fn entry(&self, i: u32) -> &Entry {
+        let i = i as usize;
+        &self.chunks[i / CHUNK][i % CHUNK]
+    }
+
+    fn entry_mut(&mut self, i: u32) -> &mut Entry {
+        let i = i as usize;
+        &mut self.chunks[i / CHUNK][i % CHUNK]
+    }
+
+    /// The number of the entry with `hash`, if there is one.
+    fn find(&self, hash: &Hash) -> Option<u32> {
+        let mask = self.index.len() - 1;
+        let tag = tag(hash);
+        let mut pos = home(hash, mask);
+        // The index is never full: every probe ends at a free slot.
+        loop {
+            let slot = self.index[pos];
+            if slot == FREE {
+                return None;
+            }
+            if slot & !NUMBER == tag && self.entry(slot & NUMBER).hash == *hash {
+                return Some(slot & NUMBER);
+            }
+            pos = (pos + 1) & mask;
+        }
+    }
+
+    /// The index position of entry `i`, whose hash is `hash`.
+    fn position(&self, hash: &Hash, i: u32) -> usize {
+        let mask = self.index.len() - 1;
+        let mut pos = home(hash, mask);
+        while self.index[pos] & NUMBER != i {
+            debug_assert_ne!(self.index[pos], FREE, "entry {i} is not indexed");
+            pos = (pos + 1) & mask;
+        }
+        pos
+    }
+
+    /// Indexes entry `i`.
+    fn place(&mut self, hash: &Hash, i: u32) {
+        let mask = self.index.len() - 1;
+        let mut pos = home(hash, mask);
+        while self.index[pos] != FREE {
+            pos = (pos + 1) & mask;
+        }
+        self.index[pos] = tag(hash) | i;
+    }
+
+    /// Frees index position `hole`, moving later slots of its probe run back where
+    /// their probe passes it, so that every entry stays reachable (no tombstones).
+    fn vacate(&mut self, mut hole: usize) {
+        let mask = self.index.len() - 1;
+        let mut pos = hole;
+        loop {
+            pos = (pos + 1) & mask;
+            let slot = self.index[pos];
+            if slot == FREE {
+                break;
+            }
+            // The hole is on the slot's probe (from its home to `pos`) iff it is at
+            // least as far back from `pos` as the home is.
+            let home = home(&self.entry(slot & NUMBER).hash, mask);
+            if pos.wrapping_sub(home) & mask >= pos.wrapping_sub(hole) & mask {
+                self.index[hole] = slot;
+                hole = pos;
+            }
+        }
+        self.index[hole] = FREE;
+    }
+
+    /// Builds the index anew with `size` slots.
+    fn reindex(&mut self, size: usize) {
+        self.index = vec![FREE; size].into_boxed_slice();
+        for i in 0..self.len as u32 {
+            let hash = self.entry(i).hash;
+            self.place(&hash, i);
+        }
+    }
+
+    /// The number of namespace `route`, given one when first seen.
+    fn route_number(&mut self, route: &str) -> u32 {
+        if let Some(&n) = self.route_numbers.get(route) {
+            return n;
+        }
+        let name: Arc<str> = route.into();
+        let n = self.routes.len() as u32;
+        self.routes.push(RouteList {
+            name: name.clone(),
+            head: NIL,
+            tail: NIL,
+            len: 0,
+        });
+        self.route_numbers.insert(name, n);
+        n
+    }
+
+    /// Makes entry `i` (unlinked) the most recently used of its route.
+    fn push_front(&mut self, i: u32) {
+        let ns = self.entry(i).ns as usize;
+        let head = self.routes[ns].head;
+        let e = self.entry_mut(i);
+        e.prev = NIL;
+        e.next = head;
+        if head == NIL {
+            self.routes[ns].tail = i;
+        } else {
+            self.entry_mut(head).prev = i;
+        }
+        self.routes[ns].head = i;
+    }
+
+    /// Takes entry `i` out of its route's list.
+    fn unlink(&mut self, i: u32) {
+        let e = self.entry(i);
+        let (prev, next, ns) = (e.prev, e.next, e.ns as usize);
+        if prev == NIL {
+            self.routes[ns].head = next;
+        } else {
+            self.entry_mut(prev).next = next;
+        }
+        if next == NIL {
+            self.routes[ns].tail = prev;
+        } else {
+            self.entry_mut(next).prev = prev;
+        }
+    }
+
+    /// Makes entry `i` the most recently used of its route.
+    fn touch(&mut self, i: u32) {
+        if self.routes[self.entry(i).ns as usize].head != i {
+            self.unlink(i);
+            self.push_front(i);
+        }
+    }
+
+    /// Adds an entry without state for `hash` in namespace `ns`, making room first
+    /// when the shard is full. Returns its number, and the namespace of the live entry
+    /// evicted for it, if one was.
+    fn insert(&mut self, hash: Hash, ns: u32, now: u64) -> (u32, Option<Arc<str>>) {
         let mut evicted = None;
         if self.len >= self.cap && self.evict_expired(now) == 0 {
-            evicted = self.evict_live(route, now);
+            evicted = self.evict_live(ns, now);
         }
-        self.routes
-            .entry(route.into())
-            .or_insert_with(LruCache::unbounded)
-            .put(key.into(), entry);
+        if (self.len + 1) * 4 > self.index.len() * 3 {
+            self.reindex(self.index.len() * 2);
+        }
+        let i = self.len as u32;
+        let chunk = self.len / CHUNK;
+        if chunk == self.chunks.len() {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        self.chunks[chunk].push(Entry {
+            hash,
+            prev: NIL,
+            next: NIL,
+            ns,
+            def: NO_STATE,
+            expires_at_us: 0,
+            w: [0; 3],
+        });
         self.len += 1;
-        evicted
+        self.place(&hash, i);
+        self.push_front(i);
+        self.routes[ns as usize].len += 1;
+        (i, evicted)
+    }
+
+    /// Removes entry `i`; the last entry takes its number.
+    fn remove(&mut self, i: u32) {
+        self.unlink(i);
+        let e = self.entry(i);
+        let (hash, ns, def, place) = (e.hash, e.ns as usize, e.def, e.w[0]);
+        self.routes[ns].len -= 1;
+        let pos = self.position(&hash, i);
+        self.vacate(pos);
+        if def == SPILLED {
+            self.unspill(place);
+        }
+        let last = (self.len - 1) as u32;
+        let moved = self.chunks[last as usize / CHUNK]
+            .pop()
+            .expect("the last entry is in the last chunk");
+        self.len -= 1;
+        // At most one empty chunk is kept past the entries.
+        self.chunks.truncate(self.len.div_ceil(CHUNK) + 1);
+        if i == last {
+            return;
+        }
+        let ns = moved.ns as usize;
+        if moved.prev == NIL {
+            self.routes[ns].head = i;
+        } else {
+            self.entry_mut(moved.prev).next = i;
+        }
+        if moved.next == NIL {
+            self.routes[ns].tail = i;
+        } else {
+            self.entry_mut(moved.next).prev = i;
+        }
+        let pos = self.position(&moved.hash, last);
+        self.index[pos] = tag(&moved.hash) | i;
+        *self.entry_mut(i) = moved;
     }
 
     /// Removes the expired entries among the `EXPIRED_SCAN` least recently used of
     /// every route; returns how many.
     fn evict_expired(&mut self, now: u64) -> usize {
         let mut removed = 0;
-        for lru in self.routes.values_mut() {
-            let expired: Vec<Box<str>> = lru
-                .iter()
-                .rev()
-                .take(EXPIRED_SCAN)
-                .filter(|(_, e)| e.expires_at_us <= now)
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in &expired {
-                lru.pop(k);
+        for ns in 0..self.routes.len() {
+            let mut expired = [[0; 2]; EXPIRED_SCAN];
+            let mut n = 0;
+            let mut i = self.routes[ns].tail;
+            for _ in 0..EXPIRED_SCAN {
+                if i == NIL {
+                    break;
+                }
+                let e = self.entry(i);
+                if e.expires_at_us <= now {
+                    expired[n] = e.hash;
+                    n += 1;
+                }
+                i = e.prev;
             }
-            removed += expired.len();
+            // By hash: a removal renumbers the last entry.
+            for hash in &expired[..n] {
+                if let Some(i) = self.find(hash) {
+                    self.remove(i);
+                }
+            }
+            removed += n;
         }
-        self.routes.retain(|_, lru| !lru.is_empty());
-        self.len -= removed;
         removed
     }
 
     /// Evicts the least recently used entry of the route with the most entries here
     /// (`inserting` on a tie); returns its namespace if the entry was live.
-    fn evict_live(&mut self, inserting: &str, now: u64) -> Option<Box<str>> {
-        let (ns, lru) = self
+    fn evict_live(&mut self, inserting: u32, now: u64) -> Option<Arc<str>> {
+        let (_, route) = self
             .routes
-            .iter_mut()
-            .max_by_key(|(ns, lru)| (lru.len(), &***ns == inserting))?;
-        let (_, entry) = lru.pop_lru()?;
-        let ns = ns.clone();
-        if lru.is_empty() {
-            self.routes.remove(&ns);
-        }
-        self.len -= 1;
-        (entry.expires_at_us > now).then_some(ns)
-    }
-}
-
-// === impl Entry ===
-
-impl Entry {
-    fn state(&self, id: u64) -> &State {
-        self.slots
             .iter()
-            .find(|s| s.id == id)
-            .map_or(&EMPTY, |s| &s.state)
+            .enumerate()
+            .max_by_key(|(ns, r)| (r.len, *ns == inserting as usize))?;
+        let i = route.tail;
+        if i == NIL {
+            return None;
+        }
+        let evicted = (self.entry(i).expires_at_us > now).then(|| route.name.clone());
+        self.remove(i);
+        evicted
+    }
+
+    /// Removes every entry expired at `now`, then gives back what the index and the
+    /// definitions no longer need; returns how many entries were removed.
+    fn sweep(&mut self, now: u64) -> usize {
+        let before = self.len;
+        let mut i = 0;
+        while (i as usize) < self.len {
+            if self.entry(i).expires_at_us <= now {
+                // The last entry is now number i: look at it next.
+                self.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        let size = index_size(self.len);
+        if size * 4 <= self.index.len() {
+            self.reindex(size);
+        }
+        self.compact_defs();
+        before - self.len
+    }
+
+    /// Drops the definitions no entry uses any more, once they are many (a long run of
+    /// reloads that changed limits), renumbering the rest.
+    fn compact_defs(&mut self) {
+        if self.defs.len() <= DEFS_COMPACT {
+            return;
+        }
+        let mut used = vec![false; self.defs.len()];
+        for i in 0..self.len as u32 {
+            if let Some(u) = used.get_mut(self.entry(i).def as usize) {
+                *u = true;
+            }
+        }
+        if used.iter().filter(|u| **u).count() * 2 > used.len() {
+            return;
+        }
+        let mut kept = 0;
+        let renumber: Vec<u32> = used
+            .iter()
+            .map(|&u| {
+                kept += u32::from(u);
+                if u {
+                    kept - 1
+                } else {
+                    NO_STATE
+                }
+            })
+            .collect();
+        for i in 0..self.len as u32 {
+            let e = self.entry_mut(i);
+            if let Some(&n) = renumber.get(e.def as usize) {
+                e.def = n;
+            }
+        }
+        let mut n = 0;
+        self.defs.retain(|_| {
+            n += 1;
+            used[n - 1]
+        });
+        self.def_numbers = self
+            .defs
+            .iter()
+            .enumerate()
+            .map(|(n, def)| (def.version, n as u32))
+            .collect();
+    }
+
+    /// The number of `limit`'s definition (made when first seen); `hint`, the
+    /// entry's current one, is tried first.
+    fn def_number(&mut self, limit: &LimitDef, hint: u32) -> u32 {
+        if self
+            .defs
+            .get(hint as usize)
+            .is_some_and(|d| d.version == limit.version)
+        {
+            return hint;
+        }
+        if let Some(&n) = self.def_numbers.get(&limit.version) {
+            return n;
+        }
+        let n = self.defs.len() as u32;
+        self.defs.push(Def {
+            id: limit.id,
+            version: limit.version,
+            algorithm: limit.algorithm,
+        });
+        self.def_numbers.insert(limit.version, n);
+        n
+    }
+
+    /// Decides a request against entry `i`'s states and `held`, the requests in
+    /// flight by plan index; charges every limit if all admit.
+    fn decide(&mut self, i: u32, plan: &Plan, now: u64, held: &[State]) -> Verdict {
+        let e = self.entry(i);
+        let concurrency = |k: usize| plan.limits[k].algorithm.is_concurrency();
+        if e.def == SPILLED {
+            let slots = &self.spilled[e.w[0] as usize];
+            let verdict = judge(plan, now, |k| {
+                let id = plan.limits[k].id;
+                if concurrency(k) {
+                    &held[k]
+                } else {
+                    slots
+                        .iter()
+                        .find(|s| s.id == id)
+                        .map_or(&EMPTY, |s| &s.state)
+                }
+            });
+            if verdict.allowed {
+                self.charge(i, plan, now);
+            }
+            return verdict;
+        }
+        let (id, state) = match self.defs.get(e.def as usize) {
+            Some(def) => (Some(def.id), decode(&def.algorithm, &e.w)),
+            None => (None, State::Empty),
+        };
+        // One limit, the entry's: deciding is charging (a refused request changes
+        // nothing), in one evaluation.
+        if let [limit] = &plan.limits[..] {
+            if !limit.algorithm.is_concurrency() && id.is_none_or(|id| id == limit.id) {
+                let mut state = state;
+                let outcome =
+                    limit
+                        .algorithm
+                        .charge(&mut state, now, limit.cost, plan.max_delay_us());
+                if outcome.allowed {
+                    self.store_one(i, limit, state);
+                }
+                return Verdict::from_outcomes(vec![outcome]);
+            }
+        }
+        let verdict = judge(plan, now, |k| {
+            if concurrency(k) {
+                &held[k]
+            } else if id == Some(plan.limits[k].id) {
+                &state
+            } else {
+                &EMPTY
+            }
+        });
+        if verdict.allowed {
+            self.charge(i, plan, now);
+        }
+        verdict
     }
 
     /// Charges the request to every limit of `plan` (after all of them admitted).
-    fn charge(&mut self, plan: &Plan, now: u64) {
-        let max_delay_us = plan.max_delay_us();
-        // Requests in flight are counted beside the entry (`InFlight`), not in it.
-        for limit in plan.limits.iter().filter(|l| !l.algorithm.is_concurrency()) {
-            let i = match self.slots.iter().position(|s| s.id == limit.id) {
-                Some(i) => i,
-                None => {
-                    self.slots.push(Slot {
-                        id: limit.id,
-                        state: State::Empty,
-                        expires_at_us: 0,
-                    });
-                    self.slots.len() - 1
+    fn charge(&mut self, i: u32, plan: &Plan, now: u64) {
+        let mut limits = plan.limits.iter().filter(|l| !l.algorithm.is_concurrency());
+        if let (Some(limit), None) = (limits.next(), limits.next()) {
+            let e = self.entry(i);
+            let state = match e.def {
+                NO_STATE => Some(State::Empty),
+                SPILLED => None,
+                d => {
+                    let def = &self.defs[d as usize];
+                    (def.id == limit.id).then(|| decode(&def.algorithm, &e.w))
                 }
             };
-            let slot = &mut self.slots[i];
-            limit
-                .algorithm
-                .charge(&mut slot.state, now, limit.cost, max_delay_us);
-            slot.expires_at_us = limit.algorithm.expires_at_us(&slot.state);
+            if let Some(mut state) = state {
+                limit
+                    .algorithm
+                    .charge(&mut state, now, limit.cost, plan.max_delay_us());
+                self.store_one(i, limit, state);
+                return;
+            }
         }
-        // States of limits a reload removed, or gave another algorithm or window (a new
-        // id), are not read now; drop them once they have expired.
-        if self.slots.len() > plan.limits.len() {
-            self.slots
-                .retain(|s| s.expires_at_us > now || plan.limits.iter().any(|l| l.id == s.id));
+        let mut slots = self.take_slots(i);
+        let expires_at_us = charge_slots(&mut slots, plan, now);
+        if let [slot] = &slots[..] {
+            if let Some(limit) = plan.limits.iter().find(|l| l.id == slot.id) {
+                let def = self.def_number(limit, self.entry(i).def);
+                if let Some(w) = encode(&self.defs[def as usize].algorithm, &slot.state) {
+                    self.set_inline(i, def, w, expires_at_us);
+                    return;
+                }
+            }
         }
-        self.expires_at_us = self
-            .slots
-            .iter()
-            .map(|s| s.expires_at_us)
-            .max()
-            .unwrap_or(0);
+        self.set_spilled(i, slots, expires_at_us);
+    }
+
+    /// Stores `state`, just charged to `limit`, as entry `i`'s only state.
+    fn store_one(&mut self, i: u32, limit: &LimitDef, state: State) {
+        let expires_at_us = limit.algorithm.expires_at_us(&state);
+        let def = self.def_number(limit, self.entry(i).def);
+        match encode(&self.defs[def as usize].algorithm, &state) {
+            Some(w) => self.set_inline(i, def, w, expires_at_us),
+            None => {
+                let slot = Slot {
+                    id: limit.id,
+                    state,
+                    expires_at_us,
+                };
+                self.set_spilled(i, vec![slot], expires_at_us);
+            }
+        }
+    }
+
+    /// Entry `i`'s states as a list, leaving it with an empty one while they are out.
+    fn take_slots(&mut self, i: u32) -> Vec<Slot> {
+        let e = self.entry(i);
+        match e.def {
+            NO_STATE => Vec::new(),
+            SPILLED => {
+                let place = e.w[0] as usize;
+                std::mem::take(&mut self.spilled[place])
+            }
+            d => {
+                let def = &self.defs[d as usize];
+                vec![Slot {
+                    id: def.id,
+                    state: decode(&def.algorithm, &e.w),
+                    expires_at_us: e.expires_at_us,
+                }]
+            }
+        }
+    }
+
+    fn set_inline(&mut self, i: u32, def: u32, w: [u64; 3], expires_at_us: u64) {
+        let e = self.entry_mut(i);
+        let spilled = (e.def == SPILLED).then_some(e.w[0]);
+        e.def = def;
+        e.w = w;
+        e.expires_at_us = expires_at_us;
+        if let Some(place) = spilled {
+            self.unspill(place);
+        }
+    }
+
+    fn set_spilled(&mut self, i: u32, slots: Vec<Slot>, expires_at_us: u64) {
+        let e = self.entry(i);
+        let place = if e.def == SPILLED {
+            let place = e.w[0];
+            self.spilled[place as usize] = slots;
+            place
+        } else {
+            match self.unspilled.pop() {
+                Some(place) => {
+                    self.spilled[place as usize] = slots;
+                    u64::from(place)
+                }
+                None => {
+                    self.spilled.push(slots);
+                    self.spilled.len() as u64 - 1
+                }
+            }
+        };
+        let e = self.entry_mut(i);
+        e.def = SPILLED;
+        e.w = [place, 0, 0];
+        e.expires_at_us = expires_at_us;
+    }
+
+    /// Frees the place of a spilled entry's states.
+    fn unspill(&mut self, place: u64) {
+        self.spilled[place as usize] = Vec::new();
+        self.unspilled.push(place as u32);
     }
 }
 
@@ -485,14 +1080,57 @@ mod tests {
         v.outcomes.iter().map(|o| o.remaining).collect()
     }
 
+    impl Shard {
+        /// Every entry indexed once and found, in its route's list, linked both ways;
+        /// the counts add up; spilled places are each used once or free.
+        fn check_invariants(&self) {
+            assert_eq!(self.index.iter().filter(|s| **s != FREE).count(), self.len);
+            assert!(self.len * 4 <= self.index.len() * 3);
+            assert!(self.len <= self.cap);
+            assert!(self.chunks.len() <= self.len.div_ceil(CHUNK) + 1);
+            for i in 0..self.len as u32 {
+                assert_eq!(self.find(&self.entry(i).hash), Some(i));
+            }
+            let mut listed = 0;
+            for (ns, route) in self.routes.iter().enumerate() {
+                let (mut n, mut prev, mut i) = (0, NIL, route.head);
+                while i != NIL {
+                    let e = self.entry(i);
+                    assert_eq!((e.ns as usize, e.prev), (ns, prev));
+                    (prev, i) = (i, e.next);
+                    n += 1;
+                    assert!(n <= self.len);
+                }
+                assert_eq!((route.tail, route.len), (prev, n));
+                listed += n;
+            }
+            assert_eq!(listed, self.len);
+            let mut places: Vec<u64> = (0..self.len as u32)
+                .map(|i| self.entry(i))
+                .filter(|e| e.def == SPILLED)
+                .map(|e| e.w[0])
+                .chain(self.unspilled.iter().map(|&p| u64::from(p)))
+                .collect();
+            places.sort_unstable();
+            assert_eq!(places, (0..self.spilled.len() as u64).collect::<Vec<_>>());
+        }
+    }
+
+    /// The limit ids entry (`route`, `key`) holds state for, if it exists.
     fn slots(store: &MemoryStore, route: &str, key: &str) -> Option<Vec<u64>> {
-        let probe = (route, key);
-        let shard = store.shard(&probe);
-        shard
-            .routes
-            .get(route)?
-            .peek(key)
-            .map(|e| e.slots.iter().map(|s| s.id).collect())
+        let hash = store.hash(route, key);
+        let shard = lock(&store.shards[store.shard_index(&hash)]);
+        shard.check_invariants();
+        let i = shard.find(&hash)?;
+        let e = shard.entry(i);
+        Some(match e.def {
+            SPILLED => shard.spilled[e.w[0] as usize]
+                .iter()
+                .map(|s| s.id)
+                .collect(),
+            NO_STATE => Vec::new(),
+            d => vec![shard.defs[d as usize].id],
+        })
     }
 
     #[test]
@@ -503,6 +1141,15 @@ mod tests {
             assert_eq!(total, max_keys.max(1), "{max_keys}");
             assert!(store.shards.len() <= SHARDS);
         }
+        // Beyond what 32 shards can number: more shards, as many entries.
+        let (_, big) = store(64 * MAX_SHARD + 1);
+        assert_eq!(big.shards.len(), 65);
+        let total: usize = big.shards.iter().map(|s| lock(s).cap).sum();
+        assert_eq!(total, 64 * MAX_SHARD + 1);
+        // An absurd max_keys makes a bounded number of shards.
+        let (_, absurd) = store(usize::MAX);
+        assert_eq!(absurd.shards.len(), MAX_SHARDS);
+        assert!(absurd.shards.iter().all(|s| lock(s).cap == MAX_SHARD));
     }
 
     #[test]
@@ -845,5 +1492,189 @@ mod tests {
         assert_eq!(slots(&store, "b", "1"), None);
         assert!(slots(&store, "a", "2").is_some());
         assert_eq!((evictions(&m, "a"), evictions(&m, "b")), (1, 1));
+    }
+
+    /// A model of the store for one fixed_window limit on two routes (no ties between
+    /// routes that are not inserting): per shard, entries with their last use, evicted
+    /// as documented. Every request's remaining count, and the number of entries, must
+    /// match it through thousands of insertions, evictions and sweeps, with the
+    /// store's tables checked after each step.
+    #[test]
+    fn eviction_and_sweep_match_a_model_of_the_documented_order() {
+        use std::collections::HashMap;
+        const LIMIT: u64 = 100_000;
+        const W: u64 = 20_000;
+        let (clock, store) = store(150);
+        let n = store.shards.len();
+        assert_eq!(n, 2);
+        let p = plan(vec![fixed("w", LIMIT, W)]);
+        // (shard, route, key) -> (last use, window idx, count)
+        let mut model: HashMap<(usize, &'static str, u64), (u64, u64, u64)> = HashMap::new();
+        let cap = |s: usize| lock(&store.shards[s]).cap;
+        let mut rng = crate::limit::cases::Rng(7);
+        for tick in 0..20_000u64 {
+            // About 800 requests a window.
+            clock.advance(rng.below(50));
+            let now = clock.now_us();
+            if rng.below(500) == 0 {
+                model.retain(|_, &mut (_, idx, _)| (idx + 1) * W > now);
+                store.sweep();
+            }
+            let route = if rng.below(3) == 0 { "b" } else { "a" };
+            // Half of them of 30 hot keys, which build up counts.
+            let key = if rng.below(2) == 0 {
+                rng.below(30)
+            } else {
+                30 + rng.below(400)
+            };
+            let shard = store.shard_index(&store.hash(route, &key.to_string()));
+            let expected = match model.get_mut(&(shard, route, key)) {
+                Some((used, idx, count)) => {
+                    *used = tick;
+                    if *idx != now / W {
+                        (*idx, *count) = (now / W, 0);
+                    }
+                    *count += 1;
+                    LIMIT - *count
+                }
+                None => {
+                    let here = |m: &HashMap<(usize, &'static str, u64), (u64, u64, u64)>,
+                                r: &str| {
+                        let mut v: Vec<_> = m
+                            .iter()
+                            .filter(|(k, _)| k.0 == shard && k.1 == r)
+                            .map(|(k, v)| (v.0, *k, (v.1 + 1) * W))
+                            .collect();
+                        v.sort_unstable();
+                        v
+                    };
+                    let held = model.keys().filter(|k| k.0 == shard).count();
+                    if held >= cap(shard) {
+                        let mut removed = 0;
+                        for r in ["a", "b"] {
+                            for (_, k, expires) in here(&model, r).into_iter().take(EXPIRED_SCAN) {
+                                if expires <= now {
+                                    model.remove(&k);
+                                    removed += 1;
+                                }
+                            }
+                        }
+                        if removed == 0 {
+                            let other = if route == "a" { "b" } else { "a" };
+                            let (mine, theirs) = (here(&model, route), here(&model, other));
+                            let from = if theirs.len() > mine.len() {
+                                theirs
+                            } else {
+                                mine
+                            };
+                            model.remove(&from[0].1);
+                        }
+                    }
+                    model.insert((shard, route, key), (tick, now / W, 1));
+                    LIMIT - 1
+                }
+            };
+            let v = store.check(route, &key.to_string(), &p);
+            assert_eq!(remaining(&v), [expected], "step {tick}: {route} {key}");
+            assert_eq!(store.len(), model.len(), "step {tick}");
+            if tick % 97 == 0 {
+                for s in store.shards.iter() {
+                    lock(s).check_invariants();
+                }
+            }
+        }
+        assert_eq!(store.len(), model.len());
+        for s in store.shards.iter() {
+            lock(s).check_invariants();
+        }
+    }
+
+    /// A route's single limit is kept inline; a reload that gives it a new id keeps the
+    /// old state aside beside the new one until the old expires, and the entry is
+    /// inline again after that. sliding_log's state is always aside, and its place is
+    /// reused once its entry is gone.
+    #[test]
+    fn state_moves_between_inline_and_aside_as_plans_change() {
+        let (clock, store) = store(100);
+        let inline = |route: &str, key: &str| {
+            let hash = store.hash(route, key);
+            let shard = lock(&store.shards[store.shard_index(&hash)]);
+            shard.check_invariants();
+            shard.find(&hash).map(|i| shard.entry(i).def != SPILLED)
+        };
+        let hour = plan(vec![fixed("w", 10, 3_600 * S)]);
+        let minute = plan(vec![fixed("w", 10, 60 * S)]);
+        assert_eq!(remaining(&store.check("r", "k", &hour)), [9]);
+        assert_eq!(inline("r", "k"), Some(true));
+        // A new window: a new id, the old state kept to the end of its hour.
+        assert_eq!(remaining(&store.check("r", "k", &minute)), [9]);
+        assert_eq!(inline("r", "k"), Some(false));
+        assert_eq!(
+            slots(&store, "r", "k"),
+            Some(vec![hour.limits[0].id, minute.limits[0].id])
+        );
+        clock.set(BASE_US + 3_600 * S);
+        assert_eq!(remaining(&store.check("r", "k", &minute)), [9]);
+        assert_eq!(inline("r", "k"), Some(true));
+        assert_eq!(slots(&store, "r", "k"), Some(vec![minute.limits[0].id]));
+        // And back to the hour: the minute's state is still live.
+        assert_eq!(remaining(&store.check("r", "k", &hour)), [9]);
+        assert_eq!(inline("r", "k"), Some(false));
+
+        let log = plan(vec![LimitDef::new(
+            "l".into(),
+            Algorithm::SlidingLog {
+                limit: 3,
+                window_us: S,
+            },
+            1,
+        )]);
+        for (key, left) in [("a", 2), ("a", 1), ("b", 2)] {
+            assert_eq!(remaining(&store.check("log", key, &log)), [left]);
+        }
+        assert_eq!(inline("log", "a"), Some(false));
+        clock.advance(S);
+        assert_eq!(store.sweep(), 2);
+        assert_eq!(remaining(&store.check("log", "c", &log)), [2]);
+        assert_eq!(slots(&store, "log", "c"), Some(vec![log.limits[0].id]));
+    }
+
+    /// Limits whose numbers change on every reload leave definitions behind; a sweep
+    /// drops those no entry uses once there are many, and the live state is intact.
+    #[test]
+    fn definitions_no_entry_uses_are_dropped_by_a_sweep() {
+        let gcra = |count| {
+            plan(vec![LimitDef::new(
+                "g".into(),
+                Algorithm::Gcra {
+                    rate: Rate { count, per_us: S },
+                    burst: 10,
+                },
+                1,
+            )])
+        };
+        // The same requests of k1 on a store that keeps nothing else.
+        let (alone_clock, alone) = store(10);
+        let (clock, store) = store(127);
+        assert_eq!(store.shards.len(), 1);
+        for count in 1..=100 {
+            assert_eq!(
+                remaining(&store.check("r", &format!("k{count}"), &gcra(count))),
+                [9]
+            );
+        }
+        alone.check("r", "k1", &gcra(1));
+        assert_eq!(lock(&store.shards[0]).defs.len(), 100);
+        // Full again after 1/count s: all but k1 .. k4 are gone at 0.2 s.
+        clock.advance(S / 5);
+        alone_clock.advance(S / 5);
+        assert_eq!(store.sweep(), 96);
+        let shard = lock(&store.shards[0]);
+        shard.check_invariants();
+        assert_eq!(shard.defs.len(), 4);
+        drop(shard);
+        for p in [gcra(1), gcra(2), gcra(1)] {
+            assert_eq!(store.check("r", "k1", &p), alone.check("r", "k1", &p));
+        }
     }
 }
