@@ -119,9 +119,12 @@ impl RedisStore {
         let conn = match &opts.target {
             RedisTarget::Url(url) => {
                 let client = redis::Client::open(url.as_str()).map_err(config)?;
+                // No response timeout of the client's own: every command is sent under a
+                // deadline of ours (`timeout` for a limiter call), and a second timer
+                // per call would only cost.
                 let cfg = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(connect_timeout))
-                    .set_response_timeout(Some(timeout))
+                    .set_response_timeout(None)
                     // A reconnect is retried once, soon; the breaker does the rest.
                     .set_number_of_retries(1)
                     .set_min_delay(Duration::from_millis(10))
@@ -975,6 +978,9 @@ fn spawn_prober(store: Weak<Inner>) {
 struct RefusalCache {
     shards: Box<[Mutex<LruCache<CacheKey, Refusal>>]>,
     hasher: RandomState,
+    /// Refusals held, over all shards: while there are none (a limiter that refuses
+    /// nothing), a lookup takes no lock.
+    held: AtomicUsize,
 }
 
 /// (the request's key tag, the plan's fingerprint).
@@ -999,6 +1005,7 @@ impl RefusalCache {
         Some(RefusalCache {
             shards,
             hasher: RandomState::new(),
+            held: AtomicUsize::new(0),
         })
     }
 
@@ -1011,10 +1018,14 @@ impl RefusalCache {
 
     /// The refusal of `key`, if it still holds at `now`, with the times that remain.
     fn get(&self, key: &CacheKey, now: Instant) -> Option<Verdict> {
+        if self.held.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
         let mut shard = self.shard(key);
         let r = shard.get(key)?;
         if r.until <= now {
             shard.pop(key);
+            self.held.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
         let elapsed = now.saturating_duration_since(r.at).as_micros() as u64;
@@ -1034,7 +1045,13 @@ impl RefusalCache {
             until,
             verdict: verdict.clone(),
         };
-        self.shard(&key).put(key, refusal);
+        let mut shard = self.shard(&key);
+        let before = shard.len();
+        shard.put(key, refusal);
+        // Under the shard's lock: `held` is the sum of the shards' lengths.
+        if shard.len() > before {
+            self.held.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
