@@ -17,8 +17,9 @@
 --             (see `algorithms`), (a, b, c) = (limit, window_us, 0) for the windows and
 --             logs, (count, per_us, burst) for token_bucket and gcra, (limit, lease_us,
 --             0) for concurrency.
--- Reply: {allowed, delay_us, now_us, then per limit: allowed, remaining, reset_us,
---         retry_after_us, delay_us}.
+-- Reply: one string of integers separated by spaces, "<allowed> <delay_us>" then per
+--        limit " <allowed> <remaining> <reset_us> <retry_after_us> <delay_us>" (one
+--        string is cheaper for the client to read than an array of integers).
 local now
 if ARGV[1] == '' then
   local t = redis.call('TIME')
@@ -29,10 +30,10 @@ end
 local max_delay = tonumber(ARGV[2])
 local uid = ARGV[3]
 if #KEYS == 0 then
-  return {1, 0, now}
+  return '1 0'
 end
 
-local reply = {1, 0, now, 0, 0, 0, 0, 0}
+local outcomes = {false}
 local writes = {false, false}
 local allowed, delay = true, 0
 for i = 1, #KEYS do
@@ -56,29 +57,23 @@ for i = 1, #KEYS do
   end
   local ok, remaining, reset, retry, wait, state, expires_at = algorithm(KEYS[i], now,
     tonumber(cost), tonumber(a), tonumber(b), tonumber(c), max_delay, uid)
-  local at = 3 + (i - 1) * 5
+  local admitted = 1
   if ok then
-    reply[at + 1] = 1
     if wait > delay then
       delay = wait
     end
   else
-    reply[at + 1] = 0
+    admitted = 0
     allowed = false
   end
-  reply[at + 2] = remaining
-  reply[at + 3] = reset
-  reply[at + 4] = retry
-  reply[at + 5] = wait
+  outcomes[i] = string.format('%d %d %d %d %d', admitted, remaining, reset, retry, wait)
   writes[2 * i - 1] = state
   writes[2 * i] = expires_at
 end
 
 if not allowed then
-  reply[1] = 0
-  return reply
+  return '0 0 ' .. table.concat(outcomes, ' ')
 end
-reply[2] = delay
 for i = 1, #KEYS do
   local state = writes[2 * i - 1]
   if type(state) == 'string' then
@@ -87,4 +82,4 @@ for i = 1, #KEYS do
     state()
   end
 end
-return reply
+return string.format('1 %d ', delay) .. table.concat(outcomes, ' ')

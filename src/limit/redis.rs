@@ -438,7 +438,7 @@ impl Inner {
         // when another flush lands between the two.)
         let call = async {
             let evalsha = command("EVALSHA", self.script.get_hash());
-            match self.query::<Vec<i64>>(&evalsha).await {
+            match self.query::<Vec<u8>>(&evalsha).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                     self.query(&command("EVAL", SCRIPT)).await
                 }
@@ -449,7 +449,7 @@ impl Inner {
             Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string()))?,
             Err(_) => return Err(StoreError::Timeout),
         };
-        verdict(plan, &reply)
+        verdict(plan, &integers(&reply)?)
     }
 }
 
@@ -807,9 +807,38 @@ impl Drop for Retrying {
     }
 }
 
-/// Reads the script's reply: {allowed, delay_us, now_us, then five per limit}.
+/// The integers of the script's reply, a string of them separated by spaces.
+fn integers(reply: &[u8]) -> Result<Vec<i64>, StoreError> {
+    let bad = || {
+        StoreError::Unavailable(format!(
+            "limiter script answered {:?}",
+            String::from_utf8_lossy(reply)
+        ))
+    };
+    let mut out = Vec::with_capacity(2 + reply.len() / 2);
+    for word in reply.split(|&b| b == b' ') {
+        let (negative, digits) = match word.split_first() {
+            Some((b'-', rest)) => (true, rest),
+            _ => (false, word),
+        };
+        if digits.is_empty() || digits.len() > 18 {
+            return Err(bad());
+        }
+        let mut n: i64 = 0;
+        for &d in digits {
+            if !d.is_ascii_digit() {
+                return Err(bad());
+            }
+            n = n * 10 + i64::from(d - b'0');
+        }
+        out.push(if negative { -n } else { n });
+    }
+    Ok(out)
+}
+
+/// Reads the script's reply: allowed, delay_us, then five per limit.
 fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
-    if reply.len() != 3 + 5 * plan.limits.len() {
+    if reply.len() != 2 + 5 * plan.limits.len() {
         return Err(StoreError::Unavailable(format!(
             "limiter script answered {} numbers for {} limits",
             reply.len(),
@@ -820,7 +849,7 @@ fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
     let outcomes = plan
         .limits
         .iter()
-        .zip(reply[3..].chunks_exact(5))
+        .zip(reply[2..].chunks_exact(5))
         .map(|(l, o)| Outcome {
             allowed: o[0] == 1,
             quota: l.algorithm.quota(),
@@ -1102,7 +1131,7 @@ mod tests {
                 "{name}"
             );
         }
-        let runner = SCRIPT.find("local reply = {").unwrap();
+        let runner = SCRIPT.find("local outcomes = {").unwrap();
         assert!(SCRIPT.rfind("local function").unwrap() < runner);
     }
 
@@ -1235,7 +1264,7 @@ mod tests {
     #[test]
     fn reply_becomes_a_verdict() {
         let p = plan(Mode::Reject);
-        let v = verdict(&p, &[0, 0, 17, 1, 2, 30, 0, 0, 0, 0, 50, 40, 0]).unwrap();
+        let v = verdict(&p, &[0, 0, 1, 2, 30, 0, 0, 0, 0, 50, 40, 0]).unwrap();
         assert!(!v.allowed);
         assert_eq!(v.outcomes.len(), 2);
         assert_eq!(
@@ -1248,6 +1277,24 @@ mod tests {
         );
         assert_eq!((v.outcomes[0].allowed, v.outcomes[0].remaining), (true, 2));
         assert!(verdict(&p, &[1, 0, 17]).is_err());
+        assert_eq!(
+            integers(b"1 0 1 4 1000000 0 -3").unwrap(),
+            [1, 0, 1, 4, 1_000_000, 0, -3]
+        );
+        assert_eq!(
+            integers(b"9007199254740993 0").unwrap(),
+            [9_007_199_254_740_993, 0]
+        );
+        for bad in [
+            &b""[..],
+            b"1  0",
+            b"1 x",
+            b"1 0 ",
+            b"-",
+            b"1234567890123456789",
+        ] {
+            assert!(integers(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
