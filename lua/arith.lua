@@ -71,3 +71,9 @@ end
 local function int(x)
   return string.format('%d', x)
 end
+
+-- The TTL, in ms, of a key whose state stops mattering at `expires_at` (µs): past
+-- it, rounded up, plus 1 ms.
+local function ttl_ms(expires_at, now)
+  return int(ceil_div(expires_at - now, 1000) + 1)
+end

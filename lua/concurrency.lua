@@ -14,14 +14,14 @@ local function concurrency(key, now, cost, limit, lease, _, _, uid)
   local count = redis.call('ZCOUNT', key, '(' .. int(now), '+inf')
   local after = count + cost
   if after > limit then
-    return {false, unsigned(limit - count), CONCURRENCY_RETRY, CONCURRENCY_RETRY, 0}
+    return false, unsigned(limit - count), CONCURRENCY_RETRY, CONCURRENCY_RETRY, 0
   end
-  return {true, limit - after, 0, 0, 0}, function()
+  return true, limit - after, 0, 0, 0, function()
     redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now))
     local expires_at = now + lease
     redis.call('ZADD', key, int(expires_at), uid)
     -- A lease taken under a longer `lease` (before a reload) keeps the key alive.
     local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    return math.max(expires_at, tonumber(last[2]) or expires_at)
+    redis.call('PEXPIRE', key, ttl_ms(math.max(expires_at, tonumber(last[2]) or expires_at), now))
   end
 end

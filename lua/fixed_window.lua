@@ -1,24 +1,24 @@
 -- fixed_window: at most `limit` per aligned window [idx*W, (idx+1)*W).
--- State: a hash {i = window index, c = count in that window}.
--- Returns the outcome {allowed, remaining, reset, retry_after, delay} and, when
--- admitted, a writer that stores the new state and returns its expiry time.
+-- State: a string "<window index> <count in that window>".
+-- Returns the outcome (allowed, remaining, reset, retry_after, delay) and, when
+-- admitted, the new state and when it stops mattering (request.lua writes them).
 local function fixed_window(key, now, cost, limit, w)
   w = math.max(w, 1)
   -- idx = now / W; the stored count counts only in its own window.
   local idx = floor_div(now, w)
-  local s = redis.call('HMGET', key, 'i', 'c')
   local count = 0
-  if s[1] and tonumber(s[1]) == idx then
-    count = tonumber(s[2]) or 0
+  local s = redis.call('GET', key)
+  if s then
+    local i, c = string.match(s, '^(%d+) (%d+)$')
+    if i and tonumber(i) == idx then
+      count = tonumber(c)
+    end
   end
   local until_end = (idx + 1) * w - now
   -- Admit iff count + cost <= limit.
   local after = count + cost
   if after <= limit then
-    return {true, limit - after, until_end, 0, 0}, function()
-      redis.call('HSET', key, 'i', int(idx), 'c', int(after))
-      return (idx + 1) * w
-    end
+    return true, limit - after, until_end, 0, 0, string.format('%d %d', idx, after), (idx + 1) * w
   end
-  return {false, unsigned(limit - count), until_end, until_end, 0}
+  return false, unsigned(limit - count), until_end, until_end, 0
 end

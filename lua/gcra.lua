@@ -56,11 +56,8 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay)
   local remaining = floor_div(math.max(span - (t - now) * n, 0), p)
   if not allowed then
     -- Empty, and passing, by `until_` at the latest.
-    return {false, remaining, math.min(t - now, until_ - now), math.min(wait, until_ - now), 0}
+    return false, remaining, math.min(t - now, until_ - now), math.min(wait, until_ - now), 0
   end
-  return {true, remaining, t - now, 0, delay}, function()
-    redis.call('SET', key, int(new_tat) .. ' ' .. int(new_tat - now) .. ' ' .. int(n_arg) .. ' '
-      .. int(p_arg) .. ' ' .. int(burst))
-    return new_tat
-  end
+  return true, remaining, t - now, 0, delay,
+    string.format('%d %d %d %d %d', new_tat, new_tat - now, n_arg, p_arg, burst), new_tat
 end

@@ -1,7 +1,7 @@
 -- sliding_window: the previous window's count weighted by the share of it still
 -- inside the sliding window, plus the current count. The weighting is done in
 -- doubles in exactly the order of `algo::sliding_window`, so both stores decide
--- bit for bit alike. State: a hash {i = window index, p = previous, c = current}.
+-- bit for bit alike. State: a string "<window index> <previous count> <current count>".
 local function sliding_window(key, now, cost, limit, w)
   w = math.max(w, 1)
   -- idx = now / W, e = offset into the current window.
@@ -9,13 +9,16 @@ local function sliding_window(key, now, cost, limit, w)
   local e = now - idx * w
   -- (prev, curr): as stored in this window; shifted if stored in the previous one.
   local prev, curr = 0, 0
-  local s = redis.call('HMGET', key, 'i', 'p', 'c')
-  if s[1] then
-    local stored = tonumber(s[1])
-    if stored == idx then
-      prev, curr = tonumber(s[2]) or 0, tonumber(s[3]) or 0
-    elseif stored + 1 == idx then
-      prev, curr = tonumber(s[3]) or 0, 0
+  local s = redis.call('GET', key)
+  if s then
+    local i, p, c = string.match(s, '^(%d+) (%d+) (%d+)$')
+    if i then
+      local stored = tonumber(i)
+      if stored == idx then
+        prev, curr = tonumber(p), tonumber(c)
+      elseif stored + 1 == idx then
+        prev, curr = tonumber(c), 0
+      end
     end
   end
   -- weight = (W - e) / W; estimate = prev * weight + curr.
@@ -33,10 +36,8 @@ local function sliding_window(key, now, cost, limit, w)
   end
   if allowed then
     local remaining = unsigned(math.floor(limit - estimate - cost))
-    return {true, remaining, reset, 0, 0}, function()
-      redis.call('HSET', key, 'i', int(idx), 'p', int(prev), 'c', int(curr_after))
-      return (idx + 2) * w
-    end
+    return true, remaining, reset, 0, 0, string.format('%d %d %d', idx, prev, curr_after),
+      (idx + 2) * w
   end
   local retry
   if curr + cost <= limit then
@@ -55,5 +56,5 @@ local function sliding_window(key, now, cost, limit, w)
     retry = (w - e) + into_next
   end
   local remaining = unsigned(math.floor(math.max(limit - estimate, 0)))
-  return {false, remaining, reset, retry, 0}
+  return false, remaining, reset, retry, 0
 end

@@ -1,8 +1,8 @@
 -- token_bucket: `burst` tokens refilled continuously at N per P µs; starts full.
 -- Tokens are scaled by P (one token = P units) so one µs refills exactly N units:
 -- capacity C = burst * P. The level goes negative while delayed requests have
--- booked future tokens. State: a hash {t = tokens, ts = time they were counted,
--- n, p, b = the rate and burst they were counted under}.
+-- booked future tokens. State: a string "<tokens> <time they were counted> <n> <p>
+-- <burst>", the last three the rate and burst they were counted under.
 
 -- When a bucket at `tokens` units at `ts` is full under (n, p, burst)
 -- (algo.rs: bucket_full_at).
@@ -36,13 +36,16 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
   local p = math.max(p_arg, 1)
   local cap = burst * p
   local stored, ts, until_ = cap, now, math.huge
-  local s = redis.call('HMGET', key, 't', 'ts', 'n', 'p', 'b')
-  if s[1] then
-    local t0 = tonumber(s[2]) or now
-    local level, u = bucket_level(tonumber(s[1]), t0, tonumber(s[3]) or n_arg,
-      tonumber(s[4]) or p_arg, tonumber(s[5]) or burst, now, n_arg, p_arg, burst)
-    if level then
-      stored, ts, until_ = level, t0, u
+  local s = redis.call('GET', key)
+  if s then
+    local t, t0, n0, p0, b0 = string.match(s, '^(%-?%d+) (%d+) (%d+) (%d+) (%d+)$')
+    if t then
+      t0 = tonumber(t0)
+      local level, u = bucket_level(tonumber(t), t0, tonumber(n0), tonumber(p0), tonumber(b0),
+        now, n_arg, p_arg, burst)
+      if level then
+        stored, ts, until_ = level, t0, u
+      end
     end
   end
   -- Refill: full if tokens >= C or elapsed >= ceil((C - tokens) / N).
@@ -66,11 +69,8 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
   local reset = ceil_div(cap - level, n)
   if not allowed then
     -- Full, and passing, by `until_` at the latest.
-    return {false, remaining, math.min(reset, until_ - now), math.min(wait, until_ - now), 0}
+    return false, remaining, math.min(reset, until_ - now), math.min(wait, until_ - now), 0
   end
-  return {true, remaining, reset, 0, delay}, function()
-    redis.call('HSET', key, 't', int(after), 'ts', int(now), 'n', int(n_arg), 'p', int(p_arg),
-      'b', int(burst))
-    return now + ceil_div(cap - after, n)
-  end
+  return true, remaining, reset, 0, delay,
+    string.format('%d %d %d %d %d', after, now, n_arg, p_arg, burst), now + ceil_div(cap - after, n)
 end

@@ -355,7 +355,7 @@ mod harness;
 /// else fail with `why`.
 async fn leases_come_down_to(redis: &harness::RedisServer, left: u64, why: &str) {
     for _ in 0..200 {
-        let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:inflight:*"]);
+        let keys: Vec<String> = redis.cmd(&["KEYS", "sluice:{slow:k}:*"]);
         if redis.cmd::<u64>(&["ZCARD", keys[0].as_str()]) == left {
             return;
         }
@@ -372,7 +372,7 @@ fn redis_yaml(url: &str) -> String {
 async fn redis_slots_are_held_until_the_body_ends() {
     let redis = harness::RedisServer::start();
     let store = redis_yaml(&redis.url());
-    let key = "sluice:{slow:k}:inflight:";
+    let key = "sluice:{slow:k}:";
     let live = || {
         let keys: Vec<String> = redis.cmd(&["KEYS", &format!("{key}*")]);
         keys.first()

@@ -249,7 +249,7 @@ async fn gateway_a_release_lost_in_an_outage_frees_the_slot() {
     let page = common::url(gw.addr, "/x");
     let readyz = common::url(gw.admin_addr, "/readyz");
     let held = || -> i64 {
-        let keys: Vec<String> = server.cmd(&["KEYS", "sluice:{r:k}:inflight:*"]);
+        let keys: Vec<String> = server.cmd(&["KEYS", "sluice:{r:k}:*"]);
         keys.first()
             .map_or(0, |k| server.cmd::<i64>(&["ZCARD", k.as_str()]))
     };

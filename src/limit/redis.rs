@@ -87,9 +87,9 @@ struct Inner {
     script: Script,
     timeout: Duration,
     prefix: String,
-    /// Random per process: with `requests`, makes sliding-log members unique across
-    /// instances.
-    instance: u64,
+    /// Random per process, in base64url digits: with `requests`, makes sliding-log
+    /// members and concurrency leases unique across instances.
+    instance: String,
     requests: AtomicU64,
     breaker: Breaker,
     refusals: Option<RefusalCache>,
@@ -119,9 +119,12 @@ impl RedisStore {
         let conn = match &opts.target {
             RedisTarget::Url(url) => {
                 let client = redis::Client::open(url.as_str()).map_err(config)?;
+                // No response timeout of the client's own: every command is sent under a
+                // deadline of ours (`timeout` for a limiter call), and a second timer
+                // per call would only cost.
                 let cfg = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(connect_timeout))
-                    .set_response_timeout(Some(timeout))
+                    .set_response_timeout(None)
                     // A reconnect is retried once, soon; the breaker does the rest.
                     .set_number_of_retries(1)
                     .set_min_delay(Duration::from_millis(10))
@@ -151,7 +154,11 @@ impl RedisStore {
             script: Script::new(SCRIPT),
             timeout,
             prefix: opts.key_prefix,
-            instance: RandomState::new().hash_one(std::process::id()),
+            instance: {
+                let mut s = String::with_capacity(11);
+                push_id(&mut s, RandomState::new().hash_one(std::process::id()));
+                s
+            },
             requests: AtomicU64::new(0),
             breaker: Breaker::default(),
             refusals: RefusalCache::new(opts.refusal_cache),
@@ -207,7 +214,11 @@ impl RedisStore {
             inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
             return Err(StoreError::Open);
         }
-        let uid = inner.uid();
+        let uid = if needs_uid(plan) {
+            inner.uid()
+        } else {
+            String::new()
+        };
         // Built before the call: whatever becomes of the call, the leases it may take
         // are given back (see below).
         let mut leases = plan.has_concurrency().then(|| Leases {
@@ -217,7 +228,7 @@ impl RedisStore {
                 .iter()
                 .filter_map(|l| match l.algorithm {
                     Algorithm::Concurrency { lease_us, .. } => Some((
-                        limit_key(&cache_key.0, &l.name, l.id),
+                        limit_key(&cache_key.0, l.id),
                         Duration::from_micros(lease_us),
                     )),
                     _ => None,
@@ -323,10 +334,7 @@ impl RedisStore {
     /// The Redis keys of `plan`'s limits for `key` in `ns`, in plan order.
     pub fn keys(&self, ns: &str, key: &str, plan: &Plan) -> Vec<String> {
         let tag = self.inner.tag(ns, key);
-        plan.limits
-            .iter()
-            .map(|l| limit_key(&tag, &l.name, l.id))
-            .collect()
+        plan.limits.iter().map(|l| limit_key(&tag, l.id)).collect()
     }
 }
 
@@ -398,13 +406,22 @@ impl Inner {
         plan: &Plan,
         now_us: Option<u64>,
     ) -> Result<Verdict, StoreError> {
-        self.call_as(tag, plan, now_us, &self.uid()).await
+        let uid = if needs_uid(plan) {
+            self.uid()
+        } else {
+            String::new()
+        };
+        self.call_as(tag, plan, now_us, &uid).await
     }
 
     /// A request id unique across instances: sliding-log members, concurrency leases.
     fn uid(&self) -> String {
         let seq = self.requests.fetch_add(1, Ordering::Relaxed);
-        format!("{:x}.{seq:x}", self.instance)
+        let mut s = String::with_capacity(self.instance.len() + 12);
+        s.push_str(&self.instance);
+        s.push('.');
+        push_id(&mut s, seq);
+        s
     }
 
     /// `call` for the request `uid`.
@@ -415,29 +432,13 @@ impl Inner {
         now_us: Option<u64>,
         uid: &str,
     ) -> Result<Verdict, StoreError> {
-        let command = |verb: &str, script: &str| {
-            let mut cmd = redis::cmd(verb);
-            cmd.arg(script).arg(plan.limits.len());
-            for l in &plan.limits {
-                cmd.arg(limit_key(tag, &l.name, l.id));
-            }
-            match now_us {
-                Some(now) => cmd.arg(now),
-                None => cmd.arg(""),
-            };
-            cmd.arg(plan.max_delay_us()).arg(uid);
-            for l in &plan.limits {
-                let (name, a, b, c) = params(&l.algorithm);
-                cmd.arg(name).arg(l.cost).arg(a).arg(b).arg(c);
-            }
-            cmd
-        };
+        let command = |verb: &str, script: &str| script_call(verb, script, tag, plan, now_us, uid);
         // EVALSHA; on NOSCRIPT (flushed, restarted, failed over) EVAL with the body,
         // which runs and caches it in one step. (SCRIPT LOAD, then EVALSHA again, fails
         // when another flush lands between the two.)
         let call = async {
             let evalsha = command("EVALSHA", self.script.get_hash());
-            match self.query::<Vec<i64>>(&evalsha).await {
+            match self.query::<Vec<u8>>(&evalsha).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                     self.query(&command("EVAL", SCRIPT)).await
                 }
@@ -448,7 +449,7 @@ impl Inner {
             Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string()))?,
             Err(_) => return Err(StoreError::Timeout),
         };
-        verdict(plan, &reply)
+        verdict(plan, &integers(&reply)?)
     }
 }
 
@@ -506,20 +507,110 @@ fn tag(prefix: &str, ns: &str, key: &str) -> String {
     s
 }
 
-/// `<tag>:<limit name>:<limit id, 16 hex digits>`.
-fn limit_key(tag: &str, name: &str, id: u64) -> String {
-    format!("{tag}:{name}:{id:016x}")
+/// `<tag>:<limit id>`, the id in 11 base64url digits. The id already names the
+/// limit, its algorithm and window (`LimitDef::id`); the limit's name is not repeated.
+fn limit_key(tag: &str, id: u64) -> String {
+    let mut s = String::with_capacity(tag.len() + 12);
+    s.push_str(tag);
+    s.push(':');
+    push_id(&mut s, id);
+    s
 }
 
-/// The script's name for an algorithm and its three parameters.
-fn params(a: &Algorithm) -> (&'static str, u64, u64, u64) {
+/// The base64url digits (RFC 4648 §5): no `:`, no braces.
+const DIGITS: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+/// `n` in base64url digits, least significant first: 11 for any u64, fewer for a
+/// small one (no leading zero digits).
+fn push_id(s: &mut String, mut n: u64) {
+    loop {
+        s.push(DIGITS[(n & 63) as usize] as char);
+        n >>= 6;
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+/// Whether a limit of the plan needs the request's id (`uid`): sliding_log members
+/// and concurrency leases are named by it.
+fn needs_uid(plan: &Plan) -> bool {
+    plan.limits.iter().any(|l| {
+        matches!(
+            l.algorithm,
+            Algorithm::SlidingLog { .. } | Algorithm::Concurrency { .. }
+        )
+    })
+}
+
+/// The script call for `plan`'s limits under `tag`: `verb` (EVALSHA or EVAL) and
+/// `script` (its hash or body), then the arguments `lua/request.lua` reads. Built
+/// in place: one buffer for the keys and the limits, no string per number.
+fn script_call(
+    verb: &str,
+    script: &str,
+    tag: &str,
+    plan: &Plan,
+    now_us: Option<u64>,
+    uid: &str,
+) -> Cmd {
+    let n = plan.limits.len();
+    let mut cmd = Cmd::with_capacity(
+        6 + 2 * n,
+        verb.len() + script.len() + 50 + uid.len() + n * (tag.len() + 80),
+    );
+    cmd.arg(verb).arg(script).arg(n);
+    let mut buf = String::with_capacity(tag.len() + 80);
+    for l in &plan.limits {
+        buf.clear();
+        buf.push_str(tag);
+        buf.push(':');
+        push_id(&mut buf, l.id);
+        cmd.arg(buf.as_str());
+    }
+    match now_us {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+    cmd.arg(plan.max_delay_us()).arg(uid);
+    for l in &plan.limits {
+        buf.clear();
+        let (code, a, b, c) = params(&l.algorithm);
+        buf.push(code);
+        for v in [l.cost, a, b, c] {
+            buf.push(' ');
+            push_decimal(&mut buf, v);
+        }
+        cmd.arg(buf.as_str());
+    }
+    cmd
+}
+
+/// `n` in decimal digits.
+fn push_decimal(s: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    s.extend(digits[i..].iter().map(|&d| d as char));
+}
+
+/// The script's letter for an algorithm (`algorithms` in `lua/request.lua`) and its
+/// three parameters.
+fn params(a: &Algorithm) -> (char, u64, u64, u64) {
     match *a {
-        Algorithm::FixedWindow { limit, window_us } => ("fixed_window", limit, window_us, 0),
-        Algorithm::SlidingWindow { limit, window_us } => ("sliding_window", limit, window_us, 0),
-        Algorithm::SlidingLog { limit, window_us } => ("sliding_log", limit, window_us, 0),
-        Algorithm::TokenBucket { rate, burst } => ("token_bucket", rate.count, rate.per_us, burst),
-        Algorithm::Gcra { rate, burst } => ("gcra", rate.count, rate.per_us, burst),
-        Algorithm::Concurrency { limit, lease_us } => ("concurrency", limit, lease_us, 0),
+        Algorithm::FixedWindow { limit, window_us } => ('f', limit, window_us, 0),
+        Algorithm::SlidingWindow { limit, window_us } => ('w', limit, window_us, 0),
+        Algorithm::SlidingLog { limit, window_us } => ('l', limit, window_us, 0),
+        Algorithm::TokenBucket { rate, burst } => ('t', rate.count, rate.per_us, burst),
+        Algorithm::Gcra { rate, burst } => ('g', rate.count, rate.per_us, burst),
+        Algorithm::Concurrency { limit, lease_us } => ('c', limit, lease_us, 0),
     }
 }
 
@@ -716,9 +807,38 @@ impl Drop for Retrying {
     }
 }
 
-/// Reads the script's reply: {allowed, delay_us, now_us, then five per limit}.
+/// The integers of the script's reply, a string of them separated by spaces.
+fn integers(reply: &[u8]) -> Result<Vec<i64>, StoreError> {
+    let bad = || {
+        StoreError::Unavailable(format!(
+            "limiter script answered {:?}",
+            String::from_utf8_lossy(reply)
+        ))
+    };
+    let mut out = Vec::with_capacity(2 + reply.len() / 2);
+    for word in reply.split(|&b| b == b' ') {
+        let (negative, digits) = match word.split_first() {
+            Some((b'-', rest)) => (true, rest),
+            _ => (false, word),
+        };
+        if digits.is_empty() || digits.len() > 18 {
+            return Err(bad());
+        }
+        let mut n: i64 = 0;
+        for &d in digits {
+            if !d.is_ascii_digit() {
+                return Err(bad());
+            }
+            n = n * 10 + i64::from(d - b'0');
+        }
+        out.push(if negative { -n } else { n });
+    }
+    Ok(out)
+}
+
+/// Reads the script's reply: allowed, delay_us, then five per limit.
 fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
-    if reply.len() != 3 + 5 * plan.limits.len() {
+    if reply.len() != 2 + 5 * plan.limits.len() {
         return Err(StoreError::Unavailable(format!(
             "limiter script answered {} numbers for {} limits",
             reply.len(),
@@ -729,7 +849,7 @@ fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
     let outcomes = plan
         .limits
         .iter()
-        .zip(reply[3..].chunks_exact(5))
+        .zip(reply[2..].chunks_exact(5))
         .map(|(l, o)| Outcome {
             allowed: o[0] == 1,
             quota: l.algorithm.quota(),
@@ -887,6 +1007,9 @@ fn spawn_prober(store: Weak<Inner>) {
 struct RefusalCache {
     shards: Box<[Mutex<LruCache<CacheKey, Refusal>>]>,
     hasher: RandomState,
+    /// Refusals held, over all shards: while there are none (a limiter that refuses
+    /// nothing), a lookup takes no lock.
+    held: AtomicUsize,
 }
 
 /// (the request's key tag, the plan's fingerprint).
@@ -911,6 +1034,7 @@ impl RefusalCache {
         Some(RefusalCache {
             shards,
             hasher: RandomState::new(),
+            held: AtomicUsize::new(0),
         })
     }
 
@@ -923,10 +1047,14 @@ impl RefusalCache {
 
     /// The refusal of `key`, if it still holds at `now`, with the times that remain.
     fn get(&self, key: &CacheKey, now: Instant) -> Option<Verdict> {
+        if self.held.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
         let mut shard = self.shard(key);
         let r = shard.get(key)?;
         if r.until <= now {
             shard.pop(key);
+            self.held.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
         let elapsed = now.saturating_duration_since(r.at).as_micros() as u64;
@@ -946,7 +1074,13 @@ impl RefusalCache {
             until,
             verdict: verdict.clone(),
         };
-        self.shard(&key).put(key, refusal);
+        let mut shard = self.shard(&key);
+        let before = shard.len();
+        shard.put(key, refusal);
+        // Under the shard's lock: `held` is the sum of the shards' lengths.
+        if shard.len() > before {
+            self.held.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -997,7 +1131,7 @@ mod tests {
                 "{name}"
             );
         }
-        let runner = SCRIPT.find("local algorithms = {").unwrap();
+        let runner = SCRIPT.find("local outcomes = {").unwrap();
         assert!(SCRIPT.rfind("local function").unwrap() < runner);
     }
 
@@ -1008,10 +1142,70 @@ mod tests {
         // A route name can not pose as another route with a longer key.
         assert_ne!(tag("", "a:b", "c"), tag("", "a", "b:c"));
         assert_eq!(tag("", "a:b{c}\\", "k"), "{a\\;b\\(c\\)\\\\:k}");
+        // The limit id in base64url digits, least significant first.
+        assert_eq!(limit_key("sluice:{api:k}", 0xab), "sluice:{api:k}:rC");
+        assert_eq!(limit_key("sluice:{api:k}", 0), "sluice:{api:k}:A");
+        assert_eq!(limit_key("", u64::MAX), ":__________P");
+        let id = LimitDef::new(
+            "burst".into(),
+            Algorithm::FixedWindow {
+                limit: 3,
+                window_us: 1_000_000,
+            },
+            1,
+        )
+        .id;
+        let key = limit_key("sluice:{api:203.0.113.7}", id);
+        assert_eq!(key.len(), "sluice:{api:203.0.113.7}:".len() + 11, "{key}");
+        // Distinct ids, distinct keys; no digit is a separator or a brace.
+        let mut seen = std::collections::HashSet::new();
+        for id in (0..5_000u64).chain((13..64).map(|b| 1 << b)) {
+            let k = limit_key("t", id);
+            assert!(!k[2..].contains([':', '{', '}']), "{k}");
+            assert!(seen.insert(k));
+        }
+    }
+
+    /// What one call sends: the keys, then now, max_delay, the request id, then one
+    /// argument per limit (the algorithm's letter, cost and parameters).
+    #[test]
+    fn one_call_sends_one_argument_per_key_and_per_limit() {
+        let p = plan(Mode::Delay { max_delay_us: 250 });
+        let cmd = script_call("EVALSHA", "abc", "sluice:{r:k}", &p, None, "");
+        let args: Vec<String> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8(b.to_vec()).unwrap(),
+                _ => unreachable!("no cursor"),
+            })
+            .collect();
+        let keys: Vec<String> = p
+            .limits
+            .iter()
+            .map(|l| limit_key("sluice:{r:k}", l.id))
+            .collect();
         assert_eq!(
-            limit_key("sluice:{api:k}", "burst", 0xab),
-            "sluice:{api:k}:burst:00000000000000ab"
+            args,
+            [
+                "EVALSHA",
+                "abc",
+                "2",
+                &keys[0],
+                &keys[1],
+                "",
+                "250",
+                "",
+                "f 1 3 1000000 0",
+                "g 1 10 1000000 5",
+            ]
         );
+        let mut buf = String::new();
+        for n in [0, 7, 10, 1_000_000, u64::MAX] {
+            buf.clear();
+            push_decimal(&mut buf, n);
+            assert_eq!(buf, n.to_string());
+        }
+        assert!(!needs_uid(&p));
     }
 
     #[test]
@@ -1056,12 +1250,8 @@ mod tests {
             with(1, gcra(rate(10, 1_000_000), 5), 3),
         ];
         let tag = tag("sluice:", "r", "k");
-        let keys = |p: &Plan| -> Vec<String> {
-            p.limits
-                .iter()
-                .map(|l| limit_key(&tag, &l.name, l.id))
-                .collect()
-        };
+        let keys =
+            |p: &Plan| -> Vec<String> { p.limits.iter().map(|l| limit_key(&tag, l.id)).collect() };
         let mut seen = vec![fingerprint(&base)];
         for p in &changed {
             assert_eq!(keys(p), keys(&base), "{p:?}");
@@ -1074,7 +1264,7 @@ mod tests {
     #[test]
     fn reply_becomes_a_verdict() {
         let p = plan(Mode::Reject);
-        let v = verdict(&p, &[0, 0, 17, 1, 2, 30, 0, 0, 0, 0, 50, 40, 0]).unwrap();
+        let v = verdict(&p, &[0, 0, 1, 2, 30, 0, 0, 0, 0, 50, 40, 0]).unwrap();
         assert!(!v.allowed);
         assert_eq!(v.outcomes.len(), 2);
         assert_eq!(
@@ -1087,6 +1277,24 @@ mod tests {
         );
         assert_eq!((v.outcomes[0].allowed, v.outcomes[0].remaining), (true, 2));
         assert!(verdict(&p, &[1, 0, 17]).is_err());
+        assert_eq!(
+            integers(b"1 0 1 4 1000000 0 -3").unwrap(),
+            [1, 0, 1, 4, 1_000_000, 0, -3]
+        );
+        assert_eq!(
+            integers(b"9007199254740993 0").unwrap(),
+            [9_007_199_254_740_993, 0]
+        );
+        for bad in [
+            &b""[..],
+            b"1  0",
+            b"1 x",
+            b"1 0 ",
+            b"-",
+            b"1234567890123456789",
+        ] {
+            assert!(integers(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
