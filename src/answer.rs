@@ -345,9 +345,21 @@ impl RateHeaders {
             }
         }
         if self.x_ratelimit {
-            headers.insert(X_LIMIT.clone(), HeaderValue::from(o.quota));
-            headers.insert(X_REMAINING.clone(), HeaderValue::from(o.remaining));
-            headers.insert(X_RESET.clone(), HeaderValue::from(reset));
+            // The three numbers in one buffer, each value a slice of it.
+            let mut n = itoa::Buffer::new();
+            let mut buf = bytes::BytesMut::with_capacity(60);
+            let mut ends = [0; 3];
+            for (end, v) in ends.iter_mut().zip([o.quota, o.remaining, reset]) {
+                buf.extend_from_slice(n.format(v).as_bytes());
+                *end = buf.len();
+            }
+            let buf = buf.freeze();
+            let value = |from: usize, to: usize| {
+                HeaderValue::from_maybe_shared(buf.slice(from..to)).expect("digits")
+            };
+            headers.insert(X_LIMIT.clone(), value(0, ends[0]));
+            headers.insert(X_REMAINING.clone(), value(ends[0], ends[1]));
+            headers.insert(X_RESET.clone(), value(ends[1], ends[2]));
         }
     }
 }

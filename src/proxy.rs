@@ -884,24 +884,25 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     if present & (1 << TRANSFER_ENCODING_AT) != 0 {
         h.remove(header::CONTENT_LENGTH);
     }
-    // The fields `Connection` names, those of them the message has.
-    let named: Vec<HeaderName> = if present & (1 << CONNECTION_AT) != 0 {
-        let tokens: Vec<&str> = h
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .collect();
-        h.keys()
-            .filter(|k| tokens.iter().any(|t| t.eq_ignore_ascii_case(k.as_str())))
+    // The fields `Connection` names, those of them the message has (usually none:
+    // its tokens are `keep-alive` or `close`).
+    if present & (1 << CONNECTION_AT) != 0 {
+        let connection = h.get_all(header::CONNECTION);
+        let named = |k: &HeaderName| {
+            connection
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .any(|t| t.trim().eq_ignore_ascii_case(k.as_str()))
+        };
+        let gone: Vec<HeaderName> = h
+            .keys()
+            .filter(|k| !HOP_BY_HOP.contains(k) && named(k))
             .cloned()
-            .collect()
-    } else {
-        Vec::new()
-    };
-    for n in &named {
-        h.remove(n);
+            .collect();
+        for n in &gone {
+            h.remove(n);
+        }
     }
     for (i, n) in HOP_BY_HOP.iter().enumerate() {
         if present & (1 << i) != 0 {

@@ -33,7 +33,8 @@ async fn counting_upstream(
             tokio::spawn(async move {
                 while read_head(&mut s).await.is_some() {
                     let mut answer =
-                        format!("HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n").into_bytes();
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n")
+                            .into_bytes();
                     answer.extend(std::iter::repeat_n(b'x', body_len));
                     if s.write_all(&answer).await.is_err() {
                         return;
