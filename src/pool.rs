@@ -94,7 +94,7 @@ where
         mut req: Request<Body>,
     ) -> Result<(Response<Incoming>, Lease<C>), SendError> {
         loop {
-            let (mut tx, kept) = match self.checkout().await {
+            let (mut tx, kept) = match self.checkout() {
                 Some(tx) => (tx, true),
                 None => self.connect_or_wait().await?,
             };
@@ -117,23 +117,30 @@ where
     }
 
     /// A kept connection ready for a request: this worker's most recently used
-    /// first, then another worker's.
-    async fn checkout(&self) -> Option<SendRequest<Body>> {
+    /// first, then another worker's. A connection still finishing its last exchange
+    /// (the upstream answered before the request body was all sent, and the upload
+    /// goes on) is left where it is, never waited for.
+    fn checkout(&self) -> Option<SendRequest<Body>> {
         let own = worker() % LISTS;
         for i in (0..LISTS).map(|k| (own + k) % LISTS) {
-            loop {
-                let idle = lock(&self.idle[i]).pop();
-                let Some(Idle { mut tx, since }) = idle else {
-                    break;
-                };
-                if tx.is_closed() || since.elapsed() > self.idle_timeout {
+            let mut idle = lock(&self.idle[i]);
+            let mut busy = Vec::new();
+            let mut found = None;
+            while let Some(e) = idle.pop() {
+                if e.tx.is_closed() || e.since.elapsed() > self.idle_timeout {
                     continue;
                 }
-                // Given back at the end of a body, a connection is ready once its
-                // task has seen that end: at once, or on its next turn.
-                if tx.is_ready() || tx.ready().await.is_ok() {
-                    return Some(tx);
+                if e.tx.is_ready() {
+                    found = Some(e.tx);
+                    break;
                 }
+                busy.push(e);
+            }
+            // Back under the others, in their order.
+            busy.reverse();
+            idle.splice(0..0, busy);
+            if found.is_some() {
+                return found;
             }
         }
         None
@@ -141,27 +148,36 @@ where
 
     /// A new connection, or one another request gives back first (`true`: kept).
     async fn connect_or_wait(&self) -> Result<(SendRequest<Body>, bool), SendError> {
-        let (give, mut given) = oneshot::channel();
-        lock(&self.waiting).push_back(give);
+        let mut given = self.wait_for_one();
         let connecting = self.connect();
         tokio::pin!(connecting);
         loop {
             tokio::select! {
                 biased;
-                Ok(mut tx) = &mut given => {
-                    if tx.ready().await.is_ok() {
+                Ok(tx) = &mut given => {
+                    if tx.is_ready() {
                         return Ok((tx, true));
                     }
-                    // Closed meanwhile: wait on for the connection being opened.
-                    let (give, again) = oneshot::channel();
-                    lock(&self.waiting).push_back(give);
-                    given = again;
+                    // Closed or busy meanwhile: kept (if open) for later, and this
+                    // request waits on.
+                    self.keep(tx);
+                    given = self.wait_for_one();
                 }
                 opened = &mut connecting => {
                     return opened.map(|tx| (tx, false)).map_err(SendError::Connect);
                 }
             }
         }
+    }
+
+    /// Registers a request waiting for a given-back connection; the waits of
+    /// requests that went on without one are dropped here, so they never pile up.
+    fn wait_for_one(&self) -> oneshot::Receiver<SendRequest<Body>> {
+        let (give, given) = oneshot::channel();
+        let mut waiting = lock(&self.waiting);
+        waiting.retain(|w| !w.is_closed());
+        waiting.push_back(give);
+        given
     }
 
     async fn connect(&self) -> Result<SendRequest<Body>, BoxError> {
@@ -185,8 +201,8 @@ impl<C> Pool<C> {
         if tx.is_closed() {
             return;
         }
-        // A request waiting for a connection takes it at once.
-        loop {
+        // A request waiting for a connection takes a ready one at once.
+        while tx.is_ready() {
             let Some(waiter) = lock(&self.waiting).pop_front() else {
                 break;
             };
@@ -195,6 +211,14 @@ impl<C> Pool<C> {
                 // That request went on without it.
                 Err(back) => tx = back,
             }
+        }
+        self.keep(tx);
+    }
+
+    /// Into this worker's idle list.
+    fn keep(&self, tx: SendRequest<Body>) {
+        if tx.is_closed() {
+            return;
         }
         let now = Instant::now();
         let mut idle = lock(&self.idle[worker() % LISTS]);
@@ -257,7 +281,8 @@ impl<C> http_body::Body for Pooled<C> {
         let frame = std::task::ready!(Pin::new(&mut this.body).poll_frame(cx));
         match &frame {
             None => this.release(),
-            Some(Ok(_)) if this.body.is_end_stream() => this.release(),
+            // Trailers end a body (hyper asks no further after them).
+            Some(Ok(f)) if f.is_trailers() || this.body.is_end_stream() => this.release(),
             Some(Ok(_)) => {}
             // The connection failed with the body: it is not given back.
             Some(Err(_)) => this.lease = None,
@@ -280,5 +305,72 @@ impl<C> Drop for Pooled<C> {
         if self.body.is_end_stream() {
             self.release();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// An upstream that closes every connection after its answer (`Connection:
+    /// close`): no connection ever comes back to the pool.
+    async fn closing_each_time() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let mut got = Vec::new();
+                    while !got.ends_with(b"\r\n\r\n") {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let _ = s
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+                        )
+                        .await;
+                });
+            }
+        });
+        addr
+    }
+
+    /// Every request that found no kept connection registered a wait; those that
+    /// opened their own connection instead left it behind, for ever, when nothing
+    /// was ever given back.
+    #[tokio::test]
+    async fn the_waits_of_requests_that_opened_their_own_connection_do_not_pile_up() {
+        let addr = closing_each_time().await;
+        let dst: Uri = format!("http://{addr}/").parse().unwrap();
+        let pool = Arc::new(Pool::new(
+            HttpConnector::new(),
+            dst,
+            Duration::from_secs(90),
+        ));
+        for _ in 0..20 {
+            let req = Request::builder()
+                .uri("/")
+                .header("host", addr.to_string())
+                .body(crate::answer::full(Bytes::new()))
+                .unwrap();
+            let (resp, lease) = pool.send(req).await.expect("an answer");
+            let body = Pooled::new(resp.into_body(), lease)
+                .collect()
+                .await
+                .unwrap();
+            assert_eq!(body.to_bytes(), "ok");
+        }
+        assert!(
+            lock(&pool.waiting).len() <= 1,
+            "{}",
+            lock(&pool.waiting).len()
+        );
     }
 }

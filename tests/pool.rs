@@ -111,3 +111,92 @@ async fn a_response_the_client_left_half_read_does_not_give_its_connection_back(
     assert_eq!((r.status, r.text().len()), (200, 8 << 20));
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
 }
+
+/// A raw upstream that answers a POST with `401` at once, without reading its body,
+/// and anything else with `200 ok`; it counts the connections it accepts.
+async fn early_answer_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                while let Some(head) = read_head(&mut s).await {
+                    let answer: &[u8] = if head.starts_with("POST") {
+                        b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                    };
+                    if s.write_all(answer).await.is_err() {
+                        return;
+                    }
+                    if head.starts_with("POST") {
+                        // The body is never read: the connection stays busy with it.
+                        std::future::pending::<()>().await;
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// An upstream that answered before the request body was all sent has its connection
+/// back in the pool while the upload goes on: the next request must not wait for
+/// that upload (it waited until the upstream timeout and got 504).
+#[tokio::test]
+async fn a_connection_still_taking_an_upload_is_not_lent_to_the_next_request() {
+    let (up, accepted) = early_answer_upstream().await;
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    ))
+    .await;
+    let mut upload = connect(gw.addr).await;
+    upload
+        .write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 1000000\r\n\r\nsome")
+        .await
+        .unwrap();
+    let head = read_head(&mut upload).await.expect("the early answer");
+    assert!(head.starts_with("HTTP/1.1 401"), "{head:?}");
+    // The upload is still open (1,000,000 bytes announced, 4 sent).
+    let r = http1().get(&url(gw.addr, "/"), &[]).await;
+    assert_eq!((r.status, r.text()), (200, "ok"));
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    drop(upload);
+}
+
+/// A raw upstream answering every request with a chunked body and a trailer.
+async fn trailer_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                while read_head(&mut s).await.is_some() {
+                    let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\n\r\n2\r\nok\r\n0\r\nx-sum: 42\r\n\r\n";
+                    if s.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn a_response_ending_with_trailers_gives_its_connection_back() {
+    let (up, accepted) = trailer_upstream().await;
+    let gw = start_gateway(&config(up)).await;
+    let client = http1();
+    for _ in 0..3 {
+        let r = client.get(&url(gw.addr, "/"), &[("te", "trailers")]).await;
+        assert_eq!((r.status, r.text()), (200, "ok"));
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
