@@ -13,42 +13,56 @@ use std::time::Duration;
 use common::*;
 use tokio::io::AsyncWriteExt;
 
+/// A raw upstream on 127.0.0.1 that counts the connections it accepts and serves
+/// each with `serve`.
+async fn raw_upstream<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicUsize>)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve(s));
+        }
+    });
+    (addr, accepted)
+}
+
 /// A raw HTTP/1.1 upstream that counts the connections it accepts. Each answer is
 /// `200` with a body of `body_len` bytes, keep-alive; with `close_after`, it closes
 /// the connection that long after each answer (an upstream's keep-alive timeout),
-/// without saying so in the answer.
+/// without saying so in the answer, and counts it closed.
 async fn counting_upstream(
     body_len: usize,
     close_after: Option<Duration>,
 ) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
     let closed = Arc::new(AtomicUsize::new(0));
-    let (count, closes) = (accepted.clone(), closed.clone());
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
-            let closes = closes.clone();
-            tokio::spawn(async move {
-                while read_head(&mut s).await.is_some() {
-                    let mut answer =
-                        format!("HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n")
-                            .into_bytes();
-                    answer.extend(std::iter::repeat_n(b'x', body_len));
-                    if s.write_all(&answer).await.is_err() {
-                        return;
-                    }
-                    if let Some(after) = close_after {
-                        tokio::time::sleep(after).await;
-                        drop(s);
-                        closes.fetch_add(1, Ordering::SeqCst);
-                        return;
-                    }
+    let closes = closed.clone();
+    let (addr, accepted) = raw_upstream(move |mut s| {
+        let closes = closes.clone();
+        async move {
+            while read_head(&mut s).await.is_some() {
+                let mut answer =
+                    format!("HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n").into_bytes();
+                answer.extend(std::iter::repeat_n(b'x', body_len));
+                if s.write_all(&answer).await.is_err() {
+                    return;
                 }
-            });
+                if let Some(after) = close_after {
+                    tokio::time::sleep(after).await;
+                    drop(s);
+                    closes.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+            }
         }
-    });
+    })
+    .await;
     (addr, accepted, closed)
 }
 
@@ -115,32 +129,23 @@ async fn a_response_the_client_left_half_read_does_not_give_its_connection_back(
 /// A raw upstream that answers a POST with `401` at once, without reading its body,
 /// and anything else with `200 ok`; it counts the connections it accepts.
 async fn early_answer_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                while let Some(head) = read_head(&mut s).await {
-                    let answer: &[u8] = if head.starts_with("POST") {
-                        b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n"
-                    } else {
-                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-                    };
-                    if s.write_all(answer).await.is_err() {
-                        return;
-                    }
-                    if head.starts_with("POST") {
-                        // The body is never read: the connection stays busy with it.
-                        std::future::pending::<()>().await;
-                    }
-                }
-            });
+    raw_upstream(|mut s| async move {
+        while let Some(head) = read_head(&mut s).await {
+            let answer: &[u8] = if head.starts_with("POST") {
+                b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n"
+            } else {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+            };
+            if s.write_all(answer).await.is_err() {
+                return;
+            }
+            if head.starts_with("POST") {
+                // The body is never read: the connection stays busy with it.
+                std::future::pending::<()>().await;
+            }
         }
-    });
-    (addr, accepted)
+    })
+    .await
 }
 
 /// An upstream that answered before the request body was all sent has its connection
@@ -169,24 +174,15 @@ async fn a_connection_still_taking_an_upload_is_not_lent_to_the_next_request() {
 
 /// A raw upstream answering every request with a chunked body and a trailer.
 async fn trailer_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                while read_head(&mut s).await.is_some() {
-                    let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\n\r\n2\r\nok\r\n0\r\nx-sum: 42\r\n\r\n";
-                    if s.write_all(answer).await.is_err() {
-                        return;
-                    }
-                }
-            });
+    raw_upstream(|mut s| async move {
+        while read_head(&mut s).await.is_some() {
+            let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\n\r\n2\r\nok\r\n0\r\nx-sum: 42\r\n\r\n";
+            if s.write_all(answer).await.is_err() {
+                return;
+            }
         }
-    });
-    (addr, accepted)
+    })
+    .await
 }
 
 #[tokio::test]
