@@ -294,16 +294,22 @@ pub fn policy_header(plan: &Plan) -> Option<HeaderValue> {
 
 /// A structured-field string: quoted, with `"` and `\` escaped.
 fn sf_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        if c == '"' || c == '\\' {
-            out.push('\\');
+    let mut out = Vec::with_capacity(s.len() + 2);
+    push_sf_string(&mut out, s);
+    // Only ASCII was added to valid UTF-8.
+    String::from_utf8(out).expect("UTF-8")
+}
+
+/// Appends `s` as a Structured Field string: quoted, `"` and `\\` escaped.
+fn push_sf_string(out: &mut Vec<u8>, s: &str) {
+    out.push(b'"');
+    for &b in s.as_bytes() {
+        if b == b'"' || b == b'\\' {
+            out.push(b'\\');
         }
-        out.push(c);
+        out.push(b);
     }
-    out.push('"');
-    out
+    out.push(b'"');
 }
 
 impl RateHeaders {
@@ -328,15 +334,9 @@ impl RateHeaders {
             // `"name";r=7;t=1`, in one allocation (the header is on every answer).
             let name = &plan.limits[i].name;
             let mut v = Vec::with_capacity(name.len() + 48);
-            v.push(b'"');
-            for &b in name.as_bytes() {
-                if b == b'"' || b == b'\\' {
-                    v.push(b'\\');
-                }
-                v.push(b);
-            }
+            push_sf_string(&mut v, name);
             let mut n = itoa::Buffer::new();
-            v.extend_from_slice(b"\";r=");
+            v.extend_from_slice(b";r=");
             v.extend_from_slice(n.format(o.remaining).as_bytes());
             v.extend_from_slice(b";t=");
             v.extend_from_slice(n.format(reset).as_bytes());

@@ -102,7 +102,7 @@ where
                 Ok(resp) => {
                     let lease = Lease {
                         pool: self.clone(),
-                        tx: Some(tx),
+                        tx,
                     };
                     return Ok((resp, lease));
                 }
@@ -242,7 +242,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// response body, closed if dropped before (or on an upgrade).
 pub struct Lease<C> {
     pool: Arc<Pool<C>>,
-    tx: Option<SendRequest<Body>>,
+    tx: SendRequest<Body>,
 }
 
 /// A response body that gives its connection back to the pool when it has been
@@ -261,10 +261,8 @@ impl<C> Pooled<C> {
     }
 
     fn release(&mut self) {
-        if let Some(mut lease) = self.lease.take() {
-            if let Some(tx) = lease.tx.take() {
-                lease.pool.give_back(tx);
-            }
+        if let Some(lease) = self.lease.take() {
+            lease.pool.give_back(lease.tx);
         }
     }
 }

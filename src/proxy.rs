@@ -535,8 +535,8 @@ impl Upstream {
         let sent = target.pool.send(Request::from_parts(parts, body));
         let (resp, lease) = match self.answer(sent, sending).await {
             Err(_) => return Err(ProxyError::Timeout),
-            Ok(Err(SendError::Connect(e))) => return Err(classify(&*e, true)),
-            Ok(Err(SendError::Send(e))) => return Err(classify(&e, false)),
+            Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
+            Ok(Err(SendError::Send(e))) => return Err(classify(e.into(), false)),
             Ok(Ok(r)) => r,
         };
 
@@ -615,23 +615,30 @@ fn splice(
     Response::from_parts(parts, crate::answer::full(bytes::Bytes::new()))
 }
 
-/// When a tunnel last carried a byte, in milliseconds since it opened.
-struct LastActive {
+/// When something last happened (a tunnel carried a byte, a connection's request
+/// ended), in milliseconds since it was made: one atomic store per event.
+pub(crate) struct LastActive {
     opened: tokio::time::Instant,
     at: std::sync::atomic::AtomicU64,
 }
 
 impl LastActive {
-    fn new() -> LastActive {
+    pub(crate) fn new() -> LastActive {
         LastActive {
             opened: tokio::time::Instant::now(),
             at: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
-    fn touch(&self) {
+    pub(crate) fn touch(&self) {
         let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.at.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long ago the last event was (since it was made, if none yet).
+    pub(crate) fn since(&self) -> Duration {
+        let at = Duration::from_millis(self.at.load(Ordering::Relaxed));
+        self.opened.elapsed().saturating_sub(at)
     }
 
     /// Resolves once nothing has crossed for `idle`.
@@ -700,8 +707,8 @@ fn wants_upgrade(h: &HeaderMap) -> bool {
 
 /// A failed exchange with the upstream, sorted by its causes: opening a connection
 /// (`connecting`) or on one.
-fn classify(e: &(dyn std::error::Error + 'static), connecting: bool) -> ProxyError {
-    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+fn classify(e: BoxError, connecting: bool) -> ProxyError {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&*e);
     while let Some(s) = src {
         if s.is::<NoFreeConnection>() {
             return ProxyError::Busy;
@@ -720,9 +727,9 @@ fn classify(e: &(dyn std::error::Error + 'static), connecting: bool) -> ProxyErr
         src = s.source();
     }
     if connecting {
-        ProxyError::Connect(e.to_string().into())
+        ProxyError::Connect(e)
     } else {
-        ProxyError::Reset(e.to_string().into())
+        ProxyError::Reset(e)
     }
 }
 

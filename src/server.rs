@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
-use crate::proxy::ConnectionHeld;
+use crate::proxy::{ConnectionHeld, LastActive};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -203,6 +203,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 .map_err(|source| StartError::Listen { addr, source })?;
             handles.push(spawn_worker(
                 i,
+                addr,
                 dup,
                 limits.clone(),
                 builder.clone(),
@@ -252,7 +253,6 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             stop_rx.clone(),
         ))
     };
-    let mut tasks = gw;
     let sweeper = {
         let shared = shared.clone();
         let mut stop_rx = stop_rx.clone();
@@ -323,10 +323,10 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         shared,
         control,
         stop,
-        tasks: {
-            tasks.extend([admin, sweeper, control_loop]);
-            tasks
-        },
+        tasks: gw
+            .into_iter()
+            .chain([admin, sweeper, control_loop])
+            .collect(),
         publisher,
         _watch: watch,
     })
@@ -449,6 +449,7 @@ fn workers(f: &crate::config::schema::File) -> usize {
 /// stay on the thread. The returned task ends when the worker has drained.
 fn spawn_worker<S, F>(
     i: usize,
+    addr: SocketAddr,
     listener: std::net::TcpListener,
     limits: Limits,
     builder: Arc<auto::Builder<TokioExecutor>>,
@@ -462,10 +463,6 @@ where
         + 'static,
     S::Future: Send + Unpin + 'static,
 {
-    let addr = listener.local_addr().map_err(|source| StartError::Listen {
-        addr: ([0, 0, 0, 0], 0).into(),
-        source,
-    })?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -663,9 +660,8 @@ impl Drop for IpSlot {
 /// clock read, and nothing is woken; the idle timer checks them when it fires.
 struct Activity {
     in_flight: AtomicUsize,
-    /// Milliseconds from `born` to the end of the last request (0: none yet).
-    last_end: AtomicU64,
-    born: tokio::time::Instant,
+    /// When the last request ended.
+    last_end: LastActive,
 }
 
 /// One request in flight; ends when its response body has been sent (or dropped).
@@ -675,8 +671,7 @@ impl Activity {
     fn new() -> Arc<Activity> {
         Arc::new(Activity {
             in_flight: AtomicUsize::new(0),
-            last_end: AtomicU64::new(0),
-            born: tokio::time::Instant::now(),
+            last_end: LastActive::new(),
         })
     }
 
@@ -689,11 +684,6 @@ impl Activity {
         self.in_flight.load(Ordering::Acquire) > 0
     }
 
-    fn since_last_end(&self) -> Duration {
-        let end = Duration::from_millis(self.last_end.load(Ordering::Relaxed));
-        self.born.elapsed().saturating_sub(end)
-    }
-
     /// Resolves once no request has been in flight for `timeout`.
     async fn idle(&self, timeout: Duration) {
         let mut wait = timeout;
@@ -704,7 +694,7 @@ impl Activity {
                 wait = timeout;
                 continue;
             }
-            let since = self.since_last_end();
+            let since = self.last_end.since();
             if since >= timeout {
                 return;
             }
@@ -715,10 +705,8 @@ impl Activity {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let a = &self.0;
-        let now = u64::try_from(a.born.elapsed().as_millis()).unwrap_or(u64::MAX);
-        a.last_end.store(now.max(1), Ordering::Relaxed);
-        a.in_flight.fetch_sub(1, Ordering::Release);
+        self.0.last_end.touch();
+        self.0.in_flight.fetch_sub(1, Ordering::Release);
     }
 }
 

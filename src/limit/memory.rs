@@ -39,7 +39,7 @@ const SHARDS: usize = 32;
 const MIN_SHARD: usize = 64;
 /// Entries a shard holds at most: an index slot keeps an entry number in 24 bits (more
 /// shards are made for a larger `max_keys`).
-const MAX_SHARD: usize = (1 << 24) - 1;
+const MAX_SHARD: usize = NUMBER as usize;
 /// Shards at most, however large `max_keys` is: with them the store holds up to 2^36
 /// entries, 4 TiB of them, more than any `max_keys` a machine can hold.
 const MAX_SHARDS: usize = 4096;

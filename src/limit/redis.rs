@@ -577,28 +577,14 @@ fn script_call(
         buf.clear();
         let (code, a, b, c) = params(&l.algorithm);
         buf.push(code);
+        let mut n = itoa::Buffer::new();
         for v in [l.cost, a, b, c] {
             buf.push(' ');
-            push_decimal(&mut buf, v);
+            buf.push_str(n.format(v));
         }
         cmd.arg(buf.as_str());
     }
     cmd
-}
-
-/// `n` in decimal digits.
-fn push_decimal(s: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    s.extend(digits[i..].iter().map(|&d| d as char));
 }
 
 /// The script's letter for an algorithm (`algorithms` in `lua/request.lua`) and its
@@ -1199,12 +1185,6 @@ mod tests {
                 "g 1 10 1000000 5",
             ]
         );
-        let mut buf = String::new();
-        for n in [0, 7, 10, 1_000_000, u64::MAX] {
-            buf.clear();
-            push_decimal(&mut buf, n);
-            assert_eq!(buf, n.to_string());
-        }
         assert!(!needs_uid(&p));
     }
 
