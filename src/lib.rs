@@ -19,3 +19,4 @@ pub mod proxy;
 pub mod request;
 pub mod route;
 pub mod server;
+pub mod wire;

@@ -1,14 +1,13 @@
 //! Upstream connections of one target: HTTP/1.1 connections kept alive between
-//! requests, in one idle list per worker so that a request, its upstream
-//! connection's task and its timers stay on the worker thread that took it.
+//! requests, in one idle list per worker so that a request and its upstream
+//! connection stay on the worker thread that took it.
 //!
-//! Instead of hyper-util's pooled client (a shared pool behind a mutex, boxed
-//! futures, and a task spawned per request to wait for the connection to be
-//! ready again), a connection goes back to its worker's list when the response
-//! body has been read to its end; a body dropped before its end takes its
-//! connection with it (hyper closes it). A request sent on a kept connection that
-//! turns out to be closed before the request was written is sent again on
-//! another, as hyper-util's client does.
+//! A request speaks to its connection itself (`wire`): there is no connection
+//! task. The connection goes back to its worker's list when the response body has
+//! been read to its end; a body dropped before its end closes its connection. A
+//! request safe to repeat (idempotent, no body) that finds a kept connection
+//! closed before any answer came is sent again on another, as browsers and Go's
+//! client do.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -18,14 +17,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, Uri};
-use http_body::Body as _;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
+use http::{Request, Response};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::answer::{Body, BoxError};
+use crate::wire::{self, Conn, Connector, Decoder, Framing};
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
 const LISTS: usize = 8;
@@ -48,38 +45,38 @@ fn worker() -> usize {
 pub enum SendError {
     /// No connection could be opened (the connector's error).
     Connect(BoxError),
-    /// The connection failed while the request was sent or its answer awaited.
-    Send(hyper::Error),
+    /// The connection failed while the request was sent or its answer awaited, or
+    /// the request body failed.
+    Send(BoxError),
+}
+
+/// The upstream's answer.
+pub enum Answer {
+    /// With a body that gives the connection back at its end.
+    Response(Response<Pooled>),
+    /// 101: the connection now speaks the protocol switched to.
+    Switched(http::response::Parts, Conn),
 }
 
 struct Idle {
-    tx: SendRequest<Body>,
+    conn: Conn,
     since: Instant,
 }
 
-pub struct Pool<C> {
-    connector: C,
-    /// `scheme://authority/` of the target, what the connector dials.
-    dst: Uri,
+pub struct Pool {
+    connector: Connector,
     idle: [Mutex<Vec<Idle>>; LISTS],
     /// Requests that found no kept connection and wait for one to be given back
     /// while they try to open one (which waits for a free slot under the cap).
-    waiting: Mutex<VecDeque<oneshot::Sender<SendRequest<Body>>>>,
+    waiting: Mutex<VecDeque<oneshot::Sender<Conn>>>,
     /// A connection idle longer than this is closed rather than reused.
     idle_timeout: Duration,
 }
 
-impl<C> Pool<C>
-where
-    C: tower_service::Service<Uri> + Clone + Send + 'static,
-    C::Future: Send + 'static,
-    C::Error: Into<BoxError>,
-    C::Response: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    pub fn new(connector: C, dst: Uri, idle_timeout: Duration) -> Pool<C> {
+impl Pool {
+    pub fn new(connector: Connector, idle_timeout: Duration) -> Pool {
         Pool {
             connector,
-            dst,
             idle: std::array::from_fn(|_| Mutex::new(Vec::new())),
             waiting: Mutex::new(VecDeque::new()),
             idle_timeout,
@@ -87,84 +84,74 @@ where
     }
 
     /// Send `req` (origin-form URI, `Host` set) on a kept connection, or a new one.
-    /// The answer comes with the connection's `Lease`, to give back once its body
-    /// has been read (`Pooled`).
-    pub async fn send(
-        self: &Arc<Self>,
-        mut req: Request<Body>,
-    ) -> Result<(Response<Incoming>, Lease<C>), SendError> {
+    pub async fn send(self: &Arc<Self>, req: Request<Body>) -> Result<Answer, SendError> {
+        let (mut parts, body) = req.into_parts();
+        let (head, framing) = wire::request_head(&mut parts, &body);
+        let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
+        let mut body = Some(body);
         loop {
-            let (mut tx, kept) = match self.checkout() {
-                Some(tx) => (tx, true),
+            let (mut conn, kept) = match self.checkout() {
+                Some(conn) => (conn, true),
                 None => self.connect_or_wait().await?,
             };
-            match tx.try_send_request(req).await {
-                Ok(resp) => {
-                    let lease = Lease {
-                        pool: self.clone(),
-                        tx,
-                    };
-                    return Ok((resp, lease));
+            let sent = body
+                .take()
+                .unwrap_or_else(|| crate::answer::full(Bytes::new()));
+            match wire::exchange(&mut conn, head.clone(), sent, framing, &parts.method).await {
+                Ok(head) if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS => {
+                    return Ok(Answer::Switched(head.parts, conn));
                 }
-                Err(mut e) => match e.take_message() {
-                    // Closed before the request was written: nothing reached the
-                    // upstream, so another connection may take it.
-                    Some(r) if kept => req = r,
-                    _ => return Err(SendError::Send(e.into_error())),
-                },
+                Ok(head) => {
+                    let body = Pooled {
+                        conn: Some(conn),
+                        decoder: head.body,
+                        reusable: head.reusable,
+                        pool: self.clone(),
+                    };
+                    return Ok(Answer::Response(Response::from_parts(head.parts, body)));
+                }
+                // Closed before anything came back (the upstream's keep-alive ran
+                // out as the request went): another connection may take it.
+                Err(f) if kept && repeatable && f.nothing_back => {
+                    tracing::debug!(error = %f.error, "kept upstream connection closed; sending again");
+                }
+                Err(f) => return Err(SendError::Send(f.error)),
             }
         }
     }
 
     /// A kept connection ready for a request: this worker's most recently used
-    /// first, then another worker's. A connection still finishing its last exchange
-    /// (the upstream answered before the request body was all sent, and the upload
-    /// goes on) is left where it is, never waited for.
-    fn checkout(&self) -> Option<SendRequest<Body>> {
+    /// first, then another worker's. Connections the upstream closed (or sent
+    /// something unasked on) while idle, or idle too long, are closed on the way.
+    fn checkout(&self) -> Option<Conn> {
         let own = worker() % LISTS;
         for i in (0..LISTS).map(|k| (own + k) % LISTS) {
             let mut idle = lock(&self.idle[i]);
-            let mut busy = Vec::new();
-            let mut found = None;
-            while let Some(e) = idle.pop() {
-                if e.tx.is_closed() || e.since.elapsed() > self.idle_timeout {
-                    continue;
+            while let Some(mut e) = idle.pop() {
+                if e.since.elapsed() <= self.idle_timeout && e.conn.is_usable() {
+                    return Some(e.conn);
                 }
-                if e.tx.is_ready() {
-                    found = Some(e.tx);
-                    break;
-                }
-                busy.push(e);
-            }
-            // Back under the others, in their order.
-            busy.reverse();
-            idle.splice(0..0, busy);
-            if found.is_some() {
-                return found;
             }
         }
         None
     }
 
     /// A new connection, or one another request gives back first (`true`: kept).
-    async fn connect_or_wait(&self) -> Result<(SendRequest<Body>, bool), SendError> {
+    async fn connect_or_wait(&self) -> Result<(Conn, bool), SendError> {
         let mut given = self.wait_for_one();
-        let connecting = self.connect();
+        let connecting = self.connector.connect();
         tokio::pin!(connecting);
         loop {
             tokio::select! {
                 biased;
-                Ok(tx) = &mut given => {
-                    if tx.is_ready() {
-                        return Ok((tx, true));
+                Ok(mut conn) = &mut given => {
+                    if conn.is_usable() {
+                        return Ok((conn, true));
                     }
-                    // Closed or busy meanwhile: kept (if open) for later, and this
-                    // request waits on.
-                    self.keep(tx);
                     given = self.wait_for_one();
                 }
                 opened = &mut connecting => {
-                    return opened.map(|tx| (tx, false)).map_err(SendError::Connect);
+                    return opened.map(|c| (c, false)).map_err(SendError::Connect);
                 }
             }
         }
@@ -172,7 +159,7 @@ where
 
     /// Registers a request waiting for a given-back connection; the waits of
     /// requests that went on without one are dropped here, so they never pile up.
-    fn wait_for_one(&self) -> oneshot::Receiver<SendRequest<Body>> {
+    fn wait_for_one(&self) -> oneshot::Receiver<Conn> {
         let (give, given) = oneshot::channel();
         let mut waiting = lock(&self.waiting);
         waiting.retain(|w| !w.is_closed());
@@ -180,45 +167,17 @@ where
         given
     }
 
-    async fn connect(&self) -> Result<SendRequest<Body>, BoxError> {
-        let mut connector = self.connector.clone();
-        std::future::poll_fn(|cx| connector.poll_ready(cx))
-            .await
-            .map_err(Into::into)?;
-        let io = connector.call(self.dst.clone()).await.map_err(Into::into)?;
-        let (tx, conn) = http1::Builder::new().handshake(io).await?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(error = %e, "upstream connection ended with an error");
-            }
-        });
-        Ok(tx)
-    }
-}
-
-impl<C> Pool<C> {
-    fn give_back(&self, mut tx: SendRequest<Body>) {
-        if tx.is_closed() {
-            return;
-        }
-        // A request waiting for a connection takes a ready one at once.
-        while tx.is_ready() {
+    fn give_back(&self, mut conn: Conn) {
+        // A request waiting for a connection takes it at once.
+        loop {
             let Some(waiter) = lock(&self.waiting).pop_front() else {
                 break;
             };
-            match waiter.send(tx) {
+            match waiter.send(conn) {
                 Ok(()) => return,
                 // That request went on without it.
-                Err(back) => tx = back,
+                Err(back) => conn = back,
             }
-        }
-        self.keep(tx);
-    }
-
-    /// Into this worker's idle list.
-    fn keep(&self, tx: SendRequest<Body>) {
-        if tx.is_closed() {
-            return;
         }
         let now = Instant::now();
         let mut idle = lock(&self.idle[worker() % LISTS]);
@@ -230,7 +189,7 @@ impl<C> Pool<C> {
         {
             idle.remove(0);
         }
-        idle.push(Idle { tx, since: now });
+        idle.push(Idle { conn, since: now });
     }
 }
 
@@ -238,69 +197,63 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A connection lent to one request: given back by `Pooled` at the end of the
-/// response body, closed if dropped before (or on an upgrade).
-pub struct Lease<C> {
-    pool: Arc<Pool<C>>,
-    tx: SendRequest<Body>,
+/// A response body read from its connection as the client takes it; the
+/// connection goes back to the pool at its end (if it may carry another request),
+/// and is closed if the body is dropped before.
+pub struct Pooled {
+    conn: Option<Conn>,
+    decoder: Decoder,
+    reusable: bool,
+    pool: Arc<Pool>,
 }
 
-/// A response body that gives its connection back to the pool when it has been
-/// read to its end.
-pub struct Pooled<C> {
-    body: Incoming,
-    lease: Option<Lease<C>>,
-}
-
-impl<C> Pooled<C> {
-    pub fn new(body: Incoming, lease: Lease<C>) -> Pooled<C> {
-        Pooled {
-            body,
-            lease: Some(lease),
-        }
-    }
-
+impl Pooled {
     fn release(&mut self) {
-        if let Some(lease) = self.lease.take() {
-            lease.pool.give_back(lease.tx);
+        if let Some(conn) = self.conn.take() {
+            // Bytes after the end of the answer: nothing asked for them.
+            if self.reusable && !conn.has_unread() {
+                self.pool.give_back(conn);
+            }
         }
     }
 }
 
-impl<C> http_body::Body for Pooled<C> {
+impl http_body::Body for Pooled {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        let frame = std::task::ready!(Pin::new(&mut this.body).poll_frame(cx));
+        let Some(conn) = this.conn.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let frame = std::task::ready!(this.decoder.poll_frame(conn, cx));
         match &frame {
-            None => this.release(),
-            // Trailers end a body (hyper asks no further after them).
-            Some(Ok(f)) if f.is_trailers() || this.body.is_end_stream() => this.release(),
-            Some(Ok(_)) => {}
-            // The connection failed with the body: it is not given back.
-            Some(Err(_)) => this.lease = None,
+            Some(Ok(_)) if !this.decoder.is_end() => {}
+            // The end: the last data, trailers or nothing more.
+            None | Some(Ok(_)) => this.release(),
+            // The connection failed with the body: it is closed.
+            Some(Err(_)) => this.conn = None,
         }
         Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.decoder.is_end()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
+        self.decoder.size_hint()
     }
 }
 
-impl<C> Drop for Pooled<C> {
+impl Drop for Pooled {
     fn drop(&mut self) {
         // A body with nothing in it (HEAD, 204, 304) may never be polled.
-        if self.body.is_end_stream() {
+        if self.decoder.is_end() {
             self.release();
         }
     }
@@ -310,7 +263,6 @@ impl<C> Drop for Pooled<C> {
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
-    use hyper_util::client::legacy::connect::HttpConnector;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// An upstream that closes every connection after its answer (`Connection:
@@ -346,23 +298,19 @@ mod tests {
     #[tokio::test]
     async fn the_waits_of_requests_that_opened_their_own_connection_do_not_pile_up() {
         let addr = closing_each_time().await;
-        let dst: Uri = format!("http://{addr}/").parse().unwrap();
-        let pool = Arc::new(Pool::new(
-            HttpConnector::new(),
-            dst,
-            Duration::from_secs(90),
-        ));
+        let connector =
+            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 4).unwrap();
+        let pool = Arc::new(Pool::new(connector, Duration::from_secs(90)));
         for _ in 0..20 {
             let req = Request::builder()
                 .uri("/")
                 .header("host", addr.to_string())
                 .body(crate::answer::full(Bytes::new()))
                 .unwrap();
-            let (resp, lease) = pool.send(req).await.expect("an answer");
-            let body = Pooled::new(resp.into_body(), lease)
-                .collect()
-                .await
-                .unwrap();
+            let Ok(Answer::Response(resp)) = pool.send(req).await else {
+                panic!("no answer");
+            };
+            let body = resp.into_body().collect().await.unwrap();
             assert_eq!(body.to_bytes(), "ok");
         }
         assert!(

@@ -18,15 +18,13 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::TokioIo;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::answer::{Body, BoxError};
-use crate::pool::{Pool, Pooled, SendError};
+use crate::pool::{Answer, Pool, SendError};
+use crate::wire::{Conn, Connector, NoFreeConnection};
 
 /// A kept upstream connection idle longer than this is closed.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -208,10 +206,8 @@ impl ProxyError {
 struct Target {
     scheme: Scheme,
     authority: Authority,
-    pool: Arc<Pool<Connector>>,
+    pool: Arc<Pool>,
 }
-
-type Connector = Capped<HttpsConnector<HttpConnector>>;
 
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -333,20 +329,13 @@ impl Upstream {
             }
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()?
             .with_root_certificates(roots)
             .with_no_client_auth();
+        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let tls = Arc::new(tls);
 
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(connect_timeout));
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
         // Validation keeps max_connections at least the number of targets.
         let n = addrs.len().max(1);
         let targets = addrs
@@ -354,24 +343,23 @@ impl Upstream {
             .enumerate()
             .map(|(i, (scheme, authority))| {
                 let share = (o.max_connections / n + usize::from(i < o.max_connections % n)).max(1);
-                let capped = Capped {
-                    inner: connector.clone(),
-                    slots: Arc::new(Semaphore::new(share)),
-                    wait: connect_timeout,
-                };
-                let dst = Uri::builder()
-                    .scheme(scheme.clone())
-                    .authority(authority.clone())
-                    .path_and_query("/")
-                    .build()
-                    .map_err(|_| BuildError::Target {
-                        upstream: name.into(),
-                        target: format!("{scheme}://{authority}"),
-                    })?;
+                let https = scheme == Scheme::HTTPS;
+                let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
+                let connector = Connector::new(
+                    authority.host(),
+                    port,
+                    https.then(|| tls.clone()),
+                    connect_timeout,
+                    share,
+                )
+                .map_err(|_| BuildError::Target {
+                    upstream: name.into(),
+                    target: format!("{scheme}://{authority}"),
+                })?;
                 Ok(Target {
                     scheme,
                     authority,
-                    pool: Arc::new(Pool::new(capped, dst, POOL_IDLE_TIMEOUT)),
+                    pool: Arc::new(Pool::new(connector, POOL_IDLE_TIMEOUT)),
                 })
             })
             .collect::<Result<Vec<_>, BuildError>>()?;
@@ -533,34 +521,27 @@ impl Upstream {
             .map_err(BoxError::from)
             .boxed();
         let sent = target.pool.send(Request::from_parts(parts, body));
-        let (resp, lease) = match self.answer(sent, sending).await {
+        let resp = match self.answer(sent, sending).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
-            Ok(Err(SendError::Send(e))) => return Err(classify(e.into(), false)),
-            Ok(Ok(r)) => r,
+            Ok(Err(SendError::Send(e))) => return Err(classify(e, false)),
+            Ok(Ok(Answer::Response(r))) => r,
+            Ok(Ok(Answer::Switched(parts, conn))) => {
+                return match client_upgrade {
+                    Some(client_upgrade) => {
+                        Ok(splice(parts, conn, client_upgrade, held, self.tunnel_idle))
+                    }
+                    // A switch nobody asked for: its connection speaks something
+                    // else now.
+                    None => Err(ProxyError::Reset(
+                        "the upstream switched protocols without an upgrade request".into(),
+                    )),
+                };
+            }
         };
-
-        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-            return match client_upgrade {
-                Some(client_upgrade) => Ok(splice(
-                    resp,
-                    client_upgrade,
-                    held,
-                    Box::new(lease),
-                    self.tunnel_idle,
-                )),
-                // A switch nobody asked for: its connection speaks something else now.
-                None => Err(ProxyError::Reset(
-                    "the upstream switched protocols without an upgrade request".into(),
-                )),
-            };
-        }
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        Ok(Response::from_parts(
-            parts,
-            Pooled::new(body, lease).map_err(BoxError::from).boxed(),
-        ))
+        Ok(Response::from_parts(parts, body.boxed()))
     }
 }
 
@@ -579,21 +560,18 @@ pub struct ConnectionHeld(pub Arc<dyn std::any::Any + Send + Sync>);
 /// have switched. The tunnel is closed (both connections) once no byte has
 /// crossed it, either way, for `idle` (nginx's `proxy_read_timeout`).
 fn splice(
-    mut resp: Response<Incoming>,
+    mut parts: http::response::Parts,
+    upstream: Conn,
     client: hyper::upgrade::OnUpgrade,
     held: Option<ConnectionHeld>,
-    lease: Box<dyn std::any::Any + Send>,
     idle: Duration,
 ) -> Response<Body> {
-    let upstream = hyper::upgrade::on(&mut resp);
     let (open, end) = tokio::sync::watch::channel(());
     tokio::spawn(async move {
         let _open = open;
         let _held = held;
-        // The upstream connection's sender, never to be used again.
-        let _lease = lease;
-        let (Ok(c), Ok(u)) = (client.await, upstream.await) else {
-            tracing::debug!("upgrade failed on one side");
+        let Ok(c) = client.await else {
+            tracing::debug!("upgrade failed on the client's side");
             return;
         };
         let last = Arc::new(LastActive::new());
@@ -602,7 +580,7 @@ fn splice(
             last: last.clone(),
         };
         let mut u = Active {
-            io: TokioIo::new(u),
+            io: upstream,
             last: last.clone(),
         };
         tokio::select! {
@@ -610,7 +588,6 @@ fn splice(
             _ = last.idle(idle) => tracing::debug!(?idle, "tunnel idle: closed"),
         }
     });
-    let (mut parts, _) = resp.into_parts();
     parts.extensions.insert(TunnelEnd(end));
     Response::from_parts(parts, crate::answer::full(bytes::Bytes::new()))
 }
@@ -734,106 +711,6 @@ fn classify(e: BoxError, connecting: bool) -> ProxyError {
 }
 
 static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
-
-// === the connection cap ===
-
-/// A connector that opens a connection only with a slot of its semaphore, held by
-/// the connection until it closes (pooled, in use or upgraded). A request that gets
-/// no slot within `wait` (and no pooled connection meanwhile) fails.
-#[derive(Clone)]
-struct Capped<C> {
-    inner: C,
-    slots: Arc<Semaphore>,
-    wait: Duration,
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("no free connection to the upstream within {0:?}")]
-struct NoFreeConnection(Duration);
-
-type Connecting<T> = Pin<Box<dyn Future<Output = Result<CappedIo<T>, BoxError>> + Send>>;
-
-impl<C> tower_service::Service<Uri> for Capped<C>
-where
-    C: tower_service::Service<Uri> + Send + 'static,
-    C::Future: Send + 'static,
-    C::Error: Into<BoxError>,
-    C::Response: Send + 'static,
-{
-    type Response = CappedIo<C::Response>;
-    type Error = BoxError;
-    type Future = Connecting<C::Response>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, dst: Uri) -> Self::Future {
-        // Lazy: nothing connects before the slot is there.
-        let connecting = self.inner.call(dst);
-        let (slots, wait) = (self.slots.clone(), self.wait);
-        Box::pin(async move {
-            let slot = match tokio::time::timeout(wait, slots.acquire_owned()).await {
-                Ok(Ok(slot)) => slot,
-                _ => return Err(NoFreeConnection(wait).into()),
-            };
-            let io = connecting.await.map_err(Into::into)?;
-            Ok(CappedIo { io, _slot: slot })
-        })
-    }
-}
-
-/// A connection holding its slot.
-struct CappedIo<T> {
-    io: T,
-    _slot: OwnedSemaphorePermit,
-}
-
-impl<T: hyper::rt::Read + Unpin> hyper::rt::Read for CappedIo<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for CappedIo<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-}
-
-impl<T: Connection> Connection for CappedIo<T> {
-    fn connected(&self) -> Connected {
-        self.io.connected()
-    }
-}
 
 /// The hop-by-hop headers of RFC 9110 §7.6.1, and every header `Connection` names.
 /// (`Trailer` is not one: it announces the trailers, which HTTP/1.1 needs to

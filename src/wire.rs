@@ -1,0 +1,1038 @@
+//! HTTP/1.1 to upstreams, spoken in the request's own task: the request head is
+//! written from the request's `HeaderMap`, the body streamed after it, the response
+//! head read with `httparse` and its body decoded as the client reads it. No
+//! connection task, no channel between the request and its connection, and one
+//! buffer per connection (pingora's route, instead of hyper's client).
+//!
+//! Framing follows hyper's client, which this replaces: the same rules for when a
+//! request gets `Content-Length`, `Transfer-Encoding: chunked` or no body, and for
+//! how a response's body is delimited (RFC 9112 §6.3).
+
+use std::future::Future;
+use std::io;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Version};
+use http_body::{Body as _, Frame};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::answer::{Body, BoxError};
+
+/// The largest response head (status line and fields) or trailer block taken from
+/// an upstream; a larger one is a 502 (nginx's `proxy_buffer_size` is 4–8 KiB,
+/// Envoy's limit 60 KiB).
+pub const MAX_HEAD: usize = 64 * 1024;
+/// The most fields a response head or trailer block may have (hyper's default).
+const MAX_FIELDS: usize = 100;
+/// The longest chunk-size line (with its extensions).
+const MAX_CHUNK_LINE: usize = 4096;
+/// Bytes asked of the socket per read (at least).
+const READ_SIZE: usize = 16 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+#[error("no free connection to the upstream within {0:?}")]
+pub struct NoFreeConnection(pub Duration);
+
+/// A malformed or unexpected message from the upstream.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("the upstream closed the connection before answering")]
+    ClosedBeforeAnswer,
+    #[error("the upstream closed the connection before the end of the body")]
+    IncompleteBody,
+    #[error("malformed response from the upstream: {0}")]
+    Malformed(&'static str),
+    #[error("response head larger than {MAX_HEAD} bytes")]
+    HeadTooLarge,
+    #[error("the request body did not match its Content-Length")]
+    BodyLength,
+}
+
+// === connections ===
+
+/// A connection to an upstream target, plain or TLS.
+pub enum Stream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// An open upstream connection: its stream, what has been read from it and not yet
+/// used, and its slot under the target's `max_connections`, held until it closes.
+pub struct Conn {
+    io: Stream,
+    buf: BytesMut,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Conn {
+    /// Whether a kept connection can take a request: nothing arrived on it while it
+    /// sat idle. An end of stream is the upstream closing it; bytes are something no
+    /// request asked for. Costs no syscall unless the socket was reported readable.
+    pub fn is_usable(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        if self.io.tcp().poll_read_ready(&mut cx).is_pending() {
+            return true;
+        }
+        // Readable, or was: a read tells which (`WouldBlock` clears the mark).
+        self.poll_fill(&mut cx).is_pending()
+    }
+
+    /// Whether bytes the upstream sent are waiting unread.
+    pub fn has_unread(&self) -> bool {
+        !self.buf.is_empty()
+    }
+
+    /// Reads what the socket has into the buffer: `Ok(0)` is its end.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < READ_SIZE / 8 {
+            self.buf.reserve(READ_SIZE);
+        }
+        let read = tokio::io::AsyncReadExt::read_buf(&mut self.io, &mut self.buf);
+        std::pin::pin!(read).poll(cx)
+    }
+}
+
+/// An upgraded (101) connection reads what came after the response head first.
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.buf.is_empty() {
+            let n = this.buf.len().min(buf.remaining());
+            buf.put_slice(&this.buf.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// Opens connections to one target, each with a slot of the target's cap: a
+/// request that gets no slot within `connect_timeout` fails (`NoFreeConnection`).
+/// Resolving, connecting and the TLS handshake together get `connect_timeout`
+/// (nginx's `proxy_connect_timeout` also covers its handshake).
+pub struct Connector {
+    /// The host as written in the target, without brackets (DNS name or IP).
+    host: String,
+    port: u16,
+    tls: Option<(
+        tokio_rustls::TlsConnector,
+        rustls_pki_types::ServerName<'static>,
+    )>,
+    connect_timeout: Duration,
+    slots: Arc<Semaphore>,
+}
+
+impl Connector {
+    pub fn new(
+        host: &str,
+        port: u16,
+        tls: Option<Arc<rustls::ClientConfig>>,
+        connect_timeout: Duration,
+        slots: usize,
+    ) -> Result<Connector, rustls_pki_types::InvalidDnsNameError> {
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let tls = match tls {
+            None => None,
+            Some(config) => {
+                let name = match host.parse::<IpAddr>() {
+                    Ok(ip) => rustls_pki_types::ServerName::IpAddress(ip.into()),
+                    Err(_) => rustls_pki_types::ServerName::try_from(host.clone())?,
+                };
+                Some((tokio_rustls::TlsConnector::from(config), name))
+            }
+        };
+        Ok(Connector {
+            host,
+            port,
+            tls,
+            connect_timeout,
+            slots: Arc::new(Semaphore::new(slots)),
+        })
+    }
+
+    pub async fn connect(&self) -> Result<Conn, BoxError> {
+        let wait = self.connect_timeout;
+        let slot = match tokio::time::timeout(wait, self.slots.clone().acquire_owned()).await {
+            Ok(Ok(slot)) => slot,
+            _ => return Err(NoFreeConnection(wait).into()),
+        };
+        let io = match tokio::time::timeout(wait, self.open()).await {
+            Ok(io) => io?,
+            Err(_) => {
+                return Err(
+                    io::Error::new(io::ErrorKind::TimedOut, "upstream connect timeout").into(),
+                )
+            }
+        };
+        Ok(Conn {
+            io,
+            buf: BytesMut::with_capacity(READ_SIZE / 2),
+            _slot: slot,
+        })
+    }
+
+    async fn open(&self) -> Result<Stream, BoxError> {
+        let tcp = match self.host.parse::<IpAddr>() {
+            Ok(ip) => TcpStream::connect((ip, self.port)).await?,
+            Err(_) => {
+                let mut last = None;
+                let mut open = None;
+                for addr in tokio::net::lookup_host((self.host.as_str(), self.port)).await? {
+                    match TcpStream::connect(addr).await {
+                        Ok(s) => {
+                            open = Some(s);
+                            break;
+                        }
+                        Err(e) => last = Some(e),
+                    }
+                }
+                match (open, last) {
+                    (Some(s), _) => s,
+                    (None, Some(e)) => return Err(e.into()),
+                    (None, None) => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::NotFound,
+                            format!("{} resolves to no address", self.host),
+                        )
+                        .into())
+                    }
+                }
+            }
+        };
+        tcp.set_nodelay(true)?;
+        Ok(match &self.tls {
+            None => Stream::Plain(tcp),
+            Some((tls, name)) => Stream::Tls(Box::new(tls.connect(name.clone(), tcp).await?)),
+        })
+    }
+}
+
+// === the request ===
+
+/// How a request body goes on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// No body is sent.
+    Empty,
+    Length(u64),
+    Chunked,
+}
+
+/// The request head on the wire (origin-form target, fields as they are), and how
+/// its body follows. As hyper's client: a body that is already over is not sent
+/// (any `Content-Length` the request has stays as it is); a `Content-Length`
+/// the request has, or a length the body knows, delimits it; an unknown length is
+/// chunked, except on GET, HEAD and CONNECT, which then send none.
+pub fn request_head(parts: &mut http::request::Parts, body: &Body) -> (Bytes, Framing) {
+    let framing = if body.is_end_stream() {
+        Framing::Empty
+    } else if let Some(n) = content_length(&parts.headers) {
+        Framing::Length(n)
+    } else if let Some(n) = body.size_hint().exact() {
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        Framing::Length(n)
+    } else if matches!(parts.method, Method::GET | Method::HEAD | Method::CONNECT) {
+        Framing::Empty
+    } else {
+        parts.headers.remove(header::CONTENT_LENGTH);
+        parts.headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        Framing::Chunked
+    };
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let fields: usize = parts
+        .headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 14);
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.extend_from_slice(b" ");
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    write_fields(&mut out, &parts.headers);
+    out.extend_from_slice(b"\r\n");
+    (out.freeze(), framing)
+}
+
+fn write_fields(out: &mut BytesMut, h: &HeaderMap) {
+    for (k, v) in h {
+        out.extend_from_slice(k.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(v.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+/// The one `Content-Length` of a message: several values are one only if equal.
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    let mut found = None;
+    for v in h.get_all(header::CONTENT_LENGTH) {
+        for part in v.to_str().ok()?.split(',') {
+            let part = part.trim();
+            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let n: u64 = part.parse().ok()?;
+            if found.is_some_and(|f| f != n) {
+                return None;
+            }
+            found = Some(n);
+        }
+    }
+    found
+}
+
+/// Writes the head, then the body in its framing; ends flushed.
+struct Upload {
+    pending: Bytes,
+    body: Option<Body>,
+    framing: Framing,
+    sent: u64,
+    /// The body (and its last chunk) is all in `pending`.
+    last: bool,
+}
+
+/// How an upload failed: the client's body (its error, to classify), or the
+/// upstream connection (perhaps it answered and closed: its answer is still read).
+enum UploadError {
+    Body(BoxError),
+    Write(io::Error),
+}
+
+impl Upload {
+    fn poll_send(
+        &mut self,
+        io: &mut Stream,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), UploadError>> {
+        loop {
+            while !self.pending.is_empty() {
+                let n = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending))
+                    .map_err(UploadError::Write)?;
+                if n == 0 {
+                    return Poll::Ready(Err(UploadError::Write(io::ErrorKind::WriteZero.into())));
+                }
+                self.pending.advance(n);
+            }
+            if self.last {
+                return Pin::new(&mut *io)
+                    .poll_flush(cx)
+                    .map_err(UploadError::Write);
+            }
+            let Some(body) = self.body.as_mut() else {
+                self.last = true;
+                continue;
+            };
+            match ready!(Pin::new(body).poll_frame(cx)) {
+                None => {
+                    self.body = None;
+                    self.last = true;
+                    match self.framing {
+                        Framing::Chunked => self.pending = Bytes::from_static(b"0\r\n\r\n"),
+                        Framing::Length(n) if n != self.sent => {
+                            return Poll::Ready(Err(UploadError::Body(
+                                WireError::BodyLength.into(),
+                            )))
+                        }
+                        _ => {}
+                    }
+                }
+                Some(Err(e)) => return Poll::Ready(Err(UploadError::Body(e))),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if data.is_empty() => {}
+                    Ok(data) => {
+                        self.sent += data.len() as u64;
+                        self.pending = match self.framing {
+                            Framing::Chunked => {
+                                let mut c = BytesMut::with_capacity(data.len() + 20);
+                                c.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                                c.extend_from_slice(&data);
+                                c.extend_from_slice(b"\r\n");
+                                c.freeze()
+                            }
+                            Framing::Length(n) if self.sent > n => {
+                                return Poll::Ready(Err(UploadError::Body(
+                                    WireError::BodyLength.into(),
+                                )))
+                            }
+                            _ => data,
+                        };
+                    }
+                    Err(frame) => {
+                        // Trailers: after the last chunk; a length-delimited body
+                        // cannot carry them (hyper drops them too).
+                        if let (Ok(trailers), Framing::Chunked) =
+                            (frame.into_trailers(), self.framing)
+                        {
+                            let mut c = BytesMut::from(&b"0\r\n"[..]);
+                            write_fields(&mut c, &trailers);
+                            c.extend_from_slice(b"\r\n");
+                            self.pending = c.freeze();
+                            self.body = None;
+                            self.last = true;
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
+
+// === the response ===
+
+/// A response head, and how its body is to be read.
+pub struct Head {
+    pub parts: http::response::Parts,
+    pub body: Decoder,
+    /// The connection may carry another request once this body has been read:
+    /// HTTP/1.1 without `Connection: close` (HTTP/1.0 with `keep-alive`), the
+    /// request all sent, a body with a delimited end.
+    pub reusable: bool,
+}
+
+/// Why an exchange failed, and whether the upstream sent anything back.
+pub struct Failed {
+    pub error: BoxError,
+    /// No byte of an answer arrived: on a kept connection, a request that is safe
+    /// to repeat may go on another.
+    pub nothing_back: bool,
+}
+
+/// Sends a request (its head as `request_head` made it) and reads the response
+/// head, skipping informational (1xx) answers other than 101; an answer that comes
+/// before the request body is all sent ends the upload (the connection then closes
+/// after the answer).
+pub async fn exchange(
+    conn: &mut Conn,
+    head: Bytes,
+    body: Body,
+    framing: Framing,
+    method: &Method,
+) -> Result<Head, Failed> {
+    let mut upload = Some(Upload {
+        pending: head,
+        body: (framing != Framing::Empty).then_some(body),
+        framing,
+        sent: 0,
+        last: false,
+    });
+    let mut write_failed = None;
+    let mut received = false;
+    std::future::poll_fn(|cx| {
+        if let Some(up) = upload.as_mut() {
+            match up.poll_send(&mut conn.io, cx) {
+                Poll::Pending => {}
+                Poll::Ready(Ok(())) => upload = None,
+                Poll::Ready(Err(UploadError::Body(e))) => {
+                    return Poll::Ready(Err(Failed {
+                        error: e,
+                        nothing_back: false,
+                    }))
+                }
+                // The upstream may have answered before it closed: read on.
+                Poll::Ready(Err(UploadError::Write(e))) => {
+                    upload = None;
+                    write_failed = Some(e);
+                }
+            }
+        }
+        loop {
+            if !conn.buf.is_empty() {
+                received = true;
+                match parse_head(&mut conn.buf, method) {
+                    Err(e) => {
+                        return Poll::Ready(Err(Failed {
+                            error: e.into(),
+                            nothing_back: false,
+                        }))
+                    }
+                    Ok(Some(mut head)) => {
+                        if upload.is_some() || write_failed.is_some() {
+                            head.reusable = false;
+                        }
+                        return Poll::Ready(Ok(head));
+                    }
+                    // Informational: the next head follows.
+                    Ok(None) if conn.buf.is_empty() => {}
+                    Ok(None) => continue,
+                }
+            }
+            match conn.poll_fill(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(0)) => {
+                    let error: BoxError = match write_failed.take() {
+                        Some(e) => e.into(),
+                        None if conn.buf.is_empty() => WireError::ClosedBeforeAnswer.into(),
+                        None => WireError::Malformed("incomplete response head").into(),
+                    };
+                    return Poll::Ready(Err(Failed {
+                        error,
+                        nothing_back: !received,
+                    }));
+                }
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => {
+                    return Poll::Ready(Err(Failed {
+                        error: e.into(),
+                        nothing_back: !received,
+                    }))
+                }
+            }
+        }
+    })
+    .await
+}
+
+/// A complete head at the front of `buf`, taken out of it: `Ok(None)` for an
+/// informational answer (taken out too) or when more bytes are needed (left).
+fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireError> {
+    let mut fields =
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
+    let mut res = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut res,
+        buf,
+        &mut fields,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
+            return Err(WireError::HeadTooLarge)
+        }
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(WireError::Malformed("too many fields"))
+        }
+        Err(_) => return Err(WireError::Malformed("invalid response head")),
+    };
+    if len > MAX_HEAD {
+        return Err(WireError::HeadTooLarge);
+    }
+    let code = res.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code).map_err(|_| WireError::Malformed("status"))?;
+    let version = if res.version == Some(1) {
+        Version::HTTP_11
+    } else {
+        Version::HTTP_10
+    };
+    let reason = res
+        .reason
+        .filter(|r| Some(*r) != status.canonical_reason())
+        .map(|r| Bytes::copy_from_slice(r.as_bytes()));
+    // Offsets of each name and value in the head, to share its bytes.
+    let base = buf.as_ptr() as usize;
+    let spans: Vec<(usize, usize, usize, usize)> = res
+        .headers
+        .iter()
+        .map(|h| {
+            let n = h.name.as_ptr() as usize - base;
+            let v = h.value.as_ptr() as usize - base;
+            (n, n + h.name.len(), v, v + h.value.len())
+        })
+        .collect();
+    let head = buf.split_to(len).freeze();
+    if (100..200).contains(&code) && code != 101 {
+        return Ok(None);
+    }
+
+    // Room for the rate-limit fields added to most answers.
+    let mut headers = HeaderMap::with_capacity(spans.len() + 3);
+    let mut keep_alive = version == Version::HTTP_11;
+    let mut close = false;
+    for (n0, n1, v0, v1) in spans {
+        let name = HeaderName::from_bytes(&head[n0..n1])
+            .map_err(|_| WireError::Malformed("field name"))?;
+        let value = HeaderValue::from_maybe_shared(head.slice(v0..v1))
+            .map_err(|_| WireError::Malformed("field value"))?;
+        if name == header::CONNECTION {
+            for t in value.as_bytes().split(|&b| b == b',') {
+                let t = t.trim_ascii();
+                if t.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if t.eq_ignore_ascii_case(b"keep-alive") {
+                    keep_alive = true;
+                }
+            }
+        }
+        headers.append(name, value);
+    }
+    let mut resp = http::Response::new(());
+    *resp.status_mut() = status;
+    *resp.version_mut() = version;
+    if let Some(reason) = reason {
+        if let Ok(r) = hyper::ext::ReasonPhrase::try_from(reason) {
+            resp.extensions_mut().insert(r);
+        }
+    }
+    let (mut parts, ()) = resp.into_parts();
+    let body = decoder(&headers, status, version, method)?;
+    parts.headers = headers;
+    let reusable = keep_alive && !close && !matches!(body, Decoder::Eof) && code != 101;
+    Ok(Some(Head {
+        parts,
+        body,
+        reusable,
+    }))
+}
+
+/// How the body of a response is delimited (RFC 9112 §6.3, as hyper's client).
+fn decoder(
+    h: &HeaderMap,
+    status: StatusCode,
+    version: Version,
+    method: &Method,
+) -> Result<Decoder, WireError> {
+    if matches!(status.as_u16(), 101 | 204 | 304) || method == Method::HEAD {
+        return Ok(Decoder::Done);
+    }
+    if h.contains_key(header::TRANSFER_ENCODING) {
+        if version == Version::HTTP_10 {
+            return Err(WireError::Malformed("Transfer-Encoding in HTTP/1.0"));
+        }
+        let chunked_last = h
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .next_back()
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit(',').next())
+            .is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked"));
+        return Ok(if chunked_last {
+            Decoder::Chunked(Chunk::Size)
+        } else {
+            Decoder::Eof
+        });
+    }
+    match content_length(h) {
+        Some(0) => Ok(Decoder::Done),
+        Some(n) => Ok(Decoder::Length(n)),
+        None if h.contains_key(header::CONTENT_LENGTH) => {
+            Err(WireError::Malformed("invalid Content-Length"))
+        }
+        None => Ok(Decoder::Eof),
+    }
+}
+
+/// Where a response body is.
+#[derive(Debug)]
+pub enum Decoder {
+    /// This many bytes to go.
+    Length(u64),
+    Chunked(Chunk),
+    /// Until the connection closes.
+    Eof,
+    Done,
+}
+
+#[derive(Debug)]
+pub enum Chunk {
+    Size,
+    Data(u64),
+    /// The CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer fields, then an empty line.
+    Trailers,
+}
+
+impl Decoder {
+    pub fn is_end(&self) -> bool {
+        matches!(self, Decoder::Done | Decoder::Length(0))
+    }
+
+    pub fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            Decoder::Length(n) => http_body::SizeHint::with_exact(*n),
+            Decoder::Done => http_body::SizeHint::with_exact(0),
+            _ => http_body::SizeHint::default(),
+        }
+    }
+
+    /// The next frame of the body from `conn`.
+    pub fn poll_frame(
+        &mut self,
+        conn: &mut Conn,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            let buf = &mut conn.buf;
+            match self {
+                Decoder::Done | Decoder::Length(0) => {
+                    *self = Decoder::Done;
+                    return Poll::Ready(None);
+                }
+                Decoder::Length(left) | Decoder::Chunked(Chunk::Data(left)) => {
+                    if buf.is_empty() {
+                        match ready!(conn.poll_fill(cx)) {
+                            Ok(0) => {
+                                return Poll::Ready(Some(Err(WireError::IncompleteBody.into())))
+                            }
+                            Ok(_) => continue,
+                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
+                        }
+                    }
+                    let n = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
+                    *left -= n as u64;
+                    let data = buf.split_to(n).freeze();
+                    if let Decoder::Chunked(c @ Chunk::Data(0)) = self {
+                        *c = Chunk::DataEnd;
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Decoder::Eof => {
+                    if buf.is_empty() {
+                        match ready!(conn.poll_fill(cx)) {
+                            Ok(0) => {
+                                *self = Decoder::Done;
+                                return Poll::Ready(None);
+                            }
+                            Ok(_) => {}
+                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
+                        }
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(conn.buf.split().freeze()))));
+                }
+                Decoder::Chunked(chunk) => {
+                    let step = match chunk {
+                        Chunk::Size => chunk_size(buf),
+                        Chunk::DataEnd => match buf.get(..2) {
+                            None if buf.len() < 2 => Ok(None),
+                            Some(b"\r\n") => {
+                                buf.advance(2);
+                                Ok(Some(Chunk::Size))
+                            }
+                            _ => Err(WireError::Malformed("chunk not followed by CRLF")),
+                        },
+                        Chunk::Trailers => match trailers(buf) {
+                            Ok(Some(t)) => {
+                                *self = Decoder::Done;
+                                return Poll::Ready(t.map(|t| Ok(Frame::trailers(t))));
+                            }
+                            Ok(None) => Ok(None),
+                            Err(e) => Err(e),
+                        },
+                        Chunk::Data(_) => unreachable!("handled above"),
+                    };
+                    match step {
+                        Err(e) => return Poll::Ready(Some(Err(e.into()))),
+                        Ok(Some(next)) => *chunk = next,
+                        Ok(None) => match ready!(conn.poll_fill(cx)) {
+                            Ok(0) => {
+                                return Poll::Ready(Some(Err(WireError::IncompleteBody.into())))
+                            }
+                            Ok(_) => {}
+                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
+                        },
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A chunk-size line (`hex[;extensions]CRLF`) at the front of `buf`, taken out:
+/// the state after it, or `None` until the whole line is there.
+fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
+    let Some(end) = buf.iter().position(|&b| b == b'\n') else {
+        return if buf.len() > MAX_CHUNK_LINE {
+            Err(WireError::Malformed("chunk-size line too long"))
+        } else {
+            Ok(None)
+        };
+    };
+    if end == 0 || buf[end - 1] != b'\r' || end > MAX_CHUNK_LINE {
+        return Err(WireError::Malformed("chunk-size line"));
+    }
+    let line = &buf[..end - 1];
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    let rest = &line[digits..];
+    let rest = rest.trim_ascii_start();
+    if digits == 0 || digits > 16 || !(rest.is_empty() || rest[0] == b';') {
+        return Err(WireError::Malformed("chunk size"));
+    }
+    let size = line[..digits].iter().fold(0u64, |n, &b| {
+        (n << 4) | u64::from((b as char).to_digit(16).unwrap_or(0))
+    });
+    buf.advance(end + 1);
+    Ok(Some(if size == 0 {
+        Chunk::Trailers
+    } else {
+        Chunk::Data(size)
+    }))
+}
+
+/// The trailer block after the last chunk, taken out of `buf`: `Some(None)` when
+/// there are no fields, `None` until the block is complete.
+fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+    match httparse::parse_headers(buf, &mut fields) {
+        Ok(httparse::Status::Complete((len, fields))) => {
+            let mut map = HeaderMap::with_capacity(fields.len());
+            for f in fields.iter() {
+                let name = HeaderName::from_bytes(f.name.as_bytes())
+                    .map_err(|_| WireError::Malformed("trailer name"))?;
+                let value = HeaderValue::from_bytes(f.value)
+                    .map_err(|_| WireError::Malformed("trailer value"))?;
+                map.append(name, value);
+            }
+            buf.advance(len);
+            Ok(Some((!map.is_empty()).then_some(map)))
+        }
+        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => Err(WireError::HeadTooLarge),
+        Ok(httparse::Status::Partial) => Ok(None),
+        Err(_) => Err(WireError::Malformed("trailers")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(bytes: &str, method: Method) -> Result<Option<Head>, WireError> {
+        parse_head(&mut BytesMut::from(bytes), &method)
+    }
+
+    #[test]
+    fn response_bodies_are_delimited_as_rfc_9112_says() {
+        let len = |s: &str, m: Method| format!("{:?}", parse(s, m).unwrap().unwrap().body);
+        assert_eq!(
+            len("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", Method::GET),
+            "Length(5)"
+        );
+        assert_eq!(
+            len("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", Method::HEAD),
+            "Done"
+        );
+        assert_eq!(len("HTTP/1.1 204 No Content\r\n\r\n", Method::GET), "Done");
+        assert_eq!(
+            len(
+                "HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n",
+                Method::GET
+            ),
+            "Done"
+        );
+        assert_eq!(
+            len(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 3\r\n\r\n",
+                Method::GET
+            ),
+            "Chunked(Size)"
+        );
+        assert_eq!(
+            len(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+                Method::GET
+            ),
+            "Eof"
+        );
+        assert_eq!(len("HTTP/1.1 200 OK\r\n\r\n", Method::GET), "Eof");
+        assert_eq!(
+            len(
+                "HTTP/1.1 200 OK\r\ncontent-length: 4, 4\r\n\r\n",
+                Method::GET
+            ),
+            "Length(4)"
+        );
+        assert!(parse(
+            "HTTP/1.1 200 OK\r\ncontent-length: 4, 5\r\n\r\n",
+            Method::GET
+        )
+        .is_err());
+        assert!(parse("HTTP/1.1 200 OK\r\ncontent-length: +4\r\n\r\n", Method::GET).is_err());
+        assert!(parse(
+            "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+            Method::GET
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn keep_alive_follows_version_and_connection() {
+        let reusable = |s: &str| parse(s, Method::GET).unwrap().unwrap().reusable;
+        assert!(reusable("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
+        assert!(!reusable(
+            "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+        ));
+        assert!(!reusable("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n"));
+        assert!(reusable(
+            "HTTP/1.0 200 OK\r\nconnection: Keep-Alive\r\ncontent-length: 0\r\n\r\n"
+        ));
+        assert!(!reusable("HTTP/1.1 200 OK\r\n\r\n"), "close-delimited");
+    }
+
+    #[test]
+    fn informational_answers_are_skipped_and_partial_heads_wait() {
+        let mut buf = BytesMut::from(
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+        );
+        assert!(parse_head(&mut buf, &Method::POST).unwrap().is_none());
+        let head = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+        assert_eq!(head.parts.status, 200);
+        assert!(buf.is_empty());
+        let mut buf = BytesMut::from("HTTP/1.1 200 OK\r\ncontent-le");
+        assert!(parse_head(&mut buf, &Method::GET).unwrap().is_none());
+        assert_eq!(buf.len(), 27, "a partial head is left where it is");
+        let mut big = String::from("HTTP/1.1 200 OK\r\nx: ");
+        big.push_str(&"a".repeat(MAX_HEAD));
+        assert!(matches!(
+            parse(&big, Method::GET),
+            Err(WireError::HeadTooLarge)
+        ));
+    }
+
+    #[test]
+    fn a_non_canonical_reason_is_kept() {
+        let head = parse(
+            "HTTP/1.1 200 Fine\r\ncontent-length: 0\r\n\r\n",
+            Method::GET,
+        )
+        .unwrap()
+        .unwrap();
+        let r = head
+            .parts
+            .extensions
+            .get::<hyper::ext::ReasonPhrase>()
+            .unwrap();
+        assert_eq!(r.as_bytes(), b"Fine");
+    }
+
+    #[test]
+    fn chunk_size_lines() {
+        let mut b = BytesMut::from("1a;name=value\r\nrest");
+        assert!(matches!(chunk_size(&mut b), Ok(Some(Chunk::Data(26)))));
+        assert_eq!(&b[..], b"rest");
+        assert!(matches!(
+            chunk_size(&mut BytesMut::from("0\r\n")),
+            Ok(Some(Chunk::Trailers))
+        ));
+        assert!(matches!(chunk_size(&mut BytesMut::from("1a")), Ok(None)));
+        assert!(chunk_size(&mut BytesMut::from("x\r\n")).is_err());
+        assert!(chunk_size(&mut BytesMut::from("1\n")).is_err());
+        assert!(chunk_size(&mut BytesMut::from("11111111111111111\r\n")).is_err());
+    }
+
+    #[test]
+    fn request_framing_follows_hypers_client() {
+        let framing = |method: Method, headers: &[(&str, &str)], body: Body| {
+            let mut req = http::Request::builder().method(method).uri("/p?q");
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            let (mut parts, ()) = req.body(()).unwrap().into_parts();
+            let (head, f) = request_head(&mut parts, &body);
+            (String::from_utf8(head.to_vec()).unwrap(), f)
+        };
+        let empty = || crate::answer::full(Bytes::new());
+        assert_eq!(
+            framing(Method::GET, &[("host", "a")], empty()),
+            (
+                "GET /p?q HTTP/1.1\r\nhost: a\r\n\r\n".into(),
+                Framing::Empty
+            )
+        );
+        assert_eq!(
+            framing(Method::POST, &[], crate::answer::full(Bytes::from("abc"))),
+            (
+                "POST /p?q HTTP/1.1\r\ncontent-length: 3\r\n\r\n".into(),
+                Framing::Length(3)
+            )
+        );
+        let unknown = || {
+            use http_body_util::BodyExt;
+            let frames = futures_util::stream::pending::<Result<Frame<Bytes>, BoxError>>();
+            http_body_util::StreamBody::new(frames).boxed()
+        };
+        assert_eq!(framing(Method::PUT, &[], unknown()).1, Framing::Chunked);
+        assert_eq!(framing(Method::GET, &[], unknown()).1, Framing::Empty);
+        assert_eq!(
+            framing(Method::PUT, &[("content-length", "7")], unknown()).1,
+            Framing::Length(7)
+        );
+    }
+}
