@@ -770,7 +770,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
     // The fields `Connection` names, those of them the message has (usually none:
     // its tokens are `keep-alive` or `close`).
-    if present & (1 << CONNECTION_AT) != 0 {
+    if present & (1 << CONNECTION_AT) != 0 && names_fields(h) {
         let connection = h.get_all(header::CONNECTION);
         let named = |k: &HeaderName| {
             connection
@@ -793,6 +793,22 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
             h.remove(n);
         }
     }
+}
+
+/// Whether `Connection` names a field the message has beyond the hop-by-hop ones
+/// (nearly every message's tokens are `keep-alive`, `close` or `upgrade`).
+fn names_fields(h: &HeaderMap) -> bool {
+    h.get_all(header::CONNECTION).iter().any(|v| {
+        v.as_bytes().split(|&b| b == b',').any(|t| {
+            let t = t.trim_ascii();
+            if t.eq_ignore_ascii_case(b"close") {
+                return h.contains_key("close");
+            }
+            !(t.is_empty()
+                || t.eq_ignore_ascii_case(b"keep-alive")
+                || t.eq_ignore_ascii_case(b"upgrade"))
+        })
+    })
 }
 
 static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -857,6 +873,14 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert_eq!(h["x-kept"], "yes");
+
+        // `close` names a field too, if there is one.
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "close".parse().unwrap());
+        h.insert("close", "x".parse().unwrap());
+        h.insert("x-kept", "yes".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
 
         let mut h = HeaderMap::new();
         h.insert(header::CONTENT_LENGTH, "5".parse().unwrap());

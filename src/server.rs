@@ -16,6 +16,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -376,22 +377,42 @@ impl Running {
 /// connection, HTTP/2 resets the stream. HTTP/1.1 heads have at most 100 fields
 /// (431 beyond): hyper's default, which is Envoy's. (Setting the same number
 /// explicitly would make hyper initialise a 100-entry array on every request.)
-fn http_builder(header_timeout: Duration, max_head: usize) -> auto::Builder<TokioExecutor> {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
+    let mut h1 = http1::Builder::new();
+    h1.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        // A head over this is answered 431, counted exactly; bodies are read
+        // through a buffer of the same size, in pieces.
+        .max_header_size(max_head)
+        .max_buf_size(max_head);
+    let mut h2 = http2::Builder::new(TokioExecutor::new());
+    h2.timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
+    // Over TLS: whichever of the two the client speaks (hyper-util tells them apart
+    // by the preface), with the same settings.
+    let mut auto = auto::Builder::new(TokioExecutor::new());
+    auto.http1()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
-        // hyper answers 431 once this much of a head is buffered and it is not
-        // complete; bodies are read through the same buffer, in pieces.
         .max_buf_size(max_head);
-    builder
-        .http2()
+    auto.http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    builder
+    Http { h1, h2, auto }
+}
+
+/// The HTTP servers of a listener. A plain connection's protocol is known from its
+/// first bytes (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without
+/// hyper-util's detection layer, which re-reads every request through a rewind
+/// buffer.
+pub struct Http {
+    h1: http1::Builder,
+    h2: http2::Builder<TokioExecutor>,
+    auto: auto::Builder<TokioExecutor>,
 }
 
 /// Whether a peer is exempt from the per-IP connection cap.
@@ -452,7 +473,7 @@ fn spawn_worker<S, F>(
     addr: SocketAddr,
     listener: std::net::TcpListener,
     limits: Limits,
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    builder: Arc<Http>,
     service: F,
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, StartError>
@@ -494,28 +515,38 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// the start of the h2c preface, or the whole preface. hyper's own header timeout
 /// starts only after that, so without this a silent socket (or half a preface)
 /// would hold a connection slot for ever.
-async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> bool {
+async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> Option<Sniffed> {
     let deadline = tokio::time::Instant::now() + limit;
     let mut buf = [0u8; 24];
     loop {
         let n = match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
             Ok(Ok(n)) => n,
-            _ => return false,
+            _ => return None,
         };
         if n == 0 {
-            return false;
+            return None;
         }
-        if n >= H2_PREFACE.len() || !H2_PREFACE.starts_with(&buf[..n]) {
-            return true;
+        if !H2_PREFACE.starts_with(&buf[..n]) {
+            return Some(Sniffed::Http1);
+        }
+        if n == H2_PREFACE.len() {
+            return Some(Sniffed::Http2);
         }
         // Part of a preface: peek answers at once while bytes wait, so pause briefly.
         if tokio::time::timeout_at(deadline, tokio::time::sleep(Duration::from_millis(5)))
             .await
             .is_err()
         {
-            return false;
+            return None;
         }
     }
+}
+
+/// What a plain connection's first bytes say it speaks.
+enum Sniffed {
+    Http1,
+    /// The h2c preface (HTTP/2 with prior knowledge).
+    Http2,
 }
 
 /// A client connection whose writes fail with `TimedOut` once one has waited
@@ -905,35 +936,30 @@ where
 /// `idle_timeout` or when the listener stops. A connection closed for idleness
 /// that has not ended after `linger` more (a peer that does not answer the h2
 /// GOAWAY's PING) and still has nothing in flight is dropped.
-async fn drive<I, S>(
-    builder: &auto::Builder<TokioExecutor>,
-    io: I,
-    service: Tracked<S>,
+async fn drive<C, E>(
+    conn: C,
+    close: impl Fn(Pin<&mut C>),
+    activity: Arc<Activity>,
     idle_timeout: Duration,
     linger: Duration,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), crate::answer::BoxError>
 where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-        + Send
-        + 'static,
-    S::Future: Send + Unpin + 'static,
+    C: Future<Output = Result<(), E>>,
+    E: Into<crate::answer::BoxError>,
 {
-    let activity = service.activity.clone();
-    let conn = builder.serve_connection_with_upgrades(io, service);
     tokio::pin!(conn);
     let mut closing = false;
     loop {
         tokio::select! {
-            r = conn.as_mut() => return r,
+            r = conn.as_mut() => return r.map_err(Into::into),
             _ = activity.idle(idle_timeout), if !closing => {
                 closing = true;
-                conn.as_mut().graceful_shutdown();
+                close(conn.as_mut());
             }
             _ = stop.wait_for(|s| *s), if !closing => {
                 closing = true;
-                conn.as_mut().graceful_shutdown();
+                close(conn.as_mut());
             }
             _ = tokio::time::sleep(linger), if closing => {
                 if !activity.busy() {
@@ -949,7 +975,7 @@ where
 async fn serve<S, F>(
     listener: TcpListener,
     limits: Limits,
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    builder: Arc<Http>,
     service: F,
     mut stop: watch::Receiver<bool>,
 ) where
@@ -1020,13 +1046,23 @@ async fn serve<S, F>(
                 None => {
                     let started = tokio::select! {
                         ok = first_bytes(&stream, header_timeout) => ok,
-                        _ = stop.wait_for(|s| *s) => false,
+                        _ = stop.wait_for(|s| *s) => None,
                     };
-                    if started {
-                        let io = TokioIo::new(WriteStall::new(stream, send_timeout));
-                        drive(&builder, io, service, idle_timeout, header_timeout, stop).await
-                    } else {
-                        Err("no request before the header timeout".into())
+                    let io = TokioIo::new(WriteStall::new(stream, send_timeout));
+                    let activity = service.activity.clone();
+                    match started {
+                        Some(Sniffed::Http1) => {
+                            let conn = builder.h1.serve_connection(io, service).with_upgrades();
+                            let close =
+                                |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
+                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
+                        }
+                        Some(Sniffed::Http2) => {
+                            let conn = builder.h2.serve_connection(io, service);
+                            let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
+                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
+                        }
+                        None => Err("no request before the header timeout".into()),
                     }
                 }
                 Some(acceptor) => {
@@ -1037,7 +1073,11 @@ async fn serve<S, F>(
                     match shaken {
                         Ok(Ok(stream)) => {
                             let io = TokioIo::new(stream);
-                            drive(&builder, io, service, idle_timeout, header_timeout, stop).await
+                            let activity = service.activity.clone();
+                            let conn = builder.auto.serve_connection_with_upgrades(io, service);
+                            let close =
+                                |c: Pin<&mut _>| auto::UpgradeableConnection::graceful_shutdown(c);
+                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
                         Ok(Err(e)) => Err(e.into()),
                         Err(_) => Err("TLS handshake timed out".into()),

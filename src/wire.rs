@@ -352,16 +352,13 @@ fn write_fields(out: &mut BytesMut, h: &HeaderMap) {
     }
 }
 
-/// The one `Content-Length` of a message: several values are one only if equal.
+/// The one `Content-Length` of a message: several values (or a list) are one only
+/// if all equal; anything but digits is none.
 fn content_length(h: &HeaderMap) -> Option<u64> {
     let mut found = None;
     for v in h.get_all(header::CONTENT_LENGTH) {
-        for part in v.to_str().ok()?.split(',') {
-            let part = part.trim();
-            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            let n: u64 = part.parse().ok()?;
+        for part in v.as_bytes().split(|&b| b == b',') {
+            let n = decimal(part.trim_ascii())?;
             if found.is_some_and(|f| f != n) {
                 return None;
             }
@@ -369,6 +366,16 @@ fn content_length(h: &HeaderMap) -> Option<u64> {
         }
     }
     found
+}
+
+/// Digits only (no sign, no space), at most 19 of them (no overflow).
+fn decimal(b: &[u8]) -> Option<u64> {
+    if b.is_empty() || b.len() > 19 {
+        return None;
+    }
+    b.iter().try_fold(0u64, |n, &d| {
+        d.is_ascii_digit().then(|| n * 10 + u64::from(d - b'0'))
+    })
 }
 
 /// Writes the head, then the body in its framing; ends flushed.
