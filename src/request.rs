@@ -172,7 +172,7 @@ fn owned(c: Cow<'_, str>) -> Option<String> {
 /// (`a, b`), spaces and other characters that no host name has, empty labels
 /// (`a..b`), a port that is empty, not a number or above 65535.
 pub fn normalize_host(s: &str) -> Result<Cow<'_, str>, &'static str> {
-    if s.contains('@') {
+    if s.as_bytes().contains(&b'@') {
         return Err("user information (\"@\") in the host");
     }
     if let Some(rest) = s.strip_prefix('[') {
@@ -185,8 +185,8 @@ pub fn normalize_host(s: &str) -> Result<Cow<'_, str>, &'static str> {
         }
         return Ok(Cow::Borrowed(s));
     }
-    let (name, p) = match s.split_once(':') {
-        Some((name, p)) => (name, Some(p)),
+    let (name, p) = match s.bytes().position(|b| b == b':') {
+        Some(i) => (&s[..i], Some(&s[i + 1..])),
         None => (s, None),
     };
     if let Some(p) = p {
@@ -196,13 +196,19 @@ pub fn normalize_host(s: &str) -> Result<Cow<'_, str>, &'static str> {
     if bare.is_empty() {
         return Err("an empty host name");
     }
-    if !bare
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
-    {
-        return Err("a character that no host name has");
+    // One pass (this runs on every request): the characters, and whether a label
+    // is empty (a leading dot, two dots, a dot left at the end).
+    let mut after_dot = true;
+    let mut empty_label = false;
+    for b in bare.bytes() {
+        if !(b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_') {
+            return Err("a character that no host name has");
+        }
+        let dot = b == b'.';
+        empty_label |= dot && after_dot;
+        after_dot = dot;
     }
-    if bare.starts_with('.') || bare.ends_with('.') || bare.contains("..") {
+    if empty_label || after_dot {
         return Err("an empty label");
     }
     Ok(match (bare.len() == name.len(), p) {
