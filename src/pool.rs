@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::answer::{Body, BoxError};
-use crate::wire::{self, Conn, Connector, Decoder, Framing};
+use crate::wire::{self, Conn, Connector, Decoder, Framing, Upload, UploadError};
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
 const LISTS: usize = 8;
@@ -106,6 +106,7 @@ impl Pool {
                         conn: Some(conn),
                         decoder: head.body,
                         reusable: head.reusable,
+                        upload: head.upload,
                         pool: self.clone(),
                     };
                     return Ok(Answer::Response(Response::from_parts(head.parts, body)));
@@ -204,17 +205,21 @@ pub struct Pooled {
     conn: Option<Conn>,
     decoder: Decoder,
     reusable: bool,
+    /// The request body still going up (the upstream answered before its end).
+    upload: Option<Upload>,
     pool: Arc<Pool>,
 }
 
 impl Pooled {
     fn release(&mut self) {
         if let Some(conn) = self.conn.take() {
-            // Bytes after the end of the answer: nothing asked for them.
-            if self.reusable && !conn.has_unread() {
+            // Bytes after the end of the answer: nothing asked for them. An upload
+            // still going: the connection is busy with it, and closes.
+            if self.reusable && self.upload.is_none() && !conn.has_unread() {
                 self.pool.give_back(conn);
             }
         }
+        self.upload = None;
     }
 }
 
@@ -230,6 +235,25 @@ impl http_body::Body for Pooled {
         let Some(conn) = this.conn.as_mut() else {
             return Poll::Ready(None);
         };
+        if let Some(up) = this.upload.as_mut() {
+            match up.poll_send_on(conn, cx) {
+                Poll::Pending => {}
+                Poll::Ready(Ok(())) => this.upload = None,
+                // The client's body failed: so does the exchange (hyper's client
+                // closed the connection, failing the response body too).
+                Poll::Ready(Err(UploadError::Body(e))) => {
+                    this.upload = None;
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                // The upstream stopped taking it: its answer is still read, and the
+                // connection closes after it.
+                Poll::Ready(Err(UploadError::Write(_))) => {
+                    this.upload = None;
+                    this.reusable = false;
+                }
+            }
+        }
         let frame = std::task::ready!(this.decoder.poll_frame(conn, cx));
         match &frame {
             Some(Ok(_)) if !this.decoder.is_end() => {}

@@ -379,7 +379,7 @@ fn decimal(b: &[u8]) -> Option<u64> {
 }
 
 /// Writes the head, then the body in its framing; ends flushed.
-struct Upload {
+pub struct Upload {
     pending: Bytes,
     body: Option<Body>,
     framing: Framing,
@@ -390,12 +390,22 @@ struct Upload {
 
 /// How an upload failed: the client's body (its error, to classify), or the
 /// upstream connection (perhaps it answered and closed: its answer is still read).
-enum UploadError {
+pub enum UploadError {
     Body(BoxError),
     Write(io::Error),
 }
 
 impl Upload {
+    /// Sends on while the response is read (a full-duplex exchange: the upstream
+    /// answered before the request body was all sent).
+    pub fn poll_send_on(
+        &mut self,
+        conn: &mut Conn,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), UploadError>> {
+        self.poll_send(&mut conn.io, cx)
+    }
+
     fn poll_send(
         &mut self,
         io: &mut Stream,
@@ -480,10 +490,13 @@ impl Upload {
 pub struct Head {
     pub parts: http::response::Parts,
     pub body: Decoder,
-    /// The connection may carry another request once this body has been read:
-    /// HTTP/1.1 without `Connection: close` (HTTP/1.0 with `keep-alive`), the
-    /// request all sent, a body with a delimited end.
+    /// The connection may carry another request once this body has been read (and
+    /// `upload` has ended): HTTP/1.1 without `Connection: close` (HTTP/1.0 with
+    /// `keep-alive`), a body with a delimited end, no failed write.
     pub reusable: bool,
+    /// The rest of the request body, when the answer came before it was all sent:
+    /// it goes on while the response body is read, as hyper's client does.
+    pub upload: Option<Upload>,
 }
 
 /// Why an exchange failed, and whether the upstream sent anything back.
@@ -495,9 +508,8 @@ pub struct Failed {
 }
 
 /// Sends a request (its head as `request_head` made it) and reads the response
-/// head, skipping informational (1xx) answers other than 101; an answer that comes
-/// before the request body is all sent ends the upload (the connection then closes
-/// after the answer).
+/// head, skipping informational (1xx) answers other than 101. An answer that comes
+/// before the request body is all sent takes the rest of the upload with it.
 pub async fn exchange(
     conn: &mut Conn,
     head: Bytes,
@@ -543,8 +555,11 @@ pub async fn exchange(
                         }))
                     }
                     Ok(Some(mut head)) => {
-                        if upload.is_some() || write_failed.is_some() {
+                        if write_failed.is_some() {
                             head.reusable = false;
+                        }
+                        if head.parts.status != StatusCode::SWITCHING_PROTOCOLS {
+                            head.upload = upload.take();
                         }
                         return Poll::Ready(Ok(head));
                     }
@@ -667,6 +682,7 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireE
         parts,
         body,
         reusable,
+        upload: None,
     }))
 }
 

@@ -196,3 +196,85 @@ async fn a_response_ending_with_trailers_gives_its_connection_back() {
     }
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
 }
+
+/// A raw upstream that answers a request's head at once with a chunked `200` and
+/// then echoes each chunk of the request body as it arrives (a full-duplex
+/// exchange, as streaming services do).
+async fn echo_upstream() -> SocketAddr {
+    let (addr, _) = raw_upstream(|mut s| async move {
+        use tokio::io::AsyncReadExt;
+        if read_head(&mut s).await.is_none() {
+            return;
+        }
+        let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+        if s.write_all(head).await.is_err() {
+            return;
+        }
+        // The request body comes chunked; pass each chunk's bytes back as a chunk.
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+            for part in text.split("\r\n").collect::<Vec<_>>().chunks(2) {
+                let (Some(size), Some(data)) = (part.first(), part.get(1)) else {
+                    continue;
+                };
+                if size.trim() == "0" {
+                    let _ = s.write_all(b"0\r\n\r\n").await;
+                    return;
+                }
+                let chunk = format!("{:x}\r\n{data}\r\n", data.len());
+                if s.write_all(chunk.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    addr
+}
+
+/// Reads one chunk of a chunked body from a raw client socket.
+async fn read_chunk(s: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut byte = [0u8; 1];
+    // `size\r\n`, then `data\r\n`.
+    let mut lines = 0;
+    while lines < 2 {
+        bounded("a chunk", s.read_exact(&mut byte)).await.unwrap();
+        got.push(byte[0]);
+        if got.ends_with(b"\r\n") {
+            lines += 1;
+            if got == b"0\r\n" {
+                break;
+            }
+        }
+    }
+    String::from_utf8(got).unwrap()
+}
+
+/// The upstream answers before the request body has been sent and keeps reading
+/// it: the rest of the upload goes on while the answer streams back (it was cut
+/// at the answer's head, and the echo never came).
+#[tokio::test]
+async fn an_upload_goes_on_while_an_early_answer_streams_back() {
+    let up = echo_upstream().await;
+    let gw = start_gateway(&config(up)).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        b"POST /echo HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    let head = read_head(&mut s).await.expect("the answer's head");
+    assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head:?}");
+    assert_eq!(read_chunk(&mut s).await, "5\r\nhello\r\n");
+    s.write_all(b"5\r\nworld\r\n").await.unwrap();
+    assert_eq!(read_chunk(&mut s).await, "5\r\nworld\r\n");
+    s.write_all(b"0\r\n\r\n").await.unwrap();
+    assert_eq!(read_chunk(&mut s).await, "0\r\n");
+}
