@@ -138,15 +138,25 @@ impl Pool {
     }
 
     /// A new connection, or one another request gives back first (`true`: kept).
-    async fn connect_or_wait(&self) -> Result<(Conn, bool), SendError> {
+    /// A connection being opened for a request that then took a given-back one is
+    /// not thrown away: it goes to the pool once open. (Dropping it made the pool
+    /// stay smaller than the requests in flight, so a steady load kept opening and
+    /// closing connections.)
+    async fn connect_or_wait(self: &Arc<Self>) -> Result<(Conn, bool), SendError> {
         let mut given = self.wait_for_one();
-        let connecting = self.connector.connect();
-        tokio::pin!(connecting);
+        let pool = self.clone();
+        let mut connecting = Box::pin(async move { pool.connector.connect().await });
         loop {
             tokio::select! {
                 biased;
                 Ok(mut conn) = &mut given => {
                     if conn.is_usable() {
+                        let pool = self.clone();
+                        tokio::spawn(async move {
+                            if let Ok(opened) = connecting.await {
+                                pool.give_back(opened);
+                            }
+                        });
                         return Ok((conn, true));
                     }
                     given = self.wait_for_one();
