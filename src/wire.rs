@@ -563,9 +563,8 @@ pub async fn exchange(
                         }
                         return Poll::Ready(Ok(head));
                     }
-                    // Informational: the next head follows.
-                    Ok(None) if conn.buf.is_empty() => {}
-                    Ok(None) => continue,
+                    // More bytes are needed.
+                    Ok(None) => {}
                 }
             }
             match conn.poll_fill(cx) {
@@ -594,9 +593,32 @@ pub async fn exchange(
     .await
 }
 
-/// A complete head at the front of `buf`, taken out of it: `Ok(None)` for an
-/// informational answer (taken out too) or when more bytes are needed (left).
+/// The final (not informational) head at the front of `buf`, taken out of it with
+/// the informational (1xx) heads before it: `Ok(None)` when more bytes are needed
+/// (a partial head is left where it is).
 fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireError> {
+    loop {
+        if buf.is_empty() {
+            return Ok(None);
+        }
+        match parse_one_head(buf, method)? {
+            Parsed::Final(head) => return Ok(Some(head)),
+            Parsed::Informational => {}
+            Parsed::Partial => return Ok(None),
+        }
+    }
+}
+
+enum Parsed {
+    Final(Head),
+    /// A 1xx other than 101, taken out of the buffer.
+    Informational,
+    /// More bytes are needed.
+    Partial,
+}
+
+/// One head at the front of `buf`.
+fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, WireError> {
     let mut fields =
         [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
     let mut res = httparse::Response::new(&mut []);
@@ -609,7 +631,7 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireE
         Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
             return Err(WireError::HeadTooLarge)
         }
-        Ok(httparse::Status::Partial) => return Ok(None),
+        Ok(httparse::Status::Partial) => return Ok(Parsed::Partial),
         Err(httparse::Error::TooManyHeaders) => {
             return Err(WireError::Malformed("too many fields"))
         }
@@ -642,7 +664,7 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireE
         .collect();
     let head = buf.split_to(len).freeze();
     if (100..200).contains(&code) && code != 101 {
-        return Ok(None);
+        return Ok(Parsed::Informational);
     }
 
     // Room for the rate-limit fields added to most answers.
@@ -678,7 +700,7 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireE
     let body = decoder(&headers, status, version, method)?;
     parts.headers = headers;
     let reusable = keep_alive && !close && !matches!(body, Decoder::Eof) && code != 101;
-    Ok(Some(Head {
+    Ok(Parsed::Final(Head {
         parts,
         body,
         reusable,
@@ -974,13 +996,19 @@ mod tests {
         let mut buf = BytesMut::from(
             "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
         );
-        assert!(parse_head(&mut buf, &Method::POST).unwrap().is_none());
         let head = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
         assert_eq!(head.parts.status, 200);
         assert!(buf.is_empty());
         let mut buf = BytesMut::from("HTTP/1.1 200 OK\r\ncontent-le");
         assert!(parse_head(&mut buf, &Method::GET).unwrap().is_none());
         assert_eq!(buf.len(), 27, "a partial head is left where it is");
+        let mut buf = BytesMut::from("HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 200 OK\r\n");
+        assert!(parse_head(&mut buf, &Method::GET).unwrap().is_none());
+        assert_eq!(
+            &buf[..],
+            b"HTTP/1.1 200 OK\r\n",
+            "the 103 is gone, the partial head left"
+        );
         let mut big = String::from("HTTP/1.1 200 OK\r\nx: ");
         big.push_str(&"a".repeat(MAX_HEAD));
         assert!(matches!(
