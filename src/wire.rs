@@ -601,24 +601,20 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireE
         if buf.is_empty() {
             return Ok(None);
         }
-        match parse_one_head(buf, method)? {
-            Parsed::Final(head) => return Ok(Some(head)),
-            Parsed::Informational => {}
-            Parsed::Partial => return Ok(None),
+        let before = buf.len();
+        if let Some(head) = parse_one_head(buf, method)? {
+            return Ok(Some(head));
+        }
+        // Partial: nothing was taken. Otherwise an informational head was.
+        if buf.len() == before {
+            return Ok(None);
         }
     }
 }
 
-enum Parsed {
-    Final(Head),
-    /// A 1xx other than 101, taken out of the buffer.
-    Informational,
-    /// More bytes are needed.
-    Partial,
-}
-
-/// One head at the front of `buf`.
-fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, WireError> {
+/// One head at the front of `buf`, taken out of it unless partial: `Ok(None)` for
+/// an informational answer, or a partial head (left where it is).
+fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireError> {
     let mut fields =
         [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
     let mut res = httparse::Response::new(&mut []);
@@ -631,7 +627,7 @@ fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, WireErr
         Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
             return Err(WireError::HeadTooLarge)
         }
-        Ok(httparse::Status::Partial) => return Ok(Parsed::Partial),
+        Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => {
             return Err(WireError::Malformed("too many fields"))
         }
@@ -664,7 +660,7 @@ fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, WireErr
         .collect();
     let head = buf.split_to(len).freeze();
     if (100..200).contains(&code) && code != 101 {
-        return Ok(Parsed::Informational);
+        return Ok(None);
     }
 
     // Room for the rate-limit fields added to most answers.
@@ -700,7 +696,7 @@ fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, WireErr
     let body = decoder(&headers, status, version, method)?;
     parts.headers = headers;
     let reusable = keep_alive && !close && !matches!(body, Decoder::Eof) && code != 101;
-    Ok(Parsed::Final(Head {
+    Ok(Some(Head {
         parts,
         body,
         reusable,

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -13,10 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use http::{HeaderMap, HeaderValue, Method, Request};
-use http_body::Frame;
-use http_body_util::BodyExt;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use http::Method;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -94,4 +90,485 @@ async fn a_response_head_that_arrives_in_pieces_is_read_once_whole() {
         .expect("an answer");
         assert_eq!((r.status, r.text()), (200, "ok"));
     }
+}
+
+/// An upstream that answers as soon as the request body starts and streams its
+/// answer while the body goes on (an echo, a transcoder): hyper's client went on
+/// sending the body after the response head; sluice stopped the upload at the head,
+/// so the upstream waited for the rest of a body that never came.
+#[tokio::test]
+async fn the_upload_goes_on_while_the_upstream_streams_its_answer() {
+    let (up, _) = raw_upstream(|mut s| async move {
+        let mut got = Vec::new();
+        if !read_until(&mut s, &mut got, b"5\r\nhello\r\n").await {
+            return;
+        }
+        let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
+        if s.write_all(head).await.is_err() || !read_until(&mut s, &mut got, b"0\r\n\r\n").await {
+            return;
+        }
+        let _ = s.write_all(b"5\r\nworld\r\n0\r\n\r\n").await;
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let mut c = connect(gw.addr).await;
+    c.write_all(
+        b"POST /duplex HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    assert!(read_until(&mut c, &mut got, b"hello\r\n").await, "{got:?}");
+    assert!(got.starts_with(b"HTTP/1.1 200 OK\r\n"), "{got:?}");
+    c.write_all(b"5\r\nworld\r\n0\r\n\r\n").await.unwrap();
+    got.clear();
+    let ended = read_until(&mut c, &mut got, b"0\r\n\r\n").await;
+    assert_eq!(
+        (ended, String::from_utf8_lossy(&got).as_ref()),
+        (true, "5\r\nworld\r\n0\r\n\r\n")
+    );
+}
+
+/// A kept connection the upstream closes after reading the request, without an
+/// answer (README, Forwarding): a request safe to repeat (GET, no body) goes again
+/// on a new connection; a POST, even without a body, reached the upstream once and
+/// gets a 502, never a second send.
+#[tokio::test]
+async fn only_a_request_safe_to_repeat_is_sent_again_after_a_silent_close() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let (up, _) = raw_upstream(move |mut s| {
+        let log = log.clone();
+        async move {
+            // The first request on each connection is answered, keep-alive; the
+            // second is read, and the connection closed without an answer.
+            for n in 0.. {
+                let Some(head) = read_head(&mut s).await else {
+                    return;
+                };
+                let line = head.split("\r\n").next().unwrap_or("").to_string();
+                log.lock().unwrap().push(line);
+                if n == 1 {
+                    return;
+                }
+                let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                if s.write_all(answer).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let client = http1();
+    let mut statuses = Vec::new();
+    for (method, path) in [
+        (Method::GET, "/a"),
+        (Method::POST, "/p"),
+        (Method::GET, "/b"),
+        (Method::GET, "/c"),
+    ] {
+        let r = step(path, client.send(method, &url(gw.addr, path), &[], "")).await;
+        statuses.push(r.status);
+    }
+    assert_eq!(statuses, [200, 502, 200, 200]);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            "GET /a HTTP/1.1",
+            "POST /p HTTP/1.1",
+            "GET /b HTTP/1.1",
+            "GET /c HTTP/1.1",
+            "GET /c HTTP/1.1"
+        ]
+    );
+}
+
+/// Bytes after an answer without a body (204, 304, HEAD) are nothing the request
+/// asked for: its connection is closed, never lent to the next request, which would
+/// take them for its own answer.
+#[tokio::test]
+async fn bytes_after_a_bodiless_answer_are_never_read_as_the_next_answer() {
+    let (up, accepted) = raw_upstream(|mut s| async move {
+        while let Some(head) = read_head(&mut s).await {
+            let answer: &[u8] = if head.starts_with("GET /empty ") {
+                b"HTTP/1.1 204 No Content\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nforged"
+            } else if head.starts_with("HEAD ") {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nforged"
+            } else {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+            };
+            if s.write_all(answer).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let client = http1();
+    let r = step("204", client.get(&url(gw.addr, "/empty"), &[])).await;
+    assert_eq!((r.status, r.text()), (204, ""));
+    let r = step("after 204", client.get(&url(gw.addr, "/next"), &[])).await;
+    assert_eq!((r.status, r.text()), (200, "ok"));
+    let r = step(
+        "HEAD",
+        client.send(Method::HEAD, &url(gw.addr, "/h"), &[], ""),
+    )
+    .await;
+    assert_eq!((r.status, r.text()), (200, ""));
+    let r = step("after HEAD", client.get(&url(gw.addr, "/next"), &[])).await;
+    assert_eq!((r.status, r.text()), (200, "ok"));
+    assert_eq!(accepted.load(Ordering::SeqCst), 3);
+}
+
+/// An upstream that closes in the middle of a body: the client sees the body cut
+/// (HTTP/1.1: the connection closes short of the length, or without the last
+/// chunk, or before the head; h2c: the stream fails), never a clean end.
+#[tokio::test]
+async fn a_body_the_upstream_cuts_is_cut_for_the_client() {
+    let (up, _) = raw_upstream(|mut s| async move {
+        if let Some(head) = read_head(&mut s).await {
+            let answer: &[u8] = if head.starts_with("GET /length ") {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"
+            } else {
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n"
+            };
+            let _ = s.write_all(answer).await;
+        }
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let mut c = connect(gw.addr).await;
+    c.write_all(b"GET /length HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let all = step("length", read_to_close(&mut c)).await;
+    // (hyper's server closes the connection before it has flushed the head.)
+    assert!(all.is_empty() || all.ends_with("\r\n\r\nabc"), "{all:?}");
+    let mut c = connect(gw.addr).await;
+    c.write_all(b"GET /chunked HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let all = step("chunked", read_to_close(&mut c)).await;
+    assert!(
+        all.is_empty() || all.ends_with("\r\n\r\n3\r\nabc\r\n"),
+        "{all:?}"
+    );
+    for path in ["/length", "/chunked"] {
+        let r = step(
+            path,
+            h2c().try_send(Method::GET, &url(gw.addr, path), &[], Bytes::new()),
+        )
+        .await;
+        assert!(r.is_err(), "{path}: {r:?}");
+    }
+}
+
+/// Answers whose framing cannot be trusted are a 502 (or, once the head has gone
+/// to the client, a cut body), and their connection is never used again.
+#[tokio::test]
+async fn malformed_answers_are_502_and_their_connections_closed() {
+    let answers: Vec<Vec<u8>> = vec![
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n".to_vec(),
+        b"HTTP/1.1 200 OK\r\ncontent-length: 18446744073709551616\r\n\r\n".to_vec(),
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok".to_vec(),
+        b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
+        b"HTTP/1.1 100 Continue\r\n\r\nnot http\r\n\r\n".to_vec(),
+        b"HTTP/1.1 200 OK\r\nx: "
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(b'a', 70_000))
+            .collect(),
+    ];
+    let n = answers.len();
+    let answers = Arc::new(answers);
+    let next = Arc::new(AtomicUsize::new(0));
+    let (up, accepted) = raw_upstream(move |mut s| {
+        let (answers, next) = (answers.clone(), next.clone());
+        async move {
+            while read_head(&mut s).await.is_some() {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let answer: &[u8] = answers
+                    .get(i)
+                    .map_or(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", |a| a);
+                if s.write_all(answer).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let client = http1();
+    for i in 0..n {
+        let r = step("malformed", client.get(&url(gw.addr, "/"), &[])).await;
+        assert_eq!(r.status, 502, "answer {i}: {r:?}");
+    }
+    let r = step("after", client.get(&url(gw.addr, "/"), &[])).await;
+    assert_eq!((r.status, r.text()), (200, "ok"));
+    assert_eq!(accepted.load(Ordering::SeqCst), n + 1);
+}
+
+/// Bytes the upstream sends right after its 101 head belong to the tunnel: the
+/// client gets them first, then the two sides are spliced.
+#[tokio::test]
+async fn bytes_after_a_101_head_go_through_the_tunnel() {
+    let (up, _) = raw_upstream(|mut s| async move {
+        if read_head(&mut s).await.is_none() {
+            return;
+        }
+        let switch = b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\nfirst";
+        if s.write_all(switch).await.is_err() {
+            return;
+        }
+        let (mut r, mut w) = s.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let mut c = connect(gw.addr).await;
+    c.write_all(
+        b"GET /ws HTTP/1.1\r\nhost: a\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let head = read_head(&mut c).await.expect("a 101");
+    assert!(head.starts_with("HTTP/1.1 101 "), "{head:?}");
+    let mut got = Vec::new();
+    assert!(read_until(&mut c, &mut got, b"first").await);
+    assert_eq!(got, b"first");
+    c.write_all(b"ping").await.unwrap();
+    got.clear();
+    assert!(read_until(&mut c, &mut got, b"ping").await);
+    assert_eq!(got, b"ping");
+}
+
+/// An upstream that answers at once and closes while the upload is still coming:
+/// its answer reaches the client (the failed write does not hide it).
+#[tokio::test]
+async fn an_answer_before_the_upstream_closes_on_an_upload_reaches_the_client() {
+    let (up, _) = raw_upstream(|mut s| async move {
+        if read_head(&mut s).await.is_some() {
+            let _ = s
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\n\r\nbig")
+                .await;
+        }
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let mut c = connect(gw.addr).await;
+    let size = 8 << 20;
+    c.write_all(
+        format!("POST /up HTTP/1.1\r\nhost: a\r\ncontent-length: {size}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let (mut r, mut w) = c.into_split();
+    let upload = tokio::spawn(async move {
+        let chunk = vec![b'x'; 64 << 10];
+        for _ in 0..size / chunk.len() {
+            if w.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut got = Vec::new();
+    let mut b = [0u8; 4096];
+    while !got.ends_with(b"big") {
+        match step("answer", r.read(&mut b)).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+        }
+    }
+    let got = String::from_utf8_lossy(&got);
+    assert!(
+        got.starts_with("HTTP/1.1 413 ") && got.ends_with("\r\n\r\nbig"),
+        "{got:?}"
+    );
+    upload.abort();
+}
+
+/// With one upstream connection allowed, every way an exchange can fail gives its
+/// slot back: a malformed answer, a body cut short, an upstream that never answers
+/// (504), an answer before the upload's end, a client that leaves mid-body. Each
+/// request after them gets the one connection, never `503 upstream busy`.
+#[tokio::test]
+async fn no_failure_keeps_the_one_upstream_connection_slot() {
+    let (up, _) = raw_upstream(|mut s| async move {
+        while let Some(head) = read_head(&mut s).await {
+            let path = head.split(' ').nth(1).unwrap_or("").to_string();
+            let answer: Vec<u8> = match path.as_str() {
+                "/malformed" => b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n".to_vec(),
+                "/cut" => b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc".to_vec(),
+                "/silent" => Vec::new(),
+                "/early" => b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n".to_vec(),
+                "/big" => {
+                    let mut a = b"HTTP/1.1 200 OK\r\ncontent-length: 16777216\r\n\r\n".to_vec();
+                    a.resize(a.len() + (16 << 20), b'x');
+                    a
+                }
+                _ => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec(),
+            };
+            if s.write_all(&answer).await.is_err() {
+                return;
+            }
+            if path != "/ok" {
+                // Never closes by itself: only sluice can let the slot go.
+                std::future::pending::<()>().await;
+            }
+        }
+    })
+    .await;
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 300ms, connect_timeout: 500ms, max_connections: 1}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    ))
+    .await;
+    let ok = || async {
+        let r = step("ok", http1().get(&url(gw.addr, "/ok"), &[])).await;
+        assert_eq!((r.status, r.text()), (200, "ok"));
+    };
+    let r = step("malformed", http1().get(&url(gw.addr, "/malformed"), &[])).await;
+    assert_eq!(r.status, 502);
+    ok().await;
+    let mut c = connect(gw.addr).await;
+    c.write_all(b"GET /cut HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut b = [0u8; 64];
+    let _ = step("cut", c.read(&mut b)).await;
+    drop(c);
+    ok().await;
+    let r = step("silent", http1().get(&url(gw.addr, "/silent"), &[])).await;
+    assert_eq!(r.status, 504);
+    ok().await;
+    let mut c = connect(gw.addr).await;
+    c.write_all(b"POST /early HTTP/1.1\r\nhost: a\r\ncontent-length: 100000\r\n\r\nsome")
+        .await
+        .unwrap();
+    let head = read_head(&mut c).await.expect("the early answer");
+    assert!(head.starts_with("HTTP/1.1 401 "), "{head:?}");
+    ok().await;
+    drop(c);
+    let mut c = connect(gw.addr).await;
+    c.write_all(b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut c).await.expect("the big answer");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head:?}");
+    drop(c);
+    ok().await;
+}
+
+/// A chunked body that goes wrong after the head has gone to the client (a size
+/// line too long, a size over 64 bits, data not followed by CRLF, a trailer block
+/// without end) is cut for the client, and its connection is never used again.
+#[tokio::test]
+async fn a_malformed_chunked_body_is_cut_and_its_connection_closed() {
+    let (up, accepted) = raw_upstream(|mut s| async move {
+        while let Some(head) = read_head(&mut s).await {
+            let path = head.split(' ').nth(1).unwrap_or("").to_string();
+            let mut answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            match path.as_str() {
+                "/extensions" => {
+                    answer.extend_from_slice(b"1;");
+                    answer.resize(answer.len() + 5000, b'e');
+                }
+                "/overflow" => answer.extend_from_slice(b"1ffffffffffffffff\r\nx"),
+                "/no-crlf" => answer.extend_from_slice(b"3\r\nabcX\r\n0\r\n\r\n"),
+                "/trailers" => {
+                    answer.extend_from_slice(b"0\r\n");
+                    for _ in 0..10_000 {
+                        answer.extend_from_slice(b"x-a: b\r\n");
+                    }
+                }
+                _ => answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec(),
+            }
+            if s.write_all(&answer).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let client = http1();
+    for path in ["/extensions", "/overflow", "/no-crlf", "/trailers"] {
+        let r = step(
+            path,
+            client.try_send(Method::GET, &url(gw.addr, path), &[], Bytes::new()),
+        )
+        .await;
+        assert!(r.is_err(), "{path}: {r:?}");
+        let r = step("ok", client.get(&url(gw.addr, "/ok"), &[])).await;
+        assert_eq!((r.status, r.text()), (200, "ok"), "after {path}");
+    }
+    // Each bad body closed the connection the `ok` before it had used.
+    assert_eq!(accepted.load(Ordering::SeqCst), 5);
+}
+
+/// A TLS upstream that closes its kept connections while they are idle (with a
+/// close_notify, or just the TCP connection): the next request notices before it
+/// writes a byte and goes on a new connection (a request written on a closed one
+/// would be a 502, since it is never sent twice).
+#[tokio::test]
+async fn idle_tls_connections_the_upstream_closed_are_not_used_again() {
+    let certs = self_signed();
+    let acceptor = certs.acceptor();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    let closed = Arc::new(AtomicUsize::new(0));
+    let closes = closed.clone();
+    tokio::spawn(async move {
+        let mut n = 0;
+        while let Ok((s, _)) = listener.accept().await {
+            n += 1;
+            let (acceptor, closes) = (acceptor.clone(), closes.clone());
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(s).await else {
+                    return;
+                };
+                if read_head_from(&mut s).await.is_none() {
+                    return;
+                }
+                let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                if s.write_all(answer).await.is_err() || s.flush().await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                // Every other connection says close_notify first.
+                if n % 2 == 0 {
+                    let _ = s.shutdown().await;
+                }
+                drop(s);
+                closes.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"https://{up}\"], timeout: 1s, tls_ca: \"{}\"}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n",
+        certs.cert_pem.path().display()
+    ))
+    .await;
+    let client = http1();
+    for n in 1..=4 {
+        let r = step("GET", client.get(&url(gw.addr, "/"), &[])).await;
+        assert_eq!((r.status, r.text()), (200, "ok"), "request {n}");
+        let gone = eventually(Duration::from_secs(2), || async {
+            closed.load(Ordering::SeqCst) == n
+        })
+        .await;
+        assert!(gone.is_some(), "the upstream closed connection {n}");
+    }
+}
+
+/// Reads a head (up to its empty line) from any stream.
+async fn read_head_from<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Option<Vec<u8>> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match step("read head", s.read(&mut byte)).await {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+    }
+    Some(head)
 }
