@@ -88,6 +88,10 @@ impl Pool {
         let (mut parts, body) = req.into_parts();
         let (head, framing) = wire::request_head(&mut parts, &body);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
+        let trailers = match framing {
+            Framing::Chunked => wire::announced_trailers(&parts.headers),
+            _ => Vec::new(),
+        };
         let mut body = Some(body);
         loop {
             let (mut conn, kept) = match self.checkout() {
@@ -97,7 +101,15 @@ impl Pool {
             let sent = body
                 .take()
                 .unwrap_or_else(|| crate::answer::full(Bytes::new()));
-            match wire::exchange(&mut conn, head.clone(), sent, framing, &parts.method).await {
+            let exchange = wire::exchange(
+                &mut conn,
+                head.clone(),
+                sent,
+                framing,
+                trailers.clone(),
+                &parts.method,
+            );
+            match exchange.await {
                 Ok(head) if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS => {
                     return Ok(Answer::Switched(head.parts, conn));
                 }

@@ -386,6 +386,40 @@ pub struct Upload {
     sent: u64,
     /// The body (and its last chunk) is all in `pending`.
     last: bool,
+    /// The trailer fields the request announced (`announced_trailers`).
+    trailers: Vec<HeaderName>,
+}
+
+/// The trailer fields a request's `Trailer` header announces: on a chunked body,
+/// only those are sent (as hyper's client).
+pub fn announced_trailers(h: &HeaderMap) -> Vec<HeaderName> {
+    h.get_all(header::TRAILER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect()
+}
+
+/// Whether a field may be sent as a trailer: not one that frames, routes or
+/// authorizes the message (RFC 9110 §6.5.1; hyper's list), which a recipient that
+/// merges trailers into the head would otherwise take as the request's own.
+fn may_trail(name: &HeaderName) -> bool {
+    !matches!(
+        *name,
+        header::AUTHORIZATION
+            | header::CACHE_CONTROL
+            | header::CONTENT_ENCODING
+            | header::CONTENT_LENGTH
+            | header::CONTENT_RANGE
+            | header::CONTENT_TYPE
+            | header::HOST
+            | header::MAX_FORWARDS
+            | header::SET_COOKIE
+            | header::TRAILER
+            | header::TRANSFER_ENCODING
+            | header::TE
+    )
 }
 
 /// How an upload failed: the client's body (its error, to classify), or the
@@ -466,10 +500,18 @@ impl Upload {
                     }
                     Err(frame) => {
                         // Trailers: after the last chunk; a length-delimited body
-                        // cannot carry them (hyper drops them too).
-                        if let (Ok(trailers), Framing::Chunked) =
+                        // cannot carry them (hyper drops them too). As hyper's
+                        // client: only those `Trailer` announced, and none that
+                        // must not be a trailer.
+                        if let (Ok(mut trailers), Framing::Chunked) =
                             (frame.into_trailers(), self.framing)
                         {
+                            let names: Vec<HeaderName> = trailers.keys().cloned().collect();
+                            for name in names {
+                                if !self.trailers.contains(&name) || !may_trail(&name) {
+                                    trailers.remove(&name);
+                                }
+                            }
                             let mut c = BytesMut::from(&b"0\r\n"[..]);
                             write_fields(&mut c, &trailers);
                             c.extend_from_slice(b"\r\n");
@@ -515,6 +557,7 @@ pub async fn exchange(
     head: Bytes,
     body: Body,
     framing: Framing,
+    trailers: Vec<HeaderName>,
     method: &Method,
 ) -> Result<Head, Failed> {
     let mut upload = Some(Upload {
@@ -523,6 +566,7 @@ pub async fn exchange(
         framing,
         sent: 0,
         last: false,
+        trailers,
     });
     let mut write_failed = None;
     let mut received = false;

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -12,7 +13,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use http::Method;
+use http::{HeaderMap, HeaderValue, Method, Request};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -307,6 +311,83 @@ async fn malformed_answers_are_502_and_their_connections_closed() {
     let r = step("after", client.get(&url(gw.addr, "/"), &[])).await;
     assert_eq!((r.status, r.text()), (200, "ok"));
     assert_eq!(accepted.load(Ordering::SeqCst), n + 1);
+}
+
+/// A body of fixed frames without a length (chunked on HTTP/1.1).
+struct Frames(VecDeque<Frame<Bytes>>);
+
+impl http_body::Body for Frames {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.pop_front().map(Ok))
+    }
+}
+
+/// Request trailers from an h2c client go on as hyper's client sent them: only the
+/// fields the request's `Trailer` header announces, and never one that must not be
+/// a trailer (RFC 9110 §6.5.1: `Host`, `Authorization`, `Content-Length`...), which
+/// an upstream merging trailers into the head would take as the request's own.
+/// sluice wrote every trailer field it got.
+#[tokio::test]
+async fn request_trailers_go_on_only_as_announced_and_allowed() {
+    let (up, _) = raw_upstream(|mut s| async move {
+        if read_head(&mut s).await.is_none() {
+            return;
+        }
+        let mut body = Vec::new();
+        let mut b = [0u8; 4096];
+        while !(body.ends_with(b"\r\n\r\n") && body.windows(5).any(|w| w == b"\r\n0\r\n")) {
+            match step("upstream read", s.read(&mut b)).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => body.extend_from_slice(&b[..n]),
+            }
+        }
+        let mut answer =
+            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes();
+        answer.extend_from_slice(&body);
+        let _ = s.write_all(&answer).await;
+    })
+    .await;
+    let gw = start_gateway(&config(up)).await;
+    let io = TokioIo::new(connect(gw.addr).await);
+    let (mut send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+        .await
+        .expect("h2c handshake");
+    tokio::spawn(conn);
+    let mut trailers = HeaderMap::new();
+    for (k, v) in [
+        ("x-sum", "7"),
+        ("x-unannounced", "1"),
+        ("authorization", "Bearer forged"),
+        ("host", "admin.internal"),
+    ] {
+        trailers.insert(k, HeaderValue::from_static(v));
+    }
+    let body = Frames(VecDeque::from([
+        Frame::data(Bytes::from_static(b"abc")),
+        Frame::trailers(trailers),
+    ]));
+    let req = Request::post(format!("http://{}/t", gw.addr))
+        .header("trailer", "x-sum, authorization, host")
+        .body(body)
+        .unwrap();
+    let resp = step("h2c POST", send.send_request(req))
+        .await
+        .expect("an answer");
+    assert_eq!(resp.status(), 200);
+    let got = step("body", resp.into_body().collect())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(
+        String::from_utf8_lossy(&got),
+        "3\r\nabc\r\n0\r\nx-sum: 7\r\n\r\n"
+    );
 }
 
 /// Bytes the upstream sends right after its 101 head belong to the tunnel: the
