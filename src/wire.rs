@@ -454,10 +454,13 @@ impl Upload {
                 }
                 self.pending.advance(n);
             }
+            // What is written goes out before the next frame is waited for (as
+            // hyper's client): TLS keeps what the socket did not take, and a client
+            // that waits for the answer before sending more would wait for ever.
+            // (A no-op on plain TCP.)
+            ready!(Pin::new(&mut *io).poll_flush(cx)).map_err(UploadError::Write)?;
             if self.last {
-                return Pin::new(&mut *io)
-                    .poll_flush(cx)
-                    .map_err(UploadError::Write);
+                return Poll::Ready(Ok(()));
             }
             let Some(body) = self.body.as_mut() else {
                 self.last = true;
@@ -1086,6 +1089,98 @@ mod tests {
         assert!(chunk_size(&mut BytesMut::from("x\r\n")).is_err());
         assert!(chunk_size(&mut BytesMut::from("1\n")).is_err());
         assert!(chunk_size(&mut BytesMut::from("11111111111111111\r\n")).is_err());
+    }
+
+    /// Over TLS, what an upload wrote goes out before the next frame of the body is
+    /// waited for, as hyper's client flushed: rustls keeps what a full socket did
+    /// not take, and a client that waits for the answer before it sends more (or an
+    /// upstream that answers only once it has the whole part) waited for ever.
+    #[tokio::test]
+    async fn over_tls_each_part_of_an_upload_goes_out_before_the_next_is_waited_for() {
+        use tokio::io::AsyncReadExt;
+        const PART: usize = 256 << 10;
+        let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let key = rustls_pki_types::PrivateKeyDer::Pkcs8(ck.signing_key.serialize_der().into());
+        let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key)
+            .unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ck.cert.der().clone()).unwrap();
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        // The upstream takes the head and the part slowly, so that the socket to it
+        // stays full; it reports how much of the part it got.
+        let upstream = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let mut s = acceptor.accept(s).await.unwrap();
+            let mut got = Vec::new();
+            let mut b = [0u8; 2048];
+            let head_end = loop {
+                if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break i + 4;
+                }
+                let n = s.read(&mut b).await.unwrap();
+                assert_ne!(n, 0);
+                got.extend_from_slice(&b[..n]);
+            };
+            let mut body = got.len() - head_end;
+            let read_part = async {
+                while body < PART {
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => body += n,
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(3), read_part).await;
+            body
+        });
+
+        // A small send buffer: the socket fills at once.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_send_buffer_size(4096).unwrap();
+        let tcp = socket.connect(addr).await.unwrap();
+        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(client))
+            .connect(name, tcp)
+            .await
+            .unwrap();
+        let slot = Arc::new(Semaphore::new(1)).acquire_owned().await.unwrap();
+        let mut conn = Conn {
+            io: Stream::Tls(Box::new(tls)),
+            buf: BytesMut::new(),
+            _slot: slot,
+        };
+        // One part of the body, then the client waits (for the answer, say).
+        let body = {
+            use futures_util::StreamExt;
+            use http_body_util::BodyExt;
+            let part = Frame::data(Bytes::from(vec![b'x'; PART]));
+            let frames = futures_util::stream::iter([Ok::<_, BoxError>(part)])
+                .chain(futures_util::stream::pending());
+            BodyExt::boxed(http_body_util::StreamBody::new(frames))
+        };
+        let head = Bytes::from_static(b"POST / HTTP/1.1\r\nhost: a\r\n\r\n");
+        let framing = Framing::Length(PART as u64 + 5);
+        let sending = exchange(&mut conn, head, body, framing, Vec::new(), &Method::POST);
+        let got = tokio::select! {
+            biased;
+            got = upstream => got.unwrap(),
+            _ = sending => panic!("no answer can come"),
+        };
+        assert_eq!(got, PART);
     }
 
     #[test]
