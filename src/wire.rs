@@ -125,16 +125,25 @@ impl Conn {
     /// Whether a kept connection can take a request: nothing arrived on it while it
     /// sat idle. An end of stream is the upstream closing it; bytes are something no
     /// request asked for. Costs no syscall unless the socket was reported readable.
+    /// Outside the task's tokio budget: with the budget spent, every readiness poll
+    /// is `Pending`, and a closed connection, or one with bytes waiting, looked fine.
     pub fn is_usable(&mut self) -> bool {
         if !self.buf.is_empty() {
             return false;
         }
+        let check = std::future::poll_fn(|cx| {
+            if self.io.tcp().poll_read_ready(cx).is_pending() {
+                return Poll::Ready(true);
+            }
+            // Readable, or was: a read tells which (`WouldBlock` clears the mark).
+            Poll::Ready(self.poll_fill(cx).is_pending())
+        });
         let mut cx = Context::from_waker(std::task::Waker::noop());
-        if self.io.tcp().poll_read_ready(&mut cx).is_pending() {
-            return true;
-        }
-        // Readable, or was: a read tells which (`WouldBlock` clears the mark).
-        self.poll_fill(&mut cx).is_pending()
+        // (Always ready; were it not, the connection is not trusted.)
+        matches!(
+            std::pin::pin!(tokio::task::unconstrained(check)).poll(&mut cx),
+            Poll::Ready(true)
+        )
     }
 
     /// Whether bytes the upstream sent are waiting unread.
@@ -1181,6 +1190,40 @@ mod tests {
             _ = sending => panic!("no answer can come"),
         };
         assert_eq!(got, PART);
+    }
+
+    /// The check of a kept connection does not depend on the task's tokio budget:
+    /// with it spent, tokio answers every readiness poll `Pending`, and a connection
+    /// with bytes nobody asked for (or the upstream's close) looked usable, so the
+    /// next request would have read those bytes as its answer.
+    #[tokio::test]
+    async fn a_kept_connection_is_checked_even_when_the_tasks_budget_is_spent() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let tcp = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut upstream, _) = listener.accept().await.unwrap();
+        upstream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nforged")
+            .await
+            .unwrap();
+        tcp.readable().await.unwrap();
+        let slot = Arc::new(Semaphore::new(1)).acquire_owned().await.unwrap();
+        let mut conn = Conn {
+            io: Stream::Plain(tcp),
+            buf: BytesMut::new(),
+            _slot: slot,
+        };
+        let usable = std::future::poll_fn(|cx| {
+            // Spend the budget, as a task that did much I/O in one poll has.
+            for _ in 0..200 {
+                let _ = std::pin::pin!(tokio::task::consume_budget()).poll(cx);
+            }
+            Poll::Ready(conn.is_usable())
+        })
+        .await;
+        assert!(!usable);
     }
 
     #[test]
