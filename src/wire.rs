@@ -270,13 +270,26 @@ impl Connector {
             Err(_) => {
                 let mut last = None;
                 let mut open = None;
-                for addr in tokio::net::lookup_host((self.host.as_str(), self.port)).await? {
-                    match TcpStream::connect(addr).await {
-                        Ok(s) => {
+                let addrs: Vec<_> = tokio::net::lookup_host((self.host.as_str(), self.port))
+                    .await?
+                    .collect();
+                // Each address gets its share of `connect_timeout` (as hyper's
+                // connector gives it), so one that drops packets (a broken IPv6
+                // route) leaves time for the next.
+                let share = self.connect_timeout / u32::try_from(addrs.len().max(1)).unwrap_or(1);
+                for addr in addrs {
+                    match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+                        Ok(Ok(s)) => {
                             open = Some(s);
                             break;
                         }
-                        Err(e) => last = Some(e),
+                        Ok(Err(e)) => last = Some(e),
+                        Err(_) => {
+                            last = Some(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                format!("connecting to {addr} timed out"),
+                            ))
+                        }
                     }
                 }
                 match (open, last) {
