@@ -97,8 +97,10 @@ struct Plain {
     trailers: bool,
 }
 
+// Matched at once where it is made: not worth a box.
+#[allow(clippy::large_enum_variant)]
 enum Parsed {
-    Plain(Box<Plain>),
+    Plain(Plain),
     Partial,
     /// Anything the fast path does not handle (hyper answers it).
     Other,
@@ -109,22 +111,35 @@ pub(crate) async fn serve<IO>(
     mut io: IO,
     fast: &Fast,
     activity: &Arc<Activity>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) -> Ended<IO>
 where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
     let mut buf = BytesMut::with_capacity(4096);
     let mut out: Vec<u8> = Vec::with_capacity(1024);
+    let mut spans = Vec::with_capacity(32);
+    // A response's header map, emptied, holds the next request's fields (as in
+    // hyper): no allocation, and room for the forwarding headers.
+    let mut fields = HeaderMap::new();
     let idle = activity.idle(fast.idle_timeout);
     tokio::pin!(idle);
+    let stopped = {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }
+    };
+    tokio::pin!(stopped);
+    // One timer for the connection's heads: each head's deadline is a clock
+    // reading, and the timer, when it fires, is moved on to the current one.
+    let mut deadline = tokio::time::Instant::now() + fast.header_timeout;
+    let timer = tokio::time::sleep_until(deadline);
+    tokio::pin!(timer);
     loop {
-        // The head: `request_header_timeout` from the end of the last response.
-        let timer = tokio::time::sleep(fast.header_timeout);
-        tokio::pin!(timer);
         let plain = loop {
             if !buf.is_empty() {
-                match parse(&mut buf, fast.max_head) {
+                match parse(&mut buf, &mut spans, &mut fields, fast.max_head) {
                     Parsed::Plain(p) => break p,
                     Parsed::Partial => {}
                     Parsed::Other => return Ended::Handover(io, buf),
@@ -140,11 +155,14 @@ where
                     Err(e) => return Ended::Closed(Err(e.into())),
                 },
                 _ = &mut timer => {
-                    // hyper too closes without an answer.
-                    return Ended::Closed(Err("no request head within request_header_timeout".into()));
+                    if tokio::time::Instant::now() >= deadline {
+                        // hyper too closes without an answer.
+                        return Ended::Closed(Err("no request head within request_header_timeout".into()));
+                    }
+                    timer.as_mut().reset(deadline);
                 }
                 _ = &mut idle => return Ended::Closed(Ok(())),
-                _ = stop.wait_for(|s| *s) => return Ended::Closed(Ok(())),
+                _ = &mut stopped => return Ended::Closed(Ok(())),
             }
         };
         let Plain {
@@ -153,7 +171,7 @@ where
             version,
             head,
             trailers,
-        } = *plain;
+        } = plain;
 
         // In flight from its head until its response body has been sent.
         let in_flight = activity.start();
@@ -163,6 +181,7 @@ where
         // (with nothing more sent) cancels it.
         let resp = if buf.is_empty() {
             tokio::select! {
+                biased;
                 r = &mut answer => r,
                 r = io.read_buf(&mut buf) => match r {
                     Ok(0) => return Ended::Closed(Err("the client closed its connection mid-request".into())),
@@ -191,6 +210,9 @@ where
             Err(e) => return Ended::Closed(Err(e)),
         };
         let last = enc.last;
+        fields = std::mem::take(&mut parts.headers);
+        fields.clear();
+        drop(parts);
         let sent = send_body(&mut io, &mut buf, &mut out, body, enc.framing, trailers).await;
         drop(in_flight);
         if let Err(e) = sent {
@@ -200,20 +222,29 @@ where
             let _ = io.shutdown().await;
             return Ended::Closed(Ok(()));
         }
+        // The next head: `request_header_timeout` from the end of this response.
+        deadline = tokio::time::Instant::now() + fast.header_timeout;
     }
 }
 
-/// Parse the head at the start of `buf`; a plain one is split off it.
-fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
+/// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
+/// room for where its fields are (kept by the connection, so that no request
+/// allocates or zeroes it).
+fn parse(
+    buf: &mut BytesMut,
+    spans: &mut Vec<[usize; 4]>,
+    fields: &mut HeaderMap,
+    max_head: usize,
+) -> Parsed {
     // Filled by httparse before anything reads them (as hyper does).
-    let mut fields = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_FIELDS];
-    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_FIELDS];
+    let mut parsed = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_FIELDS];
+    spans.clear();
     let mut req = httparse::Request::new(&mut []);
     let bytes: &[u8] = buf.as_ref();
     let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
         &mut req,
         bytes,
-        &mut fields,
+        &mut parsed,
     ) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) if bytes.len() < max_head.min(MAX_PARTIAL) => {
@@ -250,7 +281,7 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
     let mut trailers = false;
     let mut saw_length = false;
     let n = req.headers.len();
-    for (h, span) in req.headers.iter().zip(spans.iter_mut()) {
+    for h in req.headers.iter() {
         let name = h.name.as_bytes();
         let value = h.value;
         if name.eq_ignore_ascii_case(b"content-length") {
@@ -277,15 +308,20 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
         }
         let at = offset(name);
         let v = offset(value);
-        *span = (at, at + name.len(), v, v + value.len());
+        spans.push([at, at + name.len(), v, v + value.len()]);
     }
     let head = buf.split_to(len).freeze();
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) else {
         // hyper answers 400; it gets the head back.
         return unsplit(buf, head);
     };
-    let mut headers = HeaderMap::with_capacity(n);
-    for &(a, b, c, d) in &spans[..n] {
+    let mut headers = std::mem::take(fields);
+    if headers.capacity() == 0 {
+        headers = HeaderMap::with_capacity(n + 8);
+    } else {
+        headers.reserve(n);
+    }
+    for &[a, b, c, d] in spans.iter() {
         let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(&head[a..b]),
             HeaderValue::from_maybe_shared(head.slice(c..d)),
@@ -300,13 +336,13 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
     *req.uri_mut() = uri;
     *req.version_mut() = version;
     *req.headers_mut() = headers;
-    Parsed::Plain(Box::new(Plain {
+    Parsed::Plain(Plain {
         req,
         keep_alive,
         version,
         head: is_head,
         trailers,
-    }))
+    })
 }
 
 /// Put a split-off head back in front of the buffer, for hyper.
