@@ -180,6 +180,8 @@ where
         // As hyper: while the request is worked on, a client that closes its end
         // (with nothing more sent) cancels it.
         let resp = if buf.is_empty() {
+            // Room to read into: a read into none would look like the end.
+            buf.reserve(2048);
             tokio::select! {
                 biased;
                 r = &mut answer => r,
@@ -759,7 +761,7 @@ where
     IO: AsyncWrite + Unpin,
 {
     if chunked {
-        out.extend_from_slice(format_hex(data.len()).as_bytes());
+        push_hex(out, data.len());
         out.extend_from_slice(b"\r\n");
     }
     if data.len() <= COPY_LIMIT {
@@ -775,8 +777,19 @@ where
     Ok(())
 }
 
-fn format_hex(n: usize) -> String {
-    format!("{n:X}")
+/// A chunk size, in upper-case hex as hyper writes it.
+fn push_hex(out: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 16];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b"0123456789ABCDEF"[n & 15];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// The body's next frame. What is pending in `out` is written first unless the
@@ -792,9 +805,9 @@ where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
     if out.len() < COPY_LIMIT {
-        let now = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx))).await;
-        if let Poll::Ready(f) = now {
-            return f.transpose().map_err(Into::into);
+        let now = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx)));
+        if let Poll::Ready(f) = now.await {
+            return f.transpose();
         }
     }
     if !out.is_empty() {
@@ -803,17 +816,18 @@ where
     }
     let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx));
     if !buf.is_empty() {
-        return frame.await.transpose().map_err(Into::into);
+        return frame.await.transpose();
     }
+    buf.reserve(2048);
     tokio::select! {
-        f = frame => f.transpose().map_err(Into::into),
+        biased;
+        f = frame => f.transpose(),
         r = io.read_buf(buf) => match r {
             Ok(0) => Err("the client closed its connection mid-response".into()),
             Err(e) => Err(e.into()),
             Ok(_) => std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx))
                 .await
-                .transpose()
-                .map_err(Into::into),
+                .transpose(),
         },
     }
 }

@@ -263,3 +263,36 @@ async fn answers_are_framed_as_hyper_frames_them() {
     }
     gw.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_bad_head_after_a_plain_request_is_hyper_s_to_answer() {
+    let up = upstream().await;
+    let gw = gateway(&up.url()).await;
+    // A field without a colon: 400 and the end of the connection, as before.
+    let mut s = connect(gw.addr).await;
+    let (head, body) = answer(&mut s, "GET /text HTTP/1.1\r\nhost: h\r\n\r\n", false).await;
+    assert_eq!(
+        (status_line(&head), body.as_str()),
+        ("HTTP/1.1 200 OK", "ok\n")
+    );
+    s.write_all(b"GET /text HTTP/1.1\r\nhost h\r\n\r\n")
+        .await
+        .expect("write");
+    let rest = read_to_close(&mut s).await;
+    assert!(rest.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{rest}");
+    // A head over max_header_bytes (32KiB): 431.
+    let mut s = connect(gw.addr).await;
+    let (head, _) = answer(&mut s, "GET /text HTTP/1.1\r\nhost: h\r\n\r\n", false).await;
+    assert_eq!(status_line(&head), "HTTP/1.1 200 OK");
+    let big = format!(
+        "GET /text HTTP/1.1\r\nhost: h\r\nx-big: {}\r\n\r\n",
+        "a".repeat(40 * 1024)
+    );
+    s.write_all(big.as_bytes()).await.expect("write");
+    let rest = read_to_close(&mut s).await;
+    assert!(
+        rest.starts_with("HTTP/1.1 431 Request Header Fields Too Large\r\n"),
+        "{rest}"
+    );
+    gw.shutdown().await;
+}
