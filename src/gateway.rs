@@ -13,11 +13,11 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{Request, Response, StatusCode, Version};
-use hyper::body::Incoming;
 
 use crate::answer::{self, Body, Limited, RateHeaders, Refusal};
 use crate::client::{ClientKey, KeySpec, MissingKey, TrustedProxies};
 use crate::deny::{BanRequest, DenyTable, StaticDeny, Target};
+use crate::h1server::ClientBody;
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
 use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
@@ -136,7 +136,7 @@ impl Peer {
     }
 }
 
-pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>, peer: &Peer) -> Response<Body> {
+pub async fn handle(shared: Arc<Shared>, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
     let (mut parts, body) = req.into_parts();
@@ -206,7 +206,7 @@ async fn pass<'a>(
     head: Result<(), BadRequest>,
     route: Option<usize>,
     parts: http::request::Parts,
-    body: Incoming,
+    body: ClientBody,
     tally: &mut Tally,
 ) -> Result<Response<Body>, Refusal<'a>> {
     let rt = ctx.rt;
@@ -331,7 +331,7 @@ async fn act<'a>(
     ctx: &Ctx<'a>,
     route: &Route,
     parts: http::request::Parts,
-    body: Incoming,
+    body: ClientBody,
 ) -> Result<Response<Body>, Refusal<'a>> {
     match &route.action {
         Action::Respond {

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::h1server::ClientBody;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
@@ -137,7 +137,7 @@ impl ClientBodyError {
 /// is asked for and has nothing to give: an upstream that stops reading does not
 /// make it the client's fault.
 struct Watched {
-    inner: Incoming,
+    inner: ClientBody,
     timeout: Duration,
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Told of every frame handed on (`true` once the body is over), so the upstream's
@@ -431,7 +431,7 @@ impl Upstream {
 
     pub async fn forward(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<ClientBody>,
         origin: &Origin<'_>,
         max_body: u64,
     ) -> Result<Response<Body>, ProxyError> {

@@ -33,6 +33,7 @@ use crate::control::{Command, Control, Reply, Trigger, TICK};
 use crate::deny::DenyTable;
 use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
+use crate::h1server::{ClientBody, Ended, Fast, Replay};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 use crate::proxy::{ConnectionHeld, LastActive};
@@ -167,12 +168,14 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             .connections_refused
             .with_label_values(&["per_ip"]);
         let shared_for_exempt = shared.clone();
+        let shared_for_fast = shared.clone();
         let shared = shared.clone();
         let service = move |peer: SocketAddr| {
             let shared = shared.clone();
             let peer = Arc::new(gateway::Peer::new(peer));
-            service_fn(move |req| -> Answer {
+            service_fn(move |req: Request<Incoming>| -> Answer {
                 let (shared, peer) = (shared.clone(), peer.clone());
+                let req = req.map(ClientBody::Hyper);
                 Box::pin(async move { Ok(gateway::handle(shared, req, &peer).await) })
             })
         };
@@ -182,6 +185,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             Arc::new(move |ip| shared.runtime.load().trusted.contains(ip))
         };
         let limits = Limits {
+            fast: Some((shared_for_fast, max_head)),
             tls,
             header_timeout,
             idle_timeout: f.server.idle_timeout.get(),
@@ -234,6 +238,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             })
         };
         let limits = Limits {
+            fast: None,
             tls: None,
             header_timeout,
             idle_timeout: f.server.idle_timeout.get(),
@@ -421,6 +426,9 @@ type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
 /// How a listener treats its connections.
 #[derive(Clone)]
 struct Limits {
+    /// The gateway's: plain HTTP/1.1 requests are served by `h1server` (the admin
+    /// port leaves everything to hyper).
+    fast: Option<(Arc<Shared>, usize)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// Bounds the TLS handshake and the wait for a request's first bytes.
     header_timeout: Duration,
@@ -689,14 +697,14 @@ impl Drop for IpSlot {
 /// timeout watches. hyper has no idle timeout for HTTP/2, and for HTTP/1.1 only
 /// its header-read timeout. Plain atomics: a request costs two increments and a
 /// clock read, and nothing is woken; the idle timer checks them when it fires.
-struct Activity {
+pub(crate) struct Activity {
     in_flight: AtomicUsize,
     /// When the last request ended.
     last_end: LastActive,
 }
 
 /// One request in flight; ends when its response body has been sent (or dropped).
-struct InFlight(Arc<Activity>);
+pub(crate) struct InFlight(Arc<Activity>);
 
 impl Activity {
     fn new() -> Arc<Activity> {
@@ -706,7 +714,7 @@ impl Activity {
         })
     }
 
-    fn start(self: &Arc<Self>) -> InFlight {
+    pub(crate) fn start(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight(self.clone())
     }
@@ -716,7 +724,7 @@ impl Activity {
     }
 
     /// Resolves once no request has been in flight for `timeout`.
-    async fn idle(&self, timeout: Duration) {
+    pub(crate) async fn idle(&self, timeout: Duration) {
         let mut wait = timeout;
         loop {
             tokio::time::sleep(wait).await;
@@ -970,6 +978,12 @@ where
     }
 }
 
+fn log_end(peer: SocketAddr, result: Result<(), crate::answer::BoxError>) {
+    if let Err(e) = result {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
+
 /// Accept connections until told to stop, then drain them for at most `grace`.
 /// With `tls`, each connection is first handshaken (bounded by the header timeout).
 async fn serve<S, F>(
@@ -986,6 +1000,7 @@ async fn serve<S, F>(
     S::Future: Send + Unpin + 'static,
 {
     let Limits {
+        fast,
         tls,
         header_timeout,
         idle_timeout,
@@ -1039,6 +1054,13 @@ async fn serve<S, F>(
             send_timeout,
         };
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
+        let fast = fast.clone().map(|(shared, max_head)| Fast {
+            shared,
+            peer: gateway::Peer::new(peer),
+            header_timeout,
+            idle_timeout,
+            max_head,
+        });
         tokio::spawn(async move {
             let _held = held;
             // Until its first request, a connection has nothing to finish at shutdown.
@@ -1050,19 +1072,39 @@ async fn serve<S, F>(
                     };
                     let io = TokioIo::new(WriteStall::new(stream, send_timeout));
                     let activity = service.activity.clone();
-                    match started {
-                        Some(Sniffed::Http1) => {
+                    match (started, fast) {
+                        (Some(Sniffed::Http1), Some(fast)) => {
+                            // Plain requests here; the first other one and the rest
+                            // of the connection go to hyper.
+                            let (io, head) = match crate::h1server::serve(
+                                io.into_inner(),
+                                &fast,
+                                &activity,
+                                stop.clone(),
+                            )
+                            .await
+                            {
+                                Ended::Closed(r) => return log_end(peer, r),
+                                Ended::Handover(io, head) => (io, head),
+                            };
+                            let io = TokioIo::new(Replay { head, io });
                             let conn = builder.h1.serve_connection(io, service).with_upgrades();
                             let close =
                                 |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
-                        Some(Sniffed::Http2) => {
+                        (Some(Sniffed::Http1), None) => {
+                            let conn = builder.h1.serve_connection(io, service).with_upgrades();
+                            let close =
+                                |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
+                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
+                        }
+                        (Some(Sniffed::Http2), _) => {
                             let conn = builder.h2.serve_connection(io, service);
                             let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
-                        None => Err("no request before the header timeout".into()),
+                        (None, _) => Err("no request before the header timeout".into()),
                     }
                 }
                 Some(acceptor) => {
@@ -1084,9 +1126,7 @@ async fn serve<S, F>(
                     }
                 }
             };
-            if let Err(e) = result {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
+            log_end(peer, result);
         });
     }
     drop(listener);

@@ -1,0 +1,919 @@
+//! The gateway's own HTTP/1.1 server for plain requests: a head with no body, no
+//! upgrade and no `Expect`, read, answered and written here without hyper's
+//! dispatcher. Anything else hands the connection, at that request's first byte,
+//! to hyper's HTTP/1.1 server for the rest of its life, so every error answer and
+//! every body is still hyper's.
+
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderName, HeaderValue};
+use http::{HeaderMap, Method, Request, StatusCode, Uri, Version};
+use http_body::{Body as _, Frame};
+use hyper::body::Incoming;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::watch;
+
+use crate::answer::{Body, BoxError};
+use crate::gateway::{self, Peer, Shared};
+use crate::server::Activity;
+
+/// A client's request body: hyper's, or none (a plain request of the fast path).
+pub enum ClientBody {
+    Hyper(Incoming),
+    Empty,
+}
+
+impl http_body::Body for ClientBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx),
+            ClientBody::Empty => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ClientBody::Hyper(b) => b.is_end_stream(),
+            ClientBody::Empty => true,
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            ClientBody::Hyper(b) => b.size_hint(),
+            ClientBody::Empty => http_body::SizeHint::with_exact(0),
+        }
+    }
+}
+
+/// hyper's limit on header fields (431 beyond).
+const MAX_FIELDS: usize = 100;
+/// hyper answers a longer request target 414.
+const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
+/// A partial head longer than this goes to hyper, which enforces the exact limit.
+const MAX_PARTIAL: usize = 16 * 1024;
+/// A body frame up to this size is copied behind its head (one write); larger ones
+/// are written on their own.
+const COPY_LIMIT: usize = 16 * 1024;
+
+/// What a connection's fast path needs.
+pub(crate) struct Fast {
+    pub shared: Arc<Shared>,
+    pub peer: Peer,
+    pub header_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_head: usize,
+}
+
+/// How the fast path left a connection.
+pub(crate) enum Ended<IO> {
+    /// Closed (an error is logged by the caller).
+    Closed(Result<(), BoxError>),
+    /// The next request is not a plain one: the connection is hyper's, starting
+    /// with the bytes already read.
+    Handover(IO, BytesMut),
+}
+
+/// A parsed plain request and what its answer's framing depends on.
+struct Plain {
+    req: Request<ClientBody>,
+    /// The request allows the connection to stay open (HTTP/1.1 without `close`,
+    /// HTTP/1.0 with `keep-alive`).
+    keep_alive: bool,
+    version: Version,
+    head: bool,
+    /// `TE: trailers`.
+    trailers: bool,
+}
+
+// Matched at once where it is made: not worth a box.
+#[allow(clippy::large_enum_variant)]
+enum Parsed {
+    Plain(Plain),
+    Partial,
+    /// Anything the fast path does not handle (hyper answers it).
+    Other,
+}
+
+/// Serve plain requests on `io` until it closes or a request is not plain.
+pub(crate) async fn serve<IO>(
+    mut io: IO,
+    fast: &Fast,
+    activity: &Arc<Activity>,
+    stop: watch::Receiver<bool>,
+) -> Ended<IO>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut buf = BytesMut::with_capacity(4096);
+    let mut out: Vec<u8> = Vec::with_capacity(1024);
+    let mut spans = Vec::with_capacity(32);
+    // A response's header map, emptied, holds the next request's fields (as in
+    // hyper): no allocation, and room for the forwarding headers.
+    let mut fields = HeaderMap::new();
+    let idle = activity.idle(fast.idle_timeout);
+    tokio::pin!(idle);
+    let stopped = {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }
+    };
+    tokio::pin!(stopped);
+    // One timer for the connection's heads: each head's deadline is a clock
+    // reading, and the timer, when it fires, is moved on to the current one.
+    let mut deadline = tokio::time::Instant::now() + fast.header_timeout;
+    let timer = tokio::time::sleep_until(deadline);
+    tokio::pin!(timer);
+    loop {
+        let plain = loop {
+            if !buf.is_empty() {
+                match parse(&mut buf, &mut spans, &mut fields, fast.max_head) {
+                    Parsed::Plain(p) => break p,
+                    Parsed::Partial => {}
+                    Parsed::Other => return Ended::Handover(io, buf),
+                }
+            }
+            buf.reserve(2048);
+            tokio::select! {
+                biased;
+                r = io.read_buf(&mut buf) => match r {
+                    // With part of a head: hyper too ends without an answer.
+                    Ok(0) => return Ended::Closed(Ok(())),
+                    Ok(_) => {}
+                    Err(e) => return Ended::Closed(Err(e.into())),
+                },
+                _ = &mut timer => {
+                    if tokio::time::Instant::now() >= deadline {
+                        // hyper too closes without an answer.
+                        return Ended::Closed(Err("no request head within request_header_timeout".into()));
+                    }
+                    timer.as_mut().reset(deadline);
+                }
+                _ = &mut idle => return Ended::Closed(Ok(())),
+                _ = &mut stopped => return Ended::Closed(Ok(())),
+            }
+        };
+        let Plain {
+            req,
+            keep_alive,
+            version,
+            head,
+            trailers,
+        } = plain;
+
+        // In flight from its head until its response body has been sent.
+        let in_flight = activity.start();
+        let answer = gateway::handle(fast.shared.clone(), req, &fast.peer);
+        tokio::pin!(answer);
+        // As hyper: while the request is worked on, a client that closes its end
+        // (with nothing more sent) cancels it.
+        let resp = if buf.is_empty() {
+            // Room to read into: a read into none would look like the end.
+            buf.reserve(2048);
+            tokio::select! {
+                biased;
+                r = &mut answer => r,
+                r = io.read_buf(&mut buf) => match r {
+                    Ok(0) => return Ended::Closed(Err("the client closed its connection mid-request".into())),
+                    Err(e) => return Ended::Closed(Err(e.into())),
+                    Ok(_) => answer.await,
+                },
+            }
+        } else {
+            answer.await
+        };
+
+        let (mut parts, body) = resp.into_parts();
+        let kind = if body.is_end_stream() {
+            None
+        } else {
+            Some(body.size_hint().exact())
+        };
+        let meta = Meta {
+            version,
+            keep_alive: keep_alive && !*stop.borrow(),
+            head,
+        };
+        out.clear();
+        let enc = match encode_head(&mut out, &mut parts, &meta, kind) {
+            Ok(enc) => enc,
+            Err(e) => return Ended::Closed(Err(e)),
+        };
+        let last = enc.last;
+        fields = std::mem::take(&mut parts.headers);
+        fields.clear();
+        drop(parts);
+        let sent = send_body(&mut io, &mut buf, &mut out, body, enc.framing, trailers).await;
+        drop(in_flight);
+        if let Err(e) = sent {
+            return Ended::Closed(Err(e));
+        }
+        if last || *stop.borrow() {
+            let _ = io.shutdown().await;
+            return Ended::Closed(Ok(()));
+        }
+        // The next head: `request_header_timeout` from the end of this response.
+        deadline = tokio::time::Instant::now() + fast.header_timeout;
+    }
+}
+
+/// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
+/// room for where its fields are (kept by the connection, so that no request
+/// allocates or zeroes it).
+fn parse(
+    buf: &mut BytesMut,
+    spans: &mut Vec<[usize; 4]>,
+    fields: &mut HeaderMap,
+    max_head: usize,
+) -> Parsed {
+    // Filled by httparse before anything reads them (as hyper does).
+    let mut parsed = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_FIELDS];
+    spans.clear();
+    let mut req = httparse::Request::new(&mut []);
+    let bytes: &[u8] = buf.as_ref();
+    let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut req,
+        bytes,
+        &mut parsed,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if bytes.len() < max_head.min(MAX_PARTIAL) => {
+            return Parsed::Partial
+        }
+        _ => return Parsed::Other,
+    };
+    if len > max_head {
+        return Parsed::Other;
+    }
+    let (Some(method), Some(path), Some(minor)) = (req.method, req.path, req.version) else {
+        return Parsed::Other;
+    };
+    if path.len() > MAX_URI_LEN {
+        return Parsed::Other;
+    }
+    let version = if minor == 1 {
+        Version::HTTP_11
+    } else {
+        Version::HTTP_10
+    };
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Parsed::Other;
+    };
+    if method == Method::CONNECT {
+        return Parsed::Other;
+    }
+    let base = bytes.as_ptr() as usize;
+    let offset = |s: &[u8]| s.as_ptr() as usize - base;
+    let path_at = offset(path.as_bytes());
+    let path_span = (path_at, path_at + path.len());
+    let mut keep_alive = version == Version::HTTP_11;
+    let mut saw_close = false;
+    let mut trailers = false;
+    let mut saw_length = false;
+    let n = req.headers.len();
+    for h in req.headers.iter() {
+        let name = h.name.as_bytes();
+        let value = h.value;
+        if name.eq_ignore_ascii_case(b"content-length") {
+            // `0` once, or hyper reads a body (or answers 400).
+            if saw_length || value != b"0" {
+                return Parsed::Other;
+            }
+            saw_length = true;
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding")
+            || name.eq_ignore_ascii_case(b"upgrade")
+            || name.eq_ignore_ascii_case(b"expect")
+        {
+            return Parsed::Other;
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            // As hyper: once any line asks to close, a later keep-alive does not undo it.
+            if saw_close || has_token(value, b"close") {
+                saw_close = true;
+                keep_alive = false;
+            } else if !keep_alive {
+                keep_alive = has_token(value, b"keep-alive");
+            }
+        } else if name.eq_ignore_ascii_case(b"te") && has_token(value, b"trailers") {
+            trailers = true;
+        }
+        let at = offset(name);
+        let v = offset(value);
+        spans.push([at, at + name.len(), v, v + value.len()]);
+    }
+    let head = buf.split_to(len).freeze();
+    let Ok(uri) = Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) else {
+        // hyper answers 400; it gets the head back.
+        return unsplit(buf, head);
+    };
+    let mut headers = std::mem::take(fields);
+    if headers.capacity() == 0 {
+        headers = HeaderMap::with_capacity(n + 8);
+    } else {
+        headers.reserve(n);
+    }
+    for &[a, b, c, d] in spans.iter() {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(&head[a..b]),
+            HeaderValue::from_maybe_shared(head.slice(c..d)),
+        ) else {
+            return unsplit(buf, head);
+        };
+        headers.append(name, value);
+    }
+    let is_head = method == Method::HEAD;
+    let mut req = Request::new(ClientBody::Empty);
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = version;
+    *req.headers_mut() = headers;
+    Parsed::Plain(Plain {
+        req,
+        keep_alive,
+        version,
+        head: is_head,
+        trailers,
+    })
+}
+
+/// Put a split-off head back in front of the buffer, for hyper.
+fn unsplit(buf: &mut BytesMut, head: Bytes) -> Parsed {
+    let mut whole = BytesMut::with_capacity(head.len() + buf.len());
+    whole.extend_from_slice(&head);
+    whole.extend_from_slice(buf);
+    *buf = whole;
+    Parsed::Other
+}
+
+/// Whether a comma-separated list has `token` (any case); as hyper, only in a
+/// value of visible ASCII.
+fn has_token(value: &[u8], token: &[u8]) -> bool {
+    value.iter().all(|&b| b == b'\t' || (32..127).contains(&b))
+        && value
+            .split(|&b| b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// What the answer's framing depends on besides the response.
+struct Meta {
+    /// The request's.
+    version: Version,
+    /// The connection may stay open after this answer (the request allows it and
+    /// no graceful close has started).
+    keep_alive: bool,
+    head: bool,
+}
+
+/// How the response body goes on the wire.
+enum Framing {
+    Length(u64),
+    Chunked(Option<Vec<HeaderName>>),
+    /// Until the connection closes (HTTP/1.0 without a length).
+    Close,
+}
+
+struct Encoding {
+    framing: Framing,
+    /// Close the connection after this response.
+    last: bool,
+}
+
+/// Write the response head as hyper's server does (`Server::encode`): the same
+/// status line, fields in the map's order, framing, `connection` and `date`.
+fn encode_head(
+    out: &mut Vec<u8>,
+    parts: &mut http::response::Parts,
+    meta: &Meta,
+    body: Option<Option<u64>>,
+) -> Result<Encoding, BoxError> {
+    let status = parts.status;
+    let mut keep_alive = meta.keep_alive;
+    // hyper's `enforce_version`.
+    if meta.version == Version::HTTP_10 {
+        let outgoing_keep_alive = parts
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| has_token(v.as_bytes(), b"keep-alive"));
+        if !outgoing_keep_alive {
+            match parts.version {
+                Version::HTTP_10 => keep_alive = false,
+                Version::HTTP_11 if keep_alive => {
+                    parts
+                        .headers
+                        .append(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+                }
+                _ => {}
+            }
+        }
+        parts.version = Version::HTTP_10;
+    } else if !keep_alive
+        && !parts
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| has_token(v.as_bytes(), b"close"))
+    {
+        parts
+            .headers
+            .append(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    if status.is_informational() {
+        // hyper refuses to send one as a response: a bare 500, and the end.
+        out.extend_from_slice(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\ndate: ");
+        date::extend(out);
+        out.extend_from_slice(b"\r\n\r\n");
+        return Ok(Encoding {
+            framing: Framing::Length(0),
+            last: true,
+        });
+    }
+    let mut last = !keep_alive;
+    let reason = parts.extensions.get::<hyper::ext::ReasonPhrase>();
+    if parts.version != Version::HTTP_10 && status == StatusCode::OK && reason.is_none() {
+        out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+    } else {
+        out.extend_from_slice(if parts.version == Version::HTTP_10 {
+            b"HTTP/1.0 "
+        } else {
+            b"HTTP/1.1 "
+        });
+        out.extend_from_slice(status.as_str().as_bytes());
+        out.push(b' ');
+        match reason {
+            Some(r) => out.extend_from_slice(r.as_bytes()),
+            None => out.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes()),
+        }
+        out.extend_from_slice(b"\r\n");
+    }
+    let http10 = parts.version == Version::HTTP_10;
+    let can_chunk =
+        !meta.head && !matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
+    let can_length = !matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
+    let mut framing = Framing::Length(0);
+    let mut wrote_len = false;
+    let mut wrote_date = false;
+    let mut allowed_trailers: Option<Vec<HeaderName>> = None;
+    let mut prev_len: Option<u64> = None;
+    // A `content-length`, `transfer-encoding`, `connection` or `trailer` line is
+    // open: its values are joined on one line.
+    let mut open: Option<HeaderName> = None;
+    let mut chunked_missing = false;
+    let close_line = |out: &mut Vec<u8>, open: &mut Option<HeaderName>, chunked_missing: bool| {
+        if open.take().is_some() {
+            out.extend_from_slice(if chunked_missing {
+                b", chunked\r\n"
+            } else {
+                b"\r\n"
+            });
+        }
+    };
+    for (name, value) in parts.headers.iter() {
+        if open.as_ref().is_some_and(|o| o != name) {
+            close_line(out, &mut open, chunked_missing);
+        }
+        let continuing = open.is_some();
+        match *name {
+            header::CONTENT_LENGTH => {
+                if wrote_len && !continuing {
+                    return Err("a response with both a length and another framing".into());
+                }
+                match body {
+                    Some(Some(known)) => {
+                        if !continuing {
+                            framing = Framing::Length(known);
+                            out.extend_from_slice(b"content-length: ");
+                            out.extend_from_slice(value.as_bytes());
+                            wrote_len = true;
+                            open = Some(header::CONTENT_LENGTH);
+                        }
+                        continue;
+                    }
+                    Some(None) => {
+                        let Some(len) = parse_length(value) else {
+                            return Err("a response with an invalid content-length".into());
+                        };
+                        if let Some(prev) = prev_len {
+                            if prev != len {
+                                return Err("a response with differing content-lengths".into());
+                            }
+                            continue;
+                        }
+                        framing = Framing::Length(len);
+                        out.extend_from_slice(b"content-length: ");
+                        out.extend_from_slice(value.as_bytes());
+                        wrote_len = true;
+                        open = Some(header::CONTENT_LENGTH);
+                        prev_len = Some(len);
+                        continue;
+                    }
+                    None => {
+                        if !meta.head {
+                            continue;
+                        }
+                    }
+                }
+                wrote_len = true;
+            }
+            header::TRANSFER_ENCODING => {
+                if wrote_len && !continuing {
+                    return Err("a response with both a length and another framing".into());
+                }
+                if http10 || !can_chunk {
+                    continue;
+                }
+                wrote_len = true;
+                chunked_missing = !last_is_chunked(value);
+                if !continuing {
+                    framing = Framing::Chunked(None);
+                    out.extend_from_slice(b"transfer-encoding: ");
+                    open = Some(header::TRANSFER_ENCODING);
+                } else {
+                    out.extend_from_slice(b", ");
+                }
+                out.extend_from_slice(value.as_bytes());
+                continue;
+            }
+            header::CONNECTION => {
+                if !last && has_token(value.as_bytes(), b"close") {
+                    last = true;
+                }
+                if !continuing {
+                    out.extend_from_slice(b"connection: ");
+                    open = Some(header::CONNECTION);
+                } else {
+                    out.extend_from_slice(b", ");
+                }
+                out.extend_from_slice(value.as_bytes());
+                continue;
+            }
+            header::DATE => wrote_date = true,
+            header::TRAILER => {
+                if http10 || !can_chunk {
+                    continue;
+                }
+                if !continuing {
+                    out.extend_from_slice(b"trailer: ");
+                    open = Some(header::TRAILER);
+                } else {
+                    out.extend_from_slice(b", ");
+                }
+                out.extend_from_slice(value.as_bytes());
+                if let Ok(s) = value.to_str() {
+                    allowed_trailers.get_or_insert_with(Vec::new).extend(
+                        s.split(',')
+                            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok()),
+                    );
+                }
+                continue;
+            }
+            _ => {}
+        }
+        close_line(out, &mut open, chunked_missing);
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    close_line(out, &mut open, chunked_missing);
+    if !wrote_len {
+        framing = match body {
+            Some(None) => {
+                if http10 || !can_chunk {
+                    Framing::Close
+                } else {
+                    out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+                    Framing::Chunked(None)
+                }
+            }
+            None | Some(Some(0)) => {
+                if can_length && !meta.head {
+                    out.extend_from_slice(b"content-length: 0\r\n");
+                }
+                Framing::Length(0)
+            }
+            Some(Some(len)) => {
+                if can_length {
+                    out.extend_from_slice(b"content-length: ");
+                    out.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
+                    out.extend_from_slice(b"\r\n");
+                    Framing::Length(len)
+                } else {
+                    Framing::Length(0)
+                }
+            }
+        };
+    }
+    if !can_chunk {
+        framing = Framing::Length(0);
+    }
+    if wrote_date {
+        out.extend_from_slice(b"\r\n");
+    } else {
+        out.extend_from_slice(b"date: ");
+        date::extend(out);
+        out.extend_from_slice(b"\r\n\r\n");
+    }
+    if let Framing::Chunked(t) = &mut framing {
+        *t = allowed_trailers;
+    }
+    if matches!(framing, Framing::Close) {
+        last = true;
+    }
+    Ok(Encoding { framing, last })
+}
+
+fn parse_length(v: &HeaderValue) -> Option<u64> {
+    let s = v.to_str().ok()?;
+    let mut it = s.split(',').map(str::trim);
+    let first: u64 = it.next()?.parse().ok()?;
+    it.all(|n| n.parse::<u64>().ok() == Some(first))
+        .then_some(first)
+}
+
+fn last_is_chunked(v: &HeaderValue) -> bool {
+    v.to_str()
+        .ok()
+        .and_then(|s| s.rsplit(',').next())
+        .is_some_and(|e| e.trim().eq_ignore_ascii_case("chunked"))
+}
+
+/// Trailer fields hyper never sends.
+fn valid_trailer(name: &HeaderName) -> bool {
+    !matches!(
+        *name,
+        header::AUTHORIZATION
+            | header::CACHE_CONTROL
+            | header::CONTENT_ENCODING
+            | header::CONTENT_LENGTH
+            | header::CONTENT_RANGE
+            | header::CONTENT_TYPE
+            | header::HOST
+            | header::MAX_FORWARDS
+            | header::SET_COOKIE
+            | header::TRAILER
+            | header::TRANSFER_ENCODING
+            | header::TE
+    )
+}
+
+/// Send the head in `out` and the body in its framing. A body frame that is ready
+/// at once goes in the same write as what precedes it.
+async fn send_body<IO>(
+    io: &mut IO,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    mut body: Body,
+    framing: Framing,
+    trailers_allowed: bool,
+) -> Result<(), BoxError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    // `remaining`: what a length still needs (`None`: chunked or until close).
+    let (mut remaining, allowed, mut chunked) = match framing {
+        // Nothing to send: the body is dropped unread, as hyper does.
+        Framing::Length(0) => {
+            drop(body);
+            io.write_all(out).await?;
+            return Ok(());
+        }
+        Framing::Length(n) => (Some(n), None, false),
+        Framing::Chunked(t) => (None, t, true),
+        Framing::Close => (None, None, false),
+    };
+    let mut ended = body.is_end_stream();
+    while !ended {
+        let Some(frame) = next_frame(io, buf, out, &mut body).await? else {
+            break;
+        };
+        let frame = match frame.into_data() {
+            Ok(mut data) => {
+                ended = body.is_end_stream();
+                if let Some(r) = &mut remaining {
+                    data.truncate(usize::try_from(*r).unwrap_or(usize::MAX));
+                    *r -= data.len() as u64;
+                    // hyper takes nothing more once the length is sent.
+                    ended |= *r == 0;
+                }
+                if !data.is_empty() {
+                    put_data(io, out, data, chunked).await?;
+                }
+                continue;
+            }
+            Err(frame) => frame,
+        };
+        if let Ok(fields) = frame.into_trailers() {
+            if let (true, true, Some(allowed)) = (chunked, trailers_allowed, &allowed) {
+                let mut lines = Vec::new();
+                for (n, v) in fields.iter() {
+                    if allowed.contains(n) && valid_trailer(n) {
+                        lines.extend_from_slice(n.as_str().as_bytes());
+                        lines.extend_from_slice(b": ");
+                        lines.extend_from_slice(v.as_bytes());
+                        lines.extend_from_slice(b"\r\n");
+                    }
+                }
+                if !lines.is_empty() {
+                    out.extend_from_slice(b"0\r\n");
+                    out.extend_from_slice(&lines);
+                    out.extend_from_slice(b"\r\n");
+                    chunked = false;
+                }
+            }
+            break;
+        }
+    }
+    drop(body);
+    if chunked {
+        out.extend_from_slice(b"0\r\n\r\n");
+    }
+    if !out.is_empty() {
+        io.write_all(out).await?;
+        out.clear();
+    }
+    if remaining.is_some_and(|r| r > 0) {
+        return Err("the response body ended before its content-length".into());
+    }
+    Ok(())
+}
+
+/// Append a data frame to `out` in its framing; a large one is written with what is
+/// pending rather than copied.
+async fn put_data<IO>(
+    io: &mut IO,
+    out: &mut Vec<u8>,
+    data: Bytes,
+    chunked: bool,
+) -> Result<(), BoxError>
+where
+    IO: AsyncWrite + Unpin,
+{
+    if chunked {
+        push_hex(out, data.len());
+        out.extend_from_slice(b"\r\n");
+    }
+    if data.len() <= COPY_LIMIT {
+        out.extend_from_slice(&data);
+    } else {
+        io.write_all(out).await?;
+        out.clear();
+        io.write_all(&data).await?;
+    }
+    if chunked {
+        out.extend_from_slice(b"\r\n");
+    }
+    Ok(())
+}
+
+/// A chunk size, in upper-case hex as hyper writes it.
+fn push_hex(out: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 16];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b"0123456789ABCDEF"[n & 15];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+}
+
+/// The body's next frame. What is pending in `out` is written first unless the
+/// frame is ready at once (or `out` is large). While waiting, a client that closes
+/// its end (with nothing more sent) ends the request, as with hyper.
+async fn next_frame<IO>(
+    io: &mut IO,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    body: &mut Body,
+) -> Result<Option<Frame<Bytes>>, BoxError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    if out.len() < COPY_LIMIT {
+        let now = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx)));
+        if let Poll::Ready(f) = now.await {
+            return f.transpose();
+        }
+    }
+    if !out.is_empty() {
+        io.write_all(out).await?;
+        out.clear();
+    }
+    let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx));
+    if !buf.is_empty() {
+        return frame.await.transpose();
+    }
+    buf.reserve(2048);
+    tokio::select! {
+        biased;
+        f = frame => f.transpose(),
+        r = io.read_buf(buf) => match r {
+            Ok(0) => Err("the client closed its connection mid-response".into()),
+            Err(e) => Err(e.into()),
+            Ok(_) => std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx))
+                .await
+                .transpose(),
+        },
+    }
+}
+
+/// The bytes hyper had buffered, read before the socket.
+pub(crate) struct Replay<T> {
+    pub head: BytesMut,
+    pub io: T,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Replay<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.head.is_empty() {
+            let n = self.head.len().min(out.remaining());
+            out.put_slice(&self.head[..n]);
+            self.head.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, out)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Replay<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        b: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, b)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// The `date` value, formatted once a second per thread (as hyper caches it).
+mod date {
+    use std::cell::RefCell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    struct Cached {
+        secs: u64,
+        value: [u8; 29],
+    }
+
+    thread_local! {
+        static CACHED: RefCell<Cached> = const { RefCell::new(Cached { secs: 0, value: [0; 29] }) };
+    }
+
+    pub(super) fn extend(out: &mut Vec<u8>) {
+        let now = SystemTime::now();
+        let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        CACHED.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.secs != secs || c.value[0] == 0 {
+                let s = httpdate::fmt_http_date(now);
+                if s.len() == 29 {
+                    c.value.copy_from_slice(s.as_bytes());
+                    c.secs = secs;
+                } else {
+                    out.extend_from_slice(s.as_bytes());
+                    return;
+                }
+            }
+            out.extend_from_slice(&c.value);
+        });
+    }
+}
