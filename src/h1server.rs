@@ -61,8 +61,6 @@ impl http_body::Body for ClientBody {
 const MAX_FIELDS: usize = 100;
 /// hyper answers a longer request target 414.
 const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
-/// A partial head longer than this goes to hyper, which enforces the exact limit.
-const MAX_PARTIAL: usize = 16 * 1024;
 /// A body frame up to this size is copied behind its head (one write); larger ones
 /// are written on their own.
 const COPY_LIMIT: usize = 16 * 1024;
@@ -136,14 +134,24 @@ where
     let mut deadline = tokio::time::Instant::now() + fast.header_timeout;
     let timer = tokio::time::sleep_until(deadline);
     tokio::pin!(timer);
+    // How much of `buf` is known to hold no end of a head: a head sent in many
+    // small pieces is parsed again only once its end may have come (as hyper does),
+    // not on every read, which would cost the square of its length.
+    let mut scanned = 0;
     loop {
         let plain = loop {
-            if !buf.is_empty() {
+            if !buf.is_empty() && (scanned == 0 || may_end_head(&buf, scanned)) {
                 match parse(&mut buf, &mut spans, &mut fields, fast.max_head) {
-                    Parsed::Plain(p) => break p,
-                    Parsed::Partial => {}
+                    Parsed::Plain(p) => {
+                        scanned = 0;
+                        break p;
+                    }
+                    Parsed::Partial => scanned = buf.len(),
                     Parsed::Other => return Ended::Handover(io, buf),
                 }
+            } else if buf.len() >= fast.max_head {
+                // No end in sight within the limit: hyper answers 431.
+                return Ended::Handover(io, buf);
             }
             buf.reserve(2048);
             tokio::select! {
@@ -232,6 +240,13 @@ where
 /// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
 /// room for where its fields are (kept by the connection, so that no request
 /// allocates or zeroes it).
+/// Whether the bytes after the first `scanned` (with three before, where an end
+/// may straddle reads) can hold the end of a head: an empty line.
+fn may_end_head(buf: &[u8], scanned: usize) -> bool {
+    let from = scanned.saturating_sub(3);
+    buf[from..].windows(2).any(|w| w == b"\n\n" || w == b"\n\r")
+}
+
 fn parse(
     buf: &mut BytesMut,
     spans: &mut Vec<[usize; 4]>,
@@ -249,9 +264,8 @@ fn parse(
         &mut parsed,
     ) {
         Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) if bytes.len() < max_head.min(MAX_PARTIAL) => {
-            return Parsed::Partial
-        }
+        // Over the limit: hyper answers 431 at once from what is buffered.
+        Ok(httparse::Status::Partial) if bytes.len() < max_head => return Parsed::Partial,
         _ => return Parsed::Other,
     };
     if len > max_head {

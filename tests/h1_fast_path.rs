@@ -296,3 +296,37 @@ async fn a_bad_head_after_a_plain_request_is_hyper_s_to_answer() {
     );
     gw.shutdown().await;
 }
+
+/// A head sent in small pieces gets `request_header_timeout` once, however long it
+/// grows: it is not handed to hyper part-way, whose timer would start again (an
+/// 18 KiB head finished after 1.3 s was answered with a 1 s timeout).
+#[tokio::test]
+async fn a_head_sent_in_pieces_gets_the_header_timeout_once() {
+    let up = upstream().await;
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", request_header_timeout: 1s}}\nupstreams:\n  app: {{targets: [\"{}\"]}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n",
+        url(up.addr, "").trim_end_matches('/')
+    ))
+    .await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET / HTTP/1.1\r\nhost: h\r\nx-pad: ")
+        .await
+        .unwrap();
+    // 15 KiB over 0.9 s, 3 KiB more at once, and the end at 1.3 s: past the
+    // timeout, with more than 16 KiB buffered before it.
+    let mut cut = false;
+    for _ in 0..15 {
+        tokio::time::sleep(std::time::Duration::from_millis(60)).await;
+        cut |= s.write_all(&[b'p'; 1024]).await.is_err();
+    }
+    cut |= s.write_all(&[b'p'; 3072]).await.is_err();
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    cut |= s.write_all(b"\r\n\r\n").await.is_err();
+    let rest = read_to_close(&mut s).await;
+    assert_eq!(
+        rest.lines().next(),
+        None,
+        "answered after the header timeout (cut while sending: {cut})"
+    );
+    assert_eq!(up.hits(), 0);
+}
