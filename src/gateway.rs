@@ -355,13 +355,11 @@ async fn act<'a>(
                 trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,
             };
-            // Boxed: the largest future of the request path, kept out of the
-            // futures that hold it, which are moved as they are built.
-            Box::pin(up.forward(
+            up.forward(
                 Request::from_parts(parts, body),
                 &origin,
                 ctx.rt.max_request_body,
-            ))
+            )
             .await
             .map_err(|e| forward_failed(ctx.shared, route, e))
         }
