@@ -142,6 +142,20 @@ async fn hostile_heads_are_answered_as_hyper_answers_them() {
         format!("GET /a HTTP/1.1\r\nhost: h\r\nexpect: 100-continue\r\n\r\n{CLOSE}"),
         format!("GET /a HTTP/1.0\r\nhost: h\r\nexpect: 100-continue\r\n\r\n{CLOSE}"),
         format!("GET /a HTTP/1.1\r\nhost: h\r\nupgrade: foo\r\nconnection: upgrade\r\n\r\n{CLOSE}"),
+        // Answers without a body, or with odd framing, from the upstream.
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nx-reply-status: 304\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nx-reply-status: 204\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nx-reply-status: 205\r\n\r\n{CLOSE}"),
+        format!("HEAD /a HTTP/1.1\r\nhost: h\r\nx-reply-status: 304\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.0\r\nhost: h\r\nconnection: keep-alive\r\nx-reply-status: 204\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.0\r\nhost: h\r\nconnection: keep-alive\r\nx-reply-trailer: x-s=1\r\n\r\n{CLOSE}"),
+        format!("HEAD /a HTTP/1.1\r\nhost: h\r\nte: trailers\r\nx-reply-trailer: x-s=1\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nte: trailers\r\nx-reply-trailer: x-s=1\r\nx-reply-status: 304\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nx-reply-header: date=Tue, 01 Jan 2030 00:00:00 GMT\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nx-reply-header: x-b=c\r\nx-reply-status: 599\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nx-reply-status: 101\r\n\r\n{CLOSE}"),
+        format!("GET /a HTTP/1.1\r\nhost: h\r\nx-reply-bytes: 0\r\n\r\n{CLOSE}"),
+        format!("HEAD /a HTTP/1.1\r\nhost: h\r\nx-reply-bytes: 70000\r\n\r\n{CLOSE}"),
         // Hop-by-hop and TE.
         format!("GET /a HTTP/1.1\r\nhost: h\r\nte: trailers, deflate\r\nconnection: te\r\n\r\n{CLOSE}"),
         format!("GET /a HTTP/1.1\r\nhost: h\r\nconnection: x-a\r\nx-a: b\r\n\r\n{CLOSE}"),
@@ -165,6 +179,10 @@ async fn split_hostile_heads_are_answered_as_hyper_answers_them() {
         format!("GET /a HTTP/1.1\r\nhost: h\r\n\r\nPOST /b HTTP/1.1\r\nhost: h\r\ncontent-length: 3\r\n\r\nabc{CLOSE}"),
         format!("GET /a HTTP/1.1\r\nhost: h\r\nx-a: b\r\n\n{CLOSE}"),
         format!("\r\n\r\nGET /a HTTP/1.1\r\nhost: h\r\n\r\n{CLOSE}"),
+        // Empty lines before a request line are skipped, however many.
+        format!("{}GET /a HTTP/1.1\r\nhost: h\r\n\r\n{CLOSE}", "\r\n".repeat(2000)),
+        format!("{}GET /a HTTP/1.1\nhost: h\n\n{CLOSE}", "\n".repeat(2000)),
+        format!("\n\r\n\nGET /a HTTP/1.1\r\nhost: h\r\n\n{CLOSE}"),
     ];
     for probe in &probes {
         let mut fast = connect(gw.addr).await;
