@@ -137,16 +137,16 @@ where
     // How much of `buf` is known to hold no end of a head: a head sent in many
     // small pieces is parsed again only once its end may have come (as hyper does),
     // not on every read, which would cost the square of its length.
-    let mut scanned = 0;
+    let mut scan = Scan::default();
     loop {
         let plain = loop {
-            if !buf.is_empty() && (scanned == 0 || may_end_head(&buf, scanned)) {
+            if scan.worth_parsing(&buf) {
                 match parse(&mut buf, &mut spans, &mut fields, fast.max_head) {
                     Parsed::Plain(p) => {
-                        scanned = 0;
+                        scan = Scan::default();
                         break p;
                     }
-                    Parsed::Partial => scanned = buf.len(),
+                    Parsed::Partial => scan.partial(&buf),
                     Parsed::Other => return Ended::Handover(io, buf),
                 }
             } else if buf.len() >= fast.max_head {
@@ -240,11 +240,67 @@ where
 /// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
 /// room for where its fields are (kept by the connection, so that no request
 /// allocates or zeroes it).
-/// Whether the bytes after the first `scanned` (with three before, where an end
-/// may straddle reads) can hold the end of a head: an empty line.
-fn may_end_head(buf: &[u8], scanned: usize) -> bool {
-    let from = scanned.saturating_sub(3);
-    buf[from..].windows(2).any(|w| w == b"\n\n" || w == b"\n\r")
+/// What is known of a partial head in the buffer, so that a head sent in many
+/// small pieces is parsed again only once its end may have come.
+#[derive(Default)]
+struct Scan {
+    /// How much of the buffer is known to hold no end of a head (0: parse at once).
+    scanned: usize,
+    /// Where the first byte other than CR or LF is, once seen: the parser skips
+    /// empty lines before a request line, so none of those can end a head (a
+    /// flood of them, sent byte by byte, would otherwise be parsed again on every
+    /// byte, the square of its length).
+    first: Option<usize>,
+    /// How much of the buffer was looked at for `first`.
+    looked: usize,
+    /// Bytes looked at for an empty line, in all.
+    #[cfg(test)]
+    examined: usize,
+}
+
+impl Scan {
+    /// Whether `buf` may now hold a whole head: something new since the last
+    /// parse, with an empty line in it after the request line's start (or with
+    /// three bytes before, where an end may straddle reads).
+    fn worth_parsing(&mut self, buf: &[u8]) -> bool {
+        if buf.is_empty() {
+            return false;
+        }
+        if self.scanned == 0 {
+            return true;
+        }
+        let first = match self.first {
+            Some(at) => at,
+            None => {
+                let found = buf[self.looked..]
+                    .iter()
+                    .position(|&b| b != b'\r' && b != b'\n');
+                let Some(i) = found else {
+                    self.looked = buf.len();
+                    return false;
+                };
+                let at = self.looked + i;
+                self.first = Some(at);
+                at
+            }
+        };
+        let from = self.scanned.saturating_sub(3).max(first);
+        #[cfg(test)]
+        {
+            self.examined += buf.len() - from;
+        }
+        let may_end = buf[from..].windows(2).any(|w| w == b"\n\n" || w == b"\n\r");
+        if !may_end {
+            // Looked at once: the next read's bytes are looked at from here.
+            self.scanned = buf.len();
+        }
+        may_end
+    }
+
+    /// The last parse found `buf` to be part of a head.
+    fn partial(&mut self, buf: &[u8]) {
+        self.scanned = buf.len();
+    }
 }
 
 fn parse(
@@ -929,5 +985,57 @@ mod date {
             }
             out.extend_from_slice(&c.value);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// How often a head arriving one byte at a time is parsed (the parser's
+    /// answer, partial until its end, applied), and how many bytes were looked
+    /// at for its end in all.
+    fn parses_byte_by_byte(head: &[u8]) -> (usize, usize) {
+        let mut scan = Scan::default();
+        let mut buf = Vec::new();
+        let mut parses = 0;
+        for &b in head {
+            buf.push(b);
+            if scan.worth_parsing(&buf) {
+                parses += 1;
+                scan.partial(&buf);
+            }
+        }
+        (parses, scan.examined)
+    }
+
+    #[test]
+    fn a_head_sent_byte_by_byte_costs_its_length() {
+        // Each byte is looked at a bounded number of times (with the three before
+        // it), not once per read after it.
+        let mut head = b"GET / HTTP/1.1\r\nhost: h\r\n".to_vec();
+        for _ in 0..1000 {
+            head.extend_from_slice(b"x-a: b\r\n");
+        }
+        let (parses, examined) = parses_byte_by_byte(&head);
+        assert_eq!(parses, 1);
+        assert!(examined <= 4 * head.len(), "{examined} for {}", head.len());
+        // Empty lines before a request line are skipped by the parser: none of
+        // them can end a head, and a flood of them costs no parse each.
+        for flood in [b"\r\n".repeat(16 * 1024), b"\n".repeat(16 * 1024)] {
+            assert_eq!(parses_byte_by_byte(&flood), (1, 0));
+        }
+        let mut head = b"\r\n".repeat(1000);
+        head.extend_from_slice(b"GET / HTTP/1.1\r\nhost: h\r\n");
+        let (parses, examined) = parses_byte_by_byte(&head);
+        assert_eq!(parses, 1);
+        assert!(examined <= 4 * head.len(), "{examined} for {}", head.len());
+        // The end of the head is found: parsed at its `\r\n\r` and at its last
+        // byte (an end may be either), as hyper does.
+        head.extend_from_slice(b"\r\n");
+        assert_eq!(parses_byte_by_byte(&head).0, 3);
+        let mut head = b"GET / HTTP/1.1\nhost: h\n".to_vec();
+        head.push(b'\n');
+        assert_eq!(parses_byte_by_byte(&head).0, 2);
     }
 }
