@@ -719,25 +719,6 @@ fn last_is_chunked(v: &HeaderValue) -> bool {
         .is_some_and(|e| e.trim().eq_ignore_ascii_case("chunked"))
 }
 
-/// Trailer fields hyper never sends.
-fn valid_trailer(name: &HeaderName) -> bool {
-    !matches!(
-        *name,
-        header::AUTHORIZATION
-            | header::CACHE_CONTROL
-            | header::CONTENT_ENCODING
-            | header::CONTENT_LENGTH
-            | header::CONTENT_RANGE
-            | header::CONTENT_TYPE
-            | header::HOST
-            | header::MAX_FORWARDS
-            | header::SET_COOKIE
-            | header::TRAILER
-            | header::TRANSFER_ENCODING
-            | header::TE
-    )
-}
-
 /// Send the head in `out` and the body in its framing. A body frame that is ready
 /// at once goes in the same write as what precedes it.
 async fn send_body<IO>(
@@ -788,7 +769,7 @@ where
             if let (true, true, Some(allowed)) = (chunked, trailers_allowed, &allowed) {
                 let mut lines = Vec::new();
                 for (n, v) in fields.iter() {
-                    if allowed.contains(n) && valid_trailer(n) {
+                    if allowed.contains(n) && crate::wire::may_trail(n) {
                         lines.extend_from_slice(n.as_str().as_bytes());
                         lines.extend_from_slice(b": ");
                         lines.extend_from_slice(v.as_bytes());

@@ -426,7 +426,7 @@ pub fn announced_trailers(h: &HeaderMap) -> Vec<HeaderName> {
 /// Whether a field may be sent as a trailer: not one that frames, routes or
 /// authorizes the message (RFC 9110 §6.5.1; hyper's list), which a recipient that
 /// merges trailers into the head would otherwise take as the request's own.
-fn may_trail(name: &HeaderName) -> bool {
+pub(crate) fn may_trail(name: &HeaderName) -> bool {
     !matches!(
         *name,
         header::AUTHORIZATION

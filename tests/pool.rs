@@ -13,26 +13,6 @@ use std::time::Duration;
 use common::*;
 use tokio::io::AsyncWriteExt;
 
-/// A raw upstream on 127.0.0.1 that counts the connections it accepts and serves
-/// each with `serve`.
-async fn raw_upstream<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicUsize>)
-where
-    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(serve(s));
-        }
-    });
-    (addr, accepted)
-}
-
 /// A raw HTTP/1.1 upstream that counts the connections it accepts. Each answer is
 /// `200` with a body of `body_len` bytes, keep-alive; with `close_after`, it closes
 /// the connection that long after each answer (an upstream's keep-alive timeout),

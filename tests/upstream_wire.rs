@@ -29,26 +29,6 @@ async fn step<F: std::future::Future>(what: &str, f: F) -> F::Output {
         .unwrap_or_else(|_| panic!("{what}: nothing within {STEP:?}"))
 }
 
-/// A raw upstream on 127.0.0.1 that counts the connections it accepts and serves
-/// each with `serve`.
-async fn raw_upstream<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicUsize>)
-where
-    F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(serve(s));
-        }
-    });
-    (addr, accepted)
-}
-
 fn config(up: SocketAddr) -> String {
     format!(
         "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"

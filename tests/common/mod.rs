@@ -587,6 +587,26 @@ pub fn decisions<'a>(text: &'a str, route: &str) -> Vec<(&'a str, f64)> {
 
 // === raw sockets ===
 
+/// A raw upstream on 127.0.0.1 that counts the connections it accepts and serves
+/// each with `serve`.
+pub async fn raw_upstream<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicUsize>)
+where
+    F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve(s));
+        }
+    });
+    (addr, accepted)
+}
+
 pub async fn connect(addr: SocketAddr) -> TcpStream {
     bounded("connect", TcpStream::connect(addr))
         .await
