@@ -9,22 +9,6 @@ use common::*;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-/// `/text` and `/empty` answered by sluice (200 `ok\n`, 204), the rest by the echo
-/// upstream at `up`.
-async fn gateway(up: &str) -> Running {
-    start_gateway(&format!(
-        r#"
-upstreams:
-  app: {{targets: ["{up}"]}}
-routes:
-  - {{name: text, match: {{path: /text}}, respond: {{status: 200, body: "ok\n"}}}}
-  - {{name: empty, match: {{path: /empty}}, respond: {{status: 204, body: ""}}}}
-  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}
-"#
-    ))
-    .await
-}
-
 /// The status line of a head.
 fn status_line(head: &str) -> &str {
     head.split("\r\n").next().unwrap_or_default()
@@ -37,23 +21,6 @@ fn without_date(head: &str) -> Vec<String> {
         .filter(|l| !l.starts_with("date:"))
         .map(str::to_owned)
         .collect()
-}
-
-/// A request with a body: after it, the connection is hyper's.
-const WITH_BODY: &[u8] = b"POST /upload HTTP/1.1\r\nhost: h\r\ncontent-length: 5\r\n\r\nhello";
-
-/// A connection on which hyper serves whatever comes next.
-async fn hyper_connection(addr: std::net::SocketAddr) -> TcpStream {
-    let mut s = connect(addr).await;
-    s.write_all(WITH_BODY).await.expect("write");
-    let (head, body) = read_response(&mut s).await.expect("an answer");
-    assert_eq!(status_line(&head), "HTTP/1.1 200 OK");
-    let echo: Echo = serde_json::from_str(&body).expect("echo");
-    assert_eq!(
-        (echo.method.as_str(), echo.body.as_str()),
-        ("POST", "hello")
-    );
-    s
 }
 
 /// Read the answer to `req`: its head and, unless `head_only`, its body.
@@ -69,7 +36,7 @@ async fn answer(s: &mut TcpStream, req: &str, head_only: bool) -> (String, Strin
 #[tokio::test]
 async fn pipelined_plain_requests_are_answered_in_order() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     let mut s = connect(gw.addr).await;
     s.write_all(
         b"GET /one HTTP/1.1\r\nhost: h\r\n\r\n\
@@ -97,7 +64,7 @@ async fn pipelined_plain_requests_are_answered_in_order() {
 #[tokio::test]
 async fn a_request_with_a_body_hands_the_connection_to_hyper() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     // Sent in one write: the plain request is answered, then the rest (already
     // read) goes to hyper with the connection.
     let mut s = connect(gw.addr).await;
@@ -137,7 +104,7 @@ async fn a_request_with_a_body_hands_the_connection_to_hyper() {
 #[tokio::test]
 async fn head_and_204_have_no_body() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     let mut s = connect(gw.addr).await;
     // The length of the body a GET would get, and no body; then a 204 with neither
     // length nor body: the next answer on the connection starts right after each.
@@ -177,7 +144,7 @@ async fn head_and_204_have_no_body() {
 #[tokio::test]
 async fn keep_alive_close_and_http_1_0() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     // HTTP/1.1: open unless asked to close.
     let mut s = connect(gw.addr).await;
     let (head, _) = answer(&mut s, "GET /text HTTP/1.1\r\nhost: h\r\n\r\n", false).await;
@@ -216,7 +183,7 @@ async fn keep_alive_close_and_http_1_0() {
 #[tokio::test]
 async fn answers_are_framed_as_hyper_frames_them() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     // (request, read only the head); a request that closes is read to the end,
     // trailers included.
     let requests = [
@@ -267,7 +234,7 @@ async fn answers_are_framed_as_hyper_frames_them() {
 #[tokio::test]
 async fn a_bad_head_after_a_plain_request_is_hyper_s_to_answer() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     // A field without a colon: 400 and the end of the connection, as before.
     let mut s = connect(gw.addr).await;
     let (head, body) = answer(&mut s, "GET /text HTTP/1.1\r\nhost: h\r\n\r\n", false).await;

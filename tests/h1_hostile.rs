@@ -6,36 +6,9 @@ mod common;
 
 use common::*;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
-
-/// `/text` answered by sluice (200 `ok\n`), the rest by the echo upstream.
-async fn gateway(up: &str) -> Running {
-    start_gateway(&format!(
-        r#"
-upstreams:
-  app: {{targets: ["{up}"]}}
-routes:
-  - {{name: text, match: {{path: /text}}, respond: {{status: 200, body: "ok\n"}}}}
-  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}
-"#
-    ))
-    .await
-}
-
-/// A request with a body: after it, the connection is hyper's.
-const WITH_BODY: &[u8] = b"POST /upload HTTP/1.1\r\nhost: h\r\ncontent-length: 5\r\n\r\nhello";
 
 /// The last request of each probe: closes the connection once answered.
 const CLOSE: &str = "GET /text HTTP/1.1\r\nhost: h\r\nconnection: close\r\n\r\n";
-
-/// A connection on which hyper serves whatever comes next.
-async fn hyper_connection(addr: std::net::SocketAddr) -> TcpStream {
-    let mut s = connect(addr).await;
-    s.write_all(WITH_BODY).await.expect("write");
-    let (head, _) = read_response(&mut s).await.expect("an answer");
-    assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
-    s
-}
 
 /// Everything read until the close, without `date` lines.
 fn without_date(text: &str) -> String {
@@ -77,7 +50,7 @@ fn statuses(text: &str) -> Vec<&str> {
 #[tokio::test]
 async fn hostile_heads_are_answered_as_hyper_answers_them() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     let long_target = format!("/{}", "a".repeat(70_000));
     let fields_100: String = (0..99).map(|i| format!("x-f{i}: v\r\n")).collect();
     let fields_101: String = (0..100).map(|i| format!("x-f{i}: v\r\n")).collect();
@@ -173,7 +146,7 @@ async fn hostile_heads_are_answered_as_hyper_answers_them() {
 async fn split_hostile_heads_are_answered_as_hyper_answers_them() {
     // The same probes, each byte written on its own (a head in pieces).
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     let probes = [
         format!("GET /a HTTP/1.1\nhost: h\n\n{CLOSE}"),
         format!("GET /a HTTP/1.1\r\nhost: h\r\n\r\nPOST /b HTTP/1.1\r\nhost: h\r\ncontent-length: 3\r\n\r\nabc{CLOSE}"),
@@ -211,7 +184,7 @@ async fn a_client_that_half_closes_gets_no_answer_it_waits_for() {
         ..Default::default()
     })
     .await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     // (request, the fast path's answers): one that is ready at once is still
     // sent (hyper, which looks for the end first, sends none); one that waits for
     // the upstream is cancelled, as with hyper.
@@ -249,7 +222,7 @@ async fn a_client_that_half_closes_gets_no_answer_it_waits_for() {
 #[tokio::test]
 async fn requests_the_fast_path_serves_are_counted_exactly() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     let mut s = connect(gw.addr).await;
     s.write_all(
         b"GET /text HTTP/1.1\r\nhost: h\r\n\r\n\
@@ -299,7 +272,7 @@ async fn a_shutdown_lets_a_plain_request_in_flight_finish() {
         ..Default::default()
     })
     .await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     let mut fast = connect(gw.addr).await;
     // hyper's connection: its first request waits too.
     let mut slow = connect(gw.addr).await;
@@ -332,7 +305,7 @@ async fn a_shutdown_lets_a_plain_request_in_flight_finish() {
 #[tokio::test]
 async fn heads_at_max_header_bytes_are_answered_as_hyper_answers_them() {
     let up = upstream().await;
-    let gw = gateway(&up.url()).await;
+    let gw = plain_gateway(&up.url()).await;
     let max = 32 * 1024;
     let head = |len: usize, end: &str| {
         let start = "GET /a HTTP/1.1\r\nhost: h\r\nx-pad: ";

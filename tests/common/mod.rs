@@ -607,6 +607,36 @@ where
     (addr, accepted)
 }
 
+// === the plain-request server (tests/h1_*.rs) ===
+
+/// A gateway whose `/text` and `/empty` sluice answers itself (200 `ok\n`, 204)
+/// and whose other paths go to the upstream at `up`.
+pub async fn plain_gateway(up: &str) -> Running {
+    start_gateway(&format!(
+        r#"
+upstreams:
+  app: {{targets: ["{up}"]}}
+routes:
+  - {{name: text, match: {{path: /text}}, respond: {{status: 200, body: "ok\n"}}}}
+  - {{name: empty, match: {{path: /empty}}, respond: {{status: 204, body: ""}}}}
+  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}
+"#
+    ))
+    .await
+}
+
+/// A request with a body: after it, a connection is hyper's.
+pub const WITH_BODY: &[u8] = b"POST /upload HTTP/1.1\r\nhost: h\r\ncontent-length: 5\r\n\r\nhello";
+
+/// A connection on which hyper serves whatever comes next (`WITH_BODY` went first).
+pub async fn hyper_connection(addr: SocketAddr) -> TcpStream {
+    let mut s = connect(addr).await;
+    s.write_all(WITH_BODY).await.expect("write");
+    let (head, _) = read_response(&mut s).await.expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+    s
+}
+
 pub async fn connect(addr: SocketAddr) -> TcpStream {
     bounded("connect", TcpStream::connect(addr))
         .await
