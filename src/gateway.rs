@@ -136,7 +136,7 @@ impl Peer {
     }
 }
 
-pub async fn handle(shared: Arc<Shared>, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
+pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
     let (mut parts, body) = req.into_parts();
@@ -156,7 +156,7 @@ pub async fn handle(shared: Arc<Shared>, req: Request<ClientBody>, peer: &Peer) 
         && parts.version < Version::HTTP_2;
 
     let ctx = Ctx {
-        shared: &shared,
+        shared,
         rt: &rt,
         ip,
         peer,

@@ -2,7 +2,7 @@
 //! upgrade and no `Expect`, read, answered and written here without hyper's
 //! dispatcher. Anything else hands the connection, at that request's first byte,
 //! to hyper's HTTP/1.1 server for the rest of its life, so every error answer and
-//! every body is still hyper's.
+//! every request body is still hyper's.
 
 use std::mem::MaybeUninit;
 use std::pin::Pin;
@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
+use crate::wire::{last_is_chunked, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
 pub enum ClientBody {
@@ -57,8 +58,6 @@ impl http_body::Body for ClientBody {
     }
 }
 
-/// hyper's limit on header fields (431 beyond).
-const MAX_FIELDS: usize = 100;
 /// hyper answers a longer request target 414.
 const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
 /// A body frame up to this size is copied behind its head (one write); larger ones
@@ -68,7 +67,7 @@ const COPY_LIMIT: usize = 16 * 1024;
 /// What a connection's fast path needs.
 pub(crate) struct Fast {
     pub shared: Arc<Shared>,
-    pub peer: Peer,
+    pub peer: Arc<Peer>,
     pub header_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_head: usize,
@@ -183,7 +182,7 @@ where
 
         // In flight from its head until its response body has been sent.
         let in_flight = activity.start();
-        let answer = gateway::handle(fast.shared.clone(), req, &fast.peer);
+        let answer = gateway::handle(&fast.shared, req, &fast.peer);
         tokio::pin!(answer);
         // As hyper: while the request is worked on, a client that closes its end
         // (with nothing more sent) cancels it.
@@ -237,9 +236,6 @@ where
     }
 }
 
-/// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
-/// room for where its fields are (kept by the connection, so that no request
-/// allocates or zeroes it).
 /// What is known of a partial head in the buffer, so that a head sent in many
 /// small pieces is parsed again only once its end may have come.
 #[derive(Default)]
@@ -303,6 +299,9 @@ impl Scan {
     }
 }
 
+/// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
+/// room for where its fields are (kept by the connection, so that no request
+/// allocates or zeroes it).
 fn parse(
     buf: &mut BytesMut,
     spans: &mut Vec<[usize; 4]>,
@@ -712,13 +711,6 @@ fn parse_length(v: &HeaderValue) -> Option<u64> {
         .then_some(first)
 }
 
-fn last_is_chunked(v: &HeaderValue) -> bool {
-    v.to_str()
-        .ok()
-        .and_then(|s| s.rsplit(',').next())
-        .is_some_and(|e| e.trim().eq_ignore_ascii_case("chunked"))
-}
-
 /// Send the head in `out` and the body in its framing. A body frame that is ready
 /// at once goes in the same write as what precedes it.
 async fn send_body<IO>(
@@ -883,7 +875,8 @@ where
     }
 }
 
-/// The bytes hyper had buffered, read before the socket.
+/// A connection handed to hyper: the bytes the fast path had read and not used,
+/// then the socket.
 pub(crate) struct Replay<T> {
     pub head: BytesMut,
     pub io: T,

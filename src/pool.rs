@@ -258,7 +258,7 @@ impl http_body::Body for Pooled {
             return Poll::Ready(None);
         };
         if let Some(up) = this.upload.as_mut() {
-            match up.poll_send_on(conn, cx) {
+            match up.poll_send(conn, cx) {
                 Poll::Pending => {}
                 Poll::Ready(Ok(())) => this.upload = None,
                 // The client's body failed: so does the exchange (hyper's client

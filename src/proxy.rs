@@ -504,7 +504,7 @@ impl Upstream {
         }
 
         // A failure of the client's body (a stall too) carries its mark through the
-        // upstream client.
+        // pool to `classify` (`UploadError::Body`, then `SendError::Send`).
         let (progress, sending) = if http_body::Body::is_end_stream(&body) {
             (None, None)
         } else {
@@ -763,8 +763,9 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
         return;
     }
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a message with
-    // both must lose its Content-Length before it is passed on (hyper has decoded
-    // the chunks; left alone, the length would cut the body short).
+    // both must lose its Content-Length before it is passed on (the chunks have
+    // been decoded: by hyper's server for requests, by `wire::Decoder` for
+    // responses; left alone, the length would cut the body short).
     if present & (1 << TRANSFER_ENCODING_AT) != 0 {
         h.remove(header::CONTENT_LENGTH);
     }

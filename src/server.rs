@@ -170,13 +170,12 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         let shared_for_exempt = shared.clone();
         let shared_for_fast = shared.clone();
         let shared = shared.clone();
-        let service = move |peer: SocketAddr| {
+        let service = move |peer: Arc<gateway::Peer>| {
             let shared = shared.clone();
-            let peer = Arc::new(gateway::Peer::new(peer));
             service_fn(move |req: Request<Incoming>| -> Answer {
                 let (shared, peer) = (shared.clone(), peer.clone());
                 let req = req.map(ClientBody::Hyper);
-                Box::pin(async move { Ok(gateway::handle(shared, req, &peer).await) })
+                Box::pin(async move { Ok(gateway::handle(&shared, req, &peer).await) })
             })
         };
         // A load balancer in front carries many clients' connections.
@@ -230,7 +229,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             shared: shared.clone(),
             control: control.clone(),
         });
-        let service = move |_peer: SocketAddr| {
+        let service = move |_peer: Arc<gateway::Peer>| {
             let admin = admin.clone();
             service_fn(move |req| -> Answer {
                 let admin = admin.clone();
@@ -486,7 +485,7 @@ fn spawn_worker<S, F>(
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, StartError>
 where
-    F: Fn(SocketAddr) -> S + Send + 'static,
+    F: Fn(Arc<gateway::Peer>) -> S + Send + 'static,
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
         + Send
         + 'static,
@@ -515,14 +514,14 @@ where
     }))
 }
 
-/// The HTTP/2 connection preface, which hyper waits for in full to tell h2c from
-/// HTTP/1.1.
+/// The HTTP/2 connection preface: a plain connection that starts with it speaks
+/// h2c (`first_bytes`), any other HTTP/1.1.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Wait until the client has sent enough to start a request: any bytes that are not
-/// the start of the h2c preface, or the whole preface. hyper's own header timeout
-/// starts only after that, so without this a silent socket (or half a preface)
-/// would hold a connection slot for ever.
+/// the start of the h2c preface, or the whole preface. The header timeout of the
+/// server that then reads the connection starts only after that, so without this a
+/// silent socket (or half a preface) would hold a connection slot for ever.
 async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> Option<Sniffed> {
     let deadline = tokio::time::Instant::now() + limit;
     let mut buf = [0u8; 24];
@@ -993,7 +992,7 @@ async fn serve<S, F>(
     service: F,
     mut stop: watch::Receiver<bool>,
 ) where
-    F: Fn(SocketAddr) -> S,
+    F: Fn(Arc<gateway::Peer>) -> S,
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
         + Send
         + 'static,
@@ -1047,8 +1046,11 @@ async fn serve<S, F>(
         let _ = stream.set_nodelay(true);
         // Held by the connection, and by a tunnel it upgrades to.
         let held = Arc::new((permit, ip_slot));
+        // The peer, and its `X-Forwarded-For` entry, once per connection for both
+        // HTTP servers.
+        let client = Arc::new(gateway::Peer::new(peer));
         let service = Tracked {
-            inner: service(peer),
+            inner: service(client.clone()),
             activity: Activity::new(),
             held: held.clone(),
             send_timeout,
@@ -1056,7 +1058,7 @@ async fn serve<S, F>(
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
         let fast = fast.clone().map(|(shared, max_head)| Fast {
             shared,
-            peer: gateway::Peer::new(peer),
+            peer: client,
             header_timeout,
             idle_timeout,
             max_head,

@@ -8,6 +8,7 @@
 //! request gets `Content-Length`, `Transfer-Encoding: chunked` or no body, and for
 //! how a response's body is delimited (RFC 9112 §6.3).
 
+use std::fmt::Write as _;
 use std::future::Future;
 use std::io;
 use std::net::IpAddr;
@@ -30,8 +31,9 @@ use crate::answer::{Body, BoxError};
 /// an upstream; a larger one is a 502 (nginx's `proxy_buffer_size` is 4–8 KiB,
 /// Envoy's limit 60 KiB).
 pub const MAX_HEAD: usize = 64 * 1024;
-/// The most fields a response head or trailer block may have (hyper's default).
-const MAX_FIELDS: usize = 100;
+/// The most fields a message head or trailer block may have, both ways (hyper's
+/// default; a request head with more gets 431).
+pub(crate) const MAX_FIELDS: usize = 100;
 /// The longest chunk-size line (with its extensions).
 const MAX_CHUNK_LINE: usize = 4096;
 /// Bytes asked of the socket per read (at least).
@@ -50,7 +52,7 @@ pub enum WireError {
     IncompleteBody,
     #[error("malformed response from the upstream: {0}")]
     Malformed(&'static str),
-    #[error("response head larger than {MAX_HEAD} bytes")]
+    #[error("response head or trailer block larger than {MAX_HEAD} bytes")]
     HeadTooLarge,
     #[error("the request body did not match its Content-Length")]
     BodyLength,
@@ -374,6 +376,14 @@ fn write_fields(out: &mut BytesMut, h: &HeaderMap) {
     }
 }
 
+/// Whether the last coding a `Transfer-Encoding` value lists is `chunked`.
+pub(crate) fn last_is_chunked(v: &HeaderValue) -> bool {
+    v.to_str()
+        .ok()
+        .and_then(|s| s.rsplit(',').next())
+        .is_some_and(|e| e.trim().eq_ignore_ascii_case("chunked"))
+}
+
 /// The one `Content-Length` of a message: several values (or a list) are one only
 /// if all equal; anything but digits is none.
 fn content_length(h: &HeaderMap) -> Option<u64> {
@@ -406,8 +416,6 @@ pub struct Upload {
     body: Option<Body>,
     framing: Framing,
     sent: u64,
-    /// The body (and its last chunk) is all in `pending`.
-    last: bool,
     /// The trailer fields the request announced (`announced_trailers`).
     trailers: Vec<HeaderName>,
 }
@@ -452,21 +460,15 @@ pub enum UploadError {
 }
 
 impl Upload {
-    /// Sends on while the response is read (a full-duplex exchange: the upstream
-    /// answered before the request body was all sent).
-    pub fn poll_send_on(
+    /// Writes what is pending, then the body frame by frame; ready once all of it
+    /// (its last chunk too) has gone out. Also polled while the response is read (a
+    /// full-duplex exchange: the upstream answered before the body was all sent).
+    pub fn poll_send(
         &mut self,
         conn: &mut Conn,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), UploadError>> {
-        self.poll_send(&mut conn.io, cx)
-    }
-
-    fn poll_send(
-        &mut self,
-        io: &mut Stream,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<(), UploadError>> {
+        let io = &mut conn.io;
         loop {
             while !self.pending.is_empty() {
                 let n = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending))
@@ -481,17 +483,13 @@ impl Upload {
             // that waits for the answer before sending more would wait for ever.
             // (A no-op on plain TCP.)
             ready!(Pin::new(&mut *io).poll_flush(cx)).map_err(UploadError::Write)?;
-            if self.last {
-                return Poll::Ready(Ok(()));
-            }
+            // No body left: everything, its last chunk too, has been written.
             let Some(body) = self.body.as_mut() else {
-                self.last = true;
-                continue;
+                return Poll::Ready(Ok(()));
             };
             match ready!(Pin::new(body).poll_frame(cx)) {
                 None => {
                     self.body = None;
-                    self.last = true;
                     match self.framing {
                         Framing::Chunked => self.pending = Bytes::from_static(b"0\r\n\r\n"),
                         Framing::Length(n) if n != self.sent => {
@@ -510,7 +508,7 @@ impl Upload {
                         self.pending = match self.framing {
                             Framing::Chunked => {
                                 let mut c = BytesMut::with_capacity(data.len() + 20);
-                                c.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                                let _ = write!(c, "{:x}\r\n", data.len());
                                 c.extend_from_slice(&data);
                                 c.extend_from_slice(b"\r\n");
                                 c.freeze()
@@ -542,7 +540,6 @@ impl Upload {
                             c.extend_from_slice(b"\r\n");
                             self.pending = c.freeze();
                             self.body = None;
-                            self.last = true;
                         }
                     }
                 },
@@ -590,14 +587,13 @@ pub async fn exchange(
         body: (framing != Framing::Empty).then_some(body),
         framing,
         sent: 0,
-        last: false,
         trailers,
     });
     let mut write_failed = None;
     let mut received = false;
     std::future::poll_fn(|cx| {
         if let Some(up) = upload.as_mut() {
-            match up.poll_send(&mut conn.io, cx) {
+            match up.poll_send(conn, cx) {
                 Poll::Pending => {}
                 Poll::Ready(Ok(())) => upload = None,
                 Poll::Ready(Err(UploadError::Body(e))) => {
@@ -791,9 +787,7 @@ fn decoder(
             .get_all(header::TRANSFER_ENCODING)
             .iter()
             .next_back()
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.rsplit(',').next())
-            .is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked"));
+            .is_some_and(last_is_chunked);
         return Ok(if chunked_last {
             Decoder::Chunked(Chunk::Size)
         } else {
