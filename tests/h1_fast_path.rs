@@ -53,6 +53,7 @@ async fn pipelined_plain_requests_are_answered_in_order() {
     assert_eq!(status_line(&head), "HTTP/1.1 200 OK");
     assert_eq!(body, "ok\n");
     let (head, body) = read_response(&mut s).await.expect("third");
+    assert_eq!(status_line(&head), "HTTP/1.1 200 OK");
     assert!(head.contains("\r\nconnection: close\r\n"), "{head}");
     let echo: Echo = serde_json::from_str(&body).expect("echo");
     assert_eq!(echo.uri, "/three?x=1");

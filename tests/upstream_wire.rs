@@ -227,8 +227,16 @@ async fn a_body_the_upstream_cuts_is_cut_for_the_client() {
         .await
         .unwrap();
     let all = step("length", read_to_close(&mut c)).await;
-    // (hyper's server closes the connection before it has flushed the head.)
-    assert!(all.is_empty() || all.ends_with("\r\n\r\nabc"), "{all:?}");
+    // The head may not have gone out before the close; if it did, it still
+    // announces 10 bytes, and only 3 come.
+    assert!(
+        all.is_empty()
+            || (all
+                .to_ascii_lowercase()
+                .contains("\r\ncontent-length: 10\r\n")
+                && all.ends_with("\r\n\r\nabc")),
+        "{all:?}"
+    );
     let mut c = connect(gw.addr).await;
     c.write_all(b"GET /chunked HTTP/1.1\r\nhost: a\r\n\r\n")
         .await
