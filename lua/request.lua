@@ -1,25 +1,30 @@
--- The runner: decides every limit of one request, then, only if all admit, writes
--- every new state, each key with a TTL relative to now, so it expires on its own
--- once it can no longer matter. A refused request writes nothing.
+-- The runner: decides one or more requests, in order, as if each were a call of its
+-- own. For each it decides every limit, then, only if all admit, writes every new
+-- state, each key with a TTL relative to now, so it expires on its own once it can
+-- no longer matter. A refused request writes nothing. Several requests share one
+-- call when sluice has more than one waiting for Redis: what a request sees is what
+-- the requests before it in the call left.
 --
 -- An algorithm returns its outcome (allowed, remaining, reset, retry_after, delay)
 -- and, when it admits, what to write: a string state and the time it stops
 -- mattering (written here, with `SET ... PX`), or a function that writes a sorted
--- set and its TTL itself. Tables are sized up front for one limit, the common case,
--- and the algorithm is picked by comparing its letter: runs stay free of table growth.
+-- set and its TTL itself. A limit's argument is parsed once per call, however many
+-- requests of the call share it.
 --
--- KEYS[i]     the state of limit i (all keys share one hash tag).
+-- KEYS        the state of each limit of each request, in order (the keys of one
+--             request share one hash tag).
 -- ARGV[1]     now in µs since the epoch; '' = the server's TIME (production).
--- ARGV[2]     max_delay_us (0 = reject mode).
--- ARGV[3]     a request id unique across instances (sliding_log members, concurrency
---             leases); '' when no limit needs one.
--- ARGV[3 + i] limit i: "<algorithm> <cost> <a> <b> <c>", the algorithm as one letter
---             (see `algorithms`), (a, b, c) = (limit, window_us, 0) for the windows and
---             logs, (count, per_us, burst) for token_bucket and gcra, (limit, lease_us,
---             0) for concurrency.
--- Reply: one string of integers separated by spaces, "<allowed> <delay_us>" then per
---        limit " <allowed> <remaining> <reset_us> <retry_after_us> <delay_us>" (one
---        string is cheaper for the client to read than an array of integers).
+-- Then per request:
+--   <n>          its number of limits;
+--   <max_delay>  max_delay_us (0 = reject mode);
+--   <id>         a request id unique across instances (sliding_log members,
+--                concurrency leases); '' when no limit needs one;
+--   n limits     "<algorithm> <cost> <a> <b> <c>", the algorithm as one letter, (a,
+--                b, c) = (limit, window_us, 0) for the windows and logs, (count,
+--                per_us, burst) for token_bucket and gcra, (limit, lease_us, 0) for
+--                concurrency.
+-- Reply: an array of integers, per request "<allowed> <delay_us>" then per limit
+--        "<allowed> <remaining> <reset_us> <retry_after_us> <delay_us>".
 local now
 if ARGV[1] == '' then
   local t = redis.call('TIME')
@@ -27,59 +32,76 @@ if ARGV[1] == '' then
 else
   now = tonumber(ARGV[1])
 end
-local max_delay = tonumber(ARGV[2])
-local uid = ARGV[3]
-if #KEYS == 0 then
-  return '1 0'
-end
 
-local outcomes = {false}
+local algorithms = {
+  t = token_bucket,
+  g = gcra,
+  f = fixed_window,
+  w = sliding_window,
+  l = sliding_log,
+  c = concurrency,
+}
+-- Each limit argument seen in this call, parsed: {algorithm, cost, a, b, c}.
+local parsed = {}
+local out, o = {}, 0
 local writes = {false, false}
-local allowed, delay = true, 0
-for i = 1, #KEYS do
-  local spec = ARGV[3 + i]
-  local code, cost, a, b, c = string.match(spec, '^(%a) (%d+) (%d+) (%d+) (%d+)$')
-  local algorithm
-  if code == 't' then
-    algorithm = token_bucket
-  elseif code == 'g' then
-    algorithm = gcra
-  elseif code == 'f' then
-    algorithm = fixed_window
-  elseif code == 'w' then
-    algorithm = sliding_window
-  elseif code == 'l' then
-    algorithm = sliding_log
-  elseif code == 'c' then
-    algorithm = concurrency
-  else
-    return redis.error_reply('sluice: unknown limit ' .. tostring(spec))
-  end
-  local ok, remaining, reset, retry, wait, state, expires_at = algorithm(KEYS[i], now,
-    tonumber(cost), tonumber(a), tonumber(b), tonumber(c), max_delay, uid)
-  local admitted = 1
-  if ok then
-    if wait > delay then
-      delay = wait
+local k, a = 0, 1
+while a < #ARGV do
+  local n = tonumber(ARGV[a + 1])
+  local max_delay = tonumber(ARGV[a + 2])
+  local uid = ARGV[a + 3]
+  a = a + 3
+  local head = o
+  o = o + 2
+  local allowed, delay = true, 0
+  for i = 1, n do
+    local spec = ARGV[a + i]
+    local p = parsed[spec]
+    if not p then
+      local code, cost, x, y, z = string.match(spec, '^(%a) (%d+) (%d+) (%d+) (%d+)$')
+      local algorithm = algorithms[code]
+      if not algorithm then
+        return redis.error_reply('sluice: unknown limit ' .. tostring(spec))
+      end
+      p = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z)}
+      parsed[spec] = p
     end
-  else
-    admitted = 0
-    allowed = false
+    local ok, remaining, reset, retry, wait, state, expires_at =
+      p[1](KEYS[k + i], now, p[2], p[3], p[4], p[5], max_delay, uid)
+    local admitted = 1
+    if ok then
+      if wait > delay then
+        delay = wait
+      end
+    else
+      admitted = 0
+      allowed = false
+    end
+    out[o + 1] = admitted
+    out[o + 2] = remaining
+    out[o + 3] = reset
+    out[o + 4] = retry
+    out[o + 5] = wait
+    o = o + 5
+    writes[2 * i - 1] = state
+    writes[2 * i] = expires_at
   end
-  outcomes[i] = string.format('%d %d %d %d %d', admitted, remaining, reset, retry, wait)
-  writes[2 * i - 1] = state
-  writes[2 * i] = expires_at
-end
-
-if not allowed then
-  return '0 0 ' .. table.concat(outcomes, ' ')
-end
-for i = 1, #KEYS do
-  local state = writes[2 * i - 1]
-  if type(state) == 'string' then
-    redis.call('SET', KEYS[i], state, 'PX', ttl_ms(writes[2 * i], now))
+  if allowed then
+    for i = 1, n do
+      local state = writes[2 * i - 1]
+      if type(state) == 'string' then
+        redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(writes[2 * i], now))
+      else
+        state()
+      end
+    end
+    out[head + 1] = 1
+    out[head + 2] = delay
   else
-    state()
+    out[head + 1] = 0
+    out[head + 2] = 0
   end
+  k = k + n
+  a = a + n
 end
-return string.format('1 %d ', delay) .. table.concat(outcomes, ' ')
+return out

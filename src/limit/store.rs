@@ -9,7 +9,7 @@ use prometheus::{Histogram, IntCounter};
 use super::{Checked, MemoryStore, Plan, RedisStore, SystemClock};
 use crate::metrics::EvictionCounters;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("store unavailable: {0}")]
     Unavailable(String),
