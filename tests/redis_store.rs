@@ -10,7 +10,7 @@ use std::time::Duration;
 use harness::*;
 use sluice::limit::cases::{self, PureStore, Rng, BASE_US};
 use sluice::limit::{
-    Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisStore, RedisTarget, State,
+    Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisStore, RedisTarget, State, StoreError,
 };
 
 const S: u64 = 1_000_000;
@@ -880,4 +880,93 @@ fn delay_mode_refusals_are_held_until_the_wait_fits() {
     let v = check();
     assert!(v.allowed && v.delay_us > 0 && v.delay_us <= S, "{v:?}");
     assert_eq!(redis.calls("evalsha"), evals + 1);
+}
+
+// === i. requests waiting for a shared script call ===
+
+/// Bytes Redis has read from its clients since start.
+fn bytes_read(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "stats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_net_input_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("total_net_input_bytes in INFO")
+}
+
+/// A request whose caller stopped waiting (a client that left) before its shared
+/// call went out is left out of that call: Redis never decides it, so it charges
+/// nothing.
+#[test]
+fn a_request_that_stopped_waiting_is_not_sent() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(RedisStore::connect(RedisOptions {
+            target: RedisTarget::Url(redis.url()),
+            timeout: Duration::from_millis(300),
+            key_prefix: "sluice:".into(),
+            refusal_cache: 0,
+        }))
+        .expect("connect to the test Redis");
+    let plan = one(
+        "fw",
+        Algorithm::FixedWindow {
+            limit: 100,
+            window_us: 3_600 * S,
+        },
+        1,
+    );
+    assert!(
+        rt.block_on(store.check("q", "warm", &plan))
+            .unwrap()
+            .allowed
+    );
+
+    // Redis reads but holds every script call (other commands answer) until unpaused.
+    let _: String = redis.cmd(&["CLIENT", "PAUSE", "10000", "WRITE"]);
+    let before = bytes_read(&redis);
+    let first = {
+        let (store, plan) = (store.clone(), plan.clone());
+        rt.spawn(async move { store.check("q", "first", &plan).await })
+    };
+    // The first call is out once Redis has read it (a PING is 14 bytes).
+    let mut polls = 0;
+    while bytes_read(&redis) < before + 100 {
+        polls += 1;
+        assert!(polls < 200, "the first call never reached Redis");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Ten more queue behind it, and their callers give up after 50 ms, while the
+    // first call is still out (its timeout is 300 ms).
+    let waiting: Vec<_> = (0..10)
+        .map(|i| {
+            let (store, plan) = (store.clone(), plan.clone());
+            rt.spawn(async move {
+                let key = format!("late-{i}");
+                tokio::time::timeout(Duration::from_millis(50), store.check("q", &key, &plan)).await
+            })
+        })
+        .collect();
+    for w in waiting {
+        assert!(rt.block_on(w).unwrap().is_err(), "the caller gave up");
+    }
+    let r = rt.block_on(first).unwrap();
+    assert!(matches!(r, Err(StoreError::Timeout)), "{r:?}");
+
+    // Redis runs what it holds; then one more request: any call for the ten would
+    // have gone out before it.
+    let _: String = redis.cmd(&["CLIENT", "UNPAUSE"]);
+    assert!(
+        rt.block_on(store.check("q", "after", &plan))
+            .unwrap()
+            .allowed
+    );
+    let mut keys: Vec<String> = redis.cmd(&["KEYS", "sluice:*"]);
+    keys.sort();
+    let names: Vec<&str> = keys
+        .iter()
+        .map(|k| k.split(['{', '}']).nth(1).unwrap())
+        .collect();
+    // The call that was out ran when the pause ended; the ten were never sent.
+    assert_eq!(names, ["q:after", "q:first", "q:warm"]);
 }
