@@ -4,9 +4,12 @@
 -- math.floor(a / b) can land one off when a / b rounds up to a whole number. These
 -- helpers correct the rounded quotient with exact multiplications.
 
+-- The math functions every algorithm uses, as locals (a global lookup costs).
+local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+
 -- floor(a / b) for integers a >= 0, b > 0.
 local function floor_div(a, b)
-  local q = math.floor(a / b)
+  local q = floor(a / b)
   if q * b > a then
     q = q - 1
   elseif (q + 1) * b <= a then
@@ -38,7 +41,7 @@ end
 
 -- x clamped to [lo, hi].
 local function clamp(x, lo, hi)
-  return math.min(math.max(x, lo), hi)
+  return min(max(x, lo), hi)
 end
 
 -- The lowest level, in units, a state converted to other parameters keeps: booked

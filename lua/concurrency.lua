@@ -22,6 +22,6 @@ local function concurrency(key, now, cost, limit, lease, _, _, uid)
     redis.call('ZADD', key, int(expires_at), uid)
     -- A lease taken under a longer `lease` (before a reload) keeps the key alive.
     local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    redis.call('PEXPIRE', key, ttl_ms(math.max(expires_at, tonumber(last[2]) or expires_at), now))
+    redis.call('PEXPIRE', key, ttl_ms(max(expires_at, tonumber(last[2]) or expires_at), now))
   end
 end

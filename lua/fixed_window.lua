@@ -3,7 +3,7 @@
 -- Returns the outcome (allowed, remaining, reset, retry_after, delay) and, when
 -- admitted, the new state and when it stops mattering (request.lua writes them).
 local function fixed_window(key, now, cost, limit, w)
-  w = math.max(w, 1)
+  w = max(w, 1)
   -- idx = now / W; the stored count counts only in its own window.
   local idx = floor_div(now, w)
   local count = 0

@@ -9,16 +9,16 @@
 -- [-floor(2^50 / P), B], leave used = B - avail and the tat becomes
 -- ts + floor(used * P / N) (algo.rs: gcra_convert).
 local function gcra_convert(tat, ts, n0, p0, b0, n, p, burst)
-  local nn, pn = math.max(n, 1), math.max(p, 1)
-  local p0n = math.max(p0, 1)
-  local owed = (tat - ts) * math.max(n0, 1)
+  local nn, pn = max(n, 1), max(p, 1)
+  local p0n = max(p0, 1)
+  local owed = (tat - ts) * max(n0, 1)
   local avail = clamp(floor_div_signed(b0 * p0n - owed, p0n), -floor_div(MAX_DEBT, pn), burst)
   return ts + floor_div(burst * pn - avail * pn, nn)
 end
 
 local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay)
-  local n = math.max(n_arg, 1)
-  local p = math.max(p_arg, 1)
+  local n = max(n_arg, 1)
+  local p = max(p_arg, 1)
   -- inc = floor(cost * P / N), at least 1 for cost > 0; L = burst * P.
   local inc = floor_div(cost * p, n)
   if inc == 0 and cost > 0 then
@@ -40,7 +40,7 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay)
       end
     end
   end
-  local base = math.max(tat, now)
+  local base = max(tat, now)
   local new_tat = base + inc
   -- excess = (new_tat - now) * N; admitted at once iff excess <= L.
   local excess = (new_tat - now) * n
@@ -53,10 +53,10 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay)
   if allowed then
     t = new_tat
   end
-  local remaining = floor_div(math.max(span - (t - now) * n, 0), p)
+  local remaining = floor_div(max(span - (t - now) * n, 0), p)
   if not allowed then
     -- Empty, and passing, by `until_` at the latest.
-    return false, remaining, math.min(t - now, until_ - now), math.min(wait, until_ - now), 0
+    return false, remaining, min(t - now, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, t - now, 0, delay,
     string.format('%d %d %d %d %d', new_tat, new_tat - now, n_arg, p_arg, burst), new_tat

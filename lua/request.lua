@@ -8,21 +8,20 @@
 -- An algorithm returns its outcome (allowed, remaining, reset, retry_after, delay)
 -- and, when it admits, what to write: a string state and the time it stops
 -- mattering (written here, with `SET ... PX`), or a function that writes a sorted
--- set and its TTL itself. A limit's argument is parsed once per call, however many
--- requests of the call share it.
+-- set and its TTL itself. A request's limits come as one argument, parsed once per
+-- call however many requests of the call share it (those of one route do).
 --
 -- KEYS        the state of each limit of each request, in order (the keys of one
 --             request share one hash tag).
 -- ARGV[1]     now in µs since the epoch; '' = the server's TIME (production).
--- Then per request:
---   <n>          its number of limits;
---   <max_delay>  max_delay_us (0 = reject mode);
---   <id>         a request id unique across instances (sliding_log members,
---                concurrency leases); '' when no limit needs one;
---   n limits     "<algorithm> <cost> <a> <b> <c>", the algorithm as one letter, (a,
---                b, c) = (limit, window_us, 0) for the windows and logs, (count,
+-- Then two per request:
+--   <limits>     "<max_delay_us>" then per limit " <algorithm> <cost> <a> <b> <c>":
+--                max_delay_us 0 = reject mode; the algorithm as one letter; (a, b,
+--                c) = (limit, window_us, 0) for the windows and logs, (count,
 --                per_us, burst) for token_bucket and gcra, (limit, lease_us, 0) for
---                concurrency.
+--                concurrency;
+--   <id>         a request id unique across instances (sliding_log members,
+--                concurrency leases); '' when no limit needs one.
 -- Reply: an array of integers, per request "<allowed> <delay_us>" then per limit
 --        "<allowed> <remaining> <reset_us> <retry_after_us> <delay_us>".
 local now
@@ -41,31 +40,41 @@ local algorithms = {
   l = sliding_log,
   c = concurrency,
 }
--- Each limit argument seen in this call, parsed: {algorithm, cost, a, b, c}.
+-- Each limits argument seen in this call, parsed: {max_delay, {algorithm, cost, a,
+-- b, c} per limit}.
 local parsed = {}
 local out, o = {}, 0
 local writes = {false, false}
 local k, a = 0, 1
-while a < #ARGV do
-  local n = tonumber(ARGV[a + 1])
-  local max_delay = tonumber(ARGV[a + 2])
-  local uid = ARGV[a + 3]
-  a = a + 3
+local nkeys, nargs = #KEYS, #ARGV
+while a < nargs do
+  local spec, uid = ARGV[a + 1], ARGV[a + 2]
+  a = a + 2
+  local limits = parsed[spec]
+  if not limits then
+    local max_delay = tonumber(string.match(spec, '^%d+') or '')
+    if not max_delay then
+      return redis.error_reply('sluice: bad limits ' .. spec)
+    end
+    limits = {max_delay}
+    for code, cost, x, y, z in string.gmatch(spec, ' (%a) (%d+) (%d+) (%d+) (%d+)') do
+      local algorithm = algorithms[code]
+      if not algorithm then
+        return redis.error_reply('sluice: unknown limit ' .. code)
+      end
+      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z)}
+    end
+    parsed[spec] = limits
+  end
+  local max_delay, n = limits[1], #limits - 1
+  if k + n > nkeys then
+    return redis.error_reply('sluice: more limits than keys')
+  end
   local head = o
   o = o + 2
   local allowed, delay = true, 0
   for i = 1, n do
-    local spec = ARGV[a + i]
-    local p = parsed[spec]
-    if not p then
-      local code, cost, x, y, z = string.match(spec, '^(%a) (%d+) (%d+) (%d+) (%d+)$')
-      local algorithm = algorithms[code]
-      if not algorithm then
-        return redis.error_reply('sluice: unknown limit ' .. tostring(spec))
-      end
-      p = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z)}
-      parsed[spec] = p
-    end
+    local p = limits[i + 1]
     local ok, remaining, reset, retry, wait, state, expires_at =
       p[1](KEYS[k + i], now, p[2], p[3], p[4], p[5], max_delay, uid)
     local admitted = 1
@@ -102,6 +111,5 @@ while a < #ARGV do
     out[head + 2] = 0
   end
   k = k + n
-  a = a + n
 end
 return out

@@ -12,7 +12,7 @@ local function member(uid, cost, k)
 end
 
 local function sliding_log(key, now, cost, limit, w, _, _, uid)
-  w = math.max(w, 1)
+  w = max(w, 1)
   -- Live entries: ts + W > now, i.e. ts > now - W.
   local live_from = '(' .. int(now - w)
   local count = redis.call('ZCOUNT', key, live_from, '+inf')
@@ -24,7 +24,7 @@ local function sliding_log(key, now, cost, limit, w, _, _, uid)
       local j = 1
       while j <= cost do
         local args = {}
-        local last = math.min(cost, j + 499)
+        local last = min(cost, j + 499)
         for k = j, last do
           args[#args + 1] = score
           args[#args + 1] = member(uid, cost, k)

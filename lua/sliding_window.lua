@@ -3,7 +3,7 @@
 -- doubles in exactly the order of `algo::sliding_window`, so both stores decide
 -- bit for bit alike. State: a string "<window index> <previous count> <current count>".
 local function sliding_window(key, now, cost, limit, w)
-  w = math.max(w, 1)
+  w = max(w, 1)
   -- idx = now / W, e = offset into the current window.
   local idx = floor_div(now, w)
   local e = now - idx * w
@@ -35,7 +35,7 @@ local function sliding_window(key, now, cost, limit, w)
     reset = w - e
   end
   if allowed then
-    local remaining = unsigned(math.floor(limit - estimate - cost))
+    local remaining = unsigned(floor(limit - estimate - cost))
     return true, remaining, reset, 0, 0, string.format('%d %d %d', idx, prev, curr_after),
       (idx + 2) * w
   end
@@ -44,17 +44,17 @@ local function sliding_window(key, now, cost, limit, w)
     -- Later in this window, once prev has decayed: the earliest offset e' with
     -- prev*(W-e')/W + curr + cost <= limit; retry = e' - e, at least 1.
     local free = limit - cost - curr
-    local at = unsigned(math.ceil(w - free * w / prev))
-    retry = math.max(at - e, 1)
+    local at = unsigned(ceil(w - free * w / prev))
+    retry = max(at - e, 1)
   else
     -- In the next window, where prev' = curr and curr' = 0.
-    local free = math.max(limit - cost, 0)
+    local free = max(limit - cost, 0)
     local into_next = w
     if curr ~= 0 then
-      into_next = unsigned(math.ceil(math.max(w - free * w / curr, 0)))
+      into_next = unsigned(ceil(max(w - free * w / curr, 0)))
     end
     retry = (w - e) + into_next
   end
-  local remaining = unsigned(math.floor(math.max(limit - estimate, 0)))
+  local remaining = unsigned(floor(max(limit - estimate, 0)))
   return false, remaining, reset, retry, 0
 end

@@ -7,7 +7,7 @@
 -- When a bucket at `tokens` units at `ts` is full under (n, p, burst)
 -- (algo.rs: bucket_full_at).
 local function bucket_full_at(tokens, ts, n, p, burst)
-  return ts + ceil_div(burst * math.max(p, 1) - tokens, math.max(n, 1))
+  return ts + ceil_div(burst * max(p, 1) - tokens, max(n, 1))
 end
 
 -- A level counted under (n0, p0, b0), read under (n, p, burst) at now: the level in
@@ -26,14 +26,14 @@ local function bucket_level(tokens, ts, n0, p0, b0, now, n, p, burst)
   if n0 == n and p0 == p then
     return tokens, until_
   end
-  local pn = math.max(p, 1)
-  local q = clamp(floor_div_signed(tokens, math.max(p0, 1)), -floor_div(MAX_DEBT, pn), burst)
+  local pn = max(p, 1)
+  local q = clamp(floor_div_signed(tokens, max(p0, 1)), -floor_div(MAX_DEBT, pn), burst)
   return q * pn, until_
 end
 
 local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
-  local n = math.max(n_arg, 1)
-  local p = math.max(p_arg, 1)
+  local n = max(n_arg, 1)
+  local p = max(p_arg, 1)
   local cap = burst * p
   local stored, ts, until_ = cap, now, math.huge
   local s = redis.call('GET', key)
@@ -49,7 +49,7 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
     end
   end
   -- Refill: full if tokens >= C or elapsed >= ceil((C - tokens) / N).
-  local elapsed = math.max(now - ts, 0)
+  local elapsed = max(now - ts, 0)
   local tokens = cap
   if stored < cap and elapsed < ceil_div(cap - stored, n) then
     tokens = stored + elapsed * n
@@ -65,11 +65,11 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
   if allowed then
     level = after
   end
-  local remaining = floor_div(math.max(level, 0), p)
+  local remaining = floor_div(max(level, 0), p)
   local reset = ceil_div(cap - level, n)
   if not allowed then
     -- Full, and passing, by `until_` at the latest.
-    return false, remaining, math.min(reset, until_ - now), math.min(wait, until_ - now), 0
+    return false, remaining, min(reset, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, reset, 0, delay,
     string.format('%d %d %d %d %d', after, now, n_arg, p_arg, burst), now + ceil_div(cap - after, n)

@@ -970,3 +970,115 @@ fn a_request_that_stopped_waiting_is_not_sent() {
     // The call that was out ran when the pause ended; the ten were never sent.
     assert_eq!(names, ["q:after", "q:first", "q:warm"]);
 }
+
+/// Requests of different routes and limits decided by one call each get their own
+/// keys and limits: two plans, interleaved, queued behind a call Redis holds.
+#[test]
+fn one_call_decides_requests_of_different_plans_apart() {
+    let redis = RedisServer::start();
+    // One thread: a spawned request runs only while the test waits on the runtime.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+    let hour = 3_600 * S;
+    let two_limits = Plan {
+        limits: vec![
+            LimitDef::new(
+                "fw".into(),
+                Algorithm::FixedWindow {
+                    limit: 2,
+                    window_us: hour,
+                },
+                1,
+            ),
+            LimitDef::new(
+                "gc".into(),
+                Algorithm::Gcra {
+                    rate: rate(10, S),
+                    burst: 5,
+                },
+                1,
+            ),
+        ],
+        mode: Mode::Reject,
+    };
+    let one_limit = one(
+        "fw",
+        Algorithm::FixedWindow {
+            limit: 5,
+            window_us: hour,
+        },
+        1,
+    );
+    assert!(
+        rt.block_on(store.check("a", "warm", &one_limit))
+            .unwrap()
+            .allowed
+    );
+
+    let _: String = redis.cmd(&["CLIENT", "PAUSE", "10000", "WRITE"]);
+    let before = bytes_read(&redis);
+    let calls = redis.calls("evalsha");
+    let first = {
+        let (store, plan) = (store.clone(), one_limit.clone());
+        rt.spawn(async move { store.check("b", "w", &plan).await })
+    };
+    rt.block_on(async {
+        let mut polls = 0;
+        while bytes_read(&redis) < before + 100 {
+            polls += 1;
+            assert!(polls < 200, "the first call never reached Redis");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    let queued: Vec<_> = (0..6)
+        .map(|i| {
+            let store = store.clone();
+            let (ns, key, plan) = if i % 2 == 0 {
+                ("a", "x", two_limits.clone())
+            } else {
+                ("b", "y", one_limit.clone())
+            };
+            rt.spawn(async move { (key, store.check(ns, key, &plan).await) })
+        })
+        .collect();
+    // Each queues behind the first call at its first poll; then Redis goes on.
+    rt.block_on(async {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    });
+    let _: String = redis.cmd(&["CLIENT", "UNPAUSE"]);
+    assert!(rt.block_on(first).unwrap().unwrap().allowed);
+    let mut x = Vec::new();
+    let mut y = Vec::new();
+    for q in queued {
+        let (key, v) = rt.block_on(q).unwrap();
+        let v = v.unwrap();
+        let seen = (
+            v.allowed,
+            v.outcomes.iter().map(|o| o.remaining).collect::<Vec<_>>(),
+        );
+        if key == "x" {
+            x.push(seen)
+        } else {
+            y.push(seen)
+        }
+    }
+    x.sort();
+    y.sort();
+    // x: the fixed window (2) binds (the refused one's gcra outcome is what it would
+    // have left had it been admitted); y: 5 per hour.
+    assert_eq!(
+        x,
+        [(false, vec![0, 2]), (true, vec![0, 3]), (true, vec![1, 4])]
+    );
+    assert_eq!(y, [(true, vec![2]), (true, vec![3]), (true, vec![4])]);
+    assert_eq!(
+        redis.calls("evalsha") - calls,
+        2,
+        "the first call, then the six together"
+    );
+}

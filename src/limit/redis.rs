@@ -490,7 +490,7 @@ impl Drop for Inner {
 
 // === shared script calls ===
 
-/// One request's part of a script call: its keys and its arguments, as
+/// One request's part of a script call: its keys and its two arguments, as
 /// `lua/request.lua` reads them, built in one buffer.
 struct Part {
     buf: String,
@@ -504,29 +504,29 @@ impl Part {
     fn new(tag: &str, plan: &Plan, uid: &str) -> Part {
         let n = plan.limits.len();
         let mut buf = String::with_capacity(n * (tag.len() + 60) + uid.len() + 24);
-        let mut ends = Vec::with_capacity(2 * n + 3);
+        let mut ends = Vec::with_capacity(n + 2);
         for l in &plan.limits {
             buf.push_str(tag);
             buf.push(':');
             push_id(&mut buf, l.id);
             ends.push(buf.len());
         }
+        // The limits: max_delay, then each limit's letter, cost and parameters. The
+        // same for every request of a route, so the script parses it once per call.
         let mut num = itoa::Buffer::new();
-        buf.push_str(num.format(n));
-        ends.push(buf.len());
         buf.push_str(num.format(plan.max_delay_us()));
-        ends.push(buf.len());
-        buf.push_str(uid);
-        ends.push(buf.len());
         for l in &plan.limits {
             let (code, a, b, c) = params(&l.algorithm);
+            buf.push(' ');
             buf.push(code);
             for v in [l.cost, a, b, c] {
                 buf.push(' ');
                 buf.push_str(num.format(v));
             }
-            ends.push(buf.len());
         }
+        ends.push(buf.len());
+        buf.push_str(uid);
+        ends.push(buf.len());
         Part { buf, ends, keys: n }
     }
 
@@ -1301,8 +1301,7 @@ mod tests {
     }
 
     /// What one call sends: every request's keys, then now, then per request its
-    /// number of limits, max_delay, its id and one argument per limit (the
-    /// algorithm's letter, cost and parameters).
+    /// limits (max_delay, then each limit's letter, cost and parameters) and its id.
     #[test]
     fn one_call_sends_one_argument_per_key_and_per_limit() {
         let p = plan(Mode::Delay { max_delay_us: 250 });
@@ -1330,21 +1329,16 @@ mod tests {
                 &key("sluice:{r:k}", 1),
                 &key("sluice:{r:j}", 0),
                 "",
-                "2",
-                "250",
+                "250 f 1 3 1000000 0 g 1 10 1000000 5",
                 "",
-                "f 1 3 1000000 0",
-                "g 1 10 1000000 5",
-                "1",
-                "0",
+                "0 f 1 3 1000000 0",
                 "id.7",
-                "f 1 3 1000000 0",
             ]
         );
         assert_eq!((one.reply_len(), two.reply_len()), (12, 7));
         assert!(!needs_uid(&p));
         let at = script_call("EVAL", "body", &[&two], Some(17));
-        assert_eq!(at.args_iter().count(), 3 + 1 + 1 + 4);
+        assert_eq!(at.args_iter().count(), 3 + 1 + 1 + 2);
     }
 
     #[test]
