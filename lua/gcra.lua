@@ -16,7 +16,8 @@ local function gcra_convert(tat, ts, n0, p0, b0, n, p, burst)
   return ts + floor_div(burst * pn - avail * pn, nn)
 end
 
-local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay)
+-- `params` is "<n> <p> <burst>" as sent (request.lua), the tail of the state.
+local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay, _, params)
   local n = max(n_arg, 1)
   local p = max(p_arg, 1)
   -- inc = floor(cost * P / N), at least 1 for cost > 0; L = burst * P.
@@ -59,5 +60,5 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay)
     return false, remaining, min(t - now, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, t - now, 0, delay,
-    string.format('%d %d %d %d %d', new_tat, new_tat - now, n_arg, p_arg, burst), new_tat
+    string.format('%d %d ', new_tat, new_tat - now) .. params, new_tat
 end

@@ -41,7 +41,8 @@ local algorithms = {
   c = concurrency,
 }
 -- Each limits argument seen in this call, parsed: {max_delay, {algorithm, cost, a,
--- b, c} per limit}.
+-- b, c, "a b c"} per limit}; the parameters as sent are the tail of the states that
+-- record them (token_bucket, gcra), which saves formatting them for every write.
 local parsed = {}
 local out, o = {}, 0
 local writes = {false, false}
@@ -57,12 +58,12 @@ while a < nargs do
       return redis.error_reply('sluice: bad limits ' .. spec)
     end
     limits = {max_delay}
-    for code, cost, x, y, z in string.gmatch(spec, ' (%a) (%d+) (%d+) (%d+) (%d+)') do
+    for code, cost, params, x, y, z in string.gmatch(spec, ' (%a) (%d+) ((%d+) (%d+) (%d+))') do
       local algorithm = algorithms[code]
       if not algorithm then
         return redis.error_reply('sluice: unknown limit ' .. code)
       end
-      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z)}
+      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params}
     end
     parsed[spec] = limits
   end
@@ -76,7 +77,7 @@ while a < nargs do
   for i = 1, n do
     local p = limits[i + 1]
     local ok, remaining, reset, retry, wait, state, expires_at =
-      p[1](KEYS[k + i], now, p[2], p[3], p[4], p[5], max_delay, uid)
+      p[1](KEYS[k + i], now, p[2], p[3], p[4], p[5], max_delay, uid, p[6])
     local admitted = 1
     if ok then
       if wait > delay then

@@ -31,7 +31,8 @@ local function bucket_level(tokens, ts, n0, p0, b0, now, n, p, burst)
   return q * pn, until_
 end
 
-local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
+-- `params` is "<n> <p> <burst>" as sent (request.lua), the tail of the state.
+local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay, _, params)
   local n = max(n_arg, 1)
   local p = max(p_arg, 1)
   local cap = burst * p
@@ -72,5 +73,5 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay)
     return false, remaining, min(reset, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, reset, 0, delay,
-    string.format('%d %d %d %d %d', after, now, n_arg, p_arg, burst), now + ceil_div(cap - after, n)
+    string.format('%d %d ', after, now) .. params, now + ceil_div(cap - after, n)
 end
