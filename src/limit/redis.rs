@@ -60,6 +60,8 @@ const RELEASES_RETRYING_MAX: usize = 65_536;
 /// Requests decided by one script call at most: a call blocks Redis while it runs,
 /// and 64 requests with one limit each take it about 0.5 ms.
 const BATCH_MAX: usize = 64;
+/// Integers the script answers per limit (`verdict`).
+const REPLY_PER_LIMIT: usize = 3;
 
 /// Where the store lives and how long a call may take.
 #[derive(Debug, Clone)]
@@ -542,7 +544,7 @@ impl Part {
 
     /// How many integers the script answers for this request.
     fn reply_len(&self) -> usize {
-        2 + 5 * self.keys
+        REPLY_PER_LIMIT * self.keys
     }
 }
 
@@ -970,9 +972,12 @@ impl Drop for Retrying {
     }
 }
 
-/// Reads the script's reply: allowed, delay_us, then five per limit.
+/// Reads the script's reply for one request, three integers per limit: remaining,
+/// reset_us, and the limit's decision, `wait_us` (>= 0) if it admits, else
+/// `-(retry_after_us + 1)`. The request is admitted if every limit admits, after the
+/// longest wait.
 fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
-    if reply.len() != 2 + 5 * plan.limits.len() {
+    if reply.len() != REPLY_PER_LIMIT * plan.limits.len() {
         return Err(StoreError::Unavailable(format!(
             "limiter script answered {} numbers for {} limits",
             reply.len(),
@@ -980,22 +985,31 @@ fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
         )));
     }
     let u = |v: i64| u64::try_from(v).unwrap_or(0);
-    let outcomes = plan
+    let outcomes: Vec<Outcome> = plan
         .limits
         .iter()
-        .zip(reply[2..].chunks_exact(5))
-        .map(|(l, o)| Outcome {
-            allowed: o[0] == 1,
-            quota: l.algorithm.quota(),
-            remaining: u(o[1]),
-            reset_us: u(o[2]),
-            retry_after_us: u(o[3]),
-            delay_us: u(o[4]),
+        .zip(reply.chunks_exact(REPLY_PER_LIMIT))
+        .map(|(l, o)| {
+            let allowed = o[2] >= 0;
+            Outcome {
+                allowed,
+                quota: l.algorithm.quota(),
+                remaining: u(o[0]),
+                reset_us: u(o[1]),
+                retry_after_us: if allowed { 0 } else { u(-1 - o[2]) },
+                delay_us: if allowed { u(o[2]) } else { 0 },
+            }
         })
         .collect();
+    let allowed = outcomes.iter().all(|o| o.allowed);
+    let delay_us = if allowed {
+        outcomes.iter().map(|o| o.delay_us).max().unwrap_or(0)
+    } else {
+        0
+    };
     Ok(Verdict {
-        allowed: reply[0] == 1,
-        delay_us: u(reply[1]),
+        allowed,
+        delay_us,
         outcomes,
     })
 }
@@ -1335,7 +1349,7 @@ mod tests {
                 "id.7",
             ]
         );
-        assert_eq!((one.reply_len(), two.reply_len()), (12, 7));
+        assert_eq!((one.reply_len(), two.reply_len()), (6, 3));
         assert!(!needs_uid(&p));
         let at = script_call("EVAL", "body", &[&two], Some(17));
         assert_eq!(at.args_iter().count(), 3 + 1 + 1 + 2);
@@ -1397,18 +1411,33 @@ mod tests {
     #[test]
     fn reply_becomes_a_verdict() {
         let p = plan(Mode::Reject);
-        let v = verdict(&p, &[0, 0, 1, 2, 30, 0, 0, 0, 0, 50, 40, 0]).unwrap();
+        // The first limit admits (2 left), the second refuses (retry in 40 µs).
+        let v = verdict(&p, &[2, 30, 0, 0, 50, -41]).unwrap();
         assert!(!v.allowed);
-        assert_eq!(v.outcomes.len(), 2);
+        assert_eq!(v.delay_us, 0);
+        let seen: Vec<_> = v
+            .outcomes
+            .iter()
+            .map(|o| {
+                (
+                    o.allowed,
+                    o.remaining,
+                    o.reset_us,
+                    o.retry_after_us,
+                    o.delay_us,
+                )
+            })
+            .collect();
+        assert_eq!(seen, [(true, 2, 30, 0, 0), (false, 0, 50, 40, 0)]);
+        // Both admit, one after a wait: the request waits the longest.
+        let v = verdict(&p, &[2, 30, 0, 4, 50, 700]).unwrap();
         assert_eq!(
-            (
-                v.outcomes[1].allowed,
-                v.outcomes[1].reset_us,
-                v.outcomes[1].retry_after_us
-            ),
-            (false, 50, 40)
+            (v.allowed, v.delay_us, v.outcomes[1].delay_us),
+            (true, 700, 700)
         );
-        assert_eq!((v.outcomes[0].allowed, v.outcomes[0].remaining), (true, 2));
+        // A refusal with no time to wait still refuses.
+        let v = verdict(&p, &[2, 30, 0, 0, 0, -1]).unwrap();
+        assert_eq!((v.allowed, v.outcomes[1].retry_after_us), (false, 0));
         assert!(verdict(&p, &[1, 0, 17]).is_err());
     }
 
