@@ -560,14 +560,19 @@ fn lua_integer_division_is_exact_up_to_2_pow_53() {
 
 // === g. a refused request writes nothing ===
 
+/// A counter of `INFO <section>`.
+fn info(redis: &RedisServer, section: &str, field: &str) -> u64 {
+    let info: String = redis.cmd(&["INFO", section]);
+    info.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in INFO {section}"))
+}
+
 /// Writes Redis has counted since start (`rdb_changes_since_last_save`: every key
 /// change, expiry updates included; persistence is off, so it never resets).
 fn writes(redis: &RedisServer) -> u64 {
-    let info: String = redis.cmd(&["INFO", "persistence"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix("rdb_changes_since_last_save:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("rdb_changes_since_last_save in INFO")
+    info(redis, "persistence", "rdb_changes_since_last_save")
 }
 
 #[test]
@@ -884,13 +889,22 @@ fn delay_mode_refusals_are_held_until_the_wait_fits() {
 
 // === i. requests waiting for a shared script call ===
 
-/// Bytes Redis has read from its clients since start.
-fn bytes_read(redis: &RedisServer) -> u64 {
-    let info: String = redis.cmd(&["INFO", "stats"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix("total_net_input_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("total_net_input_bytes in INFO")
+/// From now until `CLIENT UNPAUSE`, Redis reads script calls but holds them (other
+/// commands answer). Returns the bytes it has read so far.
+fn hold_scripts(redis: &RedisServer) -> u64 {
+    let _: String = redis.cmd(&["CLIENT", "PAUSE", "10000", "WRITE"]);
+    info(redis, "stats", "total_net_input_bytes")
+}
+
+/// Waits until Redis has read a script call sent after it had read `before` bytes
+/// (while paused it reads calls and holds them; a PING is 14 bytes).
+async fn call_reached(redis: &RedisServer, before: u64) {
+    let mut polls = 0;
+    while info(redis, "stats", "total_net_input_bytes") < before + 100 {
+        polls += 1;
+        assert!(polls < 200, "the call never reached Redis");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// A request whose caller stopped waiting (a client that left) before its shared
@@ -922,20 +936,12 @@ fn a_request_that_stopped_waiting_is_not_sent() {
             .allowed
     );
 
-    // Redis reads but holds every script call (other commands answer) until unpaused.
-    let _: String = redis.cmd(&["CLIENT", "PAUSE", "10000", "WRITE"]);
-    let before = bytes_read(&redis);
+    let before = hold_scripts(&redis);
     let first = {
         let (store, plan) = (store.clone(), plan.clone());
         rt.spawn(async move { store.check("q", "first", &plan).await })
     };
-    // The first call is out once Redis has read it (a PING is 14 bytes).
-    let mut polls = 0;
-    while bytes_read(&redis) < before + 100 {
-        polls += 1;
-        assert!(polls < 200, "the first call never reached Redis");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    rt.block_on(call_reached(&redis, before));
     // Ten more queue behind it, and their callers give up after 50 ms, while the
     // first call is still out (its timeout is 300 ms).
     let waiting: Vec<_> = (0..10)
@@ -1018,21 +1024,13 @@ fn one_call_decides_requests_of_different_plans_apart() {
             .allowed
     );
 
-    let _: String = redis.cmd(&["CLIENT", "PAUSE", "10000", "WRITE"]);
-    let before = bytes_read(&redis);
+    let before = hold_scripts(&redis);
     let calls = redis.calls("evalsha");
     let first = {
         let (store, plan) = (store.clone(), one_limit.clone());
         rt.spawn(async move { store.check("b", "w", &plan).await })
     };
-    rt.block_on(async {
-        let mut polls = 0;
-        while bytes_read(&redis) < before + 100 {
-            polls += 1;
-            assert!(polls < 200, "the first call never reached Redis");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    });
+    rt.block_on(call_reached(&redis, before));
     let queued: Vec<_> = (0..6)
         .map(|i| {
             let store = store.clone();
