@@ -137,6 +137,28 @@ impl Peer {
 }
 
 pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
+    process(shared, req, peer, None).await
+}
+
+/// `handle` for the plain-request server: the rate-limit fields the answer gets are
+/// written to `lines` as header lines (`RateHeaders::write_lines`), for the server
+/// to write after the answer's own fields, instead of going into its header map.
+/// (Only when the map has none of them: else they replace those where they stand.)
+pub(crate) async fn handle_plain(
+    shared: &Shared,
+    req: Request<ClientBody>,
+    peer: &Peer,
+    lines: &mut Vec<u8>,
+) -> Response<Body> {
+    process(shared, req, peer, Some(lines)).await
+}
+
+async fn process(
+    shared: &Shared,
+    req: Request<ClientBody>,
+    peer: &Peer,
+    lines: Option<&mut Vec<u8>>,
+) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
     let (mut parts, body) = req.into_parts();
@@ -162,7 +184,7 @@ pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> R
         peer,
         unread_body,
     };
-    let resp = match pass(&ctx, head, route, parts, body, &mut tally).await {
+    let resp = match pass(&ctx, head, route, parts, body, &mut tally, lines).await {
         Ok(resp) => resp,
         Err(refusal) => {
             if let Some(d) = refusal.decision() {
@@ -208,6 +230,7 @@ async fn pass<'a>(
     parts: http::request::Parts,
     body: ClientBody,
     tally: &mut Tally,
+    lines: Option<&mut Vec<u8>>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     let rt = ctx.rt;
     head.map_err(Refusal::BadHead)?;
@@ -223,8 +246,13 @@ async fn pass<'a>(
     let report = limits(ctx, route, ns, &key, tally).await?;
     let mut resp = act(ctx, route, parts, body).await?;
     if let Some((tier, v)) = &report {
-        rt.rate_headers
-            .apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
+        let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
+        match lines {
+            Some(out) if !h.any_in(resp.headers(), policy.is_some()) => {
+                h.write_lines(out, &tier.plan, policy, v)
+            }
+            _ => h.apply(resp.headers_mut(), &tier.plan, policy, v),
+        }
     }
     Ok(resp)
 }
