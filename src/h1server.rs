@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
-use crate::wire::{last_is_chunked, MAX_FIELDS};
+use crate::wire::{last_is_chunked, Names, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
 pub enum ClientBody {
@@ -116,6 +116,8 @@ where
     let mut buf = BytesMut::with_capacity(4096);
     let mut out: Vec<u8> = Vec::with_capacity(1024);
     let mut spans = Vec::with_capacity(32);
+    // The field names of the last request.
+    let mut names = Names::default();
     // The rate-limit fields of the answer, as header lines (`gateway::handle_plain`).
     let mut rate_lines: Vec<u8> = Vec::with_capacity(256);
     // A response's header map, emptied, holds the next request's fields (as in
@@ -142,7 +144,7 @@ where
     loop {
         let plain = loop {
             if scan.worth_parsing(&buf) {
-                match parse(&mut buf, &mut spans, &mut fields, fast.max_head) {
+                match parse(&mut buf, &mut spans, &mut names, &mut fields, fast.max_head) {
                     Parsed::Plain(p) => {
                         scan = Scan::default();
                         break p;
@@ -306,10 +308,12 @@ impl Scan {
 
 /// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
 /// room for where its fields are (kept by the connection, so that no request
-/// allocates or zeroes it).
+/// allocates or zeroes it), `names` the last request's field names
+/// (`wire::Names`).
 fn parse(
     buf: &mut BytesMut,
     spans: &mut Vec<[usize; 4]>,
+    names: &mut Names,
     fields: &mut HeaderMap,
     max_head: usize,
 ) -> Parsed {
@@ -397,9 +401,9 @@ fn parse(
     } else {
         headers.reserve(n);
     }
-    for &[a, b, c, d] in spans.iter() {
+    for (i, &[a, b, c, d]) in spans.iter().enumerate() {
         let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(&head[a..b]),
+            names.name(i, &head[a..b]),
             HeaderValue::from_maybe_shared(head.slice(c..d)),
         ) else {
             return unsplit(buf, head);

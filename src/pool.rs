@@ -93,11 +93,16 @@ impl Pool {
             _ => Vec::new(),
         };
         let mut body = Some(body);
+        // Its fields are on the wire: the map takes the answer's.
+        let mut map = Some(std::mem::take(&mut parts.headers));
         loop {
             let (mut conn, kept) = match self.checkout() {
                 Some(conn) => (conn, true),
                 None => self.connect_or_wait().await?,
             };
+            if let Some(map) = map.take() {
+                conn.keep_map(map);
+            }
             let sent = body
                 .take()
                 .unwrap_or_else(|| crate::answer::full(Bytes::new()));

@@ -121,6 +121,61 @@ pub struct Conn {
     io: Stream,
     buf: BytesMut,
     _slot: OwnedSemaphorePermit,
+    /// Kept from one response head to the next (boxed: a connection moves in and
+    /// out of the pool on every request).
+    kept: Box<Kept>,
+}
+
+/// What a connection keeps from one response head to the next: the field names of
+/// the last (`Names`), room for where the fields are, and an emptied header map
+/// (the request's, `Conn::keep_map`) to fill with the next.
+#[derive(Default)]
+pub(crate) struct Kept {
+    names: Names,
+    spans: Vec<[usize; 4]>,
+    map: Option<HeaderMap>,
+}
+
+/// The field names of the last head read on a connection, as sent and parsed: a
+/// peer sends the same ones, in the same order, head after head, and a name sent
+/// as before is not parsed again. (The first `NAMES_KEPT` of them, up to
+/// `NAMES_BYTES` in all.)
+#[derive(Default)]
+pub(crate) struct Names {
+    raw: Vec<u8>,
+    at: Vec<(usize, usize)>,
+    parsed: Vec<HeaderName>,
+}
+
+const NAMES_KEPT: usize = 32;
+const NAMES_BYTES: usize = 1024;
+
+impl Names {
+    /// The `i`th field name of a head, sent as `raw` (the names before it were
+    /// asked for first).
+    pub(crate) fn name(
+        &mut self,
+        i: usize,
+        raw: &[u8],
+    ) -> Result<HeaderName, header::InvalidHeaderName> {
+        if let Some(&(a, b)) = self.at.get(i) {
+            if self.raw[a..b] == *raw {
+                return Ok(self.parsed[i].clone());
+            }
+            // Another name here: the ones from here on are this head's.
+            self.raw.truncate(a);
+            self.at.truncate(i);
+            self.parsed.truncate(i);
+        }
+        let name = HeaderName::from_bytes(raw)?;
+        if i == self.at.len() && i < NAMES_KEPT && self.raw.len() + raw.len() <= NAMES_BYTES {
+            let a = self.raw.len();
+            self.raw.extend_from_slice(raw);
+            self.at.push((a, self.raw.len()));
+            self.parsed.push(name.clone());
+        }
+        Ok(name)
+    }
 }
 
 impl Conn {
@@ -146,6 +201,13 @@ impl Conn {
             std::pin::pin!(tokio::task::unconstrained(check)).poll(&mut cx),
             Poll::Ready(true)
         )
+    }
+
+    /// The map of a request sent on this connection, emptied: its answer's fields
+    /// go in it.
+    pub fn keep_map(&mut self, mut map: HeaderMap) {
+        map.clear();
+        self.kept.map = Some(map);
     }
 
     /// Whether bytes the upstream sent are waiting unread.
@@ -263,6 +325,7 @@ impl Connector {
             io,
             buf: BytesMut::with_capacity(READ_SIZE / 2),
             _slot: slot,
+            kept: Box::default(),
         })
     }
 
@@ -612,7 +675,7 @@ pub async fn exchange(
         loop {
             if !conn.buf.is_empty() {
                 received = true;
-                match parse_head(&mut conn.buf, method) {
+                match parse_head(&mut conn.buf, method, &mut conn.kept) {
                     Err(e) => {
                         return Poll::Ready(Err(Failed {
                             error: e.into(),
@@ -661,13 +724,17 @@ pub async fn exchange(
 /// The final (not informational) head at the front of `buf`, taken out of it with
 /// the informational (1xx) heads before it: `Ok(None)` when more bytes are needed
 /// (a partial head is left where it is).
-fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireError> {
+fn parse_head(
+    buf: &mut BytesMut,
+    method: &Method,
+    kept: &mut Kept,
+) -> Result<Option<Head>, WireError> {
     loop {
         if buf.is_empty() {
             return Ok(None);
         }
         let before = buf.len();
-        if let Some(head) = parse_one_head(buf, method)? {
+        if let Some(head) = parse_one_head(buf, method, kept)? {
             return Ok(Some(head));
         }
         // Partial: nothing was taken. Otherwise an informational head was.
@@ -679,7 +746,11 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireE
 
 /// One head at the front of `buf`, taken out of it unless partial: `Ok(None)` for
 /// an informational answer, or a partial head (left where it is).
-fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireError> {
+fn parse_one_head(
+    buf: &mut BytesMut,
+    method: &Method,
+    kept: &mut Kept,
+) -> Result<Option<Head>, WireError> {
     let mut fields =
         [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
     let mut res = httparse::Response::new(&mut []);
@@ -714,26 +785,26 @@ fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, W
         .map(|r| Bytes::copy_from_slice(r.as_bytes()));
     // Offsets of each name and value in the head, to share its bytes.
     let base = buf.as_ptr() as usize;
-    let spans: Vec<(usize, usize, usize, usize)> = res
-        .headers
-        .iter()
-        .map(|h| {
-            let n = h.name.as_ptr() as usize - base;
-            let v = h.value.as_ptr() as usize - base;
-            (n, n + h.name.len(), v, v + h.value.len())
-        })
-        .collect();
+    let spans = &mut kept.spans;
+    spans.clear();
+    spans.extend(res.headers.iter().map(|h| {
+        let n = h.name.as_ptr() as usize - base;
+        let v = h.value.as_ptr() as usize - base;
+        [n, n + h.name.len(), v, v + h.value.len()]
+    }));
     let head = buf.split_to(len).freeze();
     if (100..200).contains(&code) && code != 101 {
         return Ok(None);
     }
 
-    // Room for the rate-limit fields added to most answers.
-    let mut headers = HeaderMap::with_capacity(spans.len() + 3);
+    let mut headers = kept.map.take().unwrap_or_default();
+    headers.reserve(spans.len());
     let mut keep_alive = version == Version::HTTP_11;
     let mut close = false;
-    for (n0, n1, v0, v1) in spans {
-        let name = HeaderName::from_bytes(&head[n0..n1])
+    for (i, &[n0, n1, v0, v1]) in spans.iter().enumerate() {
+        let name = kept
+            .names
+            .name(i, &head[n0..n1])
             .map_err(|_| WireError::Malformed("field name"))?;
         let value = HeaderValue::from_maybe_shared(head.slice(v0..v1))
             .map_err(|_| WireError::Malformed("field value"))?;
@@ -978,8 +1049,40 @@ fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> 
 mod tests {
     use super::*;
 
+    #[test]
+    fn kept_names_are_what_parsing_gives() {
+        let mut names = Names::default();
+        let long = "x".repeat(600);
+        let heads: [&[&str]; 6] = [
+            &["Server", "Content-Type", "X-Custom", "content-length"],
+            &["Server", "Content-Type", "X-Custom", "content-length"],
+            &["server", "CONTENT-TYPE", "X-Other"],
+            &[
+                "server",
+                "Content-Type",
+                "x-other",
+                "Date",
+                "Bad Name",
+                "date",
+            ],
+            &[&long, &long, "Set-Cookie", &long],
+            &[&long, &long, "Set-Cookie", &long, "Server"],
+        ];
+        for head in heads {
+            for (i, raw) in head.iter().enumerate() {
+                let got = names.name(i, raw.as_bytes());
+                let parsed = HeaderName::from_bytes(raw.as_bytes());
+                assert_eq!(got.is_ok(), parsed.is_ok(), "{raw}");
+                if let (Ok(got), Ok(parsed)) = (got, parsed) {
+                    assert_eq!(got, parsed);
+                }
+            }
+            assert!(names.raw.len() <= NAMES_BYTES && names.at.len() <= NAMES_KEPT);
+        }
+    }
+
     fn parse(bytes: &str, method: Method) -> Result<Option<Head>, WireError> {
-        parse_head(&mut BytesMut::from(bytes), &method)
+        parse_head(&mut BytesMut::from(bytes), &method, &mut Kept::default())
     }
 
     #[test]
@@ -1055,14 +1158,20 @@ mod tests {
         let mut buf = BytesMut::from(
             "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
         );
-        let head = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+        let head = parse_head(&mut buf, &Method::POST, &mut Kept::default())
+            .unwrap()
+            .unwrap();
         assert_eq!(head.parts.status, 200);
         assert!(buf.is_empty());
         let mut buf = BytesMut::from("HTTP/1.1 200 OK\r\ncontent-le");
-        assert!(parse_head(&mut buf, &Method::GET).unwrap().is_none());
+        assert!(parse_head(&mut buf, &Method::GET, &mut Kept::default())
+            .unwrap()
+            .is_none());
         assert_eq!(buf.len(), 27, "a partial head is left where it is");
         let mut buf = BytesMut::from("HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 200 OK\r\n");
-        assert!(parse_head(&mut buf, &Method::GET).unwrap().is_none());
+        assert!(parse_head(&mut buf, &Method::GET, &mut Kept::default())
+            .unwrap()
+            .is_none());
         assert_eq!(
             &buf[..],
             b"HTTP/1.1 200 OK\r\n",
@@ -1178,6 +1287,7 @@ mod tests {
             io: Stream::Tls(Box::new(tls)),
             buf: BytesMut::new(),
             _slot: slot,
+            kept: Box::default(),
         };
         // One part of the body, then the client waits (for the answer, say).
         let body = {
@@ -1221,6 +1331,7 @@ mod tests {
             io: Stream::Plain(tcp),
             buf: BytesMut::new(),
             _slot: slot,
+            kept: Box::default(),
         };
         let usable = std::future::poll_fn(|cx| {
             // Spend the budget, as a task that did much I/O in one poll has.
