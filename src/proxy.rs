@@ -406,12 +406,14 @@ impl Upstream {
     /// from its last progress. A slow but steady upload is no upstream timeout; an
     /// upstream that stops taking the body is; a client that stops sending it is the
     /// client's (`request_body_timeout`).
+    ///
+    /// (`sent` is pinned by the caller: a future taken by value and pinned here
+    /// would be kept twice in this one's state, and copied on every call.)
     async fn answer<F: std::future::Future>(
         &self,
-        sent: F,
+        mut sent: Pin<&mut F>,
         sending: Option<tokio::sync::watch::Receiver<bool>>,
     ) -> Result<F::Output, tokio::time::error::Elapsed> {
-        let mut sent = std::pin::pin!(sent);
         if let Some(mut sending) = sending {
             loop {
                 tokio::select! {
@@ -520,7 +522,7 @@ impl Upstream {
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
-        let sent = target.pool.send(Request::from_parts(parts, body));
+        let sent = std::pin::pin!(target.pool.send(Request::from_parts(parts, body)));
         let resp = match self.answer(sent, sending).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
