@@ -83,10 +83,15 @@ impl Pool {
         }
     }
 
-    /// Send `req` (origin-form URI, `Host` set) on a kept connection, or a new one.
-    pub async fn send(self: &Arc<Self>, req: Request<Body>) -> Result<Answer, SendError> {
+    /// Send `req` (origin-form URI, `Host` set; `fwd` after its fields) on a kept
+    /// connection, or a new one.
+    pub async fn send(
+        self: &Arc<Self>,
+        req: Request<Body>,
+        fwd: wire::Forwarded<'_>,
+    ) -> Result<Answer, SendError> {
         let (mut parts, body) = req.into_parts();
-        let (head, framing) = wire::request_head(&mut parts, &body);
+        let (head, framing) = wire::request_head(&mut parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
         let trailers = match framing {
             Framing::Chunked => wire::announced_trailers(&parts.headers),
@@ -358,7 +363,8 @@ mod tests {
                 .header("host", addr.to_string())
                 .body(crate::answer::full(Bytes::new()))
                 .unwrap();
-            let Ok(Answer::Response(resp)) = pool.send(req).await else {
+            let Ok(Answer::Response(resp)) = pool.send(req, wire::Forwarded::default()).await
+            else {
                 panic!("no answer");
             };
             let body = resp.into_body().collect().await.unwrap();

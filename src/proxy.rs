@@ -24,7 +24,7 @@ use rustls_pki_types::CertificateDer;
 
 use crate::answer::{Body, BoxError};
 use crate::pool::{Answer, Pool, SendError};
-use crate::wire::{Conn, Connector, NoFreeConnection};
+use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, XFF, XFH, XFP};
 
 /// A kept upstream connection idle longer than this is closed.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -493,10 +493,10 @@ impl Upstream {
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
             parts.headers.insert(header::UPGRADE, proto);
         }
-        set_forwarded(&mut parts.headers, origin, host.as_ref());
-        match host {
+        let fwd = forwarded(&mut parts.headers, origin, host.as_ref());
+        match &host {
             Some(h) => {
-                parts.headers.insert(header::HOST, h);
+                parts.headers.insert(header::HOST, h.clone());
             }
             None => {
                 if let Ok(h) = HeaderValue::from_str(target.authority.as_str()) {
@@ -522,7 +522,7 @@ impl Upstream {
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
-        let sent = std::pin::pin!(target.pool.send(Request::from_parts(parts, body)));
+        let sent = std::pin::pin!(target.pool.send(Request::from_parts(parts, body), fwd));
         let resp = match self.answer(sent, sending).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
@@ -814,9 +814,6 @@ fn names_fields(h: &HeaderMap) -> bool {
     })
 }
 
-static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
-static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 const UNTRUSTED_CLAIMS: [HeaderName; 2] = [header::FORWARDED, HeaderName::from_static("x-real-ip")];
 
@@ -832,20 +829,7 @@ fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>)
     if !any_of(h, std::slice::from_ref(&XFF)) {
         h.insert(XFF.clone(), peer.clone());
     } else {
-        let prior: Vec<&str> = h
-            .get_all(&XFF)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .collect();
-        let peer = peer.to_str().unwrap_or_default();
-        let xff = if prior.is_empty() {
-            peer.to_string()
-        } else {
-            format!("{}, {peer}", prior.join(", "))
-        };
-        if let Ok(v) = HeaderValue::from_str(&xff) {
-            h.insert(XFF.clone(), v);
-        }
+        append_peer(h, peer);
     }
     if !(origin.trusted && h.contains_key(&XFP)) {
         h.insert(XFP.clone(), HeaderValue::from_static(origin.proto));
@@ -855,6 +839,74 @@ fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>)
             h.insert(XFH.clone(), host.clone());
         }
     }
+}
+
+/// The `X-Forwarded-For` the request has, with the peer appended (one field).
+fn append_peer(h: &mut HeaderMap, peer: &HeaderValue) {
+    let prior: Vec<&str> = h
+        .get_all(&XFF)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let peer = peer.to_str().unwrap_or_default();
+    let xff = if prior.is_empty() {
+        peer.to_string()
+    } else {
+        format!("{}, {peer}", prior.join(", "))
+    };
+    if let Ok(v) = HeaderValue::from_str(&xff) {
+        h.insert(XFF.clone(), v);
+    }
+}
+
+/// `set_forwarded`, with the fields the map does not have left out of it and
+/// returned, to follow its fields on the wire (`wire::Forwarded`) as if appended
+/// to it: one pass over its names, no insert (and no hashing) for them. Only when
+/// that is where they would stand: the map has `Host` (replaced where it stands
+/// after this) and no claim to remove (removing reorders the map); else all go in
+/// the map, as `set_forwarded` puts them.
+fn forwarded<'a>(
+    h: &mut HeaderMap,
+    origin: &Origin<'a>,
+    host: Option<&'a HeaderValue>,
+) -> Forwarded<'a> {
+    let (mut has_host, mut claims, mut xff, mut xfp, mut xfh) = (false, false, false, false, false);
+    for k in h.keys() {
+        match *k {
+            header::HOST => has_host = true,
+            header::FORWARDED => claims = true,
+            _ if *k == XFF => xff = true,
+            _ if *k == XFP => xfp = true,
+            _ if *k == XFH => xfh = true,
+            _ if *k == X_REAL_IP => claims = true,
+            _ => {}
+        }
+    }
+    if !has_host || (claims && !origin.trusted) {
+        set_forwarded(h, origin, host);
+        return Forwarded::default();
+    }
+    let mut fwd = Forwarded::default();
+    if xff {
+        append_peer(h, origin.peer_forwarded_for);
+    } else {
+        fwd.for_ = Some(origin.peer_forwarded_for);
+    }
+    if !(origin.trusted && xfp) {
+        if xfp {
+            h.insert(XFP.clone(), HeaderValue::from_static(origin.proto));
+        } else {
+            fwd.proto = Some(origin.proto);
+        }
+    }
+    if let (false, Some(host)) = (origin.trusted && xfh, host) {
+        if xfh {
+            h.insert(XFH.clone(), host.clone());
+        } else {
+            fwd.host = Some(host);
+        }
+    }
+    fwd
 }
 
 #[cfg(test)]

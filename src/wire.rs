@@ -389,17 +389,79 @@ pub enum Framing {
     Chunked,
 }
 
+/// `X-Forwarded-*` fields a request gets that its map does not have: written after
+/// the map's fields, as if appended to it in this order, with no map insert (see
+/// `proxy::set_forwarded`).
+#[derive(Default)]
+pub struct Forwarded<'a> {
+    pub for_: Option<&'a HeaderValue>,
+    pub proto: Option<&'static str>,
+    pub host: Option<&'a HeaderValue>,
+}
+
+impl Forwarded<'_> {
+    fn is_empty(&self) -> bool {
+        self.for_.is_none() && self.proto.is_none() && self.host.is_none()
+    }
+
+    /// Into the map after all: something is appended after them.
+    fn into_map(&mut self, h: &mut HeaderMap) {
+        if let Some(v) = self.for_.take() {
+            h.insert(XFF.clone(), v.clone());
+        }
+        if let Some(p) = self.proto.take() {
+            h.insert(XFP.clone(), HeaderValue::from_static(p));
+        }
+        if let Some(v) = self.host.take() {
+            h.insert(XFH.clone(), v.clone());
+        }
+    }
+
+    fn len(&self) -> usize {
+        let line = |name: &HeaderName, v: Option<&[u8]>| {
+            v.map_or(0, |v| name.as_str().len() + v.len() + 4)
+        };
+        line(&XFF, self.for_.map(HeaderValue::as_bytes))
+            + line(&XFP, self.proto.map(str::as_bytes))
+            + line(&XFH, self.host.map(HeaderValue::as_bytes))
+    }
+
+    fn write(&self, out: &mut BytesMut) {
+        let mut line = |name: &HeaderName, v: Option<&[u8]>| {
+            if let Some(v) = v {
+                out.extend_from_slice(name.as_str().as_bytes());
+                out.extend_from_slice(b": ");
+                out.extend_from_slice(v);
+                out.extend_from_slice(b"\r\n");
+            }
+        };
+        line(&XFF, self.for_.map(HeaderValue::as_bytes));
+        line(&XFP, self.proto.map(str::as_bytes));
+        line(&XFH, self.host.map(HeaderValue::as_bytes));
+    }
+}
+
+pub(crate) static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub(crate) static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub(crate) static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+
 /// The request head on the wire (origin-form target, fields as they are), and how
 /// its body follows. As hyper's client: a body that is already over is not sent
 /// (any `Content-Length` the request has stays as it is); a `Content-Length`
 /// the request has, or a length the body knows, delimits it; an unknown length is
 /// chunked, except on GET, HEAD and CONNECT, which then send none.
-pub fn request_head(parts: &mut http::request::Parts, body: &Body) -> (Bytes, Framing) {
+/// `fwd` follows the map's fields.
+pub fn request_head(
+    parts: &mut http::request::Parts,
+    body: &Body,
+    mut fwd: Forwarded<'_>,
+) -> (Bytes, Framing) {
     let framing = if body.is_end_stream() {
         Framing::Empty
     } else if let Some(n) = content_length(&parts.headers) {
         Framing::Length(n)
     } else if let Some(n) = body.size_hint().exact() {
+        fwd.into_map(&mut parts.headers);
         parts
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
@@ -407,6 +469,7 @@ pub fn request_head(parts: &mut http::request::Parts, body: &Body) -> (Bytes, Fr
     } else if matches!(parts.method, Method::GET | Method::HEAD | Method::CONNECT) {
         Framing::Empty
     } else {
+        fwd.into_map(&mut parts.headers);
         parts.headers.remove(header::CONTENT_LENGTH);
         parts.headers.insert(
             header::TRANSFER_ENCODING,
@@ -420,12 +483,16 @@ pub fn request_head(parts: &mut http::request::Parts, body: &Body) -> (Bytes, Fr
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len() + 4)
         .sum();
+    let fields = fields + if fwd.is_empty() { 0 } else { fwd.len() };
     let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 14);
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.extend_from_slice(b" ");
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     write_fields(&mut out, &parts.headers);
+    if !fwd.is_empty() {
+        fwd.write(&mut out);
+    }
     out.extend_from_slice(b"\r\n");
     (out.freeze(), framing)
 }
@@ -1352,7 +1419,7 @@ mod tests {
                 req = req.header(*k, *v);
             }
             let (mut parts, ()) = req.body(()).unwrap().into_parts();
-            let (head, f) = request_head(&mut parts, &body);
+            let (head, f) = request_head(&mut parts, &body, Forwarded::default());
             (String::from_utf8(head.to_vec()).unwrap(), f)
         };
         let empty = || crate::answer::full(Bytes::new());
