@@ -372,8 +372,15 @@ impl RateHeaders {
             return false;
         }
         headers.keys().any(|k| {
-            (self.ietf && ((policy && *k == RATELIMIT_POLICY) || *k == RATELIMIT))
-                || (self.x_ratelimit && (*k == X_LIMIT || *k == X_REMAINING || *k == X_RESET))
+            // Most names have none of their lengths: one look at it first.
+            let s = k.as_str();
+            match s.len() {
+                9 => self.ietf && s == RATELIMIT.as_str(),
+                16 => self.ietf && policy && s == RATELIMIT_POLICY.as_str(),
+                17 => self.x_ratelimit && (s == X_LIMIT.as_str() || s == X_RESET.as_str()),
+                21 => self.x_ratelimit && s == X_REMAINING.as_str(),
+                _ => false,
+            }
         })
     }
 

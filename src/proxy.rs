@@ -676,7 +676,7 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Active<T> {
 }
 
 fn wants_upgrade(h: &HeaderMap) -> bool {
-    h.contains_key(header::UPGRADE)
+    any_of(h, std::slice::from_ref(&header::UPGRADE))
         && h.get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
