@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
-use crate::wire::{last_is_chunked, Names, MAX_FIELDS};
+use crate::wire::{last_is_chunked, parsed_value, Names, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
 pub enum ClientBody {
@@ -402,10 +402,8 @@ fn parse(
         headers.reserve(n);
     }
     for (i, &[a, b, c, d]) in spans.iter().enumerate() {
-        let (Ok(name), Ok(value)) = (
-            names.name(i, &head[a..b]),
-            HeaderValue::from_maybe_shared(head.slice(c..d)),
-        ) else {
+        let (Ok(name), Ok(value)) = (names.name(i, &head[a..b]), parsed_value(head.slice(c..d)))
+        else {
             return unsplit(buf, head);
         };
         headers.append(name, value);

@@ -126,6 +126,19 @@ pub struct Conn {
     kept: Box<Kept>,
 }
 
+/// A field value as httparse parsed it (with its default configuration), not
+/// checked byte by byte again where that cannot find anything.
+pub(crate) fn parsed_value(value: Bytes) -> Result<HeaderValue, header::InvalidHeaderValue> {
+    if value.is_ascii() {
+        // SAFETY: httparse takes into a value only `\t`, ` `..=`~` and
+        // 0x80..=0xFF, exactly the bytes a `HeaderValue` may hold; this one is ASCII,
+        // so valid UTF-8 too (what the function asks for).
+        Ok(unsafe { HeaderValue::from_maybe_shared_unchecked(value) })
+    } else {
+        HeaderValue::from_maybe_shared(value)
+    }
+}
+
 /// What a connection keeps from one response head to the next: the field names of
 /// the last (`Names`), room for where the fields are, and an emptied header map
 /// (the request's, `Conn::keep_map`) to fill with the next.
@@ -873,8 +886,8 @@ fn parse_one_head(
             .names
             .name(i, &head[n0..n1])
             .map_err(|_| WireError::Malformed("field name"))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(v0..v1))
-            .map_err(|_| WireError::Malformed("field value"))?;
+        let value =
+            parsed_value(head.slice(v0..v1)).map_err(|_| WireError::Malformed("field value"))?;
         if name == header::CONNECTION {
             for t in value.as_bytes().split(|&b| b == b',') {
                 let t = t.trim_ascii();
@@ -1115,6 +1128,28 @@ fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_value_httparse_takes_is_a_valid_header_value() {
+        for b in 0..=255u8 {
+            let mut head = b"HTTP/1.1 200 OK\r\nx-v: a".to_vec();
+            head.push(b);
+            head.extend_from_slice(b"b\r\ncontent-length: 0\r\n\r\n");
+            let got = parse_head(
+                &mut BytesMut::from(&head[..]),
+                &Method::GET,
+                &mut Kept::default(),
+            );
+            let valid = HeaderValue::from_bytes(&[b'a', b, b'b']).is_ok();
+            match got {
+                Ok(Some(h)) => {
+                    assert!(valid, "{b:#x}");
+                    assert_eq!(h.parts.headers["x-v"].as_bytes(), [b'a', b, b'b']);
+                }
+                _ => assert!(!valid || b == b'\r' || b == b'\n', "{b:#x}"),
+            }
+        }
+    }
 
     #[test]
     fn kept_names_are_what_parsing_gives() {
