@@ -129,6 +129,7 @@ impl Pool {
                         decoder: head.body,
                         reusable: head.reusable,
                         upload: head.upload,
+                        hop_by_hop: head.hop_by_hop,
                         pool: self.clone(),
                     };
                     return Ok(Answer::Response(Response::from_parts(head.parts, body)));
@@ -237,12 +238,19 @@ pub struct Pooled {
     conn: Option<Conn>,
     decoder: Decoder,
     reusable: bool,
+    /// The head has a hop-by-hop field.
+    hop_by_hop: bool,
     /// The request body still going up (the upstream answered before its end).
     upload: Option<Upload>,
     pool: Arc<Pool>,
 }
 
 impl Pooled {
+    /// Whether the answer's head has a hop-by-hop field.
+    pub fn hop_by_hop(&self) -> bool {
+        self.hop_by_hop
+    }
+
     fn release(&mut self) {
         if let Some(conn) = self.conn.take() {
             // Bytes after the end of the answer: nothing asked for them. An upload

@@ -542,7 +542,10 @@ impl Upstream {
             }
         };
         let (mut parts, body) = resp.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
+        // (Known from reading the head: most answers have none.)
+        if body.hop_by_hop() {
+            strip_hop_by_hop(&mut parts.headers);
+        }
         Ok(Response::from_parts(parts, body.boxed()))
     }
 }
@@ -717,7 +720,7 @@ static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 /// The hop-by-hop headers of RFC 9110 §7.6.1, and every header `Connection` names.
 /// (`Trailer` is not one: it announces the trailers, which HTTP/1.1 needs to
 /// send them on.)
-const HOP_BY_HOP: [HeaderName; 7] = [
+pub(crate) const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),

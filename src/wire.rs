@@ -157,7 +157,8 @@ pub(crate) struct Kept {
 pub(crate) struct Names {
     raw: Vec<u8>,
     at: Vec<(usize, usize)>,
-    parsed: Vec<HeaderName>,
+    /// Each name, and whether it is hop-by-hop (`proxy::HOP_BY_HOP`).
+    parsed: Vec<(HeaderName, bool)>,
 }
 
 const NAMES_KEPT: usize = 32;
@@ -171,6 +172,15 @@ impl Names {
         i: usize,
         raw: &[u8],
     ) -> Result<HeaderName, header::InvalidHeaderName> {
+        self.name_hop(i, raw).map(|(name, _)| name)
+    }
+
+    /// `name`, and whether it is a hop-by-hop one.
+    fn name_hop(
+        &mut self,
+        i: usize,
+        raw: &[u8],
+    ) -> Result<(HeaderName, bool), header::InvalidHeaderName> {
         if let Some(&(a, b)) = self.at.get(i) {
             if self.raw[a..b] == *raw {
                 return Ok(self.parsed[i].clone());
@@ -181,13 +191,14 @@ impl Names {
             self.parsed.truncate(i);
         }
         let name = HeaderName::from_bytes(raw)?;
+        let hop = crate::proxy::HOP_BY_HOP.contains(&name);
         if i == self.at.len() && i < NAMES_KEPT && self.raw.len() + raw.len() <= NAMES_BYTES {
             let a = self.raw.len();
             self.raw.extend_from_slice(raw);
             self.at.push((a, self.raw.len()));
-            self.parsed.push(name.clone());
+            self.parsed.push((name.clone(), hop));
         }
-        Ok(name)
+        Ok((name, hop))
     }
 }
 
@@ -704,6 +715,8 @@ pub struct Head {
     /// The rest of the request body, when the answer came before it was all sent:
     /// it goes on while the response body is read, as hyper's client does.
     pub upload: Option<Upload>,
+    /// The fields have a hop-by-hop one (`proxy::strip_hop_by_hop` has work).
+    pub hop_by_hop: bool,
 }
 
 /// Why an exchange failed, and whether the upstream sent anything back.
@@ -881,23 +894,36 @@ fn parse_one_head(
     headers.reserve(spans.len());
     let mut keep_alive = version == Version::HTTP_11;
     let mut close = false;
+    let mut hop_by_hop = false;
+    let last = spans.len().wrapping_sub(1);
     for (i, &[n0, n1, v0, v1]) in spans.iter().enumerate() {
-        let name = kept
+        let (name, hop) = kept
             .names
-            .name(i, &head[n0..n1])
+            .name_hop(i, &head[n0..n1])
             .map_err(|_| WireError::Malformed("field name"))?;
         let value =
             parsed_value(head.slice(v0..v1)).map_err(|_| WireError::Malformed("field value"))?;
         if name == header::CONNECTION {
+            let mut others = false;
             for t in value.as_bytes().split(|&b| b == b',') {
                 let t = t.trim_ascii();
                 if t.eq_ignore_ascii_case(b"close") {
                     close = true;
+                    others = true;
                 } else if t.eq_ignore_ascii_case(b"keep-alive") {
                     keep_alive = true;
+                } else if !t.is_empty() {
+                    others = true;
                 }
             }
+            // The last field, the first `Connection`, naming no field: all the
+            // forwarding does with it is take it out again (the last: nothing moves
+            // into its place), so it is not put in.
+            if i == last && !others && code != 101 && !headers.contains_key(header::CONNECTION) {
+                continue;
+            }
         }
+        hop_by_hop |= hop;
         headers.append(name, value);
     }
     let mut resp = http::Response::new(());
@@ -917,6 +943,7 @@ fn parse_one_head(
         body,
         reusable,
         upload: None,
+        hop_by_hop,
     }))
 }
 
