@@ -429,7 +429,7 @@ impl Forwarded<'_> {
     }
 
     /// Into the map after all: something is appended after them.
-    fn into_map(&mut self, h: &mut HeaderMap) {
+    fn put_in_map(&mut self, h: &mut HeaderMap) {
         if let Some(v) = self.for_.take() {
             h.insert(XFF.clone(), v.clone());
         }
@@ -485,7 +485,7 @@ pub fn request_head(
     } else if let Some(n) = content_length(&parts.headers) {
         Framing::Length(n)
     } else if let Some(n) = body.size_hint().exact() {
-        fwd.into_map(&mut parts.headers);
+        fwd.put_in_map(&mut parts.headers);
         parts
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
@@ -493,7 +493,7 @@ pub fn request_head(
     } else if matches!(parts.method, Method::GET | Method::HEAD | Method::CONNECT) {
         Framing::Empty
     } else {
-        fwd.into_map(&mut parts.headers);
+        fwd.put_in_map(&mut parts.headers);
         parts.headers.remove(header::CONTENT_LENGTH);
         parts.headers.insert(
             header::TRANSFER_ENCODING,
