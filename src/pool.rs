@@ -98,6 +98,8 @@ impl Pool {
             _ => Vec::new(),
         };
         let mut body = Some(body);
+        // Taken by each attempt; given back by one that may be repeated.
+        let mut head = head;
         // Its fields are on the wire: the map takes the answer's.
         let mut map = Some(std::mem::take(&mut parts.headers));
         loop {
@@ -113,7 +115,7 @@ impl Pool {
                 .unwrap_or_else(|| crate::answer::full(Bytes::new()));
             let exchange = wire::exchange(
                 &mut conn,
-                head.clone(),
+                head,
                 sent,
                 framing,
                 trailers.clone(),
@@ -136,8 +138,13 @@ impl Pool {
                 }
                 // Closed before anything came back (the upstream's keep-alive ran
                 // out as the request went): another connection may take it.
-                Err(f) if kept && repeatable && f.nothing_back => {
-                    tracing::debug!(error = %f.error, "kept upstream connection closed; sending again");
+                Err(wire::Failed {
+                    error,
+                    nothing_back: true,
+                    head: Some(again),
+                }) if kept && repeatable => {
+                    tracing::debug!(error = %error, "kept upstream connection closed; sending again");
+                    head = again;
                 }
                 Err(f) => return Err(SendError::Send(f.error)),
             }

@@ -566,7 +566,10 @@ fn decimal(b: &[u8]) -> Option<u64> {
 
 /// Writes the head, then the body in its framing; ends flushed.
 pub struct Upload {
+    /// What to write before the next frame: `pending[at..]` (the head stays whole
+    /// as it is written, for `Failed::head`).
     pending: Bytes,
+    at: usize,
     body: Option<Body>,
     framing: Framing,
     sent: u64,
@@ -624,13 +627,13 @@ impl Upload {
     ) -> Poll<Result<(), UploadError>> {
         let io = &mut conn.io;
         loop {
-            while !self.pending.is_empty() {
-                let n = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending))
+            while self.at < self.pending.len() {
+                let n = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending[self.at..]))
                     .map_err(UploadError::Write)?;
                 if n == 0 {
                     return Poll::Ready(Err(UploadError::Write(io::ErrorKind::WriteZero.into())));
                 }
-                self.pending.advance(n);
+                self.at += n;
             }
             // What is written goes out before the next frame is waited for (as
             // hyper's client): TLS keeps what the socket did not take, and a client
@@ -645,7 +648,10 @@ impl Upload {
                 None => {
                     self.body = None;
                     match self.framing {
-                        Framing::Chunked => self.pending = Bytes::from_static(b"0\r\n\r\n"),
+                        Framing::Chunked => {
+                            self.pending = Bytes::from_static(b"0\r\n\r\n");
+                            self.at = 0;
+                        }
                         Framing::Length(n) if n != self.sent => {
                             return Poll::Ready(Err(UploadError::Body(
                                 WireError::BodyLength.into(),
@@ -659,6 +665,7 @@ impl Upload {
                     Ok(data) if data.is_empty() => {}
                     Ok(data) => {
                         self.sent += data.len() as u64;
+                        self.at = 0;
                         self.pending = match self.framing {
                             Framing::Chunked => {
                                 let mut c = BytesMut::with_capacity(data.len() + 20);
@@ -693,6 +700,7 @@ impl Upload {
                             write_fields(&mut c, &trailers);
                             c.extend_from_slice(b"\r\n");
                             self.pending = c.freeze();
+                            self.at = 0;
                             self.body = None;
                         }
                     }
@@ -725,6 +733,8 @@ pub struct Failed {
     /// No byte of an answer arrived: on a kept connection, a request that is safe
     /// to repeat may go on another.
     pub nothing_back: bool,
+    /// Then the head of a request without a body, whole, to send again.
+    pub head: Option<Bytes>,
 }
 
 /// Sends a request (its head as `request_head` made it) and reads the response
@@ -740,27 +750,38 @@ pub async fn exchange(
 ) -> Result<Head, Failed> {
     let mut upload = Some(Upload {
         pending: head,
+        at: 0,
         body: (framing != Framing::Empty).then_some(body),
         framing,
         sent: 0,
         trailers,
     });
+    // The upload is kept once over (its head may be sent again): whether it goes on.
+    let mut sending = true;
     let mut write_failed = None;
     let mut received = false;
+    // Nothing came back: the head of a request without a body, to send again.
+    let again = |upload: &mut Option<Upload>, received: bool| {
+        let up = upload
+            .take()
+            .filter(|_| !received && framing == Framing::Empty);
+        up.map(|up| up.pending)
+    };
     std::future::poll_fn(|cx| {
-        if let Some(up) = upload.as_mut() {
+        if let (true, Some(up)) = (sending, upload.as_mut()) {
             match up.poll_send(conn, cx) {
                 Poll::Pending => {}
-                Poll::Ready(Ok(())) => upload = None,
+                Poll::Ready(Ok(())) => sending = false,
                 Poll::Ready(Err(UploadError::Body(e))) => {
                     return Poll::Ready(Err(Failed {
                         error: e,
                         nothing_back: false,
+                        head: None,
                     }))
                 }
                 // The upstream may have answered before it closed: read on.
                 Poll::Ready(Err(UploadError::Write(e))) => {
-                    upload = None;
+                    sending = false;
                     write_failed = Some(e);
                 }
             }
@@ -773,13 +794,14 @@ pub async fn exchange(
                         return Poll::Ready(Err(Failed {
                             error: e.into(),
                             nothing_back: false,
+                            head: None,
                         }))
                     }
                     Ok(Some(mut head)) => {
                         if write_failed.is_some() {
                             head.reusable = false;
                         }
-                        if head.parts.status != StatusCode::SWITCHING_PROTOCOLS {
+                        if sending && head.parts.status != StatusCode::SWITCHING_PROTOCOLS {
                             head.upload = upload.take();
                         }
                         return Poll::Ready(Ok(head));
@@ -799,6 +821,7 @@ pub async fn exchange(
                     return Poll::Ready(Err(Failed {
                         error,
                         nothing_back: !received,
+                        head: again(&mut upload, received),
                     }));
                 }
                 Poll::Ready(Ok(_)) => {}
@@ -806,6 +829,7 @@ pub async fn exchange(
                     return Poll::Ready(Err(Failed {
                         error: e.into(),
                         nothing_back: !received,
+                        head: again(&mut upload, received),
                     }))
                 }
             }
