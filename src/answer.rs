@@ -364,9 +364,145 @@ impl RateHeaders {
     }
 }
 
+impl RateHeaders {
+    /// Whether `headers` has a field `apply` would set (it replaces it where it
+    /// stands): `policy` says whether a `RateLimit-Policy` would be.
+    pub fn any_in(&self, headers: &HeaderMap, policy: bool) -> bool {
+        if headers.is_empty() || !(self.ietf || self.x_ratelimit) {
+            return false;
+        }
+        headers.keys().any(|k| {
+            // Most names have none of their lengths: one look at it first.
+            let s = k.as_str();
+            match s.len() {
+                9 => self.ietf && s == RATELIMIT.as_str(),
+                16 => self.ietf && policy && s == RATELIMIT_POLICY.as_str(),
+                17 => self.x_ratelimit && (s == X_LIMIT.as_str() || s == X_RESET.as_str()),
+                21 => self.x_ratelimit && s == X_REMAINING.as_str(),
+                _ => false,
+            }
+        })
+    }
+
+    /// The fields `apply` adds to a map that has none of them, as header lines
+    /// (`name: value\r\n`, in the order `apply` inserts them) appended to `out`:
+    /// for the plain-request server, which writes them with the head, no map or
+    /// header value in between.
+    pub fn write_lines(
+        &self,
+        out: &mut Vec<u8>,
+        plan: &Plan,
+        policy: Option<&HeaderValue>,
+        verdict: &Verdict,
+    ) {
+        let Some((i, o)) = verdict.headline() else {
+            return;
+        };
+        let reset = ceil_secs(o.reset_us);
+        let mut n = itoa::Buffer::new();
+        if self.ietf {
+            if let Some(p) = policy {
+                out.extend_from_slice(b"ratelimit-policy: ");
+                out.extend_from_slice(p.as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+            // Limit names are letters, digits, `_`, `-` and `.` (validated): the
+            // value `apply` builds is always a valid one.
+            out.extend_from_slice(b"ratelimit: ");
+            push_sf_string(out, &plan.limits[i].name);
+            out.extend_from_slice(b";r=");
+            out.extend_from_slice(n.format(o.remaining).as_bytes());
+            out.extend_from_slice(b";t=");
+            out.extend_from_slice(n.format(reset).as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        if self.x_ratelimit {
+            out.extend_from_slice(b"x-ratelimit-limit: ");
+            out.extend_from_slice(n.format(o.quota).as_bytes());
+            out.extend_from_slice(b"\r\nx-ratelimit-remaining: ");
+            out.extend_from_slice(n.format(o.remaining).as_bytes());
+            out.extend_from_slice(b"\r\nx-ratelimit-reset: ");
+            out.extend_from_slice(n.format(reset).as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lines_are_what_apply_adds() {
+        use crate::limit::{Algorithm, LimitDef, Mode, Outcome};
+        let window = |limit, window_us| Algorithm::FixedWindow { limit, window_us };
+        let plan = Plan {
+            limits: vec![
+                LimitDef::new("a.b-c_d".into(), window(10, 2_000_000), 1),
+                LimitDef::new("second".into(), window(3, 60_000_000), 1),
+            ],
+            mode: Mode::Reject,
+        };
+        let policy = policy_header(&plan);
+        let outcome = |remaining, reset_us, allowed| Outcome {
+            allowed,
+            quota: 10,
+            remaining,
+            reset_us,
+            retry_after_us: if allowed { 0 } else { 1_500_000 },
+            delay_us: 0,
+        };
+        let verdicts = [
+            Verdict {
+                allowed: true,
+                delay_us: 0,
+                outcomes: vec![outcome(7, 1_000_001, true), outcome(2, 59_000_000, true)],
+            },
+            Verdict {
+                allowed: false,
+                delay_us: 0,
+                outcomes: vec![outcome(0, 0, false), outcome(12_345_678_901, 1, true)],
+            },
+            Verdict {
+                allowed: true,
+                delay_us: 0,
+                outcomes: vec![],
+            },
+        ];
+        for (ietf, x_ratelimit) in [(true, true), (true, false), (false, true), (false, false)] {
+            let h = RateHeaders { ietf, x_ratelimit };
+            for v in &verdicts {
+                for policy in [policy.as_ref(), None] {
+                    let mut map = HeaderMap::new();
+                    h.apply(&mut map, &plan, policy, v);
+                    let mut expected = Vec::new();
+                    for (k, v) in &map {
+                        expected.extend_from_slice(k.as_str().as_bytes());
+                        expected.extend_from_slice(b": ");
+                        expected.extend_from_slice(v.as_bytes());
+                        expected.extend_from_slice(b"\r\n");
+                    }
+                    let mut lines = b"before\r\n".to_vec();
+                    h.write_lines(&mut lines, &plan, policy, v);
+                    assert_eq!(
+                        String::from_utf8_lossy(&lines[8..]),
+                        String::from_utf8_lossy(&expected)
+                    );
+                    assert!(!h.any_in(&HeaderMap::new(), policy.is_some()));
+                    for (k, _) in &map {
+                        let mut other = HeaderMap::new();
+                        other.insert(http::header::SERVER, HeaderValue::from_static("x"));
+                        other.insert(k.clone(), HeaderValue::from_static("1"));
+                        assert!(h.any_in(&other, policy.is_some()), "{k}");
+                    }
+                    let mut other = HeaderMap::new();
+                    other.insert(http::header::SERVER, HeaderValue::from_static("x"));
+                    other.insert("x-ratelimit", HeaderValue::from_static("1"));
+                    assert!(!h.any_in(&other, policy.is_some()));
+                }
+            }
+        }
+    }
 
     #[test]
     fn escapes_and_rounding() {

@@ -137,6 +137,28 @@ impl Peer {
 }
 
 pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
+    process(shared, req, peer, None).await
+}
+
+/// `handle` for the plain-request server: the rate-limit fields the answer gets are
+/// written to `lines` as header lines (`RateHeaders::write_lines`), for the server
+/// to write after the answer's own fields, instead of going into its header map.
+/// (Only when the map has none of them: else they replace those where they stand.)
+pub(crate) async fn handle_plain(
+    shared: &Shared,
+    req: Request<ClientBody>,
+    peer: &Peer,
+    lines: &mut Vec<u8>,
+) -> Response<Body> {
+    process(shared, req, peer, Some(lines)).await
+}
+
+async fn process(
+    shared: &Shared,
+    req: Request<ClientBody>,
+    peer: &Peer,
+    lines: Option<&mut Vec<u8>>,
+) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
     let (mut parts, body) = req.into_parts();
@@ -151,9 +173,7 @@ pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> R
     // Counted when the response body ends, or when the client goes away first (while
     // delayed, while the upstream works, or mid-body), with the decision made for it.
     let mut tally = Tally::new(rt.clone(), route);
-    let unread_body = (parts.headers.contains_key(TRANSFER_ENCODING)
-        || parts.headers.get(CONTENT_LENGTH).is_some_and(|v| v != "0"))
-        && parts.version < Version::HTTP_2;
+    let unread_body = parts.version < Version::HTTP_2 && announces_body(&parts.headers);
 
     let ctx = Ctx {
         shared,
@@ -162,7 +182,7 @@ pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> R
         peer,
         unread_body,
     };
-    let resp = match pass(&ctx, head, route, parts, body, &mut tally).await {
+    let resp = match pass(&ctx, head, route, parts, body, &mut tally, lines).await {
         Ok(resp) => resp,
         Err(refusal) => {
             if let Some(d) = refusal.decision() {
@@ -172,6 +192,25 @@ pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> R
         }
     };
     end_with(resp, tally)
+}
+
+/// Whether an HTTP/1 request head announces a body: `Transfer-Encoding`, or a
+/// first `Content-Length` other than `0`. (One pass over the few fields of most
+/// requests, cheaper than two hashed lookups.)
+fn announces_body(h: &HeaderMap) -> bool {
+    let mut length_seen = false;
+    for (k, v) in h {
+        if *k == TRANSFER_ENCODING {
+            return true;
+        }
+        if *k == CONTENT_LENGTH && !length_seen {
+            if v != "0" {
+                return true;
+            }
+            length_seen = true;
+        }
+    }
+    false
 }
 
 /// The end of the request (pingora's `logging` phase): the tally, and the permit in
@@ -208,6 +247,7 @@ async fn pass<'a>(
     parts: http::request::Parts,
     body: ClientBody,
     tally: &mut Tally,
+    lines: Option<&mut Vec<u8>>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     let rt = ctx.rt;
     head.map_err(Refusal::BadHead)?;
@@ -223,8 +263,13 @@ async fn pass<'a>(
     let report = limits(ctx, route, ns, &key, tally).await?;
     let mut resp = act(ctx, route, parts, body).await?;
     if let Some((tier, v)) = &report {
-        rt.rate_headers
-            .apply(resp.headers_mut(), &tier.plan, tier.policy.as_ref(), v);
+        let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
+        match lines {
+            Some(out) if !h.any_in(resp.headers(), policy.is_some()) => {
+                h.write_lines(out, &tier.plan, policy, v)
+            }
+            _ => h.apply(resp.headers_mut(), &tier.plan, policy, v),
+        }
     }
     Ok(resp)
 }

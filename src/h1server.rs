@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
-use crate::wire::{last_is_chunked, MAX_FIELDS};
+use crate::wire::{last_is_chunked, parsed_value, Names, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
 pub enum ClientBody {
@@ -116,6 +116,10 @@ where
     let mut buf = BytesMut::with_capacity(4096);
     let mut out: Vec<u8> = Vec::with_capacity(1024);
     let mut spans = Vec::with_capacity(32);
+    // The field names of the last request.
+    let mut names = Names::default();
+    // The rate-limit fields of the answer, as header lines (`gateway::handle_plain`).
+    let mut rate_lines: Vec<u8> = Vec::with_capacity(256);
     // A response's header map, emptied, holds the next request's fields (as in
     // hyper): no allocation, and room for the forwarding headers.
     let mut fields = HeaderMap::new();
@@ -140,7 +144,7 @@ where
     loop {
         let plain = loop {
             if scan.worth_parsing(&buf) {
-                match parse(&mut buf, &mut spans, &mut fields, fast.max_head) {
+                match parse(&mut buf, &mut spans, &mut names, &mut fields, fast.max_head) {
                     Parsed::Plain(p) => {
                         scan = Scan::default();
                         break p;
@@ -182,24 +186,27 @@ where
 
         // In flight from its head until its response body has been sent.
         let in_flight = activity.start();
-        let answer = gateway::handle(&fast.shared, req, &fast.peer);
-        tokio::pin!(answer);
-        // As hyper: while the request is worked on, a client that closes its end
-        // (with nothing more sent) cancels it.
-        let resp = if buf.is_empty() {
-            // Room to read into: a read into none would look like the end.
-            buf.reserve(2048);
-            tokio::select! {
-                biased;
-                r = &mut answer => r,
-                r = io.read_buf(&mut buf) => match r {
-                    Ok(0) => return Ended::Closed(Err("the client closed its connection mid-request".into())),
-                    Err(e) => return Ended::Closed(Err(e.into())),
-                    Ok(_) => answer.await,
-                },
+        rate_lines.clear();
+        let resp = {
+            let answer = gateway::handle_plain(&fast.shared, req, &fast.peer, &mut rate_lines);
+            tokio::pin!(answer);
+            // As hyper: while the request is worked on, a client that closes its end
+            // (with nothing more sent) cancels it.
+            if buf.is_empty() {
+                // Room to read into: a read into none would look like the end.
+                buf.reserve(2048);
+                tokio::select! {
+                    biased;
+                    r = &mut answer => r,
+                    r = io.read_buf(&mut buf) => match r {
+                        Ok(0) => return Ended::Closed(Err("the client closed its connection mid-request".into())),
+                        Err(e) => return Ended::Closed(Err(e.into())),
+                        Ok(_) => answer.await,
+                    },
+                }
+            } else {
+                answer.await
             }
-        } else {
-            answer.await
         };
 
         let (mut parts, body) = resp.into_parts();
@@ -214,7 +221,7 @@ where
             head,
         };
         out.clear();
-        let enc = match encode_head(&mut out, &mut parts, &meta, kind) {
+        let enc = match encode_head(&mut out, &mut parts, &meta, kind, &rate_lines) {
             Ok(enc) => enc,
             Err(e) => return Ended::Closed(Err(e)),
         };
@@ -301,10 +308,12 @@ impl Scan {
 
 /// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
 /// room for where its fields are (kept by the connection, so that no request
-/// allocates or zeroes it).
+/// allocates or zeroes it), `names` the last request's field names
+/// (`wire::Names`).
 fn parse(
     buf: &mut BytesMut,
     spans: &mut Vec<[usize; 4]>,
+    names: &mut Names,
     fields: &mut HeaderMap,
     max_head: usize,
 ) -> Parsed {
@@ -392,11 +401,9 @@ fn parse(
     } else {
         headers.reserve(n);
     }
-    for &[a, b, c, d] in spans.iter() {
-        let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(&head[a..b]),
-            HeaderValue::from_maybe_shared(head.slice(c..d)),
-        ) else {
+    for (i, &[a, b, c, d]) in spans.iter().enumerate() {
+        let (Ok(name), Ok(value)) = (names.name(i, &head[a..b]), parsed_value(head.slice(c..d)))
+        else {
             return unsplit(buf, head);
         };
         headers.append(name, value);
@@ -460,14 +467,28 @@ struct Encoding {
 
 /// Write the response head as hyper's server does (`Server::encode`): the same
 /// status line, fields in the map's order, framing, `connection` and `date`.
+/// `extra` holds header lines that stand after the map's fields, as if they had been
+/// appended to it (the rate-limit fields): only a `connection` this adds comes
+/// after them.
 fn encode_head(
     out: &mut Vec<u8>,
     parts: &mut http::response::Parts,
     meta: &Meta,
     body: Option<Option<u64>>,
+    extra: &[u8],
 ) -> Result<Encoding, BoxError> {
     let status = parts.status;
     let mut keep_alive = meta.keep_alive;
+    // A `connection` value added to a map without one: its line would follow
+    // `extra`, so it is written there rather than appended to the map.
+    let mut added_connection: Option<&'static str> = None;
+    let mut add_connection = |headers: &mut HeaderMap, value: &'static str| {
+        if !extra.is_empty() && !headers.contains_key(header::CONNECTION) {
+            added_connection = Some(value);
+        } else {
+            headers.append(header::CONNECTION, HeaderValue::from_static(value));
+        }
+    };
     // hyper's `enforce_version`.
     if meta.version == Version::HTTP_10 {
         let outgoing_keep_alive = parts
@@ -478,11 +499,7 @@ fn encode_head(
         if !outgoing_keep_alive {
             match parts.version {
                 Version::HTTP_10 => keep_alive = false,
-                Version::HTTP_11 if keep_alive => {
-                    parts
-                        .headers
-                        .append(header::CONNECTION, HeaderValue::from_static("keep-alive"));
-                }
+                Version::HTTP_11 if keep_alive => add_connection(&mut parts.headers, "keep-alive"),
                 _ => {}
             }
         }
@@ -494,9 +511,7 @@ fn encode_head(
             .iter()
             .any(|v| has_token(v.as_bytes(), b"close"))
     {
-        parts
-            .headers
-            .append(header::CONNECTION, HeaderValue::from_static("close"));
+        add_connection(&mut parts.headers, "close");
     }
     if status.is_informational() {
         // hyper refuses to send one as a response: a bare 500, and the end.
@@ -656,6 +671,17 @@ fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     close_line(out, &mut open, chunked_missing);
+    out.extend_from_slice(extra);
+    if let Some(value) = added_connection {
+        // As the loop writes it, last in the map.
+        out.extend_from_slice(b"connection: ");
+        out.extend_from_slice(value.as_bytes());
+        open = Some(header::CONNECTION);
+        close_line(out, &mut open, chunked_missing);
+        if value == "close" {
+            last = true;
+        }
+    }
     if !wrote_len {
         framing = match body {
             Some(None) => {

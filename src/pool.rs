@@ -83,27 +83,39 @@ impl Pool {
         }
     }
 
-    /// Send `req` (origin-form URI, `Host` set) on a kept connection, or a new one.
-    pub async fn send(self: &Arc<Self>, req: Request<Body>) -> Result<Answer, SendError> {
+    /// Send `req` (origin-form URI, `Host` set; `fwd` after its fields) on a kept
+    /// connection, or a new one.
+    pub async fn send(
+        self: &Arc<Self>,
+        req: Request<Body>,
+        fwd: wire::Forwarded<'_>,
+    ) -> Result<Answer, SendError> {
         let (mut parts, body) = req.into_parts();
-        let (head, framing) = wire::request_head(&mut parts, &body);
+        let (head, framing) = wire::request_head(&mut parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
         let trailers = match framing {
             Framing::Chunked => wire::announced_trailers(&parts.headers),
             _ => Vec::new(),
         };
         let mut body = Some(body);
+        // Taken by each attempt; given back by one that may be repeated.
+        let mut head = head;
+        // Its fields are on the wire: the map takes the answer's.
+        let mut map = Some(std::mem::take(&mut parts.headers));
         loop {
             let (mut conn, kept) = match self.checkout() {
                 Some(conn) => (conn, true),
                 None => self.connect_or_wait().await?,
             };
+            if let Some(map) = map.take() {
+                conn.keep_map(map);
+            }
             let sent = body
                 .take()
                 .unwrap_or_else(|| crate::answer::full(Bytes::new()));
             let exchange = wire::exchange(
                 &mut conn,
-                head.clone(),
+                head,
                 sent,
                 framing,
                 trailers.clone(),
@@ -119,14 +131,20 @@ impl Pool {
                         decoder: head.body,
                         reusable: head.reusable,
                         upload: head.upload,
+                        hop_by_hop: head.hop_by_hop,
                         pool: self.clone(),
                     };
                     return Ok(Answer::Response(Response::from_parts(head.parts, body)));
                 }
                 // Closed before anything came back (the upstream's keep-alive ran
                 // out as the request went): another connection may take it.
-                Err(f) if kept && repeatable && f.nothing_back => {
-                    tracing::debug!(error = %f.error, "kept upstream connection closed; sending again");
+                Err(wire::Failed {
+                    error,
+                    nothing_back: true,
+                    head: Some(again),
+                }) if kept && repeatable => {
+                    tracing::debug!(error = %error, "kept upstream connection closed; sending again");
+                    head = again;
                 }
                 Err(f) => return Err(SendError::Send(f.error)),
             }
@@ -227,12 +245,19 @@ pub struct Pooled {
     conn: Option<Conn>,
     decoder: Decoder,
     reusable: bool,
+    /// The head has a hop-by-hop field.
+    hop_by_hop: bool,
     /// The request body still going up (the upstream answered before its end).
     upload: Option<Upload>,
     pool: Arc<Pool>,
 }
 
 impl Pooled {
+    /// Whether the answer's head has a hop-by-hop field.
+    pub fn hop_by_hop(&self) -> bool {
+        self.hop_by_hop
+    }
+
     fn release(&mut self) {
         if let Some(conn) = self.conn.take() {
             // Bytes after the end of the answer: nothing asked for them. An upload
@@ -353,7 +378,8 @@ mod tests {
                 .header("host", addr.to_string())
                 .body(crate::answer::full(Bytes::new()))
                 .unwrap();
-            let Ok(Answer::Response(resp)) = pool.send(req).await else {
+            let Ok(Answer::Response(resp)) = pool.send(req, wire::Forwarded::default()).await
+            else {
                 panic!("no answer");
             };
             let body = resp.into_body().collect().await.unwrap();

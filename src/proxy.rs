@@ -24,7 +24,7 @@ use rustls_pki_types::CertificateDer;
 
 use crate::answer::{Body, BoxError};
 use crate::pool::{Answer, Pool, SendError};
-use crate::wire::{Conn, Connector, NoFreeConnection};
+use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, XFF, XFH, XFP};
 
 /// A kept upstream connection idle longer than this is closed.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -406,12 +406,14 @@ impl Upstream {
     /// from its last progress. A slow but steady upload is no upstream timeout; an
     /// upstream that stops taking the body is; a client that stops sending it is the
     /// client's (`request_body_timeout`).
+    ///
+    /// (`sent` is pinned by the caller: a future taken by value and pinned here
+    /// would be kept twice in this one's state, and copied on every call.)
     async fn answer<F: std::future::Future>(
         &self,
-        sent: F,
+        mut sent: Pin<&mut F>,
         sending: Option<tokio::sync::watch::Receiver<bool>>,
     ) -> Result<F::Output, tokio::time::error::Elapsed> {
-        let mut sent = std::pin::pin!(sent);
         if let Some(mut sending) = sending {
             loop {
                 tokio::select! {
@@ -491,10 +493,10 @@ impl Upstream {
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
             parts.headers.insert(header::UPGRADE, proto);
         }
-        set_forwarded(&mut parts.headers, origin, host.as_ref());
-        match host {
+        let fwd = forwarded(&mut parts.headers, origin, host.as_ref());
+        match &host {
             Some(h) => {
-                parts.headers.insert(header::HOST, h);
+                parts.headers.insert(header::HOST, h.clone());
             }
             None => {
                 if let Ok(h) = HeaderValue::from_str(target.authority.as_str()) {
@@ -520,7 +522,7 @@ impl Upstream {
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
-        let sent = target.pool.send(Request::from_parts(parts, body));
+        let sent = std::pin::pin!(target.pool.send(Request::from_parts(parts, body), fwd));
         let resp = match self.answer(sent, sending).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
@@ -540,7 +542,10 @@ impl Upstream {
             }
         };
         let (mut parts, body) = resp.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
+        // (Known from reading the head: most answers have none.)
+        if body.hop_by_hop() {
+            strip_hop_by_hop(&mut parts.headers);
+        }
         Ok(Response::from_parts(parts, body.boxed()))
     }
 }
@@ -674,7 +679,7 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Active<T> {
 }
 
 fn wants_upgrade(h: &HeaderMap) -> bool {
-    h.contains_key(header::UPGRADE)
+    any_of(h, std::slice::from_ref(&header::UPGRADE))
         && h.get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
@@ -715,7 +720,7 @@ static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 /// The hop-by-hop headers of RFC 9110 §7.6.1, and every header `Connection` names.
 /// (`Trailer` is not one: it announces the trailers, which HTTP/1.1 needs to
 /// send them on.)
-const HOP_BY_HOP: [HeaderName; 7] = [
+pub(crate) const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
@@ -812,9 +817,6 @@ fn names_fields(h: &HeaderMap) -> bool {
     })
 }
 
-static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
-static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 const UNTRUSTED_CLAIMS: [HeaderName; 2] = [header::FORWARDED, HeaderName::from_static("x-real-ip")];
 
@@ -830,20 +832,7 @@ fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>)
     if !any_of(h, std::slice::from_ref(&XFF)) {
         h.insert(XFF.clone(), peer.clone());
     } else {
-        let prior: Vec<&str> = h
-            .get_all(&XFF)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .collect();
-        let peer = peer.to_str().unwrap_or_default();
-        let xff = if prior.is_empty() {
-            peer.to_string()
-        } else {
-            format!("{}, {peer}", prior.join(", "))
-        };
-        if let Ok(v) = HeaderValue::from_str(&xff) {
-            h.insert(XFF.clone(), v);
-        }
+        append_peer(h, peer);
     }
     if !(origin.trusted && h.contains_key(&XFP)) {
         h.insert(XFP.clone(), HeaderValue::from_static(origin.proto));
@@ -853,6 +842,74 @@ fn set_forwarded(h: &mut HeaderMap, origin: &Origin, host: Option<&HeaderValue>)
             h.insert(XFH.clone(), host.clone());
         }
     }
+}
+
+/// The `X-Forwarded-For` the request has, with the peer appended (one field).
+fn append_peer(h: &mut HeaderMap, peer: &HeaderValue) {
+    let prior: Vec<&str> = h
+        .get_all(&XFF)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let peer = peer.to_str().unwrap_or_default();
+    let xff = if prior.is_empty() {
+        peer.to_string()
+    } else {
+        format!("{}, {peer}", prior.join(", "))
+    };
+    if let Ok(v) = HeaderValue::from_str(&xff) {
+        h.insert(XFF.clone(), v);
+    }
+}
+
+/// `set_forwarded`, with the fields the map does not have left out of it and
+/// returned, to follow its fields on the wire (`wire::Forwarded`) as if appended
+/// to it: one pass over its names, no insert (and no hashing) for them. Only when
+/// that is where they would stand: the map has `Host` (replaced where it stands
+/// after this) and no claim to remove (removing reorders the map); else all go in
+/// the map, as `set_forwarded` puts them.
+fn forwarded<'a>(
+    h: &mut HeaderMap,
+    origin: &Origin<'a>,
+    host: Option<&'a HeaderValue>,
+) -> Forwarded<'a> {
+    let (mut has_host, mut claims, mut xff, mut xfp, mut xfh) = (false, false, false, false, false);
+    for k in h.keys() {
+        match *k {
+            header::HOST => has_host = true,
+            header::FORWARDED => claims = true,
+            _ if *k == XFF => xff = true,
+            _ if *k == XFP => xfp = true,
+            _ if *k == XFH => xfh = true,
+            _ if *k == X_REAL_IP => claims = true,
+            _ => {}
+        }
+    }
+    if !has_host || (claims && !origin.trusted) {
+        set_forwarded(h, origin, host);
+        return Forwarded::default();
+    }
+    let mut fwd = Forwarded::default();
+    if xff {
+        append_peer(h, origin.peer_forwarded_for);
+    } else {
+        fwd.for_ = Some(origin.peer_forwarded_for);
+    }
+    if !(origin.trusted && xfp) {
+        if xfp {
+            h.insert(XFP.clone(), HeaderValue::from_static(origin.proto));
+        } else {
+            fwd.proto = Some(origin.proto);
+        }
+    }
+    if let (false, Some(host)) = (origin.trusted && xfh, host) {
+        if xfh {
+            h.insert(XFH.clone(), host.clone());
+        } else {
+            fwd.host = Some(host);
+        }
+    }
+    fwd
 }
 
 #[cfg(test)]

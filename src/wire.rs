@@ -121,6 +121,85 @@ pub struct Conn {
     io: Stream,
     buf: BytesMut,
     _slot: OwnedSemaphorePermit,
+    /// Kept from one response head to the next (boxed: a connection moves in and
+    /// out of the pool on every request).
+    kept: Box<Kept>,
+}
+
+/// A field value as httparse parsed it (with its default configuration), not
+/// checked byte by byte again where that cannot find anything.
+pub(crate) fn parsed_value(value: Bytes) -> Result<HeaderValue, header::InvalidHeaderValue> {
+    if value.is_ascii() {
+        // SAFETY: httparse takes into a value only `\t`, ` `..=`~` and
+        // 0x80..=0xFF, exactly the bytes a `HeaderValue` may hold; this one is ASCII,
+        // so valid UTF-8 too (what the function asks for).
+        Ok(unsafe { HeaderValue::from_maybe_shared_unchecked(value) })
+    } else {
+        HeaderValue::from_maybe_shared(value)
+    }
+}
+
+/// What a connection keeps from one response head to the next: the field names of
+/// the last (`Names`), room for where the fields are, and an emptied header map
+/// (the request's, `Conn::keep_map`) to fill with the next.
+#[derive(Default)]
+pub(crate) struct Kept {
+    names: Names,
+    spans: Vec<[usize; 4]>,
+    map: Option<HeaderMap>,
+}
+
+/// The field names of the last head read on a connection, as sent and parsed: a
+/// peer sends the same ones, in the same order, head after head, and a name sent
+/// as before is not parsed again. (The first `NAMES_KEPT` of them, up to
+/// `NAMES_BYTES` in all.)
+#[derive(Default)]
+pub(crate) struct Names {
+    raw: Vec<u8>,
+    at: Vec<(usize, usize)>,
+    /// Each name, and whether it is hop-by-hop (`proxy::HOP_BY_HOP`).
+    parsed: Vec<(HeaderName, bool)>,
+}
+
+const NAMES_KEPT: usize = 32;
+const NAMES_BYTES: usize = 1024;
+
+impl Names {
+    /// The `i`th field name of a head, sent as `raw` (the names before it were
+    /// asked for first).
+    pub(crate) fn name(
+        &mut self,
+        i: usize,
+        raw: &[u8],
+    ) -> Result<HeaderName, header::InvalidHeaderName> {
+        self.name_hop(i, raw).map(|(name, _)| name)
+    }
+
+    /// `name`, and whether it is a hop-by-hop one.
+    fn name_hop(
+        &mut self,
+        i: usize,
+        raw: &[u8],
+    ) -> Result<(HeaderName, bool), header::InvalidHeaderName> {
+        if let Some(&(a, b)) = self.at.get(i) {
+            if self.raw[a..b] == *raw {
+                return Ok(self.parsed[i].clone());
+            }
+            // Another name here: the ones from here on are this head's.
+            self.raw.truncate(a);
+            self.at.truncate(i);
+            self.parsed.truncate(i);
+        }
+        let name = HeaderName::from_bytes(raw)?;
+        let hop = crate::proxy::HOP_BY_HOP.contains(&name);
+        if i == self.at.len() && i < NAMES_KEPT && self.raw.len() + raw.len() <= NAMES_BYTES {
+            let a = self.raw.len();
+            self.raw.extend_from_slice(raw);
+            self.at.push((a, self.raw.len()));
+            self.parsed.push((name.clone(), hop));
+        }
+        Ok((name, hop))
+    }
 }
 
 impl Conn {
@@ -146,6 +225,13 @@ impl Conn {
             std::pin::pin!(tokio::task::unconstrained(check)).poll(&mut cx),
             Poll::Ready(true)
         )
+    }
+
+    /// The map of a request sent on this connection, emptied: its answer's fields
+    /// go in it.
+    pub fn keep_map(&mut self, mut map: HeaderMap) {
+        map.clear();
+        self.kept.map = Some(map);
     }
 
     /// Whether bytes the upstream sent are waiting unread.
@@ -263,6 +349,7 @@ impl Connector {
             io,
             buf: BytesMut::with_capacity(READ_SIZE / 2),
             _slot: slot,
+            kept: Box::default(),
         })
     }
 
@@ -326,17 +413,79 @@ pub enum Framing {
     Chunked,
 }
 
+/// `X-Forwarded-*` fields a request gets that its map does not have: written after
+/// the map's fields, as if appended to it in this order, with no map insert (see
+/// `proxy::set_forwarded`).
+#[derive(Default)]
+pub struct Forwarded<'a> {
+    pub for_: Option<&'a HeaderValue>,
+    pub proto: Option<&'static str>,
+    pub host: Option<&'a HeaderValue>,
+}
+
+impl Forwarded<'_> {
+    fn is_empty(&self) -> bool {
+        self.for_.is_none() && self.proto.is_none() && self.host.is_none()
+    }
+
+    /// Into the map after all: something is appended after them.
+    fn put_in_map(&mut self, h: &mut HeaderMap) {
+        if let Some(v) = self.for_.take() {
+            h.insert(XFF.clone(), v.clone());
+        }
+        if let Some(p) = self.proto.take() {
+            h.insert(XFP.clone(), HeaderValue::from_static(p));
+        }
+        if let Some(v) = self.host.take() {
+            h.insert(XFH.clone(), v.clone());
+        }
+    }
+
+    fn len(&self) -> usize {
+        let line = |name: &HeaderName, v: Option<&[u8]>| {
+            v.map_or(0, |v| name.as_str().len() + v.len() + 4)
+        };
+        line(&XFF, self.for_.map(HeaderValue::as_bytes))
+            + line(&XFP, self.proto.map(str::as_bytes))
+            + line(&XFH, self.host.map(HeaderValue::as_bytes))
+    }
+
+    fn write(&self, out: &mut BytesMut) {
+        let mut line = |name: &HeaderName, v: Option<&[u8]>| {
+            if let Some(v) = v {
+                out.extend_from_slice(name.as_str().as_bytes());
+                out.extend_from_slice(b": ");
+                out.extend_from_slice(v);
+                out.extend_from_slice(b"\r\n");
+            }
+        };
+        line(&XFF, self.for_.map(HeaderValue::as_bytes));
+        line(&XFP, self.proto.map(str::as_bytes));
+        line(&XFH, self.host.map(HeaderValue::as_bytes));
+    }
+}
+
+pub(crate) static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub(crate) static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub(crate) static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+
 /// The request head on the wire (origin-form target, fields as they are), and how
 /// its body follows. As hyper's client: a body that is already over is not sent
 /// (any `Content-Length` the request has stays as it is); a `Content-Length`
 /// the request has, or a length the body knows, delimits it; an unknown length is
 /// chunked, except on GET, HEAD and CONNECT, which then send none.
-pub fn request_head(parts: &mut http::request::Parts, body: &Body) -> (Bytes, Framing) {
+/// `fwd` follows the map's fields.
+pub fn request_head(
+    parts: &mut http::request::Parts,
+    body: &Body,
+    mut fwd: Forwarded<'_>,
+) -> (Bytes, Framing) {
     let framing = if body.is_end_stream() {
         Framing::Empty
     } else if let Some(n) = content_length(&parts.headers) {
         Framing::Length(n)
     } else if let Some(n) = body.size_hint().exact() {
+        fwd.put_in_map(&mut parts.headers);
         parts
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
@@ -344,6 +493,7 @@ pub fn request_head(parts: &mut http::request::Parts, body: &Body) -> (Bytes, Fr
     } else if matches!(parts.method, Method::GET | Method::HEAD | Method::CONNECT) {
         Framing::Empty
     } else {
+        fwd.put_in_map(&mut parts.headers);
         parts.headers.remove(header::CONTENT_LENGTH);
         parts.headers.insert(
             header::TRANSFER_ENCODING,
@@ -357,12 +507,16 @@ pub fn request_head(parts: &mut http::request::Parts, body: &Body) -> (Bytes, Fr
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len() + 4)
         .sum();
+    let fields = fields + if fwd.is_empty() { 0 } else { fwd.len() };
     let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 14);
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.extend_from_slice(b" ");
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     write_fields(&mut out, &parts.headers);
+    if !fwd.is_empty() {
+        fwd.write(&mut out);
+    }
     out.extend_from_slice(b"\r\n");
     (out.freeze(), framing)
 }
@@ -412,7 +566,10 @@ fn decimal(b: &[u8]) -> Option<u64> {
 
 /// Writes the head, then the body in its framing; ends flushed.
 pub struct Upload {
+    /// What to write before the next frame: `pending[at..]` (the head stays whole
+    /// as it is written, for `Failed::head`).
     pending: Bytes,
+    at: usize,
     body: Option<Body>,
     framing: Framing,
     sent: u64,
@@ -470,13 +627,13 @@ impl Upload {
     ) -> Poll<Result<(), UploadError>> {
         let io = &mut conn.io;
         loop {
-            while !self.pending.is_empty() {
-                let n = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending))
+            while self.at < self.pending.len() {
+                let n = ready!(Pin::new(&mut *io).poll_write(cx, &self.pending[self.at..]))
                     .map_err(UploadError::Write)?;
                 if n == 0 {
                     return Poll::Ready(Err(UploadError::Write(io::ErrorKind::WriteZero.into())));
                 }
-                self.pending.advance(n);
+                self.at += n;
             }
             // What is written goes out before the next frame is waited for (as
             // hyper's client): TLS keeps what the socket did not take, and a client
@@ -491,7 +648,10 @@ impl Upload {
                 None => {
                     self.body = None;
                     match self.framing {
-                        Framing::Chunked => self.pending = Bytes::from_static(b"0\r\n\r\n"),
+                        Framing::Chunked => {
+                            self.pending = Bytes::from_static(b"0\r\n\r\n");
+                            self.at = 0;
+                        }
                         Framing::Length(n) if n != self.sent => {
                             return Poll::Ready(Err(UploadError::Body(
                                 WireError::BodyLength.into(),
@@ -505,6 +665,7 @@ impl Upload {
                     Ok(data) if data.is_empty() => {}
                     Ok(data) => {
                         self.sent += data.len() as u64;
+                        self.at = 0;
                         self.pending = match self.framing {
                             Framing::Chunked => {
                                 let mut c = BytesMut::with_capacity(data.len() + 20);
@@ -539,6 +700,7 @@ impl Upload {
                             write_fields(&mut c, &trailers);
                             c.extend_from_slice(b"\r\n");
                             self.pending = c.freeze();
+                            self.at = 0;
                             self.body = None;
                         }
                     }
@@ -561,6 +723,8 @@ pub struct Head {
     /// The rest of the request body, when the answer came before it was all sent:
     /// it goes on while the response body is read, as hyper's client does.
     pub upload: Option<Upload>,
+    /// The fields have a hop-by-hop one (`proxy::strip_hop_by_hop` has work).
+    pub hop_by_hop: bool,
 }
 
 /// Why an exchange failed, and whether the upstream sent anything back.
@@ -569,6 +733,8 @@ pub struct Failed {
     /// No byte of an answer arrived: on a kept connection, a request that is safe
     /// to repeat may go on another.
     pub nothing_back: bool,
+    /// Then the head of a request without a body, whole, to send again.
+    pub head: Option<Bytes>,
 }
 
 /// Sends a request (its head as `request_head` made it) and reads the response
@@ -584,27 +750,38 @@ pub async fn exchange(
 ) -> Result<Head, Failed> {
     let mut upload = Some(Upload {
         pending: head,
+        at: 0,
         body: (framing != Framing::Empty).then_some(body),
         framing,
         sent: 0,
         trailers,
     });
+    // The upload is kept once over (its head may be sent again): whether it goes on.
+    let mut sending = true;
     let mut write_failed = None;
     let mut received = false;
+    // Nothing came back: the head of a request without a body, to send again.
+    let again = |upload: &mut Option<Upload>, received: bool| {
+        let up = upload
+            .take()
+            .filter(|_| !received && framing == Framing::Empty);
+        up.map(|up| up.pending)
+    };
     std::future::poll_fn(|cx| {
-        if let Some(up) = upload.as_mut() {
+        if let (true, Some(up)) = (sending, upload.as_mut()) {
             match up.poll_send(conn, cx) {
                 Poll::Pending => {}
-                Poll::Ready(Ok(())) => upload = None,
+                Poll::Ready(Ok(())) => sending = false,
                 Poll::Ready(Err(UploadError::Body(e))) => {
                     return Poll::Ready(Err(Failed {
                         error: e,
                         nothing_back: false,
+                        head: None,
                     }))
                 }
                 // The upstream may have answered before it closed: read on.
                 Poll::Ready(Err(UploadError::Write(e))) => {
-                    upload = None;
+                    sending = false;
                     write_failed = Some(e);
                 }
             }
@@ -612,18 +789,19 @@ pub async fn exchange(
         loop {
             if !conn.buf.is_empty() {
                 received = true;
-                match parse_head(&mut conn.buf, method) {
+                match parse_head(&mut conn.buf, method, &mut conn.kept) {
                     Err(e) => {
                         return Poll::Ready(Err(Failed {
                             error: e.into(),
                             nothing_back: false,
+                            head: None,
                         }))
                     }
                     Ok(Some(mut head)) => {
                         if write_failed.is_some() {
                             head.reusable = false;
                         }
-                        if head.parts.status != StatusCode::SWITCHING_PROTOCOLS {
+                        if sending && head.parts.status != StatusCode::SWITCHING_PROTOCOLS {
                             head.upload = upload.take();
                         }
                         return Poll::Ready(Ok(head));
@@ -643,6 +821,7 @@ pub async fn exchange(
                     return Poll::Ready(Err(Failed {
                         error,
                         nothing_back: !received,
+                        head: again(&mut upload, received),
                     }));
                 }
                 Poll::Ready(Ok(_)) => {}
@@ -650,6 +829,7 @@ pub async fn exchange(
                     return Poll::Ready(Err(Failed {
                         error: e.into(),
                         nothing_back: !received,
+                        head: again(&mut upload, received),
                     }))
                 }
             }
@@ -661,13 +841,17 @@ pub async fn exchange(
 /// The final (not informational) head at the front of `buf`, taken out of it with
 /// the informational (1xx) heads before it: `Ok(None)` when more bytes are needed
 /// (a partial head is left where it is).
-fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireError> {
+fn parse_head(
+    buf: &mut BytesMut,
+    method: &Method,
+    kept: &mut Kept,
+) -> Result<Option<Head>, WireError> {
     loop {
         if buf.is_empty() {
             return Ok(None);
         }
         let before = buf.len();
-        if let Some(head) = parse_one_head(buf, method)? {
+        if let Some(head) = parse_one_head(buf, method, kept)? {
             return Ok(Some(head));
         }
         // Partial: nothing was taken. Otherwise an informational head was.
@@ -679,7 +863,11 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireE
 
 /// One head at the front of `buf`, taken out of it unless partial: `Ok(None)` for
 /// an informational answer, or a partial head (left where it is).
-fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, WireError> {
+fn parse_one_head(
+    buf: &mut BytesMut,
+    method: &Method,
+    kept: &mut Kept,
+) -> Result<Option<Head>, WireError> {
     let mut fields =
         [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
     let mut res = httparse::Response::new(&mut []);
@@ -714,39 +902,52 @@ fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, W
         .map(|r| Bytes::copy_from_slice(r.as_bytes()));
     // Offsets of each name and value in the head, to share its bytes.
     let base = buf.as_ptr() as usize;
-    let spans: Vec<(usize, usize, usize, usize)> = res
-        .headers
-        .iter()
-        .map(|h| {
-            let n = h.name.as_ptr() as usize - base;
-            let v = h.value.as_ptr() as usize - base;
-            (n, n + h.name.len(), v, v + h.value.len())
-        })
-        .collect();
+    let spans = &mut kept.spans;
+    spans.clear();
+    spans.extend(res.headers.iter().map(|h| {
+        let n = h.name.as_ptr() as usize - base;
+        let v = h.value.as_ptr() as usize - base;
+        [n, n + h.name.len(), v, v + h.value.len()]
+    }));
     let head = buf.split_to(len).freeze();
     if (100..200).contains(&code) && code != 101 {
         return Ok(None);
     }
 
-    // Room for the rate-limit fields added to most answers.
-    let mut headers = HeaderMap::with_capacity(spans.len() + 3);
+    let mut headers = kept.map.take().unwrap_or_default();
+    headers.reserve(spans.len());
     let mut keep_alive = version == Version::HTTP_11;
     let mut close = false;
-    for (n0, n1, v0, v1) in spans {
-        let name = HeaderName::from_bytes(&head[n0..n1])
+    let mut hop_by_hop = false;
+    let last = spans.len().wrapping_sub(1);
+    for (i, &[n0, n1, v0, v1]) in spans.iter().enumerate() {
+        let (name, hop) = kept
+            .names
+            .name_hop(i, &head[n0..n1])
             .map_err(|_| WireError::Malformed("field name"))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(v0..v1))
-            .map_err(|_| WireError::Malformed("field value"))?;
+        let value =
+            parsed_value(head.slice(v0..v1)).map_err(|_| WireError::Malformed("field value"))?;
         if name == header::CONNECTION {
+            let mut others = false;
             for t in value.as_bytes().split(|&b| b == b',') {
                 let t = t.trim_ascii();
                 if t.eq_ignore_ascii_case(b"close") {
                     close = true;
+                    others = true;
                 } else if t.eq_ignore_ascii_case(b"keep-alive") {
                     keep_alive = true;
+                } else if !t.is_empty() {
+                    others = true;
                 }
             }
+            // The last field, the first `Connection`, naming no field: all the
+            // forwarding does with it is take it out again (the last: nothing moves
+            // into its place), so it is not put in.
+            if i == last && !others && code != 101 && !headers.contains_key(header::CONNECTION) {
+                continue;
+            }
         }
+        hop_by_hop |= hop;
         headers.append(name, value);
     }
     let mut resp = http::Response::new(());
@@ -766,6 +967,7 @@ fn parse_one_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, W
         body,
         reusable,
         upload: None,
+        hop_by_hop,
     }))
 }
 
@@ -978,8 +1180,62 @@ fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> 
 mod tests {
     use super::*;
 
+    #[test]
+    fn every_value_httparse_takes_is_a_valid_header_value() {
+        for b in 0..=255u8 {
+            let mut head = b"HTTP/1.1 200 OK\r\nx-v: a".to_vec();
+            head.push(b);
+            head.extend_from_slice(b"b\r\ncontent-length: 0\r\n\r\n");
+            let got = parse_head(
+                &mut BytesMut::from(&head[..]),
+                &Method::GET,
+                &mut Kept::default(),
+            );
+            let valid = HeaderValue::from_bytes(&[b'a', b, b'b']).is_ok();
+            match got {
+                Ok(Some(h)) => {
+                    assert!(valid, "{b:#x}");
+                    assert_eq!(h.parts.headers["x-v"].as_bytes(), [b'a', b, b'b']);
+                }
+                _ => assert!(!valid || b == b'\r' || b == b'\n', "{b:#x}"),
+            }
+        }
+    }
+
+    #[test]
+    fn kept_names_are_what_parsing_gives() {
+        let mut names = Names::default();
+        let long = "x".repeat(600);
+        let heads: [&[&str]; 6] = [
+            &["Server", "Content-Type", "X-Custom", "content-length"],
+            &["Server", "Content-Type", "X-Custom", "content-length"],
+            &["server", "CONTENT-TYPE", "X-Other"],
+            &[
+                "server",
+                "Content-Type",
+                "x-other",
+                "Date",
+                "Bad Name",
+                "date",
+            ],
+            &[&long, &long, "Set-Cookie", &long],
+            &[&long, &long, "Set-Cookie", &long, "Server"],
+        ];
+        for head in heads {
+            for (i, raw) in head.iter().enumerate() {
+                let got = names.name(i, raw.as_bytes());
+                let parsed = HeaderName::from_bytes(raw.as_bytes());
+                assert_eq!(got.is_ok(), parsed.is_ok(), "{raw}");
+                if let (Ok(got), Ok(parsed)) = (got, parsed) {
+                    assert_eq!(got, parsed);
+                }
+            }
+            assert!(names.raw.len() <= NAMES_BYTES && names.at.len() <= NAMES_KEPT);
+        }
+    }
+
     fn parse(bytes: &str, method: Method) -> Result<Option<Head>, WireError> {
-        parse_head(&mut BytesMut::from(bytes), &method)
+        parse_head(&mut BytesMut::from(bytes), &method, &mut Kept::default())
     }
 
     #[test]
@@ -1055,14 +1311,20 @@ mod tests {
         let mut buf = BytesMut::from(
             "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
         );
-        let head = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+        let head = parse_head(&mut buf, &Method::POST, &mut Kept::default())
+            .unwrap()
+            .unwrap();
         assert_eq!(head.parts.status, 200);
         assert!(buf.is_empty());
         let mut buf = BytesMut::from("HTTP/1.1 200 OK\r\ncontent-le");
-        assert!(parse_head(&mut buf, &Method::GET).unwrap().is_none());
+        assert!(parse_head(&mut buf, &Method::GET, &mut Kept::default())
+            .unwrap()
+            .is_none());
         assert_eq!(buf.len(), 27, "a partial head is left where it is");
         let mut buf = BytesMut::from("HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 200 OK\r\n");
-        assert!(parse_head(&mut buf, &Method::GET).unwrap().is_none());
+        assert!(parse_head(&mut buf, &Method::GET, &mut Kept::default())
+            .unwrap()
+            .is_none());
         assert_eq!(
             &buf[..],
             b"HTTP/1.1 200 OK\r\n",
@@ -1178,6 +1440,7 @@ mod tests {
             io: Stream::Tls(Box::new(tls)),
             buf: BytesMut::new(),
             _slot: slot,
+            kept: Box::default(),
         };
         // One part of the body, then the client waits (for the answer, say).
         let body = {
@@ -1221,6 +1484,7 @@ mod tests {
             io: Stream::Plain(tcp),
             buf: BytesMut::new(),
             _slot: slot,
+            kept: Box::default(),
         };
         let usable = std::future::poll_fn(|cx| {
             // Spend the budget, as a task that did much I/O in one poll has.
@@ -1241,7 +1505,7 @@ mod tests {
                 req = req.header(*k, *v);
             }
             let (mut parts, ()) = req.body(()).unwrap().into_parts();
-            let (head, f) = request_head(&mut parts, &body);
+            let (head, f) = request_head(&mut parts, &body, Forwarded::default());
             (String::from_utf8(head.to_vec()).unwrap(), f)
         };
         let empty = || crate::answer::full(Bytes::new());
