@@ -229,11 +229,7 @@ impl RedisStore {
             inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
             return Err(StoreError::Open);
         }
-        let uid = if needs_uid(plan) {
-            inner.uid()
-        } else {
-            String::new()
-        };
+        let uid = inner.uid_for(plan);
         // Built before the call: whatever becomes of the call, the leases it may take
         // are given back (see below).
         let mut leases = plan.has_concurrency().then(|| Leases {
@@ -309,11 +305,7 @@ impl RedisStore {
             return Ok(allowed_empty());
         }
         let tag = self.inner.tag(ns, key);
-        let uid = if needs_uid(plan) {
-            self.inner.uid()
-        } else {
-            String::new()
-        };
+        let uid = self.inner.uid_for(plan);
         let reply = self
             .inner
             .run(&[&Part::new(&tag, plan, &uid)], Some(now_us))
@@ -418,6 +410,15 @@ impl Inner {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
             Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// The request's id if a limit of `plan` needs one (`needs_uid`), else empty.
+    fn uid_for(&self, plan: &Plan) -> String {
+        if needs_uid(plan) {
+            self.uid()
+        } else {
+            String::new()
         }
     }
 
