@@ -144,10 +144,11 @@ pub struct KeySpec {
     pub parts: Vec<KeyPart>,
 }
 
-/// The key a request is counted against, as the client sent it.
+/// The key a request is counted against, as the client sent it (borrowed from the
+/// request where it can be: a single header or cookie, no allocation).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClientKey {
-    pub value: String,
+pub struct ClientKey<'a> {
+    pub value: Cow<'a, str>,
     /// For a composite key, each part's value, so that a denied key is denied inside
     /// a list too; empty for a single-part key.
     pub parts: Vec<String>,
@@ -156,8 +157,8 @@ pub struct ClientKey {
 /// Keys longer than this are hashed before they are stored.
 pub const MAX_STORED_KEY: usize = 256;
 
-impl ClientKey {
-    pub fn new(value: impl Into<String>) -> ClientKey {
+impl<'a> ClientKey<'a> {
+    pub fn new(value: impl Into<Cow<'a, str>>) -> ClientKey<'a> {
         ClientKey {
             value: value.into(),
             parts: Vec::new(),
@@ -166,14 +167,14 @@ impl ClientKey {
 
     /// The whole key, and each part of a composite one.
     pub fn values(&self) -> impl Iterator<Item = &str> {
-        std::iter::once(self.value.as_str()).chain(self.parts.iter().map(String::as_str))
+        std::iter::once(self.value.as_ref()).chain(self.parts.iter().map(String::as_str))
     }
 
     /// The key as stored: itself, or `#` and its SHA-1 when it is long or holds
     /// characters that would break a Redis hash tag (`{`, `}`) or start with `#`
     /// (so a raw key can never equal a hashed one).
     pub fn stored(&self) -> Cow<'_, str> {
-        let k = &self.value;
+        let k: &str = &self.value;
         if k.len() > MAX_STORED_KEY || k.starts_with('#') || k.contains(['{', '}']) {
             Cow::Owned(format!("#{}", sha1_smol::Sha1::from(k.as_bytes()).digest()))
         } else {
@@ -184,11 +185,9 @@ impl ClientKey {
 
 impl KeySpec {
     /// The request's key, or the part that is missing.
-    pub fn extract(&self, req: &Parts, ip: IpAddr) -> Result<ClientKey, &KeyPart> {
+    pub fn extract<'a>(&'a self, req: &'a Parts, ip: IpAddr) -> Result<ClientKey<'a>, &'a KeyPart> {
         if let [one] = self.parts.as_slice() {
-            return part_value(one, req, ip)
-                .map(|v| ClientKey::new(v.into_owned()))
-                .ok_or(one);
+            return part_value(one, req, ip).map(ClientKey::new).ok_or(one);
         }
         let mut key = String::new();
         let mut parts = Vec::with_capacity(self.parts.len());
@@ -206,7 +205,10 @@ impl KeySpec {
             }
             parts.push(v.into_owned());
         }
-        Ok(ClientKey { value: key, parts })
+        Ok(ClientKey {
+            value: Cow::Owned(key),
+            parts,
+        })
     }
 }
 
@@ -489,7 +491,7 @@ mod tests {
         let key = |spec_: &[&str], uri: &str, headers: &[(&str, &str)]| {
             spec(spec_)
                 .extract(&parts(uri, headers), a)
-                .map(|k| k.value)
+                .map(|k| k.value.into_owned())
                 .map_err(|p| p.describe())
         };
         // Cookie values are read with their escapes decoded, as PHP and Express do.

@@ -254,7 +254,7 @@ pub fn key(data: &[u8]) {
     };
     assert!(!key.value.is_empty());
     let values: Vec<&str> = match spec.parts.len() {
-        1 => vec![key.value.as_str()],
+        1 => vec![key.value.as_ref()],
         _ => key.parts.iter().map(String::as_str).collect(),
     };
     assert_eq!(values.len(), spec.parts.len());

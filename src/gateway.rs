@@ -286,8 +286,8 @@ fn deny_ip<'a>(ctx: &Ctx<'a>) -> Result<(), Refusal<'a>> {
 fn client_key<'a, 'r>(
     ctx: &Ctx<'a>,
     route: &'r Route,
-    parts: &http::request::Parts,
-) -> Result<(&'r str, ClientKey), Refusal<'a>> {
+    parts: &'r http::request::Parts,
+) -> Result<(&'r str, ClientKey<'r>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
     let denied = || Refusal::Denied(rt.deny.status);
     // Every value of every key part, before any fallback: a denied key sent twice
@@ -316,7 +316,7 @@ async fn limits<'a>(
     ctx: &Ctx<'a>,
     route: &'a Route,
     ns: &str,
-    key: &ClientKey,
+    key: &ClientKey<'_>,
     tally: &mut Tally,
 ) -> Result<Option<(&'a Tier, Verdict)>, Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
@@ -471,7 +471,7 @@ fn strike(
     ban: &BanRule,
     ns: &str,
     stored: &str,
-    key: &ClientKey,
+    key: &ClientKey<'_>,
     ip: std::net::IpAddr,
 ) {
     if shared.strikes.check(ns, stored, &ban.strikes).allowed {
@@ -480,7 +480,7 @@ fn strike(
     let target = if route.key.is_ip() || ns == route.fallback_ns {
         Target::Ip(ip.into())
     } else {
-        Target::Key(key.value.clone())
+        Target::Key(key.value.to_string())
     };
     let _ = shared.bans.try_send(BanRequest {
         route: route.name.clone(),
