@@ -300,6 +300,16 @@ fn sf_string(s: &str) -> String {
     String::from_utf8(out).expect("UTF-8")
 }
 
+/// Appends the `RateLimit` value `"name";r=7;t=1`.
+fn push_ratelimit(out: &mut Vec<u8>, name: &str, remaining: u64, reset: u64) {
+    let mut n = itoa::Buffer::new();
+    push_sf_string(out, name);
+    out.extend_from_slice(b";r=");
+    out.extend_from_slice(n.format(remaining).as_bytes());
+    out.extend_from_slice(b";t=");
+    out.extend_from_slice(n.format(reset).as_bytes());
+}
+
 /// Appends `s` as a Structured Field string: quoted, `"` and `\\` escaped.
 fn push_sf_string(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
@@ -331,15 +341,10 @@ impl RateHeaders {
             if let Some(p) = policy {
                 headers.insert(RATELIMIT_POLICY.clone(), p.clone());
             }
-            // `"name";r=7;t=1`, in one allocation (the header is on every answer).
+            // In one allocation (the header is on every answer).
             let name = &plan.limits[i].name;
             let mut v = Vec::with_capacity(name.len() + 48);
-            push_sf_string(&mut v, name);
-            let mut n = itoa::Buffer::new();
-            v.extend_from_slice(b";r=");
-            v.extend_from_slice(n.format(o.remaining).as_bytes());
-            v.extend_from_slice(b";t=");
-            v.extend_from_slice(n.format(reset).as_bytes());
+            push_ratelimit(&mut v, name, o.remaining, reset);
             if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(v)) {
                 headers.insert(RATELIMIT.clone(), v);
             }
@@ -409,11 +414,7 @@ impl RateHeaders {
             // Limit names are letters, digits, `_`, `-` and `.` (validated): the
             // value `apply` builds is always a valid one.
             out.extend_from_slice(b"ratelimit: ");
-            push_sf_string(out, &plan.limits[i].name);
-            out.extend_from_slice(b";r=");
-            out.extend_from_slice(n.format(o.remaining).as_bytes());
-            out.extend_from_slice(b";t=");
-            out.extend_from_slice(n.format(reset).as_bytes());
+            push_ratelimit(out, &plan.limits[i].name, o.remaining, reset);
             out.extend_from_slice(b"\r\n");
         }
         if self.x_ratelimit {

@@ -497,10 +497,8 @@ impl Drop for Inner {
 /// `lua/request.lua` reads them, built in one buffer.
 struct Part {
     buf: String,
-    /// Where each key ends in `buf`, then each argument: the keys come first.
+    /// Where each key ends in `buf`, then where its two arguments end.
     ends: Vec<usize>,
-    /// How many keys (limits) the request has.
-    keys: usize,
 }
 
 impl Part {
@@ -530,7 +528,7 @@ impl Part {
         ends.push(buf.len());
         buf.push_str(uid);
         ends.push(buf.len());
-        Part { buf, ends, keys: n }
+        Part { buf, ends }
     }
 
     /// The keys, then the arguments.
@@ -543,9 +541,14 @@ impl Part {
         })
     }
 
+    /// How many keys (limits) the request has.
+    fn keys(&self) -> usize {
+        self.ends.len() - 2
+    }
+
     /// How many integers the script answers for this request.
     fn reply_len(&self) -> usize {
-        REPLY_PER_LIMIT * self.keys
+        REPLY_PER_LIMIT * self.keys()
     }
 }
 
@@ -745,13 +748,13 @@ fn needs_uid(plan: &Plan) -> bool {
 /// (its hash or body), every part's keys, then now (empty: Redis' clock) and every
 /// part's arguments (`lua/request.lua`).
 fn script_call(verb: &str, script: &str, parts: &[&Part], now_us: Option<u64>) -> Cmd {
-    let keys: usize = parts.iter().map(|p| p.keys).sum();
+    let keys: usize = parts.iter().map(|p| p.keys()).sum();
     let args: usize = parts.iter().map(|p| p.ends.len()).sum();
     let bytes: usize = parts.iter().map(|p| p.buf.len()).sum();
     let mut cmd = Cmd::with_capacity(4 + args, verb.len() + script.len() + 30 + bytes);
     cmd.arg(verb).arg(script).arg(keys);
     for p in parts {
-        for key in p.pieces().take(p.keys) {
+        for key in p.pieces().take(p.keys()) {
             cmd.arg(key);
         }
     }
@@ -760,7 +763,7 @@ fn script_call(verb: &str, script: &str, parts: &[&Part], now_us: Option<u64>) -
         None => cmd.arg(""),
     };
     for p in parts {
-        for arg in p.pieces().skip(p.keys) {
+        for arg in p.pieces().skip(p.keys()) {
             cmd.arg(arg);
         }
     }
