@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
+use crate::wake::OnWake;
 use crate::wire::{last_is_chunked, parsed_value, Names, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
@@ -123,19 +124,21 @@ where
     // A response's header map, emptied, holds the next request's fields (as in
     // hyper): no allocation, and room for the forwarding headers.
     let mut fields = HeaderMap::new();
-    let idle = activity.idle(fast.idle_timeout);
+    // The waits beside the socket's are polled again only when woken (`OnWake`),
+    // not every time the connection's task runs.
+    let idle = OnWake::new(activity.idle(fast.idle_timeout));
     tokio::pin!(idle);
     let stopped = {
         let mut stop = stop.clone();
-        async move {
+        OnWake::new(async move {
             let _ = stop.wait_for(|s| *s).await;
-        }
+        })
     };
     tokio::pin!(stopped);
     // One timer for the connection's heads: each head's deadline is a clock
     // reading, and the timer, when it fires, is moved on to the current one.
     let mut deadline = tokio::time::Instant::now() + fast.header_timeout;
-    let timer = tokio::time::sleep_until(deadline);
+    let timer = OnWake::new(tokio::time::sleep_until(deadline));
     tokio::pin!(timer);
     // How much of `buf` is known to hold no end of a head: a head sent in many
     // small pieces is parsed again only once its end may have come (as hyper does),
@@ -170,7 +173,7 @@ where
                         // hyper too closes without an answer.
                         return Ended::Closed(Err("no request head within request_header_timeout".into()));
                     }
-                    timer.as_mut().reset(deadline);
+                    timer.as_mut().inner().reset(deadline);
                 }
                 _ = &mut idle => return Ended::Closed(Ok(())),
                 _ = &mut stopped => return Ended::Closed(Ok(())),

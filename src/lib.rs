@@ -20,4 +20,5 @@ pub mod proxy;
 pub mod request;
 pub mod route;
 pub mod server;
+pub(crate) mod wake;
 pub mod wire;
