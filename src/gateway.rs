@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -23,6 +24,7 @@ use crate::metrics::{Decision, Metrics, RouteMetrics};
 use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
 use crate::request::BadRequest;
 use crate::route::Matcher;
+use crate::wake::Deadline;
 
 // === the compiled configuration ===
 
@@ -140,24 +142,32 @@ pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> R
     process(shared, req, peer, None).await
 }
 
-/// `handle` for the plain-request server: the rate-limit fields the answer gets are
-/// written to `lines` as header lines (`RateHeaders::write_lines`), for the server
-/// to write after the answer's own fields, instead of going into its header map.
-/// (Only when the map has none of them: else they replace those where they stand.)
+/// What the plain-request server lends each of its requests.
+pub(crate) struct PlainConn<'c> {
+    /// Where the rate-limit fields the answer gets are written as header lines
+    /// (`RateHeaders::write_lines`), for the server to write after the answer's own
+    /// fields, instead of going into its header map. (Only when the map has none of
+    /// them: else they replace those where they stand.)
+    pub lines: &'c mut Vec<u8>,
+    /// The connection's timer, for the upstream's answer (`Upstream::forward`).
+    pub timer: Pin<&'c mut Deadline>,
+}
+
+/// `handle` for the plain-request server.
 pub(crate) async fn handle_plain(
     shared: &Shared,
     req: Request<ClientBody>,
     peer: &Peer,
-    lines: &mut Vec<u8>,
+    conn: PlainConn<'_>,
 ) -> Response<Body> {
-    process(shared, req, peer, Some(lines)).await
+    process(shared, req, peer, Some(conn)).await
 }
 
 async fn process(
     shared: &Shared,
     req: Request<ClientBody>,
     peer: &Peer,
-    lines: Option<&mut Vec<u8>>,
+    plain: Option<PlainConn<'_>>,
 ) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
@@ -182,7 +192,7 @@ async fn process(
         peer,
         unread_body,
     };
-    let resp = match pass(&ctx, head, route, parts, body, &mut tally, lines).await {
+    let resp = match pass(&ctx, head, route, parts, body, &mut tally, plain).await {
         Ok(resp) => resp,
         Err(refusal) => {
             if let Some(d) = refusal.decision() {
@@ -247,7 +257,7 @@ async fn pass<'a>(
     parts: http::request::Parts,
     body: ClientBody,
     tally: &mut Tally,
-    lines: Option<&mut Vec<u8>>,
+    plain: Option<PlainConn<'_>>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     let rt = ctx.rt;
     head.map_err(Refusal::BadHead)?;
@@ -261,7 +271,11 @@ async fn pass<'a>(
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
     let report = limits(ctx, route, ns, &key, tally).await?;
-    let mut resp = act(ctx, route, parts, body).await?;
+    let (lines, timer) = match plain {
+        Some(PlainConn { lines, timer }) => (Some(lines), Some(timer)),
+        None => (None, None),
+    };
+    let mut resp = act(ctx, route, parts, body, timer).await?;
     if let Some((tier, v)) = &report {
         let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
         match lines {
@@ -377,6 +391,7 @@ async fn act<'a>(
     route: &Route,
     parts: http::request::Parts,
     body: ClientBody,
+    timer: Option<Pin<&mut Deadline>>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     match &route.action {
         Action::Respond {
@@ -404,6 +419,7 @@ async fn act<'a>(
                 Request::from_parts(parts, body),
                 &origin,
                 ctx.rt.max_request_body,
+                timer,
             )
             .await
             .map_err(|e| forward_failed(ctx.shared, route, e))

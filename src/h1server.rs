@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
-use crate::wake::OnWake;
+use crate::wake::{Deadline, OnWake};
 use crate::wire::{last_is_chunked, parsed_value, Names, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
@@ -135,10 +135,9 @@ where
         })
     };
     tokio::pin!(stopped);
-    // One timer for the connection's heads: each head's deadline is a clock
-    // reading, and the timer, when it fires, is moved on to the current one.
-    let mut deadline = tokio::time::Instant::now() + fast.header_timeout;
-    let timer = OnWake::new(tokio::time::sleep_until(deadline));
+    // One timer for the connection's deadlines: each head's, and each upstream
+    // answer's on the plain path (`gateway::handle_plain`).
+    let timer = Deadline::new(tokio::time::Instant::now() + fast.header_timeout);
     tokio::pin!(timer);
     // How much of `buf` is known to hold no end of a head: a head sent in many
     // small pieces is parsed again only once its end may have come (as hyper does),
@@ -168,12 +167,9 @@ where
                     Ok(_) => {}
                     Err(e) => return Ended::Closed(Err(e.into())),
                 },
-                _ = &mut timer => {
-                    if tokio::time::Instant::now() >= deadline {
-                        // hyper too closes without an answer.
-                        return Ended::Closed(Err("no request head within request_header_timeout".into()));
-                    }
-                    timer.as_mut().inner().reset(deadline);
+                // hyper too closes without an answer.
+                () = timer.as_mut().passed() => {
+                    return Ended::Closed(Err("no request head within request_header_timeout".into()));
                 }
                 _ = &mut idle => return Ended::Closed(Ok(())),
                 _ = &mut stopped => return Ended::Closed(Ok(())),
@@ -191,7 +187,15 @@ where
         let in_flight = activity.start();
         rate_lines.clear();
         let resp = {
-            let answer = gateway::handle_plain(&fast.shared, req, &fast.peer, &mut rate_lines);
+            let answer = gateway::handle_plain(
+                &fast.shared,
+                req,
+                &fast.peer,
+                gateway::PlainConn {
+                    lines: &mut rate_lines,
+                    timer: timer.as_mut(),
+                },
+            );
             tokio::pin!(answer);
             // As hyper: while the request is worked on, a client that closes its end
             // (with nothing more sent) cancels it.
@@ -242,7 +246,9 @@ where
             return Ended::Closed(Ok(()));
         }
         // The next head: `request_header_timeout` from the end of this response.
-        deadline = tokio::time::Instant::now() + fast.header_timeout;
+        timer
+            .as_mut()
+            .set(tokio::time::Instant::now() + fast.header_timeout);
     }
 }
 

@@ -24,6 +24,7 @@ use rustls_pki_types::CertificateDer;
 
 use crate::answer::{Body, BoxError};
 use crate::pool::{Answer, Pool, SendError};
+use crate::wake::Deadline;
 use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, XFF, XFH, XFP};
 
 /// A kept upstream connection idle longer than this is closed.
@@ -409,17 +410,21 @@ impl Upstream {
     ///
     /// (`sent` is pinned by the caller: a future taken by value and pinned here
     /// would be kept twice in this one's state, and copied on every call.)
+    ///
+    /// `timer`, when given, is the client connection's, set to the deadline instead
+    /// of a timer of the request's own.
     async fn answer<F: std::future::Future>(
         &self,
         mut sent: Pin<&mut F>,
         sending: Option<tokio::sync::watch::Receiver<bool>>,
-    ) -> Result<F::Output, tokio::time::error::Elapsed> {
+        timer: Option<Pin<&mut Deadline>>,
+    ) -> Result<F::Output, TimedOut> {
         if let Some(mut sending) = sending {
             loop {
                 tokio::select! {
                     r = &mut sent => return Ok(r),
                     changed = tokio::time::timeout(self.timeout, sending.changed()) => match changed {
-                        Err(elapsed) => return Err(elapsed),
+                        Err(_) => return Err(TimedOut),
                         // A frame went on: the clock starts again.
                         Ok(Ok(())) if !*sending.borrow_and_update() => {}
                         // The body is over (or was dropped with an error).
@@ -428,14 +433,29 @@ impl Upstream {
                 }
             }
         }
-        tokio::time::timeout(self.timeout, sent).await
+        match timer {
+            Some(mut timer) => {
+                timer
+                    .as_mut()
+                    .set(tokio::time::Instant::now() + self.timeout);
+                tokio::select! {
+                    biased;
+                    r = sent => Ok(r),
+                    () = timer.passed() => Err(TimedOut),
+                }
+            }
+            None => tokio::time::timeout(self.timeout, sent)
+                .await
+                .map_err(|_| TimedOut),
+        }
     }
 
-    pub async fn forward(
+    pub(crate) async fn forward(
         &self,
         mut req: Request<ClientBody>,
         origin: &Origin<'_>,
         max_body: u64,
+        timer: Option<Pin<&mut Deadline>>,
     ) -> Result<Response<Body>, ProxyError> {
         let target = self.pick();
         // Only listed protocols are spliced: any other `Upgrade` (h2c above all,
@@ -523,7 +543,7 @@ impl Upstream {
             .map_err(BoxError::from)
             .boxed();
         let sent = std::pin::pin!(target.pool.send(Request::from_parts(parts, body), fwd));
-        let resp = match self.answer(sent, sending).await {
+        let resp = match self.answer(sent, sending, timer).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
             Ok(Err(SendError::Send(e))) => return Err(classify(e, false)),
@@ -549,6 +569,9 @@ impl Upstream {
         Ok(Response::from_parts(parts, body.boxed()))
     }
 }
+
+/// No answer from the upstream within its `timeout`.
+struct TimedOut;
 
 /// In the extensions of a 101 answer: closed when the spliced tunnel ends, so the
 /// end of the request (its tally, its concurrency slots) can wait for it.

@@ -298,3 +298,65 @@ async fn a_head_sent_in_pieces_gets_the_header_timeout_once() {
     );
     assert_eq!(up.hits(), 0);
 }
+
+/// A connection's head deadline and its requests' upstream deadlines share one
+/// timer: each deadline holds whatever the one before it was. Here the header
+/// timeout (400 ms) passes while the first upstream answer is awaited (600 ms, within
+/// its 3 s), the next head's deadline then comes before the upstream's, and each
+/// request on a connection gets its own upstream deadline.
+#[tokio::test]
+async fn each_deadline_of_a_connection_holds_on_its_one_timer() {
+    let up = upstream_with(UpstreamOpts {
+        delay: std::time::Duration::from_millis(600),
+        ..Default::default()
+    })
+    .await;
+    let gw = start_gateway(
+        &r#"
+server: {listen: "127.0.0.1:0", request_header_timeout: 400ms}
+upstreams:
+  patient: {targets: ["UP"], timeout: 3s}
+  hasty: {targets: ["UP"], timeout: 300ms}
+routes:
+  - {name: slow, match: {path_prefix: /slow}, upstream: patient}
+  - {name: short, match: {path_prefix: /short}, upstream: hasty}
+"#
+        .replace("UP", &up.url()),
+    )
+    .await;
+
+    let mut s = connect(gw.addr).await;
+    let started = std::time::Instant::now();
+    let (head, body) = answer(&mut s, "GET /slow/text HTTP/1.1\r\nhost: h\r\n\r\n", false).await;
+    assert_eq!(status_line(&head), "HTTP/1.1 200 OK");
+    assert_eq!(
+        serde_json::from_str::<Echo>(&body).expect("echo").uri,
+        "/slow/text"
+    );
+    assert!(started.elapsed() >= std::time::Duration::from_millis(600));
+    // No next head: closed at the header timeout, not at the upstream's deadline.
+    let answered = std::time::Instant::now();
+    assert_eq!(read_to_close(&mut s).await, "");
+    let idle = answered.elapsed();
+    assert!(
+        idle >= std::time::Duration::from_millis(300)
+            && idle < std::time::Duration::from_millis(1500),
+        "closed {idle:?} after the answer"
+    );
+
+    let mut s = connect(gw.addr).await;
+    for _ in 0..2 {
+        let started = std::time::Instant::now();
+        let (head, body) =
+            answer(&mut s, "GET /short/text HTTP/1.1\r\nhost: h\r\n\r\n", false).await;
+        assert_eq!(status_line(&head), "HTTP/1.1 504 Gateway Timeout");
+        assert_eq!(body, "upstream did not answer in time\n");
+        let took = started.elapsed();
+        assert!(
+            took >= std::time::Duration::from_millis(300)
+                && took < std::time::Duration::from_millis(600),
+            "504 after {took:?}"
+        );
+    }
+    gw.shutdown().await;
+}
