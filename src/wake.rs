@@ -218,7 +218,7 @@ mod tests {
 
         assert!(f.as_mut().poll(&mut cx).is_pending());
         ready.store(true, Ordering::SeqCst);
-        let _ = f.as_mut().inner();
+        let _inner: Pin<&mut Probe> = f.as_mut().inner();
         assert!(f.as_mut().poll(&mut cx).is_ready());
         assert_eq!(polls.load(Ordering::SeqCst), 2);
         assert_eq!(task.0.load(Ordering::SeqCst), 0);
