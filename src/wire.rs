@@ -919,6 +919,8 @@ fn parse_one_head(
     let mut keep_alive = version == Version::HTTP_11;
     let mut close = false;
     let mut hop_by_hop = false;
+    // What framing needs, gathered on the way (no lookups in the map after).
+    let mut seen = Framed::default();
     let last = spans.len().wrapping_sub(1);
     for (i, &[n0, n1, v0, v1]) in spans.iter().enumerate() {
         let (name, hop) = kept
@@ -943,9 +945,14 @@ fn parse_one_head(
             // The last field, the first `Connection`, naming no field: all the
             // forwarding does with it is take it out again (the last: nothing moves
             // into its place), so it is not put in.
-            if i == last && !others && code != 101 && !headers.contains_key(header::CONNECTION) {
+            if i == last && !others && code != 101 && !seen.connection {
                 continue;
             }
+            seen.connection = true;
+        } else if name == header::CONTENT_LENGTH {
+            seen.length.add(value.as_bytes());
+        } else if name == header::TRANSFER_ENCODING {
+            seen.transfer_encoding = true;
         }
         hop_by_hop |= hop;
         headers.append(name, value);
@@ -959,7 +966,7 @@ fn parse_one_head(
         }
     }
     let (mut parts, ()) = resp.into_parts();
-    let body = decoder(&headers, status, version, method)?;
+    let body = decoder(&headers, &seen, status, version, method)?;
     parts.headers = headers;
     let reusable = keep_alive && !close && !matches!(body, Decoder::Eof) && code != 101;
     Ok(Some(Head {
@@ -974,6 +981,7 @@ fn parse_one_head(
 /// How the body of a response is delimited (RFC 9112 §6.3, as hyper's client).
 fn decoder(
     h: &HeaderMap,
+    seen: &Framed,
     status: StatusCode,
     version: Version,
     method: &Method,
@@ -981,7 +989,7 @@ fn decoder(
     if matches!(status.as_u16(), 101 | 204 | 304) || method == Method::HEAD {
         return Ok(Decoder::Done);
     }
-    if h.contains_key(header::TRANSFER_ENCODING) {
+    if seen.transfer_encoding {
         if version == Version::HTTP_10 {
             return Err(WireError::Malformed("Transfer-Encoding in HTTP/1.0"));
         }
@@ -996,13 +1004,43 @@ fn decoder(
             Decoder::Eof
         });
     }
-    match content_length(h) {
-        Some(0) => Ok(Decoder::Done),
-        Some(n) => Ok(Decoder::Length(n)),
-        None if h.contains_key(header::CONTENT_LENGTH) => {
-            Err(WireError::Malformed("invalid Content-Length"))
+    match seen.length {
+        Length::One(0) => Ok(Decoder::Done),
+        Length::One(n) => Ok(Decoder::Length(n)),
+        Length::Invalid => Err(WireError::Malformed("invalid Content-Length")),
+        Length::None => Ok(Decoder::Eof),
+    }
+}
+
+/// The fields of a response head that its framing depends on, as they were put in
+/// its map.
+#[derive(Default)]
+struct Framed {
+    connection: bool,
+    transfer_encoding: bool,
+    length: Length,
+}
+
+/// The `Content-Length` values of a head so far, as `content_length` reads them.
+#[derive(Default, Debug, PartialEq)]
+enum Length {
+    #[default]
+    None,
+    /// Every value, and every item of a list, is this one.
+    One(u64),
+    /// Something other than digits, or two lengths.
+    Invalid,
+}
+
+impl Length {
+    fn add(&mut self, value: &[u8]) {
+        for part in value.split(|&b| b == b',') {
+            *self = match (decimal(part.trim_ascii()), &*self) {
+                (Some(n), Length::None) => Length::One(n),
+                (Some(n), Length::One(f)) if *f == n => Length::One(n),
+                _ => Length::Invalid,
+            };
         }
-        None => Ok(Decoder::Eof),
     }
 }
 
@@ -1179,6 +1217,59 @@ fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Length`, fed the values as they come, reads them as `content_length` reads
+    /// the map: for every sequence of up to three values from a set of edge cases.
+    #[test]
+    fn lengths_gathered_on_the_way_are_the_maps() {
+        let values = [
+            "0",
+            "5",
+            "05",
+            " 5 ",
+            "5,5",
+            "5, 5",
+            "5,6",
+            "5,",
+            ",",
+            "",
+            "a",
+            "-1",
+            "+5",
+            "18446744073709551615",
+            "1844674407370955161",
+            "1234567890123456789",
+        ];
+        let mut seqs: Vec<Vec<&str>> = vec![vec![]];
+        for _ in 0..3 {
+            let longer: Vec<Vec<&str>> = seqs
+                .iter()
+                .filter(|s| s.len() == seqs.last().unwrap().len())
+                .flat_map(|s| {
+                    values.iter().map(move |v| {
+                        let mut t = s.clone();
+                        t.push(*v);
+                        t
+                    })
+                })
+                .collect();
+            seqs.extend(longer);
+        }
+        for seq in &seqs {
+            let mut map = HeaderMap::new();
+            let mut length = Length::default();
+            for v in seq {
+                map.append(header::CONTENT_LENGTH, HeaderValue::from_str(v).unwrap());
+                length.add(v.as_bytes());
+            }
+            let expected = match content_length(&map) {
+                Some(n) => Length::One(n),
+                None if map.contains_key(header::CONTENT_LENGTH) => Length::Invalid,
+                None => Length::None,
+            };
+            assert_eq!(length, expected, "{seq:?}");
+        }
+    }
 
     #[test]
     fn every_value_httparse_takes_is_a_valid_header_value() {
