@@ -313,11 +313,17 @@ fn push_ratelimit(out: &mut Vec<u8>, name: &str, remaining: u64, reset: u64) {
 /// Appends `s` as a Structured Field string: quoted, `"` and `\\` escaped.
 fn push_sf_string(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
-    for &b in s.as_bytes() {
-        if b == b'"' || b == b'\\' {
-            out.push(b'\\');
+    let escaped = |b: &u8| *b == b'"' || *b == b'\\';
+    if s.as_bytes().iter().any(escaped) {
+        for b in s.as_bytes() {
+            if escaped(b) {
+                out.push(b'\\');
+            }
+            out.push(*b);
         }
-        out.push(b);
+    } else {
+        // Limit names (validated): as they are.
+        out.extend_from_slice(s.as_bytes());
     }
     out.push(b'"');
 }

@@ -192,7 +192,7 @@ async fn process(
         peer,
         unread_body,
     };
-    let resp = match pass(&ctx, head, route, parts, body, &mut tally, plain).await {
+    let resp = match pass(&ctx, head, route, &mut parts, body, &mut tally, plain).await {
         Ok(resp) => resp,
         Err(refusal) => {
             if let Some(d) = refusal.decision() {
@@ -254,7 +254,7 @@ async fn pass<'a>(
     ctx: &Ctx<'a>,
     head: Result<(), BadRequest>,
     route: Option<usize>,
-    parts: http::request::Parts,
+    parts: &mut http::request::Parts,
     body: ClientBody,
     tally: &mut Tally,
     plain: Option<PlainConn<'_>>,
@@ -266,7 +266,7 @@ async fn pass<'a>(
     }
     deny_ip(ctx)?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
-    let (ns, key) = client_key(ctx, route, &parts)?;
+    let (ns, key) = client_key(ctx, route, parts)?;
     if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
@@ -389,7 +389,7 @@ async fn limits<'a>(
 async fn act<'a>(
     ctx: &Ctx<'a>,
     route: &Route,
-    parts: http::request::Parts,
+    parts: &mut http::request::Parts,
     body: ClientBody,
     timer: Option<Pin<&mut Deadline>>,
 ) -> Result<Response<Body>, Refusal<'a>> {
@@ -415,14 +415,9 @@ async fn act<'a>(
                 trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,
             };
-            up.forward(
-                Request::from_parts(parts, body),
-                &origin,
-                ctx.rt.max_request_body,
-                timer,
-            )
-            .await
-            .map_err(|e| forward_failed(ctx.shared, route, e))
+            up.forward(parts, body, &origin, ctx.rt.max_request_body, timer)
+                .await
+                .map_err(|e| forward_failed(ctx.shared, route, e))
         }
     }
 }

@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::Response;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -83,15 +83,16 @@ impl Pool {
         }
     }
 
-    /// Send `req` (origin-form URI, `Host` set; `fwd` after its fields) on a kept
-    /// connection, or a new one.
+    /// Send the request `parts` with `body` (origin-form URI, `Host` set; `fwd` after
+    /// its fields) on a kept connection, or a new one. The request is worked on
+    /// where it is (its fields are taken to hold the answer's), not moved.
     pub async fn send(
         self: &Arc<Self>,
-        req: Request<Body>,
+        parts: &mut http::request::Parts,
+        body: Body,
         fwd: wire::Forwarded<'_>,
     ) -> Result<Answer, SendError> {
-        let (mut parts, body) = req.into_parts();
-        let (head, framing) = wire::request_head(&mut parts, &body, fwd);
+        let (head, framing) = wire::request_head(parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
         let trailers = match framing {
             Framing::Chunked => wire::announced_trailers(&parts.headers),
@@ -333,6 +334,7 @@ impl Drop for Pooled {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::Request;
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -378,7 +380,10 @@ mod tests {
                 .header("host", addr.to_string())
                 .body(crate::answer::full(Bytes::new()))
                 .unwrap();
-            let Ok(Answer::Response(resp)) = pool.send(req, wire::Forwarded::default()).await
+            let (mut parts, body) = req.into_parts();
+            let Ok(Answer::Response(resp)) = pool
+                .send(&mut parts, body, wire::Forwarded::default())
+                .await
             else {
                 panic!("no answer");
             };

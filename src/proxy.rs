@@ -452,7 +452,8 @@ impl Upstream {
 
     pub(crate) async fn forward(
         &self,
-        mut req: Request<ClientBody>,
+        parts: &mut http::request::Parts,
+        body: ClientBody,
         origin: &Origin<'_>,
         max_body: u64,
         timer: Option<Pin<&mut Deadline>>,
@@ -461,20 +462,24 @@ impl Upstream {
         // Only listed protocols are spliced: any other `Upgrade` (h2c above all,
         // whose tunnel would carry requests past every route and limit) is dropped
         // with the hop-by-hop headers and the request forwarded as a plain one.
-        let upgrade_proto = if wants_upgrade(req.headers()) {
-            self.allowed_upgrade(req.headers())
+        let upgrade_proto = if wants_upgrade(&parts.headers) {
+            self.allowed_upgrade(&parts.headers)
         } else {
             None
         };
-        let client_upgrade = upgrade_proto
-            .is_some()
-            .then(|| hyper::upgrade::on(&mut req));
+        // As `hyper::upgrade::on` takes it from a request (the request itself is
+        // never rebuilt: it is worked on in place, not moved).
+        let client_upgrade = upgrade_proto.is_some().then(|| {
+            parts
+                .extensions
+                .remove::<hyper::upgrade::OnUpgrade>()
+                .unwrap_or_else(|| hyper::upgrade::on(Request::new(())))
+        });
         let held = upgrade_proto
             .is_some()
-            .then(|| req.extensions_mut().remove::<ConnectionHeld>())
+            .then(|| parts.extensions.remove::<ConnectionHeld>())
             .flatten();
 
-        let (mut parts, body) = req.into_parts();
         // The target's authority (HTTP/2 `:authority`, HTTP/1.1 absolute-form) wins
         // over `Host`, as in routing (RFC 9112 §3.2.2, RFC 9113 §8.3.1): otherwise a
         // client could be routed by one host and served by another.
@@ -542,7 +547,7 @@ impl Upstream {
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
-        let sent = std::pin::pin!(target.pool.send(Request::from_parts(parts, body), fwd));
+        let sent = std::pin::pin!(target.pool.send(parts, body, fwd));
         let resp = match self.answer(sent, sending, timer).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
