@@ -275,6 +275,19 @@ static X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
 static X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 static X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
+/// Whether `name` is one of the rate-limit fields (of either family).
+pub(crate) fn is_rate_field(name: &HeaderName) -> bool {
+    // Most names have none of their lengths: one look at it first.
+    let s = name.as_str();
+    match s.len() {
+        9 => s == RATELIMIT.as_str(),
+        16 => s == RATELIMIT_POLICY.as_str(),
+        17 => s == X_LIMIT.as_str() || s == X_RESET.as_str(),
+        21 => s == X_REMAINING.as_str(),
+        _ => false,
+    }
+}
+
 /// `"burst";q=20;w=2, "daily";q=10000;w=86400` (draft-ietf-httpapi-ratelimit-headers).
 pub fn policy_header(plan: &Plan) -> Option<HeaderValue> {
     let mut s = String::new();

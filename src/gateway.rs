@@ -25,6 +25,7 @@ use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
 use crate::request::BadRequest;
 use crate::route::Matcher;
 use crate::wake::Deadline;
+use crate::wire::RawFields;
 
 // === the compiled configuration ===
 
@@ -151,6 +152,9 @@ pub(crate) struct PlainConn<'c> {
     pub lines: &'c mut Vec<u8>,
     /// The connection's timer, for the upstream's answer (`Upstream::forward`).
     pub timer: Pin<&'c mut Deadline>,
+    /// Where the upstream answer's fields go when they can go to the client as they
+    /// came (`wire::RawFields`); None when the server cannot take them so.
+    pub raw: Option<&'c mut Option<RawFields>>,
 }
 
 /// `handle` for the plain-request server.
@@ -271,11 +275,11 @@ async fn pass<'a>(
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
     let report = limits(ctx, route, ns, &key, tally).await?;
-    let (lines, timer) = match plain {
-        Some(PlainConn { lines, timer }) => (Some(lines), Some(timer)),
-        None => (None, None),
+    let (lines, timer, raw) = match plain {
+        Some(PlainConn { lines, timer, raw }) => (Some(lines), Some(timer), raw),
+        None => (None, None, None),
     };
-    let mut resp = act(ctx, route, parts, body, timer).await?;
+    let mut resp = act(ctx, route, parts, body, timer, raw).await?;
     if let Some((tier, v)) = &report {
         let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
         match lines {
@@ -392,6 +396,7 @@ async fn act<'a>(
     parts: &mut http::request::Parts,
     body: ClientBody,
     timer: Option<Pin<&mut Deadline>>,
+    raw: Option<&mut Option<RawFields>>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     match &route.action {
         Action::Respond {
@@ -415,7 +420,7 @@ async fn act<'a>(
                 trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,
             };
-            up.forward(parts, body, &origin, ctx.rt.max_request_body, timer)
+            up.forward(parts, body, &origin, ctx.rt.max_request_body, timer, raw)
                 .await
                 .map_err(|e| forward_failed(ctx.shared, route, e))
         }

@@ -22,6 +22,7 @@ use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
 use crate::wake::{Deadline, OnWake};
+use crate::wire::RawFields;
 use crate::wire::{last_is_chunked, parsed_value, Names, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
@@ -186,6 +187,10 @@ where
         // In flight from its head until its response body has been sent.
         let in_flight = activity.start();
         rate_lines.clear();
+        // The upstream answer's fields as they came, when they can be written so
+        // (`encode_head`): to an HTTP/1.1 request other than HEAD.
+        let mut raw: Option<RawFields> = None;
+        let raw_ok = version == Version::HTTP_11 && !head;
         let resp = {
             let answer = gateway::handle_plain(
                 &fast.shared,
@@ -194,6 +199,7 @@ where
                 gateway::PlainConn {
                     lines: &mut rate_lines,
                     timer: timer.as_mut(),
+                    raw: raw_ok.then_some(&mut raw),
                 },
             );
             tokio::pin!(answer);
@@ -228,7 +234,7 @@ where
             head,
         };
         out.clear();
-        let enc = match encode_head(&mut out, &mut parts, &meta, kind, &rate_lines) {
+        let enc = match encode_head(&mut out, &mut parts, &meta, kind, &rate_lines, raw) {
             Ok(enc) => enc,
             Err(e) => return Ended::Closed(Err(e)),
         };
@@ -485,7 +491,31 @@ fn encode_head(
     meta: &Meta,
     body: Option<Option<u64>>,
     extra: &[u8],
+    raw: Option<RawFields>,
 ) -> Result<Encoding, BoxError> {
+    // The answer's fields as they came, written as they are where that is what the
+    // map holding them would give: else they go into the map first.
+    let raw = raw.and_then(|raw| {
+        let as_they_are = meta.version == Version::HTTP_11
+            && !meta.head
+            && parts.version == Version::HTTP_11
+            && body == Some(Some(raw.length))
+            && parts.headers.is_empty();
+        if as_they_are {
+            return Some(raw);
+        }
+        let after = std::mem::take(&mut parts.headers);
+        raw.put_in(&mut parts.headers);
+        let mut name = None;
+        for (next, value) in after {
+            // (None: the name of the value before.)
+            name = next.or(name);
+            if let Some(name) = &name {
+                parts.headers.append(name.clone(), value);
+            }
+        }
+        None
+    });
     let status = parts.status;
     let mut keep_alive = meta.keep_alive;
     // A `connection` value added to a map without one: its line would follow
@@ -572,6 +602,14 @@ fn encode_head(
             });
         }
     };
+    if let Some(raw) = raw {
+        // Each line as the loop below writes it: `content-length` as it came, the
+        // body's length its framing.
+        out.extend_from_slice(&raw.lines);
+        framing = Framing::Length(raw.length);
+        wrote_len = true;
+        wrote_date = raw.date;
+    }
     for (name, value) in parts.headers.iter() {
         if open.as_ref().is_some_and(|o| o != name) {
             close_line(out, &mut open, chunked_missing);

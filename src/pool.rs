@@ -85,12 +85,15 @@ impl Pool {
 
     /// Send the request `parts` with `body` (origin-form URI, `Host` set; `fwd` after
     /// its fields) on a kept connection, or a new one. The request is worked on
-    /// where it is (its fields are taken to hold the answer's), not moved.
-    pub async fn send(
+    /// where it is (its fields are taken to hold the answer's), not moved. With
+    /// `raw`, the answer's fields go there instead of into its map when they can
+    /// (`wire::RawFields`).
+    pub(crate) async fn send(
         self: &Arc<Self>,
         parts: &mut http::request::Parts,
         body: Body,
         fwd: wire::Forwarded<'_>,
+        mut raw: Option<&mut Option<wire::RawFields>>,
     ) -> Result<Answer, SendError> {
         let (head, framing) = wire::request_head(parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
@@ -121,12 +124,16 @@ impl Pool {
                 framing,
                 trailers.clone(),
                 &parts.method,
+                raw.is_some(),
             );
             match exchange.await {
                 Ok(head) if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS => {
                     return Ok(Answer::Switched(head.parts, conn));
                 }
-                Ok(head) => {
+                Ok(mut head) => {
+                    if let Some(slot) = raw.as_deref_mut() {
+                        *slot = head.raw.take();
+                    }
                     let body = Pooled {
                         conn: Some(conn),
                         decoder: head.body,
@@ -382,7 +389,7 @@ mod tests {
                 .unwrap();
             let (mut parts, body) = req.into_parts();
             let Ok(Answer::Response(resp)) = pool
-                .send(&mut parts, body, wire::Forwarded::default())
+                .send(&mut parts, body, wire::Forwarded::default(), None)
                 .await
             else {
                 panic!("no answer");

@@ -25,7 +25,7 @@ use rustls_pki_types::CertificateDer;
 use crate::answer::{Body, BoxError};
 use crate::pool::{Answer, Pool, SendError};
 use crate::wake::Deadline;
-use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, XFF, XFH, XFP};
+use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP};
 
 /// A kept upstream connection idle longer than this is closed.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -457,6 +457,7 @@ impl Upstream {
         origin: &Origin<'_>,
         max_body: u64,
         timer: Option<Pin<&mut Deadline>>,
+        raw: Option<&mut Option<RawFields>>,
     ) -> Result<Response<Body>, ProxyError> {
         let target = self.pick();
         // Only listed protocols are spliced: any other `Upgrade` (h2c above all,
@@ -469,7 +470,8 @@ impl Upstream {
         };
         // As `hyper::upgrade::on` takes it from a request (the request itself is
         // never rebuilt: it is worked on in place, not moved).
-        let client_upgrade = upgrade_proto.is_some().then(|| {
+        let upgrading = upgrade_proto.is_some();
+        let client_upgrade = upgrading.then(|| {
             parts
                 .extensions
                 .remove::<hyper::upgrade::OnUpgrade>()
@@ -547,7 +549,9 @@ impl Upstream {
         let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
-        let sent = std::pin::pin!(target.pool.send(parts, body, fwd));
+        // (An upgrade's answer is spliced, never written from its fields.)
+        let raw = raw.filter(|_| !upgrading);
+        let sent = std::pin::pin!(target.pool.send(parts, body, fwd, raw));
         let resp = match self.answer(sent, sending, timer).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),

@@ -146,7 +146,49 @@ pub(crate) fn parsed_value(value: Bytes) -> Result<HeaderValue, header::InvalidH
 pub(crate) struct Kept {
     names: Names,
     spans: Vec<[usize; 4]>,
+    /// The names of the head being read, in order.
+    fields: Vec<HeaderName>,
     map: Option<HeaderMap>,
+}
+
+/// At most this many fields go to the client as they came (`RawFields`); a head
+/// with more is put in a map.
+const RAW_MAX_FIELDS: usize = 16;
+
+/// An upstream answer's fields as they came, for the plain-request server
+/// (`h1server`) to write without a header map in between: each on a line of its own
+/// as `name: value`, no name twice, none hop-by-hop, none the server writes in its
+/// own way (`Connection`, `Transfer-Encoding`, `Trailer`, the rate-limit fields), one
+/// `Content-Length` over 0; names lowercased. Written so, they are what the server
+/// writes from a map holding them (the map's order is theirs: no name repeats).
+#[derive(Debug)]
+pub(crate) struct RawFields {
+    /// The field lines, `\r\n` after each.
+    pub(crate) lines: Bytes,
+    /// Its `Content-Length`.
+    pub(crate) length: u64,
+    /// It has a `Date`.
+    pub(crate) date: bool,
+}
+
+impl RawFields {
+    /// The fields into `map`, after those it has, as a map from the head holds them.
+    pub(crate) fn put_in(&self, map: &mut HeaderMap) {
+        for line in self.lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(colon) = line.iter().position(|&b| b == b':') else {
+                continue;
+            };
+            let value = &line[colon + 2..];
+            let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(&line[..colon]),
+                parsed_value(self.lines.slice_ref(value)),
+            ) else {
+                continue;
+            };
+            map.append(name, value);
+        }
+    }
 }
 
 /// The field names of the last head read on a connection, as sent and parsed: a
@@ -725,6 +767,8 @@ pub struct Head {
     pub upload: Option<Upload>,
     /// The fields have a hop-by-hop one (`proxy::strip_hop_by_hop` has work).
     pub hop_by_hop: bool,
+    /// The fields as they came, instead of in `parts` (asked for with `raw_ok`).
+    pub(crate) raw: Option<RawFields>,
 }
 
 /// Why an exchange failed, and whether the upstream sent anything back.
@@ -747,6 +791,7 @@ pub async fn exchange(
     framing: Framing,
     trailers: Vec<HeaderName>,
     method: &Method,
+    raw_ok: bool,
 ) -> Result<Head, Failed> {
     let mut upload = Some(Upload {
         pending: head,
@@ -789,7 +834,7 @@ pub async fn exchange(
         loop {
             if !conn.buf.is_empty() {
                 received = true;
-                match parse_head(&mut conn.buf, method, &mut conn.kept) {
+                match parse_head_for(&mut conn.buf, method, &mut conn.kept, raw_ok) {
                     Err(e) => {
                         return Poll::Ready(Err(Failed {
                             error: e.into(),
@@ -841,17 +886,28 @@ pub async fn exchange(
 /// The final (not informational) head at the front of `buf`, taken out of it with
 /// the informational (1xx) heads before it: `Ok(None)` when more bytes are needed
 /// (a partial head is left where it is).
+#[cfg(test)]
 fn parse_head(
     buf: &mut BytesMut,
     method: &Method,
     kept: &mut Kept,
+) -> Result<Option<Head>, WireError> {
+    parse_head_for(buf, method, kept, false)
+}
+
+/// The answer's head, its fields `RawFields` when `raw_ok` and they can be.
+fn parse_head_for(
+    buf: &mut BytesMut,
+    method: &Method,
+    kept: &mut Kept,
+    raw_ok: bool,
 ) -> Result<Option<Head>, WireError> {
     loop {
         if buf.is_empty() {
             return Ok(None);
         }
         let before = buf.len();
-        if let Some(head) = parse_one_head(buf, method, kept)? {
+        if let Some(head) = parse_one_head(buf, method, kept, raw_ok)? {
             return Ok(Some(head));
         }
         // Partial: nothing was taken. Otherwise an informational head was.
@@ -867,6 +923,7 @@ fn parse_one_head(
     buf: &mut BytesMut,
     method: &Method,
     kept: &mut Kept,
+    raw_ok: bool,
 ) -> Result<Option<Head>, WireError> {
     let mut fields =
         [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
@@ -909,29 +966,39 @@ fn parse_one_head(
         let v = h.value.as_ptr() as usize - base;
         [n, n + h.name.len(), v, v + h.value.len()]
     }));
-    let head = buf.split_to(len).freeze();
+    let mut head = buf.split_to(len);
     if (100..200).contains(&code) && code != 101 {
         return Ok(None);
     }
 
-    let mut headers = kept.map.take().unwrap_or_default();
-    headers.reserve(spans.len());
     let mut keep_alive = version == Version::HTTP_11;
     let mut close = false;
     let mut hop_by_hop = false;
     // What framing needs, gathered on the way (no lookups in the map after).
     let mut seen = Framed::default();
     let last = spans.len().wrapping_sub(1);
+    // The last field, when it is a `Connection` naming no field: all the forwarding
+    // does with it is take it out again (the last: nothing moves into its place), so
+    // it is not kept.
+    let mut dropped = None;
+    // Whether the fields can go to the client as they came (`RawFields`).
+    let mut raw = raw_ok
+        && code != 101
+        && version == Version::HTTP_11
+        && *method != Method::HEAD
+        && (1..=RAW_MAX_FIELDS).contains(&spans.len());
+    let mut date = false;
+    let names = &mut kept.fields;
+    names.clear();
     for (i, &[n0, n1, v0, v1]) in spans.iter().enumerate() {
         let (name, hop) = kept
             .names
             .name_hop(i, &head[n0..n1])
             .map_err(|_| WireError::Malformed("field name"))?;
-        let value =
-            parsed_value(head.slice(v0..v1)).map_err(|_| WireError::Malformed("field value"))?;
+        let value = &head[v0..v1];
         if name == header::CONNECTION {
             let mut others = false;
-            for t in value.as_bytes().split(|&b| b == b',') {
+            for t in value.split(|&b| b == b',') {
                 let t = t.trim_ascii();
                 if t.eq_ignore_ascii_case(b"close") {
                     close = true;
@@ -942,21 +1009,70 @@ fn parse_one_head(
                     others = true;
                 }
             }
-            // The last field, the first `Connection`, naming no field: all the
-            // forwarding does with it is take it out again (the last: nothing moves
-            // into its place), so it is not put in.
             if i == last && !others && code != 101 && !seen.connection {
+                dropped = Some(i);
+                names.push(name);
                 continue;
             }
             seen.connection = true;
+            raw = false;
         } else if name == header::CONTENT_LENGTH {
-            seen.length.add(value.as_bytes());
+            seen.length.add(value);
         } else if name == header::TRANSFER_ENCODING {
             seen.transfer_encoding = true;
+        } else if name == header::DATE {
+            date = true;
         }
         hop_by_hop |= hop;
-        headers.append(name, value);
+        if raw {
+            // Written as one line each, as a map would give them: no name twice, none
+            // the server writes its own way; and sent as `name: value` lines already.
+            let next = spans.get(i + 1).map_or(v1 + 2, |n| n[0]);
+            raw = !hop
+                && name != header::TRAILER
+                && !crate::answer::is_rate_field(&name)
+                && !names.contains(&name)
+                && v0 == n1 + 2
+                && head[n1..v0] == *b": "
+                && v1 > v0
+                && next == v1 + 2
+                && head.get(v1..next) == Some(b"\r\n");
+        }
+        names.push(name);
     }
+    let raw = match seen.length {
+        Length::One(length) if raw && length > 0 && !seen.transfer_encoding => {
+            let end = dropped.map_or(last, |d| d - 1);
+            for &[n0, n1, _, _] in &spans[..=end] {
+                head[n0..n1].make_ascii_lowercase();
+            }
+            Some((length, spans[0][0]..spans[end][3] + 2))
+        }
+        _ => None,
+    };
+    let head = head.freeze();
+    let raw = raw.map(|(length, lines)| RawFields {
+        lines: head.slice(lines),
+        length,
+        date,
+    });
+    let headers = match raw {
+        // (The kept map, empty, goes on with the answer to be used again.)
+        Some(_) => kept.map.take().unwrap_or_default(),
+        None => {
+            let mut headers = kept.map.take().unwrap_or_default();
+            headers.reserve(spans.len());
+            for (i, (name, &[_, _, v0, v1])) in names.drain(..).zip(spans.iter()).enumerate() {
+                if Some(i) == dropped {
+                    continue;
+                }
+                let value = parsed_value(head.slice(v0..v1))
+                    .map_err(|_| WireError::Malformed("field value"))?;
+                headers.append(name, value);
+            }
+            headers
+        }
+    };
     let mut resp = http::Response::new(());
     *resp.status_mut() = status;
     *resp.version_mut() = version;
@@ -975,6 +1091,7 @@ fn parse_one_head(
         reusable,
         upload: None,
         hop_by_hop,
+        raw,
     }))
 }
 
@@ -1217,6 +1334,81 @@ fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Which answers keep their fields as they came (`RawFields`), and what those
+    /// are; the rest go into the map. (Written to the client, both are the same:
+    /// tests/upstream_heads.rs.)
+    #[test]
+    fn fields_as_they_came_where_a_map_would_give_them_so() {
+        let raw = |head: &str, method: Method| {
+            let head = parse_head_for(
+                &mut BytesMut::from(head.as_bytes()),
+                &method,
+                &mut Kept::default(),
+                true,
+            )
+            .expect("a head")
+            .expect("whole");
+            head.raw.map(|r| {
+                assert!(head.parts.headers.is_empty());
+                (
+                    String::from_utf8(r.lines.to_vec()).unwrap(),
+                    r.length,
+                    r.date,
+                )
+            })
+        };
+        assert_eq!(
+            raw(
+                "HTTP/1.1 200 OK\r\nServer: nginx\r\nDate: Sun, 22 Nov 2026 10:00:00 GMT\r\nContent-Length: 3\r\nConnection: keep-alive\r\n\r\nok\n",
+                Method::GET
+            ),
+            Some((
+                "server: nginx\r\ndate: Sun, 22 Nov 2026 10:00:00 GMT\r\ncontent-length: 3\r\n".to_owned(),
+                3,
+                true
+            ))
+        );
+        assert_eq!(
+            raw(
+                "HTTP/1.1 404 Not Found\r\nContent-Length: 12\r\nX-A: b\r\n\r\n",
+                Method::POST
+            ),
+            Some(("content-length: 12\r\nx-a: b\r\n".to_owned(), 12, false))
+        );
+        for head in [
+            // A map's order or way of writing differs, or the server writes them itself.
+            "HTTP/1.1 200 OK\r\nA: 1\r\nB: 2\r\nA: 3\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nA:1\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nA:  1\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nA: 1 \r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nA:\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nTrailer: x\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nX-RateLimit-Remaining: 1\r\nContent-Length: 3\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nServer: s\r\n\r\n",
+            "HTTP/1.1 204 No Content\r\nServer: s\r\n\r\n",
+            "HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\n",
+        ] {
+            assert_eq!(raw(head, Method::GET), None, "{head}");
+        }
+        let head = "HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n";
+        assert_eq!(raw(head, Method::HEAD), None);
+        let many: String = (0..RAW_MAX_FIELDS)
+            .map(|i| format!("X-{i}: v\r\n"))
+            .collect();
+        assert_eq!(
+            raw(
+                &format!("HTTP/1.1 200 OK\r\n{many}Content-Length: 3\r\n\r\n"),
+                Method::GET
+            ),
+            None
+        );
+    }
 
     /// `Length`, fed the values as they come, reads them as `content_length` reads
     /// the map: for every sequence of up to three values from a set of edge cases.
@@ -1544,7 +1736,15 @@ mod tests {
         };
         let head = Bytes::from_static(b"POST / HTTP/1.1\r\nhost: a\r\n\r\n");
         let framing = Framing::Length(PART as u64 + 5);
-        let sending = exchange(&mut conn, head, body, framing, Vec::new(), &Method::POST);
+        let sending = exchange(
+            &mut conn,
+            head,
+            body,
+            framing,
+            Vec::new(),
+            &Method::POST,
+            false,
+        );
         let got = tokio::select! {
             biased;
             got = upstream => got.unwrap(),
