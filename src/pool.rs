@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::limit::clock::coarse_ms;
 use bytes::Bytes;
 use http::Response;
 use tokio::sync::oneshot;
-use tokio::time::Instant;
 
 use crate::answer::{Body, BoxError};
 use crate::wire::{self, Conn, Connector, Decoder, Framing, Upload, UploadError};
@@ -60,7 +60,8 @@ pub enum Answer {
 
 struct Idle {
     conn: Conn,
-    since: Instant,
+    /// When it was given back (`coarse_ms`).
+    since_ms: u64,
 }
 
 pub struct Pool {
@@ -164,15 +165,20 @@ impl Pool {
     /// something unasked on) while idle, or idle too long, are closed on the way.
     fn checkout(&self) -> Option<Conn> {
         let own = worker() % LISTS;
+        let (now, idle_ms) = (coarse_ms(), self.idle_ms());
         for i in (0..LISTS).map(|k| (own + k) % LISTS) {
             let mut idle = lock(&self.idle[i]);
             while let Some(mut e) = idle.pop() {
-                if e.since.elapsed() <= self.idle_timeout && e.conn.is_usable() {
+                if now.saturating_sub(e.since_ms) <= idle_ms && e.conn.is_usable() {
                     return Some(e.conn);
                 }
             }
         }
         None
+    }
+
+    fn idle_ms(&self) -> u64 {
+        u64::try_from(self.idle_timeout.as_millis()).unwrap_or(u64::MAX)
     }
 
     /// A new connection, or one another request gives back first (`true`: kept).
@@ -228,17 +234,21 @@ impl Pool {
                 Err(back) => conn = back,
             }
         }
-        let now = Instant::now();
+        let now = coarse_ms();
+        let idle_ms = self.idle_ms();
         let mut idle = lock(&self.idle[worker() % LISTS]);
         // The oldest kept connection is closed once idle too long, so that a list
         // used last-in first-out does not keep its bottom open for ever.
         if idle
             .first()
-            .is_some_and(|e| now.duration_since(e.since) > self.idle_timeout)
+            .is_some_and(|e| now.saturating_sub(e.since_ms) > idle_ms)
         {
             idle.remove(0);
         }
-        idle.push(Idle { conn, since: now });
+        idle.push(Idle {
+            conn,
+            since_ms: now,
+        });
     }
 }
 
@@ -344,6 +354,34 @@ mod tests {
     use http::Request;
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A kept connection is taken again within the pool's idle timeout, and closed
+    /// rather than taken after it (idle stamps on the coarse clock).
+    #[tokio::test]
+    async fn a_connection_idle_past_the_timeout_is_not_taken_again() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                open.push(s);
+            }
+        });
+        let connector =
+            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 4).unwrap();
+        let pool = Arc::new(Pool::new(connector, Duration::from_millis(300)));
+        pool.give_back(pool.connector.connect().await.unwrap());
+        let conn = pool.checkout().expect("kept within the timeout");
+        pool.give_back(conn);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let conn = pool.checkout().expect("kept 100 ms into a 300 ms timeout");
+        pool.give_back(conn);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            pool.checkout().is_none(),
+            "taken 400 ms into a 300 ms timeout"
+        );
+    }
 
     /// An upstream that closes every connection after its answer (`Connection:
     /// close`): no connection ever comes back to the pool.

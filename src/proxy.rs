@@ -23,6 +23,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
 use crate::answer::{Body, BoxError};
+use crate::limit::clock::coarse_ms;
 use crate::pool::{Answer, Pool, SendError};
 use crate::wake::Deadline;
 use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP};
@@ -630,39 +631,37 @@ fn splice(
 }
 
 /// When something last happened (a tunnel carried a byte, a connection's request
-/// ended), in milliseconds since it was made: one atomic store per event.
+/// ended), on the coarse clock (`coarse_ms`, a few milliseconds behind, for
+/// timeouts of seconds): one atomic store per event.
 pub(crate) struct LastActive {
-    opened: tokio::time::Instant,
     at: std::sync::atomic::AtomicU64,
 }
 
 impl LastActive {
     pub(crate) fn new() -> LastActive {
         LastActive {
-            opened: tokio::time::Instant::now(),
-            at: std::sync::atomic::AtomicU64::new(0),
+            at: std::sync::atomic::AtomicU64::new(coarse_ms()),
         }
     }
 
     pub(crate) fn touch(&self) {
-        let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.at.store(ms, Ordering::Relaxed);
+        self.at.store(coarse_ms(), Ordering::Relaxed);
     }
 
     /// How long ago the last event was (since it was made, if none yet).
     pub(crate) fn since(&self) -> Duration {
-        let at = Duration::from_millis(self.at.load(Ordering::Relaxed));
-        self.opened.elapsed().saturating_sub(at)
+        Duration::from_millis(coarse_ms().saturating_sub(self.at.load(Ordering::Relaxed)))
     }
 
     /// Resolves once nothing has crossed for `idle`.
     async fn idle(&self, idle: Duration) {
+        let idle_ms = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
         loop {
-            let seen = self.at.load(Ordering::Relaxed);
-            tokio::time::sleep_until(self.opened + Duration::from_millis(seen) + idle).await;
-            if self.at.load(Ordering::Relaxed) == seen {
+            let waited = u64::try_from(self.since().as_millis()).unwrap_or(u64::MAX);
+            if waited >= idle_ms {
                 return;
             }
+            tokio::time::sleep(Duration::from_millis(idle_ms - waited)).await;
         }
     }
 }
