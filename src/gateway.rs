@@ -140,7 +140,8 @@ impl Peer {
 }
 
 pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
-    process(shared, req, peer, None).await
+    let (mut parts, body) = req.into_parts();
+    process(shared, &mut parts, body, peer, None).await
 }
 
 /// What the plain-request server lends each of its requests.
@@ -158,31 +159,32 @@ pub(crate) struct PlainConn<'c> {
 }
 
 /// `handle` for the plain-request server.
+/// (A plain request has no body; its head is the server's, worked on in place.)
 pub(crate) async fn handle_plain(
     shared: &Shared,
-    req: Request<ClientBody>,
+    parts: &mut http::request::Parts,
     peer: &Peer,
     conn: PlainConn<'_>,
 ) -> Response<Body> {
-    process(shared, req, peer, Some(conn)).await
+    process(shared, parts, ClientBody::Empty, peer, Some(conn)).await
 }
 
 async fn process(
     shared: &Shared,
-    req: Request<ClientBody>,
+    parts: &mut http::request::Parts,
+    body: ClientBody,
     peer: &Peer,
     plain: Option<PlainConn<'_>>,
 ) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
-    let (mut parts, body) = req.into_parts();
     // A malformed or ambiguous head is refused before anything reads it (400, on
     // route `unmatched`: nothing can be routed on it); the rest is normalised.
-    let head = crate::request::admit(&mut parts);
+    let head = crate::request::admit(parts);
     let ip = rt.trusted.client_ip(peer.addr.ip(), &parts.headers);
     let route = head
         .is_ok()
-        .then(|| rt.routes.iter().position(|r| r.matcher.matches(&parts)))
+        .then(|| rt.routes.iter().position(|r| r.matcher.matches(parts)))
         .flatten();
     // Counted when the response body ends, or when the client goes away first (while
     // delayed, while the upstream works, or mid-body), with the decision made for it.
@@ -196,7 +198,7 @@ async fn process(
         peer,
         unread_body,
     };
-    let resp = match pass(&ctx, head, route, &mut parts, body, &mut tally, plain).await {
+    let resp = match pass(&ctx, head, route, parts, body, &mut tally, plain).await {
         Ok(resp) => resp,
         Err(refusal) => {
             if let Some(d) = refusal.decision() {

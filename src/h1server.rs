@@ -86,7 +86,6 @@ pub(crate) enum Ended<IO> {
 
 /// A parsed plain request and what its answer's framing depends on.
 struct Plain {
-    req: Request<ClientBody>,
     /// The request allows the connection to stay open (HTTP/1.1 without `close`,
     /// HTTP/1.0 with `keep-alive`).
     keep_alive: bool,
@@ -125,6 +124,8 @@ where
     // A response's header map, emptied, holds the next request's fields (as in
     // hyper): no allocation, and room for the forwarding headers.
     let mut fields = HeaderMap::new();
+    // Each plain request's head, in turn (`parse`).
+    let (mut parts, ()) = Request::new(()).into_parts();
     // The waits beside the socket's are polled again only when woken (`OnWake`),
     // not every time the connection's task runs.
     let idle = OnWake::new(activity.idle(fast.idle_timeout));
@@ -147,7 +148,14 @@ where
     loop {
         let plain = loop {
             if scan.worth_parsing(&buf) {
-                match parse(&mut buf, &mut spans, &mut names, &mut fields, fast.max_head) {
+                match parse(
+                    &mut buf,
+                    &mut spans,
+                    &mut names,
+                    &mut fields,
+                    &mut parts,
+                    fast.max_head,
+                ) {
                     Parsed::Plain(p) => {
                         scan = Scan::default();
                         break p;
@@ -177,7 +185,6 @@ where
             }
         };
         let Plain {
-            req,
             keep_alive,
             version,
             head,
@@ -194,7 +201,7 @@ where
         let resp = {
             let answer = gateway::handle_plain(
                 &fast.shared,
-                req,
+                &mut parts,
                 &fast.peer,
                 gateway::PlainConn {
                     lines: &mut rate_lines,
@@ -324,12 +331,14 @@ impl Scan {
 /// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
 /// room for where its fields are (kept by the connection, so that no request
 /// allocates or zeroes it), `names` the last request's field names
-/// (`wire::Names`).
+/// (`wire::Names`). A plain request's head goes into `parts` (the connection's,
+/// worked on in place by the request path, never moved).
 fn parse(
     buf: &mut BytesMut,
     spans: &mut Vec<[usize; 4]>,
     names: &mut Names,
     fields: &mut HeaderMap,
+    parts: &mut http::request::Parts,
     max_head: usize,
 ) -> Parsed {
     // Filled by httparse before anything reads them (as hyper does).
@@ -424,13 +433,12 @@ fn parse(
         headers.append(name, value);
     }
     let is_head = method == Method::HEAD;
-    let mut req = Request::new(ClientBody::Empty);
-    *req.method_mut() = method;
-    *req.uri_mut() = uri;
-    *req.version_mut() = version;
-    *req.headers_mut() = headers;
+    parts.method = method;
+    parts.uri = uri;
+    parts.version = version;
+    parts.headers = headers;
+    parts.extensions.clear();
     Parsed::Plain(Plain {
-        req,
         keep_alive,
         version,
         head: is_head,
