@@ -1410,6 +1410,37 @@ mod tests {
         );
     }
 
+    /// The fields as they came, put into a map after what it holds, are what the map
+    /// would have held from the head (names lowercased, values as they were).
+    #[test]
+    fn fields_as_they_came_go_into_a_map_as_from_the_head() {
+        let head =
+            b"HTTP/1.1 200 OK\r\nServer: nginx\r\nX-Odd: a:b \x80\r\nContent-Length: 3\r\n\r\n";
+        let parse = |raw_ok| {
+            parse_head_for(
+                &mut BytesMut::from(&head[..]),
+                &Method::GET,
+                &mut Kept::default(),
+                raw_ok,
+            )
+            .unwrap()
+            .unwrap()
+        };
+        let from_map = parse(false).parts.headers;
+        let raw = parse(true).raw.expect("as they came");
+        let mut map = HeaderMap::new();
+        map.insert("x-first", HeaderValue::from_static("1"));
+        raw.put_in(&mut map);
+        let got: Vec<_> = map.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut expected = vec![(
+            HeaderName::from_static("x-first"),
+            HeaderValue::from_static("1"),
+        )];
+        expected.extend(from_map.iter().map(|(k, v)| (k.clone(), v.clone())));
+        assert_eq!(got, expected);
+        assert_eq!(expected.len(), 4);
+    }
+
     /// `Length`, fed the values as they come, reads them as `content_length` reads
     /// the map: for every sequence of up to three values from a set of edge cases.
     #[test]
