@@ -275,17 +275,30 @@ static X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
 static X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 static X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
-/// Whether `name` is one of the rate-limit fields (of either family).
-pub(crate) fn is_rate_field(name: &HeaderName) -> bool {
+/// Which rate-limit field a name is: `RateLimit`, `RateLimit-Policy`, or one of the
+/// `X-RateLimit-*` family.
+#[derive(Clone, Copy, PartialEq)]
+enum RateField {
+    RateLimit,
+    Policy,
+    X,
+}
+
+fn rate_field(name: &HeaderName) -> Option<RateField> {
     // Most names have none of their lengths: one look at it first.
     let s = name.as_str();
     match s.len() {
-        9 => s == RATELIMIT.as_str(),
-        16 => s == RATELIMIT_POLICY.as_str(),
-        17 => s == X_LIMIT.as_str() || s == X_RESET.as_str(),
-        21 => s == X_REMAINING.as_str(),
-        _ => false,
+        9 if s == RATELIMIT.as_str() => Some(RateField::RateLimit),
+        16 if s == RATELIMIT_POLICY.as_str() => Some(RateField::Policy),
+        17 if s == X_LIMIT.as_str() || s == X_RESET.as_str() => Some(RateField::X),
+        21 if s == X_REMAINING.as_str() => Some(RateField::X),
+        _ => None,
     }
+}
+
+/// Whether `name` is one of the rate-limit fields (of either family).
+pub(crate) fn is_rate_field(name: &HeaderName) -> bool {
+    rate_field(name).is_some()
 }
 
 /// `"burst";q=20;w=2, "daily";q=10000;w=86400` (draft-ietf-httpapi-ratelimit-headers).
@@ -395,16 +408,11 @@ impl RateHeaders {
         if headers.is_empty() || !(self.ietf || self.x_ratelimit) {
             return false;
         }
-        headers.keys().any(|k| {
-            // Most names have none of their lengths: one look at it first.
-            let s = k.as_str();
-            match s.len() {
-                9 => self.ietf && s == RATELIMIT.as_str(),
-                16 => self.ietf && policy && s == RATELIMIT_POLICY.as_str(),
-                17 => self.x_ratelimit && (s == X_LIMIT.as_str() || s == X_RESET.as_str()),
-                21 => self.x_ratelimit && s == X_REMAINING.as_str(),
-                _ => false,
-            }
+        headers.keys().any(|k| match rate_field(k) {
+            Some(RateField::RateLimit) => self.ietf,
+            Some(RateField::Policy) => self.ietf && policy,
+            Some(RateField::X) => self.x_ratelimit,
+            None => false,
         })
     }
 

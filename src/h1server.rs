@@ -22,8 +22,7 @@ use crate::answer::{Body, BoxError};
 use crate::gateway::{self, Peer, Shared};
 use crate::server::Activity;
 use crate::wake::{Deadline, OnWake};
-use crate::wire::RawFields;
-use crate::wire::{last_is_chunked, parsed_value, Names, MAX_FIELDS};
+use crate::wire::{last_is_chunked, parsed_value, Names, RawFields, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
 pub enum ClientBody {

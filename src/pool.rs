@@ -16,12 +16,12 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::limit::clock::coarse_ms;
 use bytes::Bytes;
 use http::Response;
 use tokio::sync::oneshot;
 
 use crate::answer::{Body, BoxError};
+use crate::limit::clock::coarse_ms;
 use crate::wire::{self, Conn, Connector, Decoder, Framing, Upload, UploadError};
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
@@ -70,8 +70,9 @@ pub struct Pool {
     /// Requests that found no kept connection and wait for one to be given back
     /// while they try to open one (which waits for a free slot under the cap).
     waiting: Mutex<VecDeque<oneshot::Sender<Conn>>>,
-    /// A connection idle longer than this is closed rather than reused.
-    idle_timeout: Duration,
+    /// A connection idle longer than this (milliseconds, `coarse_ms`) is closed
+    /// rather than reused.
+    idle_ms: u64,
 }
 
 impl Pool {
@@ -80,7 +81,7 @@ impl Pool {
             connector,
             idle: std::array::from_fn(|_| Mutex::new(Vec::new())),
             waiting: Mutex::new(VecDeque::new()),
-            idle_timeout,
+            idle_ms: u64::try_from(idle_timeout.as_millis()).unwrap_or(u64::MAX),
         }
     }
 
@@ -96,15 +97,14 @@ impl Pool {
         fwd: wire::Forwarded<'_>,
         mut raw: Option<&mut Option<wire::RawFields>>,
     ) -> Result<Answer, SendError> {
-        let (head, framing) = wire::request_head(parts, &body, fwd);
+        // Taken by each attempt; given back by one that may be repeated.
+        let (mut head, framing) = wire::request_head(parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
         let trailers = match framing {
             Framing::Chunked => wire::announced_trailers(&parts.headers),
             _ => Vec::new(),
         };
         let mut body = Some(body);
-        // Taken by each attempt; given back by one that may be repeated.
-        let mut head = head;
         // Its fields are on the wire: the map takes the answer's.
         let mut map = Some(std::mem::take(&mut parts.headers));
         loop {
@@ -165,20 +165,16 @@ impl Pool {
     /// something unasked on) while idle, or idle too long, are closed on the way.
     fn checkout(&self) -> Option<Conn> {
         let own = worker() % LISTS;
-        let (now, idle_ms) = (coarse_ms(), self.idle_ms());
+        let now = coarse_ms();
         for i in (0..LISTS).map(|k| (own + k) % LISTS) {
             let mut idle = lock(&self.idle[i]);
             while let Some(mut e) = idle.pop() {
-                if now.saturating_sub(e.since_ms) <= idle_ms && e.conn.is_usable() {
+                if now.saturating_sub(e.since_ms) <= self.idle_ms && e.conn.is_usable() {
                     return Some(e.conn);
                 }
             }
         }
         None
-    }
-
-    fn idle_ms(&self) -> u64 {
-        u64::try_from(self.idle_timeout.as_millis()).unwrap_or(u64::MAX)
     }
 
     /// A new connection, or one another request gives back first (`true`: kept).
@@ -235,13 +231,12 @@ impl Pool {
             }
         }
         let now = coarse_ms();
-        let idle_ms = self.idle_ms();
         let mut idle = lock(&self.idle[worker() % LISTS]);
         // The oldest kept connection is closed once idle too long, so that a list
         // used last-in first-out does not keep its bottom open for ever.
         if idle
             .first()
-            .is_some_and(|e| now.saturating_sub(e.since_ms) > idle_ms)
+            .is_some_and(|e| now.saturating_sub(e.since_ms) > self.idle_ms)
         {
             idle.remove(0);
         }

@@ -478,8 +478,7 @@ impl Upstream {
                 .remove::<hyper::upgrade::OnUpgrade>()
                 .unwrap_or_else(|| hyper::upgrade::on(Request::new(())))
         });
-        let held = upgrade_proto
-            .is_some()
+        let held = upgrading
             .then(|| parts.extensions.remove::<ConnectionHeld>())
             .flatten();
 
