@@ -286,6 +286,11 @@ where
             })
         })
         .collect();
+    sum(tasks).await
+}
+
+/// The statuses the tasks counted, added up.
+async fn sum(tasks: Vec<tokio::task::JoinHandle<Counts>>) -> Counts {
     let mut all = Counts::new();
     for t in tasks {
         for (s, n) in t.await.unwrap_or_default() {
@@ -323,13 +328,7 @@ async fn closing(addr: SocketAddr, time: Duration) -> Counts {
             })
         })
         .collect();
-    let mut all = Counts::new();
-    for t in tasks {
-        for (s, n) in t.await.unwrap_or_default() {
-            *all.entry(s).or_default() += n;
-        }
-    }
-    all
+    sum(tasks).await
 }
 
 /// Reads one HTTP/1.1 answer (to a request that was not HEAD) from `s`, with what
@@ -455,13 +454,7 @@ async fn h2c(addr: SocketAddr, time: Duration) -> Counts {
             }));
         }
     }
-    let mut all = Counts::new();
-    for t in tasks {
-        for (s, n) in t.await.unwrap_or_default() {
-            *all.entry(s).or_default() += n;
-        }
-    }
-    all
+    sum(tasks).await
 }
 
 /// The upstream: hyper, HTTP/1.1, answering `ok` (or 32 KiB under /api/large)
