@@ -13,9 +13,10 @@
 //! `SLUICE_PGO_PROFILE` when that is set, and is stopped with SIGTERM so an
 //! instrumented build writes its profile.
 //!
-//! Every answer is checked: a phase that gets a status it should not, or no
-//! answer at all, fails the run (exit 1). One line per phase and store:
-//! `<store> <phase>: <status>=<count> ...`.
+//! Every answer is checked: a phase that gets a status it should not, no answer
+//! at all, or a keep-alive connection that ends early (counted as status 0) fails
+//! the run (exit 1), and so does a phase still running 20 s after its time. One
+//! line per phase and store on stdout: `<store> <phase>: <status>=<count> ...`.
 #![allow(clippy::print_stdout)]
 
 #[path = "../tests/common/base.rs"]
@@ -34,7 +35,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use base::{free_port, spawn_grouped, Spawned};
+use base::{free_port, spawn_grouped, Spawned, BOUND};
 
 type Counts = BTreeMap<u16, u64>;
 
@@ -65,7 +66,7 @@ async fn main() -> ExitCode {
                 format!("store: {{backend: redis, redis: {{url: redis://127.0.0.1:{port}}}}}");
             failed |= !train(&bin, "redis", &store, upstream, phase).await;
         }
-        None => println!("redis: skipped (no redis-server on PATH)"),
+        None => eprintln!("redis: skipped (no redis-server on PATH)"),
     }
     if failed {
         ExitCode::FAILURE
@@ -147,7 +148,8 @@ async fn train(bin: &str, name: &str, store: &str, upstream: SocketAddr, phase: 
         h1(gw, 16, phase, algorithms).await,
         &only(200),
     );
-    // One key, five a window: exactly five pass, however many connections race.
+    // One key, a bucket of five refilled once an hour: exactly five pass, however
+    // many connections race.
     check(
         "refused",
         h1(gw, 8, phase, get("/tight", |_| "one".into())).await,
@@ -235,7 +237,7 @@ routes:
     match: {{path: /tight}}
     upstream: api
     key: header:x-key
-    limits: [{{name: five, algorithm: fixed_window, limit: 5, window: 1h}}]
+    limits: [{{name: five, algorithm: token_bucket, rate: 1/h, burst: 5}}]
   - name: api
     match: {{path_prefix: /api/}}
     upstream: api
@@ -249,7 +251,8 @@ routes:
 }
 
 /// `conns` keep-alive connections sending `request(i)` one after another for
-/// `time`; the statuses that came back.
+/// `time`; the statuses that came back. A connection that fails, or that sluice
+/// closes, counts as status 0: these phases train keep-alive.
 async fn h1<F>(addr: SocketAddr, conns: u64, time: Duration, request: F) -> Counts
 where
     F: Fn(u64) -> Vec<u8> + Send + Sync + 'static,
@@ -262,23 +265,28 @@ where
             tokio::spawn(async move {
                 let mut counts = Counts::new();
                 let Ok(mut s) = TcpStream::connect(addr).await else {
+                    counts.insert(0, 1);
                     return counts;
                 };
                 let _ = s.set_nodelay(true);
                 let mut buf = Vec::new();
                 let mut i = c;
                 while Instant::now() < end {
-                    if s.write_all(&request(i)).await.is_err() {
-                        break;
-                    }
-                    match answer(&mut s, &mut buf).await {
-                        Some((status, close)) => {
+                    let got = match s.write_all(&request(i)).await {
+                        Ok(()) => answer(&mut s, &mut buf).await,
+                        Err(_) => None,
+                    };
+                    match got {
+                        Some((status, false)) => *counts.entry(status).or_default() += 1,
+                        Some((status, true)) => {
                             *counts.entry(status).or_default() += 1;
-                            if close {
-                                break;
-                            }
+                            *counts.entry(0).or_default() += 1;
+                            break;
                         }
-                        None => break,
+                        None => {
+                            *counts.entry(0).or_default() += 1;
+                            break;
+                        }
                     }
                     i += conns;
                 }
@@ -286,15 +294,22 @@ where
             })
         })
         .collect();
-    sum(tasks).await
+    sum(time, tasks).await
 }
 
-/// The statuses the tasks counted, added up.
-async fn sum(tasks: Vec<tokio::task::JoinHandle<Counts>>) -> Counts {
+/// The statuses the tasks counted, added up; a task that panicked, or that is not
+/// done `BOUND` after the phase's `time`, counts as status 0.
+async fn sum(time: Duration, tasks: Vec<tokio::task::JoinHandle<Counts>>) -> Counts {
+    let deadline = tokio::time::Instant::now() + time + BOUND;
     let mut all = Counts::new();
     for t in tasks {
-        for (s, n) in t.await.unwrap_or_default() {
-            *all.entry(s).or_default() += n;
+        match tokio::time::timeout_at(deadline, t).await {
+            Ok(Ok(counts)) => {
+                for (s, n) in counts {
+                    *all.entry(s).or_default() += n;
+                }
+            }
+            _ => *all.entry(0).or_default() += 1,
         }
     }
     all
@@ -310,17 +325,21 @@ async fn closing(addr: SocketAddr, time: Duration) -> Counts {
                 let mut buf = Vec::new();
                 let mut i = c;
                 while Instant::now() < end {
-                    let Ok(mut s) = TcpStream::connect(addr).await else {
-                        break;
-                    };
-                    let req = format!("GET /api/items HTTP/1.1\r\nhost: t\r\nconnection: close\r\nx-key: c{}\r\n\r\n", i % 100);
-                    if s.write_all(req.as_bytes()).await.is_err() {
-                        break;
-                    }
                     buf.clear();
-                    match answer(&mut s, &mut buf).await {
-                        Some((status, _)) => *counts.entry(status).or_default() += 1,
-                        None => break,
+                    let req = format!(
+                        "GET /api/items HTTP/1.1\r\nhost: t\r\nconnection: close\r\nx-key: c{}\r\n\r\n",
+                        i % 100
+                    );
+                    let got = match TcpStream::connect(addr).await {
+                        Ok(mut s) => match s.write_all(req.as_bytes()).await {
+                            Ok(()) => answer(&mut s, &mut buf).await,
+                            Err(_) => None,
+                        },
+                        Err(_) => None,
+                    };
+                    *counts.entry(got.map_or(0, |(status, _)| status)).or_default() += 1;
+                    if got.is_none() {
+                        break;
                     }
                     i += 4;
                 }
@@ -328,7 +347,7 @@ async fn closing(addr: SocketAddr, time: Duration) -> Counts {
             })
         })
         .collect();
-    sum(tasks).await
+    sum(time, tasks).await
 }
 
 /// Reads one HTTP/1.1 answer (to a request that was not HEAD) from `s`, with what
@@ -337,7 +356,7 @@ async fn answer(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(u16, bool)> {
     let (status, close, head, length, chunked) = loop {
         let mut fields = [httparse::EMPTY_HEADER; 32];
         let mut r = httparse::Response::new(&mut fields);
-        if let Ok(httparse::Status::Complete(n)) = r.parse(buf) {
+        if let httparse::Status::Complete(n) = r.parse(buf).ok()? {
             let has = |name: &str, value: &str| {
                 r.headers.iter().any(|h| {
                     h.name.eq_ignore_ascii_case(name)
@@ -416,17 +435,20 @@ async fn fill(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
     }
 }
 
-/// h2c (prior knowledge): two connections, eight streams each at a time, for `time`.
+/// h2c (prior knowledge): two connections, eight streams each at a time, for
+/// `time`. A connection or stream that fails counts as status 0.
 async fn h2c(addr: SocketAddr, time: Duration) -> Counts {
     let end = Instant::now() + time;
     let mut tasks = Vec::new();
     for c in 0..2u64 {
-        let Ok(stream) = TcpStream::connect(addr).await else {
-            continue;
+        let handshake = async {
+            let stream = TcpStream::connect(addr).await.ok()?;
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await
+                .ok()
         };
-        let Ok((sender, conn)) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream)).await
-        else {
+        let Ok(Some((sender, conn))) = tokio::time::timeout(BOUND, handshake).await else {
+            tasks.push(tokio::spawn(async { Counts::from([(0, 1)]) }));
             continue;
         };
         tokio::spawn(conn);
@@ -440,13 +462,15 @@ async fn h2c(addr: SocketAddr, time: Duration) -> Counts {
                         .header("x-key", format!("h{}", i % 1000))
                         .body(Empty::<Bytes>::new())
                         .expect("request");
-                    let Ok(resp) = sender.send_request(req).await else {
+                    let got = async {
+                        let resp = sender.send_request(req).await.ok()?;
+                        let status = resp.status().as_u16();
+                        resp.into_body().collect().await.ok().map(|_| status)
+                    };
+                    let Some(status) = got.await else {
+                        *counts.entry(0).or_default() += 1;
                         break;
                     };
-                    let status = resp.status().as_u16();
-                    if resp.into_body().collect().await.is_err() {
-                        break;
-                    }
                     *counts.entry(status).or_default() += 1;
                     i += 16;
                 }
@@ -454,7 +478,7 @@ async fn h2c(addr: SocketAddr, time: Duration) -> Counts {
             }));
         }
     }
-    sum(tasks).await
+    sum(time, tasks).await
 }
 
 /// The upstream: hyper, HTTP/1.1, answering `ok` (or 32 KiB under /api/large)

@@ -17,7 +17,7 @@ fn trainer() -> PathBuf {
     let path = dir.join("examples").join("pgo_train");
     assert!(
         path.exists(),
-        "{} is missing: `cargo test` builds examples; alone, run `cargo build --example pgo_train` first",
+        "{} is missing: `cargo test` builds examples (alone, this test needs `cargo build --example pgo_train` first, or it runs a stale one)",
         path.display()
     );
     path
@@ -66,7 +66,12 @@ fn the_training_workload_gets_the_answers_each_phase_should_on_both_stores() {
         ("h2c", 200),
         ("admin", 200),
     ];
-    assert_eq!(seen.len(), 2 * phases.len(), "{stdout}");
+    assert_eq!(
+        seen.len(),
+        2 * phases.len(),
+        "every phase on both stores (redis-server must be installed: tests/run.sh installs it)\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for store in ["memory", "redis"] {
         for (phase, status) in phases {
             let counts = &seen[&(store.to_string(), phase.to_string())];
