@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of sluice. On a fresh machine it first installs what cargo
 # cannot: redis-server and redis-cli (the Redis store's tests start their own
-# servers) and faketime (clock-skew tests), from Debian's packages; and cargo-deny,
+# servers), faketime (clock-skew tests) and promtool (the prometheus package: a
+# test lints /metrics with it), from Debian's packages; and cargo-deny,
 # which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +14,24 @@ command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 compgen -G '/usr/lib/faketime/libfaketimeMT.so.1' >/dev/null \
   || compgen -G '/usr/lib/*/faketime/libfaketimeMT.so.1' >/dev/null \
   || need+=(faketime)
+# promtool, which tests/metrics_lint.rs runs on /metrics.
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   echo "installing ${need[*]}" >&2
+  # Installing prometheus or redis-server must not start a system service: a
+  # policy-rc.d that refuses service starts, only if there is none already.
+  policy=/usr/sbin/policy-rc.d
+  made_policy=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+    $sudo chmod 755 "$policy"
+    made_policy=1
+  fi
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+  [ -z "$made_policy" ] || $sudo rm -f "$policy"
 fi
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories
