@@ -28,23 +28,7 @@ command -v wrk >/dev/null 2>&1 || need+=(wrk)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v curl >/dev/null 2>&1 || need+=(curl)
-if [ ${#need[@]} -gt 0 ]; then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  echo "soak: installing ${need[*]}" >&2
-  # Installing nginx must not start the system's nginx on port 80: a policy-rc.d
-  # that refuses service starts, only if there is none already.
-  policy=/usr/sbin/policy-rc.d
-  made_policy=""
-  if [ ! -e "$policy" ]; then
-    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
-    $sudo chmod 755 "$policy"
-    made_policy=1
-  fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-  [ -z "$made_policy" ] || $sudo rm -f "$policy"
-fi
+[ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"
 nginx_bin=$(command -v nginx || echo /usr/sbin/nginx)
 
 echo "soak: cargo build --release" >&2

@@ -16,23 +16,7 @@ compgen -G '/usr/lib/faketime/libfaketimeMT.so.1' >/dev/null \
   || need+=(faketime)
 # promtool, which tests/metrics_lint.rs runs on /metrics.
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-if [ ${#need[@]} -gt 0 ]; then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  echo "installing ${need[*]}" >&2
-  # Installing prometheus or redis-server must not start a system service: a
-  # policy-rc.d that refuses service starts, only if there is none already.
-  policy=/usr/sbin/policy-rc.d
-  made_policy=""
-  if [ ! -e "$policy" ]; then
-    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
-    $sudo chmod 755 "$policy"
-    made_policy=1
-  fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-  [ -z "$made_policy" ] || $sudo rm -f "$policy"
-fi
+[ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories
 # only against a RustSec database this machine can reach (GitHub, or a local copy
