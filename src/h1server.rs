@@ -1046,6 +1046,36 @@ mod date {
 mod tests {
     use super::*;
 
+    /// An answer whose fields came as a map would give them is written with those
+    /// lines as they are, the rate-limit lines after them, and no map built (the
+    /// map stays empty: the fallback would have put the fields in it).
+    #[test]
+    fn fields_as_they_came_are_written_as_they_are() {
+        let lines = "server: up\r\ndate: Sun, 22 Nov 2026 10:00:00 GMT\r\ncontent-length: 3\r\n";
+        let raw = RawFields {
+            lines: Bytes::from_static(lines.as_bytes()),
+            length: 3,
+            date: true,
+        };
+        let (mut parts, ()) = http::Response::new(()).into_parts();
+        let meta = Meta {
+            version: Version::HTTP_11,
+            keep_alive: true,
+            head: false,
+        };
+        let mut out = Vec::new();
+        let extra = b"ratelimit-policy: 5;w=10\r\n";
+        let enc = encode_head(&mut out, &mut parts, &meta, Some(Some(3)), extra, Some(raw))
+            .expect("encoded");
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("HTTP/1.1 200 OK\r\n{lines}ratelimit-policy: 5;w=10\r\n\r\n")
+        );
+        assert!(matches!(enc.framing, Framing::Length(3)));
+        assert!(!enc.last);
+        assert!(parts.headers.is_empty());
+    }
+
     /// How often a head arriving one byte at a time is parsed (the parser's
     /// answer, partial until its end, applied), and how many bytes were looked
     /// at for its end in all.
