@@ -130,7 +130,17 @@ impl KeyPart {
 }
 
 /// What a route does when a request lacks its key: 400, or count it by client IP.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    serde::Deserialize,
+    serde::Serialize,
+    schemars::JsonSchema,
+    Default,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum MissingKey {
     #[default]

@@ -116,6 +116,8 @@ enum Command {
         #[arg(short, long)]
         config: Option<PathBuf>,
     },
+    /// Print the JSON Schema of the configuration file (for editors and CI).
+    Schema,
     /// Add, remove or list deny-list entries through the admin API.
     Deny {
         #[command(flatten)]
@@ -189,6 +191,10 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => check(config.unwrap_or_else(sluice::config::default_path)),
         Command::Run { config } => run(config.unwrap_or_else(sluice::config::default_path)),
+        Command::Schema => {
+            print!("{}", sluice::config::json_schema());
+            ExitCode::SUCCESS
+        }
         Command::Deny { admin, action } => deny(admin, action),
     }
 }

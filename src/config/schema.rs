@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text};
@@ -12,23 +13,31 @@ use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text};
 pub use crate::client::MissingKey;
 pub use crate::limit::OnError;
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct File {
+    /// The gateway listener and how it treats clients.
     #[serde(default)]
     pub server: Server,
+    /// The admin listener: /metrics, /healthz, /readyz, the dashboard and /admin/*.
     #[serde(default)]
     pub admin: Admin,
+    /// Where limiter state lives: in this process, or shared through Redis.
     #[serde(default)]
     pub store: Store,
+    /// How the client address is found behind proxies.
     #[serde(default)]
     pub client_ip: ClientIp,
+    /// Rate-limit header families sent on answers; [] for none.
     #[serde(default = "default_header_families")]
     pub response_headers: Vec<HeaderFamily>,
+    /// Upstreams by name, used by routes' `upstream`.
     #[serde(default)]
     pub upstreams: BTreeMap<String, Upstream>,
+    /// Keys and addresses refused on every route.
     #[serde(default)]
     pub deny: Deny,
+    /// Routes in order; the first that matches a request takes it.
     pub routes: Vec<Route>,
 }
 
@@ -38,15 +47,22 @@ fn default_header_families() -> Vec<HeaderFamily> {
 
 // === server, admin ===
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Server {
+    /// Address of the gateway port (HTTP/1.1 and h2c; TLS with `tls`).
     pub listen: Addr,
+    /// A client must send its whole request head within this, or gets 408.
     pub request_header_timeout: Dur,
+    /// Larger request bodies get 413.
     pub max_request_body: Size,
+    /// On SIGTERM, how long requests in flight may take to finish.
     pub shutdown_grace: Dur,
+    /// Client connections open at once; more wait in the kernel backlog.
     pub max_connections: Num<usize>,
+    /// Client connections from one address at once; more are closed.
     pub max_connections_per_ip: Num<usize>,
+    /// A connection with no request in flight this long is closed.
     pub idle_timeout: Dur,
     /// Writing to the client making no progress this long closes the connection.
     pub send_timeout: Dur,
@@ -54,9 +70,11 @@ pub struct Server {
     pub request_body_timeout: Dur,
     /// A spliced tunnel with no byte either way this long is closed.
     pub tunnel_idle_timeout: Dur,
+    /// Largest request head; larger gets 431.
     pub max_header_bytes: Size,
     /// `Upgrade` tokens passed through to upstreams (compared case-insensitively).
     pub upgrades: Vec<Text>,
+    /// Terminate TLS on the gateway port.
     pub tls: Option<Tls>,
     /// Threads serving the gateway port, each with its own runtime; default: one per
     /// core the process may run on.
@@ -84,17 +102,21 @@ impl Default for Server {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Tls {
+    /// PEM certificate chain file.
     pub cert: Text,
+    /// PEM private key file.
     pub key: Text,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Admin {
+    /// Address of the admin listener; off loopback it needs `token`.
     pub listen: Addr,
+    /// Bearer token for /admin/*; required when `listen` is not loopback.
     pub token: Option<Text>,
 }
 
@@ -109,7 +131,7 @@ impl Default for Admin {
 
 // === store ===
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Backend {
     #[default]
@@ -117,18 +139,23 @@ pub enum Backend {
     Redis,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Store {
+    /// `memory` (this process) or `redis` (shared by every instance).
     pub backend: Backend,
+    /// The memory store (also the fallback of `on_error: local`).
     pub memory: MemoryStore,
+    /// The Redis store; needs `url` or `cluster`.
     pub redis: Option<RedisStore>,
+    /// While the store fails: `local` (this instance's memory), `allow`, or `deny` (503).
     pub on_error: OnError,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct MemoryStore {
+    /// Keys kept; the least recently used are evicted beyond this.
     pub max_keys: Num<usize>,
 }
 
@@ -140,12 +167,16 @@ impl Default for MemoryStore {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisStore {
+    /// A single Redis: redis://host:port/db or rediss:// for TLS.
     pub url: Option<Text>,
+    /// Seed nodes of a Redis Cluster (instead of `url`).
     pub cluster: Option<Vec<Text>>,
+    /// Per limiter call; slower counts as a store error.
     pub timeout: Dur,
+    /// Prefix of every key sluice writes.
     pub key_prefix: Text,
 }
 
@@ -162,13 +193,14 @@ impl Default for RedisStore {
 
 // === client_ip, headers, upstreams, deny ===
 
-#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClientIp {
+    /// Peers whose X-Forwarded-For is believed.
     pub trusted_proxies: Vec<Net>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 pub enum HeaderFamily {
     #[serde(rename = "ietf")]
     Ietf,
@@ -176,12 +208,15 @@ pub enum HeaderFamily {
     XRatelimit,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Upstream {
+    /// http:// or https:// base URLs, taken in turn.
     pub targets: Vec<Text>,
+    /// Connecting to a target takes at most this, else 502.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout: Dur,
+    /// The whole response head must arrive within this, else 504.
     #[serde(default = "default_upstream_timeout")]
     pub timeout: Dur,
     /// Extra CA certificate (PEM) trusted for `https://` targets, besides the
@@ -206,12 +241,16 @@ fn default_upstream_timeout() -> Dur {
     Dur::secs(30)
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Deny {
+    /// Addresses and CIDR blocks refused on every route.
     pub ips: Vec<Net>,
+    /// Client keys refused on every route.
     pub keys: Vec<Text>,
+    /// Status of a denied request.
     pub status: Num<u16>,
+    /// Memory store only: file that keeps API-added entries across restarts.
     pub state_file: Option<Text>,
 }
 
@@ -228,47 +267,65 @@ impl Default for Deny {
 
 // === routes ===
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Route {
+    /// Unique name, used in metrics, headers and logs.
     pub name: Text,
+    /// What requests the route takes; every given field must hold.
     #[serde(rename = "match", default)]
     pub matcher: Match,
+    /// Name of the upstream to forward to (or use `respond`).
     #[serde(default)]
     pub upstream: Option<Text>,
+    /// Answer from sluice itself instead of forwarding.
     #[serde(default)]
     pub respond: Option<Respond>,
+    /// The client key: ip, header:NAME, query:NAME, cookie:NAME, global, or a list of these.
     #[serde(default)]
     pub key: KeySpec,
+    /// A request without its key: `reject` (400) or `ip` (count it by address).
     #[serde(default)]
     pub missing_key: MissingKey,
+    /// Every limit must admit a request; it is then charged to all of them.
     #[serde(default)]
     pub limits: Vec<Limit>,
+    /// Other limits for named keys (tiers).
     #[serde(default)]
     pub overrides: Vec<Override>,
+    /// A refused request: `reject` (429) or `delay` (token_bucket and gcra only).
     #[serde(default)]
     pub on_limit: OnLimit,
+    /// With `on_limit: delay`: wait at most this long, then 429.
     #[serde(default)]
     pub max_delay: Option<Dur>,
+    /// Count and report refusals but forward every request.
     #[serde(default)]
     pub shadow: bool,
+    /// Deny a key that keeps hitting the limit.
     #[serde(default)]
     pub ban: Option<Ban>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Match {
+    /// Host, exact or `*.example.com`.
     #[serde(default)]
     pub host: Option<Text>,
+    /// Exact path (normalised).
     #[serde(default)]
     pub path: Option<Text>,
+    /// Path prefix.
     #[serde(default)]
     pub path_prefix: Option<Text>,
+    /// Regular expression over the path.
     #[serde(default)]
     pub path_regex: Option<Text>,
+    /// Methods, e.g. [GET, POST].
     #[serde(default)]
     pub methods: Option<Vec<Text>>,
+    /// Header name to exact value, or "*" for present.
     #[serde(default)]
     pub headers: Option<BTreeMap<String, Text>>,
     /// `path`, `path_prefix` and `path_regex` compared ignoring case.
@@ -276,11 +333,13 @@ pub struct Match {
     pub case_insensitive: bool,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Respond {
+    /// Status code of the answer.
     #[serde(default = "default_respond_status")]
     pub status: Num<u16>,
+    /// Body of the answer.
     #[serde(default)]
     pub body: Text,
     /// Extra response headers, e.g. `content-type`.
@@ -293,7 +352,7 @@ fn default_respond_status() -> Num<u16> {
 }
 
 /// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `global`, or a list of these.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum KeySpec {
     One(Text),
@@ -306,7 +365,7 @@ impl Default for KeySpec {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum OnLimit {
     #[default]
@@ -314,7 +373,7 @@ pub enum OnLimit {
     Delay,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum AlgorithmName {
     FixedWindow,
@@ -338,22 +397,30 @@ impl AlgorithmName {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Limit {
+    /// Name in headers and metrics; default `<algorithm>_<index>`.
     #[serde(default)]
     pub name: Option<Text>,
+    /// fixed_window, sliding_window, sliding_log, token_bucket, gcra or concurrency.
     pub algorithm: AlgorithmName,
+    /// fixed_window, sliding_window, sliding_log, concurrency: the most allowed.
     #[serde(default)]
     pub limit: Option<Num<u64>>,
+    /// fixed_window, sliding_window, sliding_log: the window length.
     #[serde(default)]
     pub window: Option<Dur>,
+    /// token_bucket, gcra: the refill rate, e.g. 10/s.
     #[serde(default)]
     pub rate: Option<RateSpec>,
+    /// token_bucket, gcra: the bucket size; default the rate's count.
     #[serde(default)]
     pub burst: Option<Num<u64>>,
+    /// Tokens a request takes (default 1).
     #[serde(default)]
     pub cost: Option<Num<u64>>,
+    /// concurrency: a slot not released within this is freed (default 1m).
     #[serde(default)]
     pub lease: Option<Dur>,
 }
@@ -378,18 +445,23 @@ impl Limit {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Override {
+    /// Keys these limits apply to.
     pub keys: Vec<Text>,
+    /// Their limits, instead of the route's.
     pub limits: Vec<Limit>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Ban {
+    /// Refusals that trigger a ban...
     pub after: Num<u64>,
+    /// ...within this long.
     pub within: Dur,
+    /// How long the ban lasts.
     #[serde(rename = "for")]
     pub duration: Dur,
 }

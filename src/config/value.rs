@@ -352,6 +352,126 @@ impl<T: serde::Serialize> serde::Serialize for Num<T> {
     }
 }
 
+// === JSON Schema (`sluice schema`): each value's written forms ===
+
+/// The forms a value may be written in, as JSON Schema regular expressions (ECMA
+/// 262, which `regex` also reads). Each accepts whatever its parser accepts (the unit
+/// tests below hold them to that); `${VAR}` anywhere makes any value acceptable,
+/// since only the environment at startup decides it.
+pub mod forms {
+    pub const DURATION: &str = r"[0-9]+\s*(?:us|µs|ms|s|m|h|d)";
+    pub const RATE: &str = r"[0-9]+\s*/\s*(?:[0-9]+\s*)?(?:us|µs|ms|s|m|h|d)";
+    pub const SIZE: &str = r"[0-9]+\s*(?:B|KB|kB|KiB|MB|MiB|GB|GiB)?";
+    pub const NUMBER: &str = r"[0-9]+";
+    pub const NET: &str = r"[0-9A-Fa-f:.]+(?:/[0-9]{1,3})?";
+    pub const ADDR: &str = r"(?:[0-9.]+|\[[0-9A-Fa-f:.]+(?:%[0-9]+)?\]):[0-9]{1,5}";
+
+    /// The `pattern` of a value written as a string: the whole string in `form`
+    /// (spaces around it allowed), or one with a `${` in it.
+    pub fn pattern(form: &str) -> String {
+        format!(r"^\s*(?:{form})\s*$|\$\{{")
+    }
+}
+
+fn string_schema(description: &str, form: &str) -> schemars::Schema {
+    schemars::json_schema!({
+        "description": description,
+        "type": "string",
+        "pattern": forms::pattern(form),
+    })
+}
+
+/// A count written as a number, or as a string (`"${LIMIT}"`).
+fn count_schema(description: &str, maximum: u64) -> schemars::Schema {
+    schemars::json_schema!({
+        "description": description,
+        "type": ["integer", "string"],
+        "minimum": 0,
+        "maximum": maximum,
+        "pattern": forms::pattern(forms::NUMBER),
+    })
+}
+
+macro_rules! json_schema_as {
+    ($t:ty, $name:literal, $schema:expr) => {
+        impl schemars::JsonSchema for $t {
+            fn schema_name() -> std::borrow::Cow<'static, str> {
+                $name.into()
+            }
+            fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+                $schema
+            }
+        }
+    };
+}
+
+json_schema_as!(
+    Text,
+    "Text",
+    schemars::json_schema!({
+        "description": "A string; `${VAR}` and `${VAR:-default}` are read from the environment. A number or boolean is taken as its text.",
+        "type": ["string", "number", "boolean"],
+    })
+);
+json_schema_as!(
+    Dur,
+    "Duration",
+    string_schema(
+        "A duration: 250ms, 10s, 1m, 1h, 1d (also us).",
+        forms::DURATION
+    )
+);
+json_schema_as!(
+    RateSpec,
+    "Rate",
+    string_schema(
+        "A rate: N/s, N/m, N/h, N/d, or N per a duration such as 5/10s.",
+        forms::RATE
+    )
+);
+json_schema_as!(
+    Size,
+    "Size",
+    schemars::json_schema!({
+        "description": "A size in bytes: 512, 64KiB, 10MiB, 1GiB (KB, MB, GB are powers of ten).",
+        "type": ["integer", "string"],
+        "minimum": 0,
+        "pattern": forms::pattern(forms::SIZE),
+    })
+);
+json_schema_as!(
+    Net,
+    "Network",
+    string_schema(
+        "An IP address, or a CIDR block like 10.0.0.0/8 or 2001:db8::/32.",
+        forms::NET
+    )
+);
+json_schema_as!(
+    Addr,
+    "ListenAddress",
+    string_schema(
+        "A listen address IP:PORT, like 0.0.0.0:8080 or [::1]:9091.",
+        forms::ADDR
+    )
+);
+
+macro_rules! count_schema_for {
+    ($t:ty, $name:literal) => {
+        json_schema_as!(
+            Num<$t>,
+            $name,
+            count_schema(
+                "A whole number (or a string with `${VAR}`).",
+                <$t>::MAX as u64
+            )
+        );
+    };
+}
+count_schema_for!(u16, "Count16");
+count_schema_for!(u64, "Count");
+count_schema_for!(usize, "CountSize");
+
 // === formatting, for summaries, messages and /admin/config ===
 
 /// A duration in the largest unit that divides it: `1d`, `90s`, `250ms`.
@@ -493,5 +613,80 @@ mod tests {
         );
         assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
         assert_eq!(redact_url("nonsense"), "nonsense");
+    }
+
+    /// Does the schema's pattern for `form` accept `s`?
+    fn schema_accepts(form: &str, s: &str) -> bool {
+        regex::Regex::new(&forms::pattern(form))
+            .unwrap()
+            .is_match(s)
+    }
+
+    /// The schema accepts every form its parser accepts, and refuses the usual
+    /// mistakes the parser refuses, so an editor never flags a file sluice reads.
+    #[test]
+    fn schema_forms_agree_with_the_parsers() {
+        type Parser = fn(&str) -> bool;
+        let cases: [(&str, Parser, &[&str], &[&str]); 6] = [
+            (
+                forms::DURATION,
+                |s| parse_duration(s.trim()).is_some(),
+                &["250ms", "10s", " 1m ", "1h", "1d", "5us", "5µs", "10 s"],
+                &["10", "1w", "1.5s", "s", "-1s", "10s5"],
+            ),
+            (
+                forms::RATE,
+                |s| parse_rate(s.trim()).is_some(),
+                &[
+                    "10/s", "100/m", "1000/h", "5/d", "5/10s", "5 / 10 s", "7/250ms",
+                ],
+                &["10", "10/fortnight", "1.5/s", "/s", "10/", "10 per s"],
+            ),
+            (
+                forms::SIZE,
+                |s| parse_size(s.trim()).is_some(),
+                &[
+                    "512", "512B", "64KiB", "64KB", "64kB", "10MiB", "10 MB", "1GiB", "1GB",
+                ],
+                &["1.5MiB", "10mb", "MiB", "-1", "1TiB"],
+            ),
+            (
+                forms::NUMBER,
+                |s| s.trim().parse::<u64>().is_ok(),
+                &["0", "20", " 7 "],
+                &["-1", "1.5", "ten", ""],
+            ),
+            (
+                forms::NET,
+                |s| parse_net(s.trim()).is_some(),
+                &[
+                    "10.0.0.0/8",
+                    "198.51.100.7",
+                    "2001:db8::/32",
+                    "::1",
+                    "::ffff:1.2.3.4",
+                ],
+                &["example.com", "10.0.0.0/", "10.0.0.0/8/8", ""],
+            ),
+            (
+                forms::ADDR,
+                |s| s.trim().parse::<SocketAddr>().is_ok(),
+                &["0.0.0.0:8080", "127.0.0.1:9091", "[::1]:9091", "[::]:80"],
+                &["localhost:8080", "8080", ":8080", "0.0.0.0", "[::1]"],
+            ),
+        ];
+        for (form, parses, good, bad) in cases {
+            for s in good {
+                assert!(parses(s), "{form}: the parser refuses {s:?}");
+                assert!(schema_accepts(form, s), "{form}: the schema refuses {s:?}");
+            }
+            for s in bad {
+                assert!(!parses(s), "{form}: the parser accepts {s:?}");
+                assert!(!schema_accepts(form, s), "{form}: the schema accepts {s:?}");
+            }
+            // An interpolated value is left to the environment at startup.
+            assert!(schema_accepts(form, "${LIMIT}"), "{form}");
+            assert!(schema_accepts(form, "x${LIMIT:-1}"), "{form}");
+        }
     }
 }

@@ -24,7 +24,17 @@ pub enum StoreError {
 
 /// What the gateway does while the shared store is unreachable: decide in this
 /// instance's memory, forward unchecked, or answer 503.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    serde::Deserialize,
+    serde::Serialize,
+    schemars::JsonSchema,
+    Default,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum OnError {
     #[default]
