@@ -61,9 +61,14 @@ pub fn ceil_secs(us: u64) -> u64 {
     us.div_ceil(1_000_000)
 }
 
+/// The `Retry-After` of a 429: whole seconds, rounded up, at least 1.
+pub fn retry_after_secs(retry_after_us: u64) -> u64 {
+    ceil_secs(retry_after_us).max(1)
+}
+
 /// The 429 answer.
 pub fn limited(route: &str, limit: &str, retry_after_us: u64) -> Response<Body> {
-    let secs = ceil_secs(retry_after_us).max(1);
+    let secs = retry_after_secs(retry_after_us);
     let mut r = text(
         StatusCode::TOO_MANY_REQUESTS,
         format!("rate limit \"{limit}\" of route \"{route}\" exceeded; retry in {secs}s\n"),

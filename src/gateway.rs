@@ -22,6 +22,7 @@ use crate::h1server::ClientBody;
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
 use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
+use crate::refusal_log::RefusalLog;
 use crate::request::BadRequest;
 use crate::route::Matcher;
 use crate::wake::Deadline;
@@ -115,6 +116,8 @@ pub struct Shared {
     pub bans: tokio::sync::mpsc::Sender<BanRequest>,
     pub store: Store,
     pub metrics: Arc<Metrics>,
+    /// One line per refused request, within a budget.
+    pub refusals: RefusalLog,
     /// `http` or `https`, how clients reach the listener.
     pub proto: &'static str,
 }
@@ -270,7 +273,7 @@ async fn pass<'a>(
     if parts.method == http::Method::CONNECT {
         return Err(Refusal::Connect);
     }
-    deny_ip(ctx)?;
+    deny_ip(ctx, route.map_or("unmatched", |i| &rt.routes[i].name))?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
     let (ns, key) = client_key(ctx, route, parts)?;
     if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
@@ -294,10 +297,14 @@ async fn pass<'a>(
     Ok(resp)
 }
 
-/// Deny by IP, whatever the route.
-fn deny_ip<'a>(ctx: &Ctx<'a>) -> Result<(), Refusal<'a>> {
+/// Deny by IP, whatever the route (`route` names it in the log).
+fn deny_ip<'a>(ctx: &Ctx<'a>, route: &str) -> Result<(), Refusal<'a>> {
     if ctx.rt.deny.table.ip(ctx.ip) || ctx.shared.deny.load().ip(ctx.ip) {
-        return Err(Refusal::Denied(ctx.rt.deny.status));
+        let status = ctx.rt.deny.status;
+        ctx.shared
+            .refusals
+            .denied_ip(route, ctx.ip, status.as_u16());
+        return Err(Refusal::Denied(status));
     }
     Ok(())
 }
@@ -309,11 +316,17 @@ fn client_key<'a, 'r>(
     parts: &'r http::request::Parts,
 ) -> Result<(&'r str, ClientKey<'r>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
-    let denied = || Refusal::Denied(rt.deny.status);
+    let denied = |key: &str| {
+        let status = rt.deny.status;
+        shared
+            .refusals
+            .denied_key(&route.name, key, status.as_u16());
+        Refusal::Denied(status)
+    };
     // Every value of every key part, before any fallback: a denied key sent twice
     // (which makes it missing) is still denied.
-    if denied_key(rt, shared, |d| route.key.any_value(parts, d)) {
-        return Err(denied());
+    if let Some(hit) = denied_key(rt, shared, |d| route.key.any_value(parts, d)) {
+        return Err(denied(&hit));
     }
     let (ns, key) = match route.key.extract(parts, ctx.ip) {
         Ok(k) => (&route.ns, k),
@@ -323,8 +336,10 @@ fn client_key<'a, 'r>(
         },
     };
     // A composite key as a whole (bans deny the joined form).
-    if !key.parts.is_empty() && denied_key(rt, shared, |d| d(&key.value)) {
-        return Err(denied());
+    if !key.parts.is_empty() {
+        if let Some(hit) = denied_key(rt, shared, |d| d(&key.value)) {
+            return Err(denied(&hit));
+        }
     }
     Ok((ns, key))
 }
@@ -353,7 +368,10 @@ async fn limits<'a>(
             // The store logs its failures; this would repeat them per request.
             tracing::debug!(route = %route.name, error = %e, "limiter store failed");
             match rt.on_error {
-                OnError::Deny => return Err(Refusal::StoreDown),
+                OnError::Deny => {
+                    shared.refusals.store_down(&route.name, &key.value);
+                    return Err(Refusal::StoreDown);
+                }
                 OnError::Allow => (None, true),
                 OnError::Local => (shared.store.fallback(ns, &stored, &tier.plan), true),
             }
@@ -371,6 +389,16 @@ async fn limits<'a>(
         if let Some(ban) = &route.ban {
             strike(shared, route, ban, ns, &stored, key, ctx.ip);
         }
+        let (limit, retry_us) = match v.headline() {
+            Some((i, o)) => (tier.plan.limits[i].name.as_str(), o.retry_after_us),
+            None => ("", v.retry_after_us()),
+        };
+        shared.refusals.limited(
+            &route.name,
+            &key.value,
+            limit,
+            crate::answer::retry_after_secs(retry_us),
+        );
         return Err(Refusal::Limited(Box::new(Limited {
             route: &route.name,
             plan: &tier.plan,
@@ -465,19 +493,27 @@ impl Drop for Tally {
     }
 }
 
-/// Whether `values` offers a key on the static or the dynamic deny list. The dynamic
-/// list's guard is dropped before the request goes on (it must not be held across an
-/// await).
+/// The first key `values` offers that is on the static or the dynamic deny list.
+/// The dynamic list's guard is dropped before the request goes on (it must not be
+/// held across an await).
 fn denied_key(
     rt: &Runtime,
     shared: &Shared,
     values: impl FnOnce(&mut dyn FnMut(&str) -> bool) -> bool,
-) -> bool {
+) -> Option<String> {
     let dynamic = shared.deny.load();
     if !rt.deny.table.has_keys() && !dynamic.has_keys() {
-        return false;
+        return None;
     }
-    values(&mut |k| rt.deny.table.key(k) || dynamic.key(k))
+    let mut hit = None;
+    values(&mut |k| {
+        let denied = rt.deny.table.key(k) || dynamic.key(k);
+        if denied && hit.is_none() {
+            hit = Some(k.to_string());
+        }
+        denied
+    });
+    hit
 }
 
 /// Counts a refusal towards the route's ban; the `after`th within `within` asks the

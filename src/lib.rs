@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod path;
 pub mod pool;
 pub mod proxy;
+pub mod refusal_log;
 pub mod request;
 pub mod route;
 pub mod server;

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub deny_entries: IntGaugeVec,
     pub bans: IntCounterVec,
     pub build_info: IntGaugeVec,
+    /// Refusal log lines not written, over the per-second budget.
+    pub refusal_logs_dropped: IntCounter,
 }
 
 impl Metrics {
@@ -135,6 +137,11 @@ impl Metrics {
             &["version"],
         )
         .expect("metric definition");
+        let refusal_logs_dropped = IntCounter::new(
+            "sluice_refusal_logs_dropped_total",
+            "Refusal log lines not written because a second's budget was spent.",
+        )
+        .expect("metric definition");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(request_duration.clone()),
@@ -149,6 +156,7 @@ impl Metrics {
             Box::new(deny_entries.clone()),
             Box::new(bans.clone()),
             Box::new(build_info.clone()),
+            Box::new(refusal_logs_dropped.clone()),
         ] {
             registry.register(c).expect("metric registered once");
         }
@@ -186,6 +194,7 @@ impl Metrics {
             deny_entries,
             bans,
             build_info,
+            refusal_logs_dropped,
         }
     }
 

@@ -37,6 +37,7 @@ use crate::h1server::{ClientBody, Ended, Fast, Replay};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 use crate::proxy::{ConnectionHeld, LastActive};
+use crate::refusal_log::RefusalLog;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -128,6 +129,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         strikes: MemoryStore::new(max_keys, SystemClock::new()),
         bans,
         store,
+        refusals: RefusalLog::new(metrics.refusal_logs_dropped.clone()),
         metrics,
         proto: if tls.is_some() { "https" } else { "http" },
     });
