@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::redis::RedisServer;
 use common::*;
 use http::Method;
 use serde_json::Value;
@@ -21,9 +22,10 @@ fn key_hash(key: &str) -> String {
     sha1_smol::Sha1::from(key.as_bytes()).digest().to_string()[..16].to_string()
 }
 
-fn config(port: u16, admin: u16) -> String {
+fn config(port: u16, admin: u16, store: &str) -> String {
     format!(
         r#"
+{store}
 server: {{listen: "127.0.0.1:{port}"}}
 admin: {{listen: "127.0.0.1:{admin}"}}
 client_ip: {{trusted_proxies: [127.0.0.1]}}
@@ -59,8 +61,13 @@ struct Sluice {
 
 impl Sluice {
     async fn start(json: bool) -> Sluice {
+        Sluice::start_with(json, "").await
+    }
+
+    /// With `store` (a `store:` section) at the head of the configuration.
+    async fn start_with(json: bool, store: &str) -> Sluice {
         let (port, admin) = (free_port(), free_port());
-        let file = config_file(&config(port, admin));
+        let file = config_file(&config(port, admin, store));
         let path = file.path().display().to_string();
         let mut args = vec!["run", "-c", &path];
         if json {
@@ -319,4 +326,34 @@ async fn a_flood_writes_a_seconds_budget_and_counts_every_line_it_drops() {
     let m = s.metrics().await;
     assert_eq!(requests(&m, "flood", "limited") as u64, refused);
     s.stop().await;
+}
+
+#[tokio::test]
+async fn a_store_down_under_on_error_deny_is_a_line_too() {
+    let mut redis = RedisServer::start();
+    let store = format!(
+        "store:\n  backend: redis\n  redis: {{url: \"{}\", timeout: 200ms}}\n  on_error: deny\n",
+        redis.url()
+    );
+    let s = Sluice::start_with(true, &store).await;
+    let c = http1();
+    let key = [("x-api-key", "secret-A")];
+    assert_eq!(c.get(&s.url("/api/x"), &key).await.status, 200);
+    redis.kill();
+    assert_eq!(c.get(&s.url("/api/x"), &key).await.status, 503);
+    let (lines, dropped) = s.accounted(1).await;
+    assert_eq!(dropped, 0);
+    assert_eq!(
+        lines[0]["fields"],
+        serde_json::json!({
+            "message": "request refused",
+            "decision": "store_error_denied",
+            "status": 503,
+            "route": "api",
+            "key_hash": key_hash("secret-A"),
+            "dropped": 0,
+        })
+    );
+    let all = s.stop().await;
+    assert!(!all.contains("secret-A"), "{all}");
 }
