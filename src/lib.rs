@@ -20,5 +20,6 @@ pub mod proxy;
 pub mod request;
 pub mod route;
 pub mod server;
+pub mod stats;
 pub(crate) mod wake;
 pub mod wire;
