@@ -437,3 +437,64 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     );
     a.iter().zip(&b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The page runs only its own script file: no inline script or event handler
+    /// (the CSP would block them, and the page would silently break), nothing loaded
+    /// from elsewhere, and no API that turns a string into markup or code.
+    #[test]
+    fn the_dashboard_has_no_inline_code_no_external_assets_and_no_markup_sinks() {
+        let page = PAGE.to_ascii_lowercase();
+        for (i, _) in page.match_indices("<script") {
+            let tag = &page[i..i + page[i..].find('>').unwrap_or(0)];
+            assert!(tag.contains(" src=\"/"), "inline script: {tag}");
+        }
+        assert!(!page.contains("<style"), "inline style");
+        assert!(!page.contains(" style="), "style attribute");
+        for attr in [
+            " onclick",
+            " onload",
+            " onsubmit",
+            " onerror",
+            " oninput",
+            "javascript:",
+        ] {
+            assert!(!page.contains(attr), "{attr} in the page");
+        }
+        for file in [PAGE, SCRIPT, STYLE] {
+            let without_svg_ns = file.replace("http://www.w3.org/2000/svg", "");
+            for scheme in ["http://", "https://", "//cdn", "@import"] {
+                assert!(!without_svg_ns.contains(scheme), "{scheme} in an asset");
+            }
+        }
+        for sink in [
+            "innerHTML",
+            "outerHTML",
+            "insertAdjacentHTML",
+            "document.write",
+            "eval(",
+            "new Function",
+            "localStorage",
+        ] {
+            assert!(!SCRIPT.contains(sink), "{sink} in dashboard.js");
+        }
+    }
+
+    #[test]
+    fn history_json_has_one_column_per_decision_as_long_as_the_times() {
+        let mut a = [0; Decision::ALL.len()];
+        a[index(Decision::Limited)] = 2;
+        let mut b = a;
+        b[index(Decision::Allowed)] = 3;
+        let v = history_json(&[(1000, a), (3000, b)], &UNMATCHED_DECISIONS);
+        assert_eq!(
+            v,
+            serde_json::json!({"at_ms": [1000, 3000], "denied": [0, 0], "unmatched": [0, 0], "bad_request": [0, 0]})
+        );
+        let v = totals_json(&b, &[Decision::Allowed, Decision::Limited]);
+        assert_eq!(v, serde_json::json!({"allowed": 3, "limited": 2}));
+    }
+}

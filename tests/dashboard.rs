@@ -248,7 +248,23 @@ async fn the_dashboard_in_chromium_shows_counts_and_denies_and_allows_a_key() {
             .await,
         json!(true)
     );
+    // A wrong token is refused and asked for again.
     let field = browser.find("#token").await;
+    browser.type_into(&field, "wrong").await;
+    browser.click(&browser.find("#login-button").await).await;
+    browser
+        .wait_for(
+            "the refusal of a wrong token",
+            "return document.getElementById('login-error').textContent",
+            json!("That token was refused."),
+        )
+        .await;
+    assert_eq!(
+        browser
+            .eval("return document.getElementById('app').hidden")
+            .await,
+        json!(true)
+    );
     browser.type_into(&field, TOKEN).await;
     browser.click(&browser.find("#login-button").await).await;
     browser
@@ -392,4 +408,44 @@ async fn the_dashboard_in_chromium_shows_counts_and_denies_and_allows_a_key() {
 
     browser.quit().await;
     drop(sluice);
+}
+
+/// With no token configured the page opens at once, and its form works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_in_chromium_needs_no_token_when_none_is_configured() {
+    let up = upstream().await;
+    let sluice = SluiceProcess::start(&[], &[], &rules(&up.url())).await;
+    let browser = webdriver::Browser::start().await;
+    browser.open(&url(sluice.admin, "/")).await;
+    browser
+        .wait_for(
+            "the routes without signing in",
+            "return [...document.querySelectorAll('.route h3')].map(e => e.textContent)",
+            json!(["api", "health"]),
+        )
+        .await;
+    assert_eq!(
+        browser
+            .eval("return [document.getElementById('login').hidden, document.getElementById('forget').hidden]")
+            .await,
+        json!([true, true])
+    );
+    // A bad entry is refused with the API's message, shown as text.
+    browser
+        .click(&browser.find("#deny-kind option[value=\"ip\"]").await)
+        .await;
+    browser
+        .type_into(&browser.find("#deny-value").await, "300.1.2.3")
+        .await;
+    browser.click(&browser.find("#deny-add").await).await;
+    browser
+        .wait_for(
+            "the API's refusal",
+            "return document.getElementById('deny-message').textContent",
+            json!("400: ip \"300.1.2.3\" is not an address or CIDR block like 203.0.113.7 or 10.1.0.0/16"),
+        )
+        .await;
+    let r = get(&url(sluice.admin, "/admin/deny"), &[]).await;
+    assert_eq!(r.text(), "[]\n");
+    browser.quit().await;
 }

@@ -244,17 +244,23 @@ impl Browser {
     /// Ends the session (Chromium exits) and chromedriver; then every process of
     /// this browser is gone.
     pub async fn quit(mut self) {
+        let ours = self.processes();
         if self.session.is_some() {
             self.call(Method::DELETE, &self.session(""), None).await;
             self.session = None;
         }
         self.driver.kill();
-        let gone = eventually(BOUND, || async { self.processes().is_empty() }).await;
-        assert!(
-            gone.is_some(),
-            "Chromium processes left: {:?}",
-            self.processes()
-        );
+        // Gone, not just dead: a zombie is reaped too (by whoever became its parent).
+        let left = || {
+            let mut pids = self.processes();
+            pids.extend(
+                ours.iter()
+                    .filter(|p| Path::new(&format!("/proc/{p}")).exists()),
+            );
+            pids
+        };
+        let gone = eventually(BOUND, || async { left().is_empty() }).await;
+        assert!(gone.is_some(), "Chromium processes left: {:?}", left());
     }
 
     /// Processes (pids) whose command line names this browser's profile directory.
