@@ -449,3 +449,43 @@ async fn the_dashboard_in_chromium_needs_no_token_when_none_is_configured() {
     assert_eq!(r.text(), "[]\n");
     browser.quit().await;
 }
+
+/// On the Redis store: its health as `/readyz` sees it, and its failed calls as
+/// `sluice_store_errors_total` counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_shows_the_redis_store_going_down() {
+    let mut redis = common::redis::RedisServer::start();
+    let up = upstream().await;
+    let store = common::redis::redis_store(&common::redis::url_target(&redis.url()), "deny", 2000);
+    let gw = start_gateway(&format!(
+        "admin: {{listen: \"127.0.0.1:0\", token: {TOKEN}}}\n{store}{}",
+        rules(&up.url())
+    ))
+    .await;
+    let c = http1();
+    let api = url(gw.addr, "/api/x");
+    assert_eq!(c.get(&api, &[("x-api-key", "k")]).await.status, 200);
+    let s = stats(gw.admin_addr).await;
+    assert_eq!(
+        s["store"],
+        json!({"backend": "redis", "ready": true, "errors": 0, "on_error": "deny"})
+    );
+
+    redis.kill();
+    assert_eq!(c.get(&api, &[("x-api-key", "k")]).await.status, 503);
+    let down = eventually(Duration::from_secs(5), || async {
+        stats(gw.admin_addr).await["store"]["ready"] == json!(false)
+    })
+    .await;
+    assert!(down.is_some(), "the store never showed as down");
+    let s = stats(gw.admin_addr).await;
+    let counted = metric(
+        &metrics(gw.admin_addr).await,
+        "sluice_store_errors_total{store=\"redis\"}",
+    );
+    assert!(s["store"]["errors"].as_u64() >= Some(1), "{s}");
+    assert_eq!(s["store"]["errors"].as_f64(), counted);
+    assert_eq!(s["routes"][0]["totals"]["allowed"], 1);
+    assert_eq!(s["routes"][0]["totals"]["store_error_denied"], 1);
+    gw.shutdown().await;
+}
