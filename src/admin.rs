@@ -1,12 +1,16 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, and the token-guarded
 //! `/admin/*` API. It is a separate listener so that it can stay on loopback while
 //! the gateway faces the world. The API only translates requests into control
-//! commands and their results into answers.
+//! commands and their results into answers. `GET /` is the dashboard, a static page
+//! whose script reads the token-guarded JSON endpoints.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, ALLOW, AUTHORIZATION, CONTENT_TYPE};
+use http::header::{
+    HeaderValue, ALLOW, AUTHORIZATION, CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE,
+    REFERRER_POLICY, X_CONTENT_TYPE_OPTIONS, X_FRAME_OPTIONS,
+};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -17,6 +21,8 @@ use crate::config::value::parse_duration;
 use crate::control::{Command, Control, ControlError, Reply, Status, Trigger};
 use crate::deny::{now_ms, rfc3339, Entry, EntryJson, Meta, Source, Target};
 use crate::gateway::Shared;
+use crate::metrics::Decision;
+use crate::stats::{History, Sample, Totals};
 
 /// Largest request body the admin API reads.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -26,7 +32,34 @@ const MAX_REASON: usize = 1024;
 pub struct Admin {
     pub shared: Arc<Shared>,
     pub control: Arc<Control>,
+    /// Every route's sampled counters, for `/admin/stats`.
+    pub history: Arc<History>,
 }
+
+// The dashboard: three static files, compiled in.
+const PAGE: &str = include_str!("dashboard/index.html");
+const SCRIPT: &str = include_str!("dashboard/dashboard.js");
+const STYLE: &str = include_str!("dashboard/dashboard.css");
+
+/// The dashboard loads its script and style from this listener and talks to nothing
+/// else; no inline script, style or event handler runs, so a route name or deny
+/// reason that smuggled markup into the page could not execute.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// The decisions a route's requests can get, and those of requests matching no route.
+const ROUTE_DECISIONS: [Decision; 8] = [
+    Decision::Allowed,
+    Decision::Delayed,
+    Decision::Limited,
+    Decision::Denied,
+    Decision::Shadow,
+    Decision::StoreErrorAllowed,
+    Decision::StoreErrorDenied,
+    Decision::BadRequest,
+];
+const UNMATCHED_DECISIONS: [Decision; 3] =
+    [Decision::Denied, Decision::Unmatched, Decision::BadRequest];
 
 impl Admin {
     pub async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
@@ -40,6 +73,9 @@ impl Admin {
                 );
                 r
             }
+            (&Method::GET, "/") => asset(PAGE, "text/html; charset=utf-8"),
+            (&Method::GET, "/dashboard.js") => asset(SCRIPT, "text/javascript; charset=utf-8"),
+            (&Method::GET, "/dashboard.css") => asset(STYLE, "text/css; charset=utf-8"),
             (&Method::GET, "/healthz") => answer::text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") => {
                 if !self.shared.store.ready() {
@@ -85,6 +121,8 @@ impl Admin {
                 json(StatusCode::OK, &config_view(&self.control.status()))
             }
             ("/admin/config", _) => not_allowed("GET"),
+            ("/admin/stats", Method::GET) => json(StatusCode::OK, &self.stats()),
+            ("/admin/stats", _) => not_allowed("GET"),
             ("/admin/reload", Method::POST) => {
                 match self.control.apply(Command::Reload(Trigger::Api)).await {
                     Ok(Reply::Reloaded(hash)) => json(
@@ -101,6 +139,65 @@ impl Admin {
             ("/admin/reload", _) => not_allowed("POST"),
             _ => answer::text(StatusCode::NOT_FOUND, "no such admin endpoint\n"),
         }
+    }
+
+    /// `/admin/stats`: every route's decisions now and over the last minutes, the
+    /// store's health, and what became of the last reload.
+    fn stats(&self) -> serde_json::Value {
+        let rt = self.shared.runtime.load_full();
+        let metrics = &self.shared.metrics;
+        let routes: Vec<_> = rt
+            .routes
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "name": r.name,
+                    "totals": totals_json(&r.metrics.totals(), &ROUTE_DECISIONS),
+                    "history": history_json(&self.history.route(&r.name), &ROUTE_DECISIONS),
+                })
+            })
+            .collect();
+        let store = self.shared.store.redis_store().map_or(("memory", 0), |_| {
+            (
+                "redis",
+                metrics.store_errors.with_label_values(&["redis"]).get(),
+            )
+        });
+        let deny: serde_json::Map<_, _> = crate::deny::Source::ALL
+            .iter()
+            .map(|s| {
+                let n = metrics.deny_entries.with_label_values(&[s.as_str()]).get();
+                (s.as_str().to_string(), n.into())
+            })
+            .collect();
+        let reloads = |result: &str| metrics.config_reloads.with_label_values(&[result]).get();
+        let status = self.control.status();
+        let now = now_ms();
+        serde_json::json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "now": rfc3339(now),
+            "now_ms": now,
+            "sample_every_ms": crate::stats::SAMPLE_EVERY.as_millis() as u64,
+            "keep_ms": crate::stats::KEEP.as_millis() as u64,
+            "routes": routes,
+            "unmatched": {
+                "totals": totals_json(&rt.unmatched.totals(), &UNMATCHED_DECISIONS),
+                "history": history_json(&self.history.unmatched(), &UNMATCHED_DECISIONS),
+            },
+            "store": {
+                "backend": store.0,
+                "ready": self.shared.store.ready(),
+                "errors": store.1,
+                "on_error": rt.on_error,
+            },
+            "config": {
+                "hash": status.hash,
+                "loaded_at": rfc3339(status.loaded_at_ms),
+                "last_reload": reload_view(&status),
+                "reloads": {"success": reloads("success"), "failure": reloads("failure")},
+            },
+            "deny_entries": deny,
+        })
     }
 
     fn deny_list(&self) -> Vec<EntryJson> {
@@ -208,6 +305,17 @@ impl DenyRequest {
 
 /// `/admin/config`: the effective configuration and what became of the last reload.
 fn config_view(s: &Status) -> serde_json::Value {
+    serde_json::json!({
+        "path": s.path.display().to_string(),
+        "hash": s.hash,
+        "loaded_at": rfc3339(s.loaded_at_ms),
+        "last_reload": reload_view(s),
+        "config": s.config,
+    })
+}
+
+/// The last reload (`null` before the first): when, why, and its hash or error.
+fn reload_view(s: &Status) -> serde_json::Value {
     let last = s.last_reload.as_ref().map(|r| {
         let (result, hash, error) = match &r.result {
             Ok(h) => ("success", Some(h.as_str()), None),
@@ -221,13 +329,46 @@ fn config_view(s: &Status) -> serde_json::Value {
             "error": error,
         })
     });
-    serde_json::json!({
-        "path": s.path.display().to_string(),
-        "hash": s.hash,
-        "loaded_at": rfc3339(s.loaded_at_ms),
-        "last_reload": last,
-        "config": s.config,
-    })
+    last.unwrap_or(serde_json::Value::Null)
+}
+
+fn index(d: Decision) -> usize {
+    Decision::ALL.iter().position(|x| *x == d).unwrap_or(0)
+}
+
+/// `{"allowed": 3, "limited": 2, ...}`: the counters of `decisions`.
+fn totals_json(totals: &Totals, decisions: &[Decision]) -> serde_json::Value {
+    decisions
+        .iter()
+        .map(|d| (d.as_str().to_string(), totals[index(*d)].into()))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// `{"at_ms": [t0, t1, ...], "allowed": [n0, n1, ...], ...}`: one column per decision,
+/// the counters as they were at each sample time.
+fn history_json(samples: &[Sample], decisions: &[Decision]) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    let at: Vec<u64> = samples.iter().map(|(at, _)| *at).collect();
+    m.insert("at_ms".into(), at.into());
+    for d in decisions {
+        let col: Vec<u64> = samples.iter().map(|(_, t)| t[index(*d)]).collect();
+        m.insert(d.as_str().into(), col.into());
+    }
+    m.into()
+}
+
+/// A dashboard file: never cached (a new binary serves a new page), never framed.
+fn asset(body: &'static str, content_type: &'static str) -> Response<Body> {
+    let mut r = Response::new(answer::full(Bytes::from_static(body.as_bytes())));
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    h.insert(X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    r
 }
 
 /// Reads a JSON body of at most `MAX_BODY` bytes, or the 400 to answer.
@@ -295,4 +436,65 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
         sha1_smol::Sha1::from(b).digest().bytes(),
     );
     a.iter().zip(&b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The page runs only its own script file: no inline script or event handler
+    /// (the CSP would block them, and the page would silently break), nothing loaded
+    /// from elsewhere, and no API that turns a string into markup or code.
+    #[test]
+    fn the_dashboard_has_no_inline_code_no_external_assets_and_no_markup_sinks() {
+        let page = PAGE.to_ascii_lowercase();
+        for (i, _) in page.match_indices("<script") {
+            let tag = &page[i..i + page[i..].find('>').unwrap_or(0)];
+            assert!(tag.contains(" src=\"/"), "inline script: {tag}");
+        }
+        assert!(!page.contains("<style"), "inline style");
+        assert!(!page.contains(" style="), "style attribute");
+        for attr in [
+            " onclick",
+            " onload",
+            " onsubmit",
+            " onerror",
+            " oninput",
+            "javascript:",
+        ] {
+            assert!(!page.contains(attr), "{attr} in the page");
+        }
+        for file in [PAGE, SCRIPT, STYLE] {
+            let without_svg_ns = file.replace("http://www.w3.org/2000/svg", "");
+            for scheme in ["http://", "https://", "//cdn", "@import"] {
+                assert!(!without_svg_ns.contains(scheme), "{scheme} in an asset");
+            }
+        }
+        for sink in [
+            "innerHTML",
+            "outerHTML",
+            "insertAdjacentHTML",
+            "document.write",
+            "eval(",
+            "new Function",
+            "localStorage",
+        ] {
+            assert!(!SCRIPT.contains(sink), "{sink} in dashboard.js");
+        }
+    }
+
+    #[test]
+    fn history_json_has_one_column_per_decision_as_long_as_the_times() {
+        let mut a = [0; Decision::ALL.len()];
+        a[index(Decision::Limited)] = 2;
+        let mut b = a;
+        b[index(Decision::Allowed)] = 3;
+        let v = history_json(&[(1000, a), (3000, b)], &UNMATCHED_DECISIONS);
+        assert_eq!(
+            v,
+            serde_json::json!({"at_ms": [1000, 3000], "denied": [0, 0], "unmatched": [0, 0], "bad_request": [0, 0]})
+        );
+        let v = totals_json(&b, &[Decision::Allowed, Decision::Limited]);
+        assert_eq!(v, serde_json::json!({"allowed": 3, "limited": 2}));
+    }
 }

@@ -21,5 +21,6 @@ pub mod refusal_log;
 pub mod request;
 pub mod route;
 pub mod server;
+pub mod stats;
 pub(crate) mod wake;
 pub mod wire;

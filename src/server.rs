@@ -226,10 +226,19 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         )));
         handles
     };
+    // The dashboard's history: the counters of every route, sampled.
+    let history = Arc::new(crate::stats::History::standard());
+    crate::stats::sample(&shared, &history);
+    let sampler = tokio::spawn(crate::stats::run(
+        shared.clone(),
+        history.clone(),
+        stop_rx.clone(),
+    ));
     let admin = {
         let admin = Arc::new(Admin {
             shared: shared.clone(),
             control: control.clone(),
+            history,
         });
         let service = move |_peer: Arc<gateway::Peer>| {
             let admin = admin.clone();
@@ -332,7 +341,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         stop,
         tasks: gw
             .into_iter()
-            .chain([admin, sweeper, control_loop])
+            .chain([admin, sampler, sweeper, control_loop])
             .collect(),
         publisher,
         _watch: watch,

@@ -2,7 +2,8 @@
 # Runs every test of sluice. On a fresh machine it first installs what cargo
 # cannot: redis-server and redis-cli (the Redis store's tests start their own
 # servers), faketime (clock-skew tests) and promtool (the prometheus package: a
-# test lints /metrics with it), from Debian's packages; and cargo-deny,
+# test lints /metrics with it) and chromium with chromium-driver (the dashboard's
+# test drives a headless browser), from Debian's packages; and cargo-deny,
 # which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,9 @@ compgen -G '/usr/lib/faketime/libfaketimeMT.so.1' >/dev/null \
   || need+=(faketime)
 # promtool, which tests/metrics_lint.rs runs on /metrics.
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# A headless browser and its WebDriver, which tests/dashboard.rs drives.
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 [ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories

@@ -344,9 +344,24 @@ impl SluiceProcess {
     /// (a forked grandchild is killed with the group on drop, but would outlive a
     /// test process that dies); for a skewed clock use `start_faked`.
     pub async fn start(prefix: &[&str], env: &[(&str, &str)], yaml: &str) -> SluiceProcess {
+        Self::start_with(prefix, env, "", yaml).await
+    }
+
+    /// Like `start`, with `admin` added to the admin listener's settings, e.g.
+    /// `token: s3cret`.
+    pub async fn start_admin(admin: &str, yaml: &str) -> SluiceProcess {
+        Self::start_with(&[], &[], &format!(", {admin}"), yaml).await
+    }
+
+    async fn start_with(
+        prefix: &[&str],
+        env: &[(&str, &str)],
+        admin: &str,
+        yaml: &str,
+    ) -> SluiceProcess {
         let (port, admin_port) = (free_port(), free_port());
         let text = format!(
-            "server: {{listen: \"127.0.0.1:{port}\"}}\nadmin: {{listen: \"127.0.0.1:{admin_port}\"}}\n{yaml}"
+            "server: {{listen: \"127.0.0.1:{port}\"}}\nadmin: {{listen: \"127.0.0.1:{admin_port}\"{admin}}}\n{yaml}"
         );
         let config = tempfile::Builder::new()
             .suffix(".yaml")

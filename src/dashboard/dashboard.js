@@ -1,0 +1,502 @@
+// The sluice dashboard: polls the admin API (/admin/stats, /admin/deny, and
+// /admin/config when the configuration changed) and draws what it reads. Every
+// value from the server goes into the page as text (textContent, attributes set
+// through the DOM), never as markup: route names and deny reasons are written by
+// operators and, through the API, possibly by anyone holding a token.
+"use strict";
+
+(() => {
+  const TOKEN_KEY = "sluice-admin-token";
+  const POLL_MS = 1000;
+  const SVG = "http://www.w3.org/2000/svg";
+  // The decisions drawn as lines; the rest add up to "other".
+  const LINES = [
+    ["allowed", "allowed"],
+    ["limited", "limited"],
+    ["denied", "denied"],
+    ["other", "other"],
+  ];
+  // Always shown; the other decisions only once they happened, in this order.
+  const MAIN = ["allowed", "limited", "denied"];
+  const ORDER = [...MAIN, "delayed", "shadow", "store_error_allowed", "store_error_denied", "bad_request"];
+
+  const $ = (id) => document.getElementById(id);
+  let token = sessionStorage.getItem(TOKEN_KEY) || "";
+  let configHash = null;
+  let config = null;
+  let timer = null;
+  let stopped = false;
+  const routeViews = new Map();
+
+  // === DOM helpers ===
+
+  // el("div", {class: "x", dataset: {route: name}}, "text", child...)
+  function el(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    setAttrs(e, attrs);
+    for (const c of children) {
+      if (c === null || c === undefined) continue;
+      e.append(typeof c === "string" || typeof c === "number" ? String(c) : c);
+    }
+    return e;
+  }
+
+  function svg(tag, attrs) {
+    const e = document.createElementNS(SVG, tag);
+    setAttrs(e, attrs);
+    return e;
+  }
+
+  function setAttrs(e, attrs) {
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "dataset") Object.assign(e.dataset, v);
+      else if (k === "text") e.textContent = v;
+      else e.setAttribute(k, v);
+    }
+  }
+
+  function clear(e) {
+    while (e.firstChild) e.removeChild(e.firstChild);
+  }
+
+  function row(dl, term, ...value) {
+    dl.append(el("dt", null, term), el("dd", null, ...value));
+  }
+
+  function badge(ok, yes, no) {
+    return el("span", { class: ok ? "badge ok" : "badge bad" }, ok ? yes : no);
+  }
+
+  function ago(iso, nowMs) {
+    const t = Date.parse(iso);
+    if (!Number.isFinite(t)) return "";
+    const s = Math.round((nowMs - t) / 1000);
+    return s >= 0 ? `${duration(s)} ago` : `in ${duration(-s)}`;
+  }
+
+  function duration(s) {
+    if (s < 60) return `${s}s`;
+    if (s < 3600) return `${Math.floor(s / 60)}m ${s % 60}s`;
+    if (s < 86400) return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
+    return `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`;
+  }
+
+  function rate(r) {
+    if (Number.isInteger(r)) return String(r);
+    if (r >= 100) return r.toFixed(0);
+    if (r >= 10) return r.toFixed(1);
+    return r.toFixed(2);
+  }
+
+  // === the admin API ===
+
+  class Unauthorized extends Error {}
+
+  async function api(method, path, body) {
+    const headers = {};
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const init = { method, headers, cache: "no-store" };
+    if (body !== undefined) {
+      headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    const r = await fetch(path, init);
+    if (r.status === 401) throw new Unauthorized("the admin API wants a (valid) token");
+    return r;
+  }
+
+  async function getJson(path) {
+    const r = await api("GET", path);
+    if (!r.ok) throw new Error(`${path}: ${r.status} ${(await r.text()).trim()}`);
+    return r.json();
+  }
+
+  // === polling ===
+
+  async function refresh() {
+    const [stats, deny] = await Promise.all([getJson("/admin/stats"), getJson("/admin/deny")]);
+    if (stats.config.hash !== configHash) {
+      const c = await getJson("/admin/config");
+      config = c.config;
+      configHash = stats.config.hash;
+      buildRoutes(config.routes || []);
+    }
+    $("version").textContent = `v${stats.version}`;
+    renderStore(stats);
+    renderConfig(stats);
+    renderUnmatched(stats.unmatched);
+    renderRoutes(stats);
+    renderDeny(deny);
+  }
+
+  async function poll() {
+    timer = null;
+    if (stopped) return;
+    try {
+      await refresh();
+      showApp();
+      $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      $("status").className = "muted";
+    } catch (e) {
+      if (e instanceof Unauthorized) {
+        showLogin(token ? "That token was refused." : "");
+        return;
+      }
+      $("status").textContent = `admin API: ${e.message}`;
+      $("status").className = "error";
+    }
+    timer = setTimeout(poll, POLL_MS);
+  }
+
+  function restart() {
+    stopped = false;
+    if (timer) clearTimeout(timer);
+    poll();
+  }
+
+  function showApp() {
+    $("login").hidden = true;
+    $("app").hidden = false;
+    $("forget").hidden = !token;
+  }
+
+  function showLogin(message) {
+    stopped = true;
+    if (timer) clearTimeout(timer);
+    timer = null;
+    $("app").hidden = true;
+    $("login").hidden = false;
+    $("forget").hidden = true;
+    $("login-error").textContent = message;
+    $("status").textContent = "";
+    $("token").focus();
+  }
+
+  // === store, configuration, unmatched ===
+
+  function renderStore(stats) {
+    const s = stats.store;
+    const dl = $("store");
+    clear(dl);
+    row(dl, "backend", s.backend);
+    row(dl, "health", badge(s.ready, "ready", "not ready"));
+    row(dl, "store errors", el("span", { class: s.errors > 0 ? "error" : "" }, s.errors));
+    row(dl, "on_error", s.on_error);
+    const d = stats.deny_entries;
+    row(dl, "deny entries", `${d.static} static · ${d.api} api · ${d.ban} ban`);
+  }
+
+  function renderConfig(stats) {
+    const c = stats.config;
+    const dl = $("config");
+    clear(dl);
+    row(dl, "hash", el("code", null, c.hash.slice(0, 12)));
+    row(dl, "loaded", `${c.loaded_at} (${ago(c.loaded_at, stats.now_ms)})`);
+    const last = c.last_reload;
+    if (!last) {
+      row(dl, "last reload", el("span", { class: "muted" }, "none since start"));
+    } else {
+      const ok = last.result === "success";
+      row(
+        dl,
+        "last reload",
+        badge(ok, "success", "failure"),
+        ` via ${last.trigger}, ${last.at} (${ago(last.at, stats.now_ms)})`
+      );
+      if (!ok) row(dl, "error", el("pre", { class: "error", id: "reload-error" }, last.error));
+    }
+    row(dl, "reloads", `${c.reloads.success} succeeded · ${c.reloads.failure} failed`);
+  }
+
+  function renderUnmatched(u) {
+    const dl = $("unmatched");
+    clear(dl);
+    row(dl, "no route (404)", el("span", { class: "n", dataset: { decision: "unmatched" } }, u.totals.unmatched));
+    row(dl, "denied by IP", el("span", { class: "n", dataset: { decision: "denied" } }, u.totals.denied));
+    row(dl, "bad requests", el("span", { class: "n", dataset: { decision: "bad_request" } }, u.totals.bad_request));
+  }
+
+  // === routes ===
+
+  function limitText(l, i) {
+    const name = l.name || `${l.algorithm}_${i}`;
+    const parts = [];
+    if (l.limit !== null && l.limit !== undefined) parts.push(`limit ${l.limit}`);
+    if (l.window) parts.push(`per ${l.window}`);
+    if (l.rate) parts.push(`rate ${l.rate}`);
+    if (l.burst !== null && l.burst !== undefined) parts.push(`burst ${l.burst}`);
+    if (l.lease) parts.push(`lease ${l.lease}`);
+    if (l.cost !== null && l.cost !== undefined) parts.push(`cost ${l.cost}`);
+    return el(
+      "li",
+      { dataset: { limit: name } },
+      el("b", null, name),
+      " ",
+      el("span", { class: "algo" }, l.algorithm),
+      ` ${parts.join(", ")}`
+    );
+  }
+
+  function matchText(m) {
+    const parts = [];
+    if (m.host) parts.push(`host ${m.host}`);
+    if (m.methods) parts.push(m.methods.join(","));
+    if (m.path) parts.push(`path ${m.path}`);
+    if (m.path_prefix) parts.push(`prefix ${m.path_prefix}`);
+    if (m.path_regex) parts.push(`regex ${m.path_regex}`);
+    if (m.headers) {
+      for (const [k, v] of Object.entries(m.headers)) parts.push(`${k}: ${v}`);
+    }
+    if (m.case_insensitive) parts.push("(any case)");
+    return parts.length ? parts.join(" · ") : "everything";
+  }
+
+  function keyText(k) {
+    return Array.isArray(k) ? k.join(" + ") : String(k);
+  }
+
+  function buildRoutes(routes) {
+    const box = $("routes");
+    clear(box);
+    routeViews.clear();
+    if (routes.length === 0) box.append(el("p", { class: "muted" }, "No routes."));
+    for (const r of routes) {
+      const info = el("dl", { class: "route-info" });
+      row(info, "match", matchText(r.match || {}));
+      if (r.upstream) row(info, "upstream", r.upstream);
+      if (r.respond) row(info, "responds", `${r.respond.status}`);
+      row(info, "key", keyText(r.key));
+      const flags = [];
+      if (r.on_limit === "delay") flags.push(`delay up to ${r.max_delay}`);
+      if (r.shadow) flags.push("shadow (never refuses)");
+      if (r.ban) flags.push(`ban after ${r.ban.after} in ${r.ban.within} for ${r.ban.for}`);
+      if (flags.length) row(info, "on limit", flags.join(" · "));
+      const limits = el("ul", { class: "limits" });
+      (r.limits || []).forEach((l, i) => limits.append(limitText(l, i)));
+      if (!r.limits || r.limits.length === 0) limits.append(el("li", { class: "muted" }, "no limits"));
+      const tiers = (r.overrides || []).length;
+      if (tiers) limits.append(el("li", { class: "muted" }, `+ ${tiers} override tier${tiers > 1 ? "s" : ""}`));
+
+      const counters = el("div", { class: "counters" });
+      const chart = svg("svg", { class: "chart", viewBox: "0 0 320 90", preserveAspectRatio: "none" });
+      const top = el("span", { class: "tick top" });
+      const plot = el(
+        "div",
+        { class: "plot" },
+        chart,
+        top,
+        el("span", { class: "tick start" }, "-5m"),
+        el("span", { class: "tick end" }, "now")
+      );
+      const legend = el("div", { class: "legend" });
+      for (const [key, label] of LINES) legend.append(el("span", { class: `key ${key}` }, label));
+      const card = el(
+        "article",
+        { class: "card route", dataset: { route: r.name } },
+        el("div", { class: "route-head" }, el("h3", null, r.name)),
+        el("div", { class: "route-body" },
+          el("div", { class: "route-left" }, info, limits),
+          el("div", { class: "route-right" }, counters, plot, legend))
+      );
+      box.append(card);
+      routeViews.set(r.name, { counters, chart, top, cells: new Map() });
+    }
+  }
+
+  function renderRoutes(stats) {
+    for (const r of stats.routes) {
+      const v = routeViews.get(r.name);
+      if (!v) continue;
+      const samples = series(r.history, r.totals, stats.now_ms);
+      const rates = lastRates(samples);
+      for (const d of ORDER.filter((d) => d in r.totals)) {
+        const n = r.totals[d];
+        let cell = v.cells.get(d);
+        if (!cell) {
+          const num = el("div", { class: "n" });
+          const per = el("div", { class: "rate" });
+          cell = { box: el("div", { class: `counter ${d}`, dataset: { decision: d } }, num, el("div", { class: "label" }, d.replaceAll("_", " ")), per), num, per };
+          v.cells.set(d, cell);
+          v.counters.append(cell.box);
+        }
+        cell.box.hidden = !MAIN.includes(d) && n === 0;
+        cell.num.textContent = String(n);
+        cell.per.textContent = `${rate(rates[d] || 0)}/s`;
+      }
+      v.top.textContent = `${drawChart(v.chart, samples, stats.now_ms, stats.keep_ms)}/s`;
+    }
+  }
+
+  // The samples (oldest first) plus the counters now: [{at, totals: {decision: n}}].
+  function series(h, totals, now) {
+    const out = [];
+    const decisions = Object.keys(totals);
+    for (let i = 0; i < h.at_ms.length; i++) {
+      const t = {};
+      for (const d of decisions) t[d] = h[d][i];
+      out.push({ at: h.at_ms[i], totals: t });
+    }
+    if (!out.length || now > out[out.length - 1].at) out.push({ at: now, totals });
+    return out;
+  }
+
+  function group(totals) {
+    let other = 0;
+    for (const [d, n] of Object.entries(totals)) if (!MAIN.includes(d)) other += n;
+    return { allowed: totals.allowed || 0, limited: totals.limited || 0, denied: totals.denied || 0, other };
+  }
+
+  function ratesBetween(a, b) {
+    const dt = (b.at - a.at) / 1000;
+    const out = {};
+    for (const d of Object.keys(b.totals)) out[d] = dt > 0 ? Math.max(0, (b.totals[d] - (a.totals[d] || 0)) / dt) : 0;
+    return out;
+  }
+
+  // Per second over the last two sample intervals (and the moments since).
+  function lastRates(samples) {
+    if (samples.length < 2) return {};
+    const n = samples.length;
+    const from = samples[Math.max(0, n - 3)];
+    return ratesBetween(from, samples[n - 1]);
+  }
+
+  function drawChart(chart, samples, now, keep) {
+    clear(chart);
+    const W = 320, top = 16, bottom = 76;
+    const start = now - keep;
+    const points = { allowed: [], limited: [], denied: [], other: [] };
+    let max = 0;
+    for (let i = 1; i < samples.length; i++) {
+      if (samples[i].at < start) continue;
+      const r = group(ratesBetween(samples[i - 1], samples[i]));
+      for (const k of Object.keys(points)) {
+        points[k].push([samples[i].at, r[k]]);
+        max = Math.max(max, r[k]);
+      }
+    }
+    const scale = niceMax(max);
+    const x = (t) => ((t - start) / keep) * W;
+    const y = (v) => bottom - (v / scale) * (bottom - top);
+    chart.append(svg("line", { x1: 0, x2: W, y1: bottom, y2: bottom, class: "axis" }));
+    chart.append(svg("line", { x1: 0, x2: W, y1: top, y2: top, class: "grid" }));
+    for (const [k] of LINES) {
+      const pts = points[k];
+      if (!pts.length) continue;
+      chart.append(
+        svg("polyline", {
+          class: `line ${k}`,
+          points: pts.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" "),
+        })
+      );
+    }
+    return rate(scale);
+  }
+
+  function niceMax(v) {
+    if (v <= 1) return 1;
+    const p = Math.pow(10, Math.floor(Math.log10(v)));
+    for (const m of [1, 2, 5, 10]) if (v <= m * p) return m * p;
+    return 10 * p;
+  }
+
+  // === deny list ===
+
+  // Rebuilt only when the list changed, so a button is never swapped out under a click.
+  let denyShown = null;
+
+  function renderDeny(entries) {
+    const text = JSON.stringify(entries);
+    if (text === denyShown) return;
+    denyShown = text;
+    const body = $("deny");
+    clear(body);
+    if (entries.length === 0) {
+      body.append(el("tr", null, el("td", { colspan: "6", class: "muted" }, "No entries.")));
+      return;
+    }
+    for (const e of entries) {
+      const expires = e.expires_at ? new Date(e.expires_at).toLocaleString() : "never";
+      let action = null;
+      if (e.source !== "static") {
+        action = el("button", { type: "button", class: "remove" }, "Remove");
+        action.addEventListener("click", () => removeEntry(e.kind, e.value));
+      } else {
+        action = el("span", { class: "muted small" }, "in rules.yaml");
+      }
+      const source = e.route ? `${e.source} (${e.route})` : e.source;
+      body.append(
+        el(
+          "tr",
+          { dataset: { kind: e.kind, value: e.value } },
+          el("td", null, e.kind),
+          el("td", { class: "value" }, el("code", null, e.value)),
+          el("td", null, source),
+          el("td", null, expires),
+          el("td", { class: "reason" }, e.reason || ""),
+          el("td", null, action)
+        )
+      );
+    }
+  }
+
+  function say(text, ok) {
+    const m = $("deny-message");
+    m.textContent = text;
+    m.className = ok ? "small ok" : "small error";
+  }
+
+  async function addEntry(ev) {
+    ev.preventDefault();
+    const kind = $("deny-kind").value;
+    const value = $("deny-value").value.trim();
+    const ttl = $("deny-ttl").value.trim();
+    const reason = $("deny-reason").value;
+    if (!value) return say(`Give the ${kind} to deny.`, false);
+    const body = { [kind]: value };
+    if (ttl) body.ttl = ttl;
+    if (reason) body.reason = reason;
+    await change("POST", body, `Denied ${kind} ${value}.`, () => {
+      $("deny-value").value = "";
+      $("deny-ttl").value = "";
+      $("deny-reason").value = "";
+    });
+  }
+
+  async function removeEntry(kind, value) {
+    await change("DELETE", { [kind]: value }, `Removed ${kind} ${value}.`, () => {});
+  }
+
+  async function change(method, body, done, after) {
+    try {
+      const r = await api(method, "/admin/deny", body);
+      if (!r.ok) return say(`${r.status}: ${(await r.text()).trim()}`, false);
+      after();
+      say(done, true);
+      renderDeny(await getJson("/admin/deny"));
+    } catch (e) {
+      if (e instanceof Unauthorized) return showLogin("That token was refused.");
+      say(e.message, false);
+    }
+  }
+
+  // === start ===
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("login-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      token = $("token").value.trim();
+      if (token) sessionStorage.setItem(TOKEN_KEY, token);
+      else sessionStorage.removeItem(TOKEN_KEY);
+      $("token").value = "";
+      restart();
+    });
+    $("forget").addEventListener("click", () => {
+      token = "";
+      sessionStorage.removeItem(TOKEN_KEY);
+      restart();
+    });
+    $("deny-form").addEventListener("submit", addEntry);
+    restart();
+  });
+})();
