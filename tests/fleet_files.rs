@@ -209,12 +209,17 @@ impl Compose {
         }
     }
 
-    /// The gateways: services that mount the fleet configuration.
+    /// The gateways: services whose /etc/sluice/rules.yaml (where the image reads
+    /// its configuration) is the fleet configuration.
     fn gateways(&self) -> BTreeSet<String> {
         let fleet = docker().join("fleet/rules.yaml");
         self.services
             .keys()
-            .filter(|s| self.mounts(s).iter().any(|m| m.host == fleet))
+            .filter(|s| {
+                let holds = |m: &Mount| "/etc/sluice/rules.yaml".starts_with(&m.target);
+                self.mounts(s).iter().any(holds)
+                    && self.host_path(s, "/etc/sluice/rules.yaml") == fleet
+            })
             .cloned()
             .collect()
     }
