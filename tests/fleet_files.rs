@@ -246,8 +246,8 @@ impl Compose {
     }
 }
 
-/// The published ports of a service, as (host, container).
-fn published(service: &Yaml) -> Vec<(u16, u16)> {
+/// The published ports of a service, as (host address, host port, container port).
+fn published(service: &Yaml) -> Vec<(String, u16, u16)> {
     let Some(ports) = service.get("ports") else {
         return Vec::new();
     };
@@ -257,10 +257,12 @@ fn published(service: &Yaml) -> Vec<(u16, u16)> {
         .iter()
         .map(|p| {
             let s = str_of(p, "port");
-            let (host, container) = s
-                .split_once(':')
-                .unwrap_or_else(|| panic!("port {s:?} as HOST:CONTAINER"));
+            let parts: Vec<&str> = s.split(':').collect();
+            let [address, host, container] = parts[..] else {
+                panic!("port {s:?} as ADDRESS:HOST:CONTAINER");
+            };
             (
+                address.to_string(),
                 host.parse().expect("host port"),
                 container.parse().expect("container port"),
             )
@@ -1206,13 +1208,36 @@ async fn the_fleet_configuration_passes_sluice_check() {
     // What the compose file publishes and Prometheus scrapes are those ports.
     let compose = Compose::load();
     for g in compose.gateways() {
-        let container: BTreeSet<u16> = published(compose.service(&g)).iter().map(|p| p.1).collect();
+        let container: BTreeSet<u16> = published(compose.service(&g)).iter().map(|p| p.2).collect();
         assert_eq!(container, BTreeSet::from([8080, 9091]), "{g} publishes");
         assert_eq!(
             compose.service(&g)["environment"]["SLUICE_ADMIN_TOKEN"].as_str(),
             Some("${SLUICE_ADMIN_TOKEN:-change-me}")
         );
     }
+    // The ports the README gives, on loopback only (the token defaults to
+    // change-me, and Grafana lets anyone look).
+    let mut ports = BTreeMap::new();
+    for (name, s) in &compose.services {
+        for (address, host, container) in published(s) {
+            assert_eq!(
+                address, "127.0.0.1",
+                "{name} publishes {host} beyond loopback"
+            );
+            ports.insert(host, (name.as_str(), container));
+        }
+    }
+    assert_eq!(
+        ports,
+        BTreeMap::from([
+            (3000, ("grafana", 3000)),
+            (8080, ("sluice-1", 8080)),
+            (8081, ("sluice-2", 8080)),
+            (9090, ("prometheus", 9090)),
+            (9091, ("sluice-1", 9091)),
+            (9092, ("sluice-2", 9091)),
+        ])
+    );
     let prom = yaml(&docker().join("prometheus/prometheus.yml"));
     for job in prom["scrape_configs"].as_sequence().expect("jobs") {
         for sc in job["static_configs"].as_sequence().expect("static_configs") {
