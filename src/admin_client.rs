@@ -264,7 +264,7 @@ impl Endpoint {
             url: self.base.clone(),
             why,
         };
-        let exchange = self.exchange(method, body);
+        let exchange = self.exchange(method, "/admin/deny", body);
         let (status, answer) = tokio::time::timeout(CALL_BOUND, exchange)
             .await
             .map_err(|_| unreachable(format!("no answer within {}s", CALL_BOUND.as_secs())))?
@@ -278,9 +278,30 @@ impl Endpoint {
         Err(ClientError::Refused { status, message })
     }
 
+    /// `GET PATH` (such as `/healthz`) on a fresh connection, bounded by `bound`:
+    /// whatever status the listener answers, and the first line of its body.
+    pub async fn get(
+        &self,
+        path: &str,
+        bound: Duration,
+    ) -> Result<(StatusCode, String), ClientError> {
+        let unreachable = |why: String| ClientError::Unreachable {
+            url: self.base.clone(),
+            why,
+        };
+        let (status, answer) = tokio::time::timeout(bound, self.exchange(Method::GET, path, None))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {}s", bound.as_secs_f64())))?
+            .map_err(unreachable)?;
+        let text = String::from_utf8_lossy(&answer);
+        let line = text.lines().next().unwrap_or("").trim().to_string();
+        Ok((status, line))
+    }
+
     async fn exchange(
         &self,
         method: Method,
+        path: &str,
         body: Option<&Body<'_>>,
     ) -> Result<(StatusCode, Bytes), String> {
         let stream = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
@@ -294,7 +315,7 @@ impl Endpoint {
 
         let mut req = Request::builder()
             .method(method)
-            .uri(format!("{}/admin/deny", uri_path(&self.base)))
+            .uri(format!("{}{path}", uri_path(&self.base)))
             .header(HOST, &self.authority)
             .header(ACCEPT, "application/json");
         if let Some(token) = &self.token {

@@ -118,6 +118,15 @@ enum Command {
     },
     /// Print the JSON Schema of the configuration file (for editors and CI).
     Schema,
+    /// Exit 0 when a running sluice's admin listener answers GET /healthz (or
+    /// /readyz) with 200, else 1 with a one-line reason: a container health check.
+    Health {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Ask /readyz (configuration loaded and store answering) instead of /healthz.
+        #[arg(long)]
+        ready: bool,
+    },
     /// Add, remove or list deny-list entries through the admin API.
     Deny {
         #[command(flatten)]
@@ -127,7 +136,7 @@ enum Command {
     },
 }
 
-/// Where `sluice deny` finds the admin API; its token comes from
+/// Where `sluice deny` and `sluice health` find the admin API; the token comes from
 /// `SLUICE_ADMIN_TOKEN`, else from the configuration's `admin.token`.
 #[derive(Args)]
 struct AdminArgs {
@@ -196,6 +205,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Deny { admin, action } => deny(admin, action),
+        Command::Health { admin, ready } => health(admin, ready),
     }
 }
 
@@ -309,6 +319,55 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
         }
         Err(e) => {
             eprintln!("sluice deny: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// How long `sluice health` waits for the answer, connecting included: below the
+/// Docker image's HEALTHCHECK timeout, so a hung listener is reported by this
+/// command, not by Docker killing it.
+const HEALTH_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// `sluice health`: GET /healthz (or /readyz) on the admin listener found as
+/// `sluice deny` finds it; 200 is success, anything else or no answer a failure.
+fn health(args: AdminArgs, ready: bool) -> ExitCode {
+    let path = if ready { "/readyz" } else { "/healthz" };
+    let config = args.config.unwrap_or_else(sluice::config::default_path);
+    let token = std::env::var(admin_client::TOKEN_ENV).ok();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sluice health: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
+        let (status, line) = endpoint.get(path, HEALTH_BOUND).await?;
+        Ok::<_, admin_client::ClientError>((format!("{}{path}", endpoint.base), status, line))
+    });
+    match result {
+        Ok((url, status, _)) if status == http::StatusCode::OK => {
+            println!("{url}: {status}");
+            ExitCode::SUCCESS
+        }
+        Ok((url, status, line)) => {
+            let line = if line.is_empty() {
+                String::new()
+            } else {
+                format!(": {line}")
+            };
+            eprintln!("sluice health: {url} answered {status}{line}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            // One line: the configuration error's hint, if any, is left out.
+            let text = e.to_string();
+            eprintln!("sluice health: {}", text.lines().next().unwrap_or(""));
             ExitCode::FAILURE
         }
     }

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of sluice. On a fresh machine it first installs what cargo
 # cannot: redis-server and redis-cli (the Redis store's tests start their own
-# servers), faketime (clock-skew tests) and promtool (the prometheus package: a
-# test lints /metrics with it) and chromium with chromium-driver (the dashboard's
-# test drives a headless browser), from Debian's packages; and cargo-deny,
+# servers), faketime (clock-skew tests), promtool (the prometheus package:
+# tests lint /metrics and check docker/'s Prometheus configuration and alert rules
+# with it) and chromium with chromium-driver (the dashboard's test drives a
+# headless browser), from Debian's packages; and cargo-deny,
 # which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,8 @@ command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 compgen -G '/usr/lib/faketime/libfaketimeMT.so.1' >/dev/null \
   || compgen -G '/usr/lib/*/faketime/libfaketimeMT.so.1' >/dev/null \
   || need+=(faketime)
-# promtool, which tests/metrics_lint.rs runs on /metrics.
+# promtool, which tests/metrics_lint.rs runs on /metrics and tests/fleet_files.rs
+# on docker/prometheus/.
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # A headless browser and its WebDriver, which tests/dashboard.rs drives.
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
