@@ -2,7 +2,8 @@
 //! metrics` (Debian's `prometheus` package; tests/run.sh installs it), after
 //! traffic that moves every kind of series: allowed, limited, denied, unmatched
 //! and upstream errors, a ban and its deny-list entry, and
-//! store errors on a Redis store whose server is gone.
+//! store errors on a Redis store whose server is gone. Every family it exports has
+//! its row in the README's metrics table.
 
 mod common;
 
@@ -36,6 +37,24 @@ fn promtool(text: &str) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), said)
+}
+
+/// Every metric family of `text` has its row in the README's metrics table.
+fn every_family_is_documented(text: &str) {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let families: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    assert!(families.len() >= 10, "{families:?}");
+    for family in families {
+        assert!(
+            readme.contains(&format!("| `{family}` |")),
+            "{family} has no row in the README's metrics table"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -107,6 +126,7 @@ routes:
         ok && said.is_empty(),
         "promtool check metrics: {said}\n{text}"
     );
+    every_family_is_documented(&text);
 
     // Store errors: a Redis store whose server is gone, `on_error: allow`.
     let mut redis = RedisServer::start();
@@ -156,4 +176,5 @@ routes:
         ok && said.is_empty(),
         "promtool check metrics: {said}\n{text}"
     );
+    every_family_is_documented(&text);
 }

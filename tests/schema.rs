@@ -246,3 +246,45 @@ fn the_schema_and_the_parser_agree() {
         );
     }
 }
+
+/// Every field the schema knows, as the README's configuration reference names it
+/// (`` `field` ``): a field added to the parser without documentation fails here.
+#[test]
+fn every_field_is_in_the_readme() {
+    fn names(v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+        match v {
+            serde_json::Value::Object(map) => {
+                if let Some(serde_json::Value::Object(props)) = map.get("properties") {
+                    out.extend(props.keys().cloned());
+                }
+                map.values().for_each(|v| names(v, out));
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| names(v, out)),
+            _ => {}
+        }
+    }
+    let schema: serde_json::Value = serde_json::from_str(&printed_schema()).unwrap();
+    let mut fields = std::collections::BTreeSet::new();
+    names(&schema, &mut fields);
+    assert!(fields.len() >= 60, "{fields:?}");
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let reference = &readme[readme.find("### Configuration").unwrap()..];
+    let missing: Vec<&String> = fields
+        .iter()
+        // `field`, or within a dotted path: `tls.cert`, `upstreams.NAME`.
+        .filter(|f| {
+            ![
+                format!("`{f}`"),
+                format!(".{f}`"),
+                format!("`{f}."),
+                format!(".{f}."),
+            ]
+            .iter()
+            .any(|form| reference.contains(form.as_str()))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not in the README's reference: {missing:?}"
+    );
+}
