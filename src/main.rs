@@ -245,15 +245,8 @@ fn run(path: PathBuf) -> ExitCode {
     raise_open_files();
     // The main thread is worker 0 (with the admin port and the control loop); the
     // server starts the other workers, each a thread with its own runtime.
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(rt) = runtime("sluice run") else {
+        return ExitCode::FAILURE;
     };
     rt.block_on(async move {
         // Before anything listens: a signal sent as soon as /healthz answers must
@@ -298,15 +291,8 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
     };
     let config = args.config.unwrap_or_else(sluice::config::default_path);
     let token = std::env::var(admin_client::TOKEN_ENV).ok();
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("sluice deny: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(rt) = runtime("sluice deny") else {
+        return ExitCode::FAILURE;
     };
     let result = rt.block_on(async {
         let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
@@ -335,15 +321,8 @@ fn health(args: AdminArgs, ready: bool) -> ExitCode {
     let path = if ready { "/readyz" } else { "/healthz" };
     let config = args.config.unwrap_or_else(sluice::config::default_path);
     let token = std::env::var(admin_client::TOKEN_ENV).ok();
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("sluice health: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(rt) = runtime("sluice health") else {
+        return ExitCode::FAILURE;
     };
     let result = rt.block_on(async {
         let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
@@ -369,6 +348,20 @@ fn health(args: AdminArgs, ready: bool) -> ExitCode {
             let text = e.to_string();
             eprintln!("sluice health: {}", text.lines().next().unwrap_or(""));
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// A runtime on this thread, or `None` with the reason on stderr.
+fn runtime(command: &str) -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("{command}: cannot start the runtime: {e}");
+            None
         }
     }
 }
