@@ -330,7 +330,7 @@ impl Control {
             Some(sync) => sync.put(&e).await.map_err(store_error)?,
             None => None,
         };
-        tracing::info!(entry = ?e.target, expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
+        tracing::info!(entry = %e.target.logged(), expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
         self.change_unless_followed(written.as_ref(), |t| {
             t.insert(e.clone());
         });
@@ -355,7 +355,7 @@ impl Control {
         self.change_unless_followed(shared.as_ref(), |t| removed = t.remove(&target));
         match removed {
             Some(e) => {
-                tracing::info!(entry = ?e.target, "deny entry removed");
+                tracing::info!(entry = %e.target.logged(), "deny entry removed");
                 Ok(Reply::Removed(e))
             }
             // Removed from Redis, and already from here by the follower.
@@ -422,7 +422,7 @@ impl Control {
                 route: Some(b.route.as_str().into()),
             },
         };
-        tracing::warn!(route = %b.route, entry = ?e.target, duration = %fmt_dur(b.duration), "banned");
+        tracing::warn!(route = %b.route, entry = %e.target.logged(), duration = %fmt_dur(b.duration), "banned");
         self.shared
             .metrics
             .bans
@@ -447,7 +447,7 @@ impl Control {
                         }
                     }
                     Err(err) => {
-                        tracing::warn!(error = %err, entry = ?e.target, "ban not shared yet: Redis unavailable")
+                        tracing::warn!(error = %err, entry = %e.target.logged(), "ban not shared yet: Redis unavailable")
                     }
                 }
             });
@@ -584,7 +584,7 @@ impl Control {
         }
         match expired.as_slice() {
             [] => {}
-            [e] => tracing::info!(entry = ?e.target, "deny entry expired"),
+            [e] => tracing::info!(entry = %e.target.logged(), "deny entry expired"),
             many => tracing::info!(entries = many.len(), "deny entries expired"),
         }
         if let (Some(sync), false) = (self.sync.clone(), expired.is_empty()) {

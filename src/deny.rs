@@ -18,6 +18,18 @@ use crate::client::{canonical, canonical_net};
 
 // === entries ===
 
+/// `Target::logged`: `ip 10.1.0.0/16`, `key #a9993e364706816a`.
+pub struct Logged<'a>(&'a Target);
+
+impl std::fmt::Display for Logged<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Target::Ip(_) => write!(f, "ip {}", self.0.value()),
+            Target::Key(k) => write!(f, "key #{}", crate::refusal_log::KeyHash(k)),
+        }
+    }
+}
+
 /// What an entry refuses: an address or block, or a client key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Target {
@@ -43,6 +55,12 @@ impl Target {
             Target::Ip(_) => "ip",
             Target::Key(_) => "key",
         }
+    }
+
+    /// As written to the log: an address or block as it is, a key only as its hash
+    /// (as the refusal log's `key_hash`), so no client key reaches log storage.
+    pub fn logged(&self) -> Logged<'_> {
+        Logged(self)
     }
 
     /// As shown and stored: a single address without its prefix length.

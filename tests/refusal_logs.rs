@@ -1,7 +1,8 @@
 //! The refusal log of the `sluice` binary: one line per refused or denied request at
 //! info level, in text and with `--log-format json`, with the route, a hash of the
 //! key (never the key), the limit and the answer's `Retry-After`; and under a flood,
-//! at most a second's budget of lines, every line not written counted.
+//! at most a second's budget of lines, every line not written counted. No line of
+//! the process names a client key, the lines of a ban and its end included.
 
 mod common;
 
@@ -38,6 +39,7 @@ routes:
     key: header:x-api-key
     limits:
       - {{name: per_key, algorithm: fixed_window, limit: 2, window: 1h}}
+    ban: {{after: 2, within: 1m, for: 1s}}
     respond: {{body: "ok\n"}}
   - name: flood
     match: {{path: /flood}}
@@ -246,6 +248,21 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
         );
     }
     assert_eq!(lines.len(), 4, "{lines:?}");
+    // The second refusal banned the key for 1 s: the ban and its end are logged
+    // with the key's hash, as every other line that names an entry.
+    let entry = format!("key #{}", key_hash("secret-A"));
+    let logged = |message: &str| {
+        s.lines.lock().unwrap().iter().any(|l| {
+            serde_json::from_str::<Value>(l).is_ok_and(|v| {
+                v["fields"]["message"] == message && v["fields"]["entry"] == entry.as_str()
+            })
+        })
+    };
+    let ended = eventually(BOUND, || async {
+        logged("banned") && logged("deny entry expired")
+    })
+    .await;
+    assert!(ended.is_some(), "{:?}", s.lines.lock().unwrap());
     let all = s.stop().await;
     for secret in ["secret-A", "secret-B", "leaked-key-123"] {
         assert!(!all.contains(secret), "{secret} is in the log:\n{all}");
