@@ -175,6 +175,26 @@ impl Endpoint {
         Endpoint::new(&base, token)
     }
 
+    /// For `sluice health`, which asks about the process, not the file: as
+    /// `resolve`, but a file that no longer loads (saved with a mistake while the
+    /// gateway runs the version before it) still gives its `admin.listen` when that
+    /// one value can be read. No token: health needs none.
+    pub fn resolve_listener(
+        admin: Option<&str>,
+        config_path: &Path,
+    ) -> Result<Endpoint, ClientError> {
+        if let Some(url) = admin {
+            return Endpoint::new(url, None);
+        }
+        match config::load(config_path) {
+            Ok(l) => Endpoint::new(&listen_url(l.file.admin.listen.0), None),
+            Err(errors) => match raw_admin_listen(config_path) {
+                Some(listen) => Endpoint::new(&listen_url(listen), None),
+                None => Err(ClientError::Config(errors)),
+            },
+        }
+    }
+
     pub fn new(url: &str, token: Option<String>) -> Result<Endpoint, ClientError> {
         let bad = |why: &str| ClientError::BadUrl {
             url: url.to_string(),
@@ -356,6 +376,18 @@ fn uri_path(base: &str) -> &str {
 
 /// `http://ADDR` for a listen address; an unspecified one (`0.0.0.0`, `::`)
 /// listens on loopback too, so that is where to connect.
+/// `admin.listen` of a file that may not load as a whole: the YAML read loosely,
+/// that one value interpolated and parsed; its default when the file has none.
+fn raw_admin_listen(path: &Path) -> Option<SocketAddr> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let doc: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
+    let listen = match doc.get("admin").and_then(|a| a.get("listen")) {
+        None => return Some(config::schema::Admin::default().listen.0),
+        Some(v) => v.as_str()?,
+    };
+    config::value::interpolate(listen).ok()?.trim().parse().ok()
+}
+
 pub fn listen_url(listen: SocketAddr) -> String {
     let ip = match listen.ip() {
         IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),

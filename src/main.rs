@@ -320,12 +320,11 @@ const HEALTH_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
 fn health(args: AdminArgs, ready: bool) -> ExitCode {
     let path = if ready { "/readyz" } else { "/healthz" };
     let config = args.config.unwrap_or_else(sluice::config::default_path);
-    let token = std::env::var(admin_client::TOKEN_ENV).ok();
     let Some(rt) = runtime("sluice health") else {
         return ExitCode::FAILURE;
     };
     let result = rt.block_on(async {
-        let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
+        let endpoint = Endpoint::resolve_listener(args.admin.as_deref(), &config)?;
         let (status, line) = endpoint.get(path, HEALTH_BOUND).await?;
         Ok::<_, admin_client::ClientError>((format!("{}{path}", endpoint.base), status, line))
     });

@@ -84,6 +84,24 @@ async fn the_address_comes_from_the_configuration() {
     );
 }
 
+/// A gateway keeps serving the configuration it loaded when its file is saved
+/// with a mistake; health asks about the process, so it still finds the listener
+/// in the broken file (`routs:`), and says healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_saved_with_a_mistake_still_names_the_listener() {
+    let port = free_port();
+    let yaml = format!("admin: {{listen: \"${{ADMIN_AT:-127.0.0.1:{port}}}\"}}\n{ROUTES}");
+    let (gw, file) = start_gateway_file(&yaml).await;
+    assert_eq!(gw.admin_addr.port(), port);
+    std::fs::write(file.path(), yaml.replace("routes:", "routs:")).unwrap();
+    assert!(sluice::config::load(file.path()).is_err());
+    let path = file.path().display().to_string();
+    assert_eq!(
+        health(&["-c", &path]).await,
+        ok(format!("http://127.0.0.1:{port}/healthz: 200 OK\n"))
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_port_is_unhealthy() {
     let port = free_port();
