@@ -229,6 +229,18 @@ const CASES: &[(&str, bool)] = &[
         false,
     ),
     ("routes: [{respond: {status: 200}}]", false),
+    // A section written empty, every line under it commented out, is its defaults.
+    (
+        "server:\n#  listen: 0.0.0.0:8080\nadmin:\nstore:\nclient_ip:\ndeny:\nupstreams:\nresponse_headers:\nroutes:\n",
+        true,
+    ),
+    ("store:\n  memory:\n  on_error: allow\nroutes: []", true),
+    (
+        "server:\n  upgrades:\ndeny:\n  ips:\n  keys:\nroutes:\n  - name: a\n    match:\n    limits:\n    overrides:\n    respond:\n      status: 200\n      headers:\n",
+        true,
+    ),
+    ("store: {memory: {max_keys: \"+5\"}}\nroutes: []", true),
+    ("server: []\nroutes: []", false),
 ];
 
 #[test]

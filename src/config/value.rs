@@ -362,7 +362,7 @@ pub mod forms {
     pub const DURATION: &str = r"[0-9]+\s*(?:us|µs|ms|s|m|h|d)";
     pub const RATE: &str = r"[0-9]+\s*/\s*(?:[0-9]+\s*)?(?:us|µs|ms|s|m|h|d)";
     pub const SIZE: &str = r"[0-9]+\s*(?:B|KB|kB|KiB|MB|MiB|GB|GiB)?";
-    pub const NUMBER: &str = r"[0-9]+";
+    pub const NUMBER: &str = r"\+?[0-9]+";
     pub const NET: &str = r"[0-9A-Fa-f:.]+(?:/[0-9]{1,3})?";
     pub const ADDR: &str = r"(?:[0-9.]+|\[[0-9A-Fa-f:.]+(?:%[0-9]+)?\]):[0-9]{1,5}";
 
@@ -653,8 +653,8 @@ mod tests {
             (
                 forms::NUMBER,
                 |s| s.trim().parse::<u64>().is_ok(),
-                &["0", "20", " 7 "],
-                &["-1", "1.5", "ten", ""],
+                &["0", "20", " 7 ", "+5"],
+                &["-1", "1.5", "ten", "", "++5"],
             ),
             (
                 forms::NET,
