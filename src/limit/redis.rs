@@ -888,10 +888,10 @@ async fn keep(
             match tokio::time::timeout(inner.timeout, inner.query::<i64>(&cmd)).await {
                 Ok(Ok(_)) => *at = now,
                 Ok(Err(e)) => {
-                    tracing::debug!(key_hash = %crate::refusal_log::KeyHash(&key), error = %e, "concurrency lease not renewed")
+                    tracing::debug!(key_hash = %crate::refusal_log::KeyHash(key), error = %e, "concurrency lease not renewed")
                 }
                 Err(_) => {
-                    tracing::debug!(key_hash = %crate::refusal_log::KeyHash(&key), "concurrency lease renewal timed out")
+                    tracing::debug!(key_hash = %crate::refusal_log::KeyHash(key), "concurrency lease renewal timed out")
                 }
             }
         }
