@@ -11,6 +11,11 @@
 //!   and every dashboard query is valid PromQL;
 //! - every metric name in the alerts and the dashboard is one a live sluice, running
 //!   the fleet's own files on a real Redis in front of the demo upstream, exports;
+//!   with that Redis killed, SluiceStoreErrors fires on the gateway's real scrapes
+//!   (`promtool test rules`);
+//! - every health check is `sluice health --admin http://127.0.0.1:9091` and
+//!   passes against the live processes, with Redis up, with Redis down and with a
+//!   typo saved into the configuration;
 //! - the fleet configuration passes `sluice check`, on the admin port Prometheus
 //!   scrapes.
 
@@ -653,6 +658,180 @@ async fn sluice_process(
     child
 }
 
+/// The admin listener every `sluice health` check names, as the container asks it:
+/// port 9091 of both fleet files (and of the image's default configuration), on
+/// loopback. Named, so that a check never reads the configuration file to find it
+/// (a file saved with a typo would turn a healthy instance unhealthy).
+const CONTAINER_ADMIN: &str = "http://127.0.0.1:9091";
+
+/// Every health check that runs sluice, by where it runs: the compose services'
+/// and the image's own HEALTHCHECK (`upstream (image)`: the one service that keeps
+/// it, on the upstream's configuration). Each is `sluice health --admin
+/// CONTAINER_ADMIN`: liveness (/healthz), not /readyz, which answers 503 on every
+/// instance at once while Redis is down.
+fn health_checks() -> Vec<(String, Vec<String>)> {
+    let compose = Compose::load();
+    let mut checks = compose.sluice_health_checks();
+    assert_eq!(
+        checks.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(),
+        ["sluice-1", "sluice-2", "upstream"]
+    );
+    let image = dockerfile_healthcheck(&read(&docker().join("Dockerfile")));
+    assert_eq!(image[0], "/usr/local/bin/sluice", "{image:?}");
+    checks.push(("upstream (image)".into(), image[1..].to_vec()));
+    for (service, args) in &checks {
+        assert_eq!(args, &["health", "--admin", CONTAINER_ADMIN], "{service}");
+    }
+    checks
+}
+
+/// A sluice running one of the fleet's files on loopback: the configuration its
+/// container would have at /etc/sluice/rules.yaml, its environment, its admin
+/// listener.
+struct Live<'a> {
+    config: PathBuf,
+    env: &'a [(&'a str, &'a str)],
+    admin: SocketAddr,
+}
+
+/// Runs every health check as its container does (SLUICE_CONFIG is the image's),
+/// against the live process of its service, whose admin listener stands in for
+/// `CONTAINER_ADMIN`; every one must pass.
+async fn run_health_checks<'a>(
+    checks: &[(String, Vec<String>)],
+    live: &impl Fn(&str) -> &'a Live<'a>,
+    when: &str,
+) {
+    for (service, args) in checks {
+        let l = live(service);
+        let admin = format!("http://{}", l.admin);
+        let args: Vec<&str> = args
+            .iter()
+            .map(|a| {
+                if a == CONTAINER_ADMIN {
+                    admin.as_str()
+                } else {
+                    a.as_str()
+                }
+            })
+            .collect();
+        let config = l.config.display().to_string();
+        let mut env = l.env.to_vec();
+        env.push(("SLUICE_CONFIG", &config));
+        let out = sluice_output(&args, &env).await;
+        assert!(
+            out.status.success(),
+            "{when}: {service}: sluice {args:?}: {}",
+            said(&out)
+        );
+    }
+}
+
+/// The ban entries of the deny list the request path enforces (GET /admin/deny).
+async fn bans(admin: SocketAddr) -> Vec<Json> {
+    let auth = format!("Bearer {TOKEN}");
+    let r = get(
+        &url(admin, "/admin/deny"),
+        &[("authorization", auth.as_str())],
+    )
+    .await;
+    assert_eq!(r.status, 200, "GET /admin/deny: {}", r.text());
+    let all: Vec<Json> = serde_json::from_slice(&r.body).expect("a JSON array");
+    all.into_iter().filter(|e| e["source"] == "ban").collect()
+}
+
+/// `promtool test rules` of alerts.yml on real scrapes of one gateway, one a
+/// minute (as instance `sluice-1:9091`): the decisions and store errors it
+/// exported. Redis answered the first three and was gone from the fourth on, so
+/// SluiceStoreErrors is quiet until 2m, pending at 4m and firing from 5m on, with
+/// the very alert alerts_test.yml expects of its synthetic outage (which has the
+/// same shape).
+fn promtool_on_scrapes(scrapes: &[String]) -> Output {
+    let mut series: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for text in scrapes {
+        for line in text.lines() {
+            if !line.starts_with("sluice_requests_total{")
+                && !line.starts_with("sluice_store_errors_total{")
+            {
+                continue;
+            }
+            let (selector, value) = line.rsplit_once(' ').expect("SERIES VALUE");
+            let (name, labels) = selector.split_once('{').expect("NAME{LABELS}");
+            let labels = labels.strip_suffix('}').expect("}");
+            let series_name =
+                format!("{name}{{job=\"sluice\",instance=\"sluice-1:9091\",{labels}}}");
+            series
+                .entry(series_name)
+                .or_default()
+                .push(value.to_string());
+        }
+    }
+    assert!(series.len() > 10, "{series:?}");
+    for (name, values) in &series {
+        assert_eq!(values.len(), scrapes.len(), "{name}: {values:?}");
+    }
+    let expected = synthetic_outage_alert();
+    let at = |minute: usize, alerts: &Json| {
+        serde_json::json!({
+            "eval_time": format!("{minute}m"),
+            "alertname": "SluiceStoreErrors",
+            "exp_alerts": alerts,
+        })
+    };
+    let none = Json::Array(Vec::new());
+    let test = serde_json::json!({
+        "rule_files": [docker().join("prometheus/alerts.yml").display().to_string()],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "name": "real scrapes of a gateway that loses its Redis at 3m",
+            "interval": "1m",
+            "input_series": series
+                .iter()
+                .map(|(s, v)| serde_json::json!({"series": s, "values": v.join(" ")}))
+                .collect::<Vec<_>>(),
+            "alert_rule_test": [
+                at(2, &none),
+                at(4, &none),
+                at(5, &expected),
+                at(scrapes.len() - 1, &expected),
+            ],
+        }],
+    });
+    let file = tempfile::Builder::new()
+        .suffix(".yml")
+        .tempfile()
+        .expect("temp");
+    std::fs::write(file.path(), serde_yaml::to_string(&test).expect("YAML")).expect("write");
+    promtool(&["test", "rules", &file.path().display().to_string()])
+}
+
+/// What alerts_test.yml expects of SluiceStoreErrors at the end of its synthetic
+/// outage (Redis lost at 3m by sluice-1:9091, under traffic).
+fn synthetic_outage_alert() -> Json {
+    let tests = yaml(&docker().join("prometheus/alerts_test.yml"));
+    let outage = tests["tests"]
+        .as_sequence()
+        .expect("tests")
+        .iter()
+        .find(|t| {
+            t["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("a Redis outage under traffic"))
+        })
+        .expect("alerts_test.yml: the test of a Redis outage under traffic");
+    let last = outage["alert_rule_test"]
+        .as_sequence()
+        .and_then(|a| a.last())
+        .expect("an alert_rule_test");
+    assert_eq!(last["alertname"].as_str(), Some("SluiceStoreErrors"));
+    let alerts = serde_json::to_value(&last["exp_alerts"]).expect("as JSON");
+    assert_eq!(
+        alerts[0]["exp_labels"]["instance"], "sluice-1:9091",
+        "{alerts}"
+    );
+    alerts
+}
+
 // === the tests ===
 
 #[test]
@@ -1030,39 +1209,36 @@ async fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
         // call may time out into `on_error`.
         ("REDIS_TIMEOUT", "5s"),
     ];
-    let fleet_file = docker().join("fleet/rules.yaml");
+    // The gateway runs a copy of the fleet file in a directory of its own, as the
+    // containers run it (mounted with its directory): saving a typo into it below
+    // is what the README's "try SluiceReloadFailed" does.
+    let fleet_dir = tempfile::tempdir().expect("temp dir");
+    let fleet_file = fleet_dir.path().join("rules.yaml");
+    std::fs::copy(docker().join("fleet/rules.yaml"), &fleet_file).expect("copy");
     let admin: SocketAddr = ([127, 0, 0, 1], admin_port).into();
     let _gateway = sluice_process(&fleet_file, &env, admin, "/readyz").await;
 
-    // The compose health checks, run as the containers run them (the image's
-    // SLUICE_CONFIG), pass against these.
-    let compose = Compose::load();
-    let checks = compose.sluice_health_checks();
-    assert_eq!(
-        checks.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(),
-        ["sluice-1", "sluice-2", "upstream"]
-    );
-    // And the image's own HEALTHCHECK, on the upstream's configuration.
-    let mut checks = checks;
-    let image_check = dockerfile_healthcheck(&read(&docker().join("Dockerfile")));
-    checks.push(("upstream".into(), image_check[1..].to_vec()));
-    for (service, args) in &checks {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (file, env) = if service == "upstream" {
-            (&upstream_file, &up_env[..])
+    // The compose health checks and the image's own HEALTHCHECK, run as the
+    // containers run them, pass against these.
+    let checks = health_checks();
+    let gateway = Live {
+        config: fleet_file.clone(),
+        env: &env,
+        admin,
+    };
+    let upstream = Live {
+        config: upstream_file.clone(),
+        env: &up_env,
+        admin: ([127, 0, 0, 1], up_admin).into(),
+    };
+    let live = |service: &str| {
+        if service.starts_with("upstream") {
+            &upstream
         } else {
-            (&fleet_file, &env[..])
-        };
-        let config = file.display().to_string();
-        let mut env = env.to_vec();
-        env.push(("SLUICE_CONFIG", &config));
-        let out = sluice_output(&args, &env).await;
-        assert!(
-            out.status.success(),
-            "{service}: sluice {args:?}: {}",
-            said(&out)
-        );
-    }
+            &gateway
+        }
+    };
+    run_health_checks(&checks, &live, "the gateways running").await;
 
     // Traffic: allowed and limited, denied, banned, delayed, forwarded.
     let at = |path: &str| url(([127, 0, 0, 1], port).into(), path);
@@ -1088,10 +1264,28 @@ async fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     let leaked = get(&at("/api/items"), &[("x-api-key", "leaked-key-123")]).await;
     assert_eq!(leaked.status, 403);
     let mut login = Vec::new();
-    for _ in 0..9 {
+    for _ in 0..8 {
         login.push(get(&at("/login"), &[("x-user", "mallory")]).await.status);
     }
-    assert_eq!(login, [200, 200, 200, 429, 429, 429, 429, 429, 403]);
+    assert_eq!(login, [200, 200, 200, 429, 429, 429, 429, 429]);
+    // The fifth refusal asks the control loop for the ban, which the request path
+    // enforces a moment later: once GET /admin/deny (the list the request path
+    // enforces) holds it, the next attempt is denied.
+    let banned = eventually(BOUND, || async { !bans(admin).await.is_empty() }).await;
+    assert!(banned.is_some(), "no ban within {BOUND:?}");
+    let ninth = get(&at("/login"), &[("x-user", "mallory")]).await;
+    assert_eq!(ninth.status, 403);
+    let bans = bans(admin).await;
+    assert_eq!(bans.len(), 1, "{bans:?}");
+    assert_eq!(
+        (&bans[0]["kind"], &bans[0]["value"], &bans[0]["route"]),
+        (
+            &Json::from("key"),
+            &Json::from("mallory"),
+            &Json::from("login")
+        ),
+        "{bans:?}"
+    );
     let other = get(&at("/anything"), &[]).await;
     assert_eq!(
         (other.status, other.text()),
@@ -1189,6 +1383,124 @@ async fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     ] {
         assert!(used.contains(name), "nothing queries {name}");
     }
+    // The store panel shows both faces of an outage, as SluiceStoreErrors reads
+    // them: failed calls, and the requests decided by on_error (which alone keep
+    // counting once the breaker is open).
+    let store_panel: Vec<&str> = queries
+        .iter()
+        .filter(|(w, _)| w.ends_with("panel \"Store errors\""))
+        .map(|(_, q)| q.as_str())
+        .collect();
+    assert_eq!(store_panel.len(), 2, "{store_panel:?}");
+    assert!(
+        store_panel[0].contains("sluice_store_errors_total"),
+        "{store_panel:?}"
+    );
+    assert!(
+        store_panel[1].contains("sluice_requests_total")
+            && store_panel[1].contains("decision=~\"store_error_allowed|store_error_denied\""),
+        "{store_panel:?}"
+    );
+
+    // === Redis goes away ===
+    // Nine "minutes", one scrape each after 3 requests to /api/items (every one
+    // with a key of its own, so none is limited): Redis answers for the first
+    // three and is gone from the fourth on. The scrapes are then the input of a
+    // promtool test: SluiceStoreErrors must fire on what sluice really exports.
+    let mut redis = redis;
+    let mut scrapes = Vec::new();
+    let mut sent = 0;
+    for minute in 0..9 {
+        if minute == 3 {
+            redis.kill();
+            let readyz = url(admin, "/readyz");
+            let down = eventually(BOUND, || async { get(&readyz, &[]).await.status == 503 }).await;
+            assert!(down.is_some(), "/readyz never answered 503 without Redis");
+            // Idle, the breaker open: nothing is counted, neither store errors
+            // (the probes that failed are not calls) nor decisions.
+            let text = metrics(admin).await;
+            assert_eq!(
+                metric(&text, "sluice_store_errors_total{store=\"redis\"}"),
+                Some(0.0)
+            );
+            for route in ["hello", "api", "login", "search", "everything"] {
+                for decision in ["store_error_allowed", "store_error_denied"] {
+                    assert_eq!(requests(&text, route, decision), 0.0, "{route} {decision}");
+                }
+            }
+            // The health checks are liveness: with on_error local, an instance
+            // without Redis still serves (and /readyz, 503, is for alerts).
+            run_health_checks(&checks, &live, "Redis down").await;
+        }
+        for _ in 0..3 {
+            sent += 1;
+            let key = format!("outage-{sent}");
+            let r = get(&at("/api/items"), &[("x-api-key", key.as_str())]).await;
+            assert_eq!(r.status, 200, "request {sent}");
+        }
+        scrapes.push(metrics(admin).await);
+    }
+    let last = scrapes.last().expect("scrapes");
+    // The breaker opened before the first request: requests were decided by
+    // on_error (local) without calling Redis, and not one counts as a store error.
+    for (series, value) in [
+        ("sluice_store_errors_total{store=\"redis\"}", 0.0),
+        (
+            "sluice_requests_total{decision=\"allowed\",route=\"api\"}",
+            9.0,
+        ),
+        (
+            "sluice_requests_total{decision=\"store_error_allowed\",route=\"api\"}",
+            18.0,
+        ),
+        (
+            "sluice_requests_total{decision=\"store_error_denied\",route=\"api\"}",
+            0.0,
+        ),
+    ] {
+        assert_eq!(metric(last, series), Some(value), "{series}\n{last}");
+    }
+    let out = promtool_on_scrapes(&scrapes);
+    assert!(
+        out.status.success(),
+        "SluiceStoreErrors on the real series:\n{}",
+        said(&out)
+    );
+
+    // === A typo saved into the configuration ===
+    // The reload is refused (SluiceReloadFailed) and the instance goes on with the
+    // configuration it has: its health checks, which name the admin listener and
+    // so need nothing from the file, still pass, with the image's too on a broken
+    // upstream file.
+    let text = read(&fleet_file).replace("fixed_window", "fixed_windw");
+    std::fs::write(&fleet_file, text).expect("write the typo");
+    let failed = eventually(BOUND, || async {
+        metric(&metrics(admin).await, "sluice_config_last_reload_success") == Some(0.0)
+    })
+    .await;
+    assert!(failed.is_some(), "the typo was not refused by a reload");
+    let broken_upstream = fleet_dir.path().join("upstream.yaml");
+    std::fs::write(
+        &broken_upstream,
+        read(&upstream_file).replace("respond:", "repsond:"),
+    )
+    .expect("write");
+    for file in [&fleet_file, &broken_upstream] {
+        let out = sluice_output(&["check", "-c", &file.display().to_string()], &env).await;
+        assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    }
+    let upstream = Live {
+        config: broken_upstream,
+        ..upstream
+    };
+    let live = |service: &str| {
+        if service.starts_with("upstream") {
+            &upstream
+        } else {
+            &gateway
+        }
+    };
+    run_health_checks(&checks, &live, "a typo in the configuration files").await;
 }
 
 /// `sluice check` accepts both fleet files with the compose file's environment (the
@@ -1229,6 +1541,16 @@ async fn the_fleet_configuration_passes_sluice_check() {
             compose.service(&g)["environment"]["SLUICE_ADMIN_TOKEN"].as_str(),
             Some("${SLUICE_ADMIN_TOKEN:-change-me}")
         );
+        // Their health checks are liveness, so the start order comes from here:
+        // Redis and the upstream healthy first.
+        let deps = &compose.service(&g)["depends_on"];
+        for d in ["redis", "upstream"] {
+            assert_eq!(
+                deps[d]["condition"].as_str(),
+                Some("service_healthy"),
+                "{g} depends on {d}"
+            );
+        }
     }
     // The ports the README gives, on loopback only (the token defaults to
     // change-me, and Grafana lets anyone look).
@@ -1276,4 +1598,11 @@ async fn the_fleet_configuration_passes_sluice_check() {
     let upstream = docker().join("fleet/upstream.yaml").display().to_string();
     let out = sluice_output(&["check", "-c", &upstream], &[]).await;
     assert!(out.status.success(), "{}", said(&out));
+    // Its admin listener is where its health checks ask, CONTAINER_ADMIN (the
+    // gateways' is 0.0.0.0:9091, above, which 127.0.0.1 reaches too).
+    assert!(
+        said(&out).contains("   admin 127.0.0.1:9091 (no token)\n"),
+        "{}",
+        said(&out)
+    );
 }
