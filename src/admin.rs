@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{
-    HeaderValue, ALLOW, AUTHORIZATION, CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE,
-    REFERRER_POLICY, X_CONTENT_TYPE_OPTIONS, X_FRAME_OPTIONS,
+    HeaderValue, ALLOW, AUTHORIZATION, CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, HOST,
+    ORIGIN, REFERRER_POLICY, X_CONTENT_TYPE_OPTIONS, X_FRAME_OPTIONS,
 };
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -73,23 +73,26 @@ impl Admin {
                 );
                 r
             }
+            (&Method::GET, "/" | "/dashboard.js" | "/dashboard.css")
+                if !self.host_allowed(&req) =>
+            {
+                host_refused()
+            }
             (&Method::GET, "/") => asset(PAGE, "text/html; charset=utf-8"),
             (&Method::GET, "/dashboard.js") => asset(SCRIPT, "text/javascript; charset=utf-8"),
             (&Method::GET, "/dashboard.css") => asset(STYLE, "text/css; charset=utf-8"),
             (&Method::GET, "/healthz") => answer::text(StatusCode::OK, "ok\n"),
-            (&Method::GET, "/readyz") => {
-                if !self.shared.store.ready() {
-                    answer::text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
-                } else if !self.control.ready() {
-                    answer::text(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "shared deny list not read yet\n",
-                    )
-                } else {
-                    answer::text(StatusCode::OK, "ready\n")
-                }
-            }
+            (&Method::GET, "/readyz") => match self.not_ready().first() {
+                Some(why) => answer::text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+                None => answer::text(StatusCode::OK, "ready\n"),
+            },
             (_, p) if p.starts_with("/admin/") => {
+                if !self.host_allowed(&req) {
+                    return host_refused();
+                }
+                if cross_site(&req) {
+                    return answer::text(StatusCode::FORBIDDEN, "cross-site request refused\n");
+                }
                 if !self.authorized(&req) {
                     let mut r =
                         answer::text(StatusCode::UNAUTHORIZED, "missing or wrong bearer token\n");
@@ -103,11 +106,36 @@ impl Admin {
         }
     }
 
+    /// Why `/readyz` answers 503, in the order it checks: empty when ready.
+    fn not_ready(&self) -> Vec<&'static str> {
+        let mut why = Vec::new();
+        if !self.shared.store.ready() {
+            why.push("store unavailable");
+        }
+        if !self.control.ready() {
+            why.push("shared deny list not read yet");
+        }
+        why
+    }
+
+    /// With a token, any `Host` (the token protects the API, and an operator may use
+    /// a service name). Without one, only an IP literal or `localhost`: a page whose
+    /// name an attacker rebinds to 127.0.0.1 sends its own name, and is refused.
+    fn host_allowed<B>(&self, req: &Request<B>) -> bool {
+        if self.shared.runtime.load().admin_token.is_some() {
+            return true;
+        }
+        request_host(req).is_some_and(local_host)
+    }
+
     /// `/admin/*`, once authorized.
     async fn api(&self, req: Request<Incoming>) -> Response<Body> {
         let (method, path) = (req.method().clone(), req.uri().path().to_string());
         match (path.as_str(), method) {
             ("/admin/deny", Method::GET) => json(StatusCode::OK, &self.deny_list()),
+            ("/admin/deny", Method::POST | Method::DELETE) if !is_json(&req) => {
+                unsupported_media_type()
+            }
             ("/admin/deny", Method::POST) => match read::<DenyRequest>(req).await {
                 Ok(r) => self.deny_add(r).await,
                 Err(r) => r,
@@ -123,6 +151,12 @@ impl Admin {
             ("/admin/config", _) => not_allowed("GET"),
             ("/admin/stats", Method::GET) => json(StatusCode::OK, &self.stats()),
             ("/admin/stats", _) => not_allowed("GET"),
+            // No body: no Content-Type is fine, but not what a form sends.
+            ("/admin/reload", Method::POST)
+                if req.headers().contains_key(CONTENT_TYPE) && !is_json(&req) =>
+            {
+                unsupported_media_type()
+            }
             ("/admin/reload", Method::POST) => {
                 match self.control.apply(Command::Reload(Trigger::Api)).await {
                     Ok(Reply::Reloaded(hash)) => json(
@@ -173,10 +207,13 @@ impl Admin {
         let reloads = |result: &str| metrics.config_reloads.with_label_values(&[result]).get();
         let status = self.control.status();
         let now = now_ms();
+        let not_ready = self.not_ready();
         serde_json::json!({
             "version": env!("CARGO_PKG_VERSION"),
             "now": rfc3339(now),
             "now_ms": now,
+            "ready": not_ready.is_empty(),
+            "not_ready": not_ready,
             "sample_every_ms": crate::stats::SAMPLE_EVERY.as_millis() as u64,
             "keep_ms": crate::stats::KEEP.as_millis() as u64,
             "routes": routes,
@@ -398,6 +435,109 @@ fn json(status: StatusCode, v: &impl serde::Serialize) -> Response<Body> {
     r
 }
 
+// === browsers: cross-site requests and DNS rebinding ===
+
+/// The `Host` the client asked for (the URI's authority for HTTP/2).
+fn request_host<B>(req: &Request<B>) -> Option<&str> {
+    match req.headers().get(HOST) {
+        Some(h) => h.to_str().ok(),
+        None => req.uri().authority().map(|a| a.as_str()),
+    }
+}
+
+/// `127.0.0.1`, `[::1]:9091`, `localhost`, `x.localhost:9091`: an IP literal (which
+/// no DNS answer can rebind) or a name that always means this machine.
+fn local_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => {
+            let Some((v6, after)) = rest.split_once(']') else {
+                return false;
+            };
+            return v6.parse::<std::net::Ipv6Addr>().is_ok() && port_ok(after);
+        }
+        None => match host.rsplit_once(':') {
+            Some((name, port)) if port_ok(&format!(":{port}")) => name,
+            Some(_) => return false,
+            None => host,
+        },
+    };
+    let lower = name.to_ascii_lowercase();
+    name.parse::<std::net::Ipv4Addr>().is_ok()
+        || lower == "localhost"
+        || lower
+            .strip_suffix(".localhost")
+            .is_some_and(|sub| !sub.is_empty() && !sub.starts_with('.'))
+}
+
+/// Nothing, or `:` and a port number.
+fn port_ok(s: &str) -> bool {
+    s.is_empty()
+        || s.strip_prefix(':')
+            .is_some_and(|p| !p.is_empty() && p.parse::<u16>().is_ok())
+}
+
+/// A browser says so (`Sec-Fetch-Site: cross-site`), or sent an `Origin` that is not
+/// this listener as the request names it (`Host`).
+fn cross_site<B>(req: &Request<B>) -> bool {
+    let h = req.headers();
+    let site = h.get("sec-fetch-site").and_then(|v| v.to_str().ok());
+    if site.is_some_and(|s| s.trim().eq_ignore_ascii_case("cross-site")) {
+        return true;
+    }
+    let Some(origin) = h.get(ORIGIN) else {
+        return false;
+    };
+    let (Ok(origin), Some(host)) = (origin.to_str(), request_host(req)) else {
+        return true;
+    };
+    !same_origin(origin.trim(), host.trim())
+}
+
+/// `http://HOST` or `https://HOST` against the `Host` header, case-insensitively,
+/// a scheme's default port written or not.
+fn same_origin(origin: &str, host: &str) -> bool {
+    let Some((scheme, authority)) = origin.split_once("://") else {
+        return false;
+    };
+    let default = match scheme.to_ascii_lowercase().as_str() {
+        "http" => ":80",
+        "https" => ":443",
+        _ => return false,
+    };
+    let norm = |a: &str| {
+        let a = a.to_ascii_lowercase();
+        match a.strip_suffix(default) {
+            Some(bare) if !bare.is_empty() => bare.to_string(),
+            _ => a,
+        }
+    };
+    !authority.is_empty() && norm(authority) == norm(host)
+}
+
+/// `Content-Type: application/json`, any case, parameters (`; charset=utf-8`) allowed.
+/// A browser cannot send it to another origin without a preflight, which fails.
+fn is_json<B>(req: &Request<B>) -> bool {
+    req.headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+}
+
+fn host_refused() -> Response<Body> {
+    answer::text(
+        StatusCode::FORBIDDEN,
+        "Host refused: without admin.token the admin API answers only to an IP address or localhost\n",
+    )
+}
+
+fn unsupported_media_type() -> Response<Body> {
+    answer::text(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "Content-Type must be application/json\n",
+    )
+}
+
 fn bad_request(msg: &str) -> Response<Body> {
     answer::text(StatusCode::BAD_REQUEST, format!("{}\n", one_line(msg)))
 }
@@ -480,6 +620,67 @@ mod tests {
             "localStorage",
         ] {
             assert!(!SCRIPT.contains(sink), "{sink} in dashboard.js");
+        }
+    }
+
+    #[test]
+    fn only_ip_literals_and_localhost_are_local_hosts() {
+        for h in [
+            "127.0.0.1",
+            "127.0.0.1:9091",
+            "10.0.0.5:80",
+            "[::1]",
+            "[::1]:9091",
+            "[2001:db8::1]:1",
+            "localhost",
+            "LOCALHOST:9091",
+            "dash.localhost",
+            "a.b.localhost:8080",
+        ] {
+            assert!(local_host(h), "{h}");
+        }
+        for h in [
+            "",
+            "evil.example",
+            "evil.example:9091",
+            "localhost.evil.example",
+            "evillocalhost",
+            ".localhost",
+            "127.0.0.1.nip.io",
+            "127.0.0.1:",
+            "127.0.0.1:99999",
+            "127.0.0.1:x",
+            "::1",
+            "[::1",
+            "[::1]x",
+            "[evil.example]",
+            "2130706433",
+        ] {
+            assert!(!local_host(h), "{h}");
+        }
+    }
+
+    #[test]
+    fn an_origin_is_the_same_when_scheme_and_authority_name_the_host() {
+        for (o, h) in [
+            ("http://127.0.0.1:9091", "127.0.0.1:9091"),
+            ("HTTP://LocalHost:9091", "localhost:9091"),
+            ("http://sluice", "sluice:80"),
+            ("http://sluice:80", "sluice"),
+            ("https://admin.example", "admin.example:443"),
+        ] {
+            assert!(same_origin(o, h), "{o} {h}");
+        }
+        for (o, h) in [
+            ("null", "127.0.0.1:9091"),
+            ("http://127.0.0.1:9092", "127.0.0.1:9091"),
+            ("http://127.0.0.1", "127.0.0.1:9091"),
+            ("https://sluice", "sluice:80"),
+            ("ftp://127.0.0.1:9091", "127.0.0.1:9091"),
+            ("http://", ""),
+            ("http://evil.example", "127.0.0.1"),
+        ] {
+            assert!(!same_origin(o, h), "{o} {h}");
         }
     }
 

@@ -8,8 +8,6 @@ mod common;
 #[path = "common/webdriver.rs"]
 mod webdriver;
 
-use std::time::Duration;
-
 use common::redis::SluiceProcess;
 use common::*;
 use http::Method;
@@ -51,6 +49,42 @@ async fn stats(admin: std::net::SocketAddr) -> Value {
     serde_json::from_slice(&r.body).expect("JSON")
 }
 
+/// Each route card's chart: for each of its lines, whether any point is above the
+/// baseline; `null` for a line that is missing or has no points.
+const CHART_LINES: &str = r#"
+const out = {};
+for (const card of document.querySelectorAll('.route')) {
+  const lines = {};
+  for (const k of ['allowed', 'limited', 'denied', 'other']) {
+    const l = card.querySelector(`svg.chart polyline.line.${k}`);
+    const pts = l ? (l.getAttribute('points') || '').trim().split(/\s+/).filter(Boolean)
+      .map(p => p.split(',').map(Number)) : [];
+    const ok = pts.length > 0 && pts.every(p => p.length === 2 && p.every(Number.isFinite));
+    lines[k] = ok ? pts.some(p => p[1] < 76) : null;
+  }
+  out[card.dataset.route] = lines;
+}
+return out;
+"#;
+
+/// Writes the screenshot as `dir/dashboard.png`, creating `dir` if need be.
+fn save_screenshot(dir: &std::path::Path, png: &[u8]) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    let path = dir.join("dashboard.png");
+    std::fs::write(&path, png).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    path
+}
+
+/// The screenshot goes under `target/` even in a fresh clone built elsewhere
+/// (`CARGO_TARGET_DIR`), where there is no `target/` yet.
+#[test]
+fn the_screenshot_is_saved_where_no_directory_exists_yet() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let dir = tmp.path().join("target");
+    let path = save_screenshot(&dir, b"\x89PNG");
+    assert_eq!(std::fs::read(&path).expect("read back"), b"\x89PNG");
+}
+
 /// In process, with a token: 3 allowed, 2 limited, 1 unmatched.
 async fn gateway_with_traffic() -> (Running, Upstream) {
     let up = upstream().await;
@@ -88,6 +122,7 @@ async fn stats_shows_each_routes_exact_counts_the_store_and_the_reload() {
         s["store"],
         json!({"backend": "memory", "ready": true, "errors": 0, "on_error": "local"})
     );
+    assert_eq!((&s["ready"], &s["not_ready"]), (&json!(true), &json!([])));
     assert_eq!(s["config"]["last_reload"], Value::Null);
     assert_eq!(s["config"]["reloads"], json!({"success": 0, "failure": 0}));
     assert_eq!(s["config"]["hash"].as_str().map(str::len), Some(40));
@@ -211,7 +246,7 @@ async fn a_failed_reload_shows_in_stats_and_a_kept_route_keeps_its_history() {
     assert_eq!(s["config"]["last_reload"]["hash"], hash.as_str());
     assert_eq!(s["config"]["reloads"], json!({"success": 1, "failure": 1}));
     // The next sample keeps `api`'s history and starts `ping`'s.
-    let sampled = eventually(Duration::from_secs(5), || async {
+    let sampled = eventually(BOUND, || async {
         let s = stats(gw.admin_addr).await;
         s["routes"][1]["history"]["at_ms"]
             .as_array()
@@ -307,7 +342,7 @@ async fn the_dashboard_in_chromium_shows_counts_and_denies_and_allows_a_key() {
     );
     let store = browser.text(&browser.find("#store").await).await;
     assert!(
-        store.contains("memory") && store.contains("ready"),
+        store.contains("memory") && store.contains("answers") && store.contains("ready"),
         "{store}"
     );
     let config = browser.text(&browser.find("#config").await).await;
@@ -333,6 +368,18 @@ async fn the_dashboard_in_chromium_shows_counts_and_denies_and_allows_a_key() {
         )
         .await;
     assert_eq!(browser.eval(&count("api", "denied")).await, json!("0"));
+    // Every route's chart plots its four series, and api's allowed and limited lines
+    // leave the baseline (y 76 of the 90-high chart) where the traffic was.
+    browser
+        .wait_for(
+            "the plotted series of every route",
+            CHART_LINES,
+            json!({
+                "api": {"allowed": true, "limited": true, "denied": false, "other": false},
+                "health": {"allowed": false, "limited": false, "denied": false, "other": false},
+            }),
+        )
+        .await;
 
     // Deny `mallory` through the form, with a reason full of markup.
     browser
@@ -380,8 +427,10 @@ async fn the_dashboard_in_chromium_shows_counts_and_denies_and_allows_a_key() {
 
     let shot = browser.screenshot().await;
     assert_eq!(&shot[..8], b"\x89PNG\r\n\x1a\n");
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/dashboard.png");
-    std::fs::write(&path, &shot).expect("write the screenshot");
+    let path = save_screenshot(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"),
+        &shot,
+    );
     println!("dashboard screenshot: {}", path.display());
 
     // Remove it through the page: the key passes again.
@@ -470,15 +519,23 @@ async fn stats_shows_the_redis_store_going_down() {
         s["store"],
         json!({"backend": "redis", "ready": true, "errors": 0, "on_error": "deny"})
     );
+    assert_eq!((&s["ready"], &s["not_ready"]), (&json!(true), &json!([])));
 
     redis.kill();
     assert_eq!(c.get(&api, &[("x-api-key", "k")]).await.status, 503);
-    let down = eventually(Duration::from_secs(5), || async {
+    let down = eventually(BOUND, || async {
         stats(gw.admin_addr).await["store"]["ready"] == json!(false)
     })
     .await;
     assert!(down.is_some(), "the store never showed as down");
     let s = stats(gw.admin_addr).await;
+    // `ready` is /readyz's answer, and `not_ready` says why (as /readyz does).
+    assert_eq!(
+        (&s["ready"], &s["not_ready"]),
+        (&json!(false), &json!(["store unavailable"]))
+    );
+    let r = get(&url(gw.admin_addr, "/readyz"), &[]).await;
+    assert_eq!((r.status, r.text()), (503, "store unavailable\n"));
     let counted = metric(
         &metrics(gw.admin_addr).await,
         "sluice_store_errors_total{store=\"redis\"}",
@@ -487,5 +544,31 @@ async fn stats_shows_the_redis_store_going_down() {
     assert_eq!(s["store"]["errors"].as_f64(), counted);
     assert_eq!(s["routes"][0]["totals"]["allowed"], 1);
     assert_eq!(s["routes"][0]["totals"]["store_error_denied"], 1);
+    gw.shutdown().await;
+}
+
+/// A Redis that was never reachable: the store is down and the shared deny list was
+/// never read; `/readyz` says the first, stats both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_says_everything_that_is_not_ready() {
+    let up = upstream().await;
+    let nowhere = format!("redis://127.0.0.1:{}", free_port());
+    let store = common::redis::redis_store(&common::redis::url_target(&nowhere), "local", 200);
+    let gw = start_gateway(&format!(
+        "admin: {{listen: \"127.0.0.1:0\", token: {TOKEN}}}\n{store}{}",
+        rules(&up.url())
+    ))
+    .await;
+    let s = stats(gw.admin_addr).await;
+    assert_eq!(s["store"]["ready"], false, "{s}");
+    assert_eq!(
+        (&s["ready"], &s["not_ready"]),
+        (
+            &json!(false),
+            &json!(["store unavailable", "shared deny list not read yet"])
+        )
+    );
+    let r = get(&url(gw.admin_addr, "/readyz"), &[]).await;
+    assert_eq!((r.status, r.text()), (503, "store unavailable\n"));
     gw.shutdown().await;
 }

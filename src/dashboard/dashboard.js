@@ -179,7 +179,8 @@
     const dl = $("store");
     clear(dl);
     row(dl, "backend", s.backend);
-    row(dl, "health", badge(s.ready, "ready", "not ready"));
+    row(dl, "health", badge(s.ready, "answers", "unavailable"));
+    row(dl, "/readyz", badge(stats.ready, "ready", `not ready: ${stats.not_ready.join(", ")}`));
     row(dl, "store errors", el("span", { class: s.errors > 0 ? "error" : "" }, s.errors));
     row(dl, "on_error", s.on_error);
     const d = stats.deny_entries;

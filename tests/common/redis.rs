@@ -278,7 +278,7 @@ pub async fn request(
 ) -> Answer {
     bounded(&format!("{method} {path} on {addr}"), async {
         let mut s = TcpStream::connect(addr).await.expect("connect");
-        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
         for (k, v) in headers {
             req.push_str(&format!("{k}: {v}\r\n"));
         }
