@@ -22,7 +22,7 @@ use crate::h1server::ClientBody;
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
 use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
-use crate::refusal_log::RefusalLog;
+use crate::refusal_log::{Line, RefusalLog, What};
 use crate::request::BadRequest;
 use crate::route::Matcher;
 use crate::wake::Deadline;
@@ -210,6 +210,9 @@ async fn process(
             refusal.respond(unread_body)
         }
     };
+    if let Some(line) = tally.line.take() {
+        line.write(parts.method.as_str(), parts.uri.path());
+    }
     end_with(resp, tally)
 }
 
@@ -273,9 +276,10 @@ async fn pass<'a>(
     if parts.method == http::Method::CONNECT {
         return Err(Refusal::Connect);
     }
-    deny_ip(ctx, route.map_or("unmatched", |i| &rt.routes[i].name))?;
+    let line = &mut tally.line;
+    deny_ip(ctx, route.map_or("unmatched", |i| &rt.routes[i].name), line)?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
-    let (ns, key) = client_key(ctx, route, parts)?;
+    let (ns, key) = client_key(ctx, route, parts, line)?;
     if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
@@ -298,12 +302,18 @@ async fn pass<'a>(
 }
 
 /// Deny by IP, whatever the route (`route` names it in the log).
-fn deny_ip<'a>(ctx: &Ctx<'a>, route: &str) -> Result<(), Refusal<'a>> {
+fn deny_ip<'a>(
+    ctx: &Ctx<'a>,
+    route: &str,
+    line: &mut Option<Box<Line>>,
+) -> Result<(), Refusal<'a>> {
     if ctx.rt.deny.table.ip(ctx.ip) || ctx.shared.deny.load().ip(ctx.ip) {
         let status = ctx.rt.deny.status;
-        ctx.shared
-            .refusals
-            .denied_ip(route, ctx.ip, status.as_u16());
+        let what = What::Denied {
+            status: status.as_u16(),
+            deny: "ip",
+        };
+        *line = ctx.shared.refusals.line(route, &ctx.ip.to_string(), what);
         return Err(Refusal::Denied(status));
     }
     Ok(())
@@ -314,13 +324,16 @@ fn client_key<'a, 'r>(
     ctx: &Ctx<'a>,
     route: &'r Route,
     parts: &'r http::request::Parts,
+    line: &mut Option<Box<Line>>,
 ) -> Result<(&'r str, ClientKey<'r>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
-    let denied = |key: &str| {
+    let mut denied = |key: &str| {
         let status = rt.deny.status;
-        shared
-            .refusals
-            .denied_key(&route.name, key, status.as_u16());
+        let what = What::Denied {
+            status: status.as_u16(),
+            deny: "key",
+        };
+        *line = shared.refusals.line(&route.name, key, what);
         Refusal::Denied(status)
     };
     // Every value of every key part, before any fallback: a denied key sent twice
@@ -369,7 +382,9 @@ async fn limits<'a>(
             tracing::debug!(route = %route.name, error = %e, "limiter store failed");
             match rt.on_error {
                 OnError::Deny => {
-                    shared.refusals.store_down(&route.name, &key.value);
+                    tally.line = shared
+                        .refusals
+                        .line(&route.name, &key.value, What::StoreDown);
                     return Err(Refusal::StoreDown);
                 }
                 OnError::Allow => (None, true),
@@ -393,12 +408,11 @@ async fn limits<'a>(
             Some((i, o)) => (tier.plan.limits[i].name.as_str(), o.retry_after_us),
             None => ("", v.retry_after_us()),
         };
-        shared.refusals.limited(
-            &route.name,
-            &key.value,
-            limit,
-            crate::answer::retry_after_secs(retry_us),
-        );
+        let what = What::Limited {
+            limit: limit.to_string(),
+            retry_after: crate::answer::retry_after_secs(retry_us),
+        };
+        tally.line = shared.refusals.line(&route.name, &key.value, what);
         return Err(Refusal::Limited(Box::new(Limited {
             route: &route.name,
             plan: &tier.plan,
@@ -466,6 +480,9 @@ struct Tally {
     started: Instant,
     decision: Decision,
     permit: Permit,
+    /// The refusal's log line, written once the request's method and path are at
+    /// hand again (`process`).
+    line: Option<Box<Line>>,
 }
 
 impl Tally {
@@ -476,6 +493,7 @@ impl Tally {
             started: Instant::now(),
             decision: Decision::Allowed,
             permit: Permit::None,
+            line: None,
         }
     }
 }

@@ -9,7 +9,6 @@
 //! `sluice_refusal_logs_dropped_total` and in the `dropped` field of the next line
 //! written.
 
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
@@ -36,70 +35,18 @@ impl RefusalLog {
         }
     }
 
-    /// A request refused by a limit: the limit that refused it and the answer's
-    /// `Retry-After` (seconds).
-    pub fn limited(&self, route: &str, key: &str, limit: &str, retry_after: u64) {
-        if let Some(dropped) = self.admit() {
-            tracing::info!(
-                target: TARGET,
-                decision = "limited",
-                status = 429u16,
-                route,
-                key_hash = %KeyHash(key),
-                limit,
-                retry_after,
-                dropped,
-                "request refused"
-            );
-        }
-    }
-
-    /// A request whose key is on the deny list.
-    pub fn denied_key(&self, route: &str, key: &str, status: u16) {
-        if let Some(dropped) = self.admit() {
-            tracing::info!(
-                target: TARGET,
-                decision = "denied",
-                status,
-                route,
-                key_hash = %KeyHash(key),
-                deny = "key",
-                dropped,
-                "request refused"
-            );
-        }
-    }
-
-    /// A request whose address is on the deny list: the hash is of the address as
-    /// a `key: ip` route would see it.
-    pub fn denied_ip(&self, route: &str, ip: IpAddr, status: u16) {
-        if let Some(dropped) = self.admit() {
-            tracing::info!(
-                target: TARGET,
-                decision = "denied",
-                status,
-                route,
-                key_hash = %KeyHash(&ip.to_string()),
-                deny = "ip",
-                dropped,
-                "request refused"
-            );
-        }
-    }
-
-    /// A request refused because the store cannot decide (`on_error: deny`).
-    pub fn store_down(&self, route: &str, key: &str) {
-        if let Some(dropped) = self.admit() {
-            tracing::info!(
-                target: TARGET,
-                decision = "store_error_denied",
-                status = 503u16,
-                route,
-                key_hash = %KeyHash(key),
-                dropped,
-                "request refused"
-            );
-        }
+    /// A line for a refused request, if this second's budget allows one: taken
+    /// where the refusal is decided (the key at hand), written by `Line::write` once
+    /// the request's method and path are (the end of the request path).
+    /// (Boxed: it rides on every request's tally, where it costs one word.)
+    pub fn line(&self, route: &str, key: &str, what: What) -> Option<Box<Line>> {
+        let dropped = self.admit()?;
+        Some(Box::new(Line {
+            route: route.to_string(),
+            key_hash: KeyHash(key).to_string(),
+            what,
+            dropped,
+        }))
     }
 
     /// Whether a line may be written now, with the lines dropped since the last one
@@ -115,6 +62,80 @@ impl RefusalLog {
             self.dropped_total.inc();
         }
         admitted
+    }
+}
+
+/// Why a request was refused.
+pub enum What {
+    /// By a limit: its name, and the answer's `Retry-After` in seconds.
+    Limited { limit: String, retry_after: u64 },
+    /// Its key (`deny = "key"`) or its address (`deny = "ip"`; the hash is of the
+    /// address as a `key: ip` route would see it) is on the deny list.
+    Denied { status: u16, deny: &'static str },
+    /// The store cannot decide and `on_error` is `deny`.
+    StoreDown,
+}
+
+/// One refusal line, admitted by the budget.
+pub struct Line {
+    route: String,
+    key_hash: String,
+    what: What,
+    dropped: u64,
+}
+
+/// Longest path written in a line; a longer one is cut (at a character boundary).
+const MAX_PATH: usize = 256;
+
+impl Line {
+    /// Writes it, with the request's method and path (without the query, which may
+    /// carry a key).
+    pub fn write(&self, method: &str, path: &str) {
+        let mut end = path.len().min(MAX_PATH);
+        while !path.is_char_boundary(end) {
+            end -= 1;
+        }
+        let path = &path[..end];
+        let (route, key_hash, dropped) =
+            (self.route.as_str(), self.key_hash.as_str(), self.dropped);
+        match &self.what {
+            What::Limited { limit, retry_after } => tracing::info!(
+                target: TARGET,
+                decision = "limited",
+                status = 429u16,
+                route,
+                method,
+                path,
+                key_hash = %key_hash,
+                limit = limit.as_str(),
+                retry_after,
+                dropped,
+                "request refused"
+            ),
+            What::Denied { status, deny } => tracing::info!(
+                target: TARGET,
+                decision = "denied",
+                status,
+                route,
+                method,
+                path,
+                key_hash = %key_hash,
+                deny,
+                dropped,
+                "request refused"
+            ),
+            What::StoreDown => tracing::info!(
+                target: TARGET,
+                decision = "store_error_denied",
+                status = 503u16,
+                route,
+                method,
+                path,
+                key_hash = %key_hash,
+                dropped,
+                "request refused"
+            ),
+        }
     }
 }
 

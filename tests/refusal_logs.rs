@@ -186,7 +186,8 @@ async fn refuse_four(s: &Sluice) -> Vec<(u16, Option<String>)> {
             ("x-forwarded-for", "203.0.113.9"),
         ],
     ] {
-        let r = c.get(&s.url("/api/x"), &headers).await;
+        // The query is not logged: it may carry a key.
+        let r = c.get(&s.url("/api/x?token=in-the-query"), &headers).await;
         got.push((r.status, r.header("retry-after").map(str::to_string)));
     }
     got
@@ -210,6 +211,8 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
         "decision": "limited",
         "status": 429,
         "route": "api",
+        "method": "GET",
+        "path": "/api/x",
         "key_hash": key_hash("secret-A"),
         "limit": "per_key",
         "retry_after": retry_after,
@@ -224,6 +227,8 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
             "decision": "denied",
             "status": 403,
             "route": "api",
+            "method": "GET",
+            "path": "/api/x",
             "key_hash": key_hash("leaked-key-123"),
             "deny": "key",
             "dropped": 0,
@@ -236,6 +241,8 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
             "decision": "denied",
             "status": 403,
             "route": "api",
+            "method": "GET",
+            "path": "/api/x",
             "key_hash": key_hash("203.0.113.9"),
             "deny": "ip",
             "dropped": 0,
@@ -264,7 +271,7 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
     .await;
     assert!(ended.is_some(), "{:?}", s.lines.lock().unwrap());
     let all = s.stop().await;
-    for secret in ["secret-A", "secret-B", "leaked-key-123"] {
+    for secret in ["secret-A", "secret-B", "leaked-key-123", "in-the-query"] {
         assert!(!all.contains(secret), "{secret} is in the log:\n{all}");
     }
 }
@@ -281,7 +288,7 @@ async fn text_lines_carry_the_same_fields() {
         .map(|l| l.split_once("sluice::refusal: ").unwrap().1)
         .collect();
     let limited = format!(
-        "request refused decision=\"limited\" status=429 route=\"api\" key_hash={} limit=\"per_key\" retry_after={retry_after} dropped=0",
+        "request refused decision=\"limited\" status=429 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} limit=\"per_key\" retry_after={retry_after} dropped=0",
         key_hash("secret-A")
     );
     assert_eq!(
@@ -290,16 +297,16 @@ async fn text_lines_carry_the_same_fields() {
             limited.as_str(),
             limited.as_str(),
             &format!(
-                "request refused decision=\"denied\" status=403 route=\"api\" key_hash={} deny=\"key\" dropped=0",
+                "request refused decision=\"denied\" status=403 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} deny=\"key\" dropped=0",
                 key_hash("leaked-key-123")
             ),
             &format!(
-                "request refused decision=\"denied\" status=403 route=\"api\" key_hash={} deny=\"ip\" dropped=0",
+                "request refused decision=\"denied\" status=403 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} deny=\"ip\" dropped=0",
                 key_hash("203.0.113.9")
             ),
         ]
     );
-    for secret in ["secret-A", "secret-B", "leaked-key-123"] {
+    for secret in ["secret-A", "secret-B", "leaked-key-123", "in-the-query"] {
         assert!(!all.contains(secret), "{secret} is in the log:\n{all}");
     }
 }
@@ -367,6 +374,8 @@ async fn a_store_down_under_on_error_deny_is_a_line_too() {
             "decision": "store_error_denied",
             "status": 503,
             "route": "api",
+            "method": "GET",
+            "path": "/api/x",
             "key_hash": key_hash("secret-A"),
             "dropped": 0,
         })
