@@ -477,12 +477,17 @@ fn port_ok(s: &str) -> bool {
 }
 
 /// A browser says so (`Sec-Fetch-Site: cross-site`), or sent an `Origin` that is not
-/// this listener as the request names it (`Host`).
+/// this listener as the request names it (`Host`). A browser's `Sec-Fetch-Site:
+/// same-origin` (which no page can forge) settles it the other way first: behind a
+/// reverse proxy that rewrites `Host` (nginx's default `$proxy_host`), the page's
+/// own `Origin` does not match the `Host` sluice sees.
 fn cross_site<B>(req: &Request<B>) -> bool {
     let h = req.headers();
     let site = h.get("sec-fetch-site").and_then(|v| v.to_str().ok());
-    if site.is_some_and(|s| s.trim().eq_ignore_ascii_case("cross-site")) {
-        return true;
+    match site.map(str::trim) {
+        Some(s) if s.eq_ignore_ascii_case("cross-site") => return true,
+        Some(s) if s.eq_ignore_ascii_case("same-origin") => return false,
+        _ => {}
     }
     let Some(origin) = h.get(ORIGIN) else {
         return false;

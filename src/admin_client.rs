@@ -374,8 +374,6 @@ fn uri_path(base: &str) -> &str {
     rest.find('/').map(|i| &rest[i..]).unwrap_or("")
 }
 
-/// `http://ADDR` for a listen address; an unspecified one (`0.0.0.0`, `::`)
-/// listens on loopback too, so that is where to connect.
 /// `admin.listen` of a file that may not load as a whole: the YAML read loosely,
 /// that one value interpolated and parsed; its default when the file has none.
 fn raw_admin_listen(path: &Path) -> Option<SocketAddr> {
@@ -388,6 +386,8 @@ fn raw_admin_listen(path: &Path) -> Option<SocketAddr> {
     config::value::interpolate(listen).ok()?.trim().parse().ok()
 }
 
+/// `http://ADDR` for a listen address; an unspecified one (`0.0.0.0`, `::`)
+/// listens on loopback too, so that is where to connect.
 pub fn listen_url(listen: SocketAddr) -> String {
     let ip = match listen.ip() {
         IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),

@@ -342,7 +342,7 @@ async fn the_dashboard_in_chromium_shows_counts_and_denies_and_allows_a_key() {
     );
     let store = browser.text(&browser.find("#store").await).await;
     assert!(
-        store.contains("memory") && store.contains("answers") && store.contains("ready"),
+        store.contains("memory") && store.contains("answers") && !store.contains("not ready"),
         "{store}"
     );
     let config = browser.text(&browser.find("#config").await).await;

@@ -360,7 +360,7 @@ impl<T: serde::Serialize> serde::Serialize for Num<T> {
 /// since only the environment at startup decides it.
 pub mod forms {
     pub const DURATION: &str = r"[0-9]+\s*(?:us|µs|ms|s|m|h|d)";
-    pub const RATE: &str = r"[0-9]+\s*/\s*(?:[0-9]+\s*)?(?:us|µs|ms|s|m|h|d)";
+    pub const RATE: &str = r"\+?[0-9]+\s*/\s*(?:[0-9]+\s*)?(?:us|µs|ms|s|m|h|d)";
     pub const SIZE: &str = r"[0-9]+\s*(?:B|KB|kB|KiB|MB|MiB|GB|GiB)?";
     pub const NUMBER: &str = r"\+?[0-9]+";
     pub const NET: &str = r"[0-9A-Fa-f:.]+(?:/[0-9]{1,3})?";
@@ -638,9 +638,17 @@ mod tests {
                 forms::RATE,
                 |s| parse_rate(s.trim()).is_some(),
                 &[
-                    "10/s", "100/m", "1000/h", "5/d", "5/10s", "5 / 10 s", "7/250ms",
+                    "10/s", "100/m", "1000/h", "5/d", "5/10s", "5 / 10 s", "7/250ms", "+5/s",
                 ],
-                &["10", "10/fortnight", "1.5/s", "/s", "10/", "10 per s"],
+                &[
+                    "10",
+                    "10/fortnight",
+                    "1.5/s",
+                    "/s",
+                    "10/",
+                    "10 per s",
+                    "-5/s",
+                ],
             ),
             (
                 forms::SIZE,
