@@ -47,19 +47,16 @@ const STYLE: &str = include_str!("dashboard/dashboard.css");
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
 base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
-/// The decisions a route's requests can get, and those of requests matching no route.
-const ROUTE_DECISIONS: [Decision; 8] = [
-    Decision::Allowed,
-    Decision::Delayed,
-    Decision::Limited,
-    Decision::Denied,
-    Decision::Shadow,
-    Decision::StoreErrorAllowed,
-    Decision::StoreErrorDenied,
-    Decision::BadRequest,
-];
+/// The decisions of requests matching no route; a route's requests get every other
+/// (all but `unmatched`).
 const UNMATCHED_DECISIONS: [Decision; 3] =
     [Decision::Denied, Decision::Unmatched, Decision::BadRequest];
+
+fn route_decisions() -> impl Iterator<Item = Decision> + Clone {
+    Decision::ALL
+        .into_iter()
+        .filter(|d| *d != Decision::Unmatched)
+}
 
 impl Admin {
     pub async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
@@ -186,8 +183,8 @@ impl Admin {
             .map(|r| {
                 serde_json::json!({
                     "name": r.name,
-                    "totals": totals_json(&r.metrics.totals(), &ROUTE_DECISIONS),
-                    "history": history_json(&self.history.route(&r.name), &ROUTE_DECISIONS),
+                    "totals": totals_json(&r.metrics.totals(), route_decisions()),
+                    "history": history_json(&self.history.route(&r.name), route_decisions()),
                 })
             })
             .collect();
@@ -218,8 +215,8 @@ impl Admin {
             "keep_ms": crate::stats::KEEP.as_millis() as u64,
             "routes": routes,
             "unmatched": {
-                "totals": totals_json(&rt.unmatched.totals(), &UNMATCHED_DECISIONS),
-                "history": history_json(&self.history.unmatched(), &UNMATCHED_DECISIONS),
+                "totals": totals_json(&rt.unmatched.totals(), UNMATCHED_DECISIONS),
+                "history": history_json(&self.history.unmatched(), UNMATCHED_DECISIONS),
             },
             "store": {
                 "backend": store.0,
@@ -369,27 +366,29 @@ fn reload_view(s: &Status) -> serde_json::Value {
     last.unwrap_or(serde_json::Value::Null)
 }
 
-fn index(d: Decision) -> usize {
-    Decision::ALL.iter().position(|x| *x == d).unwrap_or(0)
-}
-
 /// `{"allowed": 3, "limited": 2, ...}`: the counters of `decisions`.
-fn totals_json(totals: &Totals, decisions: &[Decision]) -> serde_json::Value {
+fn totals_json(
+    totals: &Totals,
+    decisions: impl IntoIterator<Item = Decision>,
+) -> serde_json::Value {
     decisions
-        .iter()
-        .map(|d| (d.as_str().to_string(), totals[index(*d)].into()))
+        .into_iter()
+        .map(|d| (d.as_str().to_string(), totals[d.index()].into()))
         .collect::<serde_json::Map<_, _>>()
         .into()
 }
 
 /// `{"at_ms": [t0, t1, ...], "allowed": [n0, n1, ...], ...}`: one column per decision,
 /// the counters as they were at each sample time.
-fn history_json(samples: &[Sample], decisions: &[Decision]) -> serde_json::Value {
+fn history_json(
+    samples: &[Sample],
+    decisions: impl IntoIterator<Item = Decision>,
+) -> serde_json::Value {
     let mut m = serde_json::Map::new();
     let at: Vec<u64> = samples.iter().map(|(at, _)| *at).collect();
     m.insert("at_ms".into(), at.into());
     for d in decisions {
-        let col: Vec<u64> = samples.iter().map(|(_, t)| t[index(*d)]).collect();
+        let col: Vec<u64> = samples.iter().map(|(_, t)| t[d.index()]).collect();
         m.insert(d.as_str().into(), col.into());
     }
     m.into()
@@ -456,7 +455,7 @@ fn local_host(host: &str) -> bool {
             return v6.parse::<std::net::Ipv6Addr>().is_ok() && port_ok(after);
         }
         None => match host.rsplit_once(':') {
-            Some((name, port)) if port_ok(&format!(":{port}")) => name,
+            Some((name, port)) if port.parse::<u16>().is_ok() => name,
             Some(_) => return false,
             None => host,
         },
@@ -692,15 +691,15 @@ mod tests {
     #[test]
     fn history_json_has_one_column_per_decision_as_long_as_the_times() {
         let mut a = [0; Decision::ALL.len()];
-        a[index(Decision::Limited)] = 2;
+        a[Decision::Limited.index()] = 2;
         let mut b = a;
-        b[index(Decision::Allowed)] = 3;
-        let v = history_json(&[(1000, a), (3000, b)], &UNMATCHED_DECISIONS);
+        b[Decision::Allowed.index()] = 3;
+        let v = history_json(&[(1000, a), (3000, b)], UNMATCHED_DECISIONS);
         assert_eq!(
             v,
             serde_json::json!({"at_ms": [1000, 3000], "denied": [0, 0], "unmatched": [0, 0], "bad_request": [0, 0]})
         );
-        let v = totals_json(&b, &[Decision::Allowed, Decision::Limited]);
+        let v = totals_json(&b, [Decision::Allowed, Decision::Limited]);
         assert_eq!(v, serde_json::json!({"allowed": 3, "limited": 2}));
     }
 }

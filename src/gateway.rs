@@ -313,7 +313,7 @@ fn deny_ip<'a>(
             status: status.as_u16(),
             deny: "ip",
         };
-        *line = ctx.shared.refusals.line(route, &ctx.ip.to_string(), what);
+        *line = ctx.shared.refusals.line(route, ctx.ip, what);
         return Err(Refusal::Denied(status));
     }
     Ok(())
@@ -327,19 +327,18 @@ fn client_key<'a, 'r>(
     line: &mut Option<Box<Line>>,
 ) -> Result<(&'r str, ClientKey<'r>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
-    let mut denied = |key: &str| {
-        let status = rt.deny.status;
+    let status = rt.deny.status;
+    let mut log = |key: &str| {
         let what = What::Denied {
             status: status.as_u16(),
             deny: "key",
         };
         *line = shared.refusals.line(&route.name, key, what);
-        Refusal::Denied(status)
     };
     // Every value of every key part, before any fallback: a denied key sent twice
     // (which makes it missing) is still denied.
-    if let Some(hit) = denied_key(rt, shared, |d| route.key.any_value(parts, d)) {
-        return Err(denied(&hit));
+    if denied_key(rt, shared, |d| route.key.any_value(parts, d), &mut log) {
+        return Err(Refusal::Denied(status));
     }
     let (ns, key) = match route.key.extract(parts, ctx.ip) {
         Ok(k) => (&route.ns, k),
@@ -349,10 +348,8 @@ fn client_key<'a, 'r>(
         },
     };
     // A composite key as a whole (bans deny the joined form).
-    if !key.parts.is_empty() {
-        if let Some(hit) = denied_key(rt, shared, |d| d(&key.value)) {
-            return Err(denied(&hit));
-        }
+    if !key.parts.is_empty() && denied_key(rt, shared, |d| d(&key.value), &mut log) {
+        return Err(Refusal::Denied(status));
     }
     Ok((ns, key))
 }
@@ -409,7 +406,7 @@ async fn limits<'a>(
             None => ("", v.retry_after_us()),
         };
         let what = What::Limited {
-            limit: limit.to_string(),
+            limit,
             retry_after: crate::answer::retry_after_secs(retry_us),
         };
         tally.line = shared.refusals.line(&route.name, &key.value, what);
@@ -511,27 +508,26 @@ impl Drop for Tally {
     }
 }
 
-/// The first key `values` offers that is on the static or the dynamic deny list.
-/// The dynamic list's guard is dropped before the request goes on (it must not be
-/// held across an await).
+/// Whether `values` offers a key on the static or the dynamic deny list; `hit` is
+/// told the first one (for the log). The dynamic list's guard is dropped before the
+/// request goes on (it must not be held across an await).
 fn denied_key(
     rt: &Runtime,
     shared: &Shared,
     values: impl FnOnce(&mut dyn FnMut(&str) -> bool) -> bool,
-) -> Option<String> {
+    hit: &mut dyn FnMut(&str),
+) -> bool {
     let dynamic = shared.deny.load();
     if !rt.deny.table.has_keys() && !dynamic.has_keys() {
-        return None;
+        return false;
     }
-    let mut hit = None;
     values(&mut |k| {
         let denied = rt.deny.table.key(k) || dynamic.key(k);
-        if denied && hit.is_none() {
-            hit = Some(k.to_string());
+        if denied {
+            hit(k);
         }
         denied
-    });
-    hit
+    })
 }
 
 /// Counts a refusal towards the route's ban; the `after`th within `within` asks the

@@ -312,7 +312,8 @@ pub enum Decision {
 }
 
 impl Decision {
-    /// Every decision, in the order of `RouteMetrics::totals`.
+    /// Every decision, in the order of declaration (a unit test holds them to it),
+    /// which is that of `RouteMetrics::totals`.
     pub const ALL: [Decision; 9] = [
         Decision::Allowed,
         Decision::Delayed,
@@ -324,6 +325,11 @@ impl Decision {
         Decision::Unmatched,
         Decision::BadRequest,
     ];
+
+    /// Its place in `ALL` (and in `RouteMetrics::totals`): the order of declaration.
+    pub fn index(self) -> usize {
+        self as usize
+    }
 
     /// The `decision` label.
     pub fn as_str(self) -> &'static str {
@@ -384,5 +390,17 @@ impl RouteMetrics {
     /// `Decision::ALL` (read by the dashboard; the request path never calls it).
     pub fn totals(&self) -> [u64; 9] {
         Decision::ALL.map(|d| self.counter(d).get())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_decision_is_in_all_at_its_index() {
+        for (i, d) in Decision::ALL.into_iter().enumerate() {
+            assert_eq!(d.index(), i, "{}", d.as_str());
+        }
     }
 }

@@ -38,13 +38,19 @@ impl RefusalLog {
     /// A line for a refused request, if this second's budget allows one: taken
     /// where the refusal is decided (the key at hand), written by `Line::write` once
     /// the request's method and path are (the end of the request path).
-    /// (Boxed: it rides on every request's tally, where it costs one word.)
-    pub fn line(&self, route: &str, key: &str, what: What) -> Option<Box<Line>> {
+    /// Nothing is allocated unless the line is admitted; boxed, as it rides on
+    /// every request's tally, where it costs one word.
+    pub fn line(
+        &self,
+        route: &str,
+        key: impl std::fmt::Display,
+        what: What<&str>,
+    ) -> Option<Box<Line>> {
         let dropped = self.admit()?;
         Some(Box::new(Line {
             route: route.to_string(),
             key_hash: KeyHash(key).to_string(),
-            what,
+            what: what.owned(),
             dropped,
         }))
     }
@@ -65,15 +71,29 @@ impl RefusalLog {
     }
 }
 
-/// Why a request was refused.
-pub enum What {
+/// Why a request was refused (`L`: the limit's name, borrowed until the line is
+/// admitted).
+pub enum What<L = String> {
     /// By a limit: its name, and the answer's `Retry-After` in seconds.
-    Limited { limit: String, retry_after: u64 },
+    Limited { limit: L, retry_after: u64 },
     /// Its key (`deny = "key"`) or its address (`deny = "ip"`; the hash is of the
     /// address as a `key: ip` route would see it) is on the deny list.
     Denied { status: u16, deny: &'static str },
     /// The store cannot decide and `on_error` is `deny`.
     StoreDown,
+}
+
+impl What<&str> {
+    fn owned(self) -> What {
+        match self {
+            What::Limited { limit, retry_after } => What::Limited {
+                limit: limit.to_string(),
+                retry_after,
+            },
+            What::Denied { status, deny } => What::Denied { status, deny },
+            What::StoreDown => What::StoreDown,
+        }
+    }
 }
 
 /// One refusal line, admitted by the budget.
@@ -139,12 +159,24 @@ impl Line {
     }
 }
 
-/// The first 16 hex digits of the key's SHA-1: `printf %s KEY | sha1sum | cut -c1-16`.
-pub struct KeyHash<'a>(pub &'a str);
+/// The first 16 hex digits of the SHA-1 of the key as written (`Display`):
+/// `printf %s KEY | sha1sum | cut -c1-16`. An address is hashed as its text, with no
+/// string made for it.
+pub struct KeyHash<T>(pub T);
 
-impl std::fmt::Display for KeyHash<'_> {
+impl<T: std::fmt::Display> std::fmt::Display for KeyHash<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let digest = sha1_smol::Sha1::from(self.0.as_bytes()).digest().bytes();
+        /// Feeds what is formatted into the hash.
+        struct Sha1Writer(sha1_smol::Sha1);
+        impl std::fmt::Write for Sha1Writer {
+            fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                self.0.update(s.as_bytes());
+                Ok(())
+            }
+        }
+        let mut h = Sha1Writer(sha1_smol::Sha1::new());
+        std::fmt::Write::write_fmt(&mut h, format_args!("{}", self.0))?;
+        let digest = h.0.digest().bytes();
         for b in &digest[..8] {
             write!(f, "{b:02x}")?;
         }
@@ -234,5 +266,8 @@ mod tests {
     fn key_hash_is_sha1_cut_to_16_hex_digits() {
         // printf %s abc | sha1sum
         assert_eq!(KeyHash("abc").to_string(), "a9993e364706816a");
+        // An address as its text: printf %s 203.0.113.9 | sha1sum
+        let ip: std::net::IpAddr = "203.0.113.9".parse().unwrap();
+        assert_eq!(KeyHash(ip).to_string(), KeyHash("203.0.113.9").to_string());
     }
 }
