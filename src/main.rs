@@ -136,8 +136,9 @@ enum Command {
     },
 }
 
-/// Where `sluice deny` and `sluice health` find the admin API; the token comes from
-/// `SLUICE_ADMIN_TOKEN`, else from the configuration's `admin.token`.
+/// Where `sluice deny` and `sluice health` find the admin API; `sluice deny`'s
+/// token comes from `SLUICE_ADMIN_TOKEN`, else from the configuration's
+/// `admin.token` (health needs none).
 #[derive(Args)]
 struct AdminArgs {
     /// Configuration file with admin.listen and admin.token [default: $SLUICE_CONFIG, then config/rules.yaml]

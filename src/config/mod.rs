@@ -153,40 +153,27 @@ pub fn json_schema() -> String {
 /// commented out: YAML's null) as an empty mapping or list, its defaults; so the
 /// schema lets every field whose value is a mapping or a list be null too.
 fn allow_empty_sections(schema: &mut serde_json::Value) {
-    use serde_json::{json, Value};
-    use std::collections::HashSet;
-    let mappings: HashSet<String> = schema["$defs"]
-        .as_object()
-        .map(|defs| {
-            defs.iter()
-                .filter(|(_, d)| d["type"] == "object")
-                .map(|(name, _)| format!("#/$defs/{name}"))
-                .collect()
-        })
-        .unwrap_or_default();
-    fn walk(v: &mut Value, mappings: &HashSet<String>) {
+    use serde_json::{json, Map, Value};
+    /// The field's value is a mapping or a list: also null.
+    fn nullable(field: &mut Map<String, Value>, mappings: &[String]) {
+        if let Some(t @ ("object" | "array")) = field.get("type").and_then(Value::as_str) {
+            let t = json!([t, "null"]);
+            field.insert("type".into(), t);
+        } else if field
+            .get("$ref")
+            .and_then(Value::as_str)
+            .is_some_and(|r| mappings.iter().any(|m| m == r))
+        {
+            let r = field.remove("$ref");
+            field.insert("anyOf".into(), json!([{"$ref": r}, {"type": "null"}]));
+        }
+    }
+    fn walk(v: &mut Value, mappings: &[String]) {
         match v {
             Value::Object(map) => {
                 if let Some(Value::Object(props)) = map.get_mut("properties") {
-                    for field in props.values_mut().filter_map(Value::as_object_mut) {
-                        match field.get("type").and_then(Value::as_str) {
-                            Some(t @ ("object" | "array")) => {
-                                let t = json!([t, "null"]);
-                                field.insert("type".into(), t);
-                            }
-                            _ => {
-                                let to_mapping = field
-                                    .get("$ref")
-                                    .and_then(Value::as_str)
-                                    .is_some_and(|r| mappings.contains(r));
-                                if to_mapping {
-                                    let r = field.remove("$ref");
-                                    let any = json!([{"$ref": r}, {"type": "null"}]);
-                                    field.insert("anyOf".into(), any);
-                                }
-                            }
-                        }
-                    }
+                    let fields = props.values_mut().filter_map(Value::as_object_mut);
+                    fields.for_each(|f| nullable(f, mappings));
                 }
                 map.values_mut().for_each(|v| walk(v, mappings));
             }
@@ -194,6 +181,14 @@ fn allow_empty_sections(schema: &mut serde_json::Value) {
             _ => {}
         }
     }
+    // `$ref`s to the definitions that are mappings.
+    let mappings: Vec<String> = schema["$defs"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(_, d)| d["type"] == "object")
+        .map(|(name, _)| format!("#/$defs/{name}"))
+        .collect();
     walk(schema, &mappings);
 }
 
