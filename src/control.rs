@@ -284,6 +284,9 @@ impl Control {
             Ok(rt) => rt,
             Err(e) => return self.reload_failed(trigger, e.to_string()),
         };
+        for w in &loaded.warnings {
+            tracing::warn!("{w}");
+        }
         for setting in needs_restart(&self.started_with, &loaded.file) {
             tracing::warn!(
                 setting,

@@ -225,6 +225,9 @@ fn init_logging(format: LogFormat) {
 fn check(path: PathBuf) -> ExitCode {
     match sluice::config::load(&path) {
         Ok(loaded) => {
+            for w in &loaded.warnings {
+                eprintln!("{w}");
+            }
             print!("{}", sluice::config::summary::summary(&loaded));
             ExitCode::SUCCESS
         }

@@ -332,6 +332,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         })
     };
     warn_unused(f);
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
     tracing::info!(%addr, %admin_addr, config = %loaded.path.display(), hash = %loaded.hash, "sluice started");
     Ok(Running {
         addr,

@@ -110,6 +110,76 @@ fn sluice_config_is_used_without_dash_c() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
+/// Settings that any client can defeat: trusted proxies covering every address
+/// (any client then chooses its address, and none is held to the per-address
+/// connection cap), keys read from headers that clients write.
+const SELF_DEFEATING: &str = r#"
+server: {listen: "127.0.0.1:PORT"}
+admin: {listen: "127.0.0.1:ADMIN"}
+client_ip: {trusted_proxies: [10.0.0.0/8, 0.0.0.0/0]}
+routes:
+  - name: a
+    match: {path: /a}
+    key: header:X-Forwarded-For
+    respond: {body: "hi\n"}
+  - name: b
+    key: [ip, "header:x-real-ip", "header:forwarded"]
+    respond: {body: "hi\n"}
+"#;
+
+/// The warnings `check` prints (and `run` logs) for `SELF_DEFEATING` at `path`.
+fn self_defeating_warnings(path: &str) -> Vec<String> {
+    let every = "trusted_proxies cover every IPv4 address: any client can choose its address with X-Forwarded-For, and none is held to max_connections_per_ip";
+    let header = |name: &str| {
+        format!("key \"header:{name}\" is read from a header any client can write: each request can bring a fresh key (count by address with key: ip and client_ip.trusted_proxies)")
+    };
+    vec![
+        format!("{path}:4:43: warning: {every}"),
+        format!("{path}:8:10: warning: {}", header("X-Forwarded-For")),
+        format!("{path}:11:15: warning: {}", header("x-real-ip")),
+        format!("{path}:11:35: warning: {}", header("forwarded")),
+    ]
+}
+
+#[test]
+fn check_warns_about_settings_any_client_can_defeat_and_exits_0() {
+    let file = config_file(&SELF_DEFEATING.replace("PORT", "0").replace("ADMIN", "0"));
+    let path = file.path().display().to_string();
+    let out = sluice(&["check", "-c", &path], None);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let lines: Vec<String> = stderr(&out).lines().map(str::to_string).collect();
+    assert_eq!(lines, self_defeating_warnings(&path));
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(summary.starts_with(&format!("{path}: ok")), "{summary}");
+    // A file without them: no warning.
+    let good = config_file(GOOD);
+    let out = sluice(&["check", "-c", &good.path().display().to_string()], None);
+    assert_eq!((out.status.code(), stderr(&out)), (Some(0), String::new()));
+}
+
+#[tokio::test]
+async fn run_logs_the_warnings_of_check_at_warn() {
+    let (port, admin) = (free_port(), free_port());
+    let text = SELF_DEFEATING
+        .replace("PORT", &port.to_string())
+        .replace("ADMIN", &admin.to_string());
+    let file = config_file(&text);
+    let path = file.path().display().to_string();
+    let mut p = spawn(&["run", "-c", &path]);
+    p.wait_until_up(&format!("http://127.0.0.1:{admin}/healthz"))
+        .await;
+    p.signal("TERM");
+    let status = p.exit().await;
+    let err = p.stderr();
+    assert_eq!(status.code(), Some(0), "{status}: {err}");
+    let logged: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains(" WARN ") && l.contains(&path))
+        .filter_map(|l| l.split_once(": ").map(|(_, m)| m))
+        .collect();
+    assert_eq!(logged, self_defeating_warnings(&path));
+}
+
 #[test]
 fn version() {
     let out = sluice(&["--version"], None);

@@ -307,6 +307,132 @@ routes:
     loads(yaml);
 }
 
+/// A 1xx is no answer: hyper would send a bare 500 (or a 101 and close) instead.
+#[test]
+fn respond_status_is_a_final_status() {
+    let yaml = "\
+routes:
+  - {name: a, respond: {status: 100}}
+  - {name: b, respond: {status: 101}}
+  - {name: c, respond: {status: 199}}
+  - {name: d, respond: {status: 200}}
+  - {name: e, respond: {status: 599}}
+  - {name: f, respond: {status: 600}}
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:2:33: respond.status must be between 200 and 599, found 100",
+            "rules.yaml:3:33: respond.status must be between 200 and 599, found 101",
+            "rules.yaml:4:33: respond.status must be between 200 and 599, found 199",
+            "rules.yaml:7:33: respond.status must be between 200 and 599, found 600",
+        ]
+    );
+}
+
+/// Framing and hop-by-hop fields in `respond.headers` would let the configured
+/// bytes desync the client (a length other than the body's) or speak for the
+/// connection: refused, whatever their case.
+#[test]
+fn respond_headers_cannot_set_framing_or_hop_by_hop_fields() {
+    let yaml = "\
+routes:
+  - name: a
+    respond:
+      body: \"ok\\n\"
+      headers:
+        Content-Length: \"100\"
+        transfer-encoding: chunked
+        CONNECTION: close
+        keep-alive: timeout=5
+        Upgrade: websocket
+        te: trailers
+        trailer: x-sum
+        proxy-connection: close
+        content-type: text/plain
+        cache-control: no-store
+";
+    let said = |line: usize, name: &str| {
+        format!(
+            "rules.yaml:{line}:9: respond.headers cannot set {name}: sluice frames its own \
+             answers and owns the connection (Content-Length, Transfer-Encoding, Connection, \
+             Keep-Alive, Upgrade, TE, Trailer and Proxy-Connection are refused)"
+        )
+    };
+    assert_eq!(
+        errors(yaml),
+        [
+            said(6, "Content-Length"),
+            said(7, "transfer-encoding"),
+            said(8, "CONNECTION"),
+            said(9, "keep-alive"),
+            said(10, "Upgrade"),
+            said(11, "te"),
+            said(12, "trailer"),
+            said(13, "proxy-connection"),
+        ]
+    );
+}
+
+/// A timeout above a day is a typo (`100d` for `100s`) that holds connections or
+/// requests all but forever: refused, for every duration that is a timeout.
+#[test]
+fn timeouts_above_one_day_are_refused() {
+    let yaml = "\
+server:
+  request_header_timeout: 100d
+  idle_timeout: 2d
+  shutdown_grace: 25h
+  send_timeout: 1d
+  request_body_timeout: 1441m
+  tunnel_idle_timeout: 3d
+store:
+  backend: redis
+  redis: {url: redis://127.0.0.1:6379, timeout: 2d}
+upstreams:
+  api: {targets: [http://127.0.0.1:3000], connect_timeout: 2d, timeout: 90000s}
+routes:
+  - name: a
+    upstream: api
+    limits: [{algorithm: gcra, rate: 1/s}]
+    on_limit: delay
+    max_delay: 2d
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:2:27: request_header_timeout must be at most 1d, found 100d",
+            "rules.yaml:3:17: idle_timeout must be at most 1d, found 2d",
+            "rules.yaml:4:19: shutdown_grace must be at most 1d, found 25h",
+            "rules.yaml:6:25: request_body_timeout must be at most 1d, found 1441m",
+            "rules.yaml:7:24: tunnel_idle_timeout must be at most 1d, found 3d",
+            "rules.yaml:10:49: timeout must be at most 1d, found 2d",
+            "rules.yaml:12:60: connect_timeout must be at most 1d, found 2d",
+            "rules.yaml:12:73: timeout must be at most 1d, found 25h",
+            "rules.yaml:18:16: max_delay must be at most 1d, found 2d",
+        ]
+    );
+}
+
+/// `header:x_api_key` could never be found: such names are dropped from requests.
+#[test]
+fn header_names_with_an_underscore_are_refused_where_requests_are_read() {
+    let yaml = "\
+routes:
+  - name: a
+    respond: {}
+    key: [ip, \"header:x_api_key\"]
+    match: {headers: {x_tenant: acme}}
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:4:15: key \"header:x_api_key\": header names with \"_\" are dropped from requests (as nginx does), so this header is never there; write it with \"-\"",
+            "rules.yaml:5:23: match.headers: header names with \"_\" are dropped from requests (as nginx does), so \"x_tenant\" never matches; write it with \"-\"",
+        ]
+    );
+}
+
 // === limits ===
 
 #[test]
@@ -860,7 +986,7 @@ routes:
     assert_eq!(
         errors(yaml),
         [
-            "rules.yaml:4:15: respond.status must be between 100 and 599, found 99",
+            "rules.yaml:4:15: respond.status must be between 200 and 599, found 99",
             "rules.yaml:5:43: \"x:y\" is not a valid HTTP header name (expected letters, digits \
              and !#$%&'*+-.^_`|~)",
         ]
@@ -868,7 +994,7 @@ routes:
     let yaml = "routes:\n  - name: a\n    respond: {status: 600}\n";
     assert_eq!(
         error(yaml),
-        "rules.yaml:3:23: respond.status must be between 100 and 599, found 600"
+        "rules.yaml:3:23: respond.status must be between 200 and 599, found 600"
     );
 }
 
@@ -1193,7 +1319,7 @@ deny: {status: 200}
             "rules.yaml:1:27: max_connections must be greater than 0",
             "rules.yaml:4:15: unknown upstream \"nowhere\", no upstreams are defined",
             "rules.yaml:5:11: route name \"a\" is already used at line 3; route names must be unique",
-            "rules.yaml:6:23: respond.status must be between 100 and 599, found 700",
+            "rules.yaml:6:23: respond.status must be between 200 and 599, found 700",
             "rules.yaml:7:16: deny.status must be between 400 and 599, found 200",
         ]
     );
@@ -1265,7 +1391,7 @@ fn byte_order_mark_crlf_and_wide_characters_keep_columns() {
         [
             "rules.yaml:1:27: max_connections must be greater than 0",
             "rules.yaml:3:12: route name \"é\" may use only letters, digits, '_', '-' and '.' (it names metrics and stored keys)",
-            "rules.yaml:3:33: respond.status must be between 100 and 599, found 9",
+            "rules.yaml:3:33: respond.status must be between 200 and 599, found 9",
         ]
     );
     let yaml = "routes:\n  - {name: é, respond: {stetus: 9}}\n";

@@ -43,6 +43,25 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// A setting that is valid but that any client can defeat: `check` prints it and
+/// still exits 0; `run` and every reload log it at WARN.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigWarning(pub ConfigError);
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let e = &self.0;
+        write!(
+            f,
+            "{}:{}:{}: warning: {}",
+            e.file.display(),
+            e.line,
+            e.col,
+            e.message
+        )
+    }
+}
+
 /// All problems found in one file, in file order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigErrors(pub Vec<ConfigError>);
@@ -68,6 +87,8 @@ pub struct Loaded {
     pub file: schema::File,
     /// Hex SHA-1 of the file's bytes: names this version in logs and `/admin/config`.
     pub hash: String,
+    /// What `check` warns about, in file order.
+    pub warnings: Vec<ConfigWarning>,
 }
 
 /// The path `sluice run`/`check` use without `-c`: `$SLUICE_CONFIG`, then
@@ -125,10 +146,12 @@ pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
     if !errors.is_empty() {
         return Err(ConfigErrors(errors));
     }
+    let warnings = validate::warnings(&file, &index, path);
     Ok(Loaded {
         path: path.to_path_buf(),
         file,
         hash,
+        warnings,
     })
 }
 

@@ -11,7 +11,7 @@ use http::{HeaderName, HeaderValue, Method, Uri};
 use super::locate::{field, item, Index, Pos};
 use super::schema::{AlgorithmName, Backend, File, KeySpec, Limit, OnLimit, Route};
 use super::value::{interpolate, Dur, Text};
-use super::ConfigError;
+use super::{ConfigError, ConfigWarning};
 
 /// Above this a limit's count could not be kept exactly by the Redis store's Lua,
 /// whose numbers are doubles (exact up to 2^53); the margin leaves room for sums.
@@ -42,12 +42,103 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     errors
 }
 
+/// Settings that are valid but that any client can defeat, located like errors, in
+/// file order: trusted proxies that cover every address (any client then chooses
+/// its address and escapes the per-address connection cap), and keys read from
+/// headers that clients write (`X-Forwarded-For`, `Forwarded`, `X-Real-IP`).
+pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
+    let mut c = Checker {
+        index,
+        path,
+        errors: Vec::new(),
+    };
+    c.trusted_everyone(file);
+    for (i, route) in file.routes.iter().enumerate() {
+        let kp = format!("{}.key", item("routes", i));
+        match &route.key {
+            KeySpec::One(part) => c.client_written_key(&kp, part),
+            KeySpec::Composite(parts) => {
+                for (j, part) in parts.iter().enumerate() {
+                    c.client_written_key(&item(&kp, j), part);
+                }
+            }
+        }
+    }
+    let mut found = c.errors;
+    found.sort_by_key(|e| (e.line, e.col));
+    found.into_iter().map(ConfigWarning).collect()
+}
+
+/// Headers any client can write, whatever sluice does with them on the way.
+const CLIENT_WRITTEN: [&str; 3] = ["x-forwarded-for", "forwarded", "x-real-ip"];
+
+impl Checker<'_> {
+    fn trusted_everyone(&mut self, file: &File) {
+        let list = "client_ip.trusted_proxies";
+        let nets: Vec<ipnet::IpNet> = file
+            .client_ip
+            .trusted_proxies
+            .iter()
+            .map(|n| crate::client::canonical_net(n.0))
+            .collect();
+        for (family, v4) in [("IPv4", true), ("IPv6", false)] {
+            let of_family = |n: &&ipnet::IpNet| matches!(n, ipnet::IpNet::V4(_)) == v4;
+            let message = format!("trusted_proxies cover every {family} address: any client can choose its address with X-Forwarded-For, and none is held to max_connections_per_ip");
+            // One entry that is the whole space: point at it; else the list, when
+            // its entries together cover it.
+            if let Some(i) = nets
+                .iter()
+                .position(|n| of_family(&n) && n.prefix_len() == 0)
+            {
+                self.at(&item(list, i), message);
+                continue;
+            }
+            let family_nets: Vec<ipnet::IpNet> = nets.iter().filter(of_family).copied().collect();
+            if ipnet::IpNet::aggregate(&family_nets)
+                .iter()
+                .any(|n| n.prefix_len() == 0)
+            {
+                self.at(list, message);
+            }
+        }
+    }
+
+    fn client_written_key(&mut self, path: &str, part: &Text) {
+        let Some(name) = part.strip_prefix("header:") else {
+            return;
+        };
+        if CLIENT_WRITTEN.iter().any(|h| h.eq_ignore_ascii_case(name)) {
+            self.at(
+                path,
+                format!("key {:?} is read from a header any client can write: each request can bring a fresh key (count by address with key: ip and client_ip.trusted_proxies)", part.as_str()),
+            );
+        }
+    }
+}
+
 /// `server.max_header_bytes` bounds: hyper's smallest read buffer, and a size no
 /// legitimate request head needs.
 const MIN_HEADER_BYTES: u64 = 8 * 1024;
 const MAX_HEADER_BYTES: u64 = 1024 * 1024;
 /// `server.workers`: threads, not a budget to spend on a typo.
 const MAX_WORKERS: usize = 256;
+
+/// Fields `respond.headers` cannot set: the framing sluice writes for the body it
+/// sends, and the hop-by-hop fields of the connection (RFC 9110 §7.6.1).
+const RESPOND_REFUSED: [&str; 8] = [
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-connection",
+];
+
+/// Timeouts above this are refused: a typo (`100d` for `100s`) that would hold a
+/// connection, a request or a shutdown all but forever.
+const MAX_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(86_400);
 
 /// A character of an HTTP token (RFC 9110 §5.6.2).
 fn is_tchar(b: u8) -> bool {
@@ -114,6 +205,24 @@ impl Checker<'_> {
         }
     }
 
+    /// A timeout: above 0 and at most a day.
+    fn timeout(&mut self, path: &str, name: &str, d: Dur) {
+        self.positive_dur(path, name, d);
+        self.at_most_a_day(path, name, d);
+    }
+
+    fn at_most_a_day(&mut self, path: &str, name: &str, d: Dur) {
+        if d.get() > MAX_TIMEOUT {
+            self.at(
+                path,
+                format!(
+                    "{name} must be at most 1d, found {}",
+                    super::value::fmt_dur(d.get())
+                ),
+            );
+        }
+    }
+
     fn positive<T: Default + PartialEq>(&mut self, path: &str, name: &str, n: T) {
         if n == T::default() {
             self.at(path, format!("{name} must be greater than 0"));
@@ -162,7 +271,7 @@ impl Checker<'_> {
 impl Checker<'_> {
     fn server(&mut self, file: &File) {
         let s = &file.server;
-        self.positive_dur(
+        self.timeout(
             "server.request_header_timeout",
             "request_header_timeout",
             s.request_header_timeout,
@@ -193,14 +302,16 @@ impl Checker<'_> {
                 );
             }
         }
-        self.positive_dur("server.idle_timeout", "idle_timeout", s.idle_timeout);
-        self.positive_dur("server.send_timeout", "send_timeout", s.send_timeout);
-        self.positive_dur(
+        // 0 is a valid grace (stop at once); a day is plenty.
+        self.at_most_a_day("server.shutdown_grace", "shutdown_grace", s.shutdown_grace);
+        self.timeout("server.idle_timeout", "idle_timeout", s.idle_timeout);
+        self.timeout("server.send_timeout", "send_timeout", s.send_timeout);
+        self.timeout(
             "server.request_body_timeout",
             "request_body_timeout",
             s.request_body_timeout,
         );
-        self.positive_dur(
+        self.timeout(
             "server.tunnel_idle_timeout",
             "tunnel_idle_timeout",
             s.tunnel_idle_timeout,
@@ -308,7 +419,7 @@ impl Checker<'_> {
                 }
             }
         }
-        self.positive_dur("store.redis.timeout", "timeout", redis.timeout);
+        self.timeout("store.redis.timeout", "timeout", redis.timeout);
     }
 
     fn redis_url(&mut self, path: &str, url: &str) {
@@ -357,12 +468,12 @@ impl Checker<'_> {
                     self.at(&item(&targets, i), msg);
                 }
             }
-            self.positive_dur(
+            self.timeout(
                 &format!("{base}.connect_timeout"),
                 "connect_timeout",
                 up.connect_timeout,
             );
-            self.positive_dur(&format!("{base}.timeout"), "timeout", up.timeout);
+            self.timeout(&format!("{base}.timeout"), "timeout", up.timeout);
             if let Some(ca) = &up.tls_ca {
                 self.readable_file(&format!("{base}.tls_ca"), "CA file", ca);
             }
@@ -470,16 +581,32 @@ impl Checker<'_> {
                 }
             }
             (None, Some(resp)) => {
+                // A 1xx is no answer: hyper sends a bare 500 (or a 101 and closes).
                 let status = resp.status.get();
-                if !(100..=599).contains(&status) {
+                if !(200..=599).contains(&status) {
                     self.at(
                         &format!("{base}.respond.status"),
-                        format!("respond.status must be between 100 and 599, found {status}"),
+                        format!("respond.status must be between 200 and 599, found {status}"),
                     );
                 }
                 let headers = format!("{base}.respond.headers");
                 for (name, value) in &resp.headers {
                     let path = field(&headers, name);
+                    if RESPOND_REFUSED
+                        .iter()
+                        .any(|r| r.eq_ignore_ascii_case(name))
+                    {
+                        // A length other than the body's makes the configured bytes
+                        // a response-splitting tool; the rest speak for the connection.
+                        self.at_key(
+                            &path,
+                            format!(
+                                "respond.headers cannot set {name}: sluice frames its own answers and owns the connection ({} are refused)",
+                                "Content-Length, Transfer-Encoding, Connection, Keep-Alive, Upgrade, TE, Trailer and Proxy-Connection"
+                            ),
+                        );
+                        continue;
+                    }
                     self.header_name(&path, name);
                     self.header_value(&path, value);
                 }
@@ -572,6 +699,13 @@ impl Checker<'_> {
             let hp = format!("{mp}.headers");
             for (name, value) in headers {
                 let path = field(&hp, name);
+                if name.contains('_') {
+                    self.at_key(
+                        &path,
+                        format!("match.headers: header names with \"_\" are dropped from requests (as nginx does), so {name:?} never matches; write it with \"-\""),
+                    );
+                    continue;
+                }
                 self.header_name(&path, name);
                 self.header_value(&path, value);
             }
@@ -659,7 +793,7 @@ impl Checker<'_> {
                 }
                 match max_delay {
                     None => self.at(&on_limit, "on_limit: delay needs max_delay, how long a request may wait for capacity (like 2s)"),
-                    Some(d) => self.positive_dur(&format!("{base}.max_delay"), "max_delay", d),
+                    Some(d) => self.timeout(&format!("{base}.max_delay"), "max_delay", d),
                 }
             }
             // SPEC's own example sets max_delay on a reject route: it is accepted and
@@ -917,6 +1051,8 @@ pub fn check_key_part(part: &str) -> Result<(), String> {
                     Err(format!(
                         "key {part:?}: {name:?} is not a valid HTTP header name"
                     ))
+                } else if kind == "header" && name.contains('_') {
+                    Err(format!("key {part:?}: header names with \"_\" are dropped from requests (as nginx does), so this header is never there; write it with \"-\""))
                 } else {
                     Ok(())
                 }

@@ -229,3 +229,17 @@ pub fn with_listeners(yaml: &str) -> String {
     text.push_str(yaml);
     text
 }
+
+/// A gateway from YAML that is parsed but not validated: for tests of the defences
+/// behind `check` (what a file `check` refuses would do if it got past it).
+pub async fn start_unchecked(yaml: &str) -> Running {
+    let text = with_listeners(yaml);
+    let file = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    start(sluice::config::Loaded {
+        path: "unchecked.yaml".into(),
+        file,
+        hash: sluice::config::hash(&text),
+        warnings: Vec::new(),
+    })
+    .await
+}
