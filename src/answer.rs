@@ -8,7 +8,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{
+    HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER,
+};
 use http::{HeaderMap, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full};
@@ -35,6 +37,48 @@ pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     r
+}
+
+/// A body that knows its length is sent with that length in `content-length`,
+/// whatever the map states: hyper writes the map's value as it is (a debug build
+/// asserts they agree), and a stated length other than the body's would desync the
+/// client (its next answer taken for body, or the rest of this body for its next
+/// answer). A HEAD answer, a 204 and a 304 state a length they do not send.
+pub fn own_length(r: &mut Response<Body>, head: bool) {
+    use http_body::Body as _;
+    let status = r.status();
+    if head
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return;
+    }
+    let Some(n) = r.body().size_hint().exact() else {
+        return;
+    };
+    let mut stated = r.headers().get_all(CONTENT_LENGTH).iter().peekable();
+    if stated.peek().is_none() {
+        return;
+    }
+    let same = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.parse().ok()) == Some(n);
+    if !stated.all(same) {
+        r.headers_mut().insert(CONTENT_LENGTH, HeaderValue::from(n));
+    }
+}
+
+/// The answer to a HEAD: sluice's own answers (429, 404, `respond`) carry a body,
+/// which HTTP/1 servers leave unsent but hyper's h2 server sends, breaking the
+/// stream; so the body goes, and its length stays stated, as a GET would get it.
+/// (An upstream's answer to a HEAD has no body: it is left as it is.)
+pub fn headless(r: Response<Body>) -> Response<Body> {
+    use http_body::Body as _;
+    let Some(n) = r.body().size_hint().exact().filter(|n| *n > 0) else {
+        return r;
+    };
+    let (mut parts, _) = r.into_parts();
+    parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
+    Response::from_parts(parts, full(Bytes::new()))
 }
 
 /// Ask the client to close the connection: used when we answer before reading a

@@ -144,7 +144,9 @@ impl Peer {
 
 pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
-    process(shared, &mut parts, body, peer, None).await
+    let mut resp = process(shared, &mut parts, body, peer, None).await;
+    answer::own_length(&mut resp, parts.method == http::Method::HEAD);
+    resp
 }
 
 /// What the plain-request server lends each of its requests.
@@ -213,6 +215,11 @@ async fn process(
     if let Some(line) = tally.line.take() {
         line.write(parts.method.as_str(), parts.uri.path());
     }
+    let resp = if parts.method == http::Method::HEAD {
+        answer::headless(resp)
+    } else {
+        resp
+    };
     end_with(resp, tally)
 }
 

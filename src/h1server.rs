@@ -631,8 +631,11 @@ fn encode_head(
                     Some(Some(known)) => {
                         if !continuing {
                             framing = Framing::Length(known);
+                            // The body's own length, never the map's (hyper writes
+                            // the map's): a length other than the one the body is
+                            // framed by would desync the client.
                             out.extend_from_slice(b"content-length: ");
-                            out.extend_from_slice(value.as_bytes());
+                            out.extend_from_slice(itoa::Buffer::new().format(known).as_bytes());
                             wrote_len = true;
                             open = Some(header::CONTENT_LENGTH);
                         }
@@ -1074,6 +1077,37 @@ mod tests {
         assert!(matches!(enc.framing, Framing::Length(3)));
         assert!(!enc.last);
         assert!(parts.headers.is_empty());
+    }
+
+    /// A body sluice frames itself is sent with its own length, whatever length
+    /// the map states: a stated length shorter than the body would end the answer
+    /// early and make its rest the answer to the next pipelined request; a longer
+    /// one would take the next answer for body.
+    #[test]
+    fn a_stated_length_never_differs_from_the_body_framed() {
+        for stated in [&["100"][..], &["1"], &["3", "100"], &["x"]] {
+            let (mut parts, ()) = http::Response::new(()).into_parts();
+            for v in stated {
+                parts
+                    .headers
+                    .append(header::CONTENT_LENGTH, HeaderValue::from_static(v));
+            }
+            let meta = Meta {
+                version: Version::HTTP_11,
+                keep_alive: true,
+                head: false,
+            };
+            let mut out = Vec::new();
+            let enc = encode_head(&mut out, &mut parts, &meta, Some(Some(3)), b"", None)
+                .expect("encoded");
+            let text = String::from_utf8(out).unwrap();
+            let lengths: Vec<&str> = text
+                .split("\r\n")
+                .filter(|l| l.starts_with("content-length"))
+                .collect();
+            assert_eq!(lengths, ["content-length: 3"], "{stated:?}");
+            assert!(matches!(enc.framing, Framing::Length(3)), "{stated:?}");
+        }
     }
 
     /// How often a head arriving one byte at a time is parsed (the parser's

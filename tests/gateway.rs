@@ -601,6 +601,44 @@ routes:
     assert_eq!(decisions(&m, "second"), []);
 }
 
+/// Upstreams answer HEAD with their GET handler, so a route for GET takes HEAD too:
+/// a HEAD must neither step around the route's limit through a catch-all route nor
+/// get a budget of its own. On HTTP/1.1 and h2 alike.
+#[tokio::test]
+async fn get_routes_take_head_and_share_its_limit() {
+    let up = upstream().await;
+    let gw = start_gateway(&format!(
+        r#"
+upstreams:
+  app: {{targets: ["{}"]}}
+routes:
+  - name: search
+    match: {{path: /search, methods: [GET]}}
+    upstream: app
+    limits: [{{algorithm: fixed_window, limit: 2, window: 1m}}]
+  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}
+"#,
+        up.url()
+    ))
+    .await;
+    let u = url(gw.addr, "/search");
+    let c = http1();
+    let mut got = Vec::new();
+    for m in [Method::GET, Method::HEAD, Method::HEAD, Method::GET] {
+        got.push(c.send(m, &u, &[], "").await.status);
+    }
+    assert_eq!(got, [200, 200, 429, 429]);
+    let r = h2c().send(Method::HEAD, &u, &[], "").await;
+    assert_eq!(r.status, 429);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        decisions(&m, "search"),
+        [("allowed", 2.0), ("limited", 3.0)]
+    );
+    assert_eq!(decisions(&m, "rest"), []);
+    assert_eq!(up.hits(), 2);
+}
+
 // === keys and client addresses ===
 
 /// One route per key kind, each allowing one request per key per minute.

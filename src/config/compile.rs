@@ -252,6 +252,14 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
                 .collect::<Result<Vec<_>, _>>()?,
         ),
     };
+    // Upstreams answer HEAD with their GET handler: a route for GET takes HEAD too,
+    // or a HEAD would step around its limits through another route.
+    let methods = methods.map(|mut ms| {
+        if ms.contains(&Method::GET) && !ms.contains(&Method::HEAD) {
+            ms.push(Method::HEAD);
+        }
+        ms
+    });
     let mut headers = Vec::new();
     for (k, v) in m.headers.iter().flatten() {
         let name = HeaderName::from_bytes(k.as_bytes())
