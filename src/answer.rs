@@ -136,6 +136,8 @@ pub enum Refusal<'a> {
     Unmatched,
     /// The key the route needs is absent, empty or repeated; says which part.
     MissingKey(String),
+    /// A key value with a byte outside printable ASCII; says which part.
+    UnprintableKey(String),
     /// `Content-Length` over `max_request_body`.
     TooLarge(u64),
     Limited(Box<Limited<'a>>),
@@ -173,9 +175,10 @@ impl Refusal<'_> {
             Refusal::Connect => StatusCode::METHOD_NOT_ALLOWED,
             Refusal::Unmatched => StatusCode::NOT_FOUND,
             Refusal::Client(ClientFault::Timeout) => StatusCode::REQUEST_TIMEOUT,
-            Refusal::BadHead(_) | Refusal::MissingKey(_) | Refusal::Client(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            Refusal::BadHead(_)
+            | Refusal::MissingKey(_)
+            | Refusal::UnprintableKey(_)
+            | Refusal::Client(_) => StatusCode::BAD_REQUEST,
             Refusal::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
             Refusal::StoreDown => StatusCode::SERVICE_UNAVAILABLE,
@@ -192,6 +195,7 @@ impl Refusal<'_> {
             Refusal::BadHead(_)
             | Refusal::Connect
             | Refusal::MissingKey(_)
+            | Refusal::UnprintableKey(_)
             | Refusal::TooLarge(_)
             | Refusal::Client(_) => Decision::BadRequest,
             Refusal::Limited(_) => Decision::Limited,
@@ -229,6 +233,10 @@ impl Refusal<'_> {
             Refusal::MissingKey(part) => text(
                 status,
                 format!("missing {part} (absent, empty or sent more than once): this route needs it to identify the client\n"),
+            ),
+            Refusal::UnprintableKey(part) => text(
+                status,
+                format!("{part} holds a byte outside printable ASCII (0x20-0x7E), which an upstream may read as another key\n"),
             ),
             Refusal::TooLarge(max) => text(status, format!("request body larger than {max} bytes\n")),
             Refusal::Limited(l) => {

@@ -244,10 +244,56 @@ impl KeySpec {
             KeyPart::Query(name) => req
                 .uri
                 .query()
-                .is_some_and(|q| query_pairs(q).any(|(k, v)| k == name.as_str() && f(&v))),
+                .is_some_and(|q| query_pairs(q).any(|(k, v)| same_name(&k, name) && f(&v))),
             KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| f(&v)),
         })
     }
+
+    /// The first part with a value, any copy of it, holding a byte outside
+    /// printable ASCII (0x20-0x7E), as the upstream would read it (a header
+    /// without the spaces and tabs around it, a parameter or cookie decoded):
+    /// Node trims an NBSP off a header, PHP and others trim Unicode white space, so
+    /// `k` followed by one would be `k` to the upstream, yet another key here.
+    pub fn unprintable(&self, req: &Parts) -> Option<&KeyPart> {
+        let bad = |v: &[u8]| v.iter().any(|b| !(0x20..=0x7e).contains(b));
+        self.parts.iter().find(|part| match part {
+            KeyPart::Ip | KeyPart::Global => false,
+            KeyPart::Header(h) => req
+                .headers
+                .get_all(h)
+                .iter()
+                .any(|v| bad(trim_ows(v.as_bytes()))),
+            KeyPart::Query(name) => req.uri.query().is_some_and(|q| {
+                query_pairs(q).any(|(k, v)| same_name(&k, name) && bad(v.as_bytes()))
+            }),
+            KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| bad(v.as_bytes())),
+        })
+    }
+}
+
+/// Whether a parameter or cookie sent as `sent` is the one named `name` to PHP,
+/// which drops leading spaces from a name and reads `.`, ` ` and `[` in it as `_`
+/// (`api.key` is `api_key`, and the last value wins): a key must not be one
+/// parameter here and another to the upstream.
+fn same_name(sent: &str, name: &str) -> bool {
+    let fold = |b: u8| match b {
+        b'.' | b' ' | b'[' => b'_',
+        b => b,
+    };
+    let (sent, name) = (sent.trim_start_matches(' '), name.trim_start_matches(' '));
+    sent.len() == name.len()
+        && sent
+            .bytes()
+            .zip(name.bytes())
+            .all(|(a, b)| fold(a) == fold(b))
+}
+
+/// A header value without the spaces and tabs around it (RFC 9110 §5.5 OWS).
+fn trim_ows(b: &[u8]) -> &[u8] {
+    let ows = |c: &u8| *c == b' ' || *c == b'\t';
+    let start = b.iter().position(|c| !ows(c)).unwrap_or(b.len());
+    let end = b.iter().rposition(|c| !ows(c)).map_or(start, |i| i + 1);
+    &b[start..end]
 }
 
 /// The value of one key part. A part that is absent, empty, or sent more than once
@@ -261,7 +307,7 @@ fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'
         KeyPart::Header(h) => header_text(single(req.headers.get_all(h).iter())?),
         KeyPart::Query(name) => single(
             query_pairs(req.uri.query()?)
-                .filter(|(k, _)| k == name)
+                .filter(|(k, _)| same_name(k, name))
                 .map(|(_, v)| v),
         )?,
         KeyPart::Cookie(name) => single(cookies(&req.headers, name))?,
@@ -291,11 +337,7 @@ fn single<T>(mut it: impl Iterator<Item = T>) -> Option<T> {
 /// around it (hyper strips them from HTTP/1 requests, but not from HTTP/2 ones), any
 /// bytes that are not UTF-8 replaced.
 fn header_text(v: &HeaderValue) -> Cow<'_, str> {
-    let b = v.as_bytes();
-    let ows = |c: &u8| *c == b' ' || *c == b'\t';
-    let start = b.iter().position(|c| !ows(c)).unwrap_or(b.len());
-    let end = b.iter().rposition(|c| !ows(c)).map_or(start, |i| i + 1);
-    let text = &b[start..end];
+    let text = trim_ows(v.as_bytes());
     // The same as `from_utf8_lossy`, which costs more on the usual (short, ASCII)
     // value than looking at its words once.
     if text.is_ascii() {
@@ -307,7 +349,8 @@ fn header_text(v: &HeaderValue) -> Cow<'_, str> {
 }
 
 /// The values of cookie `name` in every `Cookie` header, as lenient servers read them:
-/// pairs split on `;`, spaces around names and values trimmed, a value's quotes
+/// pairs split on `;`, spaces around names and values trimmed, names compared as PHP
+/// reads them (`same_name`), a value's quotes
 /// removed, `%XX` escapes decoded, bytes that are not UTF-8 replaced (one odd byte elsewhere in the header
 /// must not hide a cookie from the deny list).
 fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Cow<'a, str>> + 'a {
@@ -318,7 +361,8 @@ fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Co
         .filter_map(|pair| {
             let eq = pair.iter().position(|b| *b == b'=')?;
             let (k, v) = (&pair[..eq], &pair[eq + 1..]);
-            (k.trim_ascii() == name.as_bytes()).then_some(v.trim_ascii())
+            let k = std::str::from_utf8(k.trim_ascii()).ok()?;
+            same_name(k, name).then_some(v.trim_ascii())
         })
         .map(|v| {
             let v = v
@@ -582,6 +626,56 @@ mod tests {
         assert_eq!(
             seen(&["header:x-api-key"], "/", &[("x-api-key", "bad, good")]),
             ["bad, good", "bad", "good"]
+        );
+    }
+
+    /// PHP's reading of parameter and cookie names: `.`, ` ` and `[` are `_`, and
+    /// leading spaces are dropped; nothing else is folded.
+    #[test]
+    fn names_as_php_reads_them() {
+        for sent in ["api_key", "api.key", "api key", "api[key", " api.key"] {
+            assert!(same_name(sent, "api_key"), "{sent}");
+            assert!(same_name("api_key", sent), "{sent}");
+        }
+        for sent in ["api-key", "apikey", "api[key]", "API_KEY", "api_key_"] {
+            assert!(!same_name(sent, "api_key"), "{sent}");
+        }
+        let a = ip("1.2.3.4");
+        let p = parts("/", &[("cookie", "s.id=v")]);
+        assert_eq!(spec(&["cookie:s_id"]).extract(&p, a).unwrap().value, "v");
+    }
+
+    /// Which part holds a byte outside printable ASCII, any copy of it, as the
+    /// upstream reads it (spaces and tabs around a header value are not in it).
+    #[test]
+    fn unprintable_key_values() {
+        let which = |spec_: &[&str], uri: &str, headers: &[(&str, &str)]| {
+            spec(spec_)
+                .unprintable(&parts(uri, headers))
+                .map(KeyPart::describe)
+        };
+        let h = ["header:x-api-key"];
+        assert_eq!(which(&h, "/", &[("x-api-key", " \tk \t")]), None);
+        assert_eq!(
+            which(&h, "/", &[("x-api-key", "k\u{a0}")]),
+            Some("header x-api-key".into())
+        );
+        assert_eq!(
+            which(&h, "/", &[("x-api-key", "k"), ("x-api-key", "k\tk")]),
+            Some("header x-api-key".into())
+        );
+        let q = ["ip", "query:k"];
+        assert_eq!(which(&q, "/?k=a+b&x=%A0", &[]), None);
+        assert_eq!(
+            which(&q, "/?k.=1&k=%C2%A0", &[]),
+            Some("query parameter k".into())
+        );
+        assert_eq!(which(&q, "/?k=%7F", &[]), Some("query parameter k".into()));
+        let c = ["cookie:s"];
+        assert_eq!(which(&c, "/", &[("cookie", "t=caf\u{e9}; s=v")]), None);
+        assert_eq!(
+            which(&c, "/", &[("cookie", "s=%00")]),
+            Some("cookie s".into())
         );
     }
 

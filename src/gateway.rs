@@ -347,6 +347,11 @@ fn client_key<'a, 'r>(
     if denied_key(rt, shared, |d| route.key.any_value(parts, d), &mut log) {
         return Err(Refusal::Denied(status));
     }
+    // Whatever `missing_key` says: the upstream may trim such a value into another
+    // key (a denied one, or one with a budget of its own).
+    if let Some(part) = route.key.unprintable(parts) {
+        return Err(Refusal::UnprintableKey(part.describe()));
+    }
     let (ns, key) = match route.key.extract(parts, ctx.ip) {
         Ok(k) => (&route.ns, k),
         Err(part) => match route.missing_key {

@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::net::Ipv6Addr;
 
-use http::header::{HeaderMap, HeaderValue, COOKIE, HOST};
+use http::header::{HeaderMap, HeaderName, HeaderValue, COOKIE, HOST};
 use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Uri};
 use http::{Method, Response, StatusCode, Version};
@@ -42,11 +42,12 @@ impl BadRequest {
     }
 }
 
-/// Check the head and normalise it in place: the path (`path::normalize`, the
+/// Check the head and normalise it in place: header names with `_` dropped, the path (`path::normalize`, the
 /// route view in the extensions when it differs), a Host or `:authority` without
 /// its trailing dot, and on HTTP/2 the `cookie` fields joined into one header (RFC
 /// 9113 §8.2.3) as the HTTP/1.1 upstream will get them. `CONNECT` is left as it is.
 pub fn admit(req: &mut Parts) -> Result<(), BadRequest> {
+    drop_underscored(&mut req.headers);
     if req.method == Method::CONNECT {
         return Ok(());
     }
@@ -322,6 +323,23 @@ fn normalise_path(req: &mut Parts) -> Result<(), BadRequest> {
     Ok(())
 }
 
+// === header names ===
+
+/// Header names with `_` dropped, as nginx does (`underscores_in_headers off`):
+/// CGI, WSGI and Rack servers fold `_` into `-`, so `X_Api_Key` would be the key
+/// `X-Api-Key` to the upstream, but not to the key, the deny list or the matcher.
+/// (One look at each name; a map is changed only when one has a `_`.)
+fn drop_underscored(h: &mut HeaderMap) {
+    let underscored = |n: &HeaderName| n.as_str().as_bytes().contains(&b'_');
+    if !h.keys().any(underscored) {
+        return;
+    }
+    let names: Vec<HeaderName> = h.keys().filter(|n| underscored(n)).cloned().collect();
+    for n in names {
+        h.remove(&n);
+    }
+}
+
 // === cookies ===
 
 /// Several `cookie` fields joined with `; ` into one header: HTTP/2 clients split
@@ -488,6 +506,27 @@ mod tests {
         admit(&mut p).unwrap();
         assert_eq!(p.uri, "http://a.b/x");
         assert_eq!(p.headers[HOST], "c.d:81");
+    }
+
+    /// nginx's `underscores_in_headers off`: every field whose name has a `_` is
+    /// gone before routing, keys and forwarding read the head; the rest stay.
+    #[test]
+    fn header_names_with_an_underscore_are_dropped() {
+        let mut p = parts(
+            "GET",
+            "/",
+            Version::HTTP_11,
+            &[
+                ("host", "h"),
+                ("x_api_key", "a"),
+                ("x-api-key", "b"),
+                ("X_Api_Key", "c"),
+                ("_", "d"),
+            ],
+        );
+        admit(&mut p).unwrap();
+        let names: Vec<&str> = p.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["host", "x-api-key"]);
     }
 
     #[test]

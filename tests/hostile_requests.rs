@@ -13,8 +13,13 @@ use tokio::net::TcpListener;
 /// One request written raw on a new connection: the status, the lower-cased head
 /// and the body of the answer.
 async fn raw(addr: std::net::SocketAddr, request: &str) -> (u16, String, String) {
+    raw_bytes(addr, request.as_bytes()).await
+}
+
+/// `raw` for a request that is not UTF-8 (a byte such as 0xA0 in a field).
+async fn raw_bytes(addr: std::net::SocketAddr, request: &[u8]) -> (u16, String, String) {
     let mut s = connect(addr).await;
-    s.write_all(request.as_bytes()).await.expect("write");
+    s.write_all(request).await.expect("write");
     let (head, body) = read_response(&mut s).await.expect("an answer");
     let status = head
         .split(' ')
@@ -555,4 +560,237 @@ routes:
         !head.to_ascii_lowercase().contains("connection: close"),
         "{head}"
     );
+}
+
+// === client keys: one key, one spelling ===
+
+/// A denied key, and routes keyed by a header, a query parameter and a cookie,
+/// each falling back to the address (3 per minute), before a catch-all.
+const KEYED: &str = r#"
+deny: {keys: [leaked-key-123]}
+upstreams:
+  app: {targets: ["UP"]}
+routes:
+  - name: api
+    match: {path_prefix: /api/}
+    upstream: app
+    key: header:x-api-key
+    missing_key: ip
+    limits: [{name: three, algorithm: fixed_window, limit: 3, window: 1m}]
+  - name: q
+    match: {path_prefix: /q/}
+    upstream: app
+    key: query:api_key
+    limits: [{name: three, algorithm: fixed_window, limit: 3, window: 1m}]
+  - name: c
+    match: {path_prefix: /c/}
+    upstream: app
+    key: cookie:sid
+    missing_key: ip
+    limits: [{name: three, algorithm: fixed_window, limit: 3, window: 1m}]
+  - {name: rest, match: {path_prefix: /}, upstream: app}
+"#;
+
+async fn keyed_gateway() -> (Upstream, Running) {
+    let up = upstream().await;
+    let gw = start_gateway(&KEYED.replace("UP", &up.url())).await;
+    (up, gw)
+}
+
+/// `GET path` on HTTP/1.1 with one extra header line given as bytes.
+fn get_with(path: &str, line: &[u8]) -> Vec<u8> {
+    let mut r = format!("GET {path} HTTP/1.1\r\nhost: h\r\n").into_bytes();
+    r.extend_from_slice(line);
+    r.extend_from_slice(b"\r\nconnection: close\r\n\r\n");
+    r
+}
+
+/// `POST path` with a body (so hyper, not the plain-request server, reads it) and
+/// one extra header line given as bytes.
+fn post_with(path: &str, line: &[u8]) -> Vec<u8> {
+    let mut r = format!("POST {path} HTTP/1.1\r\nhost: h\r\n").into_bytes();
+    r.extend_from_slice(line);
+    r.extend_from_slice(b"\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi");
+    r
+}
+
+/// Node trims an NBSP (and other Unicode white space) off a header value, so a key
+/// with one is the same key to the upstream: a key value with any byte outside
+/// printable ASCII is refused, on every path and whatever `missing_key` says.
+#[tokio::test]
+async fn a_key_with_a_byte_outside_printable_ascii_is_400_whatever_missing_key_says() {
+    let (up, gw) = keyed_gateway().await;
+    let header = "header x-api-key holds a byte outside printable ASCII (0x20-0x7E), which an upstream may read as another key\n";
+    for request in [
+        get_with("/api/x", b"x-api-key: leaked-key-123\xa0"),
+        get_with("/api/x", b"x-api-key: leaked-key-123\xc2\xa0"),
+        get_with("/api/x", b"x-api-key: \xc2\xa0leaked-key-123"),
+        get_with("/api/x", b"x-api-key: leaked\tkey"),
+        post_with("/api/x", b"x-api-key: leaked-key-123\xa0"),
+    ] {
+        let (status, head, body) = raw_bytes(gw.addr, &request).await;
+        let shown = String::from_utf8_lossy(&request);
+        assert_eq!((status, body.as_str()), (400, header), "{shown}: {head}");
+    }
+    let (status, body) = h2_get(
+        gw.addr,
+        "http://h/api/x",
+        &[("x-api-key", "leaked-key-123\u{a0}")],
+    )
+    .await;
+    assert_eq!((status, body.as_str()), (400, header));
+    let query = "query parameter api_key holds a byte outside printable ASCII (0x20-0x7E), which an upstream may read as another key\n";
+    for q in [
+        "leaked-key-123%C2%A0",
+        "leaked-key-123%A0",
+        "%09leaked-key-123",
+    ] {
+        let (status, _, body) = raw(gw.addr, &req("GET", &format!("/q/x?api_key={q}"), "")).await;
+        assert_eq!((status, body.as_str()), (400, query), "{q}");
+    }
+    let cookie = "cookie sid holds a byte outside printable ASCII (0x20-0x7E), which an upstream may read as another key\n";
+    let (status, _, body) = raw(
+        gw.addr,
+        &req("GET", "/c/x", "cookie: sid=leaked-key-123%C2%A0\r\n"),
+    )
+    .await;
+    assert_eq!((status, body.as_str()), (400, cookie));
+    assert_eq!(up.hits(), 0);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(decisions(&m, "api"), [("bad_request", 6.0)]);
+    assert_eq!(decisions(&m, "q"), [("bad_request", 3.0)]);
+    assert_eq!(decisions(&m, "c"), [("bad_request", 1.0)]);
+}
+
+/// One to five NBSPs after a key used to be five more keys, each with a fresh
+/// budget; the spaces and tabs HTTP trims (OWS) are the same key.
+#[tokio::test]
+async fn nbsp_and_ows_spellings_of_a_key_get_no_budget_of_their_own() {
+    let (up, gw) = keyed_gateway().await;
+    let mut got = Vec::new();
+    for n in 1..=3 {
+        let mut line = b"x-api-key: k".to_vec();
+        line.extend(b"\xc2\xa0".repeat(n));
+        got.push(raw_bytes(gw.addr, &get_with("/api/x", &line)).await.0);
+    }
+    for n in 4..=5 {
+        let key = format!("k{}", "\u{a0}".repeat(n));
+        got.push(
+            h2_get(gw.addr, "http://h/api/x", &[("x-api-key", &key)])
+                .await
+                .0,
+        );
+    }
+    for line in [
+        &b"x-api-key: k"[..],
+        b"x-api-key: k \t",
+        b"x-api-key:\t k",
+        b"x-api-key: k",
+    ] {
+        got.push(raw_bytes(gw.addr, &get_with("/api/x", line)).await.0);
+    }
+    assert_eq!(got, [400, 400, 400, 400, 400, 200, 200, 200, 429]);
+    assert_eq!(up.hits(), 3);
+}
+
+/// WSGI servers fold `_` into `-` in header names, so `X_Api_Key` would be the key
+/// to them: such headers are dropped before anything reads them, as nginx does
+/// (`underscores_in_headers off`), on the plain path, hyper's and h2.
+#[tokio::test]
+async fn header_names_with_an_underscore_are_dropped_on_every_path() {
+    let (up, gw) = keyed_gateway().await;
+    for request in [
+        get_with("/api/x", b"X_Api_Key: leaked-key-123"),
+        post_with("/api/x", b"X_Api_Key: leaked-key-123"),
+    ] {
+        let (status, head, body) = raw_bytes(gw.addr, &request).await;
+        assert_eq!(status, 200, "{head}{body}");
+        let e = echo_of(&body);
+        assert_eq!(e.all("x_api_key"), Vec::<&str>::new());
+        assert_eq!(e.all("x-api-key"), Vec::<&str>::new());
+    }
+    let (status, body) = h2_get(
+        gw.addr,
+        "http://h/api/x",
+        &[("x_api_key", "leaked-key-123")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(echo_of(&body).all("x_api_key"), Vec::<&str>::new());
+    // All three fell back to the address: its budget of 3 is spent, whatever the
+    // underscored header says.
+    let (status, _, _) = raw_bytes(gw.addr, &get_with("/api/x", b"X_Api_Key: other")).await;
+    assert_eq!(status, 429);
+    assert_eq!(up.hits(), 3);
+}
+
+/// PHP reads `api.key`, `api key` and `api[key` as `api_key` (and the last value
+/// wins): those names are the same parameter as the key's, so a denied key sent
+/// so is denied and two spellings are a key sent twice.
+#[tokio::test]
+async fn php_spellings_of_a_query_name_are_the_key_parameter() {
+    let (up, gw) = keyed_gateway().await;
+    for q in [
+        "api_key=x&api.key=leaked-key-123",
+        "api.key=leaked-key-123",
+        "api%2Ekey=leaked-key-123",
+        "api+key=leaked-key-123",
+        "api%20key=leaked-key-123",
+        "api%5Bkey=leaked-key-123",
+    ] {
+        let (status, _, body) = raw(gw.addr, &req("GET", &format!("/q/x?{q}"), "")).await;
+        assert_eq!((status, body.as_str()), (403, "access denied\n"), "{q}");
+    }
+    let (status, _, _) = raw(gw.addr, &req("GET", "/q/x?api_key=x&api.key=y", "")).await;
+    assert_eq!(status, 400, "sent twice");
+    let mut got = Vec::new();
+    for q in ["api.key=z", "api_key=z", "api+key=z", "api_key=z"] {
+        got.push(raw(gw.addr, &req("GET", &format!("/q/x?{q}"), "")).await.0);
+    }
+    assert_eq!(got, [200, 200, 200, 429]);
+    assert_eq!(up.hits(), 3);
+}
+
+// === respond: framing ===
+
+/// Two pipelined requests to routes whose `respond.headers` state a length other
+/// than the body's (a file `check` refuses, started without it): two answers, each
+/// framed by its body, on the plain path and on hyper's.
+#[tokio::test]
+async fn respond_answers_are_framed_by_their_body_whatever_their_headers_say() {
+    let up = upstream().await;
+    let gw = start_unchecked(&format!(
+        r#"
+upstreams:
+  app: {{targets: ["{}"]}}
+routes:
+  - {{name: short, match: {{path: /short}}, respond: {{body: "ok\n", headers: {{content-length: "1"}}}}}}
+  - {{name: long, match: {{path: /long}}, respond: {{body: "ok\n", headers: {{Content-Length: "100"}}}}}}
+  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}
+"#,
+        up.url()
+    ))
+    .await;
+    let two = b"GET /short HTTP/1.1\r\nhost: h\r\n\r\nGET /long HTTP/1.1\r\nhost: h\r\n\r\n";
+    for hyper in [false, true] {
+        let mut s = if hyper {
+            hyper_connection(gw.addr).await
+        } else {
+            connect(gw.addr).await
+        };
+        s.write_all(two).await.expect("write");
+        for path in ["/short", "/long"] {
+            let (head, body) = read_response(&mut s).await.expect("an answer");
+            assert!(
+                head.starts_with("HTTP/1.1 200 OK\r\n"),
+                "{path} (hyper: {hyper}): {head}"
+            );
+            let lengths: Vec<&str> = head
+                .split("\r\n")
+                .filter(|l| l.to_ascii_lowercase().starts_with("content-length:"))
+                .collect();
+            assert_eq!(lengths, ["content-length: 3"], "{path} (hyper: {hyper})");
+            assert_eq!(body, "ok\n", "{path} (hyper: {hyper})");
+        }
+    }
 }
