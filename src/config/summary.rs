@@ -192,7 +192,11 @@ fn describe_match(r: &Route) -> String {
     }
     let mut s = String::new();
     if let Some(methods) = &m.methods {
-        let methods: Vec<String> = methods.iter().map(|m| m.to_ascii_uppercase()).collect();
+        let mut methods: Vec<String> = methods.iter().map(|m| m.to_ascii_uppercase()).collect();
+        // As routing reads it: GET takes HEAD too.
+        if methods.iter().any(|m| m == "GET") && !methods.iter().any(|m| m == "HEAD") {
+            methods.push("HEAD".into());
+        }
         s.push_str(&methods.join(","));
         if !parts.is_empty() {
             s.push(' ');
@@ -320,5 +324,21 @@ deny    2 ips, 1 key -> 403
         );
         assert_eq!(summary(&loaded), expected);
         assert!(!summary(&loaded).contains("premium-key-1"));
+    }
+
+    /// The summary says what routing does: a route for GET takes HEAD too.
+    #[test]
+    fn get_is_shown_with_head() {
+        let yaml = "routes:\n  - {name: a, match: {path: /a, methods: [GET, POST]}, respond: {}}\n  - {name: b, match: {methods: [HEAD, GET]}, respond: {}}\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("-> respond")).collect();
+        assert_eq!(
+            lines,
+            [
+                "  a        GET,POST,HEAD /a -> respond 200",
+                "  b        HEAD,GET -> respond 200"
+            ]
+        );
     }
 }
