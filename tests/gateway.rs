@@ -637,6 +637,32 @@ routes:
     );
     assert_eq!(decisions(&m, "rest"), []);
     assert_eq!(up.hits(), 2);
+    // On a connection hyper serves: the 429 to HEAD states its length and sends no
+    // body, so the next answer on the connection is read as sent.
+    let mut s = hyper_connection(gw.addr).await;
+    s.write_all(b"HEAD /search HTTP/1.1\r\nhost: h\r\n\r\nGET /search HTTP/1.1\r\nhost: h\r\n\r\n")
+        .await
+        .expect("write");
+    let head = read_head(&mut s).await.expect("the HEAD's answer");
+    assert!(head.starts_with("HTTP/1.1 429 "), "{head}");
+    // The 429's body, with its head's Retry-After in it.
+    let field = |head: &str, name: &str| -> String {
+        head.split("\r\n")
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in {head}"))
+            .to_string()
+    };
+    let text = |head: &str| {
+        let secs = field(head, "retry-after: ");
+        format!("rate limit \"fixed_window_0\" of route \"search\" exceeded; retry in {secs}s\n")
+    };
+    assert_eq!(
+        field(&head, "content-length: "),
+        text(&head).len().to_string()
+    );
+    let (head, body) = read_response(&mut s).await.expect("the GET's answer");
+    assert!(head.starts_with("HTTP/1.1 429 "), "{head}");
+    assert_eq!(body, text(&head));
 }
 
 // === keys and client addresses ===
