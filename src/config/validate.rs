@@ -1170,6 +1170,36 @@ mod tests {
 
     const UP: &str = "upstreams: {api: {targets: [http://127.0.0.1:3000]}}\n";
 
+    fn warned(yaml: &str) -> Vec<String> {
+        let file: File = serde_yaml::from_str(yaml).expect("valid schema");
+        let index = Index::parse(yaml);
+        warnings(&file, &index, Path::new("t.yaml"))
+            .into_iter()
+            .map(|w| format!("{}:{}: {}", w.0.line, w.0.col, w.0.message))
+            .collect()
+    }
+
+    /// Trusted blocks that together cover a family, or one that is all of it
+    /// (an IPv4-mapped block is the IPv4 one), are warned about; any less is not.
+    #[test]
+    fn trusted_proxies_that_cover_every_address() {
+        let v4 = "trusted_proxies cover every IPv4 address: any client can choose its address with X-Forwarded-For, and none is held to max_connections_per_ip";
+        let v6 = v4.replace("IPv4", "IPv6");
+        let yaml = |nets: &str| format!("client_ip: {{trusted_proxies: [{nets}]}}\nroutes: []\n");
+        assert_eq!(
+            warned(&yaml("0.0.0.0/1, 128.0.0.0/1")),
+            [format!("1:30: {v4}")]
+        );
+        assert_eq!(
+            warned(&yaml("10.0.0.0/8, \"::ffff:0:0/96\", \"::/0\"")),
+            [format!("1:43: {v4}"), format!("1:60: {v6}")]
+        );
+        assert_eq!(
+            warned(&yaml("0.0.0.0/1, 128.0.0.0/2, \"::/1\"")),
+            Vec::<String>::new()
+        );
+    }
+
     #[test]
     fn a_clean_file_has_no_errors() {
         let yaml = format!(
