@@ -838,10 +838,10 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     if present == 0 {
         return;
     }
-    // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a message with
-    // both must lose its Content-Length before it is passed on (the chunks have
-    // been decoded: by hyper's server for requests, by `wire::Decoder` for
-    // responses; left alone, the length would cut the body short).
+    // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a request with
+    // both must lose its Content-Length before it is passed on (hyper's server has
+    // decoded the chunks; left alone, the length would cut the body short). A
+    // response with both never gets here: `wire` refuses it.
     if present & (1 << TRANSFER_ENCODING_AT) != 0 {
         h.remove(header::CONTENT_LENGTH);
     }
