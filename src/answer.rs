@@ -273,10 +273,17 @@ impl Refusal<'_> {
 
 // === the end of a response ===
 
+/// What the end of a request does when its response body fails part-way (its head
+/// has gone to the client), before the guard is dropped.
+pub trait OnFail {
+    fn failed(&mut self, e: &BoxError);
+}
+
 /// A response body that holds `guard` until the body has ended (its last frame was
-/// taken, or it failed) or is dropped unfinished (the client went away): work that
-/// belongs to the end of a request runs in the guard's `Drop`.
-pub fn guarded<G: Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
+/// taken, or it failed: the guard is told why first) or is dropped unfinished (the
+/// client went away): work that belongs to the end of a request runs in the
+/// guard's `Drop`.
+pub fn guarded<G: OnFail + Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
     Guarded {
         body,
         guard: Some(guard),
@@ -289,7 +296,7 @@ struct Guarded<G> {
     guard: Option<G>,
 }
 
-impl<G: Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
+impl<G: OnFail + Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -301,7 +308,12 @@ impl<G: Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         match &polled {
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.guard = None,
+            Poll::Ready(Some(Err(e))) => {
+                if let Some(mut guard) = this.guard.take() {
+                    guard.failed(e);
+                }
+            }
+            Poll::Ready(None) => this.guard = None,
             Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.guard = None,
             _ => {}
         }

@@ -21,7 +21,7 @@ use crate::deny::{BanRequest, DenyTable, StaticDeny, Target};
 use crate::h1server::ClientBody;
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
-use crate::proxy::{ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
+use crate::proxy::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
 use crate::refusal_log::{Line, RefusalLog, What};
 use crate::request::BadRequest;
 use crate::route::Matcher;
@@ -504,6 +504,24 @@ impl Tally {
             permit: Permit::None,
             line: None,
         }
+    }
+}
+
+impl answer::OnFail for Tally {
+    /// A response body the upstream failed after its head had gone (silent for
+    /// `read_timeout`, cut, malformed) is counted as the upstream's failure, as one
+    /// before the head is (`forward_failed`).
+    fn failed(&mut self, e: &answer::BoxError) {
+        let Some(route) = self.route.map(|i| &self.rt.routes[i]) else {
+            return;
+        };
+        let counter = match crate::proxy::body_failure(e) {
+            Some(BodyFailure::Timeout) => &route.metrics.upstream_timeout,
+            Some(BodyFailure::Reset) => &route.metrics.upstream_reset,
+            None => return,
+        };
+        counter.inc();
+        tracing::debug!(route = %route.name, error = %e, "upstream response body failed");
     }
 }
 

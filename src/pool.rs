@@ -7,7 +7,8 @@
 //! been read to its end; a body dropped before its end closes its connection. A
 //! request safe to repeat (idempotent, no body) that finds a kept connection
 //! closed before any answer came is sent again on another, as browsers and Go's
-//! client do.
+//! client do. A response body the upstream stops sending for `read_timeout` fails
+//! (`ReadTimeout`), and its connection is closed.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -22,6 +23,7 @@ use tokio::sync::oneshot;
 
 use crate::answer::{Body, BoxError};
 use crate::limit::clock::coarse_ms;
+use crate::wake::Deadline;
 use crate::wire::{self, Conn, Connector, Decoder, Framing, Upload, UploadError};
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
@@ -50,6 +52,11 @@ pub enum SendError {
     Send(BoxError),
 }
 
+/// The upstream sent nothing more of a response body for `upstreams.*.read_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream sent nothing of the response body for {0:?}")]
+pub struct ReadTimeout(pub Duration);
+
 /// The upstream's answer.
 pub enum Answer {
     /// With a body that gives the connection back at its end.
@@ -73,15 +80,19 @@ pub struct Pool {
     /// A connection idle longer than this (milliseconds, `coarse_ms`) is closed
     /// rather than reused.
     idle_ms: u64,
+    /// The longest silence between two reads of a response body
+    /// (`upstreams.*.read_timeout`).
+    read_timeout: Duration,
 }
 
 impl Pool {
-    pub fn new(connector: Connector, idle_timeout: Duration) -> Pool {
+    pub fn new(connector: Connector, idle_timeout: Duration, read_timeout: Duration) -> Pool {
         Pool {
             connector,
             idle: std::array::from_fn(|_| Mutex::new(Vec::new())),
             waiting: Mutex::new(VecDeque::new()),
             idle_ms: u64::try_from(idle_timeout.as_millis()).unwrap_or(u64::MAX),
+            read_timeout,
         }
     }
 
@@ -142,6 +153,9 @@ impl Pool {
                         upload: head.upload,
                         hop_by_hop: head.hop_by_hop,
                         pool: self.clone(),
+                        read_timeout: self.read_timeout,
+                        silence: None,
+                        progressed: false,
                     };
                     return Ok(Answer::Response(Response::from_parts(head.parts, body)));
                 }
@@ -263,12 +277,46 @@ pub struct Pooled {
     /// The request body still going up (the upstream answered before its end).
     upload: Option<Upload>,
     pool: Arc<Pool>,
+    read_timeout: Duration,
+    /// When the upstream's silence runs out: made at the first wait for the body
+    /// (most bodies come with their head and never wait), then moved on after each
+    /// frame (a store: the timer itself moves only when it fires early).
+    silence: Option<Pin<Box<Deadline>>>,
+    /// A frame came since the deadline was last set.
+    progressed: bool,
 }
 
 impl Pooled {
     /// Whether the answer's head has a hop-by-hop field.
     pub fn hop_by_hop(&self) -> bool {
         self.hop_by_hop
+    }
+
+    /// The upstream has sent nothing new: the body fails once that has lasted
+    /// `read_timeout`, counted from the first wait after the last frame (as nginx's
+    /// `proxy_read_timeout`, the time between two reads, not for the whole body).
+    /// The connection is closed: what it still carries is no answer to anything.
+    fn poll_silence(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let at = |timeout| tokio::time::Instant::now() + timeout;
+        let silence = match &mut self.silence {
+            Some(d) => {
+                if self.progressed {
+                    d.as_mut().set(at(self.read_timeout));
+                }
+                d
+            }
+            None => self
+                .silence
+                .insert(Box::pin(Deadline::new(at(self.read_timeout)))),
+        };
+        self.progressed = false;
+        std::task::ready!(silence.as_mut().poll_passed(cx));
+        self.conn = None;
+        self.upload = None;
+        Poll::Ready(Some(Err(ReadTimeout(self.read_timeout).into())))
     }
 
     fn release(&mut self) {
@@ -314,7 +362,11 @@ impl http_body::Body for Pooled {
                 }
             }
         }
-        let frame = std::task::ready!(this.decoder.poll_frame(conn, cx));
+        let frame = match this.decoder.poll_frame(conn, cx) {
+            Poll::Ready(frame) => frame,
+            Poll::Pending => return this.poll_silence(cx),
+        };
+        this.progressed = true;
         match &frame {
             Some(Ok(_)) if !this.decoder.is_end() => {}
             // The end: the last data, trailers or nothing more.
@@ -364,7 +416,11 @@ mod tests {
         });
         let connector =
             Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 4).unwrap();
-        let pool = Arc::new(Pool::new(connector, Duration::from_millis(300)));
+        let pool = Arc::new(Pool::new(
+            connector,
+            Duration::from_millis(300),
+            Duration::from_secs(60),
+        ));
         pool.give_back(pool.connector.connect().await.unwrap());
         let conn = pool.checkout().expect("kept within the timeout");
         pool.give_back(conn);
@@ -413,7 +469,11 @@ mod tests {
         let addr = closing_each_time().await;
         let connector =
             Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 4).unwrap();
-        let pool = Arc::new(Pool::new(connector, Duration::from_secs(90)));
+        let pool = Arc::new(Pool::new(
+            connector,
+            Duration::from_secs(90),
+            Duration::from_secs(60),
+        ));
         for _ in 0..20 {
             let req = Request::builder()
                 .uri("/")

@@ -24,7 +24,7 @@ use rustls_pki_types::CertificateDer;
 
 use crate::answer::{Body, BoxError};
 use crate::limit::clock::coarse_ms;
-use crate::pool::{Answer, Pool, SendError};
+use crate::pool::{Answer, Pool, ReadTimeout, SendError};
 use crate::wake::Deadline;
 use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP};
 
@@ -237,6 +237,8 @@ pub struct Upstream {
 pub struct UpstreamOpts<'a> {
     pub connect_timeout: Duration,
     pub timeout: Duration,
+    /// The longest silence between two reads of a response body.
+    pub read_timeout: Duration,
     pub tls_ca: Option<&'a Path>,
     /// At most this many connections, split evenly across the targets; a request
     /// that finds none free waits up to `connect_timeout`, then fails `Busy`.
@@ -263,9 +265,10 @@ impl UpstreamOpts<'_> {
             )
         });
         format!(
-            "{name}|{targets:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{:?}",
+            "{name}|{targets:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{:?}",
             self.connect_timeout,
             self.timeout,
+            self.read_timeout,
             self.max_connections,
             self.upgrades,
             self.body_timeout,
@@ -361,7 +364,7 @@ impl Upstream {
                 Ok(Target {
                     scheme,
                     authority,
-                    pool: Arc::new(Pool::new(connector, POOL_IDLE_TIMEOUT)),
+                    pool: Arc::new(Pool::new(connector, POOL_IDLE_TIMEOUT, o.read_timeout)),
                 })
             })
             .collect::<Result<Vec<_>, BuildError>>()?;
@@ -717,31 +720,69 @@ fn wants_upgrade(h: &HeaderMap) -> bool {
             .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
 }
 
-/// A failed exchange with the upstream, sorted by its causes: opening a connection
-/// (`connecting`) or on one.
-fn classify(e: BoxError, connecting: bool) -> ProxyError {
-    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&*e);
+/// What the chain of an error says it was, beyond a failed connection.
+enum Cause {
+    Busy,
+    TooLarge,
+    Client(ClientFault),
+    Timeout,
+}
+
+fn cause(e: &(dyn std::error::Error + 'static)) -> Option<Cause> {
+    let mut src = Some(e);
     while let Some(s) = src {
         if s.is::<NoFreeConnection>() {
-            return ProxyError::Busy;
+            return Some(Cause::Busy);
+        }
+        if s.is::<ReadTimeout>() {
+            return Some(Cause::Timeout);
         }
         if s.is::<LengthLimitError>() {
-            return ProxyError::TooLarge;
+            return Some(Cause::TooLarge);
         }
         if let Some(c) = s.downcast_ref::<ClientBodyError>() {
-            return ProxyError::Client(c.fault);
+            return Some(Cause::Client(c.fault));
         }
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
             if io.kind() == std::io::ErrorKind::TimedOut {
-                return ProxyError::Timeout;
+                return Some(Cause::Timeout);
             }
         }
         src = s.source();
     }
-    if connecting {
-        ProxyError::Connect(e)
-    } else {
-        ProxyError::Reset(e)
+    None
+}
+
+/// A failed exchange with the upstream, sorted by its causes: opening a connection
+/// (`connecting`) or on one.
+fn classify(e: BoxError, connecting: bool) -> ProxyError {
+    match cause(&*e) {
+        Some(Cause::Busy) => ProxyError::Busy,
+        Some(Cause::TooLarge) => ProxyError::TooLarge,
+        Some(Cause::Client(fault)) => ProxyError::Client(fault),
+        Some(Cause::Timeout) => ProxyError::Timeout,
+        None if connecting => ProxyError::Connect(e),
+        None => ProxyError::Reset(e),
+    }
+}
+
+/// How an upstream failed a response body after its head had gone to the client
+/// (`sluice_upstream_errors_total{kind}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFailure {
+    /// Silent for `read_timeout`.
+    Timeout,
+    /// The connection failed, or the body was malformed.
+    Reset,
+}
+
+/// Whose fault a response body's failure is: the upstream's, or (`None`) the
+/// client's, whose request body was still going up while the answer came back.
+pub fn body_failure(e: &BoxError) -> Option<BodyFailure> {
+    match cause(&**e) {
+        Some(Cause::Timeout) => Some(BodyFailure::Timeout),
+        Some(Cause::Client(_) | Cause::TooLarge) => None,
+        Some(Cause::Busy) | None => Some(BodyFailure::Reset),
     }
 }
 
@@ -797,10 +838,10 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     if present == 0 {
         return;
     }
-    // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a message with
-    // both must lose its Content-Length before it is passed on (the chunks have
-    // been decoded: by hyper's server for requests, by `wire::Decoder` for
-    // responses; left alone, the length would cut the body short).
+    // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a request with
+    // both must lose its Content-Length before it is passed on (hyper's server has
+    // decoded the chunks; left alone, the length would cut the body short). A
+    // response with both never gets here: `wire` refuses it.
     if present & (1 << TRANSFER_ENCODING_AT) != 0 {
         h.remove(header::CONTENT_LENGTH);
     }

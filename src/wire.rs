@@ -1017,6 +1017,7 @@ fn parse_one_head(
             seen.length.add(value);
         } else if name == header::TRANSFER_ENCODING {
             seen.transfer_encoding = true;
+            seen.codings.add(value);
         } else if name == header::DATE {
             date = true;
         }
@@ -1079,7 +1080,14 @@ fn parse_one_head(
         }
     }
     let (mut parts, ()) = resp.into_parts();
-    let body = decoder(&headers, &seen, status, version, method)?;
+    refuse_framing(&seen)?;
+    let body = match decoder(&seen, status, version, method)? {
+        // The first chunk-size line mostly comes with the head: a malformed one
+        // makes the answer a 502 now, while nothing has gone to the client. (One
+        // that comes later cuts the body: the head has gone by then.)
+        Decoder::Chunked(Chunk::Size) => Decoder::Chunked(chunk_size(buf)?.unwrap_or(Chunk::Size)),
+        body => body,
+    };
     parts.headers = headers;
     let reusable = keep_alive && !close && !matches!(body, Decoder::Eof) && code != 101;
     Ok(Some(Head {
@@ -1092,9 +1100,33 @@ fn parse_one_head(
     }))
 }
 
-/// How the body of a response is delimited (RFC 9112 §6.3, as hyper's client).
+/// Framing that cannot be passed on faithfully is refused, whatever the status
+/// (as nginx refuses it, with a 502): `Transfer-Encoding` beside `Content-Length`
+/// (RFC 9112 §6.3 calls it a likely attempt at smuggling, and the connection
+/// cannot be trusted after it), and any transfer coding but one `chunked` (a
+/// `gzip` under it would reach the client decoded of its chunks only, with
+/// nothing saying it is gzip; a last coding other than `chunked` would make the
+/// body run to the close, RFC 9112 §6.3, which no upstream means).
+fn refuse_framing(seen: &Framed) -> Result<(), WireError> {
+    if !seen.transfer_encoding {
+        return Ok(());
+    }
+    if seen.length != Length::None {
+        return Err(WireError::Malformed(
+            "both Content-Length and Transfer-Encoding",
+        ));
+    }
+    if seen.codings != Codings::Chunked {
+        return Err(WireError::Malformed(
+            "a transfer coding other than one chunked",
+        ));
+    }
+    Ok(())
+}
+
+/// How the body of a response is delimited (RFC 9112 §6.3, as hyper's client;
+/// `refuse_framing` has let only a lone `chunked` coding through).
 fn decoder(
-    h: &HeaderMap,
     seen: &Framed,
     status: StatusCode,
     version: Version,
@@ -1107,16 +1139,7 @@ fn decoder(
         if version == Version::HTTP_10 {
             return Err(WireError::Malformed("Transfer-Encoding in HTTP/1.0"));
         }
-        let chunked_last = h
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .next_back()
-            .is_some_and(last_is_chunked);
-        return Ok(if chunked_last {
-            Decoder::Chunked(Chunk::Size)
-        } else {
-            Decoder::Eof
-        });
+        return Ok(Decoder::Chunked(Chunk::Size));
     }
     match seen.length {
         Length::One(0) => Ok(Decoder::Done),
@@ -1132,7 +1155,34 @@ fn decoder(
 struct Framed {
     connection: bool,
     transfer_encoding: bool,
+    codings: Codings,
     length: Length,
+}
+
+/// The transfer codings of a head so far, over all its `Transfer-Encoding` lines.
+#[derive(Default, Debug, PartialEq)]
+enum Codings {
+    #[default]
+    None,
+    /// One coding, `chunked`.
+    Chunked,
+    /// Another coding, or more than one.
+    Other,
+}
+
+impl Codings {
+    fn add(&mut self, value: &[u8]) {
+        // Empty list items are nothing (RFC 9110 §5.6.1).
+        for coding in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+            if coding.is_empty() {
+                continue;
+            }
+            *self = match self {
+                Codings::None if coding.eq_ignore_ascii_case(b"chunked") => Codings::Chunked,
+                _ => Codings::Other,
+            };
+        }
+    }
 }
 
 /// The `Content-Length` values of a head so far (`content_length` of a whole map).
@@ -1280,6 +1330,8 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
     let Some(end) = buf.iter().position(|&b| b == b'\n') else {
         return if buf.len() > MAX_CHUNK_LINE {
             Err(WireError::Malformed("chunk-size line too long"))
+        } else if !may_become_size_line(buf) {
+            Err(WireError::Malformed("chunk size"))
         } else {
             Ok(None)
         };
@@ -1303,6 +1355,21 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
     } else {
         Chunk::Data(size)
     }))
+}
+
+/// Whether `part`, a chunk-size line whose end has not come yet, can still become
+/// one `chunk_size` takes: so a size line that is wrong from its first bytes is
+/// refused with the head it came with, not once its end comes.
+fn may_become_size_line(part: &[u8]) -> bool {
+    let digits = part.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits > 16 {
+        return false;
+    }
+    if digits == part.len() {
+        return true;
+    }
+    let rest = part[digits..].trim_ascii_start();
+    digits > 0 && rest.first().is_none_or(|&b| b == b';')
 }
 
 /// The trailer block after the last chunk, taken out of `buf`: `Some(None)` when
@@ -1588,17 +1655,10 @@ mod tests {
         );
         assert_eq!(
             len(
-                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 3\r\n\r\n",
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n",
                 Method::GET
             ),
             "Chunked(Size)"
-        );
-        assert_eq!(
-            len(
-                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
-                Method::GET
-            ),
-            "Eof"
         );
         assert_eq!(len("HTTP/1.1 200 OK\r\n\r\n", Method::GET), "Eof");
         assert_eq!(
@@ -1619,6 +1679,78 @@ mod tests {
             Method::GET
         )
         .is_err());
+    }
+
+    /// Only one `chunked` coding, and never beside `Content-Length`, whatever the
+    /// status or method (as nginx): anything else would be passed on as something
+    /// it is not.
+    #[test]
+    fn framing_other_than_one_chunked_or_one_length_is_refused() {
+        for te in ["chunked", " chunked ", "CHUNKED", "chunked,", ", chunked"] {
+            let head = format!("HTTP/1.1 200 OK\r\ntransfer-encoding: {te}\r\n\r\n");
+            assert!(parse(&head, Method::GET).is_ok(), "{te:?}");
+        }
+        let refused = |head: &str| {
+            for method in [Method::GET, Method::HEAD] {
+                assert!(
+                    matches!(parse(head, method.clone()), Err(WireError::Malformed(_))),
+                    "{head:?} {method}"
+                );
+            }
+        };
+        for te in [
+            "gzip, chunked",
+            "chunked, chunked",
+            "chunked, gzip",
+            "gzip",
+            "identity",
+            "",
+            ",",
+        ] {
+            refused(&format!(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: {te}\r\n\r\n"
+            ));
+        }
+        refused(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+        );
+        refused("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n");
+        refused("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n");
+        refused(
+            "HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n",
+        );
+    }
+
+    /// The first chunk-size line, when it came with the head, is read with it: a
+    /// malformed one fails the head (a 502, nothing sent yet); a whole one is
+    /// taken; a partial one that can still become valid waits.
+    #[test]
+    fn a_first_chunk_size_line_that_came_with_the_head_is_checked_with_it() {
+        let head = |first: &str| {
+            let mut buf = BytesMut::from(
+                format!("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n{first}").as_str(),
+            );
+            parse_head(&mut buf, &Method::GET, &mut Kept::default())
+                .map(|h| (format!("{:?}", h.expect("whole").body), buf.len()))
+        };
+        assert_eq!(head("").unwrap(), ("Chunked(Size)".to_owned(), 0));
+        assert_eq!(head("1").unwrap(), ("Chunked(Size)".to_owned(), 1));
+        assert_eq!(head("1a;x=y").unwrap(), ("Chunked(Size)".to_owned(), 6));
+        assert_eq!(head("3\r").unwrap(), ("Chunked(Size)".to_owned(), 2));
+        assert_eq!(head("3\r\nab").unwrap(), ("Chunked(Data(3))".to_owned(), 2));
+        assert_eq!(head("0\r\n").unwrap(), ("Chunked(Trailers)".to_owned(), 0));
+        for bad in [
+            "zz",
+            "zz\r\n",
+            "-3\r\n",
+            "3 x",
+            "3\nabc",
+            "1ffffffffffffffff",
+            "3\rx",
+        ] {
+            assert!(matches!(head(bad), Err(WireError::Malformed(_))), "{bad:?}");
+        }
+        assert!(head(&format!("1;{}", "e".repeat(MAX_CHUNK_LINE))).is_err());
     }
 
     #[test]
@@ -1693,6 +1825,9 @@ mod tests {
             Ok(Some(Chunk::Trailers))
         ));
         assert!(matches!(chunk_size(&mut BytesMut::from("1a")), Ok(None)));
+        assert!(matches!(chunk_size(&mut BytesMut::from("1a ;e")), Ok(None)));
+        assert!(chunk_size(&mut BytesMut::from("1a x")).is_err());
+        assert!(chunk_size(&mut BytesMut::from("x")).is_err());
         assert!(chunk_size(&mut BytesMut::from("x\r\n")).is_err());
         assert!(chunk_size(&mut BytesMut::from("1\n")).is_err());
         assert!(chunk_size(&mut BytesMut::from("11111111111111111\r\n")).is_err());

@@ -1,8 +1,9 @@
 //! Clients that stall mid-request: one that stops reading its response
 //! (`server.send_timeout`), one that stops sending its request body
 //! (`server.request_body_timeout`), and an idle WebSocket tunnel
-//! (`server.tunnel_idle_timeout`). Each is cut after its timeout and gives back
-//! the upstream connection it held; clients that are slow but progressing are not.
+//! (`server.tunnel_idle_timeout`); and an upstream that stalls mid-body
+//! (`upstreams.*.read_timeout`). Each is cut after its timeout and gives back
+//! the upstream connection it held; peers that are slow but progressing are not.
 
 mod common;
 
@@ -388,4 +389,158 @@ async fn an_upstream_that_stops_reading_the_body_times_out() {
     writer.abort();
     let m = metrics(gw.admin_addr).await;
     assert_eq!(upstream_timeouts(&m), Some(1.0));
+}
+
+// === an upstream that stalls mid-body (`upstreams.*.read_timeout`) ===
+
+/// A gateway in front of `up` whose response bodies may be silent 300 ms at most.
+fn read_timeout_config(up: SocketAddr) -> String {
+    format!(
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 2s, read_timeout: 300ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    )
+}
+
+/// Reads one request head and, when it announces one, its 5-byte body.
+async fn read_request(s: &mut tokio::net::TcpStream) -> Option<String> {
+    let head = read_head(s).await?;
+    if head
+        .to_ascii_lowercase()
+        .contains("\r\ncontent-length: 5\r\n")
+    {
+        let mut body = [0u8; 5];
+        s.read_exact(&mut body).await.ok()?;
+    }
+    Some(head)
+}
+
+/// The upstream's 7 bytes of a 100-byte body, as the client gets them after the
+/// head: as they came (`/length`) or as one chunk (`/chunked`).
+fn seven_bytes_as_sent(path: &str) -> &'static str {
+    if path == "/chunked" {
+        "7\r\n1234567\r\n"
+    } else {
+        "1234567"
+    }
+}
+
+/// The defect: an upstream that sent its head and 7 bytes of a 100-byte body, then
+/// nothing, held the client and the upstream connection for ever (`timeout` covers
+/// only the head). After `read_timeout` of silence the response is cut: an HTTP/1
+/// client gets the head and the 7 bytes, then the connection closes (a truncated
+/// message, never a well-framed short one); an h2c client's stream fails. The
+/// upstream connection is closed, not pooled, and each cut counts as a timeout.
+/// On the plain-request server (GET), on hyper's (a request with a body), and h2c.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_stalls_mid_body_is_cut_after_read_timeout() {
+    let closed = Arc::new(AtomicUsize::new(0));
+    let counted = closed.clone();
+    let (up, accepted) = raw_upstream(move |mut s| {
+        let closed = counted.clone();
+        async move {
+            let Some(head) = read_request(&mut s).await else {
+                return;
+            };
+            let answer: &[u8] = if head.split(' ').nth(1) == Some("/chunked") {
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\n1234567\r\n"
+            } else {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n1234567"
+            };
+            if s.write_all(answer).await.is_err() {
+                return;
+            }
+            // Silent from here on: only sluice can end the connection.
+            let mut b = [0u8; 64];
+            while let Ok(n) = s.read(&mut b).await {
+                if n == 0 {
+                    break;
+                }
+            }
+            closed.fetch_add(1, Ordering::SeqCst);
+        }
+    })
+    .await;
+    let gw = start_gateway(&read_timeout_config(up)).await;
+    let mut cuts = 0;
+    for path in ["/length", "/chunked"] {
+        for request in [
+            format!("GET {path} HTTP/1.1\r\nhost: a\r\n\r\n"),
+            format!("POST {path} HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nhello"),
+        ] {
+            let mut c = connect(gw.addr).await;
+            c.write_all(request.as_bytes()).await.unwrap();
+            let all = tokio::time::timeout(Duration::from_secs(5), read_to_close(&mut c))
+                .await
+                .unwrap_or_else(|_| panic!("{request:?}: not cut within 5 s"));
+            let (head, body) = all.split_once("\r\n\r\n").expect("a head");
+            assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head:?}");
+            let framing = if path == "/chunked" {
+                "\r\ntransfer-encoding: chunked"
+            } else {
+                "\r\ncontent-length: 100"
+            };
+            assert!(head.to_ascii_lowercase().contains(framing), "{head:?}");
+            assert_eq!(body, seven_bytes_as_sent(path), "{request:?}");
+            cuts += 1;
+        }
+    }
+    let h2 = tokio::time::timeout(
+        Duration::from_secs(5),
+        h2c().try_send(
+            http::Method::GET,
+            &url(gw.addr, "/length"),
+            &[],
+            Bytes::new(),
+        ),
+    )
+    .await
+    .expect("h2c: not cut within 5 s");
+    assert!(h2.is_err(), "{h2:?}");
+    cuts += 1;
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(upstream_timeouts(&m), Some(f64::from(cuts)));
+    let all_closed = eventually(Duration::from_secs(5), || async {
+        closed.load(Ordering::SeqCst) == 5
+    })
+    .await;
+    assert!(
+        all_closed.is_some(),
+        "sluice closed {} of 5 upstream connections",
+        closed.load(Ordering::SeqCst)
+    );
+    assert_eq!(accepted.load(Ordering::SeqCst), 5);
+}
+
+/// A body that comes slowly but steadily (a byte every 100 ms, a second in all,
+/// past the 300 ms `read_timeout`) is never silent for the timeout: it arrives
+/// whole, and nothing is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_but_steady_upstream_body_is_not_cut() {
+    let (up, _) = raw_upstream(|mut s| async move {
+        while read_request(&mut s).await.is_some() {
+            if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n")
+                .await
+                .is_err()
+            {
+                return;
+            }
+            for b in b"0123456789" {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if s.write_all(&[*b]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let gw = start_gateway(&read_timeout_config(up)).await;
+    let r = http1().get(&url(gw.addr, "/slow"), &[]).await;
+    assert_eq!((r.status, r.text()), (200, "0123456789"));
+    let r = http1()
+        .send(http::Method::POST, &url(gw.addr, "/slow"), &[], "hello")
+        .await;
+    assert_eq!((r.status, r.text()), (200, "0123456789"));
+    let r = h2c().get(&url(gw.addr, "/slow"), &[]).await;
+    assert_eq!((r.status, r.text()), (200, "0123456789"));
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(upstream_timeouts(&m), Some(0.0));
 }

@@ -58,6 +58,7 @@ pub fn compile(
         let opts = UpstreamOpts {
             connect_timeout: u.connect_timeout.get(),
             timeout: u.timeout.get(),
+            read_timeout: u.read_timeout.get(),
             tls_ca: ca,
             max_connections: u.max_connections.get(),
             upgrades: &upgrades,

@@ -219,6 +219,11 @@ pub struct Upstream {
     /// The whole response head must arrive within this, else 504.
     #[serde(default = "default_upstream_timeout")]
     pub timeout: Dur,
+    /// The longest silence between two reads of a response body (as nginx's
+    /// `proxy_read_timeout`); then the response is cut and the upstream connection
+    /// closed.
+    #[serde(default = "default_read_timeout")]
+    pub read_timeout: Dur,
     /// Extra CA certificate (PEM) trusted for `https://` targets, besides the
     /// built-in web roots; for upstreams with a private CA.
     #[serde(default)]
@@ -239,6 +244,10 @@ fn default_connect_timeout() -> Dur {
 
 fn default_upstream_timeout() -> Dur {
     Dur::secs(30)
+}
+
+fn default_read_timeout() -> Dur {
+    Dur::secs(60)
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]

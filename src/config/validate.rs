@@ -474,6 +474,11 @@ impl Checker<'_> {
                 up.connect_timeout,
             );
             self.timeout(&format!("{base}.timeout"), "timeout", up.timeout);
+            self.timeout(
+                &format!("{base}.read_timeout"),
+                "read_timeout",
+                up.read_timeout,
+            );
             if let Some(ca) = &up.tls_ca {
                 self.readable_file(&format!("{base}.tls_ca"), "CA file", ca);
             }
@@ -1255,6 +1260,12 @@ mod tests {
                 "4:27: max_connections must be greater than 0",
             ]
         );
+    }
+
+    #[test]
+    fn an_upstream_read_timeout_must_be_positive() {
+        let yaml = "upstreams:\n  app:\n    targets: [http://127.0.0.1:3000]\n    read_timeout: 0s\nroutes: []\n";
+        assert_eq!(errors(yaml), ["4:19: read_timeout must be greater than 0"]);
     }
 
     #[test]
