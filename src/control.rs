@@ -234,16 +234,9 @@ impl Control {
         lock(&self.status).clone()
     }
 
-    /// Every entry the request path enforces, static ones first.
-    pub fn entries(&self) -> Vec<Entry> {
-        let rt = self.shared.runtime.load();
-        let mut all = rt.deny.table.entries();
-        all.extend(self.shared.deny.load().entries());
-        all
-    }
-
-    /// A page of what `entries` lists: at most `limit` entries after `after`, the
-    /// cursor of the next page if there is one, and how many entries there are.
+    /// A page of the entries the request path enforces, static ones first: at most
+    /// `limit` entries after `after`, the cursor of the next page if there is one,
+    /// and how many entries there are.
     pub fn page(
         &self,
         after: Option<&Cursor>,
