@@ -490,19 +490,20 @@ impl Control {
                 route: Some(b.route.as_str().into()),
             },
         };
+        let max = self.max_entries();
+        let mut added = Ok(());
+        self.change_soon(|t| added = self.insert_within(t, e.clone(), max));
+        if let Err(full) = added {
+            // Once per refusal that asks: debug, so a flood cannot flood the log.
+            tracing::debug!(entry = %e.target.logged(), "ban not made: {full}");
+            return;
+        }
         tracing::warn!(route = %b.route, entry = %e.target.logged(), duration = %fmt_dur(b.duration), "banned");
         self.shared
             .metrics
             .bans
             .with_label_values(&[b.route.as_str()])
             .inc();
-        let max = self.max_entries();
-        let mut added = Ok(());
-        self.change_soon(|t| added = self.insert_within(t, e.clone(), max));
-        if let Err(full) = added {
-            tracing::warn!(entry = %e.target.logged(), "ban not made: {full}");
-            return;
-        }
         // Enforced here already; shared off the control loop, so a burst of bans
         // never waits for Redis one round trip at a time. Pending until shared, so a
         // read of the shared list meanwhile keeps it.

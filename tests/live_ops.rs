@@ -1704,3 +1704,33 @@ async fn a_block_wider_than_8_or_32_needs_force() {
     let r = admin.add(json!({"key": "k", "force": "yes"})).await;
     assert_eq!(r.status, 400, "{}", r.text());
 }
+
+/// At `max_entries` entries that never expire, nothing can be evicted: the admin
+/// API answers 507 saying so, and a ban is not made (nor counted).
+#[tokio::test]
+async fn a_list_full_of_permanent_entries_refuses_more() {
+    let gw = start_gateway(&FLOOD.replace("max_entries: 50", "max_entries: 2")).await;
+    let admin = AdminApi::new(&gw, None);
+    let c = http1();
+    admin.added(json!({"key": "one"})).await;
+    admin.added(json!({"ip": "192.0.2.0/24"})).await;
+    let r = admin.add(json!({"key": "three", "ttl": "1m"})).await;
+    assert_eq!(
+        (r.status, r.text()),
+        (
+            507,
+            "the deny list holds deny.max_entries (2) entries and none of them expires\n"
+        )
+    );
+    // Replacing one of them is no new entry.
+    admin.added(json!({"key": "one", "reason": "again"})).await;
+    let api = url(gw.addr, "/api");
+    assert_eq!(
+        statuses(&c, 3, &api, &[("x-api-key", "k")]).await,
+        [200, 429, 429]
+    );
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(bans(&m, "api"), 0.0);
+    assert_eq!(entry_counts(&gw).await, [0.0, 2.0, 0.0]);
+    assert_eq!(admin.list().await.len(), 2);
+}
