@@ -19,7 +19,7 @@ use serde::Deserialize;
 use crate::answer::{self, Body};
 use crate::config::value::parse_duration;
 use crate::control::{Command, Control, ControlError, Reply, Status, Trigger};
-use crate::deny::{now_ms, rfc3339, Entry, EntryJson, Meta, Source, Target};
+use crate::deny::{now_ms, rfc3339, Cursor, Entry, EntryJson, Meta, Source, Target};
 use crate::gateway::Shared;
 use crate::metrics::Decision;
 use crate::stats::{History, Sample, Totals};
@@ -28,6 +28,9 @@ use crate::stats::{History, Sample, Totals};
 pub const MAX_BODY: usize = 64 * 1024;
 /// Longest `reason` kept with an entry.
 const MAX_REASON: usize = 1024;
+/// Entries in a page of `GET /admin/deny`: the default and the most a client may
+/// ask for, so that one answer stays small (about 200 KB) however long the list.
+pub const DENY_PAGE: usize = 1000;
 
 pub struct Admin {
     pub shared: Arc<Shared>,
@@ -129,7 +132,7 @@ impl Admin {
     async fn api(&self, req: Request<Incoming>) -> Response<Body> {
         let (method, path) = (req.method().clone(), req.uri().path().to_string());
         match (path.as_str(), method) {
-            ("/admin/deny", Method::GET) => json(StatusCode::OK, &self.deny_list()),
+            ("/admin/deny", Method::GET) => self.deny_list(req.uri().query()),
             ("/admin/deny", Method::POST | Method::DELETE) if !is_json(&req) => {
                 unsupported_media_type()
             }
@@ -234,8 +237,48 @@ impl Admin {
         })
     }
 
-    fn deny_list(&self) -> Vec<EntryJson> {
-        self.control.entries().iter().map(Entry::to_json).collect()
+    /// A page of the list (`?limit=N&after=CURSOR`): a JSON list of entries as the
+    /// SPEC has it, the total in `X-Total-Count`, the next page in `Link`
+    /// (RFC 8288, as GitHub's API pages), absent on the last page.
+    fn deny_list(&self, query: Option<&str>) -> Response<Body> {
+        let (mut limit, mut after) = (DENY_PAGE, None);
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "limit" => match value.parse::<usize>() {
+                    Ok(n) if (1..=DENY_PAGE).contains(&n) => limit = n,
+                    _ => {
+                        return bad_request(&format!(
+                            "limit {value:?} is not a number from 1 to {DENY_PAGE}"
+                        ))
+                    }
+                },
+                "after" => match Cursor::decode(value) {
+                    Some(c) => after = Some(c),
+                    None => {
+                        return bad_request(&format!(
+                            "after {value:?} is not a cursor from this API's Link header"
+                        ))
+                    }
+                },
+                _ => {}
+            }
+        }
+        let (page, next, total) = self.control.page(after.as_ref(), limit);
+        let list: Vec<EntryJson> = page.iter().map(Entry::to_json).collect();
+        let mut r = json(StatusCode::OK, &list);
+        let h = r.headers_mut();
+        h.insert("x-total-count", HeaderValue::from(total));
+        if let Some(next) = next {
+            let link = format!(
+                "</admin/deny?limit={limit}&after={}>; rel=\"next\"",
+                next.encode()
+            );
+            if let Ok(v) = HeaderValue::from_str(&link) {
+                h.insert("link", v);
+            }
+        }
+        r
     }
 
     async fn deny_add(&self, r: DenyRequest) -> Response<Body> {
@@ -255,6 +298,13 @@ impl Admin {
         if r.reason.as_ref().is_some_and(|s| s.len() > MAX_REASON) {
             return bad_request(&format!("reason longer than {MAX_REASON} bytes"));
         }
+        // `1.2.3.4/0` for `1.2.3.4` is an easy slip that would deny everyone.
+        if target.is_wide() && r.force != Some(true) {
+            return bad_request(&format!(
+                "ip {} is wider than /8 (IPv4) or /32 (IPv6) and would deny a large part of the internet; send \"force\": true (sluice deny --force) if that is meant",
+                target.value()
+            ));
+        }
         let entry = Entry {
             target,
             meta: Meta {
@@ -272,7 +322,7 @@ impl Admin {
     }
 
     async fn deny_remove(&self, r: DenyRequest) -> Response<Body> {
-        if r.ttl.is_some() || r.reason.is_some() {
+        if r.ttl.is_some() || r.reason.is_some() || r.force.is_some() {
             return bad_request("DELETE takes only \"ip\" or \"key\"");
         }
         let target = match r.target() {
@@ -322,6 +372,9 @@ struct DenyRequest {
     ttl: Option<String>,
     #[serde(default)]
     reason: Option<String>,
+    /// Needed for a block wider than /8 (IPv4) or /32 (IPv6).
+    #[serde(default)]
+    force: Option<bool>,
 }
 
 impl DenyRequest {
@@ -331,7 +384,7 @@ impl DenyRequest {
                 format!("ip {ip:?} is not an address or CIDR block like 203.0.113.7 or 10.1.0.0/16")
             }),
             (None, Some(k)) if k.is_empty() => Err("key is empty".into()),
-            (None, Some(k)) => Ok(Target::Key(k.clone())),
+            (None, Some(k)) => Ok(Target::key(k)),
             _ => Err("give exactly one of \"ip\" and \"key\"".into()),
         }
     }
@@ -559,6 +612,7 @@ fn refused(e: ControlError) -> Response<Body> {
         ControlError::NotFound => StatusCode::NOT_FOUND,
         ControlError::Static(_) => StatusCode::CONFLICT,
         ControlError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+        ControlError::Full(_) => StatusCode::INSUFFICIENT_STORAGE,
     };
     answer::text(status, format!("{}\n", one_line(&e.to_string())))
 }

@@ -74,6 +74,9 @@ struct Body<'a> {
     ttl: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<&'a str>,
+    /// Only sent when given, so a server without it takes the body as before.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    force: bool,
 }
 
 impl<'a> Body<'a> {
@@ -87,6 +90,7 @@ impl<'a> Body<'a> {
             key,
             ttl: None,
             reason: None,
+            force: false,
         }
     }
 }
@@ -242,11 +246,42 @@ impl Endpoint {
 
     // === the three calls ===
 
-    /// `GET /admin/deny`: the entries, and the body exactly as it came.
-    pub async fn list(&self) -> Result<(Vec<Entry>, Bytes), ClientError> {
-        let body = self.call(Method::GET, None).await?;
-        let entries = serde_json::from_slice(&body).map_err(|e| self.bad_answer("list", e))?;
-        Ok((entries, body))
+    /// `GET /admin/deny`, every page: the entries, and the JSON list of them as the
+    /// API sent them (the pages' lists joined into one, each entry exactly as sent).
+    pub async fn list(&self) -> Result<(Vec<Entry>, String), ClientError> {
+        let (mut entries, mut json) = (Vec::new(), String::from("["));
+        let mut path = format!("/admin/deny?limit={PAGE}");
+        // Bounded: a server that kept sending next pages would be a broken one.
+        for _ in 0..MAX_PAGES {
+            let (body, next) = self.call_at(Method::GET, &path, None).await?;
+            let page: Vec<Entry> =
+                serde_json::from_slice(&body).map_err(|e| self.bad_answer("list", e))?;
+            let text = String::from_utf8_lossy(&body);
+            let inner = text
+                .trim()
+                .strip_prefix('[')
+                .and_then(|t| t.strip_suffix(']'))
+                .unwrap_or("")
+                .trim();
+            if !inner.is_empty() {
+                if json.len() > 1 {
+                    json.push(',');
+                }
+                json.push_str(inner);
+            }
+            entries.extend(page);
+            match next {
+                Some(p) => path = p,
+                None => {
+                    json.push(']');
+                    return Ok((entries, json));
+                }
+            }
+        }
+        Err(ClientError::BadAnswer {
+            url: self.base.clone(),
+            what: format!("more than {MAX_PAGES} pages of deny-list entries"),
+        })
     }
 
     /// `POST /admin/deny`: the entry as the API stored it.
@@ -255,10 +290,12 @@ impl Endpoint {
         target: &Target,
         ttl: Option<&Ttl>,
         reason: Option<&str>,
+        force: bool,
     ) -> Result<Entry, ClientError> {
         let mut body = Body::new(target);
         body.ttl = ttl.map(|t| t.text.as_str());
         body.reason = reason;
+        body.force = force;
         let answer = self.call(Method::POST, Some(&body)).await?;
         serde_json::from_slice(&answer).map_err(|e| self.bad_answer("entry", e))
     }
@@ -280,17 +317,30 @@ impl Endpoint {
     /// Any 2xx is success (the API sends 200, 201 or 204); anything else is a
     /// `Refused` with the API's one-line message.
     async fn call(&self, method: Method, body: Option<&Body<'_>>) -> Result<Bytes, ClientError> {
+        self.call_at(method, "/admin/deny", body)
+            .await
+            .map(|(answer, _)| answer)
+    }
+
+    /// `call` on `path` (`/admin/deny` and a query): the answer, and the path of the
+    /// next page if its `Link` header names one.
+    async fn call_at(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Body<'_>>,
+    ) -> Result<(Bytes, Option<String>), ClientError> {
         let unreachable = |why: String| ClientError::Unreachable {
             url: self.base.clone(),
             why,
         };
-        let exchange = self.exchange(method, "/admin/deny", body);
-        let (status, answer) = tokio::time::timeout(CALL_BOUND, exchange)
+        let exchange = self.exchange(method, path, body);
+        let (status, answer, next) = tokio::time::timeout(CALL_BOUND, exchange)
             .await
             .map_err(|_| unreachable(format!("no answer within {}s", CALL_BOUND.as_secs())))?
             .map_err(unreachable)?;
         if status.is_success() {
-            return Ok(answer);
+            return Ok((answer, next));
         }
         let message = String::from_utf8_lossy(&answer);
         // The API's errors are one line; keep the first, whatever comes.
@@ -309,10 +359,11 @@ impl Endpoint {
             url: self.base.clone(),
             why,
         };
-        let (status, answer) = tokio::time::timeout(bound, self.exchange(Method::GET, path, None))
-            .await
-            .map_err(|_| unreachable(format!("no answer within {}s", bound.as_secs_f64())))?
-            .map_err(unreachable)?;
+        let (status, answer, _) =
+            tokio::time::timeout(bound, self.exchange(Method::GET, path, None))
+                .await
+                .map_err(|_| unreachable(format!("no answer within {}s", bound.as_secs_f64())))?
+                .map_err(unreachable)?;
         let text = String::from_utf8_lossy(&answer);
         let line = text.lines().next().unwrap_or("").trim().to_string();
         Ok((status, line))
@@ -323,7 +374,7 @@ impl Endpoint {
         method: Method,
         path: &str,
         body: Option<&Body<'_>>,
-    ) -> Result<(StatusCode, Bytes), String> {
+    ) -> Result<(StatusCode, Bytes, Option<String>), String> {
         let stream = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
             .await
             .map_err(|e| io_phrase(&e))?;
@@ -356,6 +407,11 @@ impl Endpoint {
             .await
             .map_err(|e| format!("the connection failed: {e}"))?;
         let status = resp.status();
+        let next = resp
+            .headers()
+            .get("link")
+            .and_then(|v| v.to_str().ok())
+            .and_then(next_page);
         let answer = resp
             .into_body()
             .collect()
@@ -364,8 +420,22 @@ impl Endpoint {
             .to_bytes();
         drop(sender);
         driver.abort();
-        Ok((status, answer))
+        Ok((status, answer, next))
     }
+}
+
+/// Entries asked for per page (the API's most), and the most pages read.
+const PAGE: usize = 1000;
+const MAX_PAGES: usize = 100_000;
+
+/// The path of `Link: </admin/deny?…>; rel="next"`.
+fn next_page(link: &str) -> Option<String> {
+    let (target, params) = link.split_once(';')?;
+    if params.trim() != "rel=\"next\"" {
+        return None;
+    }
+    let path = target.trim().strip_prefix('<')?.strip_suffix('>')?;
+    path.starts_with("/admin/deny?").then(|| path.to_string())
 }
 
 /// The path part of `http://authority/prefix`.
@@ -425,11 +495,11 @@ pub fn removed_line(target: &Target) -> String {
 
 /// The entries as an aligned table under a header row; every line ends in `\n`,
 /// and no line in trailing spaces.
-/// `s` with control characters escaped (`\n`, `\u{1b}`).
+/// `s` with control and format characters escaped (`\n`, `\u{1b}`, `\u{202e}`).
 fn printable(s: &str) -> String {
     s.chars()
         .map(|c| {
-            if c.is_control() {
+            if c.is_control() || is_format(c) {
                 c.escape_default().to_string()
             } else {
                 c.to_string()
@@ -438,10 +508,22 @@ fn printable(s: &str) -> String {
         .collect()
 }
 
+/// Unicode's format characters (category Cf) that change how text around them is
+/// shown without showing themselves: bidirectional overrides and isolates (a key
+/// with U+202E prints backwards), zero-width characters, invisible operators, the
+/// soft hyphen, and tag characters.
+fn is_format(c: char) -> bool {
+    matches!(c,
+        '\u{00AD}' | '\u{061C}' | '\u{180E}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
+        | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}'
+        | '\u{FFF9}'..='\u{FFFB}' | '\u{E0001}' | '\u{E0020}'..='\u{E007F}')
+}
+
 pub fn table(entries: &[Entry]) -> String {
     let header = ["KIND", "VALUE", "SOURCE", "EXPIRES", "REASON"];
-    // Keys and reasons come from clients: control characters are shown escaped, so
-    // a key can never move the cursor or forge a line of the table.
+    // Keys and reasons come from clients: control and format characters are shown
+    // escaped, so a key can never move the cursor, forge a line of the table or
+    // reorder what is shown.
     let rows: Vec<[String; 5]> = entries
         .iter()
         .map(|e| {
@@ -490,6 +572,8 @@ pub enum Action {
         target: Target,
         ttl: Option<Ttl>,
         reason: Option<String>,
+        /// Needed for a block wider than /8 (IPv4) or /32 (IPv6).
+        force: bool,
     },
     Remove {
         target: Target,
@@ -506,9 +590,10 @@ pub async fn run(endpoint: &Endpoint, action: &Action) -> Result<String, ClientE
             target,
             ttl,
             reason,
+            force,
         } => {
             let entry = endpoint
-                .add(target, ttl.as_ref(), reason.as_deref())
+                .add(target, ttl.as_ref(), reason.as_deref(), *force)
                 .await?;
             Ok(added_line(target, Some(&entry), ttl.as_ref(), reason.as_deref()) + "\n")
         }
@@ -517,12 +602,9 @@ pub async fn run(endpoint: &Endpoint, action: &Action) -> Result<String, ClientE
             Ok(removed_line(target) + "\n")
         }
         Action::List { json } => {
-            let (entries, body) = endpoint.list().await?;
+            let (entries, mut text) = endpoint.list().await?;
             if *json {
-                let mut text = String::from_utf8_lossy(&body).into_owned();
-                if !text.ends_with('\n') {
-                    text.push('\n');
-                }
+                text.push('\n');
                 Ok(text)
             } else {
                 Ok(table(&entries))
@@ -624,6 +706,34 @@ mod tests {
             "KIND  VALUE                            SOURCE  EXPIRES  REASON\n\
              key   evil\\n2026 INFO forged\\u{1b}[2J  ban     never    a\\rb\n"
         );
+    }
+
+    #[test]
+    fn format_characters_are_shown_escaped() {
+        for c in [
+            '\u{202E}',
+            '\u{200B}',
+            '\u{2066}',
+            '\u{FEFF}',
+            '\u{00AD}',
+            '\u{E0041}',
+        ] {
+            assert_eq!(
+                printable(&format!("a{c}b")),
+                format!("a{}b", c.escape_default())
+            );
+        }
+        assert_eq!(printable("é ü 日本"), "é ü 日本");
+    }
+
+    #[test]
+    fn next_pages() {
+        assert_eq!(
+            next_page("</admin/deny?limit=5&after=ab>; rel=\"next\""),
+            Some("/admin/deny?limit=5&after=ab".to_string())
+        );
+        assert_eq!(next_page("</admin/deny?limit=5>; rel=\"prev\""), None);
+        assert_eq!(next_page("<http://elsewhere/>; rel=\"next\""), None);
     }
 
     #[test]

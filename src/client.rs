@@ -186,10 +186,33 @@ impl<'a> ClientKey<'a> {
     pub fn stored(&self) -> Cow<'_, str> {
         let k: &str = &self.value;
         if k.len() > MAX_STORED_KEY || k.starts_with('#') || k.contains(['{', '}']) {
-            Cow::Owned(format!("#{}", sha1_smol::Sha1::from(k.as_bytes()).digest()))
+            Cow::Owned(KeyDigest::of(k).as_str().to_string())
         } else {
             Cow::Borrowed(k)
         }
+    }
+}
+
+/// `#` and a key's SHA-1 in lower-case hex: the form a key is stored in when it
+/// cannot be stored as it is. Kept on the stack, so that the deny list's lookup of a
+/// long key on the request path allocates nothing.
+pub struct KeyDigest([u8; 41]);
+
+impl KeyDigest {
+    pub fn of(key: &str) -> KeyDigest {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [b'#'; 41];
+        let bytes = sha1_smol::Sha1::from(key.as_bytes()).digest().bytes();
+        for (i, b) in bytes.iter().enumerate() {
+            out[1 + 2 * i] = HEX[usize::from(b >> 4)];
+            out[2 + 2 * i] = HEX[usize::from(b & 0xf)];
+        }
+        KeyDigest(out)
+    }
+
+    pub fn as_str(&self) -> &str {
+        // ASCII by construction.
+        std::str::from_utf8(&self.0).unwrap_or("#")
     }
 }
 
@@ -727,5 +750,7 @@ mod tests {
         assert_eq!(s, ClientKey::new("k".repeat(300)).stored());
         assert!(ClientKey::new("a{b}").stored().starts_with('#'));
         assert_ne!(ClientKey::new("#x").stored(), "#x");
+        let digest = format!("#{}", sha1_smol::Sha1::from("k".repeat(300)).digest());
+        assert_eq!(s, digest.as_str());
     }
 }

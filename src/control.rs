@@ -13,8 +13,10 @@ use std::time::Duration;
 use crate::config::compile::compile;
 use crate::config::schema;
 use crate::config::value::{fmt_dur, redact_url};
-use crate::deny::{now_ms, BanRequest, DenyTable, Entry, EntryJson, Meta, Source, Target};
-use crate::deny_sync::{DenySync, Position, Remote};
+use crate::deny::{
+    now_ms, BanRequest, Cursor, DenyTable, Entry, EntryJson, Full, Meta, Source, Target,
+};
+use crate::deny_sync::{DenySync, Position, Remote, Written};
 use crate::gateway::Shared;
 use tokio::sync::Notify;
 
@@ -74,6 +76,8 @@ pub enum ControlError {
     Static(Target),
     #[error("shared deny list unavailable: {0}")]
     Store(String),
+    #[error(transparent)]
+    Full(#[from] Full),
 }
 
 /// What `/admin/config` shows.
@@ -230,12 +234,45 @@ impl Control {
         lock(&self.status).clone()
     }
 
-    /// Every entry the request path enforces, static ones first.
-    pub fn entries(&self) -> Vec<Entry> {
+    /// A page of the entries the request path enforces, static ones first: at most
+    /// `limit` entries after `after`, the cursor of the next page if there is one,
+    /// and how many entries there are.
+    pub fn page(
+        &self,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> (Vec<Entry>, Option<Cursor>, usize) {
         let rt = self.shared.runtime.load();
-        let mut all = rt.deny.table.entries();
-        all.extend(self.shared.deny.load().entries());
-        all
+        let dynamic = self.shared.deny.load();
+        let total = rt.deny.table.len() + dynamic.len();
+        // One more than asked for says whether there is a next page.
+        let want = limit.saturating_add(1);
+        let mut page: Vec<(bool, Entry)> = Vec::new();
+        if after.is_none_or(|c| !c.dynamic) {
+            let from = after.map(|c| &c.target);
+            page.extend(
+                rt.deny
+                    .table
+                    .page(from, want)
+                    .into_iter()
+                    .map(|e| (false, e)),
+            );
+        }
+        if page.len() < want {
+            let from = after.filter(|c| c.dynamic).map(|c| &c.target);
+            let left = want - page.len();
+            page.extend(dynamic.page(from, left).into_iter().map(|e| (true, e)));
+        }
+        let next = if page.len() > limit {
+            page.truncate(limit);
+            page.last().map(|(dynamic, e)| Cursor {
+                dynamic: *dynamic,
+                target: e.target.clone(),
+            })
+        } else {
+            None
+        };
+        (page.into_iter().map(|(_, e)| e).collect(), next, total)
     }
 
     // === reload ===
@@ -329,15 +366,46 @@ impl Control {
     // === the deny list ===
 
     async fn deny_add(&self, e: Entry) -> Result<Reply, ControlError> {
+        let max = self.max_entries();
         let written = match &self.sync {
-            Some(sync) => sync.put(&e).await.map_err(store_error)?,
+            Some(sync) => match sync.put_within(&e, max).await.map_err(store_error)? {
+                Written::Changed(at) => Some(at),
+                Written::Kept => None,
+                Written::Full => return Err(Full(max).into()),
+            },
             None => None,
         };
-        tracing::info!(entry = %e.target.logged(), expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
+        let mut added = Ok(());
         self.change_unless_followed(written.as_ref(), |t| {
-            t.insert(e.clone());
+            added = self.insert_within(t, e.clone(), max);
         });
+        // With Redis the shared list took it: the follower keeps this copy in step.
+        if written.is_none() {
+            added?;
+        }
+        tracing::info!(entry = %e.target.logged(), expires_at_ms = ?e.meta.expires_at_ms, reason = ?e.meta.reason, "deny entry added");
         Ok(Reply::Added(e))
+    }
+
+    /// `deny.max_entries` of the running configuration.
+    fn max_entries(&self) -> usize {
+        self.shared.runtime.load().deny.max_entries
+    }
+
+    /// Inserts `e` into the dynamic table within `max` entries, counting and logging
+    /// what it evicts.
+    fn insert_within(&self, t: &mut DenyTable, e: Entry, max: usize) -> Result<(), Full> {
+        let evicted = t.insert_within(e, max)?;
+        if !evicted.is_empty() {
+            self.shared
+                .metrics
+                .deny_evictions
+                .inc_by(evicted.len() as u64);
+            for old in &evicted {
+                tracing::debug!(entry = %old.target.logged(), "deny entry evicted at deny.max_entries");
+            }
+        }
+        Ok(())
     }
 
     async fn deny_remove(&self, target: Target) -> Result<Reply, ControlError> {
@@ -425,15 +493,20 @@ impl Control {
                 route: Some(b.route.as_str().into()),
             },
         };
+        let max = self.max_entries();
+        let mut added = Ok(());
+        self.change_soon(|t| added = self.insert_within(t, e.clone(), max));
+        if let Err(full) = added {
+            // Once per refusal that asks: debug, so a flood cannot flood the log.
+            tracing::debug!(entry = %e.target.logged(), "ban not made: {full}");
+            return;
+        }
         tracing::warn!(route = %b.route, entry = %e.target.logged(), duration = %fmt_dur(b.duration), "banned");
         self.shared
             .metrics
             .bans
             .with_label_values(&[b.route.as_str()])
             .inc();
-        self.change_soon(|t| {
-            t.insert(e.clone());
-        });
         // Enforced here already; shared off the control loop, so a burst of bans
         // never waits for Redis one round trip at a time. Pending until shared, so a
         // read of the shared list meanwhile keeps it.
@@ -441,11 +514,12 @@ impl Control {
             lock(&self.pending).push(e.clone());
             let pending = self.pending.clone();
             tokio::spawn(async move {
-                match sync.put(&e).await {
+                match sync.put_within(&e, max).await {
                     Ok(written) => {
                         lock(&pending).retain(|p| *p != e);
-                        // Redis kept a longer entry: this copy holds the ban instead.
-                        if written.is_none() {
+                        // Redis kept a longer entry (or had no room): this copy holds
+                        // the ban instead.
+                        if !matches!(written, Written::Changed(_)) {
                             sync.recheck();
                         }
                     }
@@ -464,9 +538,15 @@ impl Control {
     pub fn remote(&self, r: Remote, at: Position) {
         let mut d = lock(&self.dynamic);
         let sync = self.sync.as_ref();
+        let max = self.max_entries();
         match r {
-            Remote::Put(e) => {
-                d.table.insert(e);
+            Remote::Put(e, evicted) => {
+                for t in &evicted {
+                    d.table.remove(t);
+                }
+                // Within the cap here too: the shared list evicted the same entry,
+                // unless the copies differ, and the next read makes them agree.
+                let _ = self.insert_within(&mut d.table, e, max);
             }
             Remote::Delete(target) => {
                 lock(&self.pending).retain(|e| e.target != target);
@@ -475,7 +555,7 @@ impl Control {
             Remote::All { entries, lost } => {
                 let mut all = DenyTable::new();
                 for e in entries {
-                    all.insert(e);
+                    let _ = self.insert_within(&mut all, e, max);
                 }
                 let now = now_ms();
                 let mut pending = lock(&self.pending);
@@ -495,7 +575,7 @@ impl Control {
                 // half-restored list says.
                 for e in pending.iter() {
                     if all.get(&e.target).is_none() {
-                        all.insert(e.clone());
+                        let _ = self.insert_within(&mut all, e.clone(), max);
                     }
                 }
                 d.table = all;
@@ -527,8 +607,9 @@ impl Control {
             return;
         }
         let (pending, writing) = (self.pending.clone(), self.writing_back.clone());
+        let max = self.max_entries();
         tokio::spawn(async move {
-            let (changed, result) = sync.restore(&entries).await;
+            let (changed, result) = sync.restore(&entries, max).await;
             if result.is_ok() {
                 // No longer pending before the followers read the list again: entries
                 // deleted since must then leave every copy.
@@ -611,8 +692,10 @@ impl Control {
     }
 
     /// Publishing copies the whole table: changes that come in bursts (bans, other
-    /// instances' changes, expiries) are published together, at most once per
-    /// `PUBLISH_EVERY`, by `run_publisher`.
+    /// instances' changes, expiries) are applied to the table one by one (cheap) and
+    /// published together by `run_publisher`, at most once per `PUBLISH_EVERY` or
+    /// per ten times as long as the last copy took, whichever is longer: a flood of
+    /// N bans costs a bounded share of a core, not N copies of the table.
     fn publish_soon(&self) {
         self.publish_pending.store(true, Ordering::Release);
         self.publish_wake.notify_one();
@@ -622,11 +705,15 @@ impl Control {
     pub async fn run_publisher(self: Arc<Self>) {
         loop {
             self.publish_wake.notified().await;
+            let mut took = Duration::ZERO;
             if self.publish_pending.swap(false, Ordering::AcqRel) {
+                let started = std::time::Instant::now();
                 let d = lock(&self.dynamic);
                 self.publish(&d.table);
+                drop(d);
+                took = started.elapsed();
             }
-            tokio::time::sleep(PUBLISH_EVERY).await;
+            tokio::time::sleep(PUBLISH_EVERY.max(took * 10)).await;
         }
     }
 

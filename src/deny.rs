@@ -3,6 +3,8 @@
 //! rebuilt on every reload; dynamic entries (admin API, bans, other instances) live
 //! beside it in the same kind of table and survive reloads. Addresses are looked up
 //! in a prefix trie, so a check costs O(prefix length) however many entries there are.
+//! Keys longer than 256 bytes are kept as their hash, as the limiter stores them, and
+//! the dynamic part holds at most `deny.max_entries`.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -14,7 +16,7 @@ use ipnet::IpNet;
 use prefix_trie::joint::JointPrefixMap;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{canonical, canonical_net};
+use crate::client::{canonical, canonical_net, KeyDigest, MAX_STORED_KEY};
 
 // === entries ===
 
@@ -48,6 +50,25 @@ impl Target {
             Err(_) => IpNet::from(canonical(s.parse::<IpAddr>().ok()?)),
         };
         Some(Target::Ip(net))
+    }
+
+    /// A client key as it is kept: itself, or `#` and its SHA-1 when it is longer than
+    /// 256 bytes (as the limiter stores it), so a client cannot make the table hold
+    /// its 30 KB keys. A key given in that hashed form is taken as it is: that is how
+    /// a listed entry of a long key is named to remove it.
+    pub fn key(k: &str) -> Target {
+        Target::Key(stored_key(k, &mut None).to_string())
+    }
+
+    /// Whether this is an address block wider than /8 (IPv4) or /32 (IPv6): such an
+    /// entry denies a large part of the internet, and the admin API wants `force`.
+    /// IPv4-mapped blocks are already IPv4 here, so they count by their IPv4 width.
+    pub fn is_wide(&self) -> bool {
+        match self {
+            Target::Ip(IpNet::V4(n)) => n.prefix_len() < 8,
+            Target::Ip(IpNet::V6(n)) => n.prefix_len() < 32,
+            Target::Key(_) => false,
+        }
     }
 
     pub fn kind(&self) -> &'static str {
@@ -149,7 +170,7 @@ impl Entry {
     pub fn from_json(j: EntryJson) -> Option<Entry> {
         let target = match j.kind.as_str() {
             "ip" => Target::ip(&j.value)?,
-            "key" if !j.value.is_empty() => Target::Key(j.value),
+            "key" if !j.value.is_empty() => Target::key(&j.value),
             _ => return None,
         };
         Some(Entry {
@@ -192,16 +213,40 @@ pub struct BanRequest {
 
 // === the table ===
 
+/// A key as the table keeps it (see `Target::key`); `digest` holds the hash when
+/// there is one, so that the lookup of a long key allocates nothing.
+pub fn stored_key<'a>(k: &'a str, digest: &'a mut Option<KeyDigest>) -> &'a str {
+    if k.len() > MAX_STORED_KEY {
+        digest.insert(KeyDigest::of(k)).as_str()
+    } else {
+        k
+    }
+}
+
+/// An entry in the table, with the order it came in (which breaks ties between
+/// entries that expire in the same millisecond: the older one is evicted first).
+#[derive(Debug, Clone)]
+struct Slot {
+    meta: Meta,
+    seq: u64,
+}
+
 /// Entries by target: addresses and blocks in a prefix trie, keys in a hash map, with
-/// an index of expiry times and counts by source kept up to date, so purging and
-/// counting cost nothing for entries that are not expiring.
+/// an index of expiry times and counts by source kept up to date, so purging,
+/// counting and evicting cost nothing for entries that are not expiring.
 #[derive(Debug, Clone, Default)]
 pub struct DenyTable {
-    ips: JointPrefixMap<IpNet, Meta>,
-    keys: HashMap<String, Meta>,
-    expiries: BTreeSet<(u64, Target)>,
+    ips: JointPrefixMap<IpNet, Slot>,
+    keys: HashMap<String, Slot>,
+    expiries: BTreeSet<(u64, u64, Target)>,
     counts: [usize; 3],
+    seq: u64,
 }
+
+/// The table holds `max_entries` entries that never expire: a new one has no room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the deny list holds deny.max_entries ({0}) entries and none of them expires")]
+pub struct Full(pub usize);
 
 impl DenyTable {
     pub fn new() -> DenyTable {
@@ -222,15 +267,20 @@ impl DenyTable {
             return false;
         }
         let now = now_ms();
-        covering.any(|m| m.live(now))
+        covering.any(|s| s.meta.live(now))
     }
 
-    /// Whether `key` has a live entry.
+    /// Whether `key` (as the client sent it) has a live entry.
     pub fn key(&self, key: &str) -> bool {
         if self.keys.is_empty() {
             return false;
         }
-        self.keys.get(key).is_some_and(|m| m.live(now_ms()))
+        self.stored_key(stored_key(key, &mut None))
+    }
+
+    /// Whether `stored` (a key as `stored_key` gives it) has a live entry.
+    pub fn stored_key(&self, stored: &str) -> bool {
+        self.keys.get(stored).is_some_and(|s| s.meta.live(now_ms()))
     }
 
     pub fn has_keys(&self) -> bool {
@@ -244,80 +294,134 @@ impl DenyTable {
     /// Adds or replaces the entry for its target; returns the one it replaced.
     pub fn insert(&mut self, e: Entry) -> Option<Entry> {
         let (source, expires) = (e.meta.source, e.meta.expires_at_ms);
+        self.seq += 1;
+        let slot = Slot {
+            meta: e.meta,
+            seq: self.seq,
+        };
         let old = match &e.target {
-            Target::Ip(n) => self.ips.insert(*n, e.meta),
-            Target::Key(k) => self.keys.insert(k.clone(), e.meta),
+            Target::Ip(n) => self.ips.insert(*n, slot),
+            Target::Key(k) => self.keys.insert(k.clone(), slot),
         };
         // The old entry leaves the index first: it may expire at the same time.
-        if let Some(meta) = &old {
-            self.forget(&e.target, meta);
+        if let Some(old) = &old {
+            self.forget(&e.target, old);
         }
         self.counts[source.index()] += 1;
         if let Some(at) = expires {
-            self.expiries.insert((at, e.target.clone()));
+            self.expiries.insert((at, self.seq, e.target.clone()));
         }
-        old.map(|meta| Entry {
+        old.map(|s| Entry {
             target: e.target,
-            meta,
+            meta: s.meta,
         })
     }
 
+    /// Adds or replaces the entry for its target, keeping at most `max` entries: a
+    /// new target beyond it evicts the entry closest to expiry (of those that
+    /// expire; an entry that stays until removed is never evicted). Returns the
+    /// evicted entries; `Full` if every entry stays until removed.
+    pub fn insert_within(&mut self, e: Entry, max: usize) -> Result<Vec<Entry>, Full> {
+        let mut evicted = Vec::new();
+        if self.get(&e.target).is_none() {
+            while self.len() >= max {
+                let Some((_, _, first)) = self.expiries.first().cloned() else {
+                    return Err(Full(max));
+                };
+                evicted.extend(self.remove(&first));
+            }
+        }
+        self.insert(e);
+        Ok(evicted)
+    }
+
     pub fn remove(&mut self, t: &Target) -> Option<Entry> {
-        let meta = match t {
+        let slot = match t {
             Target::Ip(n) => self.ips.remove(n),
             Target::Key(k) => self.keys.remove(k),
         }?;
-        self.forget(t, &meta);
+        self.forget(t, &slot);
         Some(Entry {
             target: t.clone(),
-            meta,
+            meta: slot.meta,
         })
     }
 
     /// Drops a removed entry from the expiry index and the counts.
-    fn forget(&mut self, t: &Target, meta: &Meta) {
-        self.counts[meta.source.index()] -= 1;
-        if let Some(at) = meta.expires_at_ms {
-            self.expiries.remove(&(at, t.clone()));
+    fn forget(&mut self, t: &Target, slot: &Slot) {
+        self.counts[slot.meta.source.index()] -= 1;
+        if let Some(at) = slot.meta.expires_at_ms {
+            self.expiries.remove(&(at, slot.seq, t.clone()));
         }
     }
 
     pub fn get(&self, t: &Target) -> Option<Entry> {
-        let meta = match t {
+        let slot = match t {
             Target::Ip(n) => self.ips.get(n),
             Target::Key(k) => self.keys.get(k),
         }?;
         Some(Entry {
             target: t.clone(),
-            meta: meta.clone(),
+            meta: slot.meta.clone(),
         })
     }
 
     /// Every entry: addresses first (in address order), then keys (sorted).
     pub fn entries(&self) -> Vec<Entry> {
-        let mut keys: Vec<_> = self.keys.iter().collect();
-        keys.sort_by(|a, b| a.0.cmp(b.0));
-        self.ips
-            .iter()
-            .map(|(n, m)| Entry {
+        self.page(None, usize::MAX)
+    }
+
+    /// At most `limit` entries whose targets come after `after`, in target order:
+    /// addresses (in address order), then keys (sorted). One pass over the table and
+    /// a sort of the page, not of the whole table.
+    pub fn page(&self, after: Option<&Target>, limit: usize) -> Vec<Entry> {
+        let mut page = Vec::new();
+        if !matches!(after, Some(Target::Key(_))) {
+            let after_ip = match after {
+                Some(Target::Ip(n)) => Some(*n),
+                _ => None,
+            };
+            let mut ips: Vec<(IpNet, &Meta)> = self
+                .ips
+                .iter()
+                .filter(|(n, _)| after_ip.is_none_or(|a| *n > a))
+                .map(|(n, s)| (n, &s.meta))
+                .collect();
+            smallest(&mut ips, limit, |a, b| a.0.cmp(&b.0));
+            page.extend(ips.into_iter().map(|(n, m)| Entry {
                 target: Target::Ip(n),
                 meta: m.clone(),
-            })
-            .chain(keys.into_iter().map(|(k, m)| Entry {
+            }));
+        }
+        let left = limit - page.len();
+        if left > 0 {
+            let after_key = match after {
+                Some(Target::Key(k)) => Some(k.as_str()),
+                _ => None,
+            };
+            let mut keys: Vec<(&String, &Meta)> = self
+                .keys
+                .iter()
+                .filter(|(k, _)| after_key.is_none_or(|a| k.as_str() > a))
+                .map(|(k, s)| (k, &s.meta))
+                .collect();
+            smallest(&mut keys, left, |a, b| a.0.cmp(b.0));
+            page.extend(keys.into_iter().map(|(k, m)| Entry {
                 target: Target::Key(k.clone()),
                 meta: m.clone(),
-            }))
-            .collect()
+            }));
+        }
+        page
     }
 
     /// Removes the entries expired at `now_ms`, soonest first; returns them.
     pub fn purge(&mut self, now_ms: u64) -> Vec<Entry> {
         let mut expired = Vec::new();
-        while let Some((at, _)) = self.expiries.first() {
+        while let Some((at, _, _)) = self.expiries.first() {
             if *at > now_ms {
                 break;
             }
-            let Some((_, target)) = self.expiries.pop_first() else {
+            let Some((_, _, target)) = self.expiries.pop_first() else {
                 break;
             };
             if let Some(e) = self.remove(&target) {
@@ -337,11 +441,27 @@ impl DenyTable {
     }
 }
 
+/// Leaves the `n` smallest items of `v` in `v`, sorted.
+fn smallest<T>(v: &mut Vec<T>, n: usize, cmp: impl Fn(&T, &T) -> std::cmp::Ordering) {
+    if v.len() > n {
+        if n == 0 {
+            v.clear();
+            return;
+        }
+        v.select_nth_unstable_by(n - 1, &cmp);
+        v.truncate(n);
+    }
+    v.sort_unstable_by(cmp);
+}
+
 /// The static deny list of a configuration, with the status it answers.
 #[derive(Debug, Clone)]
 pub struct StaticDeny {
     pub table: DenyTable,
     pub status: http::StatusCode,
+    /// `deny.max_entries`: the most dynamic entries kept (read on each change, so a
+    /// reload applies it to the next one).
+    pub max_entries: usize,
 }
 
 impl StaticDeny {
@@ -349,6 +469,7 @@ impl StaticDeny {
         ips: impl IntoIterator<Item = IpNet>,
         keys: impl IntoIterator<Item = String>,
         status: http::StatusCode,
+        max_entries: usize,
     ) -> StaticDeny {
         let meta = Meta {
             expires_at_ms: None,
@@ -365,11 +486,66 @@ impl StaticDeny {
         }
         for k in keys {
             table.insert(Entry {
-                target: Target::Key(k),
+                target: Target::key(&k),
                 meta: meta.clone(),
             });
         }
-        StaticDeny { table, status }
+        StaticDeny {
+            table,
+            status,
+            max_entries,
+        }
+    }
+}
+
+// === paging ===
+
+/// Where a page of the listed deny list starts: after this entry of the static
+/// part (listed first) or of the dynamic part. Sent to clients as hex, so that any
+/// key fits in a URL as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor {
+    pub dynamic: bool,
+    pub target: Target,
+}
+
+impl Cursor {
+    /// `s` or `d`, then `ip:10.1.0.0/16` or `key:K`, in hex.
+    pub fn encode(&self) -> String {
+        use std::fmt::Write;
+        let text = format!(
+            "{}{}:{}",
+            if self.dynamic { 'd' } else { 's' },
+            self.target.kind(),
+            self.target.value()
+        );
+        let mut hex = String::with_capacity(text.len() * 2);
+        for b in text.bytes() {
+            let _ = write!(hex, "{b:02x}");
+        }
+        hex
+    }
+
+    pub fn decode(hex: &str) -> Option<Cursor> {
+        if !hex.len().is_multiple_of(2) || !hex.is_ascii() {
+            return None;
+        }
+        let bytes = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok())
+            .collect::<Option<Vec<u8>>>()?;
+        let text = String::from_utf8(bytes).ok()?;
+        let dynamic = match text.get(..1)? {
+            "s" => false,
+            "d" => true,
+            _ => return None,
+        };
+        let target = match text.get(1..)?.split_once(':')? {
+            ("ip", v) => Target::ip(v)?,
+            ("key", v) if !v.is_empty() => Target::key(v),
+            _ => return None,
+        };
+        Some(Cursor { dynamic, target })
     }
 }
 
@@ -432,6 +608,7 @@ mod tests {
             ],
             ["leaked".to_string()],
             http::StatusCode::FORBIDDEN,
+            10,
         )
         .table;
         for (ip, denied) in [
@@ -516,6 +693,117 @@ mod tests {
         assert!(t.ip("10.0.0.2".parse().unwrap()));
         assert!(!t.ip("10.0.0.3".parse().unwrap()));
         assert!(t.ip("10.3.13.62".parse().unwrap()));
+    }
+
+    #[test]
+    fn beyond_max_entries_the_entry_closest_to_expiry_goes() {
+        let mut t = DenyTable::new();
+        t.insert_within(entry("perm", Source::Api, None), 3)
+            .unwrap();
+        t.insert_within(entry("late", Source::Ban, Some(500)), 3)
+            .unwrap();
+        t.insert_within(entry("first", Source::Ban, Some(100)), 3)
+            .unwrap();
+        // Same expiry as `first`, added later: `first` goes first.
+        let gone = t
+            .insert_within(entry("second", Source::Ban, Some(100)), 3)
+            .unwrap();
+        assert_eq!(
+            gone.iter()
+                .map(|e| e.target.to_string())
+                .collect::<Vec<_>>(),
+            ["key first"]
+        );
+        let gone = t
+            .insert_within(entry("third", Source::Ban, Some(900)), 3)
+            .unwrap();
+        assert_eq!(
+            gone.iter()
+                .map(|e| e.target.to_string())
+                .collect::<Vec<_>>(),
+            ["key second"]
+        );
+        // Replacing an entry evicts nothing.
+        assert_eq!(
+            t.insert_within(entry("late", Source::Ban, Some(50)), 3),
+            Ok(vec![])
+        );
+        assert_eq!(
+            (t.len(), t.count(Source::Api), t.count(Source::Ban)),
+            (3, 1, 2)
+        );
+        // Nothing that expires left: full.
+        let mut p = DenyTable::new();
+        p.insert_within(entry("a", Source::Api, None), 1).unwrap();
+        assert_eq!(
+            p.insert_within(entry("b", Source::Ban, Some(1)), 1),
+            Err(Full(1))
+        );
+        assert!(p.get(&Target::key("b")).is_none());
+    }
+
+    #[test]
+    fn long_keys_are_kept_hashed_and_found_by_the_key_as_sent() {
+        let long = "k".repeat(30_000);
+        let hashed = format!("#{}", sha1_smol::Sha1::from(long.as_bytes()).digest());
+        assert_eq!(Target::key(&long), Target::Key(hashed.clone()));
+        assert_eq!(Target::key(&"k".repeat(256)), Target::Key("k".repeat(256)));
+        assert_eq!(Target::key(&hashed), Target::Key(hashed.clone()));
+        let mut t = DenyTable::new();
+        let mut e = entry("placeholder", Source::Ban, None);
+        e.target = Target::key(&long);
+        t.insert(e);
+        assert_eq!(t.entries()[0].target.value(), hashed);
+        assert!(t.key(&long));
+        assert!(t.key(&hashed));
+        assert!(!t.key(&"k".repeat(29_999)));
+    }
+
+    #[test]
+    fn pages_and_cursors() {
+        let mut t = DenyTable::new();
+        for e in ["b", "a", "10.0.0.2", "2001:db8::/32", "10.0.0.1", "c"] {
+            t.insert(entry(e, Source::Api, None));
+        }
+        let values = |p: Vec<Entry>| p.iter().map(|e| e.target.value()).collect::<Vec<_>>();
+        assert_eq!(values(t.page(None, 2)), ["10.0.0.1", "10.0.0.2"]);
+        let after = Target::ip("10.0.0.2").unwrap();
+        assert_eq!(values(t.page(Some(&after), 2)), ["2001:db8::/32", "a"]);
+        assert_eq!(values(t.page(Some(&Target::key("a")), 5)), ["b", "c"]);
+        assert_eq!(t.page(Some(&Target::key("c")), 5), vec![]);
+        for c in [
+            Cursor {
+                dynamic: true,
+                target: Target::key("a b&c=d\u{202e}"),
+            },
+            Cursor {
+                dynamic: false,
+                target: Target::ip("10.1.0.0/16").unwrap(),
+            },
+        ] {
+            assert_eq!(Cursor::decode(&c.encode()), Some(c));
+        }
+        for bad in ["", "7", "zz", "78", "733a6b"] {
+            assert_eq!(Cursor::decode(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn wide_blocks() {
+        for (ip, wide) in [
+            ("0.0.0.0/0", true),
+            ("10.0.0.0/7", true),
+            ("10.0.0.0/8", false),
+            ("::/0", true),
+            ("2001:db8::/31", true),
+            ("2001:db8::/32", false),
+            ("::ffff:0.0.0.0/96", true),
+            ("::ffff:10.0.0.0/104", false),
+            ("::ffff:8.0.0.0/103", true),
+        ] {
+            assert_eq!(Target::ip(ip).unwrap().is_wide(), wide, "{ip}");
+        }
+        assert!(!Target::key("k").is_wide());
     }
 
     #[test]

@@ -10,6 +10,12 @@
 //! epoch, or one that went back in time, was lost: the copies write themselves back,
 //! leaving out what was deleted since. All keys share a hash tag, so this works on
 //! Redis Cluster, where published messages reach subscribers on every node.
+//!
+//! The list is bounded: a sorted set (`<prefix>{deny}:expiring`) indexes the entries
+//! that expire by their expiry, so that a write beyond `deny.max_entries` evicts the
+//! one closest to expiry in O(log n); and every key has a TTL (`KEY_TTL`), renewed
+//! by each write and by every live instance once a minute, so the list never holds
+//! memory that a Redis with `maxmemory-policy volatile-lru` could not reclaim.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,7 +30,8 @@ use crate::limit::{RedisStore, RedisTarget, StoreError};
 /// A change to the local copy, from the shared list.
 #[derive(Debug)]
 pub enum Remote {
-    Put(Entry),
+    /// An entry added or replaced, and the entries the shared list evicted for it.
+    Put(Entry, Vec<Target>),
     Delete(Target),
     /// The whole list, replacing the local copy; `lost` when Redis lost its data
     /// since the last read (its epoch changed).
@@ -60,6 +67,24 @@ const PAGE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often the version is compared, to heal missed messages.
 const POLL: Duration = Duration::from_secs(1);
 
+/// The TTL of every key of the shared list: how long it outlives the last instance
+/// that follows it. Each write sets it again, and so does every instance every
+/// `KEEP_EVERY` polls; a list whose keys expired (or were evicted) meanwhile is
+/// "lost", and the instances write their copies back as after a Redis restart.
+pub const KEY_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+const KEEP_EVERY: u32 = 60;
+
+/// What a write did to the shared list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Written {
+    /// Changed; where the list stands after it.
+    Changed(Position),
+    /// Nothing changed: a ban met an entry that lasts longer.
+    Kept,
+    /// A new entry found `max_entries` entries, none of which expires.
+    Full,
+}
+
 /// The expiry of a stored entry: a number, nil/null for none, false if it does not
 /// decode (such an entry is replaced, or removed, rather than failing the script).
 const EXPIRY: &str = r#"
@@ -68,14 +93,20 @@ local function expiry(j)
   if not ok or type(e) ~= 'table' then return false end
   return e.expires_at_ms
 end
+local function keep(ttl, ...)
+  for _, k in ipairs({...}) do redis.call('PEXPIRE', k, ttl) end
+end
 "#;
 
-/// One change. KEYS: entries, version, epoch, last, deleted. ARGV: op (`put`, `ban`,
-/// `del`), field, entry JSON, channel, an epoch to set if there is none, this
-/// change's id, how long a tombstone lasts (ms). A `ban` never replaces an entry
-/// that lasts longer (or for ever). A `del` leaves a tombstone, also when there was
-/// nothing to delete (the list may have been lost), so that no write-back brings the
-/// entry back. Reply: {1, version, epoch} if the list changed, else {0}.
+/// One change. KEYS: entries, version, epoch, last, deleted, expiring. ARGV: op
+/// (`put`, `ban`, `del`), field, entry JSON, channel, an epoch to set if there is
+/// none, this change's id, how long a tombstone lasts (ms), the entry's expiry (ms,
+/// or empty), max entries, the keys' TTL (ms). A `ban` never replaces an entry that
+/// lasts longer (or for ever). A new field beyond max entries evicts the entries
+/// closest to expiry (`expiring` is their index); if none expires, the put fails. A
+/// `del` leaves a tombstone, also when there was nothing to delete (the list may
+/// have been lost), so that no write-back brings the entry back. Reply: {1,
+/// version, epoch} if the list changed, {2} if it is full, else {0}.
 const WRITE: &str = r#"
 local op, field = ARGV[1], ARGV[2]
 if op == 'ban' then
@@ -88,11 +119,29 @@ if op == 'ban' then
   end
   op = 'put'
 end
+local evicted = {}
 if op == 'put' then
+  if redis.call('HEXISTS', KEYS[1], field) == 0 then
+    local max = tonumber(ARGV[9])
+    while redis.call('HLEN', KEYS[1]) >= max do
+      local first = redis.call('ZRANGE', KEYS[6], 0, 0)
+      if #first == 0 then return {2} end
+      redis.call('ZREM', KEYS[6], first[1])
+      if redis.call('HDEL', KEYS[1], first[1]) == 1 then
+        evicted[#evicted + 1] = first[1]
+      end
+    end
+  end
   redis.call('HSET', KEYS[1], field, ARGV[3])
+  if ARGV[8] ~= '' then
+    redis.call('ZADD', KEYS[6], ARGV[8], field)
+  else
+    redis.call('ZREM', KEYS[6], field)
+  end
   redis.call('HDEL', KEYS[5], field)
 else
   local removed = redis.call('HDEL', KEYS[1], field)
+  redis.call('ZREM', KEYS[6], field)
   redis.call('HSET', KEYS[5], field, '1')
   redis.call('PEXPIRE', KEYS[5], ARGV[7])
   if removed == 0 then return {0} end
@@ -101,15 +150,25 @@ local v = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[3], ARGV[5], 'NX')
 local e = redis.call('GET', KEYS[3])
 redis.call('SET', KEYS[4], ARGV[6])
-redis.call('PUBLISH', ARGV[4], cjson.encode({v = v, e = e, id = ARGV[6], op = op, field = field, entry = ARGV[3]}))
+keep(ARGV[10], KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6])
+local msg = {v = v, e = e, id = ARGV[6], op = op, field = field, entry = ARGV[3]}
+if #evicted > 0 then msg.evicted = evicted end
+redis.call('PUBLISH', ARGV[4], cjson.encode(msg))
 return {1, v, e}
+"#;
+
+/// Renews the TTL of every key of the list that exists. KEYS: all of them. ARGV:
+/// the TTL (ms).
+const KEEP: &str = r#"
+keep(ARGV[1], unpack(KEYS))
+return 0
 "#;
 
 /// Removes the given fields whose entries have expired by Redis' clock (not the
 /// caller's: an instance whose clock runs fast must not expire entries early for
 /// everyone), and any that does not decode. Every copy drops an expired entry by
-/// itself, so nothing is published. KEYS: entries. ARGV: fields. Reply: how many
-/// were removed.
+/// itself, so nothing is published. KEYS: entries, expiring. ARGV: fields. Reply:
+/// how many were removed.
 const EXPIRE: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -120,35 +179,44 @@ for i = 1, #ARGV do
     local at = expiry(j)
     if at == false or (type(at) == 'number' and at <= now) then
       removed = removed + redis.call('HDEL', KEYS[1], ARGV[i])
+      redis.call('ZREM', KEYS[2], ARGV[i])
     end
   end
 end
 return removed
 "#;
 
-/// Writes back (field, entry) pairs the hash does not have (HSETNX) and that were not
-/// deleted since (no tombstone), publishing nothing: `ANNOUNCE` follows. KEYS:
-/// entries, deleted. Reply: how many were added, how many were deleted since.
+/// Writes back (field, entry, expiry) triples the hash does not have (HSETNX), that
+/// were not deleted since (no tombstone) and that fit within max entries,
+/// publishing nothing: `ANNOUNCE` follows. KEYS: entries, deleted, expiring. ARGV:
+/// max entries, the keys' TTL (ms), then the triples (expiry empty for none).
+/// Reply: how many were added, how many were deleted since.
 const RESTORE: &str = r#"
 local added, deleted = 0, 0
-for i = 1, #ARGV - 1, 2 do
+local max = tonumber(ARGV[1])
+for i = 3, #ARGV - 2, 3 do
   if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
-    added = added + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+    if redis.call('HLEN', KEYS[1]) < max and redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+      added = added + 1
+      if ARGV[i + 2] ~= '' then redis.call('ZADD', KEYS[3], ARGV[i + 2], ARGV[i]) end
+    end
   else
     deleted = deleted + 1
   end
 end
+keep(ARGV[2], KEYS[1], KEYS[3])
 return {added, deleted}
 "#;
 
 /// After a write-back: bumps the version and publishes a `restore`, which makes every
 /// follower read the list again. KEYS: version, epoch, last. ARGV: channel, an epoch
-/// to set if there is none, this change's id.
+/// to set if there is none, this change's id, the keys' TTL (ms).
 const ANNOUNCE: &str = r#"
 local v = redis.call('INCR', KEYS[1])
 redis.call('SET', KEYS[2], ARGV[2], 'NX')
 local e = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[3], ARGV[3])
+keep(ARGV[4], KEYS[1], KEYS[2], KEYS[3])
 redis.call('PUBLISH', ARGV[1], cjson.encode({v = v, e = e, id = ARGV[3], op = 'restore', field = ''}))
 return v
 "#;
@@ -188,6 +256,10 @@ struct Message {
     /// The entry's JSON for `put`.
     #[serde(default)]
     entry: String,
+    /// The fields a `put` evicted (absent when none: Lua's cjson writes an empty
+    /// table as `{}`).
+    #[serde(default)]
+    evicted: Vec<String>,
 }
 
 pub struct DenySync {
@@ -204,6 +276,8 @@ pub struct DenySync {
     last: String,
     /// Tombstones of deleted entries, which write-backs respect.
     deleted: String,
+    /// The fields of entries that expire, by expiry: what a full list evicts first.
+    expiring: String,
     channel: String,
     /// Where the local copy stands.
     position: std::sync::Mutex<Position>,
@@ -225,6 +299,7 @@ impl DenySync {
             epoch: format!("{p}{{deny}}:epoch"),
             last: format!("{p}{{deny}}:last"),
             deleted: format!("{p}{{deny}}:deleted"),
+            expiring: format!("{p}{{deny}}:expiring"),
             channel: format!("{p}deny"),
             store,
             target,
@@ -268,8 +343,18 @@ impl DenySync {
     }
 
     /// Adds or replaces `e` in the shared list (a ban never replaces an entry that
-    /// lasts longer); where the list stands after it, None if nothing changed.
+    /// lasts longer), with no bound on the entries; where the list stands after it,
+    /// None if nothing changed.
     pub async fn put(&self, e: &Entry) -> Result<Option<Position>, StoreError> {
+        Ok(match self.put_within(e, usize::MAX).await? {
+            Written::Changed(at) => Some(at),
+            Written::Kept | Written::Full => None,
+        })
+    }
+
+    /// `put`, keeping at most `max` entries: a new one beyond it evicts the entries
+    /// closest to expiry (never one that stays until removed).
+    pub async fn put_within(&self, e: &Entry, max: usize) -> Result<Written, StoreError> {
         let json = serde_json::to_string(&e.to_json())
             .map_err(|e| StoreError::Unavailable(e.to_string()))?;
         let op = if e.meta.source == crate::deny::Source::Ban {
@@ -277,39 +362,71 @@ impl DenySync {
         } else {
             "put"
         };
-        self.write(op, &e.target, &json).await
+        let expiry = e.meta.expires_at_ms.map(|t| t.to_string());
+        self.write(op, &e.target, &json, expiry.as_deref(), max)
+            .await
     }
 
     /// Removes `t` from the shared list; None if it was not there.
     pub async fn delete(&self, t: &Target) -> Result<Option<Position>, StoreError> {
-        self.write("del", t, "").await
+        Ok(match self.write("del", t, "", None, usize::MAX).await? {
+            Written::Changed(at) => Some(at),
+            Written::Kept | Written::Full => None,
+        })
     }
 
-    async fn write(&self, op: &str, t: &Target, arg: &str) -> Result<Option<Position>, StoreError> {
-        let id = new_id();
+    /// Renews the TTL of every key of the list but the tombstones (see `KEY_TTL`).
+    pub async fn keep(&self) -> Result<(), StoreError> {
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(script(WRITE))
+        // Not the tombstones: they last `TOMBSTONE_MS` from the deletion.
+        cmd.arg(script(KEEP))
             .arg(5)
             .arg(&self.entries)
             .arg(&self.version)
             .arg(&self.epoch)
             .arg(&self.last)
+            .arg(&self.expiring)
+            .arg(KEY_TTL.as_millis() as u64);
+        self.store.query::<i64>(&cmd).await.map(drop)
+    }
+
+    async fn write(
+        &self,
+        op: &str,
+        t: &Target,
+        arg: &str,
+        expiry: Option<&str>,
+        max: usize,
+    ) -> Result<Written, StoreError> {
+        let id = new_id();
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(script(WRITE))
+            .arg(6)
+            .arg(&self.entries)
+            .arg(&self.version)
+            .arg(&self.epoch)
+            .arg(&self.last)
             .arg(&self.deleted)
+            .arg(&self.expiring)
             .arg(op)
             .arg(field(t))
             .arg(arg)
             .arg(&self.channel)
             .arg(new_id())
             .arg(&id)
-            .arg(TOMBSTONE_MS);
+            .arg(TOMBSTONE_MS)
+            .arg(expiry.unwrap_or(""))
+            .arg(max)
+            .arg(KEY_TTL.as_millis() as u64);
         let reply: Vec<String> = self.store.query(&cmd).await?;
         Ok(match reply.as_slice() {
-            [changed, v, e] if changed == "1" => Some(Position {
+            [changed, v, e] if changed == "1" => Written::Changed(Position {
                 version: v.parse().unwrap_or(0),
                 epoch: Some(e.clone()),
                 last: Some(id),
             }),
-            _ => None,
+            [full] if full == "2" => Written::Full,
+            _ => Written::Kept,
         })
     }
 
@@ -317,7 +434,10 @@ impl DenySync {
     pub async fn expire(&self, targets: &[Target]) -> Result<(), StoreError> {
         for batch in targets.chunks(BATCH) {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(script(EXPIRE)).arg(1).arg(&self.entries);
+            cmd.arg(script(EXPIRE))
+                .arg(2)
+                .arg(&self.entries)
+                .arg(&self.expiring);
             for t in batch {
                 cmd.arg(field(t));
             }
@@ -330,17 +450,24 @@ impl DenySync {
     /// those it has. Whether every follower must read the list again (`announce`):
     /// something was added, or found deleted since (copies still hold it). On an
     /// error, what was written before it still counts.
-    pub async fn restore(&self, entries: &[Entry]) -> (bool, Result<(), StoreError>) {
+    pub async fn restore(&self, entries: &[Entry], max: usize) -> (bool, Result<(), StoreError>) {
         let mut changed = false;
         for batch in entries.chunks(BATCH) {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(RESTORE)
-                .arg(2)
+            cmd.arg(script(RESTORE))
+                .arg(3)
                 .arg(&self.entries)
-                .arg(&self.deleted);
+                .arg(&self.deleted)
+                .arg(&self.expiring)
+                .arg(max)
+                .arg(KEY_TTL.as_millis() as u64);
             for e in batch {
                 match serde_json::to_string(&e.to_json()) {
-                    Ok(json) => cmd.arg(field(&e.target)).arg(json),
+                    Ok(json) => cmd.arg(field(&e.target)).arg(json).arg(
+                        e.meta
+                            .expires_at_ms
+                            .map_or(String::new(), |t| t.to_string()),
+                    ),
                     Err(err) => return (changed, Err(StoreError::Unavailable(err.to_string()))),
                 };
             }
@@ -359,14 +486,15 @@ impl DenySync {
     /// Makes every follower read the list again (after a write-back).
     pub async fn announce(&self) -> Result<(), StoreError> {
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(ANNOUNCE)
+        cmd.arg(script(ANNOUNCE))
             .arg(3)
             .arg(&self.version)
             .arg(&self.epoch)
             .arg(&self.last)
             .arg(&self.channel)
             .arg(new_id())
-            .arg(new_id());
+            .arg(new_id())
+            .arg(KEY_TTL.as_millis() as u64);
         self.store.query::<u64>(&cmd).await.map(drop)
     }
 
@@ -488,6 +616,7 @@ impl DenySync {
         let mut messages = pubsub.into_on_message();
         let mut poll = tokio::time::interval(POLL);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut polls = 0u32;
         loop {
             tokio::select! {
                 msg = messages.next() => {
@@ -519,7 +648,10 @@ impl DenySync {
                     };
                     match (m.op.as_str(), parse_field(&m.field)) {
                         ("put", _) => match parse_entry(&m.entry) {
-                            Some(e) => apply(Remote::Put(e), next),
+                            Some(e) => {
+                                let evicted = m.evicted.iter().filter_map(|f| parse_field(f)).collect();
+                                apply(Remote::Put(e, evicted), next)
+                            }
                             None => { self.resync(apply).await?; continue; }
                         },
                         ("del", Some(t)) => apply(Remote::Delete(t), next),
@@ -527,6 +659,10 @@ impl DenySync {
                     }
                 }
                 _ = poll.tick() => {
+                    polls = polls.wrapping_add(1);
+                    if polls.is_multiple_of(KEEP_EVERY) {
+                        self.keep().await?;
+                    }
                     let (remote, local) = (self.remote_position().await?, self.position());
                     let asked = self.recheck.swap(false, Ordering::Relaxed);
                     if asked || (remote.version, &remote.last) != (local.version, &local.last) {
@@ -554,7 +690,7 @@ fn field(t: &Target) -> String {
 fn parse_field(f: &str) -> Option<Target> {
     match f.split_once(':')? {
         ("ip", v) => Target::ip(v),
-        ("key", v) => Some(Target::Key(v.to_string())),
+        ("key", v) => Some(Target::key(v)),
         _ => None,
     }
 }

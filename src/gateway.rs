@@ -552,7 +552,10 @@ fn denied_key(
         return false;
     }
     values(&mut |k| {
-        let denied = rt.deny.table.key(k) || dynamic.key(k);
+        // A long key is looked up as it is kept: hashed once, on the stack.
+        let mut digest = None;
+        let stored = crate::deny::stored_key(k, &mut digest);
+        let denied = rt.deny.table.stored_key(stored) || dynamic.stored_key(stored);
         if denied {
             hit(k);
         }
@@ -578,7 +581,7 @@ fn strike(
     let target = if route.key.is_ip() || ns == route.fallback_ns {
         Target::Ip(ip.into())
     } else {
-        Target::Key(key.value.to_string())
+        Target::key(&key.value)
     };
     let _ = shared.bans.try_send(BanRequest {
         route: route.name.clone(),

@@ -161,13 +161,17 @@ enum DenyAction {
         /// Why, shown by `sluice deny list`.
         #[arg(long, value_name = "TEXT")]
         reason: Option<String>,
+        /// Allow a block wider than /8 (IPv4) or /32 (IPv6), which the API refuses
+        /// otherwise.
+        #[arg(long)]
+        force: bool,
     },
     /// Remove an entry added through the admin API.
     Remove {
         #[command(flatten)]
         target: TargetArgs,
     },
-    /// List every entry: static, added and banned.
+    /// List every entry: static, added and banned (every page of the API).
     List {
         /// Print the admin API's JSON instead of a table.
         #[arg(long)]
@@ -283,10 +287,12 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
             target,
             ttl,
             reason,
+            force,
         } => Action::Add {
             target: target.target(),
             ttl,
             reason,
+            force,
         },
         DenyAction::Remove { target } => Action::Remove {
             target: target.target(),

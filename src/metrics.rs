@@ -38,6 +38,8 @@ pub struct Metrics {
     pub config_last_reload_success: IntGauge,
     pub deny_entries: IntGaugeVec,
     pub bans: IntCounterVec,
+    /// Dynamic deny entries evicted by a newer one at `deny.max_entries`.
+    pub deny_evictions: IntCounter,
     pub build_info: IntGaugeVec,
     /// Refusal log lines not written, over the per-second budget.
     pub refusal_logs_dropped: IntCounter,
@@ -132,6 +134,11 @@ impl Metrics {
             &["route"],
         )
         .expect("metric definition");
+        let deny_evictions = IntCounter::new(
+            "sluice_deny_evictions_total",
+            "Dynamic deny-list entries evicted at deny.max_entries by a newer entry.",
+        )
+        .expect("metric definition");
         let build_info = IntGaugeVec::new(
             Opts::new("sluice_build_info", "Build information; always 1."),
             &["version"],
@@ -155,6 +162,7 @@ impl Metrics {
             Box::new(config_last_reload_success.clone()),
             Box::new(deny_entries.clone()),
             Box::new(bans.clone()),
+            Box::new(deny_evictions.clone()),
             Box::new(build_info.clone()),
             Box::new(refusal_logs_dropped.clone()),
         ] {
@@ -193,6 +201,7 @@ impl Metrics {
             config_last_reload_success,
             deny_entries,
             bans,
+            deny_evictions,
             build_info,
             refusal_logs_dropped,
         }

@@ -529,3 +529,88 @@ async fn a_bad_config_file_needs_admin_and_then_counts_for_nothing() {
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     gw.shutdown().await;
 }
+
+/// A block wider than /8 needs `--force`; without it the API's 400 says why and
+/// nothing is added.
+#[tokio::test]
+async fn a_wide_block_needs_force() {
+    let (gw, _file) = gateway().await;
+    let admin = gw.admin_addr;
+    let out = deny_at(admin, &["add", "--ip", "1.2.3.4/0"]).await;
+    assert_eq!(
+        out,
+        Out::failed(
+            "sluice deny: 400 Bad Request: ip 0.0.0.0/0 is wider than /8 (IPv4) or /32 (IPv6) and would deny a large part of the internet; send \"force\": true (sluice deny --force) if that is meant\n"
+        )
+    );
+    assert_eq!(status_from(&gw, "/ip", "192.0.2.1", None, 200).await, 200);
+    let out = deny_at(admin, &["add", "--ip", "1.2.3.4/0", "--force"]).await;
+    assert_eq!(out, Out::ok("denied ip 0.0.0.0/0 until removed\n"));
+    assert_eq!(status_from(&gw, "/ip", "192.0.2.1", None, 403).await, 403);
+    gw.shutdown().await;
+}
+
+/// A key with format characters (a right-to-left override, a zero-width space, a
+/// tag character) is listed with them escaped, so it cannot reorder what the
+/// table shows; `--json` keeps the key exact.
+#[tokio::test]
+async fn format_characters_are_listed_escaped() {
+    let (gw, _file) = gateway().await;
+    let admin = gw.admin_addr;
+    let key = "abc\u{202E}fed\u{200B}\u{E0041}";
+    let out = deny_at(admin, &["add", "--key", key]).await;
+    assert_eq!(
+        out,
+        Out::ok("denied key abc\\u{202e}fed\\u{200b}\\u{e0041} until removed\n")
+    );
+    let out = deny_at(admin, &["list"]).await;
+    let shown = "abc\\u{202e}fed\\u{200b}\\u{e0041}";
+    assert_eq!(
+        out,
+        Out::ok(&format!(
+            "KIND  VALUE{}  SOURCE  EXPIRES  REASON\n\
+             key   static-key{}  static  never    -\n\
+             key   {shown}  api     never    -\n",
+            " ".repeat(shown.len() - 5),
+            " ".repeat(shown.len() - 10),
+        ))
+    );
+    let out = deny_at(admin, &["list", "--json"]).await;
+    let list: Value = serde_json::from_str(&out.stdout).expect("JSON");
+    assert_eq!(list[1]["value"], key);
+    gw.shutdown().await;
+}
+
+/// `sluice deny list` walks every page of the API (1000 entries a page).
+#[tokio::test]
+async fn list_walks_every_page() {
+    let (gw, _file) = gateway().await;
+    let c = http1();
+    let bearer = format!("Bearer {TOKEN}");
+    let u = url(gw.admin_addr, "/admin/deny");
+    for i in 0..1100 {
+        let body = format!(r#"{{"key":"bulk{i:04}"}}"#);
+        let r = c
+            .send(
+                http::Method::POST,
+                &u,
+                &[
+                    ("authorization", &bearer),
+                    ("content-type", "application/json"),
+                ],
+                body,
+            )
+            .await;
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    let out = deny_at(gw.admin_addr, &["list", "--json"]).await;
+    assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""));
+    let list: Vec<Value> = serde_json::from_str(&out.stdout).expect("JSON");
+    let values: Vec<&str> = list.iter().map(|e| e["value"].as_str().unwrap()).collect();
+    let mut expected = vec!["static-key".to_string()];
+    expected.extend((0..1100).map(|i| format!("bulk{i:04}")));
+    assert_eq!(values, expected);
+    let out = deny_at(gw.admin_addr, &["list"]).await;
+    assert_eq!(out.stdout.lines().count(), 1 + 1101);
+    gw.shutdown().await;
+}

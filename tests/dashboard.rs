@@ -572,3 +572,34 @@ async fn stats_says_everything_that_is_not_ready() {
     assert_eq!((r.status, r.text()), (503, "store unavailable\n"));
     gw.shutdown().await;
 }
+
+/// A long deny list is shown a page at a time (100 entries), with where the page
+/// stands in the whole, and Next and Previous.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_pages_a_long_deny_list() {
+    let up = upstream().await;
+    let sluice = SluiceProcess::start(&[], &[], &rules(&up.url())).await;
+    for i in 0..130 {
+        let body = format!(r#"{{"key":"k{i:03}"}}"#);
+        let r = common::redis::request(sluice.admin, "POST", "/admin/deny", &[], &body).await;
+        assert_eq!(r.status, 201, "{}", r.body);
+    }
+    let browser = webdriver::Browser::start().await;
+    browser.open(&url(sluice.admin, "/")).await;
+    const SHOWN: &str = "const rows = [...document.querySelectorAll('#deny tr')]; return [document.getElementById('deny-count').textContent, rows.length, rows[0].dataset.value, rows[rows.length - 1].dataset.value, document.getElementById('deny-prev').hidden, document.getElementById('deny-next').hidden]";
+    let first = json!(["1–100 of 130 entries", 100, "k000", "k099", true, false]);
+    browser
+        .wait_for("the first page", SHOWN, first.clone())
+        .await;
+    browser.click(&browser.find("#deny-next").await).await;
+    browser
+        .wait_for(
+            "the second page",
+            SHOWN,
+            json!(["101–130 of 130 entries", 30, "k100", "k129", false, true]),
+        )
+        .await;
+    browser.click(&browser.find("#deny-prev").await).await;
+    browser.wait_for("the first page again", SHOWN, first).await;
+    browser.quit().await;
+}

@@ -1538,3 +1538,199 @@ async fn a_reload_cannot_drop_the_token_of_an_admin_listener_off_loopback() {
     let ok = [("authorization", "Bearer s3cret")];
     assert_eq!(http1().get(&admin, &ok).await.status, 200);
 }
+
+// === the deny list's bounds ===
+
+/// Every entry of `GET /admin/deny`, page by page (`limit` a page), following the
+/// `Link: <…>; rel="next"` header; the pages' sizes too.
+async fn list_pages(admin: &AdminApi, limit: usize) -> (Vec<Value>, Vec<usize>) {
+    let (mut all, mut sizes) = (Vec::new(), Vec::new());
+    let mut path = format!("/admin/deny?limit={limit}");
+    for _ in 0..10_000 {
+        let r = admin.call(Method::GET, &path, "").await;
+        assert_eq!(r.status, 200, "GET {path}: {}", r.text());
+        let page: Vec<Value> = serde_json::from_slice(&r.body).expect("JSON list");
+        sizes.push(page.len());
+        all.extend(page);
+        let next = r.header("link").map(|l| {
+            let l = l
+                .strip_suffix(">; rel=\"next\"")
+                .unwrap_or_else(|| panic!("{l}"));
+            l.strip_prefix('<')
+                .unwrap_or_else(|| panic!("{l}"))
+                .to_string()
+        });
+        match next {
+            Some(p) => path = p,
+            None => return (all, sizes),
+        }
+    }
+    panic!("more than 10000 pages");
+}
+
+const FLOOD: &str = r#"
+deny: {max_entries: 50}
+routes:
+  - name: api
+    match: {path: /api}
+    key: "header:x-api-key"
+    limits: [{algorithm: fixed_window, limit: 1, window: 1h}]
+    ban: {after: 1, within: 1m, for: 1m}
+    respond: {body: api}
+"#;
+
+/// One address floods a banning route with 300 different 30 KB keys, each twice
+/// (admitted, refused: banned): the table keeps `max_entries` (50) entries, the
+/// most recent bans (the others expire sooner), each key stored as its hash, and a
+/// kept key's next request is still denied.
+#[tokio::test]
+async fn a_flood_of_long_keys_is_capped_at_max_entries_and_stored_hashed() {
+    let gw = start_gateway(FLOOD).await;
+    let admin = AdminApi::new(&gw, None);
+    let c = http1();
+    let api = url(gw.addr, "/api");
+    let long = |i: usize| format!("{i:03}{}", "x".repeat(30_000));
+    for i in 0..300 {
+        let k = long(i);
+        assert_eq!(
+            statuses(&c, 2, &api, &[("x-api-key", k.as_str())]).await,
+            [200, 429],
+            "key {i}"
+        );
+        // Each ban is made before the next key comes, so that the order is known.
+        eventually("the ban", Duration::from_secs(2), || async {
+            let m = metrics(gw.admin_addr).await;
+            (bans(&m, "api") == (i + 1) as f64).then_some(())
+        })
+        .await;
+    }
+    let kept: std::collections::BTreeSet<String> = (250..300)
+        .map(|i| format!("#{}", sha1(long(i).as_bytes())))
+        .collect();
+    let denied = |i: usize| {
+        let (c, api, k) = (&c, &api, long(i));
+        async move { c.get(api, &[("x-api-key", k.as_str())]).await.status }
+    };
+    eventually("the last ban published", Duration::from_secs(2), || async {
+        (denied(299).await == 403).then_some(())
+    })
+    .await;
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(deny_entries(&m, "ban"), 50.0);
+    assert_eq!(value(&m, "sluice_deny_evictions_total"), 250.0);
+    let (list, _) = list_pages(&admin, 1000).await;
+    let values: std::collections::BTreeSet<String> = list
+        .iter()
+        .map(|e| e["value"].as_str().expect("value").to_string())
+        .collect();
+    assert_eq!((list.len(), values), (50, kept));
+    assert!(list.iter().all(|e| e["source"] == "ban"), "{list:?}");
+    assert_eq!(denied(250).await, 403);
+    // Evicted: no longer denied (its limit still refuses it).
+    assert_eq!(denied(0).await, 429);
+}
+
+/// `GET /admin/deny` in pages: every entry exactly once, static ones first, in
+/// pages of `limit`, with the total in `X-Total-Count`; a bad limit or cursor is a
+/// 400.
+#[tokio::test]
+async fn the_deny_list_is_listed_in_pages() {
+    let up = upstream().await;
+    let gw = start_gateway(&DYNAMIC.replace("UP", &up.url())).await;
+    let admin = AdminApi::new(&gw, None);
+    for i in 0..13 {
+        admin.added(json!({"ip": format!("10.0.{i}.0/24")})).await;
+        admin.added(json!({"key": format!("key{i:02}")})).await;
+    }
+    let (all, sizes) = list_pages(&admin, 5).await;
+    assert_eq!(sizes, [5, 5, 5, 5, 5, 3]);
+    let mut expected = vec!["198.51.100.7".to_string(), "static-key".to_string()];
+    expected.extend((0..13).map(|i| format!("10.0.{i}.0/24")));
+    expected.extend((0..13).map(|i| format!("key{i:02}")));
+    let values: Vec<&str> = all.iter().map(|e| e["value"].as_str().unwrap()).collect();
+    assert_eq!(values, expected);
+    let r = admin.call(Method::GET, "/admin/deny?limit=5", "").await;
+    assert_eq!(r.header("x-total-count"), Some("28"));
+    // The default page holds them all; no next page.
+    let r = admin.call(Method::GET, "/admin/deny", "").await;
+    assert_eq!((r.status, r.header("link")), (200, None));
+    for bad in ["limit=0", "limit=1001", "limit=x", "after=zz", "after=%ZZ"] {
+        let r = admin
+            .call(Method::GET, &format!("/admin/deny?{bad}"), "")
+            .await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+    }
+}
+
+/// A block wider than /8 (IPv4) or /32 (IPv6), IPv4-mapped forms by their IPv4
+/// width, needs `"force": true`: without it, 400 saying why, and nothing is added.
+#[tokio::test]
+async fn a_block_wider_than_8_or_32_needs_force() {
+    let up = upstream().await;
+    let gw = start_gateway(&DYNAMIC.replace("UP", &up.url())).await;
+    let admin = AdminApi::new(&gw, None);
+    let c = http1();
+    for (ip, shown) in [
+        ("1.2.3.4/0", "0.0.0.0/0"),
+        ("10.0.0.0/7", "10.0.0.0/7"),
+        ("::/0", "::/0"),
+        ("::ffff:0.0.0.0/96", "0.0.0.0/0"),
+        ("2001:db8::/31", "2001:db8::/31"),
+    ] {
+        let r = admin.add(json!({"ip": ip})).await;
+        assert_eq!(
+            (r.status, r.text().to_string()),
+            (
+                400,
+                format!(
+                    "ip {shown} is wider than /8 (IPv4) or /32 (IPv6) and would deny a large part of the internet; send \"force\": true (sluice deny --force) if that is meant\n"
+                )
+            ),
+            "{ip}"
+        );
+    }
+    assert_eq!(admin.list().await.len(), 2);
+    assert_eq!(from(&c, &gw, "/api", "192.0.2.1").await, 200);
+    for ip in ["10.0.0.0/8", "2001:db8::/32", "::ffff:11.0.0.0/104"] {
+        admin.added(json!({"ip": ip})).await;
+    }
+    let e = admin
+        .added(json!({"ip": "::ffff:0.0.0.0/96", "force": true}))
+        .await;
+    assert_eq!(e["value"], "0.0.0.0/0");
+    assert_eq!(from(&c, &gw, "/api", "192.0.2.1").await, 451);
+    let r = admin.add(json!({"ip": "::/0", "force": true})).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = admin.add(json!({"key": "k", "force": "yes"})).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+}
+
+/// At `max_entries` entries that never expire, nothing can be evicted: the admin
+/// API answers 507 saying so, and a ban is not made (nor counted).
+#[tokio::test]
+async fn a_list_full_of_permanent_entries_refuses_more() {
+    let gw = start_gateway(&FLOOD.replace("max_entries: 50", "max_entries: 2")).await;
+    let admin = AdminApi::new(&gw, None);
+    let c = http1();
+    admin.added(json!({"key": "one"})).await;
+    admin.added(json!({"ip": "192.0.2.0/24"})).await;
+    let r = admin.add(json!({"key": "three", "ttl": "1m"})).await;
+    assert_eq!(
+        (r.status, r.text()),
+        (
+            507,
+            "the deny list holds deny.max_entries (2) entries and none of them expires\n"
+        )
+    );
+    // Replacing one of them is no new entry.
+    admin.added(json!({"key": "one", "reason": "again"})).await;
+    let api = url(gw.addr, "/api");
+    assert_eq!(
+        statuses(&c, 3, &api, &[("x-api-key", "k")]).await,
+        [200, 429, 429]
+    );
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(bans(&m, "api"), 0.0);
+    assert_eq!(entry_counts(&gw).await, [0.0, 2.0, 0.0]);
+    assert_eq!(admin.list().await.len(), 2);
+}

@@ -83,6 +83,7 @@ pub fn compile(
         f.deny.ips.iter().map(|n| n.0),
         f.deny.keys.iter().map(|k| k.0.clone()),
         StatusCode::from_u16(f.deny.status.get()).unwrap_or(StatusCode::FORBIDDEN),
+        f.deny.max_entries.get(),
     );
     // Nothing after this can fail: the new runtime will be the one serving.
     let entries = i64::try_from(deny.table.count(Source::Static)).unwrap_or(i64::MAX);

@@ -261,6 +261,9 @@ pub struct Deny {
     pub status: Num<u16>,
     /// Memory store only: file that keeps API-added entries across restarts.
     pub state_file: Option<Text>,
+    /// Most dynamic entries (admin API and bans together) kept, here and in Redis; a
+    /// new one beyond it replaces the entry closest to expiry.
+    pub max_entries: Num<usize>,
 }
 
 impl Default for Deny {
@@ -270,6 +273,7 @@ impl Default for Deny {
             keys: Vec::new(),
             status: Num(403),
             state_file: None,
+            max_entries: Num(100_000),
         }
     }
 }

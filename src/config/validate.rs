@@ -509,6 +509,7 @@ impl Checker<'_> {
                 format!("deny.status must be between 400 and 599, found {status}"),
             );
         }
+        self.positive("deny.max_entries", "max_entries", deny.max_entries.get());
         for (i, k) in deny.keys.iter().enumerate() {
             if k.is_empty() {
                 self.at(&item("deny.keys", i), "deny.keys entries must not be empty");

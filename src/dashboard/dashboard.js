@@ -114,7 +114,7 @@
   // === polling ===
 
   async function refresh() {
-    const [stats, deny] = await Promise.all([getJson("/admin/stats"), getJson("/admin/deny")]);
+    const [stats, deny] = await Promise.all([getJson("/admin/stats"), getDenyPage()]);
     if (stats.config.hash !== configHash) {
       const c = await getJson("/admin/config");
       config = c.config;
@@ -403,13 +403,51 @@
 
   // === deny list ===
 
+  // The list comes a page at a time (it may hold 100,000 entries): the page shown
+  // is the one after the last cursor of `denyCursors` ("" for the first).
+  const DENY_PAGE = 100;
+  let denyCursors = [""];
+
+  async function getDenyPage() {
+    const after = denyCursors[denyCursors.length - 1];
+    const path = `/admin/deny?limit=${DENY_PAGE}` + (after ? `&after=${after}` : "");
+    const r = await api("GET", path);
+    if (!r.ok) throw new Error(`/admin/deny: ${r.status} ${(await r.text()).trim()}`);
+    const entries = await r.json();
+    const total = Number(r.headers.get("X-Total-Count") || entries.length);
+    const next = /[?&]after=([0-9a-f]+)>; rel="next"/.exec(r.headers.get("Link") || "");
+    return { entries, total, next: next ? next[1] : null };
+  }
+
+  async function turnDenyPage(cursor) {
+    if (cursor === null) denyCursors.pop();
+    else denyCursors.push(cursor);
+    denyShown = null;
+    renderDeny(await getDenyPage());
+  }
+
   // Rebuilt only when the list changed, so a button is never swapped out under a click.
   let denyShown = null;
+  let denyNext = null;
 
-  function renderDeny(entries) {
-    const text = JSON.stringify(entries);
+  function renderDeny(page) {
+    const { entries, total, next } = page;
+    // A later page that emptied (its entries expired or were removed): back one.
+    if (entries.length === 0 && denyCursors.length > 1) {
+      turnDenyPage(null);
+      return;
+    }
+    const text = JSON.stringify(page);
     if (text === denyShown) return;
     denyShown = text;
+    denyNext = next;
+    const first = (denyCursors.length - 1) * DENY_PAGE;
+    $("deny-count").textContent =
+      total > entries.length
+        ? `${first + 1}–${first + entries.length} of ${total} entries`
+        : `${total} ${total === 1 ? "entry" : "entries"}`;
+    $("deny-prev").hidden = denyCursors.length <= 1;
+    $("deny-next").hidden = next === null;
     const body = $("deny");
     clear(body);
     if (entries.length === 0) {
@@ -474,7 +512,7 @@
       if (!r.ok) return say(`${r.status}: ${(await r.text()).trim()}`, false);
       after();
       say(done, true);
-      renderDeny(await getJson("/admin/deny"));
+      renderDeny(await getDenyPage());
     } catch (e) {
       if (e instanceof Unauthorized) return showLogin("That token was refused.");
       say(e.message, false);
@@ -498,6 +536,10 @@
       restart();
     });
     $("deny-form").addEventListener("submit", addEntry);
+    $("deny-prev").addEventListener("click", () => turnDenyPage(null).catch((e) => say(e.message, false)));
+    $("deny-next").addEventListener("click", () => {
+      if (denyNext) turnDenyPage(denyNext).catch((e) => say(e.message, false));
+    });
     restart();
   });
 })();
