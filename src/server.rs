@@ -92,6 +92,9 @@ pub struct Running {
     _watch: Option<crate::config::watch::Watch>,
 }
 
+/// Connections the admin listener holds at once, from all addresses.
+const ADMIN_CONNECTIONS: usize = 256;
+
 /// How long startup waits to read the shared deny list before serving without it.
 const STARTUP_READ: Duration = Duration::from_secs(1);
 
@@ -247,18 +250,23 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 Box::pin(async move { Ok(admin.handle(req).await) })
             })
         };
+        // Small caps and short timeouts: one client holding idle or half-sent
+        // connections must not keep /healthz and /metrics from answering (a health
+        // check gives up after a few seconds). No address is exempt: a proxy in
+        // front of the admin port is not expected.
+        let header_timeout = f.admin.request_header_timeout.get();
         let limits = Limits {
             fast: None,
             tls: None,
             header_timeout,
-            idle_timeout: f.server.idle_timeout.get(),
+            idle_timeout: f.admin.idle_timeout.get(),
             send_timeout: f.server.send_timeout.get(),
-            max_connections: 256,
-            per_ip: usize::MAX,
-            exempt: Arc::new(|_| true),
+            max_connections: ADMIN_CONNECTIONS,
+            per_ip: f.admin.max_connections_per_ip.get(),
+            exempt: Arc::new(|_| false),
             refused: None,
             grace: Duration::from_secs(1),
-            caps: Caps::new(256),
+            caps: Caps::new(ADMIN_CONNECTIONS),
         };
         let builder = Arc::new(http_builder(header_timeout, max_head));
         tokio::spawn(serve(

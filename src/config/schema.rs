@@ -118,6 +118,14 @@ pub struct Admin {
     pub listen: Addr,
     /// Bearer token for /admin/*; required when `listen` is not loopback.
     pub token: Option<Text>,
+    /// Admin connections from one address at once; more are closed, so one client
+    /// cannot keep /healthz and /metrics from answering.
+    pub max_connections_per_ip: Num<usize>,
+    /// An admin connection must send its first request head within this, or it is
+    /// closed.
+    pub request_header_timeout: Dur,
+    /// An admin connection with no request in flight this long is closed.
+    pub idle_timeout: Dur,
 }
 
 impl Default for Admin {
@@ -125,6 +133,9 @@ impl Default for Admin {
         Admin {
             listen: Addr::literal("127.0.0.1:9091"),
             token: None,
+            max_connections_per_ip: Num(16),
+            request_header_timeout: Dur::secs(5),
+            idle_timeout: Dur::secs(30),
         }
     }
 }

@@ -237,6 +237,17 @@ impl Checker<'_> {
 
     fn admin(&mut self, file: &File) {
         let admin = &file.admin;
+        self.positive(
+            "admin.max_connections_per_ip",
+            "max_connections_per_ip",
+            admin.max_connections_per_ip.get(),
+        );
+        self.positive_dur(
+            "admin.request_header_timeout",
+            "request_header_timeout",
+            admin.request_header_timeout,
+        );
+        self.positive_dur("admin.idle_timeout", "idle_timeout", admin.idle_timeout);
         let ip = admin.listen.0.ip().to_canonical();
         let has_token = admin.token.as_ref().is_some_and(|t| !t.is_empty());
         if !ip.is_loopback() && !has_token {
