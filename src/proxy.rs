@@ -229,6 +229,8 @@ pub struct Upstream {
     upgrades: Vec<String>,
     /// `server.request_body_timeout`.
     body_timeout: Duration,
+    /// `server.request_buffer`.
+    request_buffer: usize,
     /// `server.tunnel_idle_timeout`.
     tunnel_idle: Duration,
 }
@@ -245,6 +247,9 @@ pub struct UpstreamOpts<'a> {
     pub upgrades: &'a [String],
     /// `server.request_body_timeout`: the longest a request body may stall.
     pub body_timeout: Duration,
+    /// `server.request_buffer`: how much of a request body is read before an
+    /// upstream connection is taken for it.
+    pub request_buffer: usize,
     /// `server.tunnel_idle_timeout`: a tunnel with no bytes either way this long
     /// is closed.
     pub tunnel_idle: Duration,
@@ -263,12 +268,13 @@ impl UpstreamOpts<'_> {
             )
         });
         format!(
-            "{name}|{targets:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{:?}",
+            "{name}|{targets:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}",
             self.connect_timeout,
             self.timeout,
             self.max_connections,
             self.upgrades,
             self.body_timeout,
+            self.request_buffer,
             self.tunnel_idle
         )
     }
@@ -373,6 +379,7 @@ impl Upstream {
             timeout: o.timeout,
             upgrades: o.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
             body_timeout: o.body_timeout,
+            request_buffer: o.request_buffer,
             tunnel_idle: o.tunnel_idle,
         })
     }
@@ -546,9 +553,21 @@ impl Upstream {
             stall: None,
             progress,
         };
-        let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
+        let mut body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
+        // A slow upload costs the upstream nothing until its body (or the first
+        // `request_buffer` bytes of it) has come: only then is a connection taken.
+        // (A body's failure here is the client's, sorted as it would be mid-send.)
+        if self.request_buffer > 0
+            && !upgrading
+            && !http_body::Body::is_end_stream(&body)
+            && !is_grpc(&parts.headers)
+        {
+            body = read_ahead(body, self.request_buffer)
+                .await
+                .map_err(|e| classify(e, false))?;
+        }
         // (An upgrade's answer is spliced, never written from its fields.)
         let raw = raw.filter(|_| !upgrading);
         let sent = std::pin::pin!(target.pool.send(parts, body, fwd, raw));
@@ -581,6 +600,107 @@ impl Upstream {
 
 /// No answer from the upstream within its `timeout`.
 struct TimedOut;
+
+/// A gRPC request (`application/grpc`, `application/grpc+proto`, ...): its
+/// messages go both ways at once (a bidirectional call waits for answers before it
+/// sends more), so its body is never read ahead.
+fn is_grpc(h: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
+    h.get(header::CONTENT_TYPE).is_some_and(|v| {
+        let v = v.as_bytes();
+        v.len() >= GRPC.len()
+            && v[..GRPC.len()].eq_ignore_ascii_case(GRPC)
+            && matches!(v.get(GRPC.len()), None | Some(b'+' | b';'))
+    })
+}
+
+/// Read `body` until it ends or `limit` bytes of it have come; the body to send,
+/// which gives those frames, then the rest as it comes.
+async fn read_ahead(mut body: Body, limit: usize) -> Result<Body, BoxError> {
+    let hint = http_body::Body::size_hint(&body);
+    let mut frames = std::collections::VecDeque::new();
+    let mut read = 0;
+    let rest = loop {
+        let Some(frame) = body.frame().await.transpose()? else {
+            break None;
+        };
+        read += frame.data_ref().map_or(0, |d| d.len());
+        frames.push_back(frame);
+        if http_body::Body::is_end_stream(&body) {
+            break None;
+        }
+        if read >= limit {
+            break Some(body);
+        }
+    };
+    Ok(ReadAhead {
+        frames,
+        rest,
+        hint,
+        started: false,
+    }
+    .boxed())
+}
+
+/// A request body read ahead (`read_ahead`): the frames read, then the rest. It
+/// tells the upstream connection what the body it stands for told before any of it
+/// was read (not over, and its size hint), so the upload's framing (length or
+/// chunked) is the client's; its trailers are among the frames.
+struct ReadAhead {
+    frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
+    rest: Option<Body>,
+    hint: http_body::SizeHint,
+    /// A frame has been asked for.
+    started: bool,
+}
+
+impl http_body::Body for ReadAhead {
+    type Data = bytes::Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, BoxError>>> {
+        let this = &mut *self;
+        this.started = true;
+        if let Some(frame) = this.frames.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        match &mut this.rest {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.started
+            && self.frames.is_empty()
+            && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        if !self.started {
+            return self.hint.clone();
+        }
+        let ahead: u64 = self
+            .frames
+            .iter()
+            .map(|f| f.data_ref().map_or(0, |d| d.len() as u64))
+            .sum();
+        let rest = self
+            .rest
+            .as_ref()
+            .map(|r| r.size_hint())
+            .unwrap_or_else(|| http_body::SizeHint::with_exact(0));
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(rest.lower().saturating_add(ahead));
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper.saturating_add(ahead));
+        }
+        hint
+    }
+}
 
 /// In the extensions of a 101 answer: closed when the spliced tunnel ends, so the
 /// end of the request (its tally, its concurrency slots) can wait for it.

@@ -410,6 +410,7 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
         .max_buf_size(max_head);
     let mut h2 = http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())
+        .max_concurrent_streams(H2_STREAMS)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
@@ -422,11 +423,17 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
         .max_buf_size(max_head);
     auto.http2()
         .timer(TokioTimer::new())
+        .max_concurrent_streams(H2_STREAMS)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
     Http { h1, h2, auto }
 }
+
+/// Concurrent streams one HTTP/2 connection may open (nginx's
+/// `http2_max_concurrent_streams`; hyper's default is 200). Each may hold up to
+/// `server.request_buffer` of its body read ahead.
+const H2_STREAMS: u32 = 128;
 
 /// The HTTP servers of a listener. A plain connection's protocol is known from its
 /// first bytes (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without

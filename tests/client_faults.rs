@@ -155,7 +155,12 @@ async fn a_malformed_chunked_body_is_a_bad_request_not_an_upstream_failure() {
 #[tokio::test]
 async fn a_client_that_closes_mid_body_is_counted_as_aborted_and_never_completes_upstream() {
     let up = counting_upstream().await;
-    let gw = start_gateway(&config(&up)).await;
+    // Nothing read ahead: the body streams as it comes.
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", request_buffer: 0}}\n{}",
+        config(&up)
+    ))
+    .await;
     let mut s = connect(gw.addr).await;
     s.write_all(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789")
         .await
@@ -166,6 +171,19 @@ async fn a_client_that_closes_mid_body_is_counted_as_aborted_and_never_completes
     drop(s);
     assert_settles(gw.admin_addr, expected(1, 0, 1)).await;
     assert_eq!(up.complete.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_client_that_closes_within_the_request_buffer_never_reaches_the_upstream() {
+    let up = counting_upstream().await;
+    let gw = start_gateway(&config(&up)).await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789")
+        .await
+        .expect("write");
+    drop(s);
+    assert_settles(gw.admin_addr, expected(1, 0, 1)).await;
+    assert_eq!(up.heads.load(Ordering::SeqCst), 0);
 }
 
 #[tokio::test]

@@ -42,6 +42,10 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     errors
 }
 
+/// The largest `server.request_buffer`: it is held per request (and HTTP/2 stream)
+/// in flight.
+const MAX_REQUEST_BUFFER: u64 = 1024 * 1024;
+
 /// `server.max_header_bytes` bounds: hyper's smallest read buffer, and a size no
 /// legitimate request head needs.
 const MIN_HEADER_BYTES: u64 = 8 * 1024;
@@ -205,6 +209,15 @@ impl Checker<'_> {
             "tunnel_idle_timeout",
             s.tunnel_idle_timeout,
         );
+        if s.request_buffer.0 > MAX_REQUEST_BUFFER {
+            self.at(
+                "server.request_buffer",
+                format!(
+                    "request_buffer must be at most 1MiB, found {} bytes",
+                    s.request_buffer.0
+                ),
+            );
+        }
         let head = s.max_header_bytes.0;
         if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&head) {
             self.at(
