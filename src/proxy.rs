@@ -681,7 +681,7 @@ impl http_body::Body for ReadAhead {
 
     fn size_hint(&self) -> http_body::SizeHint {
         if !self.started {
-            return self.hint.clone();
+            return self.hint;
         }
         let ahead: u64 = self
             .frames
