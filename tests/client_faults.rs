@@ -381,3 +381,19 @@ async fn a_lingering_close_holds_its_connection_slot_until_the_client_is_silent(
     let freed = eventually(Duration::from_secs(10), || served(gw.addr)).await;
     assert!(freed.is_some(), "the lingering close never ended");
 }
+
+#[tokio::test]
+async fn python_uploading_while_the_store_is_down_under_on_error_deny_reads_503() {
+    let mut redis = common::redis::RedisServer::start();
+    let up = counting_upstream().await;
+    let gw = start_gateway(&format!(
+        "store:\n  backend: redis\n  redis: {{url: \"{}\", timeout: 200ms}}\n  on_error: deny\nupstreams:\n  api: {{targets: [\"http://{}\"]}}\nroutes:\n  - name: up\n    match: {{path_prefix: /}}\n    upstream: api\n    key: ip\n    limits: [{{algorithm: fixed_window, limit: 100, window: 1h}}]\n",
+        redis.url(),
+        up.addr
+    ))
+    .await;
+    redis.kill();
+    let got = python_posts(gw.addr, "127.0.0.1", "/upload", 8 * MIB, 10, false).await;
+    assert_eq!(got, times("503", 10));
+    assert_eq!(up.heads.load(Ordering::SeqCst), 0);
+}
