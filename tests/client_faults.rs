@@ -397,3 +397,32 @@ async fn python_uploading_while_the_store_is_down_under_on_error_deny_reads_503(
     assert_eq!(got, times("503", 10));
     assert_eq!(up.heads.load(Ordering::SeqCst), 0);
 }
+
+#[tokio::test]
+async fn a_lingering_close_throws_away_at_most_64_mib() {
+    let gw = start_gateway(
+        "server: {listen: \"127.0.0.1:0\", max_request_body: 1KiB}\nroutes:\n  - {name: canned, match: {path_prefix: /}, respond: {status: 200, body: \"ok\\n\"}}\n",
+    )
+    .await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 1073741824\r\n\r\n")
+        .await
+        .expect("write head");
+    let (head, _) = read_response(&mut s).await.expect("the 413");
+    assert!(head.starts_with("HTTP/1.1 413 "), "{head}");
+    // Sent as fast as it goes: taken until 64MiB have been thrown away, then the
+    // connection is closed (the next writes fail). Never more than 256MiB here.
+    let piece = vec![b'x'; 1 << 20];
+    let mut sent = 0usize;
+    while sent < 256 << 20 {
+        match bounded("write", s.write_all(&piece)).await {
+            Ok(()) => sent += piece.len(),
+            Err(_) => break,
+        }
+    }
+    assert!(
+        (64 << 20..128 << 20).contains(&sent),
+        "{} MiB taken before the close",
+        sent >> 20
+    );
+}
