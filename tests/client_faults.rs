@@ -426,3 +426,33 @@ async fn a_lingering_close_throws_away_at_most_64_mib() {
         sent >> 20
     );
 }
+
+#[tokio::test]
+async fn a_lingering_close_counts_as_open_during_the_shutdown_grace() {
+    let gw = start_gateway(
+        "server: {listen: \"127.0.0.1:0\", max_request_body: 1KiB}\nroutes:\n  - {name: canned, match: {path_prefix: /}, respond: {status: 200, body: \"ok\\n\"}}\n",
+    )
+    .await;
+    let addr = gw.addr;
+    let mut s = connect(addr).await;
+    s.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 2097152\r\n\r\n")
+        .await
+        .expect("write head");
+    s.write_all(&[b'x'; 64 * 1024]).await.expect("write body");
+    let (head, _) = read_response(&mut s).await.expect("the 413");
+    assert!(head.starts_with("HTTP/1.1 413 "), "{head}");
+    let stopping = tokio::spawn(gw.shutdown());
+    let refused = eventually(Duration::from_secs(5), || async {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await;
+    assert!(refused.is_some(), "the listener never closed");
+    // Still draining: the body goes on being taken, and shutdown waits for it.
+    s.write_all(&[b'x'; 64 * 1024])
+        .await
+        .expect("write more body");
+    assert!(!stopping.is_finished());
+    // The client ends its body: the lingering close ends, and so does shutdown.
+    s.shutdown().await.expect("shut the write side");
+    bounded("shutdown", stopping).await.expect("shutdown task");
+}
