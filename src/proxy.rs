@@ -1065,6 +1065,73 @@ fn forwarded<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body::Body as _;
+
+    /// A body of `frames`, its size hint `hint`, as a client's would come.
+    fn frames(frames: Vec<http_body::Frame<bytes::Bytes>>, hint: Option<u64>) -> Body {
+        let stream = futures_util::stream::iter(frames.into_iter().map(Ok::<_, BoxError>));
+        let body = http_body_util::StreamBody::new(stream);
+        struct Hinted<B>(B, Option<u64>);
+        impl<B: http_body::Body + Unpin> http_body::Body for Hinted<B> {
+            type Data = B::Data;
+            type Error = B::Error;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+                Pin::new(&mut self.0).poll_frame(cx)
+            }
+            fn size_hint(&self) -> http_body::SizeHint {
+                self.1
+                    .map(http_body::SizeHint::with_exact)
+                    .unwrap_or_default()
+            }
+        }
+        Hinted(body, hint).boxed()
+    }
+
+    fn data(s: &'static str) -> http_body::Frame<bytes::Bytes> {
+        http_body::Frame::data(bytes::Bytes::from_static(s.as_bytes()))
+    }
+
+    /// Read ahead, a body tells the upload what it told before (not over, its
+    /// length or none: the framing is the client's), and gives the same frames,
+    /// trailers included, whether it was read whole or in part.
+    #[tokio::test]
+    async fn a_body_read_ahead_is_the_same_body() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-sum", HeaderValue::from_static("7"));
+        for limit in [1, 4, 1024] {
+            let chunked = vec![
+                data("ab"),
+                data("cde"),
+                http_body::Frame::trailers(trailers.clone()),
+            ];
+            let body = read_ahead(frames(chunked, None), limit)
+                .await
+                .expect("read");
+            assert!(!body.is_end_stream());
+            assert_eq!(body.size_hint().exact(), None);
+            let got = body.collect().await.expect("collected");
+            assert_eq!(got.trailers(), Some(&trailers));
+            assert_eq!(&got.to_bytes()[..], b"abcde");
+
+            let sized = read_ahead(frames(vec![data("ab"), data("cde")], Some(5)), limit)
+                .await
+                .expect("read");
+            assert!(!sized.is_end_stream());
+            assert_eq!(sized.size_hint().exact(), Some(5));
+            assert_eq!(
+                &sized.collect().await.expect("collected").to_bytes()[..],
+                b"abcde"
+            );
+        }
+        // An empty chunked body stays one (not over until asked).
+        let empty = read_ahead(frames(Vec::new(), None), 1024)
+            .await
+            .expect("read");
+        assert!(!empty.is_end_stream());
+    }
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_go() {
