@@ -82,12 +82,21 @@ pub fn headless(r: Response<Body>) -> Response<Body> {
 }
 
 /// Ask the client to close the connection: used when we answer before reading a
-/// request body, so unread bytes can never be taken for the next request.
+/// request body, so unread bytes can never be taken for the next request. The
+/// answer is marked `Linger`: the listener then drains what the client still sends
+/// before it closes (a close with unread bytes would reset the connection, and
+/// the client, still writing its body, would see the reset instead of the answer).
 pub fn close(mut r: Response<Body>) -> Response<Body> {
     r.headers_mut()
         .insert(CONNECTION, HeaderValue::from_static("close"));
+    r.extensions_mut().insert(Linger);
     r
 }
+
+/// In the extensions of an answer written before the request body was read: the
+/// connection closes after it with a lingering close (`server::Linger`).
+#[derive(Debug, Clone, Copy)]
+pub struct Linger;
 
 /// The answer to `CONNECT`: sluice is no forward proxy, and a tunnel would carry
 /// requests past every route and limit.

@@ -821,6 +821,16 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
         o.max_header_bytes != n.max_header_bytes,
     );
     check("admin.listen", old.admin.listen != new.admin.listen);
+    let (oa, na) = (&old.admin, &new.admin);
+    check(
+        "admin.max_connections_per_ip",
+        oa.max_connections_per_ip != na.max_connections_per_ip,
+    );
+    check(
+        "admin.request_header_timeout",
+        oa.request_header_timeout != na.request_header_timeout,
+    );
+    check("admin.idle_timeout", oa.idle_timeout != na.idle_timeout);
     // on_error is read per request from the swapped configuration.
     let store = |f: &schema::File| {
         let mut v = json(&f.store);

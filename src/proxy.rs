@@ -229,6 +229,8 @@ pub struct Upstream {
     upgrades: Vec<String>,
     /// `server.request_body_timeout`.
     body_timeout: Duration,
+    /// `server.request_buffer`.
+    request_buffer: usize,
     /// `server.tunnel_idle_timeout`.
     tunnel_idle: Duration,
 }
@@ -247,6 +249,9 @@ pub struct UpstreamOpts<'a> {
     pub upgrades: &'a [String],
     /// `server.request_body_timeout`: the longest a request body may stall.
     pub body_timeout: Duration,
+    /// `server.request_buffer`: how much of a request body is read before an
+    /// upstream connection is taken for it.
+    pub request_buffer: usize,
     /// `server.tunnel_idle_timeout`: a tunnel with no bytes either way this long
     /// is closed.
     pub tunnel_idle: Duration,
@@ -265,13 +270,14 @@ impl UpstreamOpts<'_> {
             )
         });
         format!(
-            "{name}|{targets:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{:?}",
+            "{name}|{targets:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}",
             self.connect_timeout,
             self.timeout,
             self.read_timeout,
             self.max_connections,
             self.upgrades,
             self.body_timeout,
+            self.request_buffer,
             self.tunnel_idle
         )
     }
@@ -376,6 +382,7 @@ impl Upstream {
             timeout: o.timeout,
             upgrades: o.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
             body_timeout: o.body_timeout,
+            request_buffer: o.request_buffer,
             tunnel_idle: o.tunnel_idle,
         })
     }
@@ -549,9 +556,21 @@ impl Upstream {
             stall: None,
             progress,
         };
-        let body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
+        let mut body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
             .map_err(BoxError::from)
             .boxed();
+        // A slow upload costs the upstream nothing until its body (or the first
+        // `request_buffer` bytes of it) has come: only then is a connection taken.
+        // (A body's failure here is the client's, sorted as it would be mid-send.)
+        if self.request_buffer > 0
+            && !upgrading
+            && !http_body::Body::is_end_stream(&body)
+            && !is_grpc(&parts.headers)
+        {
+            body = read_ahead(body, self.request_buffer)
+                .await
+                .map_err(|e| classify(e, false))?;
+        }
         // (An upgrade's answer is spliced, never written from its fields.)
         let raw = raw.filter(|_| !upgrading);
         let sent = std::pin::pin!(target.pool.send(parts, body, fwd, raw));
@@ -584,6 +603,107 @@ impl Upstream {
 
 /// No answer from the upstream within its `timeout`.
 struct TimedOut;
+
+/// A gRPC request (`application/grpc`, `application/grpc+proto`, ...): its
+/// messages go both ways at once (a bidirectional call waits for answers before it
+/// sends more), so its body is never read ahead.
+fn is_grpc(h: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
+    h.get(header::CONTENT_TYPE).is_some_and(|v| {
+        let v = v.as_bytes();
+        v.len() >= GRPC.len()
+            && v[..GRPC.len()].eq_ignore_ascii_case(GRPC)
+            && matches!(v.get(GRPC.len()), None | Some(b'+' | b';'))
+    })
+}
+
+/// Read `body` until it ends or `limit` bytes of it have come; the body to send,
+/// which gives those frames, then the rest as it comes.
+async fn read_ahead(mut body: Body, limit: usize) -> Result<Body, BoxError> {
+    let hint = http_body::Body::size_hint(&body);
+    let mut frames = std::collections::VecDeque::new();
+    let mut read = 0;
+    let rest = loop {
+        let Some(frame) = body.frame().await.transpose()? else {
+            break None;
+        };
+        read += frame.data_ref().map_or(0, |d| d.len());
+        frames.push_back(frame);
+        if http_body::Body::is_end_stream(&body) {
+            break None;
+        }
+        if read >= limit {
+            break Some(body);
+        }
+    };
+    Ok(ReadAhead {
+        frames,
+        rest,
+        hint,
+        started: false,
+    }
+    .boxed())
+}
+
+/// A request body read ahead (`read_ahead`): the frames read, then the rest. It
+/// tells the upstream connection what the body it stands for told before any of it
+/// was read (not over, and its size hint), so the upload's framing (length or
+/// chunked) is the client's; its trailers are among the frames.
+struct ReadAhead {
+    frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
+    rest: Option<Body>,
+    hint: http_body::SizeHint,
+    /// A frame has been asked for.
+    started: bool,
+}
+
+impl http_body::Body for ReadAhead {
+    type Data = bytes::Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, BoxError>>> {
+        let this = &mut *self;
+        this.started = true;
+        if let Some(frame) = this.frames.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        match &mut this.rest {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.started
+            && self.frames.is_empty()
+            && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        if !self.started {
+            return self.hint;
+        }
+        let ahead: u64 = self
+            .frames
+            .iter()
+            .map(|f| f.data_ref().map_or(0, |d| d.len() as u64))
+            .sum();
+        let rest = self
+            .rest
+            .as_ref()
+            .map(|r| r.size_hint())
+            .unwrap_or_else(|| http_body::SizeHint::with_exact(0));
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(rest.lower().saturating_add(ahead));
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper.saturating_add(ahead));
+        }
+        hint
+    }
+}
 
 /// In the extensions of a 101 answer: closed when the spliced tunnel ends, so the
 /// end of the request (its tally, its concurrency slots) can wait for it.
@@ -986,6 +1106,73 @@ fn forwarded<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body::Body as _;
+
+    /// A body of `frames`, its size hint `hint`, as a client's would come.
+    fn frames(frames: Vec<http_body::Frame<bytes::Bytes>>, hint: Option<u64>) -> Body {
+        let stream = futures_util::stream::iter(frames.into_iter().map(Ok::<_, BoxError>));
+        let body = http_body_util::StreamBody::new(stream);
+        struct Hinted<B>(B, Option<u64>);
+        impl<B: http_body::Body + Unpin> http_body::Body for Hinted<B> {
+            type Data = B::Data;
+            type Error = B::Error;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+                Pin::new(&mut self.0).poll_frame(cx)
+            }
+            fn size_hint(&self) -> http_body::SizeHint {
+                self.1
+                    .map(http_body::SizeHint::with_exact)
+                    .unwrap_or_default()
+            }
+        }
+        Hinted(body, hint).boxed()
+    }
+
+    fn data(s: &'static str) -> http_body::Frame<bytes::Bytes> {
+        http_body::Frame::data(bytes::Bytes::from_static(s.as_bytes()))
+    }
+
+    /// Read ahead, a body tells the upload what it told before (not over, its
+    /// length or none: the framing is the client's), and gives the same frames,
+    /// trailers included, whether it was read whole or in part.
+    #[tokio::test]
+    async fn a_body_read_ahead_is_the_same_body() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-sum", HeaderValue::from_static("7"));
+        for limit in [1, 4, 1024] {
+            let chunked = vec![
+                data("ab"),
+                data("cde"),
+                http_body::Frame::trailers(trailers.clone()),
+            ];
+            let body = read_ahead(frames(chunked, None), limit)
+                .await
+                .expect("read");
+            assert!(!body.is_end_stream());
+            assert_eq!(body.size_hint().exact(), None);
+            let got = body.collect().await.expect("collected");
+            assert_eq!(got.trailers(), Some(&trailers));
+            assert_eq!(&got.to_bytes()[..], b"abcde");
+
+            let sized = read_ahead(frames(vec![data("ab"), data("cde")], Some(5)), limit)
+                .await
+                .expect("read");
+            assert!(!sized.is_end_stream());
+            assert_eq!(sized.size_hint().exact(), Some(5));
+            assert_eq!(
+                &sized.collect().await.expect("collected").to_bytes()[..],
+                b"abcde"
+            );
+        }
+        // An empty chunked body stays one (not over until asked).
+        let empty = read_ahead(frames(Vec::new(), None), 1024)
+            .await
+            .expect("read");
+        assert!(!empty.is_end_stream());
+    }
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_go() {

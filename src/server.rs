@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -91,6 +91,9 @@ pub struct Running {
     publisher: JoinHandle<()>,
     _watch: Option<crate::config::watch::Watch>,
 }
+
+/// Connections the admin listener holds at once, from all addresses.
+const ADMIN_CONNECTIONS: usize = 256;
 
 /// How long startup waits to read the shared deny list before serving without it.
 const STARTUP_READ: Duration = Duration::from_secs(1);
@@ -247,18 +250,23 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 Box::pin(async move { Ok(admin.handle(req).await) })
             })
         };
+        // Small caps and short timeouts: one client holding idle or half-sent
+        // connections must not keep /healthz and /metrics from answering (a health
+        // check gives up after a few seconds). No address is exempt: a proxy in
+        // front of the admin port is not expected.
+        let header_timeout = f.admin.request_header_timeout.get();
         let limits = Limits {
             fast: None,
             tls: None,
             header_timeout,
-            idle_timeout: f.server.idle_timeout.get(),
+            idle_timeout: f.admin.idle_timeout.get(),
             send_timeout: f.server.send_timeout.get(),
-            max_connections: 256,
-            per_ip: usize::MAX,
-            exempt: Arc::new(|_| true),
+            max_connections: ADMIN_CONNECTIONS,
+            per_ip: f.admin.max_connections_per_ip.get(),
+            exempt: Arc::new(|_| false),
             refused: None,
             grace: Duration::from_secs(1),
-            caps: Caps::new(256),
+            caps: Caps::new(ADMIN_CONNECTIONS),
         };
         let builder = Arc::new(http_builder(header_timeout, max_head));
         tokio::spawn(serve(
@@ -405,6 +413,7 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
         .max_buf_size(max_head);
     let mut h2 = http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())
+        .max_concurrent_streams(H2_STREAMS)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
@@ -417,11 +426,17 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
         .max_buf_size(max_head);
     auto.http2()
         .timer(TokioTimer::new())
+        .max_concurrent_streams(H2_STREAMS)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
     Http { h1, h2, auto }
 }
+
+/// Concurrent streams one HTTP/2 connection may open (nginx's
+/// `http2_max_concurrent_streams`; hyper's default is 200). Each may hold up to
+/// `server.request_buffer` of its body read ahead.
+const H2_STREAMS: u32 = 128;
 
 /// The HTTP servers of a listener. A plain connection's protocol is known from its
 /// first bytes (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without
@@ -668,6 +683,137 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteStall<T> {
     }
 }
 
+/// How long a lingering close reads at most in all (nginx's `lingering_time`).
+const LINGER_TIME: Duration = Duration::from_secs(30);
+/// A lingering close ends after this long with nothing read (nginx's
+/// `lingering_timeout`).
+const LINGER_SILENCE: Duration = Duration::from_secs(5);
+/// A lingering close throws away at most this much.
+const LINGER_BYTES: usize = 64 * 1024 * 1024;
+
+/// A client connection that, when it closes after an answer written before its
+/// request body was read (`Activity::linger`), lingers as nginx and Apache do:
+/// its write side is shut (the client reads the answer to its end), then what the
+/// client still sends is read and thrown away until it closes its end, or for at
+/// most `LINGER_TIME`, `LINGER_SILENCE` without a byte, or `LINGER_BYTES`; then it
+/// closes. A close with unread bytes would send a reset, and a client still
+/// writing its body would see that instead of the answer. The drain runs in
+/// `poll_shutdown`, where hyper (HTTP/1.1, plain or under TLS) ends a connection,
+/// so the connection holds its slots, and counts for shutdown, until it is over.
+struct Linger<T> {
+    io: T,
+    activity: Arc<Activity>,
+    drain: Drain,
+}
+
+enum Drain {
+    NotYet,
+    /// The write side is shut; reading until `at`, moved on by every read.
+    Reading {
+        until: tokio::time::Instant,
+        at: Pin<Box<tokio::time::Sleep>>,
+        left: usize,
+    },
+    Over,
+}
+
+impl<T> Linger<T> {
+    fn new(io: T, activity: Arc<Activity>) -> Linger<T> {
+        Linger {
+            io,
+            activity,
+            drain: Drain::NotYet,
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Linger<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Linger<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        loop {
+            match &mut this.drain {
+                Drain::NotYet => {
+                    std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
+                    if !this.activity.linger.load(Ordering::Relaxed) {
+                        this.drain = Drain::Over;
+                        return Poll::Ready(Ok(()));
+                    }
+                    let now = tokio::time::Instant::now();
+                    this.drain = Drain::Reading {
+                        until: now + LINGER_TIME,
+                        at: Box::pin(tokio::time::sleep_until(now + LINGER_SILENCE)),
+                        left: LINGER_BYTES,
+                    };
+                }
+                Drain::Reading { until, at, left } => {
+                    let mut room = [0u8; 8192];
+                    let mut buf = tokio::io::ReadBuf::new(&mut room);
+                    match Pin::new(&mut this.io).poll_read(cx, &mut buf) {
+                        Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
+                            *left = left.saturating_sub(buf.filled().len());
+                            if *left == 0 {
+                                this.drain = Drain::Over;
+                            } else {
+                                let next =
+                                    (tokio::time::Instant::now() + LINGER_SILENCE).min(*until);
+                                at.as_mut().reset(next);
+                            }
+                        }
+                        // The client closed its end (or the connection failed).
+                        Poll::Ready(_) => this.drain = Drain::Over,
+                        Poll::Pending => {
+                            std::task::ready!(at.as_mut().poll(cx));
+                            this.drain = Drain::Over;
+                        }
+                    }
+                }
+                Drain::Over => return Poll::Ready(Ok(())),
+            }
+        }
+    }
+}
+
 /// Connections per peer address.
 #[derive(Default)]
 struct PerIp(Mutex<HashMap<IpAddr, usize>>);
@@ -714,6 +860,9 @@ pub(crate) struct Activity {
     in_flight: AtomicUsize,
     /// When the last request ended.
     last_end: LastActive,
+    /// An answer went out before its request body was read (`answer::Linger`): the
+    /// connection closes with a lingering close (`Linger`).
+    linger: AtomicBool,
 }
 
 /// One request in flight; ends when its response body has been sent (or dropped).
@@ -724,6 +873,7 @@ impl Activity {
         Arc::new(Activity {
             in_flight: AtomicUsize::new(0),
             last_end: LastActive::new(),
+            linger: AtomicBool::new(false),
         })
     }
 
@@ -937,6 +1087,10 @@ where
             .take()
             .expect("TrackedAnswer polled after it answered");
         let (h2, send_timeout) = (this.h2, this.send_timeout);
+        // (HTTP/2 ends an unread body with its stream, not the connection.)
+        if !h2 && resp.extensions().get::<crate::answer::Linger>().is_some() {
+            in_flight.0.linger.store(true, Ordering::Relaxed);
+        }
         std::task::Poll::Ready(Ok(resp.map(|body| TrackedBody {
             inner: if h2 {
                 Held::Watched(Arc::new(Mutex::new(Taken {
@@ -1063,9 +1217,10 @@ async fn serve<S, F>(
         // The peer, and its `X-Forwarded-For` entry, once per connection for both
         // HTTP servers.
         let client = Arc::new(gateway::Peer::new(peer));
+        let activity = Activity::new();
         let service = Tracked {
             inner: service(client.clone()),
-            activity: Activity::new(),
+            activity: activity.clone(),
             held: held.clone(),
             send_timeout,
         };
@@ -1086,8 +1241,8 @@ async fn serve<S, F>(
                         ok = first_bytes(&stream, header_timeout) => ok,
                         _ = stop.wait_for(|s| *s) => None,
                     };
-                    let io = TokioIo::new(WriteStall::new(stream, send_timeout));
-                    let activity = service.activity.clone();
+                    let io = WriteStall::new(stream, send_timeout);
+                    let io = TokioIo::new(Linger::new(io, activity.clone()));
                     match (started, fast) {
                         (Some(Sniffed::Http1), Some(fast)) => {
                             // Plain requests here; the first other one and the rest
@@ -1125,13 +1280,12 @@ async fn serve<S, F>(
                 }
                 Some(acceptor) => {
                     let shaken = tokio::select! {
-                        r = tokio::time::timeout(header_timeout, acceptor.accept(WriteStall::new(stream, send_timeout))) => r,
+                        r = tokio::time::timeout(header_timeout, acceptor.accept(Linger::new(WriteStall::new(stream, send_timeout), activity.clone()))) => r,
                         _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
                     };
                     match shaken {
                         Ok(Ok(stream)) => {
                             let io = TokioIo::new(stream);
-                            let activity = service.activity.clone();
                             let conn = builder.auto.serve_connection_with_upgrades(io, service);
                             let close =
                                 |c: Pin<&mut _>| auto::UpgradeableConnection::graceful_shutdown(c);

@@ -336,3 +336,122 @@ async fn with_a_token_any_host_is_served_to_the_token() {
     }
     gw.shutdown().await;
 }
+
+// === the admin listener's connection limits ===
+
+/// A connection to `addr` from 127.0.0.2 ("another client").
+async fn connect_from_other(addr: SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.2:0".parse().expect("address"))
+        .expect("bind 127.0.0.2");
+    bounded("connect", socket.connect(addr))
+        .await
+        .expect("connect")
+}
+
+/// Whether the peer closes `s` (end or reset) within `within`; anything it sends
+/// meanwhile is read past.
+async fn closes_within(s: &mut tokio::net::TcpStream, within: std::time::Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let read_to_end = async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(within, read_to_end).await.is_ok()
+}
+
+/// `GET path` from 127.0.0.1 must be answered 200 within 3s (`sluice health`'s bound).
+async fn answered(addr: SocketAddr, path: &str) -> u16 {
+    let host = local(addr);
+    let get = raw(addr, "GET", path, &host, &[], "");
+    match tokio::time::timeout(std::time::Duration::from_secs(3), get).await {
+        Ok((status, _)) => status,
+        Err(_) => panic!("GET {path}: no answer within 3s"),
+    }
+}
+
+#[tokio::test]
+async fn one_address_holding_idle_connections_cannot_stop_healthz_or_metrics() {
+    use tokio::io::AsyncWriteExt;
+    let gw = start_gateway(ROUTES).await;
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        held.push(connect_from_other(gw.admin_addr).await);
+    }
+    // The connections over the address's cap (16) are closed at once.
+    let checks = held
+        .iter_mut()
+        .map(|s| closes_within(s, std::time::Duration::from_secs(1)));
+    let closed = futures_util::future::join_all(checks).await;
+    assert_eq!(closed.iter().filter(|c| **c).count(), 300 - 16);
+    let mut open: Vec<_> = held
+        .into_iter()
+        .zip(closed)
+        .filter(|(_, c)| !c)
+        .map(|(s, _)| s)
+        .collect();
+    // Everyone else is served meanwhile.
+    for _ in 0..5 {
+        assert_eq!(answered(gw.admin_addr, "/healthz").await, 200);
+        assert_eq!(answered(gw.admin_addr, "/metrics").await, 200);
+    }
+    // A head begun and never finished is cut after the header timeout (5s).
+    for s in &mut open {
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            .await
+            .expect("write a partial head");
+    }
+    let checks = open
+        .iter_mut()
+        .map(|s| closes_within(s, std::time::Duration::from_secs(8)));
+    let closed = futures_util::future::join_all(checks).await;
+    assert_eq!(closed, vec![true; 16]);
+}
+
+#[tokio::test]
+async fn the_admin_listeners_limits_are_configurable() {
+    use tokio::io::AsyncWriteExt;
+    let gw = start_gateway(&format!(
+        "admin: {{listen: \"127.0.0.1:0\", max_connections_per_ip: 2, request_header_timeout: 1s, idle_timeout: 1s}}\n{ROUTES}"
+    ))
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(connect_from_other(gw.admin_addr).await);
+    }
+    let checks = held
+        .iter_mut()
+        .map(|s| closes_within(s, std::time::Duration::from_millis(500)));
+    let closed = futures_util::future::join_all(checks).await;
+    assert_eq!(closed.iter().filter(|c| **c).count(), 1);
+    let mut open: Vec<_> = held
+        .into_iter()
+        .zip(closed)
+        .filter(|(_, c)| !c)
+        .map(|(s, _)| s)
+        .collect();
+    // One is served and then left idle; the other sends half a head.
+    open[0]
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .expect("write a request");
+    let (head, _) = read_response(&mut open[0]).await.expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
+    open[1]
+        .write_all(b"GET /healthz HTTP/1.1\r\n")
+        .await
+        .expect("write a partial head");
+    let checks = open
+        .iter_mut()
+        .map(|s| closes_within(s, std::time::Duration::from_secs(4)));
+    assert_eq!(
+        futures_util::future::join_all(checks).await,
+        vec![true, true]
+    );
+}

@@ -754,3 +754,225 @@ async fn a_reload_keeps_the_upstream_connection_cap_unless_it_changes() {
         .collect();
     assert_eq!(got, [200, 200]);
 }
+
+// === slow request bodies and the upstream connection cap ===
+
+/// An upstream that counts the connections it accepts and the request heads it
+/// gets, reads each body to its end and answers with its length.
+struct LengthUpstream {
+    addr: SocketAddr,
+    accepted: Arc<AtomicUsize>,
+    heads: Arc<AtomicUsize>,
+}
+
+impl LengthUpstream {
+    async fn start() -> LengthUpstream {
+        use http_body_util::BodyExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (accepted, heads) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (a, h) = (accepted.clone(), heads.clone());
+        tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                a.fetch_add(1, Ordering::SeqCst);
+                let h = h.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req: Request<Incoming>| {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        async move {
+                            let len = match req.into_body().collect().await {
+                                Ok(b) => b.to_bytes().len().to_string(),
+                                Err(e) => format!("body failed: {e}"),
+                            };
+                            Ok::<_, std::convert::Infallible>(Response::new(Full::new(
+                                Bytes::from(len),
+                            )))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(s), service)
+                        .await;
+                });
+            }
+        });
+        LengthUpstream {
+            addr,
+            accepted,
+            heads,
+        }
+    }
+
+    fn counts(&self) -> (usize, usize) {
+        (
+            self.accepted.load(Ordering::SeqCst),
+            self.heads.load(Ordering::SeqCst),
+        )
+    }
+}
+
+/// A connection to `addr` from 127.0.0.2 ("another client").
+async fn connect_from_other(addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.2:0".parse().expect("address"))
+        .expect("bind 127.0.0.2");
+    bounded("connect", socket.connect(addr))
+        .await
+        .expect("connect")
+}
+
+/// The pace of a slow body: 100 bytes, one every 200ms.
+const SLOW_BYTES: usize = 100;
+const SLOW_GAP: Duration = Duration::from_millis(200);
+
+/// A request body sent one byte every `SLOW_GAP`.
+/// Tells `started` once three bytes are out.
+struct Trickle {
+    left: usize,
+    next: std::pin::Pin<Box<tokio::time::Sleep>>,
+    started: Option<tokio::sync::mpsc::Sender<()>>,
+}
+
+impl Trickle {
+    fn new(started: tokio::sync::mpsc::Sender<()>) -> Trickle {
+        Trickle {
+            left: SLOW_BYTES,
+            next: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            started: Some(started),
+        }
+    }
+}
+
+impl http_body::Body for Trickle {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.left == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        std::task::ready!(std::future::Future::poll(self.next.as_mut(), cx));
+        if self.left == SLOW_BYTES - 3 {
+            if let Some(started) = self.started.take() {
+                let _ = started.try_send(());
+            }
+        }
+        self.next
+            .as_mut()
+            .reset(tokio::time::Instant::now() + SLOW_GAP);
+        self.left -= 1;
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(b"x")))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.left == 0
+    }
+}
+
+/// An HTTP/1.1 upload from 127.0.0.2 at `SLOW_GAP` a byte; tells `started` once
+/// three bytes are out; the answer's status and body.
+async fn slow_upload(addr: SocketAddr, started: tokio::sync::mpsc::Sender<()>) -> (u16, String) {
+    let mut s = connect_from_other(addr).await;
+    s.write_all(
+        format!("POST /slow HTTP/1.1\r\nhost: a\r\ncontent-length: {SLOW_BYTES}\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .expect("write head");
+    for i in 0..SLOW_BYTES {
+        s.write_all(b"x").await.expect("write a byte");
+        if i == 2 {
+            let _ = started.send(()).await;
+        }
+        tokio::time::sleep(SLOW_GAP).await;
+    }
+    let (head, body) = read_response(&mut s).await.expect("an answer");
+    (status(&head), body)
+}
+
+/// While slow uploads trickle, a quick request from 127.0.0.1 (a small body sent
+/// with its head) gets 200, and it alone has reached the upstream.
+async fn assert_the_victim_is_served(gw: SocketAddr, up: &LengthUpstream) {
+    let got = exchange(
+        gw,
+        b"POST /victim HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello",
+    )
+    .await;
+    assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{got}");
+    assert!(got.ends_with("\r\n\r\n5"), "{got}");
+    assert_eq!(up.counts(), (1, 1));
+}
+
+#[tokio::test]
+async fn slow_uploads_hold_no_upstream_connection_while_their_body_trickles() {
+    let up = LengthUpstream::start().await;
+    let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
+    let (tx, mut started) = tokio::sync::mpsc::channel(4);
+    let slow: Vec<_> = (0..4)
+        .map(|_| tokio::spawn(slow_upload(gw.addr, tx.clone())))
+        .collect();
+    for _ in 0..4 {
+        bounded("slow uploads start", started.recv()).await;
+    }
+    assert_the_victim_is_served(gw.addr, &up).await;
+    let mut answers = Vec::new();
+    for t in slow {
+        answers.push(bounded("a slow upload's answer", t).await.expect("task"));
+    }
+    assert_eq!(answers, vec![(200, SLOW_BYTES.to_string()); 4]);
+    let (accepted, heads) = up.counts();
+    assert_eq!(heads, 5);
+    assert!(
+        (1..=4).contains(&accepted),
+        "{accepted} upstream connections"
+    );
+}
+
+#[tokio::test]
+async fn slow_h2c_streams_hold_no_upstream_connection_while_their_bodies_trickle() {
+    use http_body_util::BodyExt;
+    let up = LengthUpstream::start().await;
+    let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
+    let stream = connect_from_other(gw.addr).await;
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .expect("h2c handshake");
+    tokio::spawn(conn);
+    let (tx, mut started) = tokio::sync::mpsc::channel(6);
+    let slow: Vec<_> = (0..6)
+        .map(|_| {
+            let mut send = send.clone();
+            let req = Request::post(format!("http://{}/slow", gw.addr))
+                .header("content-length", SLOW_BYTES.to_string())
+                .body(Trickle::new(tx.clone()))
+                .expect("request");
+            tokio::spawn(async move {
+                let resp = send.send_request(req).await.expect("an answer");
+                let status = resp.status().as_u16();
+                let body = resp.into_body().collect().await.expect("body").to_bytes();
+                (status, String::from_utf8_lossy(&body).into_owned())
+            })
+        })
+        .collect();
+    for _ in 0..6 {
+        bounded("slow streams start", started.recv()).await;
+    }
+    assert_the_victim_is_served(gw.addr, &up).await;
+    let mut answers = Vec::new();
+    for t in slow {
+        answers.push(bounded("a slow stream's answer", t).await.expect("task"));
+    }
+    assert_eq!(answers, vec![(200, SLOW_BYTES.to_string()); 6]);
+    let (accepted, heads) = up.counts();
+    assert_eq!(heads, 7);
+    assert!(
+        (1..=4).contains(&accepted),
+        "{accepted} upstream connections"
+    );
+}

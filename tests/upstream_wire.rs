@@ -94,7 +94,9 @@ async fn the_upload_goes_on_while_the_upstream_streams_its_answer() {
         let _ = s.write_all(b"5\r\nworld\r\n0\r\n\r\n").await;
     })
     .await;
-    let gw = start_gateway(&config(up)).await;
+    // Full duplex: nothing read ahead (`server.request_buffer: 0`).
+    let gw =
+        start_gateway(&config(up).replace("workers: 1", "workers: 1, request_buffer: 0")).await;
     let mut c = connect(gw.addr).await;
     c.write_all(
         b"POST /duplex HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
@@ -489,7 +491,7 @@ async fn no_failure_keeps_the_one_upstream_connection_slot() {
     })
     .await;
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 300ms, connect_timeout: 500ms, max_connections: 1}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", workers: 1, request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 300ms, connect_timeout: 500ms, max_connections: 1}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let ok = || async {

@@ -63,6 +63,8 @@ pub fn compile(
             max_connections: u.max_connections.get(),
             upgrades: &upgrades,
             body_timeout: f.server.request_body_timeout.get(),
+            // Validation keeps it at most 1MiB.
+            request_buffer: usize::try_from(f.server.request_buffer.0).unwrap_or(usize::MAX),
             tunnel_idle: f.server.tunnel_idle_timeout.get(),
         };
         let spec = opts.spec(name, &targets);

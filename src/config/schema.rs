@@ -68,6 +68,10 @@ pub struct Server {
     pub send_timeout: Dur,
     /// The client's request body making no progress this long fails the request (408).
     pub request_body_timeout: Dur,
+    /// Up to this much of a request body is read before an upstream connection is
+    /// taken for it (a body that fits, whole), so a slow upload holds none meanwhile;
+    /// at most 1MiB, 0 to take the connection at once.
+    pub request_buffer: Size,
     /// A spliced tunnel with no byte either way this long is closed.
     pub tunnel_idle_timeout: Dur,
     /// Largest request head; larger gets 431.
@@ -93,6 +97,7 @@ impl Default for Server {
             idle_timeout: Dur::secs(60),
             send_timeout: Dur::secs(60),
             request_body_timeout: Dur::secs(60),
+            request_buffer: Size(64 * 1024),
             tunnel_idle_timeout: Dur::secs(60),
             max_header_bytes: Size(32 * 1024),
             upgrades: vec![Text::literal("websocket")],
@@ -118,6 +123,14 @@ pub struct Admin {
     pub listen: Addr,
     /// Bearer token for /admin/*; required when `listen` is not loopback.
     pub token: Option<Text>,
+    /// Admin connections from one address at once; more are closed, so one client
+    /// cannot keep /healthz and /metrics from answering.
+    pub max_connections_per_ip: Num<usize>,
+    /// An admin connection must send its first request head within this, or it is
+    /// closed.
+    pub request_header_timeout: Dur,
+    /// An admin connection with no request in flight this long is closed.
+    pub idle_timeout: Dur,
 }
 
 impl Default for Admin {
@@ -125,6 +138,9 @@ impl Default for Admin {
         Admin {
             listen: Addr::literal("127.0.0.1:9091"),
             token: None,
+            max_connections_per_ip: Num(16),
+            request_header_timeout: Dur::secs(5),
+            idle_timeout: Dur::secs(30),
         }
     }
 }

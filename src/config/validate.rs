@@ -116,6 +116,10 @@ impl Checker<'_> {
     }
 }
 
+/// The largest `server.request_buffer`: it is held per request (and HTTP/2 stream)
+/// in flight.
+const MAX_REQUEST_BUFFER: u64 = 1024 * 1024;
+
 /// `server.max_header_bytes` bounds: hyper's smallest read buffer, and a size no
 /// legitimate request head needs.
 const MIN_HEADER_BYTES: u64 = 8 * 1024;
@@ -316,6 +320,15 @@ impl Checker<'_> {
             "tunnel_idle_timeout",
             s.tunnel_idle_timeout,
         );
+        if s.request_buffer.0 > MAX_REQUEST_BUFFER {
+            self.at(
+                "server.request_buffer",
+                format!(
+                    "request_buffer must be at most 1MiB, found {} bytes",
+                    s.request_buffer.0
+                ),
+            );
+        }
         let head = s.max_header_bytes.0;
         if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&head) {
             self.at(
@@ -348,6 +361,17 @@ impl Checker<'_> {
 
     fn admin(&mut self, file: &File) {
         let admin = &file.admin;
+        self.positive(
+            "admin.max_connections_per_ip",
+            "max_connections_per_ip",
+            admin.max_connections_per_ip.get(),
+        );
+        self.timeout(
+            "admin.request_header_timeout",
+            "request_header_timeout",
+            admin.request_header_timeout,
+        );
+        self.timeout("admin.idle_timeout", "idle_timeout", admin.idle_timeout);
         let ip = admin.listen.0.ip().to_canonical();
         let has_token = admin.token.as_ref().is_some_and(|t| !t.is_empty());
         if !ip.is_loopback() && !has_token {
