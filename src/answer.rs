@@ -225,7 +225,9 @@ impl Refusal<'_> {
             Refusal::BadHead(_) | Refusal::Client(_) => true,
             // The rest of the body was not read.
             Refusal::Upstream(ProxyError::TooLarge) => true,
-            Refusal::Upstream(_) => false,
+            // The body may be partly read, or partly sent and dropped (busy after
+            // the read-ahead, an upstream that failed mid-upload): the connection
+            // closes, with a lingering close, so the client reads this answer.
             _ => unread_body,
         }
     }

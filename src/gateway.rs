@@ -469,6 +469,7 @@ async fn act<'a>(
         }
         Action::Upstream(up) => {
             let origin = Origin {
+                client: ctx.ip,
                 peer_forwarded_for: &ctx.peer.forwarded_for,
                 trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,

@@ -15,6 +15,7 @@ pub mod h1server;
 pub mod limit;
 pub mod metrics;
 pub mod path;
+pub mod per_ip;
 pub mod pool;
 pub mod proxy;
 pub mod refusal_log;

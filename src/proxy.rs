@@ -24,6 +24,7 @@ use rustls_pki_types::CertificateDer;
 
 use crate::answer::{Body, BoxError};
 use crate::limit::clock::coarse_ms;
+use crate::per_ip::{IpSlot, PerIp};
 use crate::pool::{Answer, Pool, ReadTimeout, SendError};
 use crate::wake::Deadline;
 use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP};
@@ -233,6 +234,10 @@ pub struct Upstream {
     request_buffer: usize,
     /// `server.tunnel_idle_timeout`.
     tunnel_idle: Duration,
+    /// Connections taken by uploads still streaming, per client address, and how
+    /// many one address may hold (`uploads_per_client`).
+    uploads: Arc<PerIp>,
+    uploads_cap: usize,
 }
 
 /// How an upstream is reached, beyond its targets.
@@ -294,6 +299,8 @@ impl std::fmt::Debug for Upstream {
 
 /// What the proxy needs to know about the client connection.
 pub struct Origin<'a> {
+    /// The client's address (`client_ip`): what its streaming uploads are counted by.
+    pub client: std::net::IpAddr,
     /// The TCP peer as an `X-Forwarded-For` entry (canonical form).
     pub peer_forwarded_for: &'a HeaderValue,
     /// Whether the peer is a trusted proxy (its `X-Forwarded-Proto/-Host` are kept).
@@ -384,6 +391,8 @@ impl Upstream {
             body_timeout: o.body_timeout,
             request_buffer: o.request_buffer,
             tunnel_idle: o.tunnel_idle,
+            uploads: Arc::default(),
+            uploads_cap: uploads_per_client(o.max_connections),
         })
     }
 
@@ -510,6 +519,9 @@ impl Upstream {
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         // Origin-form on the wire; the target is the connection's.
         parts.uri = Uri::from(path);
+        // gRPC is HTTP/2 only: an `application/grpc` body over HTTP/1.1 is read
+        // ahead like any other.
+        let grpc = parts.version == Version::HTTP_2 && is_grpc(&parts.headers);
         parts.version = Version::HTTP_11;
         // Settings for an h2c upgrade, never passed on (RFC 9113 §3.2.1 drops the upgrade).
         if any_of(&parts.headers, std::slice::from_ref(&HTTP2_SETTINGS)) {
@@ -562,14 +574,28 @@ impl Upstream {
         // A slow upload costs the upstream nothing until its body (or the first
         // `request_buffer` bytes of it) has come: only then is a connection taken.
         // (A body's failure here is the client's, sorted as it would be mid-send.)
-        if self.request_buffer > 0
-            && !upgrading
-            && !http_body::Body::is_end_stream(&body)
-            && !is_grpc(&parts.headers)
-        {
-            body = read_ahead(body, self.request_buffer)
+        // (An upgrade's handshake has no body; one that has is read like any other.)
+        let mut streaming = !http_body::Body::is_end_stream(&body);
+        if streaming && self.request_buffer > 0 && !grpc {
+            let ahead = read_ahead(body, self.request_buffer)
                 .await
                 .map_err(|e| classify(e, false))?;
+            (body, streaming) = (ahead.body, ahead.streaming);
+        }
+        // An upload that still streams (past `request_buffer`, a gRPC call, or with
+        // no read-ahead) holds its upstream connection at the client's pace: one
+        // address may hold at most `uploads_cap` of them, so it cannot take every
+        // connection (503 beyond it, as when the upstream is busy).
+        if streaming {
+            let Some(slot) = PerIp::take(&self.uploads, origin.client, self.uploads_cap) else {
+                tracing::debug!(upstream = %self.name, client = %origin.client, cap = self.uploads_cap, "upload refused: the address holds its share of the upstream's connections");
+                return Err(ProxyError::Busy);
+            };
+            body = Uploading {
+                inner: body,
+                slot: Some(slot),
+            }
+            .boxed();
         }
         // (An upgrade's answer is spliced, never written from its fields.)
         let raw = raw.filter(|_| !upgrading);
@@ -606,7 +632,7 @@ struct TimedOut;
 
 /// A gRPC request (`application/grpc`, `application/grpc+proto`, ...): its
 /// messages go both ways at once (a bidirectional call waits for answers before it
-/// sends more), so its body is never read ahead.
+/// sends more), so its body is never read ahead (it is capped per client instead).
 fn is_grpc(h: &HeaderMap) -> bool {
     const GRPC: &[u8] = b"application/grpc";
     h.get(header::CONTENT_TYPE).is_some_and(|v| {
@@ -617,9 +643,21 @@ fn is_grpc(h: &HeaderMap) -> bool {
     })
 }
 
+/// The share of an upstream's `max_connections` that one client address may hold
+/// with uploads still streaming: a quarter, at least one.
+fn uploads_per_client(max_connections: usize) -> usize {
+    (max_connections / 4).max(1)
+}
+
+/// A request body read ahead, and whether more of it is still to come.
+struct Ahead {
+    body: Body,
+    streaming: bool,
+}
+
 /// Read `body` until it ends or `limit` bytes of it have come; the body to send,
 /// which gives those frames, then the rest as it comes.
-async fn read_ahead(mut body: Body, limit: usize) -> Result<Body, BoxError> {
+async fn read_ahead(mut body: Body, limit: usize) -> Result<Ahead, BoxError> {
     let hint = http_body::Body::size_hint(&body);
     let mut frames = std::collections::VecDeque::new();
     let mut read = 0;
@@ -636,13 +674,46 @@ async fn read_ahead(mut body: Body, limit: usize) -> Result<Body, BoxError> {
             break Some(body);
         }
     };
-    Ok(ReadAhead {
+    let streaming = rest.is_some();
+    let body = ReadAhead {
         frames,
         rest,
         hint,
         started: false,
     }
-    .boxed())
+    .boxed();
+    Ok(Ahead { body, streaming })
+}
+
+/// An upload that streams at the client's pace, holding its address's slot
+/// (`Upstream::uploads`) until it ends, fails or is dropped.
+struct Uploading {
+    inner: Body,
+    slot: Option<IpSlot>,
+}
+
+impl http_body::Body for Uploading {
+    type Data = bytes::Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, BoxError>>> {
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(frame, Poll::Ready(None | Some(Err(_)))) || self.inner.is_end_stream() {
+            self.slot = None;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// A request body read ahead (`read_ahead`): the frames read, then the rest. It
@@ -1148,9 +1219,11 @@ mod tests {
                 data("cde"),
                 http_body::Frame::trailers(trailers.clone()),
             ];
-            let body = read_ahead(frames(chunked, None), limit)
+            let Ahead { body, streaming } = read_ahead(frames(chunked, None), limit)
                 .await
                 .expect("read");
+            // Read whole (trailers too) only when the limit is above its 5 bytes.
+            assert_eq!(streaming, limit < 1024, "limit {limit}");
             assert!(!body.is_end_stream());
             assert_eq!(body.size_hint().exact(), None);
             let got = body.collect().await.expect("collected");
@@ -1159,7 +1232,8 @@ mod tests {
 
             let sized = read_ahead(frames(vec![data("ab"), data("cde")], Some(5)), limit)
                 .await
-                .expect("read");
+                .expect("read")
+                .body;
             assert!(!sized.is_end_stream());
             assert_eq!(sized.size_hint().exact(), Some(5));
             assert_eq!(
@@ -1170,7 +1244,8 @@ mod tests {
         // An empty chunked body stays one (not over until asked).
         let empty = read_ahead(frames(Vec::new(), None), 1024)
             .await
-            .expect("read");
+            .expect("read")
+            .body;
         assert!(!empty.is_end_stream());
     }
 
@@ -1217,6 +1292,7 @@ mod tests {
         h.insert("x-forwarded-proto", "https".parse().unwrap());
         let peer = HeaderValue::from_static("10.0.0.1");
         let o = Origin {
+            client: std::net::Ipv4Addr::LOCALHOST.into(),
             peer_forwarded_for: &peer,
             trusted: false,
             proto: "http",

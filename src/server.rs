@@ -4,7 +4,6 @@
 //! (file watcher, bans, the shared deny list, expiry), the memory store's sweeper,
 //! and graceful shutdown.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -36,6 +35,7 @@ use crate::gateway::{self, Shared};
 use crate::h1server::{ClientBody, Ended, Fast, Replay};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
+use crate::per_ip::PerIp;
 use crate::proxy::{ConnectionHeld, LastActive};
 use crate::refusal_log::RefusalLog;
 
@@ -809,44 +809,6 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
                     }
                 }
                 Drain::Over => return Poll::Ready(Ok(())),
-            }
-        }
-    }
-}
-
-/// Connections per peer address.
-#[derive(Default)]
-struct PerIp(Mutex<HashMap<IpAddr, usize>>);
-
-/// One connection of a peer, given back when dropped.
-struct IpSlot {
-    table: Arc<PerIp>,
-    ip: IpAddr,
-}
-
-impl PerIp {
-    /// A slot for `ip`, or `None` when it already holds `cap` connections.
-    fn take(table: &Arc<PerIp>, ip: IpAddr, cap: usize) -> Option<IpSlot> {
-        let mut t = table.0.lock().unwrap_or_else(|e| e.into_inner());
-        let n = t.entry(ip).or_insert(0);
-        if *n >= cap {
-            return None;
-        }
-        *n += 1;
-        Some(IpSlot {
-            table: table.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for IpSlot {
-    fn drop(&mut self) {
-        let mut t = self.table.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = t.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                t.remove(&self.ip);
             }
         }
     }

@@ -873,15 +873,23 @@ impl http_body::Body for Trickle {
 }
 
 /// An HTTP/1.1 upload from 127.0.0.2 at `SLOW_GAP` a byte; tells `started` once
-/// three bytes are out; the answer's status and body.
-async fn slow_upload(addr: SocketAddr, started: tokio::sync::mpsc::Sender<()>) -> (u16, String) {
+/// three bytes are out; the answer's status and body. `head` is added to the
+/// request head; `first` is sent with it, before the trickle.
+async fn slow_upload(
+    addr: SocketAddr,
+    started: tokio::sync::mpsc::Sender<()>,
+    head: &'static str,
+    first: &'static [u8],
+) -> (u16, String) {
     let mut s = connect_from_other(addr).await;
+    let length = first.len() + SLOW_BYTES;
     s.write_all(
-        format!("POST /slow HTTP/1.1\r\nhost: a\r\ncontent-length: {SLOW_BYTES}\r\n\r\n")
+        format!("POST /slow HTTP/1.1\r\nhost: a\r\ncontent-length: {length}\r\n{head}\r\n")
             .as_bytes(),
     )
     .await
     .expect("write head");
+    s.write_all(first).await.expect("write the first bytes");
     for i in 0..SLOW_BYTES {
         s.write_all(b"x").await.expect("write a byte");
         if i == 2 {
@@ -896,6 +904,12 @@ async fn slow_upload(addr: SocketAddr, started: tokio::sync::mpsc::Sender<()>) -
 /// While slow uploads trickle, a quick request from 127.0.0.1 (a small body sent
 /// with its head) gets 200, and it alone has reached the upstream.
 async fn assert_the_victim_is_served(gw: SocketAddr, up: &LengthUpstream) {
+    assert_the_victim_is_served_beside(gw, up, 0).await
+}
+
+/// As `assert_the_victim_is_served`, with `held` slow uploads already holding an
+/// upstream connection each.
+async fn assert_the_victim_is_served_beside(gw: SocketAddr, up: &LengthUpstream, held: usize) {
     let got = exchange(
         gw,
         b"POST /victim HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello",
@@ -903,7 +917,7 @@ async fn assert_the_victim_is_served(gw: SocketAddr, up: &LengthUpstream) {
     .await;
     assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{got}");
     assert!(got.ends_with("\r\n\r\n5"), "{got}");
-    assert_eq!(up.counts(), (1, 1));
+    assert_eq!(up.counts(), (held + 1, held + 1));
 }
 
 #[tokio::test]
@@ -912,7 +926,7 @@ async fn slow_uploads_hold_no_upstream_connection_while_their_body_trickles() {
     let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
     let (tx, mut started) = tokio::sync::mpsc::channel(4);
     let slow: Vec<_> = (0..4)
-        .map(|_| tokio::spawn(slow_upload(gw.addr, tx.clone())))
+        .map(|_| tokio::spawn(slow_upload(gw.addr, tx.clone(), "", b"")))
         .collect();
     for _ in 0..4 {
         bounded("slow uploads start", started.recv()).await;
@@ -975,4 +989,120 @@ async fn slow_h2c_streams_hold_no_upstream_connection_while_their_bodies_trickle
         (1..=4).contains(&accepted),
         "{accepted} upstream connections"
     );
+}
+
+/// A gRPC content type over HTTP/1.1 is no gRPC call (gRPC is HTTP/2 only): its
+/// body is read ahead like any other, so it cannot be used to step around the
+/// read-ahead and take every upstream connection.
+#[tokio::test]
+async fn a_grpc_content_type_over_http1_is_read_ahead_like_any_upload() {
+    let up = LengthUpstream::start().await;
+    let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
+    let (tx, mut started) = tokio::sync::mpsc::channel(4);
+    let slow: Vec<_> = (0..4)
+        .map(|_| {
+            let head = "content-type: application/grpc\r\n";
+            tokio::spawn(slow_upload(gw.addr, tx.clone(), head, b""))
+        })
+        .collect();
+    for _ in 0..4 {
+        bounded("slow uploads start", started.recv()).await;
+    }
+    assert_the_victim_is_served(gw.addr, &up).await;
+    let mut answers = Vec::new();
+    for t in slow {
+        answers.push(bounded("a slow upload's answer", t).await.expect("task"));
+    }
+    assert_eq!(answers, vec![(200, SLOW_BYTES.to_string()); 4]);
+}
+
+/// Uploads that still stream when they take an upstream connection (past
+/// `request_buffer` here) hold at most a quarter of the upstream's connections per
+/// client address: one of four here; the others get 503 and the victim, from
+/// another address, is served.
+#[tokio::test]
+async fn uploads_past_the_read_ahead_hold_a_quarter_of_the_connections_per_client() {
+    let up = LengthUpstream::start().await;
+    let config = format!(
+        "server: {{listen: \"127.0.0.1:0\", request_buffer: 1KiB}}\n{}",
+        proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")
+    );
+    let gw = start_gateway(&config).await;
+    static FIRST: [u8; 2048] = [b'y'; 2048];
+    let (tx, mut started) = tokio::sync::mpsc::channel(4);
+    let slow: Vec<_> = (0..4)
+        .map(|_| tokio::spawn(slow_upload(gw.addr, tx.clone(), "", &FIRST)))
+        .collect();
+    for _ in 0..4 {
+        bounded("slow uploads start", started.recv()).await;
+    }
+    assert_the_victim_is_served_beside(gw.addr, &up, 1).await;
+    let mut answers = Vec::new();
+    for t in slow {
+        answers.push(bounded("a slow upload's answer", t).await.expect("task"));
+    }
+    answers.sort();
+    let busy = (503, "upstream busy\n".to_string());
+    let whole = (200, (FIRST.len() + SLOW_BYTES).to_string());
+    assert_eq!(answers, vec![whole, busy.clone(), busy.clone(), busy]);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
+        ),
+        Some(3.0),
+        "{m}"
+    );
+}
+
+/// gRPC calls over h2c are not read ahead (their messages go both ways at once),
+/// so they are the uploads the per-client share is for: six slow calls of one
+/// client get one upstream connection and five 503s, and the victim is served.
+#[tokio::test]
+async fn slow_grpc_calls_of_one_client_hold_a_quarter_of_the_connections() {
+    use http_body_util::BodyExt;
+    let up = LengthUpstream::start().await;
+    let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
+    let stream = connect_from_other(gw.addr).await;
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .expect("h2c handshake");
+    tokio::spawn(conn);
+    let (tx, started) = tokio::sync::mpsc::channel(6);
+    let slow: Vec<_> = (0..6)
+        .map(|_| {
+            let mut send = send.clone();
+            let req = Request::post(format!("http://{}/slow", gw.addr))
+                .header("content-type", "application/grpc")
+                .header("content-length", SLOW_BYTES.to_string())
+                .body(Trickle::new(tx.clone()))
+                .expect("request");
+            tokio::spawn(async move {
+                let resp = send.send_request(req).await.expect("an answer");
+                let status = resp.status().as_u16();
+                let body = resp.into_body().collect().await.expect("body").to_bytes();
+                (status, String::from_utf8_lossy(&body).into_owned())
+            })
+        })
+        .collect();
+    // One call takes the client's one connection (its head reaches the upstream);
+    // the others are refused before they have sent much, so they may never say
+    // they started.
+    drop(started);
+    let holding = eventually(Duration::from_secs(5), || async { up.counts() == (1, 1) }).await;
+    assert!(holding.is_some(), "{:?}", up.counts());
+    assert_the_victim_is_served_beside(gw.addr, &up, 1).await;
+    let mut answers = Vec::new();
+    for t in slow {
+        answers.push(bounded("a slow call's answer", t).await.expect("task"));
+    }
+    answers.sort();
+    let busy = (503, "upstream busy\n".to_string());
+    let mut expected = vec![(200, SLOW_BYTES.to_string())];
+    expected.extend(std::iter::repeat_n(busy, 5));
+    assert_eq!(answers, expected);
 }

@@ -138,8 +138,10 @@ async fn early_answer_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
 #[tokio::test]
 async fn a_connection_still_taking_an_upload_is_not_lent_to_the_next_request() {
     let (up, accepted) = early_answer_upstream().await;
+    // Streamed as it comes (no read-ahead), so the upload is still going on when
+    // the answer arrives.
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", workers: 1, request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let mut upload = connect(gw.addr).await;
@@ -247,7 +249,9 @@ async fn read_chunk(s: &mut tokio::net::TcpStream) -> String {
 #[tokio::test]
 async fn an_upload_goes_on_while_an_early_answer_streams_back() {
     let up = echo_upstream().await;
-    let gw = start_gateway(&config(up)).await;
+    // Full duplex needs the body streamed as it comes (no read-ahead).
+    let gw =
+        start_gateway(&config(up).replace("workers: 1", "workers: 1, request_buffer: 0")).await;
     let mut s = connect(gw.addr).await;
     s.write_all(
         b"POST /echo HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
