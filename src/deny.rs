@@ -324,6 +324,11 @@ impl DenyTable {
     pub fn insert_within(&mut self, e: Entry, max: usize) -> Result<Vec<Entry>, Full> {
         let mut evicted = Vec::new();
         if self.get(&e.target).is_none() {
+            // Checked first: evicting some entries and then finding no room (`max`
+            // lowered by a reload) would lose them for nothing.
+            if self.len() - self.expiries.len() >= max {
+                return Err(Full(max));
+            }
             while self.len() >= max {
                 let Some((_, _, first)) = self.expiries.first().cloned() else {
                     return Err(Full(max));
@@ -740,6 +745,14 @@ mod tests {
             Err(Full(1))
         );
         assert!(p.get(&Target::key("b")).is_none());
+        // With `max` lowered below the entries that stay, an entry that expires is
+        // not evicted for nothing.
+        p.insert(entry("c", Source::Ban, Some(1)));
+        assert_eq!(
+            p.insert_within(entry("d", Source::Ban, Some(1)), 1),
+            Err(Full(1))
+        );
+        assert_eq!(p.len(), 2);
     }
 
     #[test]
