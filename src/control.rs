@@ -8,13 +8,14 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::compile::compile;
 use crate::config::schema;
 use crate::config::value::{fmt_dur, redact_url};
 use crate::deny::{
-    now_ms, BanRequest, Cursor, DenyTable, Entry, EntryJson, Full, Meta, Source, Target,
+    now_ms, BanRequest, Cursor, DenyTable, DenyView, DynamicTable, Entry, EntryJson, Full, Meta,
+    Source, Target,
 };
 use crate::deny_sync::{DenySync, Position, Remote, Written};
 use crate::gateway::Shared;
@@ -110,7 +111,7 @@ pub struct Control {
     /// file they have already seen.
     last_read: Mutex<String>,
     status: Mutex<Status>,
-    /// Dynamic entries, authoritative for this instance; `Shared::deny` holds a copy.
+    /// Dynamic entries, authoritative for this instance; `Shared::deny` holds a view.
     dynamic: Mutex<Dynamic>,
     sync: Option<Arc<DenySync>>,
     /// Entries the shared list should have but may not: bans made while Redis was
@@ -120,14 +121,16 @@ pub struct Control {
     /// A change not yet published to the request path (see `publish_soon`).
     publish_pending: AtomicBool,
     publish_wake: Notify,
-    /// The table published before the current one.
-    retired: Mutex<Option<Arc<DenyTable>>>,
+    /// The view published before the current one.
+    retired: Mutex<Option<Arc<DenyView>>>,
     /// A write-back is under way.
     writing_back: Arc<AtomicBool>,
 }
 
 struct Dynamic {
-    table: DenyTable,
+    table: DynamicTable,
+    /// Not before then is the request path's base rebuilt again (see `publish`).
+    rebuild_after: Instant,
     /// Changed since the state file was last written.
     dirty: bool,
     state_file: Option<PathBuf>,
@@ -199,13 +202,14 @@ impl Control {
             retired: Mutex::new(None),
             writing_back: Arc::new(AtomicBool::new(false)),
             dynamic: Mutex::new(Dynamic {
-                table,
+                table: DynamicTable::new(table),
+                rebuild_after: Instant::now(),
                 dirty: false,
                 state_file,
             }),
             sync,
         };
-        control.publish(&lock(&control.dynamic).table);
+        control.publish(&mut lock(&control.dynamic));
         control
     }
 
@@ -243,7 +247,14 @@ impl Control {
         limit: usize,
     ) -> (Vec<Entry>, Option<Cursor>, usize) {
         let rt = self.shared.runtime.load();
-        let dynamic = self.shared.deny.load();
+        // The table, not the request path's view (it has no reasons), with pending
+        // changes published first (cheap): what is listed is enforced. A page is one
+        // pass over the table under the lock; bans and admin changes wait for it.
+        let mut d = lock(&self.dynamic);
+        if self.publish_pending.swap(false, Ordering::AcqRel) {
+            self.publish(&mut d);
+        }
+        let dynamic = &d.table;
         let total = rt.deny.table.len() + dynamic.len();
         // One more than asked for says whether there is a next page.
         let want = limit.saturating_add(1);
@@ -377,7 +388,7 @@ impl Control {
         };
         let mut added = Ok(());
         self.change_unless_followed(written.as_ref(), |t| {
-            added = self.insert_within(t, e.clone(), max);
+            added = self.evicting(t.insert_within(e.clone(), max));
         });
         // With Redis the shared list took it: the follower keeps this copy in step.
         if written.is_none() {
@@ -392,10 +403,9 @@ impl Control {
         self.shared.runtime.load().deny.max_entries
     }
 
-    /// Inserts `e` into the dynamic table within `max` entries, counting and logging
-    /// what it evicts.
-    fn insert_within(&self, t: &mut DenyTable, e: Entry, max: usize) -> Result<(), Full> {
-        let evicted = t.insert_within(e, max)?;
+    /// Counts and logs what an `insert_within` evicted.
+    fn evicting(&self, inserted: Result<Vec<Entry>, Full>) -> Result<(), Full> {
+        let evicted = inserted?;
         if !evicted.is_empty() {
             self.shared
                 .metrics
@@ -450,7 +460,11 @@ impl Control {
     /// already applied the shared list's change (or a later one) that `written` names:
     /// applying it again could undo a later change from another instance. Without
     /// Redis (`written` None) the change is always applied.
-    fn change_unless_followed(&self, written: Option<&Position>, f: impl FnOnce(&mut DenyTable)) {
+    fn change_unless_followed(
+        &self,
+        written: Option<&Position>,
+        f: impl FnOnce(&mut DynamicTable),
+    ) {
         let mut d = lock(&self.dynamic);
         let followed = match (&self.sync, written) {
             (Some(sync), Some(w)) => sync.followed(w),
@@ -463,7 +477,7 @@ impl Control {
         // Published before the caller answers, also when the follower applied the
         // change (it publishes a little later): an admin call takes effect at once.
         self.publish_pending.store(false, Ordering::Release);
-        self.publish(&d.table);
+        self.publish(&mut d);
     }
 
     async fn ban(&self, b: BanRequest) {
@@ -495,7 +509,7 @@ impl Control {
         };
         let max = self.max_entries();
         let mut added = Ok(());
-        self.change_soon(|t| added = self.insert_within(t, e.clone(), max));
+        self.change_soon(|t| added = self.evicting(t.insert_within(e.clone(), max)));
         if let Err(full) = added {
             // Once per refusal that asks: debug, so a flood cannot flood the log.
             tracing::debug!(entry = %e.target.logged(), "ban not made: {full}");
@@ -546,7 +560,7 @@ impl Control {
                 }
                 // Within the cap here too: the shared list evicted the same entry,
                 // unless the copies differ, and the next read makes them agree.
-                let _ = self.insert_within(&mut d.table, e, max);
+                let _ = self.evicting(d.table.insert_within(e, max));
             }
             Remote::Delete(target) => {
                 lock(&self.pending).retain(|e| e.target != target);
@@ -555,7 +569,7 @@ impl Control {
             Remote::All { entries, lost } => {
                 let mut all = DenyTable::new();
                 for e in entries {
-                    let _ = self.insert_within(&mut all, e, max);
+                    let _ = self.evicting(all.insert_within(e, max));
                 }
                 let now = now_ms();
                 let mut pending = lock(&self.pending);
@@ -575,10 +589,10 @@ impl Control {
                 // half-restored list says.
                 for e in pending.iter() {
                     if all.get(&e.target).is_none() {
-                        let _ = self.insert_within(&mut all, e.clone(), max);
+                        let _ = self.evicting(all.insert_within(e.clone(), max));
                     }
                 }
-                d.table = all;
+                d.table.replace(all);
                 let restore = pending.clone();
                 drop(pending);
                 if let Some(sync) = sync {
@@ -586,7 +600,7 @@ impl Control {
                 }
                 d.dirty = true;
                 self.publish_pending.store(false, Ordering::Release);
-                self.publish(&d.table);
+                self.publish(&mut d);
                 return self.write_back(restore);
             }
         }
@@ -684,18 +698,18 @@ impl Control {
     }
 
     /// Changes the dynamic table; the request path sees it within `PUBLISH_EVERY`.
-    fn change_soon(&self, f: impl FnOnce(&mut DenyTable)) {
+    fn change_soon(&self, f: impl FnOnce(&mut DynamicTable)) {
         let mut d = lock(&self.dynamic);
         f(&mut d.table);
         d.dirty = true;
         self.publish_soon();
     }
 
-    /// Publishing copies the whole table: changes that come in bursts (bans, other
-    /// instances' changes, expiries) are applied to the table one by one (cheap) and
-    /// published together by `run_publisher`, at most once per `PUBLISH_EVERY` or
-    /// per ten times as long as the last copy took, whichever is longer: a flood of
-    /// N bans costs a bounded share of a core, not N copies of the table.
+    /// Changes that come in bursts (bans, other instances' changes, expiries) are
+    /// applied to the table one by one and published together by `run_publisher`,
+    /// at most once per `PUBLISH_EVERY` (or per ten times as long as the last copy
+    /// took, should the overlay have grown large): a publish copies every change
+    /// since the base was last rebuilt, so one per ban would make a flood quadratic.
     fn publish_soon(&self) {
         self.publish_pending.store(true, Ordering::Release);
         self.publish_wake.notify_one();
@@ -707,28 +721,45 @@ impl Control {
             self.publish_wake.notified().await;
             let mut took = Duration::ZERO;
             if self.publish_pending.swap(false, Ordering::AcqRel) {
-                let started = std::time::Instant::now();
-                let d = lock(&self.dynamic);
-                self.publish(&d.table);
-                drop(d);
-                took = started.elapsed();
+                took = self.publish(&mut lock(&self.dynamic));
             }
             tokio::time::sleep(PUBLISH_EVERY.max(took * 10)).await;
         }
     }
 
-    fn publish(&self, table: &DenyTable) {
+    /// Gives the request path a view of the table: the base it has (shared) and the
+    /// changes since (copied), O(changes), not O(entries). Past `rebuild_at` changes
+    /// they are first folded into a new base, O(entries), so that a change costs
+    /// O(√entries) amortized; at most once per ten times as long as the last rebuild
+    /// took, so that a flood costs a bounded share of a core (the changes pile up
+    /// meanwhile). Returns how long the copy took, not counting a rebuild.
+    fn publish(&self, d: &mut Dynamic) -> Duration {
         // Counted before it is enforced, so the gauge is never behind the table.
         let g = &self.shared.metrics.deny_entries;
         for source in [Source::Api, Source::Ban] {
-            let n = i64::try_from(table.count(source)).unwrap_or(i64::MAX);
+            let n = i64::try_from(d.table.count(source)).unwrap_or(i64::MAX);
             g.with_label_values(&[source.as_str()]).set(n);
         }
-        let old = self.shared.deny.swap(Arc::new(table.clone()));
+        let started = Instant::now();
+        if d.table.changes() > rebuild_at(d.table.len()) && started >= d.rebuild_after {
+            d.table.rebuild();
+            d.rebuild_after = Instant::now() + started.elapsed() * 10;
+        }
+        let copying = Instant::now();
+        let view = Arc::new(d.table.view());
+        let took = copying.elapsed();
+        let old = self.shared.deny.swap(view);
         // Freed at the next publish, here, not by whichever request happens to drop
-        // the last reference (a large table takes milliseconds to free).
+        // the last reference (a base of 100,000 entries takes milliseconds to free).
         *lock(&self.retired) = Some(old);
+        took
     }
+}
+
+/// How many changes the request path's overlay holds before its base is rebuilt:
+/// √entries balances the copy of the overlay at each publish against the rebuild.
+fn rebuild_at(entries: usize) -> usize {
+    1024.max(2 * entries.isqrt())
 }
 
 /// How often, at most, bursts of changes are published to the request path.

@@ -3,6 +3,8 @@
 //! rebuilt on every reload; dynamic entries (admin API, bans, other instances) live
 //! beside it in the same kind of table and survive reloads. Addresses are looked up
 //! in a prefix trie, so a check costs O(prefix length) however many entries there are.
+//! The request path reads the dynamic part through a `DenyView` (a base rebuilt now
+//! and then, and the changes since), so that publishing a change does not copy it.
 //! Keys longer than 256 bytes are kept as their hash, as the limiter stores them, and
 //! the dynamic part holds at most `deny.max_entries`.
 
@@ -139,17 +141,11 @@ pub struct Entry {
 pub struct Meta {
     /// Milliseconds since the UNIX epoch; None for an entry that stays until removed.
     pub expires_at_ms: Option<u64>,
-    /// Shared, not copied, when the table is cloned for the request path.
+    /// Shared, not copied, when an entry is (listings, write-backs).
     pub reason: Option<Arc<str>>,
     pub source: Source,
     /// The route whose `ban` made the entry.
     pub route: Option<Arc<str>>,
-}
-
-impl Meta {
-    fn live(&self, now_ms: u64) -> bool {
-        self.expires_at_ms.is_none_or(|t| t > now_ms)
-    }
 }
 
 impl Entry {
@@ -237,7 +233,8 @@ struct Slot {
 #[derive(Debug, Clone, Default)]
 pub struct DenyTable {
     ips: JointPrefixMap<IpNet, Slot>,
-    keys: HashMap<String, Slot>,
+    /// Shared with the request path's `Base`, not copied.
+    keys: HashMap<Arc<str>, Slot>,
     expiries: BTreeSet<(u64, u64, Target)>,
     counts: [usize; 3],
     seq: u64,
@@ -256,18 +253,18 @@ impl DenyTable {
     /// Whether a live entry covers `ip`. Expired entries no longer count, even before
     /// they are purged.
     pub fn ip(&self, ip: IpAddr) -> bool {
+        self.ip_at(ip, now_ms)
+    }
+
+    /// `ip` with the clock read only if an entry covers `ip`.
+    fn ip_at(&self, ip: IpAddr, now: impl Fn() -> u64) -> bool {
         if self.ips.is_empty() {
             return false;
         }
-        let mut covering = self
-            .ips
+        let mut clock = Clock::new(now);
+        self.ips
             .cover_values(&IpNet::from(canonical(ip)))
-            .peekable();
-        if covering.peek().is_none() {
-            return false;
-        }
-        let now = now_ms();
-        covering.any(|s| s.meta.live(now))
+            .any(|s| clock.live(s.meta.expires_at_ms))
     }
 
     /// Whether `key` (as the client sent it) has a live entry.
@@ -280,7 +277,13 @@ impl DenyTable {
 
     /// Whether `stored` (a key as `stored_key` gives it) has a live entry.
     pub fn stored_key(&self, stored: &str) -> bool {
-        self.keys.get(stored).is_some_and(|s| s.meta.live(now_ms()))
+        self.stored_key_at(stored, now_ms)
+    }
+
+    fn stored_key_at(&self, stored: &str, now: impl Fn() -> u64) -> bool {
+        self.keys
+            .get(stored)
+            .is_some_and(|s| Clock::new(now).live(s.meta.expires_at_ms))
     }
 
     pub fn has_keys(&self) -> bool {
@@ -301,7 +304,7 @@ impl DenyTable {
         };
         let old = match &e.target {
             Target::Ip(n) => self.ips.insert(*n, slot),
-            Target::Key(k) => self.keys.insert(k.clone(), slot),
+            Target::Key(k) => self.keys.insert(Arc::from(k.as_str()), slot),
         };
         // The old entry leaves the index first: it may expire at the same time.
         if let Some(old) = &old {
@@ -324,6 +327,11 @@ impl DenyTable {
     pub fn insert_within(&mut self, e: Entry, max: usize) -> Result<Vec<Entry>, Full> {
         let mut evicted = Vec::new();
         if self.get(&e.target).is_none() {
+            // Checked first: evicting some entries and then finding no room (`max`
+            // lowered by a reload) would lose them for nothing.
+            if self.len() - self.expiries.len() >= max {
+                return Err(Full(max));
+            }
             while self.len() >= max {
                 let Some((_, _, first)) = self.expiries.first().cloned() else {
                     return Err(Full(max));
@@ -338,7 +346,7 @@ impl DenyTable {
     pub fn remove(&mut self, t: &Target) -> Option<Entry> {
         let slot = match t {
             Target::Ip(n) => self.ips.remove(n),
-            Target::Key(k) => self.keys.remove(k),
+            Target::Key(k) => self.keys.remove(k.as_str()),
         }?;
         self.forget(t, &slot);
         Some(Entry {
@@ -358,7 +366,7 @@ impl DenyTable {
     pub fn get(&self, t: &Target) -> Option<Entry> {
         let slot = match t {
             Target::Ip(n) => self.ips.get(n),
-            Target::Key(k) => self.keys.get(k),
+            Target::Key(k) => self.keys.get(k.as_str()),
         }?;
         Some(Entry {
             target: t.clone(),
@@ -399,15 +407,15 @@ impl DenyTable {
                 Some(Target::Key(k)) => Some(k.as_str()),
                 _ => None,
             };
-            let mut keys: Vec<(&String, &Meta)> = self
+            let mut keys: Vec<(&Arc<str>, &Meta)> = self
                 .keys
                 .iter()
-                .filter(|(k, _)| after_key.is_none_or(|a| k.as_str() > a))
+                .filter(|(k, _)| after_key.is_none_or(|a| *a < ***k))
                 .map(|(k, s)| (k, &s.meta))
                 .collect();
             smallest(&mut keys, left, |a, b| a.0.cmp(b.0));
             page.extend(keys.into_iter().map(|(k, m)| Entry {
-                target: Target::Key(k.clone()),
+                target: Target::Key(k.to_string()),
                 meta: m.clone(),
             }));
         }
@@ -494,6 +502,282 @@ impl StaticDeny {
             table,
             status,
             max_entries,
+        }
+    }
+}
+
+// === the request path's view ===
+
+/// The dynamic table as the request path sees it: a base built from the whole
+/// table now and then, shared by every view until the next rebuild, and an overlay
+/// of the changes made since. Publishing a change copies the overlay, not the base.
+#[derive(Debug, Clone, Default)]
+pub struct DenyView {
+    base: Arc<Base>,
+    overlay: Overlay,
+    /// Of the table when the view was taken.
+    len: usize,
+    has_keys: bool,
+}
+
+/// What a lookup needs of every entry, and nothing else (no reasons, no expiry
+/// index): expiry times in ms, None for an entry that stays until removed. Keys are
+/// shared with the table.
+#[derive(Debug, Clone, Default)]
+struct Base {
+    ips: JointPrefixMap<IpNet, Option<u64>>,
+    keys: HashMap<Arc<str>, Option<u64>>,
+}
+
+/// Targets changed since the base was built, with what they are now.
+#[derive(Debug, Clone, Default)]
+struct Overlay {
+    ips: JointPrefixMap<IpNet, Change>,
+    keys: HashMap<Arc<str>, Change>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    /// Added or replaced: denied until this expiry.
+    Put(Option<u64>),
+    /// Removed (by hand, expiry or eviction): whatever the base says no longer counts.
+    Gone,
+}
+
+/// Reads the clock at most once, and only when an entry that expires is found.
+struct Clock<F> {
+    read: F,
+    now: Option<u64>,
+}
+
+impl<F: Fn() -> u64> Clock<F> {
+    fn new(read: F) -> Self {
+        Clock { read, now: None }
+    }
+
+    fn live(&mut self, expires_at_ms: Option<u64>) -> bool {
+        match expires_at_ms {
+            None => true,
+            Some(t) => t > *self.now.get_or_insert_with(&self.read),
+        }
+    }
+}
+
+impl DenyView {
+    /// As `DenyTable::ip`: whether a live entry covers `ip`.
+    pub fn ip(&self, ip: IpAddr) -> bool {
+        self.ip_at(ip, now_ms)
+    }
+
+    fn ip_at(&self, ip: IpAddr, now: impl Fn() -> u64) -> bool {
+        let (base, overlay) = (&self.base.ips, &self.overlay.ips);
+        if base.is_empty() && overlay.is_empty() {
+            return false;
+        }
+        let net = IpNet::from(canonical(ip));
+        let mut clock = Clock::new(now);
+        overlay.cover_values(&net).any(|c| match c {
+            Change::Put(at) => clock.live(*at),
+            Change::Gone => false,
+        }) || base
+            .cover(&net)
+            // A block changed since the base was built is the overlay's to answer.
+            .any(|(n, at)| !overlay.contains_key(&n) && clock.live(*at))
+    }
+
+    /// As `DenyTable::key`.
+    pub fn key(&self, key: &str) -> bool {
+        self.has_keys && self.stored_key(stored_key(key, &mut None))
+    }
+
+    /// As `DenyTable::stored_key`.
+    pub fn stored_key(&self, stored: &str) -> bool {
+        self.stored_key_at(stored, now_ms)
+    }
+
+    fn stored_key_at(&self, stored: &str, now: impl Fn() -> u64) -> bool {
+        let at = match self.overlay.keys.get(stored) {
+            Some(Change::Put(at)) => at,
+            Some(Change::Gone) => return false,
+            None => match self.base.keys.get(stored) {
+                Some(at) => at,
+                None => return false,
+            },
+        };
+        Clock::new(now).live(*at)
+    }
+
+    pub fn has_keys(&self) -> bool {
+        self.has_keys
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The dynamic part of the deny list: the table, authoritative, and what the
+/// request path has of it (a base and the changes since). Every change goes through
+/// here, so that none is missing from the next view.
+#[derive(Debug, Default)]
+pub struct DynamicTable {
+    table: DenyTable,
+    base: Arc<Base>,
+    overlay: Overlay,
+}
+
+impl std::ops::Deref for DynamicTable {
+    type Target = DenyTable;
+
+    fn deref(&self) -> &DenyTable {
+        &self.table
+    }
+}
+
+impl DynamicTable {
+    pub fn new(table: DenyTable) -> DynamicTable {
+        let mut d = DynamicTable {
+            table,
+            ..DynamicTable::default()
+        };
+        d.build();
+        d
+    }
+
+    /// The view to publish: the base shared, the overlay copied, so O(changes since
+    /// the last `rebuild`), not O(entries).
+    pub fn view(&self) -> DenyView {
+        DenyView {
+            base: self.base.clone(),
+            overlay: self.overlay.clone(),
+            len: self.table.len(),
+            has_keys: self.table.has_keys(),
+        }
+    }
+
+    /// How many targets changed since the base was built.
+    pub fn changes(&self) -> usize {
+        self.overlay.ips.len() + self.overlay.keys.len()
+    }
+
+    /// Folds the overlay into a new base, O(entries): a copy of the old base (a
+    /// few times faster than building one from the table) with the changes applied.
+    /// Views already taken keep the old base.
+    pub fn rebuild(&mut self) {
+        let mut base = Base::clone(&self.base);
+        for (n, change) in self.overlay.ips.iter() {
+            match change {
+                Change::Put(at) => base.ips.insert(n, *at),
+                Change::Gone => base.ips.remove(&n),
+            };
+        }
+        for (k, change) in &self.overlay.keys {
+            match change {
+                Change::Put(at) => base.keys.insert(k.clone(), *at),
+                Change::Gone => base.keys.remove(k),
+            };
+        }
+        self.base = Arc::new(base);
+        self.overlay = Overlay::default();
+    }
+
+    /// A base of the whole table, and no overlay.
+    fn build(&mut self) {
+        let t = &self.table;
+        self.base = Arc::new(Base {
+            ips: t
+                .ips
+                .iter()
+                .map(|(n, s)| (n, s.meta.expires_at_ms))
+                .collect(),
+            keys: t
+                .keys
+                .iter()
+                .map(|(k, s)| (k.clone(), s.meta.expires_at_ms))
+                .collect(),
+        });
+        self.overlay = Overlay::default();
+    }
+
+    /// Replaces the whole table (and builds the base anew).
+    pub fn replace(&mut self, table: DenyTable) {
+        self.table = table;
+        self.build();
+    }
+
+    /// As `DenyTable::insert`.
+    pub fn insert(&mut self, e: Entry) -> Option<Entry> {
+        let target = e.target.clone();
+        let old = self.table.insert(e);
+        self.note(&target);
+        old
+    }
+
+    /// As `DenyTable::insert_within`.
+    pub fn insert_within(&mut self, e: Entry, max: usize) -> Result<Vec<Entry>, Full> {
+        let target = e.target.clone();
+        let evicted = self.table.insert_within(e, max)?;
+        for old in &evicted {
+            self.note(&old.target);
+        }
+        self.note(&target);
+        Ok(evicted)
+    }
+
+    /// As `DenyTable::remove`.
+    pub fn remove(&mut self, t: &Target) -> Option<Entry> {
+        let old = self.table.remove(t);
+        if old.is_some() {
+            self.note(t);
+        }
+        old
+    }
+
+    /// As `DenyTable::purge`.
+    pub fn purge(&mut self, now_ms: u64) -> Vec<Entry> {
+        let expired = self.table.purge(now_ms);
+        for e in &expired {
+            self.note(&e.target);
+        }
+        expired
+    }
+
+    /// Records in the overlay what `t` is now in the table: its entry, a tombstone
+    /// over the base's, or (neither in the table nor the base) nothing.
+    fn note(&mut self, t: &Target) {
+        match t {
+            Target::Ip(n) => match self.table.ips.get(n) {
+                Some(s) => {
+                    self.overlay
+                        .ips
+                        .insert(*n, Change::Put(s.meta.expires_at_ms));
+                }
+                None if self.base.ips.contains_key(n) => {
+                    self.overlay.ips.insert(*n, Change::Gone);
+                }
+                None => {
+                    self.overlay.ips.remove(n);
+                }
+            },
+            Target::Key(k) => match self.table.keys.get_key_value(k.as_str()) {
+                Some((k, s)) => {
+                    self.overlay
+                        .keys
+                        .insert(k.clone(), Change::Put(s.meta.expires_at_ms));
+                }
+                None => match self.base.keys.get_key_value(k.as_str()) {
+                    Some((k, _)) => {
+                        self.overlay.keys.insert(k.clone(), Change::Gone);
+                    }
+                    None => {
+                        self.overlay.keys.remove(k.as_str());
+                    }
+                },
+            },
         }
     }
 }
@@ -695,6 +979,155 @@ mod tests {
         assert!(t.ip("10.3.13.62".parse().unwrap()));
     }
 
+    /// xorshift64: a seeded sequence, so that a failing case can be replayed.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+
+        fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
+            from[self.below(from.len() as u64) as usize]
+        }
+    }
+
+    #[test]
+    fn the_published_view_agrees_with_the_table() {
+        // Nested blocks (v4, v6, IPv4-mapped), addresses and keys (one long).
+        let long = "k".repeat(300);
+        let targets = [
+            "10.0.0.0/8",
+            "10.1.0.0/16",
+            "10.1.2.0/24",
+            "10.1.2.3",
+            "10.1.3.0/24",
+            "192.0.2.0/24",
+            "192.0.2.9",
+            "::ffff:10.2.0.0/112",
+            "2001:db8::/32",
+            "2001:db8:1::/48",
+            "2001:db8:1::7",
+            "2001:db8:2::/48",
+            "a",
+            "b",
+            "c",
+            &long,
+        ];
+        let probes = [
+            "10.1.2.3",
+            "10.1.2.4",
+            "10.1.3.1",
+            "10.2.9.9",
+            "10.9.9.9",
+            "192.0.2.9",
+            "192.0.2.10",
+            "11.0.0.1",
+            "::ffff:10.1.2.3",
+            "2001:db8:1::7",
+            "2001:db8:1::8",
+            "2001:db8:2::1",
+            "2001:db8:3::1",
+            "2001:db9::1",
+        ]
+        .map(|p| p.parse::<IpAddr>().unwrap());
+        let keys = ["a", "b", "c", "d", &long, &"k".repeat(299)];
+        let random_entry = |rng: &mut Rng, now: u64| {
+            let mut e = entry(rng.pick(&targets), Source::Ban, None);
+            if let Target::Key(k) = &e.target {
+                e.target = Target::key(k);
+            }
+            // A third stay until removed; some of the others have already expired.
+            if rng.below(3) > 0 {
+                e.meta.expires_at_ms = Some(now + rng.below(40) - 5);
+            }
+            e
+        };
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut now = 1_000_000u64;
+            let mut d = DynamicTable::new(DenyTable::new());
+            // Small, so that rebuilds, tombstones over the base and evictions all happen.
+            let (max, threshold) = (1 + rng.below(12) as usize, rng.below(6) as usize);
+            for step in 0..300 {
+                match rng.below(12) {
+                    0..=4 => {
+                        let _ = d.insert_within(random_entry(&mut rng, now), max);
+                    }
+                    5 => {
+                        d.insert(random_entry(&mut rng, now));
+                    }
+                    6 | 7 => {
+                        let e = random_entry(&mut rng, now);
+                        d.remove(&e.target);
+                    }
+                    8 => {
+                        d.purge(now);
+                    }
+                    9 => now += rng.below(20),
+                    10 => d.rebuild(),
+                    _ => {
+                        // As a read of the whole shared list.
+                        let mut all = DenyTable::new();
+                        for _ in 0..rng.below(max as u64) {
+                            let _ = all.insert_within(random_entry(&mut rng, now), max);
+                        }
+                        d.replace(all);
+                    }
+                }
+                if d.changes() > threshold {
+                    d.rebuild();
+                }
+                let view = d.view();
+                let clock = || now;
+                let case = format!("seed {seed} step {step}");
+                for ip in probes {
+                    assert_eq!(view.ip_at(ip, clock), d.ip_at(ip, clock), "{case} {ip}");
+                }
+                for k in keys {
+                    let mut digest = None;
+                    let k = stored_key(k, &mut digest);
+                    let (seen, kept) = (view.stored_key_at(k, clock), d.stored_key_at(k, clock));
+                    assert_eq!(seen, kept, "{case} key {k}");
+                }
+                assert_eq!(
+                    (view.has_keys(), view.is_empty(), view.len()),
+                    (d.has_keys(), d.is_empty(), d.len()),
+                    "{case}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_publish_after_one_change_shares_the_base() {
+        let mut d = DynamicTable::new(DenyTable::new());
+        for i in 0..1000u32 {
+            let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i);
+            d.insert(entry(&ip.to_string(), Source::Ban, None));
+        }
+        d.rebuild();
+        let before = d.view();
+        d.insert(entry("203.0.113.7", Source::Ban, None));
+        d.remove(&Target::ip("10.0.0.0").unwrap());
+        let after = d.view();
+        assert!(Arc::ptr_eq(&before.base, &after.base));
+        assert_eq!(d.changes(), 2);
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(after.ip(ip("203.0.113.7")) && !after.ip(ip("10.0.0.0")));
+        assert!(after.ip(ip("10.0.3.231")) && !after.ip(ip("10.0.3.232")));
+        // A view taken earlier keeps what it had.
+        assert!(!before.ip(ip("203.0.113.7")) && before.ip(ip("10.0.0.0")));
+        d.rebuild();
+        let rebuilt = d.view();
+        assert!(!Arc::ptr_eq(&after.base, &rebuilt.base));
+        assert_eq!((d.changes(), rebuilt.len()), (0, 1000));
+        assert!(rebuilt.ip(ip("203.0.113.7")) && !rebuilt.ip(ip("10.0.0.0")));
+    }
+
     #[test]
     fn beyond_max_entries_the_entry_closest_to_expiry_goes() {
         let mut t = DenyTable::new();
@@ -740,6 +1173,14 @@ mod tests {
             Err(Full(1))
         );
         assert!(p.get(&Target::key("b")).is_none());
+        // With `max` lowered below the entries that stay, an entry that expires is
+        // not evicted for nothing.
+        p.insert(entry("c", Source::Ban, Some(1)));
+        assert_eq!(
+            p.insert_within(entry("d", Source::Ban, Some(1)), 1),
+            Err(Full(1))
+        );
+        assert_eq!(p.len(), 2);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use http::{Request, Response, StatusCode, Version};
 
 use crate::answer::{self, Body, Limited, RateHeaders, Refusal};
 use crate::client::{ClientKey, KeySpec, MissingKey, TrustedProxies};
-use crate::deny::{BanRequest, DenyTable, StaticDeny, Target};
+use crate::deny::{BanRequest, DenyView, StaticDeny, Target};
 use crate::h1server::ClientBody;
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::metrics::{Decision, Metrics, RouteMetrics};
@@ -107,9 +107,10 @@ impl Limits {
 /// What every request shares and a reload does not replace.
 pub struct Shared {
     pub runtime: ArcSwap<Runtime>,
-    /// Dynamic deny entries (admin API, bans, other instances): swapped whole by the
-    /// control object on every change, and kept across reloads.
-    pub deny: ArcSwap<DenyTable>,
+    /// Dynamic deny entries (admin API, bans, other instances): a view of the control
+    /// object's table, swapped on every change (which copies only the changes since
+    /// its base was built), and kept across reloads.
+    pub deny: ArcSwap<DenyView>,
     /// Refusals counted towards bans, per (route, key).
     pub strikes: MemoryStore,
     /// Where the request path asks for a ban; the control object applies it.

@@ -29,7 +29,7 @@ use crate::config::compile::{compile, redis_options, CompileError};
 use crate::config::schema::Backend;
 use crate::config::{ConfigErrors, Loaded};
 use crate::control::{Command, Control, Reply, Trigger, TICK};
-use crate::deny::DenyTable;
+use crate::deny::DenyView;
 use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
 use crate::h1server::{ClientBody, Ended, Fast, Replay};
@@ -128,7 +128,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let (bans, mut ban_rx) = tokio::sync::mpsc::channel(BAN_QUEUE);
     let shared = Arc::new(Shared {
         runtime: ArcSwap::from_pointee(runtime),
-        deny: ArcSwap::from_pointee(DenyTable::new()),
+        deny: ArcSwap::from_pointee(DenyView::default()),
         strikes: MemoryStore::new(max_keys, SystemClock::new()),
         bans,
         store,
