@@ -295,15 +295,26 @@ impl KeySpec {
 }
 
 /// Whether a parameter or cookie sent as `sent` is the one named `name` to PHP,
-/// which drops leading spaces from a name and reads `.`, ` ` and `[` in it as `_`
-/// (`api.key` is `api_key`, and the last value wins): a key must not be one
-/// parameter here and another to the upstream.
+/// which drops leading spaces from a name, reads `.`, ` ` and a `[` that no `]`
+/// follows as `_` (`api.key` is `api_key`, and the last value wins), and reads
+/// `api_key[]` or `api_key[0]` as the array `api_key` (whose `['bad']` equals
+/// `'bad'` to loose comparisons): a key must not be one parameter here and
+/// another to the upstream.
 fn same_name(sent: &str, name: &str) -> bool {
     let fold = |b: u8| match b {
         b'.' | b' ' | b'[' => b'_',
         b => b,
     };
-    let (sent, name) = (sent.trim_start_matches(' '), name.trim_start_matches(' '));
+    fn base(n: &str) -> &str {
+        match n.find('[') {
+            Some(i) if n[i..].contains(']') => &n[..i],
+            _ => n,
+        }
+    }
+    let (sent, name) = (
+        base(sent.trim_start_matches(' ')),
+        base(name.trim_start_matches(' ')),
+    );
     sent.len() == name.len()
         && sent
             .bytes()
@@ -344,10 +355,36 @@ fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'
 
 /// The parameters of a query, decoded, split on `&` and on `;` as well: Rack 2, Go
 /// before 1.17 and Python before 3.9.2 split on both, so `k=bad;x` is `k=bad` to
-/// them, and must be to the key and the deny list.
+/// them, and must be to the key and the deny list. Values without the spaces
+/// around them, as Laravel's `TrimStrings` reads them (`bad%20` is `bad`).
 fn query_pairs(q: &str) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> {
     q.split(['&', ';'])
         .flat_map(|seg| form_urlencoded::parse(seg.as_bytes()))
+        .map(|(k, v)| (k, trim_spaces(v)))
+}
+
+/// A decoded value without the spaces around it.
+fn trim_spaces(v: Cow<'_, str>) -> Cow<'_, str> {
+    if !v.starts_with(' ') && !v.ends_with(' ') {
+        return v;
+    }
+    match v {
+        Cow::Borrowed(b) => Cow::Borrowed(b.trim_matches(' ')),
+        Cow::Owned(o) => Cow::Owned(o.trim_matches(' ').to_owned()),
+    }
+}
+
+/// A cookie's name or value decoded as PHP reads it (`urldecode`: `%XX` escapes,
+/// and `+` as a space), and as Express and most cookie parsers read the escapes:
+/// `%73id=bad` is the cookie `sid` to PHP, and `sid=%62ad` is `bad` to all of them.
+/// Bytes that are not UTF-8 are replaced.
+fn cookie_text(b: &[u8]) -> Cow<'_, str> {
+    if !b.iter().any(|c| matches!(c, b'%' | b'+')) {
+        return String::from_utf8_lossy(b);
+    }
+    let plus: Vec<u8> = b.iter().map(|c| if *c == b'+' { b' ' } else { *c }).collect();
+    let decoded: Vec<u8> = percent_encoding::percent_decode(&plus).collect();
+    Cow::Owned(String::from_utf8_lossy(&decoded).into_owned())
 }
 
 /// The only item, or None when there is none or more than one.
@@ -372,10 +409,10 @@ fn header_text(v: &HeaderValue) -> Cow<'_, str> {
 }
 
 /// The values of cookie `name` in every `Cookie` header, as lenient servers read them:
-/// pairs split on `;`, spaces around names and values trimmed, names compared as PHP
-/// reads them (`same_name`), a value's quotes
-/// removed, `%XX` escapes decoded, bytes that are not UTF-8 replaced (one odd byte elsewhere in the header
-/// must not hide a cookie from the deny list).
+/// pairs split on `;`, spaces around names and values trimmed, names and values
+/// decoded (`cookie_text`), names compared as PHP reads them (`same_name`), a
+/// value's quotes removed and the spaces inside them trimmed too (one odd byte
+/// elsewhere in the header must not hide a cookie from the deny list).
 fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Cow<'a, str>> + 'a {
     headers
         .get_all(COOKIE)
@@ -384,20 +421,14 @@ fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Co
         .filter_map(|pair| {
             let eq = pair.iter().position(|b| *b == b'=')?;
             let (k, v) = (&pair[..eq], &pair[eq + 1..]);
-            let k = std::str::from_utf8(k.trim_ascii()).ok()?;
-            same_name(k, name).then_some(v.trim_ascii())
+            same_name(&cookie_text(k.trim_ascii()), name).then_some(v.trim_ascii())
         })
         .map(|v| {
             let v = v
                 .strip_prefix(b"\"")
                 .and_then(|v| v.strip_suffix(b"\""))
                 .unwrap_or(v);
-            // `%XX` escapes decoded (others left as they are), as PHP, Express and
-            // most cookie parsers read a value: `sid=%62ad` is `bad` to them.
-            match Cow::from(percent_encoding::percent_decode(v)) {
-                Cow::Borrowed(v) => String::from_utf8_lossy(v),
-                Cow::Owned(v) => Cow::Owned(String::from_utf8_lossy(&v).into_owned()),
-            }
+            trim_spaces(cookie_text(v))
         })
 }
 
@@ -660,12 +691,34 @@ mod tests {
             assert!(same_name(sent, "api_key"), "{sent}");
             assert!(same_name("api_key", sent), "{sent}");
         }
+        // PHP arrays: `api_key[]=bad` is `['bad']`, which loose comparisons take
+        // for `'bad'`.
+        for sent in ["api_key[]", "api_key[0]", "api.key[x]", "api_key[a][b]"] {
+            assert!(same_name(sent, "api_key"), "{sent}");
+        }
         for sent in ["api-key", "apikey", "api[key]", "API_KEY", "api_key_"] {
             assert!(!same_name(sent, "api_key"), "{sent}");
         }
         let a = ip("1.2.3.4");
         let p = parts("/", &[("cookie", "s.id=v")]);
         assert_eq!(spec(&["cookie:s_id"]).extract(&p, a).unwrap().value, "v");
+        // Cookie names and values are url-decoded as PHP reads them (`+` a space),
+        // and values trimmed of spaces, as Laravel's TrimStrings reads parameters.
+        let key = |h: &str| {
+            let p = parts("/", &[("cookie", h)]);
+            let spec = spec(&["cookie:sid"]);
+            let key = spec.extract(&p, a).map(|k| k.value.to_string());
+            key.map_err(|_| ())
+        };
+        assert_eq!(key("%73id=bad"), Ok("bad".into()));
+        assert!(key("%73id=bad; sid=fresh").is_err(), "sent twice");
+        assert_eq!(key("sid=a+b"), Ok("a b".into()));
+        assert_eq!(key("sid=a%20b"), Ok("a b".into()));
+        assert_eq!(key("sid=%20bad%20"), Ok("bad".into()));
+        let p = parts("/?api_key=bad%20&x=1", &[]);
+        assert_eq!(spec(&["query:api_key"]).extract(&p, a).unwrap().value, "bad");
+        let p = parts("/?api_key[]=bad", &[]);
+        assert_eq!(spec(&["query:api_key"]).extract(&p, a).unwrap().value, "bad");
     }
 
     /// Which part holds a byte outside printable ASCII, any copy of it, as the

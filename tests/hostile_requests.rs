@@ -750,6 +750,36 @@ async fn php_spellings_of_a_query_name_are_the_key_parameter() {
     assert_eq!(up.hits(), 3);
 }
 
+/// What a hostile probe found past the first round: PHP url-decodes cookie names
+/// (`%73id` is `sid`) and values (`+` is a space), reads `api_key[]=bad` as the
+/// array `['bad']` (equal to `'bad'` to loose comparisons), and Laravel trims
+/// parameter values (`bad%20` is `bad`). Each spelling of a denied key is denied;
+/// two spellings of one key share its budget.
+#[tokio::test]
+async fn php_and_laravel_readings_of_cookies_and_arrays_are_the_key() {
+    let (up, gw) = keyed_gateway().await;
+    for (path, extra) in [
+        ("/c/x", "cookie: %73id=leaked-key-123; sid=fresh1\r\n"),
+        ("/c/x", "cookie: %73%69d=leaked-key-123\r\n"),
+        ("/c/x", "cookie: si%64=leaked-key-123\r\n"),
+        ("/c/x", "cookie: sid=leaked-key-123%20\r\n"),
+        ("/q/x?api_key[]=leaked-key-123", ""),
+        ("/q/x?api_key[0]=leaked-key-123", ""),
+        ("/q/x?api_key=leaked-key-123%20", ""),
+    ] {
+        let (status, _, body) = raw(gw.addr, &req("GET", path, extra)).await;
+        assert_eq!((status, body.as_str()), (403, "access denied\n"), "{path} {extra}");
+    }
+    assert_eq!(up.hits(), 0);
+    let mut got = Vec::new();
+    for extra in ["sid=a+b", "sid=a%20b", "%73id=a+b", "sid=%20a%20b", "sid=a+b"] {
+        let line = format!("cookie: {extra}\r\n");
+        got.push(raw(gw.addr, &req("GET", "/c/x", &line)).await.0);
+    }
+    assert_eq!(got, [200, 200, 200, 429, 429]);
+    assert_eq!(up.hits(), 3);
+}
+
 // === respond: framing ===
 
 /// Two pipelined requests to routes whose `respond.headers` state a length other
