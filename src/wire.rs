@@ -612,6 +612,8 @@ pub struct Upload {
     body: Option<Body>,
     framing: Framing,
     sent: u64,
+    /// Bytes written so far (head and framing too): whether the upload moved.
+    written: u64,
     /// The trailer fields the request announced (`announced_trailers`).
     trailers: Vec<HeaderName>,
 }
@@ -656,6 +658,11 @@ pub enum UploadError {
 }
 
 impl Upload {
+    /// Bytes written so far: the upload moved if this grew.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
     /// Writes what is pending, then the body frame by frame; ready once all of it
     /// (its last chunk too) has gone out. Also polled while the response is read (a
     /// full-duplex exchange: the upstream answered before the body was all sent).
@@ -673,6 +680,7 @@ impl Upload {
                     return Poll::Ready(Err(UploadError::Write(io::ErrorKind::WriteZero.into())));
                 }
                 self.at += n;
+                self.written += n as u64;
             }
             // What is written goes out before the next frame is waited for (as
             // hyper's client): TLS keeps what the socket did not take, and a client
@@ -796,6 +804,7 @@ pub async fn exchange(
         body: (framing != Framing::Empty).then_some(body),
         framing,
         sent: 0,
+        written: 0,
         trailers,
     });
     // The upload is kept once over (its head may be sent again): whether it goes on.
