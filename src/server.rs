@@ -779,6 +779,7 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
                         this.drain = Drain::Over;
                         return Poll::Ready(Ok(()));
                     }
+                    this.activity.draining.store(true, Ordering::Release);
                     let now = tokio::time::Instant::now();
                     this.drain = Drain::Reading {
                         until: now + LINGER_TIME,
@@ -808,7 +809,10 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
                         }
                     }
                 }
-                Drain::Over => return Poll::Ready(Ok(())),
+                Drain::Over => {
+                    this.activity.draining.store(false, Ordering::Release);
+                    return Poll::Ready(Ok(()));
+                }
             }
         }
     }
@@ -863,6 +867,9 @@ pub(crate) struct Activity {
     /// An answer went out before its request body was read (`answer::Linger`): the
     /// connection closes with a lingering close (`Linger`).
     linger: AtomicBool,
+    /// That lingering close is under way: the connection is busy with it (a close
+    /// for idleness or stop must not drop it mid-read; `LINGER_TIME` bounds it).
+    draining: AtomicBool,
 }
 
 /// One request in flight; ends when its response body has been sent (or dropped).
@@ -874,6 +881,7 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             last_end: LastActive::new(),
             linger: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -883,7 +891,7 @@ impl Activity {
     }
 
     fn busy(&self) -> bool {
-        self.in_flight.load(Ordering::Acquire) > 0
+        self.in_flight.load(Ordering::Acquire) > 0 || self.draining.load(Ordering::Acquire)
     }
 
     /// Resolves once no request has been in flight for `timeout`.
@@ -1110,7 +1118,8 @@ where
 /// Serve one connection until it ends: closed gracefully once idle for
 /// `idle_timeout` or when the listener stops. A connection closed for idleness
 /// that has not ended after `linger` more (a peer that does not answer the h2
-/// GOAWAY's PING) and still has nothing in flight is dropped.
+/// GOAWAY's PING) and still has nothing in flight, nor a lingering close under
+/// way, is dropped.
 async fn drive<C, E>(
     conn: C,
     close: impl Fn(Pin<&mut C>),
