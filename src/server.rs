@@ -242,6 +242,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             shared: shared.clone(),
             control: control.clone(),
             history,
+            body_timeout: f.admin.request_header_timeout.get(),
         });
         let service = move |_peer: Arc<gateway::Peer>| {
             let admin = admin.clone();
