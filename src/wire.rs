@@ -619,13 +619,15 @@ pub struct Upload {
 }
 
 /// The trailer fields a request's `Trailer` header announces: on a chunked body,
-/// only those are sent (as hyper's client).
+/// only those are sent (as hyper's client). None with `_` in its name: such request
+/// headers are dropped (`request::drop_underscored`), and a trailer is no way round.
 pub fn announced_trailers(h: &HeaderMap) -> Vec<HeaderName> {
     h.get_all(header::TRAILER)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .filter(|n| !n.as_str().contains('_'))
         .collect()
 }
 
@@ -732,8 +734,8 @@ impl Upload {
                     Err(frame) => {
                         // Trailers: after the last chunk; a length-delimited body
                         // cannot carry them (hyper drops them too). As hyper's
-                        // client: only those `Trailer` announced, and none that
-                        // must not be a trailer.
+                        // client: only those `Trailer` announced (none with `_`),
+                        // and none that must not be a trailer.
                         if let (Ok(mut trailers), Framing::Chunked) =
                             (frame.into_trailers(), self.framing)
                         {
