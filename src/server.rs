@@ -196,6 +196,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             send_timeout: f.server.send_timeout.get(),
             max_connections: f.server.max_connections.get(),
             per_ip: f.server.max_connections_per_ip.get(),
+            per_v6_64: false,
             exempt,
             refused: Some(refused),
             grace,
@@ -264,6 +265,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             send_timeout: f.server.send_timeout.get(),
             max_connections: ADMIN_CONNECTIONS,
             per_ip: f.admin.max_connections_per_ip.get(),
+            // One host usually holds a whole /64: per address, it could open as
+            // many admin connections as it likes.
+            per_v6_64: true,
             exempt: Arc::new(|_| false),
             refused: None,
             grace: Duration::from_secs(1),
@@ -468,6 +472,8 @@ struct Limits {
     max_connections: usize,
     /// Connections one peer address may hold; more are closed at once.
     per_ip: usize,
+    /// IPv6 peers are counted per /64, not per address (`counted_as`).
+    per_v6_64: bool,
     exempt: Exempt,
     /// Counts connections closed for `per_ip`.
     refused: Option<prometheus::IntCounter>,
@@ -822,6 +828,17 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
 /// Connections per peer address.
 #[derive(Default)]
 struct PerIp(Mutex<HashMap<IpAddr, usize>>);
+
+/// The address a peer's connections are counted under: its own, or with
+/// `per_v6_64` an IPv6 peer's /64 (its first address).
+fn counted_as(ip: IpAddr, per_v6_64: bool) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) if per_v6_64 => IpAddr::V6(std::net::Ipv6Addr::from(
+            u128::from(v6) & !u128::from(u64::MAX),
+        )),
+        ip => ip,
+    }
+}
 
 /// One connection of a peer, given back when dropped.
 struct IpSlot {
@@ -1184,6 +1201,7 @@ async fn serve<S, F>(
         send_timeout,
         max_connections,
         per_ip,
+        per_v6_64,
         exempt,
         refused,
         grace,
@@ -1210,7 +1228,7 @@ async fn serve<S, F>(
         let ip_slot = if exempt(ip) {
             None
         } else {
-            match PerIp::take(&peers, ip, per_ip) {
+            match PerIp::take(&peers, counted_as(ip, per_v6_64), per_ip) {
                 Some(slot) => Some(slot),
                 None => {
                     if let Some(c) = &refused {
@@ -1321,5 +1339,37 @@ async fn serve<S, F>(
             ?grace,
             "shutdown grace elapsed with requests still in flight"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The admin listener counts an IPv6 peer per /64; IPv4 peers, and every peer
+    /// of the gateway's listener, per address.
+    #[test]
+    fn ipv6_peers_are_counted_per_64_when_asked() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let block = ip("2001:db8:1:2::");
+        assert_eq!(counted_as(ip("2001:db8:1:2::1"), true), block);
+        assert_eq!(
+            counted_as(ip("2001:db8:1:2:ffff:ffff:ffff:ffff"), true),
+            block
+        );
+        assert_eq!(
+            counted_as(ip("2001:db8:1:3::1"), true),
+            ip("2001:db8:1:3::")
+        );
+        assert_eq!(
+            counted_as(ip("2001:db8:1:2::1"), false),
+            ip("2001:db8:1:2::1")
+        );
+        assert_eq!(counted_as(ip("192.0.2.7"), true), ip("192.0.2.7"));
+        let table = Arc::new(PerIp::default());
+        let one = PerIp::take(&table, counted_as(ip("2001:db8::1"), true), 1);
+        assert!(one.is_some());
+        assert!(PerIp::take(&table, counted_as(ip("2001:db8::2"), true), 1).is_none());
+        assert!(PerIp::take(&table, counted_as(ip("2001:db8:0:1::2"), true), 1).is_some());
     }
 }
