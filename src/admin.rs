@@ -37,6 +37,9 @@ pub struct Admin {
     pub control: Arc<Control>,
     /// Every route's sampled counters, for `/admin/stats`.
     pub history: Arc<History>,
+    /// A request body must have come whole within this after its head
+    /// (`admin.request_header_timeout`): else 408, and the connection closes.
+    pub body_timeout: std::time::Duration,
 }
 
 // The dashboard: three static files, compiled in.
@@ -136,14 +139,18 @@ impl Admin {
             ("/admin/deny", Method::POST | Method::DELETE) if !is_json(&req) => {
                 unsupported_media_type()
             }
-            ("/admin/deny", Method::POST) => match read::<DenyRequest>(req).await {
-                Ok(r) => self.deny_add(r).await,
-                Err(r) => r,
-            },
-            ("/admin/deny", Method::DELETE) => match read::<DenyRequest>(req).await {
-                Ok(r) => self.deny_remove(r).await,
-                Err(r) => r,
-            },
+            ("/admin/deny", Method::POST) => {
+                match read::<DenyRequest>(req, self.body_timeout).await {
+                    Ok(r) => self.deny_add(r).await,
+                    Err(r) => r,
+                }
+            }
+            ("/admin/deny", Method::DELETE) => {
+                match read::<DenyRequest>(req, self.body_timeout).await {
+                    Ok(r) => self.deny_remove(r).await,
+                    Err(r) => r,
+                }
+            }
             ("/admin/deny", _) => not_allowed("GET, POST, DELETE"),
             ("/admin/config", Method::GET) => {
                 json(StatusCode::OK, &config_view(&self.control.status()))
@@ -460,9 +467,22 @@ fn asset(body: &'static str, content_type: &'static str) -> Response<Body> {
     r
 }
 
-/// Reads a JSON body of at most `MAX_BODY` bytes, or the 400 to answer.
-async fn read<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+/// Reads a JSON body of at most `MAX_BODY` bytes, whole `within` its head, or the
+/// 400 (408) to answer.
+async fn read<T: serde::de::DeserializeOwned>(
+    req: Request<Incoming>,
+    within: std::time::Duration,
+) -> Result<T, Response<Body>> {
+    let collect = Limited::new(req.into_body(), MAX_BODY).collect();
+    let Ok(read) = tokio::time::timeout(within, collect).await else {
+        // Held in flight, a half-sent body would keep the connection from ever
+        // being idle; what it still sends is drained, then it closes.
+        return Err(answer::close(answer::text(
+            StatusCode::REQUEST_TIMEOUT,
+            "request body not received in time\n",
+        )));
+    };
+    let body = match read {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             return Err(bad_request(&format!("body larger than {MAX_BODY} bytes")))

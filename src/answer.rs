@@ -70,14 +70,21 @@ pub fn own_length(r: &mut Response<Body>, head: bool) {
 /// The answer to a HEAD: sluice's own answers (429, 404, `respond`) carry a body,
 /// which HTTP/1 servers leave unsent but hyper's h2 server sends, breaking the
 /// stream; so the body goes, and its length stays stated, as a GET would get it.
-/// (An upstream's answer to a HEAD has no body: it is left as it is.)
+/// (An upstream's answer to a HEAD has no body: it is left as it is.) A 1xx, 204
+/// or 304 has no body to a GET either, so it states no length (RFC 9110 §8.6).
 pub fn headless(r: Response<Body>) -> Response<Body> {
     use http_body::Body as _;
     let Some(n) = r.body().size_hint().exact().filter(|n| *n > 0) else {
         return r;
     };
+    let status = r.status();
+    let bodiless = status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
     let (mut parts, _) = r.into_parts();
-    parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
+    if !bodiless {
+        parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
+    }
     Response::from_parts(parts, full(Bytes::new()))
 }
 

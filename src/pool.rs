@@ -280,9 +280,10 @@ pub struct Pooled {
     read_timeout: Duration,
     /// When the upstream's silence runs out: made at the first wait for the body
     /// (most bodies come with their head and never wait), then moved on after each
-    /// frame (a store: the timer itself moves only when it fires early).
+    /// frame or upload progress (a store: the timer itself moves only when it
+    /// fires early).
     silence: Option<Pin<Box<Deadline>>>,
-    /// A frame came since the deadline was last set.
+    /// A frame came, or the upload moved, since the deadline was last set.
     progressed: bool,
 }
 
@@ -293,8 +294,9 @@ impl Pooled {
     }
 
     /// The upstream has sent nothing new: the body fails once that has lasted
-    /// `read_timeout`, counted from the first wait after the last frame (as nginx's
-    /// `proxy_read_timeout`, the time between two reads, not for the whole body).
+    /// `read_timeout`, counted from the first wait after the last frame or upload
+    /// progress (an upstream may wait for the whole upload before it goes on). As
+    /// nginx's `proxy_read_timeout`: the time between two reads, not the whole body.
     /// The connection is closed: what it still carries is no answer to anything.
     fn poll_silence(
         &mut self,
@@ -344,7 +346,12 @@ impl http_body::Body for Pooled {
             return Poll::Ready(None);
         };
         if let Some(up) = this.upload.as_mut() {
-            match up.poll_send(conn, cx) {
+            let written = up.written();
+            let sent = up.poll_send(conn, cx);
+            // The upstream may be waiting for the rest of the body: while it moves,
+            // the silence is the client's (`request_body_timeout` bounds that).
+            this.progressed |= up.written() != written;
+            match sent {
                 Poll::Pending => {}
                 Poll::Ready(Ok(())) => this.upload = None,
                 // The client's body failed: so does the exchange (hyper's client

@@ -196,6 +196,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             send_timeout: f.server.send_timeout.get(),
             max_connections: f.server.max_connections.get(),
             per_ip: f.server.max_connections_per_ip.get(),
+            per_v6_64: false,
             exempt,
             refused: Some(refused),
             grace,
@@ -242,6 +243,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             shared: shared.clone(),
             control: control.clone(),
             history,
+            body_timeout: f.admin.request_header_timeout.get(),
         });
         let service = move |_peer: Arc<gateway::Peer>| {
             let admin = admin.clone();
@@ -263,6 +265,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             send_timeout: f.server.send_timeout.get(),
             max_connections: ADMIN_CONNECTIONS,
             per_ip: f.admin.max_connections_per_ip.get(),
+            // One host usually holds a whole /64: per address, it could open as
+            // many admin connections as it likes.
+            per_v6_64: true,
             exempt: Arc::new(|_| false),
             refused: None,
             grace: Duration::from_secs(1),
@@ -467,6 +472,8 @@ struct Limits {
     max_connections: usize,
     /// Connections one peer address may hold; more are closed at once.
     per_ip: usize,
+    /// IPv6 peers are counted per /64, not per address (`counted_as`).
+    per_v6_64: bool,
     exempt: Exempt,
     /// Counts connections closed for `per_ip`.
     refused: Option<prometheus::IntCounter>,
@@ -779,6 +786,7 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
                         this.drain = Drain::Over;
                         return Poll::Ready(Ok(()));
                     }
+                    this.activity.draining.store(true, Ordering::Release);
                     let now = tokio::time::Instant::now();
                     this.drain = Drain::Reading {
                         until: now + LINGER_TIME,
@@ -808,9 +816,23 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
                         }
                     }
                 }
-                Drain::Over => return Poll::Ready(Ok(())),
+                Drain::Over => {
+                    this.activity.draining.store(false, Ordering::Release);
+                    return Poll::Ready(Ok(()));
+                }
             }
         }
+    }
+}
+
+/// The address a peer's connections are counted under: its own, or with
+/// `per_v6_64` an IPv6 peer's /64 (its first address).
+fn counted_as(ip: IpAddr, per_v6_64: bool) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) if per_v6_64 => IpAddr::V6(std::net::Ipv6Addr::from(
+            u128::from(v6) & !u128::from(u64::MAX),
+        )),
+        ip => ip,
     }
 }
 
@@ -825,6 +847,9 @@ pub(crate) struct Activity {
     /// An answer went out before its request body was read (`answer::Linger`): the
     /// connection closes with a lingering close (`Linger`).
     linger: AtomicBool,
+    /// That lingering close is under way: the connection is busy with it (a close
+    /// for idleness or stop must not drop it mid-read; `LINGER_TIME` bounds it).
+    draining: AtomicBool,
 }
 
 /// One request in flight; ends when its response body has been sent (or dropped).
@@ -836,6 +861,7 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             last_end: LastActive::new(),
             linger: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -845,7 +871,7 @@ impl Activity {
     }
 
     fn busy(&self) -> bool {
-        self.in_flight.load(Ordering::Acquire) > 0
+        self.in_flight.load(Ordering::Acquire) > 0 || self.draining.load(Ordering::Acquire)
     }
 
     /// Resolves once no request has been in flight for `timeout`.
@@ -1072,7 +1098,8 @@ where
 /// Serve one connection until it ends: closed gracefully once idle for
 /// `idle_timeout` or when the listener stops. A connection closed for idleness
 /// that has not ended after `linger` more (a peer that does not answer the h2
-/// GOAWAY's PING) and still has nothing in flight is dropped.
+/// GOAWAY's PING) and still has nothing in flight, nor a lingering close under
+/// way, is dropped.
 async fn drive<C, E>(
     conn: C,
     close: impl Fn(Pin<&mut C>),
@@ -1136,6 +1163,7 @@ async fn serve<S, F>(
         send_timeout,
         max_connections,
         per_ip,
+        per_v6_64,
         exempt,
         refused,
         grace,
@@ -1162,7 +1190,7 @@ async fn serve<S, F>(
         let ip_slot = if exempt(ip) {
             None
         } else {
-            match PerIp::take(&peers, ip, per_ip) {
+            match PerIp::take(&peers, counted_as(ip, per_v6_64), per_ip) {
                 Some(slot) => Some(slot),
                 None => {
                     if let Some(c) = &refused {
@@ -1273,5 +1301,37 @@ async fn serve<S, F>(
             ?grace,
             "shutdown grace elapsed with requests still in flight"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The admin listener counts an IPv6 peer per /64; IPv4 peers, and every peer
+    /// of the gateway's listener, per address.
+    #[test]
+    fn ipv6_peers_are_counted_per_64_when_asked() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let block = ip("2001:db8:1:2::");
+        assert_eq!(counted_as(ip("2001:db8:1:2::1"), true), block);
+        assert_eq!(
+            counted_as(ip("2001:db8:1:2:ffff:ffff:ffff:ffff"), true),
+            block
+        );
+        assert_eq!(
+            counted_as(ip("2001:db8:1:3::1"), true),
+            ip("2001:db8:1:3::")
+        );
+        assert_eq!(
+            counted_as(ip("2001:db8:1:2::1"), false),
+            ip("2001:db8:1:2::1")
+        );
+        assert_eq!(counted_as(ip("192.0.2.7"), true), ip("192.0.2.7"));
+        let table = Arc::new(PerIp::default());
+        let one = PerIp::take(&table, counted_as(ip("2001:db8::1"), true), 1);
+        assert!(one.is_some());
+        assert!(PerIp::take(&table, counted_as(ip("2001:db8::2"), true), 1).is_none());
+        assert!(PerIp::take(&table, counted_as(ip("2001:db8:0:1::2"), true), 1).is_some());
     }
 }

@@ -612,18 +612,22 @@ pub struct Upload {
     body: Option<Body>,
     framing: Framing,
     sent: u64,
+    /// Bytes written so far (head and framing too): whether the upload moved.
+    written: u64,
     /// The trailer fields the request announced (`announced_trailers`).
     trailers: Vec<HeaderName>,
 }
 
 /// The trailer fields a request's `Trailer` header announces: on a chunked body,
-/// only those are sent (as hyper's client).
+/// only those are sent (as hyper's client). None with `_` in its name: such request
+/// headers are dropped (`request::drop_underscored`), and a trailer is no way round.
 pub fn announced_trailers(h: &HeaderMap) -> Vec<HeaderName> {
     h.get_all(header::TRAILER)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .filter(|n| !n.as_str().contains('_'))
         .collect()
 }
 
@@ -656,6 +660,11 @@ pub enum UploadError {
 }
 
 impl Upload {
+    /// Bytes written so far: the upload moved if this grew.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
     /// Writes what is pending, then the body frame by frame; ready once all of it
     /// (its last chunk too) has gone out. Also polled while the response is read (a
     /// full-duplex exchange: the upstream answered before the body was all sent).
@@ -673,6 +682,7 @@ impl Upload {
                     return Poll::Ready(Err(UploadError::Write(io::ErrorKind::WriteZero.into())));
                 }
                 self.at += n;
+                self.written += n as u64;
             }
             // What is written goes out before the next frame is waited for (as
             // hyper's client): TLS keeps what the socket did not take, and a client
@@ -724,8 +734,8 @@ impl Upload {
                     Err(frame) => {
                         // Trailers: after the last chunk; a length-delimited body
                         // cannot carry them (hyper drops them too). As hyper's
-                        // client: only those `Trailer` announced, and none that
-                        // must not be a trailer.
+                        // client: only those `Trailer` announced (none with `_`),
+                        // and none that must not be a trailer.
                         if let (Ok(mut trailers), Framing::Chunked) =
                             (frame.into_trailers(), self.framing)
                         {
@@ -796,6 +806,7 @@ pub async fn exchange(
         body: (framing != Framing::Empty).then_some(body),
         framing,
         sent: 0,
+        written: 0,
         trailers,
     });
     // The upload is kept once over (its head may be sent again): whether it goes on.

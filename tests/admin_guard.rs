@@ -455,3 +455,44 @@ async fn the_admin_listeners_limits_are_configurable() {
         vec![true, true]
     );
 }
+
+/// The defect: a POST whose head came but whose body never does stayed in flight
+/// for ever (so `idle_timeout` never fired either). The body must come within
+/// `admin.request_header_timeout` too: 408, the connection closed, nothing applied.
+#[tokio::test]
+async fn an_admin_body_that_never_comes_is_answered_408_and_closed() {
+    use tokio::io::AsyncWriteExt;
+    let gw = start_gateway(&format!(
+        "admin: {{listen: \"127.0.0.1:0\", request_header_timeout: 300ms, idle_timeout: 30s}}\n{ROUTES}"
+    ))
+    .await;
+    let a = gw.admin_addr;
+    let mut s = connect(a).await;
+    let head = format!(
+        "POST /admin/deny HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 18\r\n\r\n{{\"ip\":",
+        local(a)
+    );
+    s.write_all(head.as_bytes()).await.expect("write the head");
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(3), read_response(&mut s))
+        .await
+        .expect("no answer within 3s")
+        .expect("an answer");
+    let (head, body) = answer;
+    assert!(
+        head.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+        "{head}"
+    );
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{head}"
+    );
+    assert_eq!(body, "request body not received in time\n");
+    assert!(
+        closes_within(&mut s, std::time::Duration::from_secs(1)).await,
+        "the connection stayed open"
+    );
+    drop(s);
+    assert_eq!(deny_list(a, &[]).await, Vec::<Value>::new());
+    gw.shutdown().await;
+}

@@ -427,15 +427,21 @@ async fn a_lingering_close_throws_away_at_most_64_mib() {
     );
 }
 
+/// The defect: after stop, a connection that was closing was dropped once
+/// `request_header_timeout` passed with nothing in flight, and a lingering close
+/// has nothing in flight: the drain was cut mid-read and the client got a reset.
+/// Here the header timeout is 200 ms and the client goes on sending for 1.5 s (each
+/// write given time to meet a reset): every write is taken, and shutdown waits
+/// until the client ends its body.
 #[tokio::test]
 async fn a_lingering_close_counts_as_open_during_the_shutdown_grace() {
     let gw = start_gateway(
-        "server: {listen: \"127.0.0.1:0\", max_request_body: 1KiB}\nroutes:\n  - {name: canned, match: {path_prefix: /}, respond: {status: 200, body: \"ok\\n\"}}\n",
+        "server: {listen: \"127.0.0.1:0\", max_request_body: 1KiB, request_header_timeout: 200ms}\nroutes:\n  - {name: canned, match: {path_prefix: /}, respond: {status: 200, body: \"ok\\n\"}}\n",
     )
     .await;
     let addr = gw.addr;
     let mut s = connect(addr).await;
-    s.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 2097152\r\n\r\n")
+    s.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 67108864\r\n\r\n")
         .await
         .expect("write head");
     s.write_all(&[b'x'; 64 * 1024]).await.expect("write body");
@@ -447,11 +453,20 @@ async fn a_lingering_close_counts_as_open_during_the_shutdown_grace() {
     })
     .await;
     assert!(refused.is_some(), "the listener never closed");
-    // Still draining: the body goes on being taken, and shutdown waits for it.
-    s.write_all(&[b'x'; 64 * 1024])
-        .await
-        .expect("write more body");
-    assert!(!stopping.is_finished());
+    // Still draining, past the header timeout: the body goes on being taken (a
+    // dropped drain would answer the next write with a reset).
+    let t0 = std::time::Instant::now();
+    let piece = vec![b'x'; 256 * 1024];
+    let mut sent = 0usize;
+    while t0.elapsed() < Duration::from_millis(1500) {
+        bounded("write", s.write_all(&piece))
+            .await
+            .unwrap_or_else(|e| panic!("after {} KiB of the drain: {e}", sent >> 10));
+        sent += piece.len();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(sent >= 3 << 20, "{sent}");
+    assert!(!stopping.is_finished(), "shutdown ended during the drain");
     // The client ends its body: the lingering close ends, and so does shutdown.
     s.shutdown().await.expect("shut the write side");
     bounded("shutdown", stopping).await.expect("shutdown task");

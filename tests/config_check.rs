@@ -330,6 +330,28 @@ routes:
     );
 }
 
+/// A 204 or 304 has no body (RFC 9110 §15.3.5, §15.4.5): hyper would drop it, and a
+/// HEAD answer would state its length. A body with either is refused at the body;
+/// an empty one, or another status, loads.
+#[test]
+fn respond_with_204_or_304_has_no_body() {
+    let yaml = "\
+routes:
+  - {name: a, respond: {status: 204, body: gone}}
+  - {name: b, respond: {status: 304, body: \"x\"}}
+  - {name: c, respond: {status: 204, body: \"\"}}
+  - {name: d, respond: {status: 304}}
+  - {name: e, respond: {status: 205, body: reset}}
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:2:44: respond.body must be empty with status 204, which has no body",
+            "rules.yaml:3:44: respond.body must be empty with status 304, which has no body",
+        ]
+    );
+}
+
 /// Framing and hop-by-hop fields in `respond.headers` would let the configured
 /// bytes desync the client (a length other than the body's) or speak for the
 /// connection: refused, whatever their case.

@@ -665,6 +665,45 @@ routes:
     assert_eq!(body, text(&head));
 }
 
+/// A 204 or 304 has no body, so its answer to HEAD states no length either (hyper
+/// writes what the map says). Before, `headless` gave a HEAD to a `respond` route
+/// with status 204 and a body `Content-Length: n`. `check` refuses such a body now;
+/// the gateway started unchecked shows the defence behind it. On sluice's own
+/// HTTP/1.1 server, on hyper's (after a request with a body) and on h2c.
+#[tokio::test]
+async fn a_head_answered_204_or_304_states_no_length() {
+    let up = upstream().await;
+    let gw = start_unchecked(&format!(
+        r#"
+upstreams:
+  app: {{targets: ["{}"]}}
+routes:
+  - {{name: gone, match: {{path: /gone}}, respond: {{status: 204, body: gone}}}}
+  - {{name: same, match: {{path: /same}}, respond: {{status: 304, body: "x"}}}}
+  - {{name: empty, match: {{path: /empty}}, respond: {{status: 204, body: ""}}}}
+  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}
+"#,
+        up.url()
+    ))
+    .await;
+    for (path, status) in [("/gone", 204), ("/same", 304), ("/empty", 204)] {
+        let req = format!("HEAD {path} HTTP/1.1\r\nhost: h\r\n\r\n");
+        for mut s in [connect(gw.addr).await, hyper_connection(gw.addr).await] {
+            s.write_all(req.as_bytes()).await.expect("write");
+            let head = read_head(&mut s)
+                .await
+                .expect("an answer")
+                .to_ascii_lowercase();
+            assert!(head.starts_with(&format!("http/1.1 {status} ")), "{head}");
+            assert!(!head.contains("\r\ncontent-length:"), "{path}: {head}");
+            assert!(!head.contains("\r\ntransfer-encoding:"), "{path}: {head}");
+        }
+        let r = h2c().send(Method::HEAD, &url(gw.addr, path), &[], "").await;
+        assert_eq!(r.status, status);
+        assert_eq!(r.header("content-length"), None, "{path}");
+    }
+}
+
 // === keys and client addresses ===
 
 /// One route per key kind, each allowing one request per key per minute.

@@ -544,3 +544,57 @@ async fn a_slow_but_steady_upstream_body_is_not_cut() {
     let m = metrics(gw.admin_addr).await;
     assert_eq!(upstream_timeouts(&m), Some(0.0));
 }
+
+/// The defect: an upstream that answered early (its head and part of its body) and
+/// then waited for the rest of a slow but live upload was cut after `read_timeout`
+/// and counted as an upstream timeout, though the wait was the client's (which
+/// `request_body_timeout` bounds). The upload moving is progress: a byte every
+/// 100 ms for 1.2 s, past the 300 ms `read_timeout`, with no read-ahead, and the
+/// answer comes whole; nothing is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_waiting_on_a_slow_upload_is_not_cut() {
+    const UPLOAD: &[u8] = b"abcdefghijkl";
+    let received = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let got = received.clone();
+    let (up, _) = raw_upstream(move |mut s| {
+        let got = got.clone();
+        async move {
+            if read_head(&mut s).await.is_none() {
+                return;
+            }
+            if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nearly")
+                .await
+                .is_err()
+            {
+                return;
+            }
+            let mut body = [0u8; UPLOAD.len()];
+            if s.read_exact(&mut body).await.is_err() {
+                return;
+            }
+            got.lock().unwrap().extend_from_slice(&body);
+            let _ = s.write_all(b"-late").await;
+        }
+    })
+    .await;
+    let gw = start_gateway(&format!(
+        "server: {{listen: \"127.0.0.1:0\", request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 2s, read_timeout: 300ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+    ))
+    .await;
+    let mut c = connect(gw.addr).await;
+    let head = format!(
+        "POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: {}\r\n\r\n",
+        UPLOAD.len()
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    for b in UPLOAD {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        c.write_all(&[*b]).await.expect("the upload is not cut off");
+    }
+    let (head, body) = read_response(&mut c).await.expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head:?}");
+    assert_eq!(body, "early-late");
+    assert_eq!(received.lock().unwrap().as_slice(), UPLOAD);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(upstream_timeouts(&m), Some(0.0));
+}

@@ -619,6 +619,16 @@ impl Checker<'_> {
                         format!("respond.status must be between 200 and 599, found {status}"),
                     );
                 }
+                // A 204 or 304 has no body (RFC 9110 §15.3.5, §15.4.5): hyper drops
+                // it, and a HEAD answer would state its length.
+                if matches!(status, 204 | 304) && !resp.body.as_str().is_empty() {
+                    self.at(
+                        &format!("{base}.respond.body"),
+                        format!(
+                            "respond.body must be empty with status {status}, which has no body"
+                        ),
+                    );
+                }
                 let headers = format!("{base}.respond.headers");
                 for (name, value) in &resp.headers {
                     let path = field(&headers, name);
