@@ -293,6 +293,15 @@ impl Admin {
             Ok(t) => t,
             Err(msg) => return bad_request(&msg),
         };
+        // The request path answers 400 to such a key before any deny list sees it.
+        if r.key
+            .as_deref()
+            .is_some_and(|k| !crate::client::printable_key(k))
+        {
+            return bad_request(
+                "key holds a byte outside printable ASCII (0x20-0x7E): requests carrying such a key get 400 before the deny list is read, so it could never match",
+            );
+        }
         let ttl = match r.ttl.as_deref().map(|t| (t, parse_duration(t.trim()))) {
             None => None,
             Some((_, Some(d))) if d.as_millis() > 0 => Some(d),

@@ -495,11 +495,27 @@ pub fn removed_line(target: &Target) -> String {
 
 /// The entries as an aligned table under a header row; every line ends in `\n`,
 /// and no line in trailing spaces.
-/// `s` with control and format characters escaped (`\n`, `\u{1b}`, `\u{202e}`).
+/// A key or address as printable ASCII, anything else escaped (`\u{a0}`): a key
+/// that a request can carry is printable ASCII, so anything else in one is an old
+/// entry's, shown so that it cannot pass for another.
+fn ascii(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c.to_string()
+            } else {
+                c.escape_default().to_string()
+            }
+        })
+        .collect()
+}
+
+/// `s` with control, format and invisible characters escaped (`\n`, `\u{1b}`,
+/// `\u{202e}`, `\u{3164}`).
 fn printable(s: &str) -> String {
     s.chars()
         .map(|c| {
-            if c.is_control() || is_format(c) {
+            if c.is_control() || is_format(c) || is_invisible(c) {
                 c.escape_default().to_string()
             } else {
                 c.to_string()
@@ -519,6 +535,17 @@ fn is_format(c: char) -> bool {
         | '\u{FFF9}'..='\u{FFFB}' | '\u{E0001}' | '\u{E0020}'..='\u{E007F}')
 }
 
+/// Characters that show as nothing or as blank space although they are no ASCII
+/// space: separators other than U+0020 (U+00A0, U+2000-U+200A, U+2028, U+2029,
+/// U+202F, U+205F, U+3000), Hangul fillers (U+115F, U+1160, U+3164, U+FFA0), the
+/// combining grapheme joiner (U+034F) and variation selectors.
+fn is_invisible(c: char) -> bool {
+    matches!(c,
+        '\u{00A0}' | '\u{034F}' | '\u{115F}' | '\u{1160}' | '\u{2000}'..='\u{200A}'
+        | '\u{2028}' | '\u{2029}' | '\u{202F}' | '\u{205F}' | '\u{3000}' | '\u{3164}'
+        | '\u{FE00}'..='\u{FE0F}' | '\u{FFA0}' | '\u{E0100}'..='\u{E01EF}')
+}
+
 pub fn table(entries: &[Entry]) -> String {
     let header = ["KIND", "VALUE", "SOURCE", "EXPIRES", "REASON"];
     // Keys and reasons come from clients: control and format characters are shown
@@ -528,13 +555,12 @@ pub fn table(entries: &[Entry]) -> String {
         .iter()
         .map(|e| {
             [
-                e.kind.as_str(),
-                e.value.as_str(),
-                e.source.as_str(),
-                e.expires_at.as_deref().unwrap_or("never"),
-                e.reason.as_deref().filter(|r| !r.is_empty()).unwrap_or("-"),
+                printable(e.kind.as_str()),
+                ascii(&e.value),
+                printable(e.source.as_str()),
+                printable(e.expires_at.as_deref().unwrap_or("never")),
+                printable(e.reason.as_deref().filter(|r| !r.is_empty()).unwrap_or("-")),
             ]
-            .map(printable)
         })
         .collect();
     let header = header.map(String::from);
@@ -629,6 +655,21 @@ mod tests {
         assert!(parse_ip("10.0.0.0/33").is_err());
         assert!(parse_ip("example.com").is_err());
         assert!(parse_key("").is_err());
+    }
+
+    /// Keys (an old entry's, from a state file or Redis, may be anything) are shown
+    /// as printable ASCII; reasons keep their text but not what hides or reorders it.
+    #[test]
+    fn keys_and_reasons_are_shown_so_that_they_cannot_pass_for_others() {
+        assert_eq!(ascii("k-1 ~x"), "k-1 ~x");
+        assert_eq!(
+            ascii("bad\u{3164}\u{a0}\u{301}\u{e9}\t"),
+            "bad\\u{3164}\\u{a0}\\u{301}\\u{e9}\\t"
+        );
+        assert_eq!(
+            printable("\u{e9}t\u{e9} \u{202e}\u{2028}\u{fe0f}\u{3000}\n"),
+            "\u{e9}t\u{e9} \\u{202e}\\u{2028}\\u{fe0f}\\u{3000}\\n"
+        );
     }
 
     #[test]

@@ -278,7 +278,7 @@ impl KeySpec {
     /// Node trims an NBSP off a header, PHP and others trim Unicode white space, so
     /// `k` followed by one would be `k` to the upstream, yet another key here.
     pub fn unprintable(&self, req: &Parts) -> Option<&KeyPart> {
-        let bad = |v: &[u8]| v.iter().any(|b| !(0x20..=0x7e).contains(b));
+        let bad = |v: &[u8]| !printable_bytes(v);
         self.parts.iter().find(|part| match part {
             KeyPart::Ip | KeyPart::Global => false,
             KeyPart::Header(h) => req
@@ -292,6 +292,16 @@ impl KeySpec {
             KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| bad(v.as_bytes())),
         })
     }
+}
+
+/// Whether `key` is one the request path can carry: printable ASCII (0x20-0x7E)
+/// only; a key value with any other byte is refused with 400 (`unprintable`).
+pub fn printable_key(key: &str) -> bool {
+    printable_bytes(key.as_bytes())
+}
+
+fn printable_bytes(v: &[u8]) -> bool {
+    v.iter().all(|b| (0x20..=0x7e).contains(b))
 }
 
 /// Whether a parameter or cookie sent as `sent` is the one named `name` to PHP,
@@ -382,7 +392,10 @@ fn cookie_text(b: &[u8]) -> Cow<'_, str> {
     if !b.iter().any(|c| matches!(c, b'%' | b'+')) {
         return String::from_utf8_lossy(b);
     }
-    let plus: Vec<u8> = b.iter().map(|c| if *c == b'+' { b' ' } else { *c }).collect();
+    let plus: Vec<u8> = b
+        .iter()
+        .map(|c| if *c == b'+' { b' ' } else { *c })
+        .collect();
     let decoded: Vec<u8> = percent_encoding::percent_decode(&plus).collect();
     Cow::Owned(String::from_utf8_lossy(&decoded).into_owned())
 }
@@ -716,9 +729,15 @@ mod tests {
         assert_eq!(key("sid=a%20b"), Ok("a b".into()));
         assert_eq!(key("sid=%20bad%20"), Ok("bad".into()));
         let p = parts("/?api_key=bad%20&x=1", &[]);
-        assert_eq!(spec(&["query:api_key"]).extract(&p, a).unwrap().value, "bad");
+        assert_eq!(
+            spec(&["query:api_key"]).extract(&p, a).unwrap().value,
+            "bad"
+        );
         let p = parts("/?api_key[]=bad", &[]);
-        assert_eq!(spec(&["query:api_key"]).extract(&p, a).unwrap().value, "bad");
+        assert_eq!(
+            spec(&["query:api_key"]).extract(&p, a).unwrap().value,
+            "bad"
+        );
     }
 
     /// Which part holds a byte outside printable ASCII, any copy of it, as the

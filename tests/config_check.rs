@@ -1034,6 +1034,22 @@ fn deny_status_and_keys() {
     );
 }
 
+/// A key no request can carry (requests with such a key value get 400) would
+/// never match: refused, in the deny list and in an override alike.
+#[test]
+fn keys_outside_printable_ascii_are_refused() {
+    let yaml = "deny:\n  keys: [ok, \"k\\u00a0\", \"\\u202ek\"]\nupstreams:\n  up: {targets: [\"http://127.0.0.1:1\"]}\nroutes:\n  - name: r\n    match: {path: /}\n    upstream: up\n    key: header:x-k\n    limits: [{algorithm: gcra, rate: 9/s}]\n    overrides:\n      - keys: [\"caf\\u00e9\"]\n        limits: [{algorithm: gcra, rate: 9/s}]\n";
+    let msg = "a key with a character outside printable ASCII (0x20-0x7E) never matches: requests carrying one get 400";
+    assert_eq!(
+        errors(yaml),
+        [
+            format!("rules.yaml:2:14: {msg}"),
+            format!("rules.yaml:2:25: {msg}"),
+            format!("rules.yaml:12:16: {msg}"),
+        ]
+    );
+}
+
 // === upstreams ===
 
 #[test]

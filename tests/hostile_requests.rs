@@ -768,11 +768,21 @@ async fn php_and_laravel_readings_of_cookies_and_arrays_are_the_key() {
         ("/q/x?api_key=leaked-key-123%20", ""),
     ] {
         let (status, _, body) = raw(gw.addr, &req("GET", path, extra)).await;
-        assert_eq!((status, body.as_str()), (403, "access denied\n"), "{path} {extra}");
+        assert_eq!(
+            (status, body.as_str()),
+            (403, "access denied\n"),
+            "{path} {extra}"
+        );
     }
     assert_eq!(up.hits(), 0);
     let mut got = Vec::new();
-    for extra in ["sid=a+b", "sid=a%20b", "%73id=a+b", "sid=%20a%20b", "sid=a+b"] {
+    for extra in [
+        "sid=a+b",
+        "sid=a%20b",
+        "%73id=a+b",
+        "sid=%20a%20b",
+        "sid=a+b",
+    ] {
         let line = format!("cookie: {extra}\r\n");
         got.push(raw(gw.addr, &req("GET", "/c/x", &line)).await.0);
     }

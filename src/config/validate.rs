@@ -69,6 +69,9 @@ pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
     found.into_iter().map(ConfigWarning).collect()
 }
 
+/// A key that no request can carry: the request path refuses it with 400.
+const UNPRINTABLE_KEY: &str = "a key with a character outside printable ASCII (0x20-0x7E) never matches: requests carrying one get 400";
+
 /// Headers any client can write, whatever sluice does with them on the way.
 const CLIENT_WRITTEN: [&str; 3] = ["x-forwarded-for", "forwarded", "x-real-ip"];
 
@@ -537,6 +540,8 @@ impl Checker<'_> {
         for (i, k) in deny.keys.iter().enumerate() {
             if k.is_empty() {
                 self.at(&item("deny.keys", i), "deny.keys entries must not be empty");
+            } else if !crate::client::printable_key(k) {
+                self.at(&item("deny.keys", i), UNPRINTABLE_KEY);
             }
         }
     }
@@ -789,6 +794,8 @@ impl Checker<'_> {
                         &item(&format!("{op}.keys"), k),
                         "override keys must not be empty",
                     );
+                } else if !crate::client::printable_key(key) {
+                    self.at(&item(&format!("{op}.keys"), k), UNPRINTABLE_KEY);
                 }
             }
             if ov.limits.is_empty() {
