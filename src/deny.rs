@@ -3,8 +3,9 @@
 //! rebuilt on every reload; dynamic entries (admin API, bans, other instances) live
 //! beside it in the same kind of table and survive reloads. Addresses are looked up
 //! in a prefix trie, so a check costs O(prefix length) however many entries there are.
-//! Keys longer than 256 bytes are kept as their hash, as the limiter stores them, and
-//! the dynamic part holds at most `deny.max_entries`.
+//! Client keys are kept as the limiter stores them (long ones, and any that could
+//! spell a hash, as their hash), and the dynamic part holds at most
+//! `deny.max_entries`.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -16,7 +17,7 @@ use ipnet::IpNet;
 use prefix_trie::joint::JointPrefixMap;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{canonical, canonical_net, KeyDigest, MAX_STORED_KEY};
+use crate::client::{canonical, canonical_net, kept_hashed, KeyDigest};
 
 // === entries ===
 
@@ -52,11 +53,23 @@ impl Target {
         Some(Target::Ip(net))
     }
 
-    /// A client key as it is kept: itself, or `#` and its SHA-1 when it is longer than
-    /// 256 bytes (as the limiter stores it), so a client cannot make the table hold
-    /// its 30 KB keys. A key given in that hashed form is taken as it is: that is how
-    /// a listed entry of a long key is named to remove it.
+    /// A key as the admin API or the configuration names it: a key in the hashed form
+    /// (`#` and 40 lower-case hex digits) is taken as it is, since that is how a
+    /// listed entry of a long key is named; any other key is kept as a client's key
+    /// is (see `Target::client_key`).
     pub fn key(k: &str) -> Target {
+        if crate::client::is_digest(k) {
+            Target::Key(k.to_string())
+        } else {
+            Target::client_key(k)
+        }
+    }
+
+    /// A key as the client sent it, kept as the limiter stores it: itself, or `#` and
+    /// its SHA-1 when it is longer than 256 bytes (so a client cannot make the table
+    /// hold its 30 KB keys), starts with `#` (so a client sending `#<sha1 of K>` is
+    /// never taken for K) or holds `{`/`}`.
+    pub fn client_key(k: &str) -> Target {
         Target::Key(stored_key(k, &mut None).to_string())
     }
 
@@ -213,10 +226,11 @@ pub struct BanRequest {
 
 // === the table ===
 
-/// A key as the table keeps it (see `Target::key`); `digest` holds the hash when
-/// there is one, so that the lookup of a long key allocates nothing.
+/// A key the client sent as the table keeps it (see `Target::client_key`); `digest`
+/// holds the hash when there is one, so that the lookup of a long key allocates
+/// nothing.
 pub fn stored_key<'a>(k: &'a str, digest: &'a mut Option<KeyDigest>) -> &'a str {
-    if k.len() > MAX_STORED_KEY {
+    if kept_hashed(k) {
         digest.insert(KeyDigest::of(k)).as_str()
     } else {
         k
@@ -755,8 +769,33 @@ mod tests {
         t.insert(e);
         assert_eq!(t.entries()[0].target.value(), hashed);
         assert!(t.key(&long));
-        assert!(t.key(&hashed));
+        assert!(!t.key(&hashed));
         assert!(!t.key(&"k".repeat(29_999)));
+    }
+
+    #[test]
+    fn a_client_key_never_spells_a_hashed_one() {
+        let long = "L".repeat(300);
+        let hashed = KeyDigest::of(&long).as_str().to_string();
+        let banned = |t: Target| {
+            let mut e = entry("placeholder", Source::Ban, None);
+            e.target = t;
+            let mut table = DenyTable::new();
+            table.insert(e);
+            table
+        };
+        // The long key banned: a client sending `#<sha1 of it>` is not denied.
+        let t = banned(Target::client_key(&long));
+        assert_eq!((t.key(&long), t.key(&hashed)), (true, false));
+        // The literal `#<sha1>` banned: the long key is not denied.
+        let t = banned(Target::client_key(&hashed));
+        assert_eq!((t.key(&hashed), t.key(&long)), (true, false));
+        // The admin API and the configuration name the long key's entry by its hash;
+        // any other key starting with `#` is hashed like a client's.
+        assert_eq!(Target::key(&hashed), Target::client_key(&long));
+        assert_eq!(Target::key("#x"), Target::client_key("#x"));
+        assert_ne!(Target::key("#x"), Target::Key("#x".into()));
+        assert_eq!(Target::key(&hashed.to_uppercase()), Target::client_key(&hashed.to_uppercase()));
     }
 
     #[test]
