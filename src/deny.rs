@@ -246,13 +246,15 @@ struct Slot {
 }
 
 /// Entries by target: addresses and blocks in a prefix trie, keys in a hash map, with
-/// an index of expiry times and counts by source kept up to date, so purging,
+/// indexes of expiry times and counts by source kept up to date, so purging,
 /// counting and evicting cost nothing for entries that are not expiring.
 #[derive(Debug, Clone, Default)]
 pub struct DenyTable {
     ips: JointPrefixMap<IpNet, Slot>,
     keys: HashMap<String, Slot>,
-    expiries: BTreeSet<(u64, u64, Target)>,
+    /// The entries that expire, by (expiry, seq), one index per `eviction_rank`:
+    /// bans are evicted before any admin entry.
+    expiries: [BTreeSet<(u64, u64, Target)>; 2],
     counts: [usize; 3],
     seq: u64,
 }
@@ -323,7 +325,7 @@ impl DenyTable {
         }
         self.counts[source.index()] += 1;
         if let Some(at) = expires {
-            self.expiries.insert((at, self.seq, e.target.clone()));
+            self.expiries[eviction_rank(source)].insert((at, self.seq, e.target.clone()));
         }
         old.map(|s| Entry {
             target: e.target,
@@ -332,14 +334,17 @@ impl DenyTable {
     }
 
     /// Adds or replaces the entry for its target, keeping at most `max` entries: a
-    /// new target beyond it evicts the entry closest to expiry (of those that
-    /// expire; an entry that stays until removed is never evicted). Returns the
-    /// evicted entries; `Full` if every entry stays until removed.
+    /// new target beyond it evicts the ban closest to expiry, or when no ban
+    /// expires, the admin entry closest to expiry (so a flood of bans never pushes
+    /// out an operator's entry; an entry that stays until removed is never
+    /// evicted). Returns the evicted entries; `Full` if every entry stays until
+    /// removed.
     pub fn insert_within(&mut self, e: Entry, max: usize) -> Result<Vec<Entry>, Full> {
         let mut evicted = Vec::new();
         if self.get(&e.target).is_none() {
             while self.len() >= max {
-                let Some((_, _, first)) = self.expiries.first().cloned() else {
+                let Some((_, _, first)) = self.expiries.iter().find_map(|x| x.first()).cloned()
+                else {
                     return Err(Full(max));
                 };
                 evicted.extend(self.remove(&first));
@@ -365,7 +370,7 @@ impl DenyTable {
     fn forget(&mut self, t: &Target, slot: &Slot) {
         self.counts[slot.meta.source.index()] -= 1;
         if let Some(at) = slot.meta.expires_at_ms {
-            self.expiries.remove(&(at, slot.seq, t.clone()));
+            self.expiries[eviction_rank(slot.meta.source)].remove(&(at, slot.seq, t.clone()));
         }
     }
 
@@ -430,19 +435,16 @@ impl DenyTable {
 
     /// Removes the entries expired at `now_ms`, soonest first; returns them.
     pub fn purge(&mut self, now_ms: u64) -> Vec<Entry> {
-        let mut expired = Vec::new();
-        while let Some((at, _, _)) = self.expiries.first() {
-            if *at > now_ms {
-                break;
-            }
-            let Some((_, _, target)) = self.expiries.pop_first() else {
-                break;
-            };
-            if let Some(e) = self.remove(&target) {
-                expired.push(e);
+        let mut due = Vec::new();
+        for index in &mut self.expiries {
+            while index.first().is_some_and(|(at, _, _)| *at <= now_ms) {
+                due.extend(index.pop_first());
             }
         }
-        expired
+        due.sort_unstable();
+        due.into_iter()
+            .filter_map(|(_, _, target)| self.remove(&target))
+            .collect()
     }
 
     /// How many entries came from `source`.
@@ -452,6 +454,14 @@ impl DenyTable {
 
     pub fn len(&self) -> usize {
         self.counts.iter().sum()
+    }
+}
+
+/// Which expiry index an entry of `source` is in: bans (0) are evicted first.
+fn eviction_rank(source: Source) -> usize {
+    match source {
+        Source::Ban => 0,
+        Source::Api | Source::Static => 1,
     }
 }
 
@@ -754,6 +764,31 @@ mod tests {
             Err(Full(1))
         );
         assert!(p.get(&Target::key("b")).is_none());
+    }
+
+    #[test]
+    fn a_flood_of_bans_evicts_bans_before_an_admins_entry() {
+        let hour = 3_600_000;
+        let mut t = DenyTable::new();
+        t.insert_within(entry("admin", Source::Api, Some(hour)), 5)
+            .unwrap();
+        // Bans that outlast the admin's entry: still evicted before it.
+        for i in 0..20u64 {
+            t.insert_within(entry(&format!("ban{i:02}"), Source::Ban, Some(2 * hour + i)), 5)
+                .unwrap();
+        }
+        let kept: Vec<String> = t.entries().iter().map(|e| e.target.value()).collect();
+        assert_eq!(kept, ["admin", "ban16", "ban17", "ban18", "ban19"]);
+        assert_eq!((t.count(Source::Api), t.count(Source::Ban)), (1, 4));
+        // With no ban left to evict, api entries go, soonest first.
+        let mut t = DenyTable::new();
+        t.insert_within(entry("late", Source::Api, Some(2 * hour)), 2).unwrap();
+        t.insert_within(entry("soon", Source::Api, Some(hour)), 2).unwrap();
+        let gone = t.insert_within(entry("ban", Source::Ban, Some(3 * hour)), 2).unwrap();
+        assert_eq!(gone.iter().map(|e| e.target.value()).collect::<Vec<_>>(), ["soon"]);
+        // Purged soonest first, whatever the source.
+        let purged: Vec<String> = t.purge(u64::MAX).iter().map(|e| e.target.value()).collect();
+        assert_eq!(purged, ["late", "ban"]);
     }
 
     #[test]
