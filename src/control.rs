@@ -369,7 +369,7 @@ impl Control {
         let max = self.max_entries();
         let written = match &self.sync {
             Some(sync) => match sync.put_within(&e, max).await.map_err(store_error)? {
-                Written::Changed(at) => Some(at),
+                Written::Changed(at, _) => Some(at),
                 Written::Kept => None,
                 Written::Full => return Err(Full(max).into()),
             },
@@ -519,7 +519,7 @@ impl Control {
                         lock(&pending).retain(|p| *p != e);
                         // Redis kept a longer entry (or had no room): this copy holds
                         // the ban instead.
-                        if !matches!(written, Written::Changed(_)) {
+                        if !matches!(written, Written::Changed(..)) {
                             sync.recheck();
                         }
                     }
