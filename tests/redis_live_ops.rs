@@ -1475,3 +1475,63 @@ async fn a_flood_of_bans_in_redis_evicts_bans_before_an_admins_entry() {
         ["key:admin", "key:ban16", "key:ban17", "key:ban18", "key:ban19"]
     );
 }
+
+/// An instance's own ban at `deny.max_entries` evicts, on its copy, exactly what
+/// Redis evicted for it. Two bans expire in the same millisecond: Redis breaks the
+/// tie by field (`key:a` first), the copy would by arrival (`key:b` first); the
+/// copy must not keep `a` and lose `b` while Redis keeps `b`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_own_ban_at_the_cap_evicts_what_redis_evicted() {
+    let _load = shared().await;
+    let redis = RedisServer::start();
+    let yaml = format!(
+        "deny: {{max_entries: 5}}\n{}",
+        banning_gateway(&redis, "deny", "1h")
+    );
+    let a = in_process(&yaml).await;
+    let db = Db::One(&redis);
+    subscribed(&db, &[1]).await;
+    let other = deny_sync(&redis).await;
+    let soon = now_ms() + 600_000;
+    for e in [
+        key_entry("perm1", Source::Api, None),
+        key_entry("perm2", Source::Api, None),
+        key_entry("perm3", Source::Api, None),
+        key_entry("b", Source::Ban, Some(soon)),
+        key_entry("a", Source::Ban, Some(soon)),
+    ] {
+        other.put_within(&e, 5).await.unwrap();
+    }
+    let listed = || async {
+        let mut v: Vec<String> = a
+            .list()
+            .await
+            .iter()
+            .map(|e| format!("key:{}", e["value"].as_str().unwrap_or("")))
+            .collect();
+        v.sort();
+        v
+    };
+    let copied = eventually(PROPAGATION, || async { listed().await.len() == 5 }).await;
+    assert!(copied.is_some(), "A lists {:?}", listed().await);
+    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(10)).await;
+    let reads = redis.calls("hscan");
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(a.ask("10.0.0.1", "z").await);
+    }
+    assert_eq!(statuses, [200, 429, 429]);
+    let want = ["key:b", "key:perm1", "key:perm2", "key:perm3", "key:z"];
+    let same = eventually(Duration::from_secs(2), || async {
+        db.fields() == want && listed().await == want
+    })
+    .await;
+    assert!(
+        same.is_some(),
+        "Redis {:?}, A {:?}",
+        db.fields(),
+        listed().await
+    );
+    // By the published change, not by reading the whole list again.
+    assert_eq!(redis.calls("hscan"), reads);
+}
