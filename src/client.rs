@@ -205,7 +205,9 @@ pub fn kept_hashed(k: &str) -> bool {
 pub fn is_digest(k: &str) -> bool {
     k.len() == 41
         && k.starts_with('#')
-        && k[1..].bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        && k[1..]
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// `#` and a key's SHA-1 in lower-case hex: the form a key is stored in when it

@@ -774,18 +774,28 @@ mod tests {
             .unwrap();
         // Bans that outlast the admin's entry: still evicted before it.
         for i in 0..20u64 {
-            t.insert_within(entry(&format!("ban{i:02}"), Source::Ban, Some(2 * hour + i)), 5)
-                .unwrap();
+            t.insert_within(
+                entry(&format!("ban{i:02}"), Source::Ban, Some(2 * hour + i)),
+                5,
+            )
+            .unwrap();
         }
         let kept: Vec<String> = t.entries().iter().map(|e| e.target.value()).collect();
         assert_eq!(kept, ["admin", "ban16", "ban17", "ban18", "ban19"]);
         assert_eq!((t.count(Source::Api), t.count(Source::Ban)), (1, 4));
         // With no ban left to evict, api entries go, soonest first.
         let mut t = DenyTable::new();
-        t.insert_within(entry("late", Source::Api, Some(2 * hour)), 2).unwrap();
-        t.insert_within(entry("soon", Source::Api, Some(hour)), 2).unwrap();
-        let gone = t.insert_within(entry("ban", Source::Ban, Some(3 * hour)), 2).unwrap();
-        assert_eq!(gone.iter().map(|e| e.target.value()).collect::<Vec<_>>(), ["soon"]);
+        t.insert_within(entry("late", Source::Api, Some(2 * hour)), 2)
+            .unwrap();
+        t.insert_within(entry("soon", Source::Api, Some(hour)), 2)
+            .unwrap();
+        let gone = t
+            .insert_within(entry("ban", Source::Ban, Some(3 * hour)), 2)
+            .unwrap();
+        assert_eq!(
+            gone.iter().map(|e| e.target.value()).collect::<Vec<_>>(),
+            ["soon"]
+        );
         // Purged soonest first, whatever the source.
         let purged: Vec<String> = t.purge(u64::MAX).iter().map(|e| e.target.value()).collect();
         assert_eq!(purged, ["late", "ban"]);
@@ -830,7 +840,10 @@ mod tests {
         assert_eq!(Target::key(&hashed), Target::client_key(&long));
         assert_eq!(Target::key("#x"), Target::client_key("#x"));
         assert_ne!(Target::key("#x"), Target::Key("#x".into()));
-        assert_eq!(Target::key(&hashed.to_uppercase()), Target::client_key(&hashed.to_uppercase()));
+        assert_eq!(
+            Target::key(&hashed.to_uppercase()),
+            Target::client_key(&hashed.to_uppercase())
+        );
     }
 
     #[test]

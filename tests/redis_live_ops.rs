@@ -1403,7 +1403,11 @@ async fn the_entries_hash_evicted_alone_is_written_back() {
     assert_eq!(db.fields(), all);
     let _: i64 = db.cmd(&["DEL", ENTRIES]);
     let back = eventually(Duration::from_secs(3), || async { db.fields() == all }).await;
-    assert!(back.is_some(), "in Redis after the eviction: {:?}", db.fields());
+    assert!(
+        back.is_some(),
+        "in Redis after the eviction: {:?}",
+        db.fields()
+    );
     a.add(json!({"key": "k4"})).await;
     let everywhere = eventually(Duration::from_secs(3), || async {
         let mut denied = 0;
@@ -1472,7 +1476,13 @@ async fn a_flood_of_bans_in_redis_evicts_bans_before_an_admins_entry() {
     }
     assert_eq!(
         db.fields(),
-        ["key:admin", "key:ban16", "key:ban17", "key:ban18", "key:ban19"]
+        [
+            "key:admin",
+            "key:ban16",
+            "key:ban17",
+            "key:ban18",
+            "key:ban19"
+        ]
     );
 }
 
