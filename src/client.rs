@@ -185,12 +185,29 @@ impl<'a> ClientKey<'a> {
     /// (so a raw key can never equal a hashed one).
     pub fn stored(&self) -> Cow<'_, str> {
         let k: &str = &self.value;
-        if k.len() > MAX_STORED_KEY || k.starts_with('#') || k.contains(['{', '}']) {
+        if kept_hashed(k) {
             Cow::Owned(KeyDigest::of(k).as_str().to_string())
         } else {
             Cow::Borrowed(k)
         }
     }
+}
+
+/// Whether a key the client sent is stored as its hash (`KeyDigest`): it is long,
+/// holds characters that would break a Redis hash tag (`{`, `}`), or starts with `#`
+/// (so no client can send a key that spells another key's hash). The one rule for
+/// the limiter, the strikes and the deny list's lookups.
+pub fn kept_hashed(k: &str) -> bool {
+    k.len() > MAX_STORED_KEY || k.starts_with('#') || k.contains(['{', '}'])
+}
+
+/// Whether `k` is the form `KeyDigest` writes: `#` and 40 lower-case hex digits.
+pub fn is_digest(k: &str) -> bool {
+    k.len() == 41
+        && k.starts_with('#')
+        && k[1..]
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// `#` and a key's SHA-1 in lower-case hex: the form a key is stored in when it

@@ -6,7 +6,7 @@
 //! to the request path as one swapped snapshot) and so survive reloads.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -125,6 +125,9 @@ pub struct Control {
     retired: Mutex<Option<Arc<DenyView>>>,
     /// A write-back is under way.
     writing_back: Arc<AtomicBool>,
+    /// This instance's bans on their way to Redis, which the copy holds beyond
+    /// `deny.max_entries` until Redis says what each evicted (see `insert_ban`).
+    bans_in_flight: Arc<AtomicUsize>,
 }
 
 struct Dynamic {
@@ -201,6 +204,7 @@ impl Control {
             publish_wake: Notify::new(),
             retired: Mutex::new(None),
             writing_back: Arc::new(AtomicBool::new(false)),
+            bans_in_flight: Arc::new(AtomicUsize::new(0)),
             dynamic: Mutex::new(Dynamic {
                 table: DynamicTable::new(table),
                 rebuild_after: Instant::now(),
@@ -380,15 +384,17 @@ impl Control {
         let max = self.max_entries();
         let written = match &self.sync {
             Some(sync) => match sync.put_within(&e, max).await.map_err(store_error)? {
-                Written::Changed(at) => Some(at),
+                Written::Changed(at, evicted) => Some((at, evicted)),
                 Written::Kept => None,
                 Written::Full => return Err(Full(max).into()),
             },
             None => None,
         };
         let mut added = Ok(());
-        self.change_unless_followed(written.as_ref(), |t| {
-            added = self.evicting(t.insert_within(e.clone(), max));
+        self.change_unless_followed(written.as_ref().map(|(at, _)| at), |t| match &written {
+            // What Redis evicted for it, not what this copy would choose.
+            Some((_, evicted)) => self.put_shared(t, e.clone(), evicted, max),
+            None => added = self.insert_within(t, e.clone(), max).map(drop),
         });
         // With Redis the shared list took it: the follower keeps this copy in step.
         if written.is_none() {
@@ -403,8 +409,19 @@ impl Control {
         self.shared.runtime.load().deny.max_entries
     }
 
-    /// Counts and logs what an `insert_within` evicted.
-    fn evicting(&self, inserted: Result<Vec<Entry>, Full>) -> Result<(), Full> {
+    /// Inserts `e` into the dynamic table within `max` entries, counting and logging
+    /// what it evicts; returns the evicted targets.
+    fn insert_within(
+        &self,
+        t: &mut DynamicTable,
+        e: Entry,
+        max: usize,
+    ) -> Result<Vec<Target>, Full> {
+        self.evicting(t.insert_within(e, max))
+    }
+
+    /// Counts and logs what an `insert_within` evicted; the evicted targets.
+    fn evicting(&self, inserted: Result<Vec<Entry>, Full>) -> Result<Vec<Target>, Full> {
         let evicted = inserted?;
         if !evicted.is_empty() {
             self.shared
@@ -415,7 +432,43 @@ impl Control {
                 tracing::debug!(entry = %old.target.logged(), "deny entry evicted at deny.max_entries");
             }
         }
-        Ok(())
+        Ok(evicted.into_iter().map(|e| e.target).collect())
+    }
+
+    /// Applies an entry the shared list took: exactly the entries Redis evicted for
+    /// it leave this copy, so copies and Redis evict alike. Only a copy still at the
+    /// cap (beyond this instance's own bans in flight) differs from Redis: it
+    /// evicts by itself and reads the list again at the next poll.
+    fn put_shared(&self, t: &mut DynamicTable, e: Entry, evicted: &[Target], max: usize) {
+        for x in evicted {
+            t.remove(x);
+        }
+        let room = max.saturating_add(self.bans_in_flight.load(Ordering::Acquire));
+        if t.get(&e.target).is_some() || t.len() < room {
+            t.insert(e);
+            return;
+        }
+        let _ = self.insert_within(t, e, max);
+        if let Some(sync) = &self.sync {
+            sync.recheck();
+        }
+    }
+
+    /// Inserts this instance's own ban. With Redis, the shared list decides what a
+    /// ban at the cap evicts and the follower applies that (`put_shared`), so the
+    /// copy holds one entry beyond `max` per ban on its way to Redis; past that
+    /// (Redis slow or away), and without Redis, the copy evicts by itself. Returns
+    /// what it evicted.
+    fn insert_ban(&self, t: &mut DynamicTable, e: Entry, max: usize) -> Result<Vec<Target>, Full> {
+        let in_flight = match &self.sync {
+            Some(_) => self.bans_in_flight.load(Ordering::Acquire),
+            None => 0,
+        };
+        if t.get(&e.target).is_none() && t.len() < max.saturating_add(in_flight) {
+            t.insert(e);
+            return Ok(Vec::new());
+        }
+        self.insert_within(t, e, max)
     }
 
     async fn deny_remove(&self, target: Target) -> Result<Reply, ControlError> {
@@ -508,13 +561,28 @@ impl Control {
             },
         };
         let max = self.max_entries();
-        let mut added = Ok(());
-        self.change_soon(|t| added = self.evicting(t.insert_within(e.clone(), max)));
-        if let Err(full) = added {
-            // Once per refusal that asks: debug, so a flood cannot flood the log.
-            tracing::debug!(entry = %e.target.logged(), "ban not made: {full}");
-            return;
-        }
+        let mut added = Ok(Vec::new());
+        self.change_soon(|t| {
+            // Counted before the insert, so that it makes room for itself.
+            if self.sync.is_some() {
+                self.bans_in_flight.fetch_add(1, Ordering::AcqRel);
+            }
+            added = self.insert_ban(t, e.clone(), max);
+        });
+        let evicted_here = match added {
+            Ok(mut evicted) => {
+                evicted.sort();
+                evicted
+            }
+            Err(full) => {
+                if self.sync.is_some() {
+                    self.bans_in_flight.fetch_sub(1, Ordering::AcqRel);
+                }
+                // Once per refusal that asks: debug, so a flood cannot flood the log.
+                tracing::debug!(entry = %e.target.logged(), "ban not made: {full}");
+                return;
+            }
+        };
         tracing::warn!(route = %b.route, entry = %e.target.logged(), duration = %fmt_dur(b.duration), "banned");
         self.shared
             .metrics
@@ -526,14 +594,26 @@ impl Control {
         // read of the shared list meanwhile keeps it.
         if let Some(sync) = self.sync.clone() {
             lock(&self.pending).push(e.clone());
-            let pending = self.pending.clone();
+            let (pending, in_flight) = (self.pending.clone(), self.bans_in_flight.clone());
             tokio::spawn(async move {
-                match sync.put_within(&e, max).await {
+                let written = sync.put_within(&e, max).await;
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+                match written {
                     Ok(written) => {
                         lock(&pending).retain(|p| *p != e);
-                        // Redis kept a longer entry (or had no room): this copy holds
-                        // the ban instead.
-                        if !matches!(written, Written::Changed(_)) {
+                        let agrees = match written {
+                            // The follower applies what Redis evicted, unless this
+                            // copy evicted for itself (too many bans in flight) and
+                            // chose other entries.
+                            Written::Changed(_, mut evicted) => {
+                                evicted.sort();
+                                evicted_here.is_empty() || evicted == evicted_here
+                            }
+                            // Redis kept a longer entry (or had no room): this copy
+                            // holds the ban instead.
+                            Written::Kept | Written::Full => false,
+                        };
+                        if !agrees {
                             sync.recheck();
                         }
                     }
@@ -554,14 +634,7 @@ impl Control {
         let sync = self.sync.as_ref();
         let max = self.max_entries();
         match r {
-            Remote::Put(e, evicted) => {
-                for t in &evicted {
-                    d.table.remove(t);
-                }
-                // Within the cap here too: the shared list evicted the same entry,
-                // unless the copies differ, and the next read makes them agree.
-                let _ = self.evicting(d.table.insert_within(e, max));
-            }
+            Remote::Put(e, evicted) => self.put_shared(&mut d.table, e, &evicted, max),
             Remote::Delete(target) => {
                 lock(&self.pending).retain(|e| e.target != target);
                 d.table.remove(&target);
@@ -586,9 +659,16 @@ impl Control {
                 }
                 tidy(&mut pending, now);
                 // Until written back, pending entries stay enforced here, whatever a
-                // half-restored list says.
+                // half-restored list says; bans in flight beyond the cap, since Redis
+                // says what each evicts (`insert_ban`).
+                let room = max.saturating_add(self.bans_in_flight.load(Ordering::Acquire));
                 for e in pending.iter() {
-                    if all.get(&e.target).is_none() {
+                    if all.get(&e.target).is_some() {
+                        continue;
+                    }
+                    if all.len() < room {
+                        all.insert(e.clone());
+                    } else {
                         let _ = self.evicting(all.insert_within(e.clone(), max));
                     }
                 }

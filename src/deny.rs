@@ -5,8 +5,9 @@
 //! in a prefix trie, so a check costs O(prefix length) however many entries there are.
 //! The request path reads the dynamic part through a `DenyView` (a base rebuilt now
 //! and then, and the changes since), so that publishing a change does not copy it.
-//! Keys longer than 256 bytes are kept as their hash, as the limiter stores them, and
-//! the dynamic part holds at most `deny.max_entries`.
+//! Client keys are kept as the limiter stores them (long ones, and any that could
+//! spell a hash, as their hash), and the dynamic part holds at most
+//! `deny.max_entries`.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -18,7 +19,7 @@ use ipnet::IpNet;
 use prefix_trie::joint::JointPrefixMap;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{canonical, canonical_net, KeyDigest, MAX_STORED_KEY};
+use crate::client::{canonical, canonical_net, kept_hashed, KeyDigest};
 
 // === entries ===
 
@@ -54,11 +55,23 @@ impl Target {
         Some(Target::Ip(net))
     }
 
-    /// A client key as it is kept: itself, or `#` and its SHA-1 when it is longer than
-    /// 256 bytes (as the limiter stores it), so a client cannot make the table hold
-    /// its 30 KB keys. A key given in that hashed form is taken as it is: that is how
-    /// a listed entry of a long key is named to remove it.
+    /// A key as the admin API or the configuration names it: a key in the hashed form
+    /// (`#` and 40 lower-case hex digits) is taken as it is, since that is how a
+    /// listed entry of a long key is named; any other key is kept as a client's key
+    /// is (see `Target::client_key`).
     pub fn key(k: &str) -> Target {
+        if crate::client::is_digest(k) {
+            Target::Key(k.to_string())
+        } else {
+            Target::client_key(k)
+        }
+    }
+
+    /// A key as the client sent it, kept as the limiter stores it: itself, or `#` and
+    /// its SHA-1 when it is longer than 256 bytes (so a client cannot make the table
+    /// hold its 30 KB keys), starts with `#` (so a client sending `#<sha1 of K>` is
+    /// never taken for K) or holds `{`/`}`.
+    pub fn client_key(k: &str) -> Target {
         Target::Key(stored_key(k, &mut None).to_string())
     }
 
@@ -209,10 +222,11 @@ pub struct BanRequest {
 
 // === the table ===
 
-/// A key as the table keeps it (see `Target::key`); `digest` holds the hash when
-/// there is one, so that the lookup of a long key allocates nothing.
+/// A key the client sent as the table keeps it (see `Target::client_key`); `digest`
+/// holds the hash when there is one, so that the lookup of a long key allocates
+/// nothing.
 pub fn stored_key<'a>(k: &'a str, digest: &'a mut Option<KeyDigest>) -> &'a str {
-    if k.len() > MAX_STORED_KEY {
+    if kept_hashed(k) {
         digest.insert(KeyDigest::of(k)).as_str()
     } else {
         k
@@ -228,14 +242,16 @@ struct Slot {
 }
 
 /// Entries by target: addresses and blocks in a prefix trie, keys in a hash map, with
-/// an index of expiry times and counts by source kept up to date, so purging,
+/// indexes of expiry times and counts by source kept up to date, so purging,
 /// counting and evicting cost nothing for entries that are not expiring.
 #[derive(Debug, Clone, Default)]
 pub struct DenyTable {
     ips: JointPrefixMap<IpNet, Slot>,
     /// Shared with the request path's `Base`, not copied.
     keys: HashMap<Arc<str>, Slot>,
-    expiries: BTreeSet<(u64, u64, Target)>,
+    /// The entries that expire, by (expiry, seq), one index per `eviction_rank`:
+    /// bans are evicted before any admin entry.
+    expiries: [BTreeSet<(u64, u64, Target)>; 2],
     counts: [usize; 3],
     seq: u64,
 }
@@ -312,7 +328,7 @@ impl DenyTable {
         }
         self.counts[source.index()] += 1;
         if let Some(at) = expires {
-            self.expiries.insert((at, self.seq, e.target.clone()));
+            self.expiries[eviction_rank(source)].insert((at, self.seq, e.target.clone()));
         }
         old.map(|s| Entry {
             target: e.target,
@@ -321,9 +337,11 @@ impl DenyTable {
     }
 
     /// Adds or replaces the entry for its target, keeping at most `max` entries: a
-    /// new target beyond it evicts the entry closest to expiry (of those that
-    /// expire; an entry that stays until removed is never evicted). Returns the
-    /// evicted entries; `Full` if every entry stays until removed.
+    /// new target beyond it evicts the ban closest to expiry, or when no ban
+    /// expires, the admin entry closest to expiry (so a flood of bans never pushes
+    /// out an operator's entry; an entry that stays until removed is never
+    /// evicted). Returns the evicted entries; `Full` if every entry stays until
+    /// removed.
     pub fn insert_within(&mut self, e: Entry, max: usize) -> Result<Vec<Entry>, Full> {
         let mut evicted = Vec::new();
         if self.get(&e.target).is_none() {
@@ -333,7 +351,8 @@ impl DenyTable {
                 return Err(Full(max));
             }
             while self.len() >= max {
-                let Some((_, _, first)) = self.expiries.first().cloned() else {
+                let Some((_, _, first)) = self.expiries.iter().find_map(|x| x.first()).cloned()
+                else {
                     return Err(Full(max));
                 };
                 evicted.extend(self.remove(&first));
@@ -359,7 +378,7 @@ impl DenyTable {
     fn forget(&mut self, t: &Target, slot: &Slot) {
         self.counts[slot.meta.source.index()] -= 1;
         if let Some(at) = slot.meta.expires_at_ms {
-            self.expiries.remove(&(at, slot.seq, t.clone()));
+            self.expiries[eviction_rank(slot.meta.source)].remove(&(at, slot.seq, t.clone()));
         }
     }
 
@@ -424,19 +443,16 @@ impl DenyTable {
 
     /// Removes the entries expired at `now_ms`, soonest first; returns them.
     pub fn purge(&mut self, now_ms: u64) -> Vec<Entry> {
-        let mut expired = Vec::new();
-        while let Some((at, _, _)) = self.expiries.first() {
-            if *at > now_ms {
-                break;
-            }
-            let Some((_, _, target)) = self.expiries.pop_first() else {
-                break;
-            };
-            if let Some(e) = self.remove(&target) {
-                expired.push(e);
+        let mut due = Vec::new();
+        for index in &mut self.expiries {
+            while index.first().is_some_and(|(at, _, _)| *at <= now_ms) {
+                due.extend(index.pop_first());
             }
         }
-        expired
+        due.sort_unstable();
+        due.into_iter()
+            .filter_map(|(_, _, target)| self.remove(&target))
+            .collect()
     }
 
     /// How many entries came from `source`.
@@ -446,6 +462,14 @@ impl DenyTable {
 
     pub fn len(&self) -> usize {
         self.counts.iter().sum()
+    }
+}
+
+/// Which expiry index an entry of `source` is in: bans (0) are evicted first.
+fn eviction_rank(source: Source) -> usize {
+    match source {
+        Source::Ban => 0,
+        Source::Api | Source::Static => 1,
     }
 }
 
@@ -1184,6 +1208,41 @@ mod tests {
     }
 
     #[test]
+    fn a_flood_of_bans_evicts_bans_before_an_admins_entry() {
+        let hour = 3_600_000;
+        let mut t = DenyTable::new();
+        t.insert_within(entry("admin", Source::Api, Some(hour)), 5)
+            .unwrap();
+        // Bans that outlast the admin's entry: still evicted before it.
+        for i in 0..20u64 {
+            t.insert_within(
+                entry(&format!("ban{i:02}"), Source::Ban, Some(2 * hour + i)),
+                5,
+            )
+            .unwrap();
+        }
+        let kept: Vec<String> = t.entries().iter().map(|e| e.target.value()).collect();
+        assert_eq!(kept, ["admin", "ban16", "ban17", "ban18", "ban19"]);
+        assert_eq!((t.count(Source::Api), t.count(Source::Ban)), (1, 4));
+        // With no ban left to evict, api entries go, soonest first.
+        let mut t = DenyTable::new();
+        t.insert_within(entry("late", Source::Api, Some(2 * hour)), 2)
+            .unwrap();
+        t.insert_within(entry("soon", Source::Api, Some(hour)), 2)
+            .unwrap();
+        let gone = t
+            .insert_within(entry("ban", Source::Ban, Some(3 * hour)), 2)
+            .unwrap();
+        assert_eq!(
+            gone.iter().map(|e| e.target.value()).collect::<Vec<_>>(),
+            ["soon"]
+        );
+        // Purged soonest first, whatever the source.
+        let purged: Vec<String> = t.purge(u64::MAX).iter().map(|e| e.target.value()).collect();
+        assert_eq!(purged, ["late", "ban"]);
+    }
+
+    #[test]
     fn long_keys_are_kept_hashed_and_found_by_the_key_as_sent() {
         let long = "k".repeat(30_000);
         let hashed = format!("#{}", sha1_smol::Sha1::from(long.as_bytes()).digest());
@@ -1196,8 +1255,36 @@ mod tests {
         t.insert(e);
         assert_eq!(t.entries()[0].target.value(), hashed);
         assert!(t.key(&long));
-        assert!(t.key(&hashed));
+        assert!(!t.key(&hashed));
         assert!(!t.key(&"k".repeat(29_999)));
+    }
+
+    #[test]
+    fn a_client_key_never_spells_a_hashed_one() {
+        let long = "L".repeat(300);
+        let hashed = KeyDigest::of(&long).as_str().to_string();
+        let banned = |t: Target| {
+            let mut e = entry("placeholder", Source::Ban, None);
+            e.target = t;
+            let mut table = DenyTable::new();
+            table.insert(e);
+            table
+        };
+        // The long key banned: a client sending `#<sha1 of it>` is not denied.
+        let t = banned(Target::client_key(&long));
+        assert_eq!((t.key(&long), t.key(&hashed)), (true, false));
+        // The literal `#<sha1>` banned: the long key is not denied.
+        let t = banned(Target::client_key(&hashed));
+        assert_eq!((t.key(&hashed), t.key(&long)), (true, false));
+        // The admin API and the configuration name the long key's entry by its hash;
+        // any other key starting with `#` is hashed like a client's.
+        assert_eq!(Target::key(&hashed), Target::client_key(&long));
+        assert_eq!(Target::key("#x"), Target::client_key("#x"));
+        assert_ne!(Target::key("#x"), Target::Key("#x".into()));
+        assert_eq!(
+            Target::key(&hashed.to_uppercase()),
+            Target::client_key(&hashed.to_uppercase())
+        );
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The deny list shared through Redis, so that every instance enforces an entry any
 //! of them added. Entries live in one hash (`<prefix>{deny}:entries`, field
-//! `ip:10.1.0.0/16` or `key:K`, value the entry's JSON) beside a version counter, an
-//! epoch (set by the first write to an empty Redis), the id of the last change, and
-//! tombstones of deletions. Every change is one script that also publishes it on
+//! `ip:10.1.0.0/16` or `key:K`, value the entry's JSON, and the field `epoch`, set
+//! by the first write to an empty hash, so that the hash lost alone is seen as the
+//! list lost) beside a version counter, the id of the last change, and tombstones
+//! of deletions. Every change is one script that also publishes it on
 //! `<prefix>deny`. Each instance keeps a local copy: it applies published changes in
 //! version order, and reads the whole hash again (page by page) when it sees a gap or
 //! a message of another epoch, when it (re)subscribes, and when a once-a-second look
@@ -12,10 +13,12 @@
 //! Redis Cluster, where published messages reach subscribers on every node.
 //!
 //! The list is bounded: a sorted set (`<prefix>{deny}:expiring`) indexes the entries
-//! that expire by their expiry, so that a write beyond `deny.max_entries` evicts the
-//! one closest to expiry in O(log n); and every key has a TTL (`KEY_TTL`), renewed
-//! by each write and by every live instance once a minute, so the list never holds
-//! memory that a Redis with `maxmemory-policy volatile-lru` could not reclaim.
+//! that expire, bans first, each by expiry, so that a write beyond
+//! `deny.max_entries` evicts the ban (else the API entry) closest to expiry in
+//! O(log n), and is rebuilt from the hash if it was evicted alone; and every key has
+//! a TTL (`KEY_TTL`), renewed by each write and by every live instance once a
+//! minute, so the list never holds memory that a Redis with `maxmemory-policy
+//! volatile-lru` could not reclaim.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -77,17 +80,25 @@ const KEEP_EVERY: u32 = 60;
 /// What a write did to the shared list.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Written {
-    /// Changed; where the list stands after it.
-    Changed(Position),
+    /// Changed; where the list stands after it, and the entries it evicted.
+    Changed(Position, Vec<Target>),
     /// Nothing changed: a ban met an entry that lasts longer.
     Kept,
     /// A new entry found `max_entries` entries, none of which expires.
     Full,
 }
 
-/// The expiry of a stored entry: a number, nil/null for none, false if it does not
-/// decode (such an entry is replaced, or removed, rather than failing the script).
+/// Helpers of every script. `expiry`: the expiry of a stored entry, a number,
+/// nil/null for none, false if it does not decode (such an entry is replaced, or
+/// removed, rather than failing the script). `size`: the entries of the hash, whose
+/// `epoch` field is not one. `score`: an entry's place in the eviction index (bans
+/// by expiry, then API entries by expiry: `API_AFTER` is past any expiry in
+/// milliseconds and, added to one, still an exact double); none for an entry that
+/// never expires. `indexed`: the index evicted alone while the hash has entries is
+/// rebuilt from the hash; its member `''` (score +inf) marks an index that exists
+/// when no entry expires, and is never evicted.
 const EXPIRY: &str = r#"
+local API_AFTER = 1125899906842624
 local function expiry(j)
   local ok, e = pcall(cjson.decode, j)
   if not ok or type(e) ~= 'table' then return false end
@@ -96,17 +107,44 @@ end
 local function keep(ttl, ...)
   for _, k in ipairs({...}) do redis.call('PEXPIRE', k, ttl) end
 end
+local function size(h)
+  return redis.call('HLEN', h) - redis.call('HEXISTS', h, 'epoch')
+end
+local function score(j)
+  local ok, e = pcall(cjson.decode, j)
+  if not ok or type(e) ~= 'table' or type(e.expires_at_ms) ~= 'number' then return nil end
+  if e.source == 'ban' then return string.format('%.0f', e.expires_at_ms) end
+  return string.format('%.0f', e.expires_at_ms + API_AFTER)
+end
+local function index(z, field, j)
+  local s = score(j)
+  if s then redis.call('ZADD', z, s, field) else redis.call('ZREM', z, field) end
+end
+local function indexed(h, z)
+  if redis.call('ZCARD', z) > 0 then return end
+  local cursor = '0'
+  repeat
+    local page = redis.call('HSCAN', h, cursor, 'COUNT', 1000)
+    cursor = page[1]
+    for i = 1, #page[2], 2 do
+      if page[2][i] ~= 'epoch' then index(z, page[2][i], page[2][i + 1]) end
+    end
+  until cursor == '0'
+  redis.call('ZADD', z, 'inf', '')
+end
 "#;
 
-/// One change. KEYS: entries, version, epoch, last, deleted, expiring. ARGV: op
-/// (`put`, `ban`, `del`), field, entry JSON, channel, an epoch to set if there is
-/// none, this change's id, how long a tombstone lasts (ms), the entry's expiry (ms,
-/// or empty), max entries, the keys' TTL (ms). A `ban` never replaces an entry that
-/// lasts longer (or for ever). A new field beyond max entries evicts the entries
+/// One change. KEYS: entries, version, last, deleted, expiring. ARGV: op (`put`,
+/// `ban`, `del`), field, entry JSON, channel, an epoch to set if there is none,
+/// this change's id, how long a tombstone lasts (ms), max entries, the keys' TTL
+/// (ms). A `ban` never replaces an entry that lasts longer (or for ever). A new
+/// field beyond max entries evicts the bans closest to expiry, then the API entries
 /// closest to expiry (`expiring` is their index); if none expires, the put fails. A
 /// `del` leaves a tombstone, also when there was nothing to delete (the list may
-/// have been lost), so that no write-back brings the entry back. Reply: {1,
-/// version, epoch} if the list changed, {2} if it is full, else {0}.
+/// have been lost), so that no write-back brings the entry back. The epoch is a
+/// field of the hash: a hash evicted alone takes it along, and the next change sets
+/// a new one, which tells every copy the list was lost. Reply: {1, version, epoch,
+/// evicted fields...} if the list changed, {2} if it is full, else {0}.
 const WRITE: &str = r#"
 local op, field = ARGV[1], ARGV[2]
 if op == 'ban' then
@@ -121,40 +159,37 @@ if op == 'ban' then
 end
 local evicted = {}
 if op == 'put' then
+  indexed(KEYS[1], KEYS[5])
   if redis.call('HEXISTS', KEYS[1], field) == 0 then
-    local max = tonumber(ARGV[9])
-    while redis.call('HLEN', KEYS[1]) >= max do
-      local first = redis.call('ZRANGE', KEYS[6], 0, 0)
-      if #first == 0 then return {2} end
-      redis.call('ZREM', KEYS[6], first[1])
+    local max = tonumber(ARGV[8])
+    while size(KEYS[1]) >= max do
+      local first = redis.call('ZRANGE', KEYS[5], 0, 0)
+      if #first == 0 or first[1] == '' then return {2} end
+      redis.call('ZREM', KEYS[5], first[1])
       if redis.call('HDEL', KEYS[1], first[1]) == 1 then
         evicted[#evicted + 1] = first[1]
       end
     end
   end
   redis.call('HSET', KEYS[1], field, ARGV[3])
-  if ARGV[8] ~= '' then
-    redis.call('ZADD', KEYS[6], ARGV[8], field)
-  else
-    redis.call('ZREM', KEYS[6], field)
-  end
-  redis.call('HDEL', KEYS[5], field)
+  index(KEYS[5], field, ARGV[3])
+  redis.call('HDEL', KEYS[4], field)
 else
   local removed = redis.call('HDEL', KEYS[1], field)
-  redis.call('ZREM', KEYS[6], field)
-  redis.call('HSET', KEYS[5], field, '1')
-  redis.call('PEXPIRE', KEYS[5], ARGV[7])
+  redis.call('ZREM', KEYS[5], field)
+  redis.call('HSET', KEYS[4], field, '1')
+  redis.call('PEXPIRE', KEYS[4], ARGV[7])
   if removed == 0 then return {0} end
 end
 local v = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[3], ARGV[5], 'NX')
-local e = redis.call('GET', KEYS[3])
-redis.call('SET', KEYS[4], ARGV[6])
-keep(ARGV[10], KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6])
+redis.call('HSETNX', KEYS[1], 'epoch', ARGV[5])
+local e = redis.call('HGET', KEYS[1], 'epoch')
+redis.call('SET', KEYS[3], ARGV[6])
+keep(ARGV[9], KEYS[1], KEYS[2], KEYS[3], KEYS[5])
 local msg = {v = v, e = e, id = ARGV[6], op = op, field = field, entry = ARGV[3]}
 if #evicted > 0 then msg.evicted = evicted end
 redis.call('PUBLISH', ARGV[4], cjson.encode(msg))
-return {1, v, e}
+return {1, v, e, unpack(evicted)}
 "#;
 
 /// Renews the TTL of every key of the list that exists. KEYS: all of them. ARGV:
@@ -186,19 +221,20 @@ end
 return removed
 "#;
 
-/// Writes back (field, entry, expiry) triples the hash does not have (HSETNX), that
-/// were not deleted since (no tombstone) and that fit within max entries,
-/// publishing nothing: `ANNOUNCE` follows. KEYS: entries, deleted, expiring. ARGV:
-/// max entries, the keys' TTL (ms), then the triples (expiry empty for none).
-/// Reply: how many were added, how many were deleted since.
+/// Writes back (field, entry) pairs the hash does not have (HSETNX), that were not
+/// deleted since (no tombstone) and that fit within max entries, publishing
+/// nothing: `ANNOUNCE` follows. KEYS: entries, deleted, expiring. ARGV: max
+/// entries, the keys' TTL (ms), then the pairs. Reply: how many were added, how
+/// many were deleted since.
 const RESTORE: &str = r#"
 local added, deleted = 0, 0
 local max = tonumber(ARGV[1])
-for i = 3, #ARGV - 2, 3 do
+indexed(KEYS[1], KEYS[3])
+for i = 3, #ARGV - 1, 2 do
   if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
-    if redis.call('HLEN', KEYS[1]) < max and redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    if size(KEYS[1]) < max and redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
       added = added + 1
-      if ARGV[i + 2] ~= '' then redis.call('ZADD', KEYS[3], ARGV[i + 2], ARGV[i]) end
+      index(KEYS[3], ARGV[i], ARGV[i + 1])
     end
   else
     deleted = deleted + 1
@@ -209,12 +245,12 @@ return {added, deleted}
 "#;
 
 /// After a write-back: bumps the version and publishes a `restore`, which makes every
-/// follower read the list again. KEYS: version, epoch, last. ARGV: channel, an epoch
-/// to set if there is none, this change's id, the keys' TTL (ms).
+/// follower read the list again. KEYS: version, entries, last. ARGV: channel, an
+/// epoch to set if there is none, this change's id, the keys' TTL (ms).
 const ANNOUNCE: &str = r#"
 local v = redis.call('INCR', KEYS[1])
-redis.call('SET', KEYS[2], ARGV[2], 'NX')
-local e = redis.call('GET', KEYS[2])
+redis.call('HSETNX', KEYS[2], 'epoch', ARGV[2])
+local e = redis.call('HGET', KEYS[2], 'epoch')
 redis.call('SET', KEYS[3], ARGV[3])
 keep(ARGV[4], KEYS[1], KEYS[2], KEYS[3])
 redis.call('PUBLISH', ARGV[1], cjson.encode({v = v, e = e, id = ARGV[3], op = 'restore', field = ''}))
@@ -267,9 +303,6 @@ pub struct DenySync {
     target: RedisTarget,
     entries: String,
     version: String,
-    /// Set by the first write to an empty Redis: a different one (or none) where this
-    /// instance saw one means Redis lost its data.
-    epoch: String,
     /// The id of the last change: with the version, names where the list stands, so
     /// a Redis that went back in time (a failover to a replica that missed writes)
     /// and then moved on to the same version is noticed.
@@ -296,7 +329,6 @@ impl DenySync {
         DenySync {
             entries: format!("{p}{{deny}}:entries"),
             version: format!("{p}{{deny}}:version"),
-            epoch: format!("{p}{{deny}}:epoch"),
             last: format!("{p}{{deny}}:last"),
             deleted: format!("{p}{{deny}}:deleted"),
             expiring: format!("{p}{{deny}}:expiring"),
@@ -347,7 +379,7 @@ impl DenySync {
     /// None if nothing changed.
     pub async fn put(&self, e: &Entry) -> Result<Option<Position>, StoreError> {
         Ok(match self.put_within(e, usize::MAX).await? {
-            Written::Changed(at) => Some(at),
+            Written::Changed(at, _) => Some(at),
             Written::Kept | Written::Full => None,
         })
     }
@@ -362,15 +394,13 @@ impl DenySync {
         } else {
             "put"
         };
-        let expiry = e.meta.expires_at_ms.map(|t| t.to_string());
-        self.write(op, &e.target, &json, expiry.as_deref(), max)
-            .await
+        self.write(op, &e.target, &json, max).await
     }
 
     /// Removes `t` from the shared list; None if it was not there.
     pub async fn delete(&self, t: &Target) -> Result<Option<Position>, StoreError> {
-        Ok(match self.write("del", t, "", None, usize::MAX).await? {
-            Written::Changed(at) => Some(at),
+        Ok(match self.write("del", t, "", usize::MAX).await? {
+            Written::Changed(at, _) => Some(at),
             Written::Kept | Written::Full => None,
         })
     }
@@ -380,10 +410,9 @@ impl DenySync {
         let mut cmd = redis::cmd("EVAL");
         // Not the tombstones: they last `TOMBSTONE_MS` from the deletion.
         cmd.arg(script(KEEP))
-            .arg(5)
+            .arg(4)
             .arg(&self.entries)
             .arg(&self.version)
-            .arg(&self.epoch)
             .arg(&self.last)
             .arg(&self.expiring)
             .arg(KEY_TTL.as_millis() as u64);
@@ -395,16 +424,14 @@ impl DenySync {
         op: &str,
         t: &Target,
         arg: &str,
-        expiry: Option<&str>,
         max: usize,
     ) -> Result<Written, StoreError> {
         let id = new_id();
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(script(WRITE))
-            .arg(6)
+            .arg(5)
             .arg(&self.entries)
             .arg(&self.version)
-            .arg(&self.epoch)
             .arg(&self.last)
             .arg(&self.deleted)
             .arg(&self.expiring)
@@ -415,16 +442,18 @@ impl DenySync {
             .arg(new_id())
             .arg(&id)
             .arg(TOMBSTONE_MS)
-            .arg(expiry.unwrap_or(""))
             .arg(max)
             .arg(KEY_TTL.as_millis() as u64);
         let reply: Vec<String> = self.store.query(&cmd).await?;
         Ok(match reply.as_slice() {
-            [changed, v, e] if changed == "1" => Written::Changed(Position {
-                version: v.parse().unwrap_or(0),
-                epoch: Some(e.clone()),
-                last: Some(id),
-            }),
+            [changed, v, e, evicted @ ..] if changed == "1" => Written::Changed(
+                Position {
+                    version: v.parse().unwrap_or(0),
+                    epoch: Some(e.clone()),
+                    last: Some(id),
+                },
+                evicted.iter().filter_map(|f| parse_field(f)).collect(),
+            ),
             [full] if full == "2" => Written::Full,
             _ => Written::Kept,
         })
@@ -463,11 +492,7 @@ impl DenySync {
                 .arg(KEY_TTL.as_millis() as u64);
             for e in batch {
                 match serde_json::to_string(&e.to_json()) {
-                    Ok(json) => cmd.arg(field(&e.target)).arg(json).arg(
-                        e.meta
-                            .expires_at_ms
-                            .map_or(String::new(), |t| t.to_string()),
-                    ),
+                    Ok(json) => cmd.arg(field(&e.target)).arg(json),
                     Err(err) => return (changed, Err(StoreError::Unavailable(err.to_string()))),
                 };
             }
@@ -489,7 +514,7 @@ impl DenySync {
         cmd.arg(script(ANNOUNCE))
             .arg(3)
             .arg(&self.version)
-            .arg(&self.epoch)
+            .arg(&self.entries)
             .arg(&self.last)
             .arg(&self.channel)
             .arg(new_id())
@@ -510,7 +535,11 @@ impl DenySync {
             cmd.arg(&self.entries).arg(cursor).arg("COUNT").arg(PAGE);
             let (next, page): (u64, Vec<String>) =
                 self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
-            entries.extend(page.chunks_exact(2).filter_map(|kv| parse_entry(&kv[1])));
+            entries.extend(
+                page.chunks_exact(2)
+                    .filter(|kv| kv[0] != "epoch")
+                    .filter_map(|kv| parse_entry(&kv[1])),
+            );
             if next == 0 {
                 return Ok((at, entries));
             }
@@ -518,12 +547,16 @@ impl DenySync {
         }
     }
 
-    /// Where the shared list stands now.
+    /// Where the shared list stands now. The epoch is read after the version: a list
+    /// lost and written to in between then shows a new epoch (and is written back),
+    /// never an old epoch beside the new list's version.
     async fn remote_position(&self) -> Result<Position, StoreError> {
         let mut cmd = redis::cmd("MGET");
-        cmd.arg(&self.version).arg(&self.epoch).arg(&self.last);
-        let (version, epoch, last): (Option<u64>, Option<String>, Option<String>) =
-            self.store.query(&cmd).await?;
+        cmd.arg(&self.version).arg(&self.last);
+        let (version, last): (Option<u64>, Option<String>) = self.store.query(&cmd).await?;
+        let mut cmd = redis::cmd("HGET");
+        cmd.arg(&self.entries).arg("epoch");
+        let epoch: Option<String> = self.store.query(&cmd).await?;
         Ok(Position {
             version: version.unwrap_or(0),
             epoch,
@@ -665,7 +698,8 @@ impl DenySync {
                     }
                     let (remote, local) = (self.remote_position().await?, self.position());
                     let asked = self.recheck.swap(false, Ordering::Relaxed);
-                    if asked || (remote.version, &remote.last) != (local.version, &local.last) {
+                    // The epoch too: the hash evicted alone takes it along.
+                    if asked || (remote.version, &remote.last, &remote.epoch) != (local.version, &local.last, &local.epoch) {
                         self.resync(apply).await?;
                     }
                 }

@@ -583,7 +583,7 @@ fn strike(
     let target = if route.key.is_ip() || ns == route.fallback_ns {
         Target::Ip(ip.into())
     } else {
-        Target::key(&key.value)
+        Target::client_key(&key.value)
     };
     let _ = shared.bans.try_send(BanRequest {
         route: route.name.clone(),

@@ -1310,6 +1310,52 @@ async fn a_header_key_is_banned_not_the_address() {
     assert_eq!(bans(&metrics(gw.admin_addr).await, "fallback"), 1.0);
 }
 
+/// A client key that spells the hash a long key is stored as (`#` and its SHA-1) is
+/// never taken for that long key, nor the other way round: a client's key that
+/// starts with `#` is hashed too. The admin API names the long key's entry by the
+/// listed hash.
+#[tokio::test]
+async fn a_key_spelling_a_long_keys_hash_is_not_that_key() {
+    let gw = start_gateway(BANS).await;
+    let admin = AdminApi::new(&gw, None);
+    let c = http1();
+    let long = "L".repeat(300);
+    let hashed = format!("#{}", sha1(long.as_bytes()));
+    let keyed = |key: &str| {
+        let (c, u, key) = (&c, url(gw.addr, "/keyed"), key.to_string());
+        async move { c.get(&u, &[("x-api-key", key.as_str())]).await.status }
+    };
+
+    // The long key denied: the key `#<its SHA-1>` passes.
+    assert_eq!(admin.add(json!({"key": long})).await.status, 201);
+    assert_eq!((keyed(&long).await, keyed(&hashed).await), (403, 200));
+    let list = admin.list().await;
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(list[0]["value"], json!(hashed));
+    assert_eq!(admin.remove(json!({"key": hashed})).await.status, 204);
+    assert_eq!(keyed(&long).await, 200);
+
+    // A client sending `#<SHA-1 of the long key>` banned: the long key passes.
+    at_window_start(Duration::from_secs(2)).await;
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        seen.push(
+            c.get(&url(gw.addr, "/api"), &[("x-api-key", hashed.as_str())])
+                .await
+                .status,
+        );
+    }
+    assert_eq!(seen, [200, 200, 429, 429, 429]);
+    eventually("the key is banned", Duration::from_secs(1), || async {
+        (keyed(&hashed).await == 403).then_some(())
+    })
+    .await;
+    assert_eq!(keyed(&long).await, 200);
+    let list = admin.list().await;
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_ne!(list[0]["value"], json!(hashed));
+}
+
 // === the state file ===
 
 #[tokio::test]

@@ -17,6 +17,7 @@ use sluice::deny::{Entry, Meta, Source, Target};
 /// The Redis keys of the shared list, with the harness' `key_prefix: "sluice:"`.
 const ENTRIES: &str = "sluice:{deny}:entries";
 const VERSION: &str = "sluice:{deny}:version";
+const EXPIRING: &str = "sluice:{deny}:expiring";
 const CHANNEL: &str = "sluice:deny";
 
 /// How long a change may take to reach another instance (SPEC §4).
@@ -189,8 +190,17 @@ impl Db<'_> {
             .collect()
     }
 
+    /// The entries in the hash (beside its `epoch` field).
     fn entries(&self) -> i64 {
-        self.cmd(&["HLEN", ENTRIES])
+        self.fields().len() as i64
+    }
+
+    /// The entries' fields, sorted.
+    fn fields(&self) -> Vec<String> {
+        let mut fields: Vec<String> = self.cmd(&["HKEYS", ENTRIES]);
+        fields.retain(|f| f != "epoch");
+        fields.sort();
+        fields
     }
 
     fn version(&self) -> Option<String> {
@@ -360,11 +370,12 @@ async fn two_instances_on_a_cluster_share_the_deny_list() {
     let keys: Vec<i64> = cluster.nodes.iter().map(|n| n.cmd(&["DBSIZE"])).collect();
     let mut sorted = keys.clone();
     sorted.sort();
-    // version, epoch, last change and the tombstones of the deletions.
-    assert_eq!(sorted, [0, 0, 4], "{keys:?}");
+    // version, last change, the tombstones of the deletions, the hash with its
+    // epoch and the (empty) index of expiring entries.
+    assert_eq!(sorted, [0, 0, 5], "{keys:?}");
     eprintln!(
         "the list lives on node {:?} of 3",
-        keys.iter().position(|&k| k == 4)
+        keys.iter().position(|&k| k == 5)
     );
 }
 
@@ -993,7 +1004,7 @@ async fn no_entry_is_lifted_while_entries_are_written_back() {
         }
         let _: i64 = db.cmd(&args);
         let _: i64 = db.cmd(&["INCR", VERSION]);
-        let _: String = db.cmd(&["SET", "sluice:{deny}:epoch", "e1"]);
+        let _: i64 = db.cmd(&["HSET", ENTRIES, "epoch", "e1"]);
     }
     answers(
         "read",
@@ -1365,10 +1376,172 @@ async fn every_deny_key_has_a_ttl() {
         [
             "sluice:{deny}:deleted",
             "sluice:{deny}:entries",
-            "sluice:{deny}:epoch",
             "sluice:{deny}:expiring",
             "sluice:{deny}:last",
             "sluice:{deny}:version",
         ]
     );
+}
+
+// === one key of the list lost alone ===
+
+/// Redis evicts the entries hash alone (as `volatile-lru` may: every key has a TTL),
+/// its version, epoch and last change intact: the instances see the list lost and
+/// write their copies back, and the next change keeps every entry on every copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_entries_hash_evicted_alone_is_written_back() {
+    let _load = shared().await;
+    let redis = RedisServer::start();
+    let (a, b) = two_following(&redis).await;
+    let db = Db::One(&redis);
+    for k in ["k1", "k2", "k3"] {
+        a.add(json!({"key": k})).await;
+    }
+    b.add(json!({"ip": "10.9.0.0/16", "ttl": "1h"})).await;
+    answers("k3 on B", &b, "10.0.0.1", "k3", 403, PROPAGATION).await;
+    let all = ["ip:10.9.0.0/16", "key:k1", "key:k2", "key:k3"];
+    assert_eq!(db.fields(), all);
+    let _: i64 = db.cmd(&["DEL", ENTRIES]);
+    let back = eventually(Duration::from_secs(3), || async { db.fields() == all }).await;
+    assert!(
+        back.is_some(),
+        "in Redis after the eviction: {:?}",
+        db.fields()
+    );
+    a.add(json!({"key": "k4"})).await;
+    let everywhere = eventually(Duration::from_secs(3), || async {
+        let mut denied = 0;
+        for inst in [&a, &b] {
+            for k in ["k1", "k2", "k3", "k4"] {
+                denied += usize::from(inst.ask("10.0.0.1", k).await == 403);
+            }
+            denied += usize::from(inst.ask("10.9.1.1", "x").await == 403);
+        }
+        denied == 10 && db.entries() == 5
+    })
+    .await;
+    assert!(
+        everywhere.is_some(),
+        "A lists {}, B lists {}, Redis {:?}",
+        a.list().await.len(),
+        b.list().await.len(),
+        db.fields()
+    );
+}
+
+/// Redis evicts the index of expiring entries alone: the next API add still gets
+/// 201, and evicts the entry closest to expiry, in Redis and on the instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_expiry_index_evicted_alone_is_rebuilt() {
+    let _load = shared().await;
+    let redis = RedisServer::start();
+    let yaml = format!(
+        "deny: {{max_entries: 3}}\n{}",
+        open_gateway(&url_target(&redis.url()), 500)
+    );
+    let a = in_process(&yaml).await;
+    let db = Db::One(&redis);
+    subscribed(&db, &[1]).await;
+    for (k, ttl) in [("k1", "1h"), ("k2", "2h"), ("k3", "3h")] {
+        a.add(json!({"key": k, "ttl": ttl})).await;
+    }
+    let _: i64 = db.cmd(&["DEL", EXPIRING]);
+    let added = a.deny("POST", json!({"key": "k4", "ttl": "4h"})).await;
+    assert_eq!(added.status, 201, "{}", added.body);
+    assert_eq!(db.fields(), ["key:k2", "key:k3", "key:k4"]);
+    let listed = eventually(PROPAGATION, || async {
+        let values: Vec<Value> = a.list().await.iter().map(|e| e["value"].clone()).collect();
+        values == [json!("k2"), json!("k3"), json!("k4")]
+    })
+    .await;
+    assert!(listed.is_some(), "A lists {:?}", a.list().await);
+}
+
+/// A flood of bans evicts bans before an operator's entry with a TTL, even one that
+/// expires sooner than they do: with 5 at most, the API entry and the 4 newest bans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_bans_in_redis_evicts_bans_before_an_admins_entry() {
+    let _load = shared().await;
+    let redis = RedisServer::start();
+    let sync = deny_sync(&redis).await;
+    let db = Db::One(&redis);
+    let now = now_ms();
+    let hour = 3_600_000;
+    sync.put_within(&key_entry("admin", Source::Api, Some(now + hour)), 5)
+        .await
+        .unwrap();
+    for i in 0..20 {
+        let ban = key_entry(&format!("ban{i:02}"), Source::Ban, Some(now + 2 * hour + i));
+        sync.put_within(&ban, 5).await.unwrap();
+    }
+    assert_eq!(
+        db.fields(),
+        [
+            "key:admin",
+            "key:ban16",
+            "key:ban17",
+            "key:ban18",
+            "key:ban19"
+        ]
+    );
+}
+
+/// An instance's own ban at `deny.max_entries` evicts, on its copy, exactly what
+/// Redis evicted for it. Two bans expire in the same millisecond: Redis breaks the
+/// tie by field (`key:a` first), the copy would by arrival (`key:b` first); the
+/// copy must not keep `a` and lose `b` while Redis keeps `b`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_own_ban_at_the_cap_evicts_what_redis_evicted() {
+    let _load = shared().await;
+    let redis = RedisServer::start();
+    let yaml = format!(
+        "deny: {{max_entries: 5}}\n{}",
+        banning_gateway(&redis, "deny", "1h")
+    );
+    let a = in_process(&yaml).await;
+    let db = Db::One(&redis);
+    subscribed(&db, &[1]).await;
+    let other = deny_sync(&redis).await;
+    let soon = now_ms() + 600_000;
+    for e in [
+        key_entry("perm1", Source::Api, None),
+        key_entry("perm2", Source::Api, None),
+        key_entry("perm3", Source::Api, None),
+        key_entry("b", Source::Ban, Some(soon)),
+        key_entry("a", Source::Ban, Some(soon)),
+    ] {
+        other.put_within(&e, 5).await.unwrap();
+    }
+    let listed = || async {
+        let mut v: Vec<String> = a
+            .list()
+            .await
+            .iter()
+            .map(|e| format!("key:{}", e["value"].as_str().unwrap_or("")))
+            .collect();
+        v.sort();
+        v
+    };
+    let copied = eventually(PROPAGATION, || async { listed().await.len() == 5 }).await;
+    assert!(copied.is_some(), "A lists {:?}", listed().await);
+    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(10)).await;
+    let reads = redis.calls("hscan");
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(a.ask("10.0.0.1", "z").await);
+    }
+    assert_eq!(statuses, [200, 429, 429]);
+    let want = ["key:b", "key:perm1", "key:perm2", "key:perm3", "key:z"];
+    let same = eventually(Duration::from_secs(2), || async {
+        db.fields() == want && listed().await == want
+    })
+    .await;
+    assert!(
+        same.is_some(),
+        "Redis {:?}, A {:?}",
+        db.fields(),
+        listed().await
+    );
+    // By the published change, not by reading the whole list again.
+    assert_eq!(redis.calls("hscan"), reads);
 }
