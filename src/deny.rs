@@ -347,7 +347,8 @@ impl DenyTable {
         if self.get(&e.target).is_none() {
             // Checked first: evicting some entries and then finding no room (`max`
             // lowered by a reload) would lose them for nothing.
-            if self.len() - self.expiries.len() >= max {
+            let expiring: usize = self.expiries.iter().map(BTreeSet::len).sum();
+            if self.len() - expiring >= max {
                 return Err(Full(max));
             }
             while self.len() >= max {
