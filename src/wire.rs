@@ -1093,10 +1093,13 @@ fn parse_one_head(
     let (mut parts, ()) = resp.into_parts();
     refuse_framing(&seen)?;
     let body = match decoder(&seen, status, version, method)? {
-        // The first chunk-size line mostly comes with the head: a malformed one
-        // makes the answer a 502 now, while nothing has gone to the client. (One
-        // that comes later cuts the body: the head has gone by then.)
-        Decoder::Chunked(Chunk::Size) => Decoder::Chunked(chunk_size(buf)?.unwrap_or(Chunk::Size)),
+        // The first chunks mostly come with the head: malformed framing in them
+        // makes the answer a 502 now, while nothing has gone to the client. (What
+        // comes later cuts the body: the head has gone by then.)
+        Decoder::Chunked(Chunk::Size) => {
+            check_buffered_chunks(buf)?;
+            Decoder::Chunked(chunk_size(buf)?.unwrap_or(Chunk::Size))
+        }
         body => body,
     };
     parts.headers = headers;
@@ -1338,34 +1341,67 @@ impl Decoder {
 /// A chunk-size line (`hex[;extensions]CRLF`) at the front of `buf`, taken out:
 /// the state after it, or `None` until the whole line is there.
 fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
-    let Some(end) = buf.iter().position(|&b| b == b'\n') else {
-        return if buf.len() > MAX_CHUNK_LINE {
-            Err(WireError::Malformed("chunk-size line too long"))
-        } else if !may_become_size_line(buf) {
-            Err(WireError::Malformed("chunk size"))
-        } else {
-            Ok(None)
-        };
+    let Some((taken, size)) = size_line(buf)? else {
+        return Ok(None);
     };
-    if end == 0 || buf[end - 1] != b'\r' || end > MAX_CHUNK_LINE {
-        return Err(WireError::Malformed("chunk-size line"));
-    }
-    let line = &buf[..end - 1];
-    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    let rest = &line[digits..];
-    let rest = rest.trim_ascii_start();
-    if digits == 0 || digits > 16 || !(rest.is_empty() || rest[0] == b';') {
-        return Err(WireError::Malformed("chunk size"));
-    }
-    let size = line[..digits].iter().fold(0u64, |n, &b| {
-        (n << 4) | u64::from((b as char).to_digit(16).unwrap_or(0))
-    });
-    buf.advance(end + 1);
+    buf.advance(taken);
     Ok(Some(if size == 0 {
         Chunk::Trailers
     } else {
         Chunk::Data(size)
     }))
+}
+
+/// The chunk-size line at the front of `b`: its length with the CRLF, and the
+/// size; `None` until the whole line is there.
+fn size_line(b: &[u8]) -> Result<Option<(usize, u64)>, WireError> {
+    let Some(end) = b.iter().position(|&c| c == b'\n') else {
+        return if b.len() > MAX_CHUNK_LINE {
+            Err(WireError::Malformed("chunk-size line too long"))
+        } else if !may_become_size_line(b) {
+            Err(WireError::Malformed("chunk size"))
+        } else {
+            Ok(None)
+        };
+    };
+    if end == 0 || b[end - 1] != b'\r' || end > MAX_CHUNK_LINE {
+        return Err(WireError::Malformed("chunk-size line"));
+    }
+    let line = &b[..end - 1];
+    let digits = line.iter().take_while(|c| c.is_ascii_hexdigit()).count();
+    let rest = line[digits..].trim_ascii_start();
+    if digits == 0 || digits > 16 || !(rest.is_empty() || rest[0] == b';') {
+        return Err(WireError::Malformed("chunk size"));
+    }
+    let size = line[..digits].iter().fold(0u64, |n, &c| {
+        (n << 4) | u64::from((c as char).to_digit(16).unwrap_or(0))
+    });
+    Ok(Some((end + 1, size)))
+}
+
+/// Checks the chunked framing of what came with the head, taking nothing out: a
+/// malformed size line, or a chunk not followed by CRLF, in bytes already at hand
+/// makes the answer a 502 while nothing has gone to the client (otherwise the
+/// client would get the head, then a cut). What has not come yet is checked as it
+/// comes; the trailers are left to the decoder.
+fn check_buffered_chunks(mut b: &[u8]) -> Result<(), WireError> {
+    while let Some((taken, size)) = size_line(b)? {
+        b = &b[taken..];
+        let Some(size) = usize::try_from(size).ok().filter(|n| *n > 0) else {
+            return Ok(());
+        };
+        // What came of the CRLF after the data (none, `\r`, or both) must be it.
+        let after = b.get(size..).unwrap_or_default();
+        let end = &after[..after.len().min(2)];
+        if !b"\r\n".starts_with(end) {
+            return Err(WireError::Malformed("chunk not followed by CRLF"));
+        }
+        if end.len() < 2 {
+            return Ok(());
+        }
+        b = &after[2..];
+    }
+    Ok(())
 }
 
 /// Whether `part`, a chunk-size line whose end has not come yet, can still become
@@ -1758,10 +1794,23 @@ mod tests {
             "3\nabc",
             "1ffffffffffffffff",
             "3\rx",
+            // Later chunks that came with the head are checked too.
+            "5\r\nhelloXXX\r\n0\r\n\r\n",
+            "5\r\nhello\r\nzz\r\n",
+            "2\r\nok\r\n3\r\nabcd",
         ] {
             assert!(matches!(head(bad), Err(WireError::Malformed(_))), "{bad:?}");
         }
         assert!(head(&format!("1;{}", "e".repeat(MAX_CHUNK_LINE))).is_err());
+        // Whole and partial chunks that are well framed wait for the decoder.
+        for good in [
+            "5\r\nhello\r\n0\r\n\r\n",
+            "5\r\nhel",
+            "5\r\nhello\r",
+            "2\r\nok\r\n3",
+        ] {
+            assert!(head(good).is_ok(), "{good:?}");
+        }
     }
 
     #[test]

@@ -678,6 +678,11 @@ fn refused_answers() -> Vec<Vec<u8>> {
         chunked(&long_extension),
         // Not a whole line yet, but no line starting so can be a chunk size.
         chunked(b"zz"),
+        // Later chunks that came with the head (the hostile probe's case: an empty
+        // reply before).
+        chunked(b"5\r\nhelloXXX\r\n0\r\n\r\n"),
+        chunked(b"3\r\nabcX\r\n0\r\n\r\n"),
+        chunked(b"2\r\nok\r\nzz\r\n0\r\n\r\n"),
     ]
 }
 
@@ -776,7 +781,15 @@ async fn a_malformed_chunked_body_is_cut_and_its_connection_closed() {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     answer = b"zz\r\nabc\r\n0\r\n\r\n".to_vec();
                 }
-                "/no-crlf" => answer.extend_from_slice(b"3\r\nabcX\r\n0\r\n\r\n"),
+                "/no-crlf" => {
+                    // A good first chunk with the head, the bad one once it is out.
+                    answer.extend_from_slice(b"3\r\nabc\r\n");
+                    if s.write_all(&answer).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    answer = b"3\r\nabcX\r\n0\r\n\r\n".to_vec();
+                }
                 "/trailers" => {
                     answer.extend_from_slice(b"0\r\n");
                     for _ in 0..10_000 {
