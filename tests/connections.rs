@@ -920,23 +920,79 @@ async fn assert_the_victim_is_served_beside(gw: SocketAddr, up: &LengthUpstream,
     assert_eq!(up.counts(), (held + 1, held + 1));
 }
 
+/// `n` slow HTTP/1.1 uploads from 127.0.0.2 (`slow_upload`), once each has started.
+async fn slow_uploads(
+    gw: SocketAddr,
+    n: usize,
+    head: &'static str,
+    first: &'static [u8],
+) -> Vec<tokio::task::JoinHandle<(u16, String)>> {
+    let (tx, mut started) = tokio::sync::mpsc::channel(n);
+    let slow = (0..n)
+        .map(|_| tokio::spawn(slow_upload(gw, tx.clone(), head, first)))
+        .collect();
+    for _ in 0..n {
+        bounded("slow uploads start", started.recv()).await;
+    }
+    slow
+}
+
+/// `n` slow requests (`Trickle` bodies) on one h2c connection from 127.0.0.2,
+/// with `headers`; each tells `started` once three bytes are out.
+async fn slow_h2c_requests(
+    gw: SocketAddr,
+    n: usize,
+    headers: &[(&str, &str)],
+    started: tokio::sync::mpsc::Sender<()>,
+) -> Vec<tokio::task::JoinHandle<(u16, String)>> {
+    use http_body_util::BodyExt;
+    let stream = connect_from_other(gw).await;
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .expect("h2c handshake");
+    tokio::spawn(conn);
+    (0..n)
+        .map(|_| {
+            let mut send = send.clone();
+            let mut req = Request::post(format!("http://{gw}/slow"))
+                .header("content-length", SLOW_BYTES.to_string());
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            let req = req.body(Trickle::new(started.clone())).expect("request");
+            tokio::spawn(async move {
+                let resp = send.send_request(req).await.expect("an answer");
+                let status = resp.status().as_u16();
+                let body = resp.into_body().collect().await.expect("body").to_bytes();
+                (status, String::from_utf8_lossy(&body).into_owned())
+            })
+        })
+        .collect()
+}
+
+/// The answers of `tasks`, sorted.
+async fn answers_of(tasks: Vec<tokio::task::JoinHandle<(u16, String)>>) -> Vec<(u16, String)> {
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(bounded("a slow request's answer", t).await.expect("task"));
+    }
+    answers.sort();
+    answers
+}
+
 #[tokio::test]
 async fn slow_uploads_hold_no_upstream_connection_while_their_body_trickles() {
     let up = LengthUpstream::start().await;
     let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
-    let (tx, mut started) = tokio::sync::mpsc::channel(4);
-    let slow: Vec<_> = (0..4)
-        .map(|_| tokio::spawn(slow_upload(gw.addr, tx.clone(), "", b"")))
-        .collect();
-    for _ in 0..4 {
-        bounded("slow uploads start", started.recv()).await;
-    }
+    let slow = slow_uploads(gw.addr, 4, "", b"").await;
     assert_the_victim_is_served(gw.addr, &up).await;
-    let mut answers = Vec::new();
-    for t in slow {
-        answers.push(bounded("a slow upload's answer", t).await.expect("task"));
-    }
-    assert_eq!(answers, vec![(200, SLOW_BYTES.to_string()); 4]);
+    assert_eq!(
+        answers_of(slow).await,
+        vec![(200, SLOW_BYTES.to_string()); 4]
+    );
     let (accepted, heads) = up.counts();
     assert_eq!(heads, 5);
     assert!(
@@ -947,42 +1003,18 @@ async fn slow_uploads_hold_no_upstream_connection_while_their_body_trickles() {
 
 #[tokio::test]
 async fn slow_h2c_streams_hold_no_upstream_connection_while_their_bodies_trickle() {
-    use http_body_util::BodyExt;
     let up = LengthUpstream::start().await;
     let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
-    let stream = connect_from_other(gw.addr).await;
-    let (send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(stream),
-    )
-    .await
-    .expect("h2c handshake");
-    tokio::spawn(conn);
     let (tx, mut started) = tokio::sync::mpsc::channel(6);
-    let slow: Vec<_> = (0..6)
-        .map(|_| {
-            let mut send = send.clone();
-            let req = Request::post(format!("http://{}/slow", gw.addr))
-                .header("content-length", SLOW_BYTES.to_string())
-                .body(Trickle::new(tx.clone()))
-                .expect("request");
-            tokio::spawn(async move {
-                let resp = send.send_request(req).await.expect("an answer");
-                let status = resp.status().as_u16();
-                let body = resp.into_body().collect().await.expect("body").to_bytes();
-                (status, String::from_utf8_lossy(&body).into_owned())
-            })
-        })
-        .collect();
+    let slow = slow_h2c_requests(gw.addr, 6, &[], tx).await;
     for _ in 0..6 {
         bounded("slow streams start", started.recv()).await;
     }
     assert_the_victim_is_served(gw.addr, &up).await;
-    let mut answers = Vec::new();
-    for t in slow {
-        answers.push(bounded("a slow stream's answer", t).await.expect("task"));
-    }
-    assert_eq!(answers, vec![(200, SLOW_BYTES.to_string()); 6]);
+    assert_eq!(
+        answers_of(slow).await,
+        vec![(200, SLOW_BYTES.to_string()); 6]
+    );
     let (accepted, heads) = up.counts();
     assert_eq!(heads, 7);
     assert!(
@@ -998,22 +1030,12 @@ async fn slow_h2c_streams_hold_no_upstream_connection_while_their_bodies_trickle
 async fn a_grpc_content_type_over_http1_is_read_ahead_like_any_upload() {
     let up = LengthUpstream::start().await;
     let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
-    let (tx, mut started) = tokio::sync::mpsc::channel(4);
-    let slow: Vec<_> = (0..4)
-        .map(|_| {
-            let head = "content-type: application/grpc\r\n";
-            tokio::spawn(slow_upload(gw.addr, tx.clone(), head, b""))
-        })
-        .collect();
-    for _ in 0..4 {
-        bounded("slow uploads start", started.recv()).await;
-    }
+    let slow = slow_uploads(gw.addr, 4, "content-type: application/grpc\r\n", b"").await;
     assert_the_victim_is_served(gw.addr, &up).await;
-    let mut answers = Vec::new();
-    for t in slow {
-        answers.push(bounded("a slow upload's answer", t).await.expect("task"));
-    }
-    assert_eq!(answers, vec![(200, SLOW_BYTES.to_string()); 4]);
+    assert_eq!(
+        answers_of(slow).await,
+        vec![(200, SLOW_BYTES.to_string()); 4]
+    );
 }
 
 /// Uploads that still stream when they take an upstream connection (past
@@ -1029,22 +1051,14 @@ async fn uploads_past_the_read_ahead_hold_a_quarter_of_the_connections_per_clien
     );
     let gw = start_gateway(&config).await;
     static FIRST: [u8; 2048] = [b'y'; 2048];
-    let (tx, mut started) = tokio::sync::mpsc::channel(4);
-    let slow: Vec<_> = (0..4)
-        .map(|_| tokio::spawn(slow_upload(gw.addr, tx.clone(), "", &FIRST)))
-        .collect();
-    for _ in 0..4 {
-        bounded("slow uploads start", started.recv()).await;
-    }
+    let slow = slow_uploads(gw.addr, 4, "", &FIRST).await;
     assert_the_victim_is_served_beside(gw.addr, &up, 1).await;
-    let mut answers = Vec::new();
-    for t in slow {
-        answers.push(bounded("a slow upload's answer", t).await.expect("task"));
-    }
-    answers.sort();
     let busy = (503, "upstream busy\n".to_string());
     let whole = (200, (FIRST.len() + SLOW_BYTES).to_string());
-    assert_eq!(answers, vec![whole, busy.clone(), busy.clone(), busy]);
+    assert_eq!(
+        answers_of(slow).await,
+        vec![whole, busy.clone(), busy.clone(), busy]
+    );
     let m = metrics(gw.admin_addr).await;
     assert_eq!(
         metric(
@@ -1061,48 +1075,18 @@ async fn uploads_past_the_read_ahead_hold_a_quarter_of_the_connections_per_clien
 /// client get one upstream connection and five 503s, and the victim is served.
 #[tokio::test]
 async fn slow_grpc_calls_of_one_client_hold_a_quarter_of_the_connections() {
-    use http_body_util::BodyExt;
     let up = LengthUpstream::start().await;
     let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
-    let stream = connect_from_other(gw.addr).await;
-    let (send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(stream),
-    )
-    .await
-    .expect("h2c handshake");
-    tokio::spawn(conn);
-    let (tx, started) = tokio::sync::mpsc::channel(6);
-    let slow: Vec<_> = (0..6)
-        .map(|_| {
-            let mut send = send.clone();
-            let req = Request::post(format!("http://{}/slow", gw.addr))
-                .header("content-type", "application/grpc")
-                .header("content-length", SLOW_BYTES.to_string())
-                .body(Trickle::new(tx.clone()))
-                .expect("request");
-            tokio::spawn(async move {
-                let resp = send.send_request(req).await.expect("an answer");
-                let status = resp.status().as_u16();
-                let body = resp.into_body().collect().await.expect("body").to_bytes();
-                (status, String::from_utf8_lossy(&body).into_owned())
-            })
-        })
-        .collect();
-    // One call takes the client's one connection (its head reaches the upstream);
-    // the others are refused before they have sent much, so they may never say
-    // they started.
-    drop(started);
+    // The refused calls may never say they started: nobody waits for them to.
+    let (tx, _started) = tokio::sync::mpsc::channel(6);
+    let grpc = [("content-type", "application/grpc")];
+    let slow = slow_h2c_requests(gw.addr, 6, &grpc, tx).await;
+    // One call takes the client's one connection (its head reaches the upstream).
     let holding = eventually(Duration::from_secs(5), || async { up.counts() == (1, 1) }).await;
     assert!(holding.is_some(), "{:?}", up.counts());
     assert_the_victim_is_served_beside(gw.addr, &up, 1).await;
-    let mut answers = Vec::new();
-    for t in slow {
-        answers.push(bounded("a slow call's answer", t).await.expect("task"));
-    }
-    answers.sort();
     let busy = (503, "upstream busy\n".to_string());
     let mut expected = vec![(200, SLOW_BYTES.to_string())];
     expected.extend(std::iter::repeat_n(busy, 5));
-    assert_eq!(answers, expected);
+    assert_eq!(answers_of(slow).await, expected);
 }
