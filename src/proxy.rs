@@ -234,10 +234,11 @@ pub struct Upstream {
     request_buffer: usize,
     /// `server.tunnel_idle_timeout`.
     tunnel_idle: Duration,
-    /// Connections taken by uploads still streaming, per client address, and how
-    /// many one address may hold (`uploads_per_client`).
-    uploads: Arc<PerIp>,
-    uploads_cap: usize,
+    /// Connections held at the client's pace (uploads still streaming, upgraded
+    /// tunnels), per client address, and how many one address may hold
+    /// (`client_share`).
+    held: Arc<PerIp>,
+    share: usize,
 }
 
 /// How an upstream is reached, beyond its targets.
@@ -391,8 +392,8 @@ impl Upstream {
             body_timeout: o.body_timeout,
             request_buffer: o.request_buffer,
             tunnel_idle: o.tunnel_idle,
-            uploads: Arc::default(),
-            uploads_cap: uploads_per_client(o.max_connections),
+            held: Arc::default(),
+            share: client_share(o.max_connections),
         })
     }
 
@@ -583,14 +584,25 @@ impl Upstream {
             (body, streaming) = (ahead.body, ahead.streaming);
         }
         // An upload that still streams (past `request_buffer`, a gRPC call, or with
-        // no read-ahead) holds its upstream connection at the client's pace: one
-        // address may hold at most `uploads_cap` of them, so it cannot take every
-        // connection (503 beyond it, as when the upstream is busy).
-        if streaming {
-            let Some(slot) = PerIp::take(&self.uploads, origin.client, self.uploads_cap) else {
-                tracing::debug!(upstream = %self.name, client = %origin.client, cap = self.uploads_cap, "upload refused: the address holds its share of the upstream's connections");
+        // no read-ahead) and an upgraded tunnel hold their upstream connection at the
+        // client's pace: one address may hold at most `share` of them, so it cannot
+        // take every connection (503 beyond it, as when the upstream is busy).
+        let share = if upgrading || streaming {
+            let Some(slot) = PerIp::take(&self.held, origin.client, self.share) else {
+                tracing::debug!(upstream = %self.name, client = %origin.client, share = self.share, "refused: the address holds its share of the upstream's connections");
                 return Err(ProxyError::Busy);
             };
+            Some(slot)
+        } else {
+            None
+        };
+        // A tunnel keeps its share until it closes; an upload, until its body ends.
+        let (tunnel_share, upload_share) = if upgrading {
+            (share, None)
+        } else {
+            (None, share)
+        };
+        if let Some(slot) = upload_share {
             body = Uploading {
                 inner: body,
                 slot: Some(slot),
@@ -607,9 +619,13 @@ impl Upstream {
             Ok(Ok(Answer::Response(r))) => r,
             Ok(Ok(Answer::Switched(parts, conn))) => {
                 return match client_upgrade {
-                    Some(client_upgrade) => {
-                        Ok(splice(parts, conn, client_upgrade, held, self.tunnel_idle))
-                    }
+                    Some(client_upgrade) => Ok(splice(
+                        parts,
+                        conn,
+                        client_upgrade,
+                        (held, tunnel_share),
+                        self.tunnel_idle,
+                    )),
                     // A switch nobody asked for: its connection speaks something
                     // else now.
                     None => Err(ProxyError::Reset(
@@ -644,8 +660,8 @@ fn is_grpc(h: &HeaderMap) -> bool {
 }
 
 /// The share of an upstream's `max_connections` that one client address may hold
-/// with uploads still streaming: a quarter, at least one.
-fn uploads_per_client(max_connections: usize) -> usize {
+/// with uploads still streaming and tunnels: a quarter, at least one.
+fn client_share(max_connections: usize) -> usize {
     (max_connections / 4).max(1)
 }
 
@@ -685,8 +701,8 @@ async fn read_ahead(mut body: Body, limit: usize) -> Result<Ahead, BoxError> {
     Ok(Ahead { body, streaming })
 }
 
-/// An upload that streams at the client's pace, holding its address's slot
-/// (`Upstream::uploads`) until it ends, fails or is dropped.
+/// An upload that streams at the client's pace, holding its address's share
+/// (`Upstream::held`) until it ends, fails or is dropped.
 struct Uploading {
     inner: Body,
     slot: Option<IpSlot>,
@@ -794,7 +810,9 @@ fn splice(
     mut parts: http::response::Parts,
     upstream: Conn,
     client: hyper::upgrade::OnUpgrade,
-    held: Option<ConnectionHeld>,
+    // The client connection's slots, and the client's share of the upstream: both
+    // held until the tunnel closes.
+    held: (Option<ConnectionHeld>, Option<IpSlot>),
     idle: Duration,
 ) -> Response<Body> {
     let (open, end) = tokio::sync::watch::channel(());

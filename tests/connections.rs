@@ -1090,3 +1090,51 @@ async fn slow_grpc_calls_of_one_client_hold_a_quarter_of_the_connections() {
     expected.extend(std::iter::repeat_n(busy, 5));
     assert_eq!(answers_of(slow).await, expected);
 }
+
+/// A WebSocket tunnel holds its upstream connection for as long as the client
+/// keeps it open: one address may hold a quarter of the upstream's connections
+/// with tunnels (one of four here). Its next upgrade gets 503, another address's
+/// gets its tunnel, and the share comes back when the tunnel closes.
+#[tokio::test]
+async fn tunnels_of_one_client_hold_a_quarter_of_the_connections() {
+    const UPGRADE: &[u8] =
+        b"GET /ws HTTP/1.1\r\nhost: a\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n";
+    let up = upstream().await;
+    let gw = start_gateway(&proxy(up.addr, ", max_connections: 4, connect_timeout: 1s")).await;
+    let mut first = connect_from_other(gw.addr).await;
+    first.write_all(UPGRADE).await.unwrap();
+    let head = read_head(&mut first).await.expect("an answer");
+    assert_eq!(status(&head), 101, "{head}");
+    let mut second = connect_from_other(gw.addr).await;
+    second.write_all(UPGRADE).await.unwrap();
+    let (head, body) = read_response(&mut second).await.expect("an answer");
+    assert_eq!((status(&head), body.as_str()), (503, "upstream busy\n"));
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"busy\",route=\"rest\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    let mut victim = connect(gw.addr).await;
+    victim.write_all(UPGRADE).await.unwrap();
+    let head = read_head(&mut victim).await.expect("an answer");
+    assert_eq!(status(&head), 101, "{head}");
+    victim.write_all(b"ping").await.unwrap();
+    let mut back = [0u8; 4];
+    bounded("echo", victim.read_exact(&mut back)).await.unwrap();
+    assert_eq!(&back, b"ping");
+    // The first tunnel closes: its share comes back.
+    first.shutdown().await.unwrap();
+    assert_eq!(read_to_close(&mut first).await, "");
+    drop(first);
+    let again = eventually(Duration::from_secs(5), || async {
+        let mut s = connect_from_other(gw.addr).await;
+        s.write_all(UPGRADE).await.unwrap();
+        read_head(&mut s).await.is_some_and(|h| status(&h) == 101)
+    })
+    .await;
+    assert!(again.is_some(), "no tunnel after the first closed");
+}
