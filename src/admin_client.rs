@@ -536,12 +536,14 @@ fn is_format(c: char) -> bool {
 }
 
 /// Characters that show as nothing or as blank space although they are no ASCII
-/// space: separators other than U+0020 (U+00A0, U+2000-U+200A, U+2028, U+2029,
-/// U+202F, U+205F, U+3000), Hangul fillers (U+115F, U+1160, U+3164, U+FFA0), the
-/// combining grapheme joiner (U+034F) and variation selectors.
+/// space: separators other than U+0020 (U+00A0, U+1680, U+2000-U+200A, U+2028,
+/// U+2029, U+202F, U+205F, U+3000), Hangul fillers (U+115F, U+1160, U+3164,
+/// U+FFA0), the Khmer invisible vowels (U+17B4, U+17B5), the braille blank
+/// (U+2800), the combining grapheme joiner (U+034F) and variation selectors.
 fn is_invisible(c: char) -> bool {
     matches!(c,
-        '\u{00A0}' | '\u{034F}' | '\u{115F}' | '\u{1160}' | '\u{2000}'..='\u{200A}'
+        '\u{00A0}' | '\u{034F}' | '\u{115F}' | '\u{1160}' | '\u{1680}' | '\u{17B4}'
+        | '\u{17B5}' | '\u{2800}' | '\u{2000}'..='\u{200A}'
         | '\u{2028}' | '\u{2029}' | '\u{202F}' | '\u{205F}' | '\u{3000}' | '\u{3164}'
         | '\u{FE00}'..='\u{FE0F}' | '\u{FFA0}' | '\u{E0100}'..='\u{E01EF}')
 }
@@ -667,8 +669,8 @@ mod tests {
             "bad\\u{3164}\\u{a0}\\u{301}\\u{e9}\\t"
         );
         assert_eq!(
-            printable("\u{e9}t\u{e9} \u{202e}\u{2028}\u{fe0f}\u{3000}\n"),
-            "\u{e9}t\u{e9} \\u{202e}\\u{2028}\\u{fe0f}\\u{3000}\\n"
+            printable("\u{e9}t\u{e9} \u{202e}\u{2028}\u{fe0f}\u{3000}\u{2800}\u{17b5}\u{1680}\n"),
+            "\u{e9}t\u{e9} \\u{202e}\\u{2028}\\u{fe0f}\\u{3000}\\u{2800}\\u{17b5}\\u{1680}\\n"
         );
     }
 

@@ -198,6 +198,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             per_ip: f.server.max_connections_per_ip.get(),
             per_v6_64: false,
             exempt,
+            linger: LINGER_TIME,
             refused: Some(refused),
             grace,
             caps: Caps::new(f.server.max_connections.get()),
@@ -269,6 +270,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             // many admin connections as it likes.
             per_v6_64: true,
             exempt: Arc::new(|_| false),
+            // An admin request has seconds to come whole: its lingering close, too
+            // (held 30 s, it would let a few addresses fill the listener's total).
+            linger: header_timeout,
             refused: None,
             grace: Duration::from_secs(1),
             caps: Caps::new(ADMIN_CONNECTIONS),
@@ -479,6 +483,8 @@ struct Limits {
     refused: Option<prometheus::IntCounter>,
     /// How long shutdown waits for requests in flight.
     grace: Duration,
+    /// The longest lingering close (`Linger`).
+    linger: Duration,
     /// Shared by every worker accepting on the listener.
     caps: Caps,
 }
@@ -710,6 +716,8 @@ const LINGER_BYTES: usize = 64 * 1024 * 1024;
 struct Linger<T> {
     io: T,
     activity: Arc<Activity>,
+    /// `LINGER_TIME` on the gateway's port, shorter on the admin port.
+    most: Duration,
     drain: Drain,
 }
 
@@ -725,10 +733,11 @@ enum Drain {
 }
 
 impl<T> Linger<T> {
-    fn new(io: T, activity: Arc<Activity>) -> Linger<T> {
+    fn new(io: T, activity: Arc<Activity>, most: Duration) -> Linger<T> {
         Linger {
             io,
             activity,
+            most,
             drain: Drain::NotYet,
         }
     }
@@ -788,9 +797,10 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
                     }
                     this.activity.draining.store(true, Ordering::Release);
                     let now = tokio::time::Instant::now();
+                    let until = now + this.most;
                     this.drain = Drain::Reading {
-                        until: now + LINGER_TIME,
-                        at: Box::pin(tokio::time::sleep_until(now + LINGER_SILENCE)),
+                        until,
+                        at: Box::pin(tokio::time::sleep_until((now + LINGER_SILENCE).min(until))),
                         left: LINGER_BYTES,
                     };
                 }
@@ -1167,6 +1177,7 @@ async fn serve<S, F>(
         exempt,
         refused,
         grace,
+        linger,
         caps: Caps { slots, peers },
     } = limits;
     loop {
@@ -1232,7 +1243,7 @@ async fn serve<S, F>(
                         _ = stop.wait_for(|s| *s) => None,
                     };
                     let io = WriteStall::new(stream, send_timeout);
-                    let io = TokioIo::new(Linger::new(io, activity.clone()));
+                    let io = TokioIo::new(Linger::new(io, activity.clone(), linger));
                     match (started, fast) {
                         (Some(Sniffed::Http1), Some(fast)) => {
                             // Plain requests here; the first other one and the rest
@@ -1270,7 +1281,7 @@ async fn serve<S, F>(
                 }
                 Some(acceptor) => {
                     let shaken = tokio::select! {
-                        r = tokio::time::timeout(header_timeout, acceptor.accept(Linger::new(WriteStall::new(stream, send_timeout), activity.clone()))) => r,
+                        r = tokio::time::timeout(header_timeout, acceptor.accept(Linger::new(WriteStall::new(stream, send_timeout), activity.clone(), linger))) => r,
                         _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
                     };
                     match shaken {

@@ -492,6 +492,19 @@ async fn an_admin_body_that_never_comes_is_answered_408_and_closed() {
         closes_within(&mut s, std::time::Duration::from_secs(1)).await,
         "the connection stayed open"
     );
+    // A client that keeps trickling is drained for at most the admin port's
+    // request_header_timeout, not the gateway's 30 s (a few addresses holding
+    // 30 s drains could fill the admin port's 256 connections).
+    let cut = tokio::time::timeout(std::time::Duration::from_secs(3), async {
+        while s.write_all(b"x").await.is_ok() {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(
+        cut.is_ok(),
+        "the admin connection was still drained after 3 s"
+    );
     drop(s);
     assert_eq!(deny_list(a, &[]).await, Vec::<Value>::new());
     gw.shutdown().await;
