@@ -216,11 +216,9 @@ async fn process(
     if let Some(line) = tally.line.take() {
         line.write(parts.method.as_str(), parts.uri.path());
     }
-    let resp = if parts.method == http::Method::HEAD {
-        answer::headless(resp)
-    } else {
-        resp
-    };
+    if parts.method == http::Method::HEAD {
+        return end_with(answer::headless(resp), tally);
+    }
     end_with(resp, tally)
 }
 
@@ -348,13 +346,18 @@ fn client_key<'a, 'r>(
     if denied_key(rt, shared, |d| route.key.any_value(parts, d), &mut log) {
         return Err(Refusal::Denied(status));
     }
-    // Whatever `missing_key` says: the upstream may trim such a value into another
-    // key (a denied one, or one with a budget of its own).
-    if let Some(part) = route.key.unprintable(parts) {
-        return Err(Refusal::UnprintableKey(part.describe()));
-    }
+    // A value with a byte outside printable ASCII is refused whatever `missing_key`
+    // says: the upstream may trim it into another key (a denied one, or one with a
+    // budget of its own). A found key is one copy of each part, so its own bytes
+    // tell; a missing one (absent, or sent twice) has every copy looked at.
+    let unprintable = || {
+        let part = route.key.unprintable(parts);
+        Refusal::UnprintableKey(part.map_or_else(|| "the key".into(), |p| p.describe()))
+    };
     let (ns, key) = match route.key.extract(parts, ctx.ip) {
+        Ok(k) if !crate::client::printable_key(&k.value) => return Err(unprintable()),
         Ok(k) => (&route.ns, k),
+        Err(_) if route.key.unprintable(parts).is_some() => return Err(unprintable()),
         Err(part) => match route.missing_key {
             MissingKey::Ip => (&route.fallback_ns, ClientKey::new(ctx.ip.to_string())),
             MissingKey::Reject => return Err(Refusal::MissingKey(part.describe())),

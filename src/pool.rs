@@ -153,7 +153,6 @@ impl Pool {
                         upload: head.upload,
                         hop_by_hop: head.hop_by_hop,
                         pool: self.clone(),
-                        read_timeout: self.read_timeout,
                         silence: None,
                         progressed: false,
                     };
@@ -276,8 +275,9 @@ pub struct Pooled {
     hop_by_hop: bool,
     /// The request body still going up (the upstream answered before its end).
     upload: Option<Upload>,
+    /// Its `read_timeout` too (read from it: every byte of this struct is moved
+    /// with each response).
     pool: Arc<Pool>,
-    read_timeout: Duration,
     /// When the upstream's silence runs out: made at the first wait for the body
     /// (most bodies come with their head and never wait), then moved on after each
     /// frame or upload progress (a store: the timer itself moves only when it
@@ -306,19 +306,19 @@ impl Pooled {
         let silence = match &mut self.silence {
             Some(d) => {
                 if self.progressed {
-                    d.as_mut().set(at(self.read_timeout));
+                    d.as_mut().set(at(self.pool.read_timeout));
                 }
                 d
             }
             None => self
                 .silence
-                .insert(Box::pin(Deadline::new(at(self.read_timeout)))),
+                .insert(Box::pin(Deadline::new(at(self.pool.read_timeout)))),
         };
         self.progressed = false;
         std::task::ready!(silence.as_mut().poll_passed(cx));
         self.conn = None;
         self.upload = None;
-        Poll::Ready(Some(Err(ReadTimeout(self.read_timeout).into())))
+        Poll::Ready(Some(Err(ReadTimeout(self.pool.read_timeout).into())))
     }
 
     fn release(&mut self) {

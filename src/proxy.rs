@@ -578,7 +578,9 @@ impl Upstream {
         // (An upgrade's handshake has no body; one that has is read like any other.)
         let mut streaming = !http_body::Body::is_end_stream(&body);
         if streaming && self.request_buffer > 0 && !grpc {
-            let ahead = read_ahead(body, self.request_buffer)
+            // Boxed: its state would otherwise grow every request's future, bodiless
+            // ones too.
+            let ahead = Box::pin(read_ahead(body, self.request_buffer))
                 .await
                 .map_err(|e| classify(e, false))?;
             (body, streaming) = (ahead.body, ahead.streaming);
