@@ -339,17 +339,6 @@ async fn with_a_token_any_host_is_served_to_the_token() {
 
 // === the admin listener's connection limits ===
 
-/// A connection to `addr` from 127.0.0.2 ("another client").
-async fn connect_from_other(addr: SocketAddr) -> tokio::net::TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .bind("127.0.0.2:0".parse().expect("address"))
-        .expect("bind 127.0.0.2");
-    bounded("connect", socket.connect(addr))
-        .await
-        .expect("connect")
-}
-
 /// Whether the peer closes `s` (end or reset) within `within`; anything it sends
 /// meanwhile is read past.
 async fn closes_within(s: &mut tokio::net::TcpStream, within: std::time::Duration) -> bool {

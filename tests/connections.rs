@@ -810,17 +810,6 @@ impl LengthUpstream {
     }
 }
 
-/// A connection to `addr` from 127.0.0.2 ("another client").
-async fn connect_from_other(addr: SocketAddr) -> TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .bind("127.0.0.2:0".parse().expect("address"))
-        .expect("bind 127.0.0.2");
-    bounded("connect", socket.connect(addr))
-        .await
-        .expect("connect")
-}
-
 /// The pace of a slow body: 100 bytes, one every 200ms.
 const SLOW_BYTES: usize = 100;
 const SLOW_GAP: Duration = Duration::from_millis(200);

@@ -643,6 +643,17 @@ pub async fn connect(addr: SocketAddr) -> TcpStream {
         .expect("connect")
 }
 
+/// A connection to `addr` from 127.0.0.2 ("another client").
+pub async fn connect_from_other(addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.2:0".parse().expect("address"))
+        .expect("bind 127.0.0.2");
+    bounded("connect", socket.connect(addr))
+        .await
+        .expect("connect")
+}
+
 /// Read up to the end of a response (or request) head; `None` on EOF before it.
 pub async fn read_head(stream: &mut TcpStream) -> Option<String> {
     let mut buf = Vec::new();
