@@ -13,14 +13,14 @@ use std::path::Path;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::Request;
 
-use crate::client::{canonical, parse_hop, ClientKey, KeyPart, KeySpec, TrustedProxies};
 use crate::config::compile::{compile, CompileError};
 use crate::config::value::{
     fmt_dur, fmt_rate, interpolate_with, parse_duration, parse_net, parse_rate, parse_size,
 };
+use crate::identity::{canonical, parse_hop, ClientKey, KeyPart, KeySpec, TrustedProxies};
 use crate::limit::{decide, State};
-use crate::metrics::Metrics;
-use crate::proxy::BuildError;
+use crate::telemetry::metrics::Metrics;
+use crate::upstream::BuildError;
 
 /// A fuzz target's entry point: panics on an input that breaks an invariant.
 pub type Target = fn(&[u8]);
@@ -272,7 +272,7 @@ pub fn key(data: &[u8]) {
     }
     let stored = ClientKey::new(key.value.clone());
     let stored = stored.stored();
-    assert!(stored.len() <= crate::client::MAX_STORED_KEY.max(41));
+    assert!(stored.len() <= crate::identity::MAX_STORED_KEY.max(41));
     assert!(!stored.contains(['{', '}']));
 }
 
@@ -287,12 +287,12 @@ pub fn path(data: &[u8]) {
     let Ok(raw) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(normal) = crate::path::normalize(raw) else {
+    let Ok(normal) = crate::pipeline::path::normalize(raw) else {
         return;
     };
     assert!(normal.starts_with('/'), "{raw:?} -> {normal:?}");
-    let again =
-        crate::path::normalize(&normal).unwrap_or_else(|e| panic!("{raw:?} -> {normal:?} -> {e}"));
+    let again = crate::pipeline::path::normalize(&normal)
+        .unwrap_or_else(|e| panic!("{raw:?} -> {normal:?} -> {e}"));
     assert!(
         matches!(again, std::borrow::Cow::Borrowed(_)) && again == normal,
         "{raw:?} -> {normal:?} -> {again:?}"
@@ -315,14 +315,14 @@ pub fn path(data: &[u8]) {
         };
         assert!(byte.is_some_and(kept), "{raw:?} -> {normal:?}");
     }
-    let view = crate::path::route_view(&normal);
+    let view = crate::pipeline::path::route_view(&normal);
     assert!(!view.contains(';'), "{raw:?} -> {view:?}");
     assert_eq!(
-        crate::path::normalize(&view).as_deref(),
+        crate::pipeline::path::normalize(&view).as_deref(),
         Ok(&*view),
         "{raw:?} -> {normal:?} -> {view:?}"
     );
-    assert_eq!(crate::path::route_view(&view), view);
+    assert_eq!(crate::pipeline::path::route_view(&view), view);
 }
 
 /// A composite key's parts: split on `|`, with `\` escaping the next character.

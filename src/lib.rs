@@ -1,27 +1,18 @@
-//! sluice: a rate-limiting reverse proxy. `gateway` is the request path; the other
-//! modules are its phases and the machinery around it.
+//! sluice: a rate-limiting reverse proxy. The layers, lowest first (each imports
+//! only those before it): `http` (the wire), `identity` (who the client is),
+//! `telemetry`, `limit`, `deny`, `upstream`, `pipeline` (the request path:
+//! `pipeline::handle`), `config`, `ops` (control loop, admin API, stats), `server`
+//! (listeners, connections) and `cli`. ARCHITECTURE.md draws them.
 
-pub mod admin;
-pub mod admin_client;
-pub mod answer;
-pub mod client;
+pub mod cli;
 pub mod config;
-pub mod control;
 pub mod deny;
-pub mod deny_sync;
 pub mod fuzzing;
-pub mod gateway;
-pub mod h1server;
+pub mod http;
+pub mod identity;
 pub mod limit;
-pub mod metrics;
-pub mod path;
-pub mod per_ip;
-pub mod pool;
-pub mod proxy;
-pub mod refusal_log;
-pub mod request;
-pub mod route;
+pub mod ops;
+pub mod pipeline;
 pub mod server;
-pub mod stats;
-pub(crate) mod wake;
-pub mod wire;
+pub mod telemetry;
+pub mod upstream;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use sluice::admin_client::{self, Action, Endpoint, Ttl};
+use sluice::cli::admin_api::{self, Action, Endpoint, Ttl};
 use sluice::deny::Target;
 use tracing_subscriber::EnvFilter;
 
@@ -156,7 +156,7 @@ enum DenyAction {
         #[command(flatten)]
         target: TargetArgs,
         /// How long the entry lasts, e.g. 10m, 1h, 1d [default: until removed]
-        #[arg(long, value_name = "D", value_parser = admin_client::parse_ttl)]
+        #[arg(long, value_name = "D", value_parser = admin_api::parse_ttl)]
         ttl: Option<Ttl>,
         /// Why, shown by `sluice deny list`.
         #[arg(long, value_name = "TEXT")]
@@ -183,10 +183,10 @@ enum DenyAction {
 #[group(required = true, multiple = false)]
 struct TargetArgs {
     /// A client key.
-    #[arg(long, value_name = "K", value_parser = admin_client::parse_key)]
+    #[arg(long, value_name = "K", value_parser = admin_api::parse_key)]
     key: Option<Target>,
     /// An address or CIDR block, e.g. 203.0.113.7 or 10.1.0.0/16.
-    #[arg(long, value_name = "ADDR[/LEN]", value_parser = admin_client::parse_ip)]
+    #[arg(long, value_name = "ADDR[/LEN]", value_parser = admin_api::parse_ip)]
     ip: Option<Target>,
 }
 
@@ -300,13 +300,13 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
         DenyAction::List { json } => Action::List { json },
     };
     let config = args.config.unwrap_or_else(sluice::config::default_path);
-    let token = std::env::var(admin_client::TOKEN_ENV).ok();
+    let token = std::env::var(admin_api::TOKEN_ENV).ok();
     let Some(rt) = runtime("sluice deny") else {
         return ExitCode::FAILURE;
     };
     let result = rt.block_on(async {
         let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
-        admin_client::run(&endpoint, &action).await
+        admin_api::run(&endpoint, &action).await
     });
     match result {
         Ok(out) => {
@@ -336,7 +336,7 @@ fn health(args: AdminArgs, ready: bool) -> ExitCode {
     let result = rt.block_on(async {
         let endpoint = Endpoint::resolve_listener(args.admin.as_deref(), &config)?;
         let (status, line) = endpoint.get(path, HEALTH_BOUND).await?;
-        Ok::<_, admin_client::ClientError>((format!("{}{path}", endpoint.base), status, line))
+        Ok::<_, admin_api::ClientError>((format!("{}{path}", endpoint.base), status, line))
     });
     match result {
         Ok((url, status, _)) if status == http::StatusCode::OK => {

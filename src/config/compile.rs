@@ -15,15 +15,15 @@ use regex::RegexBuilder;
 
 use super::schema::{self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit};
 use super::Loaded;
-use crate::answer::{policy_header, RateHeaders};
-use crate::client::{KeyPart, KeySpec, TrustedProxies};
 use crate::deny::{Source, StaticDeny};
-use crate::gateway::{Action, BanRule, Limits, Route, Runtime, Tier};
+use crate::identity::{KeyPart, KeySpec, TrustedProxies};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisTarget, StoreError};
-use crate::metrics::Metrics;
-use crate::proxy::{BuildError, Upstream, UpstreamOpts};
-use crate::route::{HeaderMatch, HostMatch, Matcher};
+use crate::pipeline::refusal::{policy_header, RateHeaders};
+use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
+use crate::pipeline::{Action, BanRule, Limits, Route, Runtime, Tier};
+use crate::telemetry::metrics::Metrics;
+use crate::upstream::{BuildError, Upstream, UpstreamOpts};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {

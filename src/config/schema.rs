@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text};
 // Enums the runtime reads as they are written.
-pub use crate::client::MissingKey;
+pub use crate::identity::MissingKey;
 pub use crate::limit::OnError;
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]

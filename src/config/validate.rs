@@ -82,7 +82,7 @@ impl Checker<'_> {
             .client_ip
             .trusted_proxies
             .iter()
-            .map(|n| crate::client::canonical_net(n.0))
+            .map(|n| crate::identity::canonical_net(n.0))
             .collect();
         for (family, v4) in [("IPv4", true), ("IPv6", false)] {
             let of_family = |n: &&ipnet::IpNet| matches!(n, ipnet::IpNet::V4(_)) == v4;
@@ -540,7 +540,7 @@ impl Checker<'_> {
         for (i, k) in deny.keys.iter().enumerate() {
             if k.is_empty() {
                 self.at(&item("deny.keys", i), "deny.keys entries must not be empty");
-            } else if !crate::client::printable_key(k) {
+            } else if !crate::identity::printable_key(k) {
                 self.at(&item("deny.keys", i), UNPRINTABLE_KEY);
             }
         }
@@ -680,8 +680,8 @@ impl Checker<'_> {
                     continue;
                 }
                 // Requests are matched in normal form: any other spelling never matches.
-                let normal =
-                    crate::path::normalize(p).map(|n| crate::path::route_view(&n).into_owned());
+                let normal = crate::pipeline::path::normalize(p)
+                    .map(|n| crate::pipeline::path::route_view(&n).into_owned());
                 match normal {
                     Ok(n) if n == p.as_str() => {}
                     Ok(n) => self.at(
@@ -726,7 +726,7 @@ impl Checker<'_> {
                             method.as_str()
                         ),
                     );
-                } else if !crate::request::METHODS.contains(&method.as_str())
+                } else if !crate::pipeline::admit::METHODS.contains(&method.as_str())
                     && method.as_str() != "CONNECT"
                 {
                     // Requests with it get 400 before routing: the route could never match.
@@ -794,7 +794,7 @@ impl Checker<'_> {
                         &item(&format!("{op}.keys"), k),
                         "override keys must not be empty",
                     );
-                } else if !crate::client::printable_key(key) {
+                } else if !crate::identity::printable_key(key) {
                     self.at(&item(&format!("{op}.keys"), k), UNPRINTABLE_KEY);
                 }
             }

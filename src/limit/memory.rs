@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::algo::{judge, EMPTY};
 use super::{Algorithm, Checked, Clock, LimitDef, Permit, Plan, State, Verdict};
-use crate::metrics::EvictionCounters;
+use crate::telemetry::metrics::EvictionCounters;
 
 /// Shards of the key space; fewer when `max_keys` is smaller.
 const SHARDS: usize = 32;
@@ -1411,8 +1411,8 @@ mod tests {
     }
 
     /// Counters for routes "api" and "login" (its IP fallback namespace included).
-    fn counted(store: MemoryStore) -> (MemoryStore, crate::metrics::Metrics) {
-        let m = crate::metrics::Metrics::new();
+    fn counted(store: MemoryStore) -> (MemoryStore, crate::telemetry::metrics::Metrics) {
+        let m = crate::telemetry::metrics::Metrics::new();
         m.store_namespaces("api", &["api", "api/ip"]);
         m.store_namespaces("login", &["login", "login/ip"]);
         m.store_namespaces("a", &["a"]);
@@ -1420,7 +1420,7 @@ mod tests {
         (store.with_evictions(m.eviction_counters.clone()), m)
     }
 
-    fn evictions(m: &crate::metrics::Metrics, route: &str) -> u64 {
+    fn evictions(m: &crate::telemetry::metrics::Metrics, route: &str) -> u64 {
         m.store_evictions.with_label_values(&[route]).get()
     }
 

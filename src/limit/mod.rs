@@ -7,6 +7,7 @@ pub mod algo;
 pub mod cases;
 pub mod clock;
 pub mod memory;
+pub mod per_ip;
 pub mod redis;
 pub mod store;
 

@@ -888,10 +888,10 @@ async fn keep(
             match tokio::time::timeout(inner.timeout, inner.query::<i64>(&cmd)).await {
                 Ok(Ok(_)) => *at = now,
                 Ok(Err(e)) => {
-                    tracing::debug!(key_hash = %crate::refusal_log::KeyHash(key), error = %e, "concurrency lease not renewed")
+                    tracing::debug!(key_hash = %crate::identity::KeyHash(key), error = %e, "concurrency lease not renewed")
                 }
                 Err(_) => {
-                    tracing::debug!(key_hash = %crate::refusal_log::KeyHash(key), "concurrency lease renewal timed out")
+                    tracing::debug!(key_hash = %crate::identity::KeyHash(key), "concurrency lease renewal timed out")
                 }
             }
         }
@@ -926,11 +926,11 @@ async fn release(first: Arc<Inner>, mut keys: Vec<(String, Instant)>, uid: Strin
                 match tokio::time::timeout(inner.timeout, inner.query::<i64>(&cmd)).await {
                     Ok(Ok(_)) => {}
                     Ok(Err(e)) => {
-                        tracing::debug!(key_hash = %crate::refusal_log::KeyHash(&key), error = %e, "concurrency lease not released; trying again");
+                        tracing::debug!(key_hash = %crate::identity::KeyHash(&key), error = %e, "concurrency lease not released; trying again");
                         failed.push((key, until));
                     }
                     Err(_) => {
-                        tracing::debug!(key_hash = %crate::refusal_log::KeyHash(&key), "concurrency lease release timed out; trying again");
+                        tracing::debug!(key_hash = %crate::identity::KeyHash(&key), "concurrency lease release timed out; trying again");
                         failed.push((key, until));
                     }
                 }

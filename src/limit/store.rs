@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use prometheus::{Histogram, IntCounter};
 
 use super::{Checked, MemoryStore, Plan, RedisStore, SystemClock};
-use crate::metrics::EvictionCounters;
+use crate::telemetry::metrics::EvictionCounters;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -64,7 +64,7 @@ pub struct Store {
 }
 
 impl Store {
-    pub fn memory(store: MemoryStore, metrics: &crate::metrics::Metrics) -> Store {
+    pub fn memory(store: MemoryStore, metrics: &crate::telemetry::metrics::Metrics) -> Store {
         Store {
             backend: Backend::Memory(store),
             latency: metrics.limiter_duration.with_label_values(&["memory"]),
@@ -76,7 +76,7 @@ impl Store {
     pub fn redis(
         store: RedisStore,
         fallback_max_keys: usize,
-        metrics: &crate::metrics::Metrics,
+        metrics: &crate::telemetry::metrics::Metrics,
     ) -> Store {
         Store {
             backend: Backend::Redis {

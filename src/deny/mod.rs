@@ -9,6 +9,8 @@
 //! spell a hash, as their hash), and the dynamic part holds at most
 //! `deny.max_entries`.
 
+pub mod sync;
+
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::net::IpAddr;
@@ -19,7 +21,8 @@ use ipnet::IpNet;
 use prefix_trie::joint::JointPrefixMap;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{canonical, canonical_net, kept_hashed, KeyDigest};
+use crate::identity::{canonical, canonical_net, kept_hashed, KeyDigest};
+use crate::telemetry::metrics::DENY_SOURCES;
 
 // === entries ===
 
@@ -30,7 +33,7 @@ impl std::fmt::Display for Logged<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0 {
             Target::Ip(_) => write!(f, "ip {}", self.0.value()),
-            Target::Key(k) => write!(f, "key #{}", crate::refusal_log::KeyHash(k)),
+            Target::Key(k) => write!(f, "key #{}", crate::identity::KeyHash(k)),
         }
     }
 }
@@ -60,7 +63,7 @@ impl Target {
     /// listed entry of a long key is named; any other key is kept as a client's key
     /// is (see `Target::client_key`).
     pub fn key(k: &str) -> Target {
-        if crate::client::is_digest(k) {
+        if crate::identity::is_digest(k) {
             Target::Key(k.to_string())
         } else {
             Target::client_key(k)
@@ -132,9 +135,9 @@ impl Source {
 
     pub fn as_str(self) -> &'static str {
         match self {
-            Source::Static => "static",
-            Source::Api => "api",
-            Source::Ban => "ban",
+            Source::Static => DENY_SOURCES[0],
+            Source::Api => DENY_SOURCES[1],
+            Source::Ban => DENY_SOURCES[2],
         }
     }
 

@@ -4,6 +4,8 @@
 //! protocols (WebSocket) spliced, and failures sorted into connect / timeout /
 //! reset / busy for a 502, 504 or 503.
 
+pub mod pool;
+
 use std::error::Error as _;
 use std::future::Future;
 use std::path::Path;
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::h1server::ClientBody;
+use crate::http::h1::server::ClientBody;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
@@ -22,12 +24,15 @@ use hyper_util::rt::TokioIo;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
-use crate::answer::{Body, BoxError};
+use crate::http::body::{Body, BoxError};
+use crate::http::fields::HOP_BY_HOP;
+use crate::http::h1::client::{
+    Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP,
+};
+use crate::http::wake::Deadline;
 use crate::limit::clock::coarse_ms;
-use crate::per_ip::{IpSlot, PerIp};
-use crate::pool::{Answer, Pool, ReadTimeout, SendError};
-use crate::wake::Deadline;
-use crate::wire::{Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP};
+use crate::limit::per_ip::{IpSlot, PerIp};
+use crate::upstream::pool::{Answer, Pool, ReadTimeout, SendError};
 
 /// A kept upstream connection idle longer than this is closed.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -840,7 +845,7 @@ fn splice(
         }
     });
     parts.extensions.insert(TunnelEnd(end));
-    Response::from_parts(parts, crate::answer::full(bytes::Bytes::new()))
+    Response::from_parts(parts, crate::http::body::full(bytes::Bytes::new()))
 }
 
 /// When something last happened (a tunnel carried a byte, a connection's request
@@ -999,18 +1004,6 @@ pub fn body_failure(e: &BoxError) -> Option<BodyFailure> {
 
 static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 
-/// The hop-by-hop headers of RFC 9110 §7.6.1, and every header `Connection` names.
-/// (`Trailer` is not one: it announces the trailers, which HTTP/1.1 needs to
-/// send them on.)
-pub(crate) const HOP_BY_HOP: [HeaderName; 7] = [
-    header::CONNECTION,
-    HeaderName::from_static("proxy-connection"),
-    HeaderName::from_static("keep-alive"),
-    header::TE,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHENTICATE,
-];
 /// Where `Connection` and `Transfer-Encoding` are in `HOP_BY_HOP`.
 const CONNECTION_AT: usize = 0;
 const TRANSFER_ENCODING_AT: usize = 4;
@@ -1052,7 +1045,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a request with
     // both must lose its Content-Length before it is passed on (hyper's server has
     // decoded the chunks; left alone, the length would cut the body short). A
-    // response with both never gets here: `wire` refuses it.
+    // response with both never gets here: `h1::client` refuses it.
     if present & (1 << TRANSFER_ENCODING_AT) != 0 {
         h.remove(header::CONTENT_LENGTH);
     }
@@ -1145,7 +1138,7 @@ fn append_peer(h: &mut HeaderMap, peer: &HeaderValue) {
 }
 
 /// `set_forwarded`, with the fields the map does not have left out of it and
-/// returned, to follow its fields on the wire (`wire::Forwarded`) as if appended
+/// returned, to follow its fields on the wire (`h1::Forwarded`) as if appended
 /// to it: one pass over its names, no insert (and no hashing) for them. Only when
 /// that is where they would stand: the map has `Host` (replaced where it stands
 /// after this) and no claim to remove (removing reorders the map); else all go in

@@ -25,7 +25,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::answer::{Body, BoxError};
+use crate::http::body::{Body, BoxError};
 
 /// The largest response head (status line and fields) or trailer block taken from
 /// an upstream; a larger one is a 502 (nginx's `proxy_buffer_size` is 4–8 KiB,
@@ -156,7 +156,7 @@ pub(crate) struct Kept {
 const RAW_MAX_FIELDS: usize = 16;
 
 /// An upstream answer's fields as they came, for the plain-request server
-/// (`h1server`) to write without a header map in between: each on a line of its own
+/// (`h1::server`) to write without a header map in between: each on a line of its own
 /// as `name: value`, no name twice, none hop-by-hop, none the server writes in its
 /// own way (`Connection`, `Transfer-Encoding`, `Trailer`, the rate-limit fields), one
 /// `Content-Length` over 0; names lowercased. Written so, they are what the server
@@ -199,7 +199,7 @@ impl RawFields {
 pub(crate) struct Names {
     raw: Vec<u8>,
     at: Vec<(usize, usize)>,
-    /// Each name, and whether it is hop-by-hop (`proxy::HOP_BY_HOP`).
+    /// Each name, and whether it is hop-by-hop (`fields::HOP_BY_HOP`).
     parsed: Vec<(HeaderName, bool)>,
 }
 
@@ -233,7 +233,7 @@ impl Names {
             self.parsed.truncate(i);
         }
         let name = HeaderName::from_bytes(raw)?;
-        let hop = crate::proxy::HOP_BY_HOP.contains(&name);
+        let hop = crate::http::fields::HOP_BY_HOP.contains(&name);
         if i == self.at.len() && i < NAMES_KEPT && self.raw.len() + raw.len() <= NAMES_BYTES {
             let a = self.raw.len();
             self.raw.extend_from_slice(raw);
@@ -457,7 +457,7 @@ pub enum Framing {
 
 /// `X-Forwarded-*` fields a request gets that its map does not have: written after
 /// the map's fields, as if appended to it in this order, with no map insert (see
-/// `proxy::set_forwarded`).
+/// `upstream::set_forwarded`).
 #[derive(Default)]
 pub struct Forwarded<'a> {
     pub for_: Option<&'a HeaderValue>,
@@ -620,7 +620,7 @@ pub struct Upload {
 
 /// The trailer fields a request's `Trailer` header announces: on a chunked body,
 /// only those are sent (as hyper's client). None with `_` in its name: such request
-/// headers are dropped (`request::drop_underscored`), and a trailer is no way round.
+/// headers are dropped (`admit::drop_underscored`), and a trailer is no way round.
 pub fn announced_trailers(h: &HeaderMap) -> Vec<HeaderName> {
     h.get_all(header::TRAILER)
         .iter()
@@ -772,7 +772,7 @@ pub struct Head {
     /// The rest of the request body, when the answer came before it was all sent:
     /// it goes on while the response body is read, as hyper's client does.
     pub upload: Option<Upload>,
-    /// The fields have a hop-by-hop one (`proxy::strip_hop_by_hop` has work).
+    /// The fields have a hop-by-hop one (`upstream::strip_hop_by_hop` has work).
     pub hop_by_hop: bool,
     /// The fields as they came, instead of in `parts` (asked for with `raw_ok`).
     pub(crate) raw: Option<RawFields>,
@@ -1039,7 +1039,7 @@ fn parse_one_head(
             let next = spans.get(i + 1).map_or(v1 + 2, |n| n[0]);
             raw = !hop
                 && name != header::TRAILER
-                && !crate::answer::is_rate_field(&name)
+                && !crate::http::fields::is_rate_field(&name)
                 && !names.contains(&name)
                 && v0 == n1 + 2
                 && head[n1..v0] == *b": "
@@ -2040,7 +2040,7 @@ mod tests {
             let (head, f) = request_head(&mut parts, &body, Forwarded::default());
             (String::from_utf8(head.to_vec()).unwrap(), f)
         };
-        let empty = || crate::answer::full(Bytes::new());
+        let empty = || crate::http::body::full(Bytes::new());
         assert_eq!(
             framing(Method::GET, &[("host", "a")], empty()),
             (
@@ -2049,7 +2049,11 @@ mod tests {
             )
         );
         assert_eq!(
-            framing(Method::POST, &[], crate::answer::full(Bytes::from("abc"))),
+            framing(
+                Method::POST,
+                &[],
+                crate::http::body::full(Bytes::from("abc"))
+            ),
             (
                 "POST /p?q HTTP/1.1\r\ncontent-length: 3\r\n\r\n".into(),
                 Framing::Length(3)

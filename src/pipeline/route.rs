@@ -6,7 +6,7 @@ use http::request::Parts;
 use http::Method;
 use regex::Regex;
 
-use crate::path::RoutePath;
+use crate::pipeline::path::RoutePath;
 
 #[derive(Debug, Clone)]
 pub enum HostMatch {
@@ -63,7 +63,7 @@ impl Matcher {
                 return false;
             }
         }
-        // The normalised path (see `request::admit`), without `;parameters`.
+        // The normalised path (see `admit::admit`), without `;parameters`.
         let path = req
             .extensions
             .get::<RoutePath>()

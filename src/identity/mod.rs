@@ -462,6 +462,31 @@ fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Co
         })
 }
 
+/// The first 16 hex digits of the SHA-1 of the key as written (`Display`):
+/// `printf %s KEY | sha1sum | cut -c1-16`. An address is hashed as its text, with no
+/// string made for it.
+pub struct KeyHash<T>(pub T);
+
+impl<T: std::fmt::Display> std::fmt::Display for KeyHash<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        /// Feeds what is formatted into the hash.
+        struct Sha1Writer(sha1_smol::Sha1);
+        impl std::fmt::Write for Sha1Writer {
+            fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                self.0.update(s.as_bytes());
+                Ok(())
+            }
+        }
+        let mut h = Sha1Writer(sha1_smol::Sha1::new());
+        std::fmt::Write::write_fmt(&mut h, format_args!("{}", self.0))?;
+        let digest = h.0.digest().bytes();
+        for b in &digest[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,8 +11,9 @@ use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Uri};
 use http::{Method, Response, StatusCode, Version};
 
-use crate::answer::{self, Body};
-use crate::path::{self, PathError, RoutePath};
+use crate::http::body;
+use crate::http::body::Body;
+use crate::pipeline::path::{self, PathError, RoutePath};
 
 /// Why a request head is refused; always 400, and the connection is closed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,7 +39,7 @@ pub enum BadRequest {
 impl BadRequest {
     /// The one-line 400 answer.
     pub fn answer(&self) -> Response<Body> {
-        answer::text(StatusCode::BAD_REQUEST, format!("bad request: {self}\n"))
+        body::text(StatusCode::BAD_REQUEST, format!("bad request: {self}\n"))
     }
 }
 
@@ -146,7 +147,7 @@ fn host(req: &mut Parts) -> Result<(), BadRequest> {
     if let (Some(h), Some(a)) = (&header, &authority) {
         // The host names must agree (routing reads the name); a port that one of
         // them leaves out (`a` beside `a:443`) is no conflict.
-        let name = crate::route::strip_port;
+        let name = crate::pipeline::route::strip_port;
         if req.version >= Version::HTTP_2 && !name(h).eq_ignore_ascii_case(name(a)) {
             return Err(BadRequest::HostMismatch);
         }

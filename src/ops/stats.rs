@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::deny::now_ms;
-use crate::gateway::Shared;
-use crate::metrics::Decision;
+use crate::pipeline::Shared;
+use crate::telemetry::metrics::Decision;
 
 /// How often the sampler reads the counters.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);

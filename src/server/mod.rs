@@ -23,21 +23,21 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::admin::Admin;
-use crate::answer::Body;
 use crate::config::compile::{compile, redis_options, CompileError};
 use crate::config::schema::Backend;
 use crate::config::{ConfigErrors, Loaded};
-use crate::control::{Command, Control, Reply, Trigger, TICK};
+use crate::deny::sync::DenySync;
 use crate::deny::DenyView;
-use crate::deny_sync::DenySync;
-use crate::gateway::{self, Shared};
-use crate::h1server::{ClientBody, Ended, Fast, Replay};
+use crate::http::body::Body;
+use crate::http::h1::server::{ClientBody, Ended, Fast, Replay};
+use crate::limit::per_ip::PerIp;
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
-use crate::metrics::Metrics;
-use crate::per_ip::PerIp;
-use crate::proxy::{ConnectionHeld, LastActive};
-use crate::refusal_log::RefusalLog;
+use crate::ops::admin::Admin;
+use crate::ops::control::{Command, Control, Reply, Trigger, TICK};
+use crate::pipeline::{self, Shared};
+use crate::telemetry::metrics::Metrics;
+use crate::telemetry::refusal_log::RefusalLog;
+use crate::upstream::{ConnectionHeld, LastActive};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -175,12 +175,12 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         let shared_for_exempt = shared.clone();
         let shared_for_fast = shared.clone();
         let shared = shared.clone();
-        let service = move |peer: Arc<gateway::Peer>| {
+        let service = move |peer: Arc<pipeline::Peer>| {
             let shared = shared.clone();
             service_fn(move |req: Request<Incoming>| -> Answer {
                 let (shared, peer) = (shared.clone(), peer.clone());
                 let req = req.map(ClientBody::Hyper);
-                Box::pin(async move { Ok(gateway::handle(&shared, req, &peer).await) })
+                Box::pin(async move { Ok(pipeline::handle(&shared, req, &peer).await) })
             })
         };
         // A load balancer in front carries many clients' connections.
@@ -232,9 +232,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         handles
     };
     // The dashboard's history: the counters of every route, sampled.
-    let history = Arc::new(crate::stats::History::standard());
-    crate::stats::sample(&shared, &history);
-    let sampler = tokio::spawn(crate::stats::run(
+    let history = Arc::new(crate::ops::stats::History::standard());
+    crate::ops::stats::sample(&shared, &history);
+    let sampler = tokio::spawn(crate::ops::stats::run(
         shared.clone(),
         history.clone(),
         stop_rx.clone(),
@@ -246,7 +246,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             history,
             body_timeout: f.admin.request_header_timeout.get(),
         });
-        let service = move |_peer: Arc<gateway::Peer>| {
+        let service = move |_peer: Arc<pipeline::Peer>| {
             let admin = admin.clone();
             service_fn(move |req| -> Answer {
                 let admin = admin.clone();
@@ -463,7 +463,7 @@ type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
 /// How a listener treats its connections.
 #[derive(Clone)]
 struct Limits {
-    /// The gateway's: plain HTTP/1.1 requests are served by `h1server` (the admin
+    /// The gateway's: plain HTTP/1.1 requests are served by `h1::server` (the admin
     /// port leaves everything to hyper).
     fast: Option<(Arc<Shared>, usize)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -527,7 +527,7 @@ fn spawn_worker<S, F>(
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, StartError>
 where
-    F: Fn(Arc<gateway::Peer>) -> S + Send + 'static,
+    F: Fn(Arc<pipeline::Peer>) -> S + Send + 'static,
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
         + Send
         + 'static,
@@ -541,7 +541,7 @@ where
     std::thread::Builder::new()
         .name(format!("sluice-worker-{i}"))
         .spawn(move || {
-            crate::pool::set_worker(i);
+            crate::upstream::pool::set_worker(i);
             runtime.block_on(async move {
                 match TcpListener::from_std(listener) {
                     Ok(l) => serve(l, limits, builder, service, stop).await,
@@ -854,7 +854,7 @@ pub(crate) struct Activity {
     in_flight: AtomicUsize,
     /// When the last request ended.
     last_end: LastActive,
-    /// An answer went out before its request body was read (`answer::Linger`): the
+    /// An answer went out before its request body was read (`body::Linger`): the
     /// connection closes with a lingering close (`Linger`).
     linger: AtomicBool,
     /// That lingering close is under way: the connection is busy with it (a close
@@ -970,7 +970,7 @@ async fn watch_stream(taken: std::sync::Weak<Mutex<Taken>>, timeout: Duration) {
 
 impl http_body::Body for TrackedBody {
     type Data = bytes::Bytes;
-    type Error = crate::answer::BoxError;
+    type Error = crate::http::body::BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
@@ -1086,7 +1086,12 @@ where
             .expect("TrackedAnswer polled after it answered");
         let (h2, send_timeout) = (this.h2, this.send_timeout);
         // (HTTP/2 ends an unread body with its stream, not the connection.)
-        if !h2 && resp.extensions().get::<crate::answer::Linger>().is_some() {
+        if !h2
+            && resp
+                .extensions()
+                .get::<crate::http::body::Linger>()
+                .is_some()
+        {
             in_flight.0.linger.store(true, Ordering::Relaxed);
         }
         std::task::Poll::Ready(Ok(resp.map(|body| TrackedBody {
@@ -1117,10 +1122,10 @@ async fn drive<C, E>(
     idle_timeout: Duration,
     linger: Duration,
     mut stop: watch::Receiver<bool>,
-) -> Result<(), crate::answer::BoxError>
+) -> Result<(), crate::http::body::BoxError>
 where
     C: Future<Output = Result<(), E>>,
-    E: Into<crate::answer::BoxError>,
+    E: Into<crate::http::body::BoxError>,
 {
     tokio::pin!(conn);
     let mut closing = false;
@@ -1144,7 +1149,7 @@ where
     }
 }
 
-fn log_end(peer: SocketAddr, result: Result<(), crate::answer::BoxError>) {
+fn log_end(peer: SocketAddr, result: Result<(), crate::http::body::BoxError>) {
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
@@ -1159,7 +1164,7 @@ async fn serve<S, F>(
     service: F,
     mut stop: watch::Receiver<bool>,
 ) where
-    F: Fn(Arc<gateway::Peer>) -> S,
+    F: Fn(Arc<pipeline::Peer>) -> S,
     S: hyper::service::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
         + Send
         + 'static,
@@ -1197,7 +1202,7 @@ async fn serve<S, F>(
             },
             _ = stop.changed() => break,
         };
-        let ip = crate::client::canonical(peer.ip());
+        let ip = crate::identity::canonical(peer.ip());
         let ip_slot = if exempt(ip) {
             None
         } else {
@@ -1217,7 +1222,7 @@ async fn serve<S, F>(
         let held = Arc::new((permit, ip_slot));
         // The peer, and its `X-Forwarded-For` entry, once per connection for both
         // HTTP servers.
-        let client = Arc::new(gateway::Peer::new(peer));
+        let client = Arc::new(pipeline::Peer::new(peer));
         let activity = Activity::new();
         let service = Tracked {
             inner: service(client.clone()),
@@ -1248,7 +1253,7 @@ async fn serve<S, F>(
                         (Some(Sniffed::Http1), Some(fast)) => {
                             // Plain requests here; the first other one and the rest
                             // of the connection go to hyper.
-                            let (io, head) = match crate::h1server::serve(
+                            let (io, head) = match crate::http::h1::server::serve(
                                 io.into_inner(),
                                 &fast,
                                 &activity,

@@ -18,11 +18,11 @@ use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 
-use crate::answer::{Body, BoxError};
-use crate::gateway::{self, Peer, Shared};
+use crate::http::body::{Body, BoxError};
+use crate::http::h1::client::{last_is_chunked, parsed_value, Names, RawFields, MAX_FIELDS};
+use crate::http::wake::{Deadline, OnWake};
+use crate::pipeline::{self, Peer, Shared};
 use crate::server::Activity;
-use crate::wake::{Deadline, OnWake};
-use crate::wire::{last_is_chunked, parsed_value, Names, RawFields, MAX_FIELDS};
 
 /// A client's request body: hyper's, or none (a plain request of the fast path).
 pub enum ClientBody {
@@ -118,7 +118,7 @@ where
     let mut spans = Vec::with_capacity(32);
     // The field names of the last request.
     let mut names = Names::default();
-    // The rate-limit fields of the answer, as header lines (`gateway::handle_plain`).
+    // The rate-limit fields of the answer, as header lines (`pipeline::handle_plain`).
     let mut rate_lines: Vec<u8> = Vec::with_capacity(256);
     // A response's header map, emptied, holds the next request's fields (as in
     // hyper): no allocation, and room for the forwarding headers.
@@ -137,7 +137,7 @@ where
     };
     tokio::pin!(stopped);
     // One timer for the connection's deadlines: each head's, and each upstream
-    // answer's on the plain path (`gateway::handle_plain`).
+    // answer's on the plain path (`pipeline::handle_plain`).
     let timer = Deadline::new(tokio::time::Instant::now() + fast.header_timeout);
     tokio::pin!(timer);
     // How much of `buf` is known to hold no end of a head: a head sent in many
@@ -198,11 +198,11 @@ where
         let mut raw: Option<RawFields> = None;
         let raw_ok = version == Version::HTTP_11 && !head;
         let resp = {
-            let answer = gateway::handle_plain(
+            let answer = pipeline::handle_plain(
                 &fast.shared,
                 &mut parts,
                 &fast.peer,
-                gateway::PlainConn {
+                pipeline::PlainConn {
                     lines: &mut rate_lines,
                     timer: timer.as_mut(),
                     raw: raw_ok.then_some(&mut raw),
@@ -330,7 +330,7 @@ impl Scan {
 /// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
 /// room for where its fields are (kept by the connection, so that no request
 /// allocates or zeroes it), `names` the last request's field names
-/// (`wire::Names`). A plain request's head goes into `parts` (the connection's,
+/// (`h1::Names`). A plain request's head goes into `parts` (the connection's,
 /// worked on in place by the request path, never moved).
 fn parse(
     buf: &mut BytesMut,
@@ -844,7 +844,7 @@ where
             if let (true, true, Some(allowed)) = (chunked, trailers_allowed, &allowed) {
                 let mut lines = Vec::new();
                 for (n, v) in fields.iter() {
-                    if allowed.contains(n) && crate::wire::may_trail(n) {
+                    if allowed.contains(n) && crate::http::h1::client::may_trail(n) {
                         lines.extend_from_slice(n.as_str().as_bytes());
                         lines.extend_from_slice(b": ");
                         lines.extend_from_slice(v.as_bytes());

@@ -17,6 +17,9 @@ const BUCKETS: &[f64] = &[
     5.0, 10.0,
 ];
 
+/// The `source` label values of `sluice_deny_entries`: `deny::Source`'s names.
+pub const DENY_SOURCES: [&str; 3] = ["static", "api", "ban"];
+
 pub struct Metrics {
     registry: Registry,
     pub requests: IntCounterVec,
@@ -177,8 +180,8 @@ impl Metrics {
             config_reloads.with_label_values(&[result]);
         }
         connections_refused.with_label_values(&["per_ip"]);
-        for source in crate::deny::Source::ALL {
-            deny_entries.with_label_values(&[source.as_str()]);
+        for source in DENY_SOURCES {
+            deny_entries.with_label_values(&[source]);
         }
         let client_body = client_errors.with_label_values(&["body"]);
         let client_aborted = client_errors.with_label_values(&["aborted"]);

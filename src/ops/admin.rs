@@ -16,13 +16,14 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
-use crate::answer::{self, Body};
 use crate::config::value::parse_duration;
-use crate::control::{Command, Control, ControlError, Reply, Status, Trigger};
 use crate::deny::{now_ms, rfc3339, Cursor, Entry, EntryJson, Meta, Source, Target};
-use crate::gateway::Shared;
-use crate::metrics::Decision;
-use crate::stats::{History, Sample, Totals};
+use crate::http::body;
+use crate::http::body::Body;
+use crate::ops::control::{Command, Control, ControlError, Reply, Status, Trigger};
+use crate::ops::stats::{History, Sample, Totals};
+use crate::pipeline::Shared;
+use crate::telemetry::metrics::Decision;
 
 /// Largest request body the admin API reads.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -69,7 +70,7 @@ impl Admin {
         let path = req.uri().path();
         match (req.method(), path) {
             (&Method::GET, "/metrics") => {
-                let mut r = Response::new(answer::full(self.shared.metrics.render()));
+                let mut r = Response::new(body::full(self.shared.metrics.render()));
                 r.headers_mut().insert(
                     CONTENT_TYPE,
                     HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -84,28 +85,28 @@ impl Admin {
             (&Method::GET, "/") => asset(PAGE, "text/html; charset=utf-8"),
             (&Method::GET, "/dashboard.js") => asset(SCRIPT, "text/javascript; charset=utf-8"),
             (&Method::GET, "/dashboard.css") => asset(STYLE, "text/css; charset=utf-8"),
-            (&Method::GET, "/healthz") => answer::text(StatusCode::OK, "ok\n"),
+            (&Method::GET, "/healthz") => body::text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") => match self.not_ready().first() {
-                Some(why) => answer::text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
-                None => answer::text(StatusCode::OK, "ready\n"),
+                Some(why) => body::text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+                None => body::text(StatusCode::OK, "ready\n"),
             },
             (_, p) if p.starts_with("/admin/") => {
                 if !self.host_allowed(&req) {
                     return host_refused();
                 }
                 if cross_site(&req) {
-                    return answer::text(StatusCode::FORBIDDEN, "cross-site request refused\n");
+                    return body::text(StatusCode::FORBIDDEN, "cross-site request refused\n");
                 }
                 if !self.authorized(&req) {
                     let mut r =
-                        answer::text(StatusCode::UNAUTHORIZED, "missing or wrong bearer token\n");
+                        body::text(StatusCode::UNAUTHORIZED, "missing or wrong bearer token\n");
                     r.headers_mut()
                         .insert("www-authenticate", HeaderValue::from_static("Bearer"));
                     return r;
                 }
                 self.api(req).await
             }
-            _ => answer::text(StatusCode::NOT_FOUND, "not found\n"),
+            _ => body::text(StatusCode::NOT_FOUND, "not found\n"),
         }
     }
 
@@ -178,7 +179,7 @@ impl Admin {
                 }
             }
             ("/admin/reload", _) => not_allowed("POST"),
-            _ => answer::text(StatusCode::NOT_FOUND, "no such admin endpoint\n"),
+            _ => body::text(StatusCode::NOT_FOUND, "no such admin endpoint\n"),
         }
     }
 
@@ -221,8 +222,8 @@ impl Admin {
             "now_ms": now,
             "ready": not_ready.is_empty(),
             "not_ready": not_ready,
-            "sample_every_ms": crate::stats::SAMPLE_EVERY.as_millis() as u64,
-            "keep_ms": crate::stats::KEEP.as_millis() as u64,
+            "sample_every_ms": crate::ops::stats::SAMPLE_EVERY.as_millis() as u64,
+            "keep_ms": crate::ops::stats::KEEP.as_millis() as u64,
             "routes": routes,
             "unmatched": {
                 "totals": totals_json(&rt.unmatched.totals(), UNMATCHED_DECISIONS),
@@ -296,7 +297,7 @@ impl Admin {
         // The request path answers 400 to such a key before any deny list sees it.
         if r.key
             .as_deref()
-            .is_some_and(|k| !crate::client::printable_key(k))
+            .is_some_and(|k| !crate::identity::printable_key(k))
         {
             return bad_request(
                 "key holds a byte outside printable ASCII (0x20-0x7E): requests carrying such a key get 400 before the deny list is read, so it could never match",
@@ -347,7 +348,7 @@ impl Admin {
         };
         match self.control.apply(Command::DenyRemove(target)).await {
             Ok(Reply::Removed(_)) => {
-                let mut r = Response::new(answer::full(Bytes::new()));
+                let mut r = Response::new(body::full(Bytes::new()));
                 *r.status_mut() = StatusCode::NO_CONTENT;
                 r
             }
@@ -465,7 +466,7 @@ fn history_json(
 
 /// A dashboard file: never cached (a new binary serves a new page), never framed.
 fn asset(body: &'static str, content_type: &'static str) -> Response<Body> {
-    let mut r = Response::new(answer::full(Bytes::from_static(body.as_bytes())));
+    let mut r = Response::new(body::full(Bytes::from_static(body.as_bytes())));
     let h = r.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
@@ -486,7 +487,7 @@ async fn read<T: serde::de::DeserializeOwned>(
     let Ok(read) = tokio::time::timeout(within, collect).await else {
         // Held in flight, a half-sent body would keep the connection from ever
         // being idle; what it still sends is drained, then it closes.
-        return Err(answer::close(answer::text(
+        return Err(body::close(body::text(
             StatusCode::REQUEST_TIMEOUT,
             "request body not received in time\n",
         )));
@@ -509,7 +510,7 @@ async fn read<T: serde::de::DeserializeOwned>(
 fn json(status: StatusCode, v: &impl serde::Serialize) -> Response<Body> {
     let mut body = serde_json::to_vec(v).unwrap_or_default();
     body.push(b'\n');
-    let mut r = Response::new(answer::full(body));
+    let mut r = Response::new(body::full(body));
     *r.status_mut() = status;
     r.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -611,25 +612,25 @@ fn is_json<B>(req: &Request<B>) -> bool {
 }
 
 fn host_refused() -> Response<Body> {
-    answer::text(
+    body::text(
         StatusCode::FORBIDDEN,
         "Host refused: without admin.token the admin API answers only to an IP address or localhost\n",
     )
 }
 
 fn unsupported_media_type() -> Response<Body> {
-    answer::text(
+    body::text(
         StatusCode::UNSUPPORTED_MEDIA_TYPE,
         "Content-Type must be application/json\n",
     )
 }
 
 fn bad_request(msg: &str) -> Response<Body> {
-    answer::text(StatusCode::BAD_REQUEST, format!("{}\n", one_line(msg)))
+    body::text(StatusCode::BAD_REQUEST, format!("{}\n", one_line(msg)))
 }
 
 fn not_allowed(allow: &'static str) -> Response<Body> {
-    let mut r = answer::text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
+    let mut r = body::text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
     r.headers_mut()
         .insert(ALLOW, HeaderValue::from_static(allow));
     r
@@ -643,12 +644,12 @@ fn refused(e: ControlError) -> Response<Body> {
         ControlError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
         ControlError::Full(_) => StatusCode::INSUFFICIENT_STORAGE,
     };
-    answer::text(status, format!("{}\n", one_line(&e.to_string())))
+    body::text(status, format!("{}\n", one_line(&e.to_string())))
 }
 
 fn internal(reply: Reply) -> Response<Body> {
     tracing::error!(?reply, "admin API: unexpected reply");
-    answer::text(StatusCode::INTERNAL_SERVER_ERROR, "unexpected reply\n")
+    body::text(StatusCode::INTERNAL_SERVER_ERROR, "unexpected reply\n")
 }
 
 fn one_line(s: &str) -> String {

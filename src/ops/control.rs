@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 use crate::config::compile::compile;
 use crate::config::schema;
 use crate::config::value::{fmt_dur, redact_url};
+use crate::deny::sync::{DenySync, Position, Remote, Written};
 use crate::deny::{
     now_ms, BanRequest, Cursor, DenyTable, DenyView, DynamicTable, Entry, EntryJson, Full, Meta,
     Source, Target,
 };
-use crate::deny_sync::{DenySync, Position, Remote, Written};
-use crate::gateway::Shared;
+use crate::pipeline::Shared;
 use tokio::sync::Notify;
 
 /// Everything that can change a running gateway.

@@ -2,7 +2,7 @@
 //! requests, in one idle list per worker so that a request and its upstream
 //! connection stay on the worker thread that took it.
 //!
-//! A request speaks to its connection itself (`wire`): there is no connection
+//! A request speaks to its connection itself (`h1::client`): there is no connection
 //! task. The connection goes back to its worker's list when the response body has
 //! been read to its end; a body dropped before its end closes its connection. A
 //! request safe to repeat (idempotent, no body) that finds a kept connection
@@ -21,10 +21,10 @@ use bytes::Bytes;
 use http::Response;
 use tokio::sync::oneshot;
 
-use crate::answer::{Body, BoxError};
+use crate::http::body::{Body, BoxError};
+use crate::http::h1::client::{self as h1, Conn, Connector, Decoder, Framing, Upload, UploadError};
+use crate::http::wake::Deadline;
 use crate::limit::clock::coarse_ms;
-use crate::wake::Deadline;
-use crate::wire::{self, Conn, Connector, Decoder, Framing, Upload, UploadError};
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
 const LISTS: usize = 8;
@@ -100,19 +100,19 @@ impl Pool {
     /// its fields) on a kept connection, or a new one. The request is worked on
     /// where it is (its fields are taken to hold the answer's), not moved. With
     /// `raw`, the answer's fields go there instead of into its map when they can
-    /// (`wire::RawFields`).
+    /// (`h1::RawFields`).
     pub(crate) async fn send(
         self: &Arc<Self>,
         parts: &mut http::request::Parts,
         body: Body,
-        fwd: wire::Forwarded<'_>,
-        mut raw: Option<&mut Option<wire::RawFields>>,
+        fwd: h1::Forwarded<'_>,
+        mut raw: Option<&mut Option<h1::RawFields>>,
     ) -> Result<Answer, SendError> {
         // Taken by each attempt; given back by one that may be repeated.
-        let (mut head, framing) = wire::request_head(parts, &body, fwd);
+        let (mut head, framing) = h1::request_head(parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
         let trailers = match framing {
-            Framing::Chunked => wire::announced_trailers(&parts.headers),
+            Framing::Chunked => h1::announced_trailers(&parts.headers),
             _ => Vec::new(),
         };
         let mut body = Some(body);
@@ -128,8 +128,8 @@ impl Pool {
             }
             let sent = body
                 .take()
-                .unwrap_or_else(|| crate::answer::full(Bytes::new()));
-            let exchange = wire::exchange(
+                .unwrap_or_else(|| crate::http::body::full(Bytes::new()));
+            let exchange = h1::exchange(
                 &mut conn,
                 head,
                 sent,
@@ -160,7 +160,7 @@ impl Pool {
                 }
                 // Closed before anything came back (the upstream's keep-alive ran
                 // out as the request went): another connection may take it.
-                Err(wire::Failed {
+                Err(h1::Failed {
                     error,
                     nothing_back: true,
                     head: Some(again),
@@ -485,11 +485,11 @@ mod tests {
             let req = Request::builder()
                 .uri("/")
                 .header("host", addr.to_string())
-                .body(crate::answer::full(Bytes::new()))
+                .body(crate::http::body::full(Bytes::new()))
                 .unwrap();
             let (mut parts, body) = req.into_parts();
             let Ok(Answer::Response(resp)) = pool
-                .send(&mut parts, body, wire::Forwarded::default(), None)
+                .send(&mut parts, body, h1::Forwarded::default(), None)
                 .await
             else {
                 panic!("no answer");

@@ -24,7 +24,7 @@ pub enum PathError {
 }
 
 /// The path routes match when it differs from the forwarded one (it had `;params`);
-/// kept in the request's extensions by `request::admit`.
+/// kept in the request's extensions by `admit::admit`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutePath(pub String);
 

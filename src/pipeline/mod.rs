@@ -4,6 +4,11 @@
 //! (tally, concurrency permit) travels with the response body. The compiled
 //! configuration (`Runtime`) is read through one `Arc` that a reload swaps whole.
 
+pub mod admit;
+pub mod path;
+pub mod refusal;
+pub mod route;
+
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -15,18 +20,20 @@ use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{Request, Response, StatusCode, Version};
 
-use crate::answer::{self, Body, Limited, RateHeaders, Refusal};
-use crate::client::{ClientKey, KeySpec, MissingKey, TrustedProxies};
+use self::admit::BadRequest;
+use self::refusal::{Limited, RateHeaders, Refusal};
+use self::route::Matcher;
 use crate::deny::{BanRequest, DenyView, StaticDeny, Target};
-use crate::h1server::ClientBody;
+use crate::http::body;
+use crate::http::body::Body;
+use crate::http::h1::client::RawFields;
+use crate::http::h1::server::ClientBody;
+use crate::http::wake::Deadline;
+use crate::identity::{ClientKey, KeySpec, MissingKey, TrustedProxies};
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
-use crate::metrics::{Decision, Metrics, RouteMetrics};
-use crate::proxy::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
-use crate::refusal_log::{Line, RefusalLog, What};
-use crate::request::BadRequest;
-use crate::route::Matcher;
-use crate::wake::Deadline;
-use crate::wire::RawFields;
+use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
+use crate::telemetry::refusal_log::{Line, RefusalLog, What};
+use crate::upstream::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
 
 // === the compiled configuration ===
 
@@ -134,7 +141,7 @@ pub struct Peer {
 
 impl Peer {
     pub fn new(addr: SocketAddr) -> Peer {
-        let canonical = crate::client::canonical(addr.ip()).to_string();
+        let canonical = crate::identity::canonical(addr.ip()).to_string();
         Peer {
             addr,
             forwarded_for: HeaderValue::from_str(&canonical)
@@ -146,7 +153,7 @@ impl Peer {
 pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
     let mut resp = process(shared, &mut parts, body, peer, None).await;
-    answer::own_length(&mut resp, parts.method == http::Method::HEAD);
+    body::own_length(&mut resp, parts.method == http::Method::HEAD);
     resp
 }
 
@@ -160,7 +167,7 @@ pub(crate) struct PlainConn<'c> {
     /// The connection's timer, for the upstream's answer (`Upstream::forward`).
     pub timer: Pin<&'c mut Deadline>,
     /// Where the upstream answer's fields go when they can go to the client as they
-    /// came (`wire::RawFields`); None when the server cannot take them so.
+    /// came (`h1::RawFields`); None when the server cannot take them so.
     pub raw: Option<&'c mut Option<RawFields>>,
 }
 
@@ -186,7 +193,7 @@ async fn process(
     let rt = shared.runtime.load_full();
     // A malformed or ambiguous head is refused before anything reads it (400, on
     // route `unmatched`: nothing can be routed on it); the rest is normalised.
-    let head = crate::request::admit(parts);
+    let head = crate::pipeline::admit::admit(parts);
     let ip = rt.trusted.client_ip(peer.addr.ip(), &parts.headers);
     let route = head
         .is_ok()
@@ -217,7 +224,7 @@ async fn process(
         line.write(parts.method.as_str(), parts.uri.path());
     }
     if parts.method == http::Method::HEAD {
-        return end_with(answer::headless(resp), tally);
+        return end_with(body::headless(resp), tally);
     }
     end_with(resp, tally)
 }
@@ -253,7 +260,7 @@ fn end_with(resp: Response<Body>, tally: Tally) -> Response<Body> {
         });
         return Response::from_parts(parts, body);
     }
-    Response::from_parts(parts, answer::guarded(body, tally))
+    Response::from_parts(parts, body::guarded(body, tally))
 }
 
 /// What every phase of one request may read.
@@ -355,7 +362,7 @@ fn client_key<'a, 'r>(
         Refusal::UnprintableKey(part.map_or_else(|| "the key".into(), |p| p.describe()))
     };
     let (ns, key) = match route.key.extract(parts, ctx.ip) {
-        Ok(k) if !crate::client::printable_key(&k.value) => return Err(unprintable()),
+        Ok(k) if !crate::identity::printable_key(&k.value) => return Err(unprintable()),
         Ok(k) => (&route.ns, k),
         Err(_) if route.key.unprintable(parts).is_some() => return Err(unprintable()),
         Err(part) => match route.missing_key {
@@ -423,7 +430,7 @@ async fn limits<'a>(
         };
         let what = What::Limited {
             limit,
-            retry_after: crate::answer::retry_after_secs(retry_us),
+            retry_after: crate::pipeline::refusal::retry_after_secs(retry_us),
         };
         tally.line = shared.refusals.line(&route.name, &key.value, what);
         return Err(Refusal::Limited(Box::new(Limited {
@@ -461,13 +468,13 @@ async fn act<'a>(
             body,
             headers,
         } => {
-            let mut r = Response::new(answer::full(body.clone()));
+            let mut r = Response::new(body::full(body.clone()));
             *r.status_mut() = *status;
             r.headers_mut()
                 .extend(headers.iter().map(|(k, v)| (k.clone(), v.clone())));
             // The body is not read: as every early answer.
             if ctx.unread_body {
-                r = answer::close(r);
+                r = body::close(r);
             }
             Ok(r)
         }
@@ -512,15 +519,15 @@ impl Tally {
     }
 }
 
-impl answer::OnFail for Tally {
+impl body::OnFail for Tally {
     /// A response body the upstream failed after its head had gone (silent for
     /// `read_timeout`, cut, malformed) is counted as the upstream's failure, as one
     /// before the head is (`forward_failed`).
-    fn failed(&mut self, e: &answer::BoxError) {
+    fn failed(&mut self, e: &body::BoxError) {
         let Some(route) = self.route.map(|i| &self.rt.routes[i]) else {
             return;
         };
-        let counter = match crate::proxy::body_failure(e) {
+        let counter = match crate::upstream::body_failure(e) {
             Some(BodyFailure::Timeout) => &route.metrics.upstream_timeout,
             Some(BodyFailure::Reset) => &route.metrics.upstream_reset,
             None => return,

@@ -14,6 +14,8 @@ use std::time::Instant;
 
 use prometheus::IntCounter;
 
+use crate::identity::KeyHash;
+
 /// Lines written per second at most; the rest are counted.
 pub const LINES_PER_SECOND: u64 = 10;
 
@@ -156,31 +158,6 @@ impl Line {
                 "request refused"
             ),
         }
-    }
-}
-
-/// The first 16 hex digits of the SHA-1 of the key as written (`Display`):
-/// `printf %s KEY | sha1sum | cut -c1-16`. An address is hashed as its text, with no
-/// string made for it.
-pub struct KeyHash<T>(pub T);
-
-impl<T: std::fmt::Display> std::fmt::Display for KeyHash<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        /// Feeds what is formatted into the hash.
-        struct Sha1Writer(sha1_smol::Sha1);
-        impl std::fmt::Write for Sha1Writer {
-            fn write_str(&mut self, s: &str) -> std::fmt::Result {
-                self.0.update(s.as_bytes());
-                Ok(())
-            }
-        }
-        let mut h = Sha1Writer(sha1_smol::Sha1::new());
-        std::fmt::Write::write_fmt(&mut h, format_args!("{}", self.0))?;
-        let digest = h.0.digest().bytes();
-        for b in &digest[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
     }
 }
 

@@ -1,0 +1,165 @@
+//! The body of every response sluice sends, and the helpers that keep an answer's
+//! framing honest whichever codec writes it.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
+use http::{Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body of every response sluice sends: its own or a streamed upstream one.
+pub type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|never| match never {}).boxed()
+}
+
+/// A short text answer from sluice itself.
+pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+/// A body that knows its length is sent with that length in `content-length`,
+/// whatever the map states: hyper writes the map's value as it is (a debug build
+/// asserts they agree), and a stated length other than the body's would desync the
+/// client (its next answer taken for body, or the rest of this body for its next
+/// answer). A HEAD answer, a 204 and a 304 state a length they do not send.
+pub fn own_length(r: &mut Response<Body>, head: bool) {
+    use http_body::Body as _;
+    let status = r.status();
+    if head
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return;
+    }
+    let Some(n) = r.body().size_hint().exact() else {
+        return;
+    };
+    let mut stated = r.headers().get_all(CONTENT_LENGTH).iter().peekable();
+    if stated.peek().is_none() {
+        return;
+    }
+    let same = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.parse().ok()) == Some(n);
+    if !stated.all(same) {
+        r.headers_mut().insert(CONTENT_LENGTH, HeaderValue::from(n));
+    }
+}
+
+/// The answer to a HEAD: sluice's own answers (429, 404, `respond`) carry a body,
+/// which HTTP/1 servers leave unsent but hyper's h2 server sends, breaking the
+/// stream; so the body goes, and its length stays stated, as a GET would get it.
+/// (An upstream's answer to a HEAD has no body: it is left as it is.) A 1xx, 204
+/// or 304 has no body to a GET either, so it states no length (RFC 9110 §8.6).
+pub fn headless(r: Response<Body>) -> Response<Body> {
+    use http_body::Body as _;
+    let Some(n) = r.body().size_hint().exact().filter(|n| *n > 0) else {
+        return r;
+    };
+    let status = r.status();
+    let bodiless = status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let (mut parts, _) = r.into_parts();
+    if !bodiless {
+        parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
+    }
+    Response::from_parts(parts, full(Bytes::new()))
+}
+
+/// Ask the client to close the connection: used when we answer before reading a
+/// request body, so unread bytes can never be taken for the next request. The
+/// answer is marked `Linger`: the listener then drains what the client still sends
+/// before it closes (a close with unread bytes would reset the connection, and
+/// the client, still writing its body, would see the reset instead of the answer).
+pub fn close(mut r: Response<Body>) -> Response<Body> {
+    r.headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    r.extensions_mut().insert(Linger);
+    r
+}
+
+/// In the extensions of an answer written before the request body was read: the
+/// connection closes after it with a lingering close (`server::Linger`).
+#[derive(Debug, Clone, Copy)]
+pub struct Linger;
+
+/// The answer to `CONNECT`: sluice is no forward proxy, and a tunnel would carry
+/// requests past every route and limit.
+pub fn connect_refused() -> Response<Body> {
+    let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "CONNECT is not supported\n");
+    r.headers_mut().insert(
+        http::header::ALLOW,
+        HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS"),
+    );
+    r
+}
+
+// === the end of a response ===
+
+/// What the end of a request does when its response body fails part-way (its head
+/// has gone to the client), before the guard is dropped.
+pub trait OnFail {
+    fn failed(&mut self, e: &BoxError);
+}
+
+/// A response body that holds `guard` until the body has ended (its last frame was
+/// taken, or it failed: the guard is told why first) or is dropped unfinished (the
+/// client went away): work that belongs to the end of a request runs in the
+/// guard's `Drop`.
+pub fn guarded<G: OnFail + Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
+    Guarded {
+        body,
+        guard: Some(guard),
+    }
+    .boxed()
+}
+
+struct Guarded<G> {
+    body: Body,
+    guard: Option<G>,
+}
+
+impl<G: OnFail + Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // Both fields are Unpin (a boxed body and an Option).
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Err(e))) => {
+                if let Some(mut guard) = this.guard.take() {
+                    guard.failed(e);
+                }
+            }
+            Poll::Ready(None) => this.guard = None,
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.guard = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
