@@ -1032,7 +1032,7 @@ async fn no_entry_is_lifted_while_entries_are_written_back() {
 }
 
 /// The shared deny list's writer on `redis`, as a gateway would make it.
-async fn deny_sync(redis: &RedisServer) -> sluice::deny_sync::DenySync {
+async fn deny_sync(redis: &RedisServer) -> sluice::deny::sync::DenySync {
     use sluice::limit::{RedisOptions, RedisStore, RedisTarget};
     let target = RedisTarget::Url(redis.url());
     let store = RedisStore::connect(RedisOptions {
@@ -1043,7 +1043,7 @@ async fn deny_sync(redis: &RedisServer) -> sluice::deny_sync::DenySync {
     })
     .await
     .expect("store");
-    sluice::deny_sync::DenySync::new(store, target)
+    sluice::deny::sync::DenySync::new(store, target)
 }
 
 fn key_entry(key: &str, source: Source, expires_at_ms: Option<u64>) -> Entry {

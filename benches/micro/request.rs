@@ -18,8 +18,8 @@ use criterion::{BatchSize, BenchmarkId, Criterion};
 use http::request::Parts;
 use http::Request;
 use sluice::config::compile::compile;
-use sluice::gateway::Runtime;
-use sluice::metrics::Metrics;
+use sluice::pipeline::Runtime;
+use sluice::telemetry::metrics::Metrics;
 
 const CONFIG: &str = r#"
 client_ip:
@@ -86,7 +86,7 @@ fn head(method: &str, uri: &str, headers: &[(&str, &str)]) -> Parts {
         b = b.header(*k, *v);
     }
     let mut parts = b.body(()).expect("a valid request").into_parts().0;
-    sluice::request::admit(&mut parts).expect("an admissible request");
+    sluice::pipeline::admit::admit(&mut parts).expect("an admissible request");
     parts
 }
 
@@ -178,7 +178,7 @@ pub fn bench(c: &mut Criterion) {
         b.iter_batched(
             || browser.clone(),
             |mut parts| {
-                let _ = black_box(sluice::request::admit(&mut parts));
+                let _ = black_box(sluice::pipeline::admit::admit(&mut parts));
                 parts
             },
             BatchSize::SmallInput,
