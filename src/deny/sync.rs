@@ -1,24 +1,7 @@
-//! The deny list shared through Redis, so that every instance enforces an entry any
-//! of them added. Entries live in one hash (`<prefix>{deny}:entries`, field
-//! `ip:10.1.0.0/16` or `key:K`, value the entry's JSON, and the field `epoch`, set
-//! by the first write to an empty hash, so that the hash lost alone is seen as the
-//! list lost) beside a version counter, the id of the last change, and tombstones
-//! of deletions. Every change is one script that also publishes it on
-//! `<prefix>deny`. Each instance keeps a local copy: it applies published changes in
-//! version order, and reads the whole hash again (page by page) when it sees a gap or
-//! a message of another epoch, when it (re)subscribes, and when a once-a-second look
-//! finds the version or the last change moved without a message. A list of another
-//! epoch, or one that went back in time, was lost: the copies write themselves back,
-//! leaving out what was deleted since. All keys share a hash tag, so this works on
-//! Redis Cluster, where published messages reach subscribers on every node.
-//!
-//! The list is bounded: a sorted set (`<prefix>{deny}:expiring`) indexes the entries
-//! that expire, bans first, each by expiry, so that a write beyond
-//! `deny.max_entries` evicts the ban (else the API entry) closest to expiry in
-//! O(log n), and is rebuilt from the hash if it was evicted alone; and every key has
-//! a TTL (`KEY_TTL`), renewed by each write and by every live instance once a
-//! minute, so the list never holds memory that a Redis with `maxmemory-policy
-//! volatile-lru` could not reclaim.
+//! The deny list shared through Redis: one hash of entries, changes published in
+//! version order, each instance's copy read again on a gap, and the list written
+//! back when Redis lost it; bounded by an expiry index and a TTL on every key. The
+//! protocol in full: ARCHITECTURE.md, "The shared deny list".
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,27 +1,7 @@
-//! The embedded store: limiter state in process, bounded and swept. One entry per
-//! (route, client key) holds the states of that route's limits; entries live in
-//! sharded tables, with one least-recently-used list per route within each shard, so
-//! the number of keys is bounded, and a request's whole check-then-charge runs under
-//! one lock.
-//!
-//! A full shard makes room for a new entry by evicting, in this order: state that can
-//! no longer matter (expired: back to full capacity), found among the least recently
-//! used entries of each route; then the least recently used entry of the route that
-//! holds the most entries in the shard (the inserting route on a tie). So a flood of
-//! keys on one route evicts that route's own state, never another route's: no one can
-//! buy a fresh budget on `/login` with keys sent to `/api`. Evictions of live state
-//! are counted (`sluice_store_evictions_total{route}`) and logged.
-//!
-//! Memory per entry is what bounds the store, so an entry is small and flat (64
-//! bytes): the (route, client key) pair is not kept, only a keyed 128-bit hash of it
-//! (two pairs share an entry with probability about n²/2^129 for n keys); the route's
-//! list links are 32-bit entry numbers; and the state of a route's single limit is
-//! kept inline, three words plus the number of its limit's definition in a per-shard
-//! table (which holds the id, and for token_bucket and gcra the rate and burst the
-//! state was written under). Anything else (several limits, sliding_log, the old
-//! state of a limit a reload changed) is kept aside as a list of full states. Entries
-//! are stored densely in fixed chunks and found through an open-addressing index of
-//! 32-bit slots; a removed entry's place is taken by the last one.
+//! The embedded store: limiter state in process, in sharded tables with one
+//! least-recently-used list per route, so the number of keys is bounded and a flood
+//! on one route evicts only that route's state. Why each entry is 64 flat bytes, and
+//! the eviction order: ARCHITECTURE.md, "The memory store".
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash as _, Hasher, RandomState};
