@@ -10,7 +10,7 @@ use sluice::deny::Target;
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc, measured against glibc's malloc in an A/B run of the same build: about
-/// 15% less CPU per proxied request (see the README's Performance section).
+/// 15% less CPU per proxied request (see docs/performance.md).
 #[global_allocator]
 static ALLOC: Alloc = Alloc;
 

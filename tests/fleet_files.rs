@@ -1211,7 +1211,7 @@ async fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     ];
     // The gateway runs a copy of the fleet file in a directory of its own, as the
     // containers run it (mounted with its directory): saving a typo into it below
-    // is what the README's "try SluiceReloadFailed" does.
+    // is what docs/redis-and-fleets.md's "try SluiceReloadFailed" does.
     let fleet_dir = tempfile::tempdir().expect("temp dir");
     let fleet_file = fleet_dir.path().join("rules.yaml");
     std::fs::copy(docker().join("fleet/rules.yaml"), &fleet_file).expect("copy");
@@ -1552,8 +1552,8 @@ async fn the_fleet_configuration_passes_sluice_check() {
             );
         }
     }
-    // The ports the README gives, on loopback only (the token defaults to
-    // change-me, and Grafana lets anyone look).
+    // The ports docs/redis-and-fleets.md gives, on loopback only (the token
+    // defaults to change-me, and Grafana lets anyone look).
     let mut ports = BTreeMap::new();
     for (name, s) in &compose.services {
         for (address, host, container) in published(s) {

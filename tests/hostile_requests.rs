@@ -189,7 +189,7 @@ async fn path_parameters_are_ignored_for_matching_and_forwarded_as_sent() {
     assert_eq!(e.uri, "/login;foo=1");
     let (status, _, _) = raw(gw.addr, &req("GET", "/login", "x-k: a\r\n")).await;
     assert_eq!(status, 429);
-    // `path` is exact: /login/ is another path (README says how to cover both).
+    // `path` is exact: /login/ is another path (docs/request-path.md says how to cover both).
     let (status, _, body) = raw(gw.addr, &req("GET", "/login/", "x-k: a\r\n")).await;
     assert_eq!(status, 200);
     let e = echo_of(&body);

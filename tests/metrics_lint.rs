@@ -3,7 +3,7 @@
 //! traffic that moves every kind of series: allowed, limited, denied, unmatched
 //! and upstream errors, a ban and its deny-list entry, and
 //! store errors on a Redis store whose server is gone. Every family it exports has
-//! its row in the README's metrics table.
+//! its row in the metrics table of docs/metrics-and-logs.md.
 
 mod common;
 
@@ -39,10 +39,14 @@ fn promtool(text: &str) -> (bool, String) {
     (out.status.success(), said)
 }
 
-/// Every metric family of `text` has its row in the README's metrics table.
+/// Every metric family of `text` has its row in the metrics table of
+/// docs/metrics-and-logs.md.
 fn every_family_is_documented(text: &str) {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/metrics-and-logs.md"
+    ))
+    .unwrap();
     let families: Vec<&str> = text
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
@@ -51,8 +55,8 @@ fn every_family_is_documented(text: &str) {
     assert!(families.len() >= 10, "{families:?}");
     for family in families {
         assert!(
-            readme.contains(&format!("| `{family}` |")),
-            "{family} has no row in the README's metrics table"
+            page.contains(&format!("| `{family}` |")),
+            "{family} has no row in the metrics table of docs/metrics-and-logs.md"
         );
     }
 }

@@ -743,7 +743,7 @@ fn refusals_are_answered_locally_until_their_retry_time() {
     assert!(check("a").is_err());
 }
 
-// === memory per tracked key (README numbers) ===
+// === memory per tracked key (the numbers of docs/redis-and-fleets.md) ===
 
 /// Prints `MEMORY USAGE` of one tracked key per algorithm, with a realistic key
 /// (`sluice:{api:203.0.113.7}:<limit id>`). Run with `--nocapture` to see them.

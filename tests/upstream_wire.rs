@@ -116,7 +116,7 @@ async fn the_upload_goes_on_while_the_upstream_streams_its_answer() {
 }
 
 /// A kept connection the upstream closes after reading the request, without an
-/// answer (README, Forwarding): a request safe to repeat (GET, no body) goes again
+/// answer (docs/request-path.md, Forwarding): a request safe to repeat (GET, no body) goes again
 /// on a new connection; a POST, even without a body, reached the upstream once and
 /// gets a 502, never a second send.
 #[tokio::test]
