@@ -9,6 +9,7 @@ pub mod config;
 pub mod control;
 pub mod deny;
 pub mod deny_sync;
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod gateway;
 pub mod h1server;
