@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod config;
 pub mod deny;
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod http;
 pub mod identity;

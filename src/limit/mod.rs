@@ -4,6 +4,7 @@
 //! of the Redis store can be checked against one table of cases.
 
 pub mod algo;
+#[cfg(any(test, feature = "test-support"))]
 pub mod cases;
 pub mod clock;
 pub mod memory;
