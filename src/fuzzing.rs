@@ -5,7 +5,12 @@
 //! the stable toolchain) call the same functions, so a crash found once stays fixed.
 //!
 //! Inputs are text, one field per line, so a corpus file can be read and written by
-//! hand; a line that does not parse is skipped rather than ending the run.
+//! hand; a line that does not parse is skipped rather than ending the run. (The
+//! `response` target's input is a mode byte, then the bytes as an upstream sends them.)
+//!
+//! Differential targets compare sluice with an oracle written from the RFC:
+//! `rfc9112` holds the rules requests and responses share, `response` and `request`
+//! the rest of each side. Behind the `fuzzing` feature: none of it is in the product.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
@@ -22,6 +27,10 @@ use crate::limit::{decide, State};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::BuildError;
 
+mod response;
+pub mod rfc9112;
+pub use response::{response, rfc_response, BodyEnd, BodyLength, RfcHead, RfcResponse};
+
 /// A fuzz target's entry point: panics on an input that breaks an invariant.
 pub type Target = fn(&[u8]);
 
@@ -33,6 +42,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("client_ip", client_ip),
     ("key", key),
     ("path", path),
+    ("response", response),
 ];
 
 /// A configuration file: parsed and validated; when valid, summarised, shown as

@@ -291,6 +291,25 @@ impl Conn {
     }
 }
 
+/// Where a response body is read from: a connection (its buffer, filled from its
+/// socket), or bytes in memory for the fuzz target (`fuzzing::response`).
+pub(crate) trait Source {
+    /// What has been read and not yet used.
+    fn buf(&mut self) -> &mut BytesMut;
+    /// Reads more into `buf`: `Ok(0)` is the end of the stream.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>>;
+}
+
+impl Source for Conn {
+    fn buf(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        Conn::poll_fill(self, cx)
+    }
+}
+
 /// An upgraded (101) connection reads what came after the response head first.
 impl AsyncRead for Conn {
     fn poll_read(
@@ -904,7 +923,7 @@ fn parse_head(
 }
 
 /// The answer's head, its fields `RawFields` when `raw_ok` and they can be.
-fn parse_head_for(
+pub(crate) fn parse_head_for(
     buf: &mut BytesMut,
     method: &Method,
     kept: &mut Kept,
@@ -1146,13 +1165,15 @@ fn decoder(
     version: Version,
     method: &Method,
 ) -> Result<Decoder, WireError> {
+    // RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing,
+    // whether or not it has a body (what the upstream meant to follow it is unknown).
+    if seen.transfer_encoding && version == Version::HTTP_10 {
+        return Err(WireError::Malformed("Transfer-Encoding in HTTP/1.0"));
+    }
     if matches!(status.as_u16(), 101 | 204 | 304) || method == Method::HEAD {
         return Ok(Decoder::Done);
     }
     if seen.transfer_encoding {
-        if version == Version::HTTP_10 {
-            return Err(WireError::Malformed("Transfer-Encoding in HTTP/1.0"));
-        }
         return Ok(Decoder::Chunked(Chunk::Size));
     }
     match seen.length {
@@ -1262,8 +1283,17 @@ impl Decoder {
         conn: &mut Conn,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.poll_frame_from(conn, cx)
+    }
+
+    /// The next frame of the body from `conn`, whatever it reads from.
+    pub(crate) fn poll_frame_from<S: Source>(
+        &mut self,
+        conn: &mut S,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         loop {
-            let buf = &mut conn.buf;
+            let buf = conn.buf();
             match self {
                 Decoder::Done | Decoder::Length(0) => {
                     *self = Decoder::Done;
@@ -1298,7 +1328,7 @@ impl Decoder {
                             Err(e) => return Poll::Ready(Some(Err(e.into()))),
                         }
                     }
-                    return Poll::Ready(Some(Ok(Frame::data(conn.buf.split().freeze()))));
+                    return Poll::Ready(Some(Ok(Frame::data(conn.buf().split().freeze()))));
                 }
                 Decoder::Chunked(chunk) => {
                     let step = match chunk {
@@ -1368,8 +1398,12 @@ fn size_line(b: &[u8]) -> Result<Option<(usize, u64)>, WireError> {
         return Err(WireError::Malformed("chunk-size line"));
     }
     let line = &b[..end - 1];
+    // A CR before the line's own is a bare CR (RFC 9112 §2.2), in the extensions too.
+    if line.contains(&b'\r') {
+        return Err(WireError::Malformed("bare CR in a chunk-size line"));
+    }
     let digits = line.iter().take_while(|c| c.is_ascii_hexdigit()).count();
-    let rest = line[digits..].trim_ascii_start();
+    let rest = trim_blanks(&line[digits..]);
     if digits == 0 || digits > 16 || !(rest.is_empty() || rest[0] == b';') {
         return Err(WireError::Malformed("chunk size"));
     }
@@ -1415,8 +1449,23 @@ fn may_become_size_line(part: &[u8]) -> bool {
     if digits == part.len() {
         return true;
     }
-    let rest = part[digits..].trim_ascii_start();
-    digits > 0 && rest.first().is_none_or(|&b| b == b';')
+    // A CR only as the last byte, the line's own (its LF to come).
+    if part
+        .iter()
+        .position(|&b| b == b'\r')
+        .is_some_and(|cr| cr + 1 != part.len())
+    {
+        return false;
+    }
+    let rest = trim_blanks(&part[digits..]);
+    digits > 0 && (rest.is_empty() || rest[0] == b';' || rest == b"\r")
+}
+
+/// Without the spaces and tabs it starts with: white space after a chunk size, as
+/// hyper and nginx take it (the grammar has it only before `;`).
+fn trim_blanks(b: &[u8]) -> &[u8] {
+    let blanks = b.iter().take_while(|&&c| c == b' ' || c == b'\t').count();
+    &b[blanks..]
 }
 
 /// The trailer block after the last chunk, taken out of `buf`: `Some(None)` when
@@ -1424,6 +1473,8 @@ fn may_become_size_line(part: &[u8]) -> bool {
 fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
     match httparse::parse_headers(buf, &mut fields) {
+        // As large a block as a head may be, however it arrived.
+        Ok(httparse::Status::Complete((len, _))) if len > MAX_HEAD => Err(WireError::HeadTooLarge),
         Ok(httparse::Status::Complete((len, fields))) => {
             let mut map = HeaderMap::with_capacity(fields.len());
             for f in fields.iter() {
@@ -1726,6 +1777,23 @@ mod tests {
             Method::GET
         )
         .is_err());
+        // RFC 9112 §6.1: faulty framing, body or none.
+        for (head, method) in [
+            (
+                "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+                Method::HEAD,
+            ),
+            (
+                "HTTP/1.0 204 No Content\r\ntransfer-encoding: chunked\r\n\r\n",
+                Method::GET,
+            ),
+            (
+                "HTTP/1.0 304 Not Modified\r\ntransfer-encoding: chunked\r\n\r\n",
+                Method::GET,
+            ),
+        ] {
+            assert!(parse(head, method).is_err(), "{head:?}");
+        }
     }
 
     /// Only one `chunked` coding, and never beside `Content-Length`, whatever the
@@ -1891,6 +1959,44 @@ mod tests {
         assert!(chunk_size(&mut BytesMut::from("x\r\n")).is_err());
         assert!(chunk_size(&mut BytesMut::from("1\n")).is_err());
         assert!(chunk_size(&mut BytesMut::from("11111111111111111\r\n")).is_err());
+        assert!(matches!(
+            chunk_size(&mut BytesMut::from("1a \t\r\n")),
+            Ok(Some(Chunk::Data(26)))
+        ));
+        // A bare CR, or white space other than spaces and tabs, is not taken; a CR
+        // that may be the line's own waits for its LF.
+        for bad in [
+            "5\r\r\n",
+            "5;a\rb\r\n",
+            "5\x0c\r\n",
+            "5\r;a\r\n",
+            "5\rx",
+            "5;a\rb",
+        ] {
+            assert!(chunk_size(&mut BytesMut::from(bad)).is_err(), "{bad:?}");
+        }
+        for partial in ["5\r", "5 \r", "5;a=b\r"] {
+            assert!(
+                matches!(chunk_size(&mut BytesMut::from(partial)), Ok(None)),
+                "{partial:?}"
+            );
+        }
+    }
+
+    /// A trailer block is held to a head's size however it arrives: whole in one
+    /// read, it was taken at any size.
+    #[test]
+    fn a_trailer_block_larger_than_a_head_is_refused_even_whole() {
+        let big = format!("x: {}\r\n\r\n", "a".repeat(MAX_HEAD));
+        assert!(matches!(
+            trailers(&mut BytesMut::from(big.as_str())),
+            Err(WireError::HeadTooLarge)
+        ));
+        let fits = format!("x: {}\r\n\r\n", "a".repeat(MAX_HEAD - 10));
+        assert!(matches!(
+            trailers(&mut BytesMut::from(fits.as_str())),
+            Ok(Some(Some(_)))
+        ));
     }
 
     /// Over TLS, what an upload wrote goes out before the next frame of the body is
