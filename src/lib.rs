@@ -11,6 +11,7 @@ pub mod deny;
 pub mod deny_sync;
 pub mod fuzzing;
 pub mod gateway;
+pub mod h1body;
 pub mod h1server;
 pub mod limit;
 pub mod metrics;

@@ -1,4 +1,5 @@
-//! Listeners and lifecycle: the gateway port (HTTP/1.1 and h2c on one socket, with
+//! Listeners and lifecycle: the gateway port (HTTP/1.1 by sluice's own server, and
+//! HTTP/2 by hyper's: h2c by its preface, h2 by ALPN under TLS; with
 //! a header-read timeout, a head size limit, an idle timeout, and connection caps
 //! in total and per peer address), the admin port, the control loop
 //! (file watcher, bans, the shared deny list, expiry), the memory store's sweeper,
@@ -18,7 +19,6 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
@@ -32,7 +32,7 @@ use crate::control::{Command, Control, Reply, Trigger, TICK};
 use crate::deny::DenyView;
 use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
-use crate::h1server::{ClientBody, Ended, Fast, Replay};
+use crate::h1server::{ClientBody, Fast};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 use crate::per_ip::PerIp;
@@ -177,10 +177,16 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         let shared = shared.clone();
         let service = move |peer: Arc<gateway::Peer>| {
             let shared = shared.clone();
+            // HTTP/2 only: sluice's own server takes every HTTP/1 request.
             service_fn(move |req: Request<Incoming>| -> Answer {
                 let (shared, peer) = (shared.clone(), peer.clone());
-                let req = req.map(ClientBody::Hyper);
-                Box::pin(async move { Ok(gateway::handle(&shared, req, &peer).await) })
+                let (mut parts, body) = req.into_parts();
+                Box::pin(async move {
+                    let body = ClientBody::Hyper(body);
+                    let mut resp = gateway::handle(&shared, &mut parts, body, &peer, None).await;
+                    crate::answer::own_length(&mut resp, parts.method == http::Method::HEAD);
+                    Ok(resp)
+                })
             })
         };
         // A load balancer in front carries many clients' connections.
@@ -426,20 +432,7 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    // Over TLS: whichever of the two the client speaks (hyper-util tells them apart
-    // by the preface), with the same settings.
-    let mut auto = auto::Builder::new(TokioExecutor::new());
-    auto.http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        .max_buf_size(max_head);
-    auto.http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(H2_STREAMS)
-        .keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(20))
-        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    Http { h1, h2, auto }
+    Http { h1, h2 }
 }
 
 /// Concurrent streams one HTTP/2 connection may open (nginx's
@@ -454,7 +447,6 @@ const H2_STREAMS: u32 = 128;
 pub struct Http {
     h1: http1::Builder,
     h2: http2::Builder<TokioExecutor>,
-    auto: auto::Builder<TokioExecutor>,
 }
 
 /// Whether a peer is exempt from the per-IP connection cap.
@@ -463,8 +455,8 @@ type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
 /// How a listener treats its connections.
 #[derive(Clone)]
 struct Limits {
-    /// The gateway's: plain HTTP/1.1 requests are served by `h1server` (the admin
-    /// port leaves everything to hyper).
+    /// The gateway's: its HTTP/1 requests, plain or under TLS, are served by
+    /// `h1server` (the admin port leaves everything to hyper).
     fast: Option<(Arc<Shared>, usize)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// Bounds the TLS handshake and the wait for a request's first bytes.
@@ -875,6 +867,12 @@ impl Activity {
         })
     }
 
+    /// An answer went out before its request body was read: the connection
+    /// closes with a lingering close.
+    pub(crate) fn linger(&self) {
+        self.linger.store(true, Ordering::Relaxed);
+    }
+
     pub(crate) fn start(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight(self.clone())
@@ -1232,6 +1230,7 @@ async fn serve<S, F>(
             header_timeout,
             idle_timeout,
             max_head,
+            held: held.clone(),
         });
         tokio::spawn(async move {
             let _held = held;
@@ -1242,37 +1241,26 @@ async fn serve<S, F>(
                         ok = first_bytes(&stream, header_timeout) => ok,
                         _ = stop.wait_for(|s| *s) => None,
                     };
-                    let io = WriteStall::new(stream, send_timeout);
-                    let io = TokioIo::new(Linger::new(io, activity.clone(), linger));
+                    let io = Linger::new(
+                        WriteStall::new(stream, send_timeout),
+                        activity.clone(),
+                        linger,
+                    );
                     match (started, fast) {
                         (Some(Sniffed::Http1), Some(fast)) => {
-                            // Plain requests here; the first other one and the rest
-                            // of the connection go to hyper.
-                            let (io, head) = match crate::h1server::serve(
-                                io.into_inner(),
-                                &fast,
-                                &activity,
-                                stop.clone(),
-                            )
-                            .await
-                            {
-                                Ended::Closed(r) => return log_end(peer, r),
-                                Ended::Handover(io, head) => (io, head),
-                            };
-                            let io = TokioIo::new(Replay { head, io });
-                            let conn = builder.h1.serve_connection(io, service).with_upgrades();
-                            let close =
-                                |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
-                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
+                            crate::h1server::serve(io, &fast, &activity, stop).await
                         }
                         (Some(Sniffed::Http1), None) => {
-                            let conn = builder.h1.serve_connection(io, service).with_upgrades();
+                            let conn = builder
+                                .h1
+                                .serve_connection(TokioIo::new(io), service)
+                                .with_upgrades();
                             let close =
                                 |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
                         (Some(Sniffed::Http2), _) => {
-                            let conn = builder.h2.serve_connection(io, service);
+                            let conn = builder.h2.serve_connection(TokioIo::new(io), service);
                             let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
@@ -1285,13 +1273,28 @@ async fn serve<S, F>(
                         _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
                     };
                     match shaken {
-                        Ok(Ok(stream)) => {
-                            let io = TokioIo::new(stream);
-                            let conn = builder.auto.serve_connection_with_upgrades(io, service);
-                            let close =
-                                |c: Pin<&mut _>| auto::UpgradeableConnection::graceful_shutdown(c);
+                        // HTTP/2 when the client chose it by ALPN; else HTTP/1.1.
+                        Ok(Ok(stream)) if stream.get_ref().1.alpn_protocol() == Some(b"h2") => {
+                            let conn = builder.h2.serve_connection(TokioIo::new(stream), service);
+                            let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
+                        Ok(Ok(stream)) => match fast {
+                            Some(fast) => {
+                                crate::h1server::serve(stream, &fast, &activity, stop).await
+                            }
+                            None => {
+                                let conn = builder
+                                    .h1
+                                    .serve_connection(TokioIo::new(stream), service)
+                                    .with_upgrades();
+                                let close = |c: Pin<&mut _>| {
+                                    http1::UpgradeableConnection::graceful_shutdown(c)
+                                };
+                                drive(conn, close, activity, idle_timeout, header_timeout, stop)
+                                    .await
+                            }
+                        },
                         Ok(Err(e)) => Err(e.into()),
                         Err(_) => Err("TLS handshake timed out".into()),
                     }

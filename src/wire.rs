@@ -1354,7 +1354,7 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
 
 /// The chunk-size line at the front of `b`: its length with the CRLF, and the
 /// size; `None` until the whole line is there.
-fn size_line(b: &[u8]) -> Result<Option<(usize, u64)>, WireError> {
+pub(crate) fn size_line(b: &[u8]) -> Result<Option<(usize, u64)>, WireError> {
     let Some(end) = b.iter().position(|&c| c == b'\n') else {
         return if b.len() > MAX_CHUNK_LINE {
             Err(WireError::Malformed("chunk-size line too long"))
@@ -1421,7 +1421,7 @@ fn may_become_size_line(part: &[u8]) -> bool {
 
 /// The trailer block after the last chunk, taken out of `buf`: `Some(None)` when
 /// there are no fields, `None` until the block is complete.
-fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> {
+pub(crate) fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
     match httparse::parse_headers(buf, &mut fields) {
         Ok(httparse::Status::Complete((len, fields))) => {
