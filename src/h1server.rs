@@ -96,9 +96,34 @@ const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
 /// are written on their own.
 const COPY_LIMIT: usize = 16 * 1024;
 
+/// Where a listener's HTTP/1 requests go: the gateway's request path, or the
+/// admin API.
+pub(crate) trait Site: Send + Sync + 'static {
+    /// The answer to one request: its head, worked on in place, and its body.
+    fn answer<'a>(
+        &'a self,
+        parts: &'a mut http::request::Parts,
+        body: ClientBody,
+        peer: &'a Peer,
+        conn: gateway::PlainConn<'a>,
+    ) -> impl Future<Output = http::Response<Body>> + Send + 'a;
+}
+
+impl Site for Shared {
+    fn answer<'a>(
+        &'a self,
+        parts: &'a mut http::request::Parts,
+        body: ClientBody,
+        peer: &'a Peer,
+        conn: gateway::PlainConn<'a>,
+    ) -> impl Future<Output = http::Response<Body>> + Send + 'a {
+        gateway::handle(self, parts, body, peer, Some(conn))
+    }
+}
+
 /// What a connection's server needs.
-pub(crate) struct Fast {
-    pub shared: Arc<Shared>,
+pub(crate) struct Fast<S> {
+    pub site: Arc<S>,
     pub peer: Arc<Peer>,
     pub header_timeout: Duration,
     pub idle_timeout: Duration,
@@ -142,9 +167,9 @@ enum Parsed {
 }
 
 /// Serve HTTP/1 requests on `io` until it closes.
-pub(crate) async fn serve<IO>(
+pub(crate) async fn serve<IO, S: Site>(
     mut io: IO,
-    fast: &Fast,
+    fast: &Fast<S>,
     activity: &Arc<Activity>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), BoxError>
@@ -259,16 +284,15 @@ where
         let mut raw: Option<RawFields> = None;
         let raw_ok = version == Version::HTTP_11 && !head;
         let resp = {
-            let answer = gateway::handle(
-                &fast.shared,
+            let answer = fast.site.answer(
                 &mut parts,
                 body,
                 &fast.peer,
-                Some(gateway::PlainConn {
+                gateway::PlainConn {
                     lines: &mut rate_lines,
                     timer: timer.as_mut(),
                     raw: raw_ok.then_some(&mut raw),
-                }),
+                },
             );
             tokio::pin!(answer);
             // As hyper: while the request is worked on, a client that closes its end

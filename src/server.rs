@@ -16,7 +16,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::server::conn::{http1, http2};
+use hyper::server::conn::http2;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
@@ -32,7 +32,7 @@ use crate::control::{Command, Control, Reply, Trigger, TICK};
 use crate::deny::DenyView;
 use crate::deny_sync::DenySync;
 use crate::gateway::{self, Shared};
-use crate::h1server::{ClientBody, Fast};
+use crate::h1server::{ClientBody, Fast, Site};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 use crate::per_ip::PerIp;
@@ -163,7 +163,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let header_timeout = f.server.request_header_timeout.get();
     // Validation keeps it between 8KiB and 1MiB.
     let max_head = usize::try_from(f.server.max_header_bytes.0).unwrap_or(usize::MAX);
-    let builder = http_builder(header_timeout, max_head);
+    let builder = http_builder(max_head);
     let (stop, stop_rx) = watch::channel(false);
     let grace = f.server.shutdown_grace.get();
 
@@ -173,7 +173,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             .connections_refused
             .with_label_values(&["per_ip"]);
         let shared_for_exempt = shared.clone();
-        let shared_for_fast = shared.clone();
+        let site = shared.clone();
         let shared = shared.clone();
         let service = move |peer: Arc<gateway::Peer>| {
             let shared = shared.clone();
@@ -195,7 +195,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             Arc::new(move |ip| shared.runtime.load().trusted.contains(ip))
         };
         let limits = Limits {
-            fast: Some((shared_for_fast, max_head)),
+            max_head,
             tls,
             header_timeout,
             idle_timeout: f.server.idle_timeout.get(),
@@ -223,6 +223,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 addr,
                 dup,
                 limits.clone(),
+                site.clone(),
                 builder.clone(),
                 service.clone(),
                 stop_rx.clone(),
@@ -231,6 +232,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         handles.push(tokio::spawn(serve(
             listener,
             limits,
+            site,
             builder,
             service,
             stop_rx.clone(),
@@ -252,10 +254,13 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             history,
             body_timeout: f.admin.request_header_timeout.get(),
         });
+        let site = admin.clone();
+        // HTTP/2 only (h2c): sluice's own server takes every HTTP/1 request.
         let service = move |_peer: Arc<gateway::Peer>| {
             let admin = admin.clone();
-            service_fn(move |req| -> Answer {
+            service_fn(move |req: Request<Incoming>| -> Answer {
                 let admin = admin.clone();
+                let req = req.map(ClientBody::Hyper);
                 Box::pin(async move { Ok(admin.handle(req).await) })
             })
         };
@@ -265,7 +270,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         // front of the admin port is not expected.
         let header_timeout = f.admin.request_header_timeout.get();
         let limits = Limits {
-            fast: None,
+            max_head,
             tls: None,
             header_timeout,
             idle_timeout: f.admin.idle_timeout.get(),
@@ -283,10 +288,11 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             grace: Duration::from_secs(1),
             caps: Caps::new(ADMIN_CONNECTIONS),
         };
-        let builder = Arc::new(http_builder(header_timeout, max_head));
+        let builder = Arc::new(http_builder(max_head));
         tokio::spawn(serve(
             admin_listener,
             limits,
+            site,
             builder,
             service,
             stop_rx.clone(),
@@ -410,29 +416,17 @@ impl Running {
     }
 }
 
-/// HTTP/1.1 and h2c on one socket. The header-read timeout needs the timer to do
-/// anything; HTTP/2 connections are pinged so that dead peers are noticed.
-///
-/// A request head (HTTP/1.1: request line and header fields; HTTP/2: the decoded
-/// header list) larger than `max_head` is answered 431: HTTP/1.1 then closes the
-/// connection, HTTP/2 resets the stream. HTTP/1.1 heads have at most 100 fields
-/// (431 beyond): hyper's default, which is Envoy's. (Setting the same number
-/// explicitly would make hyper initialise a 100-entry array on every request.)
-fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
-    let mut h1 = http1::Builder::new();
-    h1.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        // A head over this is answered 431, counted exactly; bodies are read
-        // through a buffer of the same size, in pieces.
-        .max_header_size(max_head)
-        .max_buf_size(max_head);
+/// hyper's HTTP/2 server (h2c, and h2 under TLS); HTTP/1.1 is sluice's own
+/// (`h1server`). HTTP/2 connections are pinged so that dead peers are noticed. A
+/// decoded header list larger than `max_head` resets its stream with 431.
+fn http_builder(max_head: usize) -> Http {
     let mut h2 = http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())
         .max_concurrent_streams(H2_STREAMS)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    Http { h1, h2 }
+    Http { h2 }
 }
 
 /// Concurrent streams one HTTP/2 connection may open (nginx's
@@ -440,12 +434,11 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
 /// `server.request_buffer` of its body read ahead.
 const H2_STREAMS: u32 = 128;
 
-/// The HTTP servers of a listener. A plain connection's protocol is known from its
+/// The HTTP/2 server of a listener. A plain connection's protocol is known from its
 /// first bytes (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without
 /// hyper-util's detection layer, which re-reads every request through a rewind
 /// buffer.
 pub struct Http {
-    h1: http1::Builder,
     h2: http2::Builder<TokioExecutor>,
 }
 
@@ -455,9 +448,8 @@ type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
 /// How a listener treats its connections.
 #[derive(Clone)]
 struct Limits {
-    /// The gateway's: its HTTP/1 requests, plain or under TLS, are served by
-    /// `h1server` (the admin port leaves everything to hyper).
-    fast: Option<(Arc<Shared>, usize)>,
+    /// The longest request head (`server.max_header_bytes`).
+    max_head: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// Bounds the TLS handshake and the wait for a request's first bytes.
     header_timeout: Duration,
@@ -509,11 +501,12 @@ fn workers(f: &crate::config::schema::File) -> usize {
 /// `listener` (a handle of the gateway socket, which the kernel hands each
 /// connection to one worker). Its requests, their upstream connections and timers
 /// stay on the thread. The returned task ends when the worker has drained.
-fn spawn_worker<S, F>(
+fn spawn_worker<S, F, Z: Site>(
     i: usize,
     addr: SocketAddr,
     listener: std::net::TcpListener,
     limits: Limits,
+    site: Arc<Z>,
     builder: Arc<Http>,
     service: F,
     stop: watch::Receiver<bool>,
@@ -536,7 +529,7 @@ where
             crate::pool::set_worker(i);
             runtime.block_on(async move {
                 match TcpListener::from_std(listener) {
-                    Ok(l) => serve(l, limits, builder, service, stop).await,
+                    Ok(l) => serve(l, limits, site, builder, service, stop).await,
                     Err(e) => tracing::error!(error = %e, "worker {i} cannot accept"),
                 }
             });
@@ -1150,9 +1143,10 @@ fn log_end(peer: SocketAddr, result: Result<(), crate::answer::BoxError>) {
 
 /// Accept connections until told to stop, then drain them for at most `grace`.
 /// With `tls`, each connection is first handshaken (bounded by the header timeout).
-async fn serve<S, F>(
+async fn serve<S, F, Z: Site>(
     listener: TcpListener,
     limits: Limits,
+    site: Arc<Z>,
     builder: Arc<Http>,
     service: F,
     mut stop: watch::Receiver<bool>,
@@ -1164,7 +1158,7 @@ async fn serve<S, F>(
     S::Future: Send + Unpin + 'static,
 {
     let Limits {
-        fast,
+        max_head,
         tls,
         header_timeout,
         idle_timeout,
@@ -1224,14 +1218,14 @@ async fn serve<S, F>(
             send_timeout,
         };
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
-        let fast = fast.clone().map(|(shared, max_head)| Fast {
-            shared,
+        let fast = Fast {
+            site: site.clone(),
             peer: client,
             header_timeout,
             idle_timeout,
             max_head,
             held: held.clone(),
-        });
+        };
         tokio::spawn(async move {
             let _held = held;
             // Until its first request, a connection has nothing to finish at shutdown.
@@ -1246,25 +1240,16 @@ async fn serve<S, F>(
                         activity.clone(),
                         linger,
                     );
-                    match (started, fast) {
-                        (Some(Sniffed::Http1), Some(fast)) => {
+                    match started {
+                        Some(Sniffed::Http1) => {
                             crate::h1server::serve(io, &fast, &activity, stop).await
                         }
-                        (Some(Sniffed::Http1), None) => {
-                            let conn = builder
-                                .h1
-                                .serve_connection(TokioIo::new(io), service)
-                                .with_upgrades();
-                            let close =
-                                |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
-                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
-                        }
-                        (Some(Sniffed::Http2), _) => {
+                        Some(Sniffed::Http2) => {
                             let conn = builder.h2.serve_connection(TokioIo::new(io), service);
                             let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
-                        (None, _) => Err("no request before the header timeout".into()),
+                        None => Err("no request before the header timeout".into()),
                     }
                 }
                 Some(acceptor) => {
@@ -1279,22 +1264,9 @@ async fn serve<S, F>(
                             let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
-                        Ok(Ok(stream)) => match fast {
-                            Some(fast) => {
-                                crate::h1server::serve(stream, &fast, &activity, stop).await
-                            }
-                            None => {
-                                let conn = builder
-                                    .h1
-                                    .serve_connection(TokioIo::new(stream), service)
-                                    .with_upgrades();
-                                let close = |c: Pin<&mut _>| {
-                                    http1::UpgradeableConnection::graceful_shutdown(c)
-                                };
-                                drive(conn, close, activity, idle_timeout, header_timeout, stop)
-                                    .await
-                            }
-                        },
+                        Ok(Ok(stream)) => {
+                            crate::h1server::serve(stream, &fast, &activity, stop).await
+                        }
                         Ok(Err(e)) => Err(e.into()),
                         Err(_) => Err("TLS handshake timed out".into()),
                     }
