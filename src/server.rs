@@ -163,7 +163,6 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let header_timeout = f.server.request_header_timeout.get();
     // Validation keeps it between 8KiB and 1MiB.
     let max_head = usize::try_from(f.server.max_header_bytes.0).unwrap_or(usize::MAX);
-    let builder = http_builder(max_head);
     let (stop, stop_rx) = watch::channel(false);
     let grace = f.server.shutdown_grace.get();
 
@@ -173,7 +172,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             .connections_refused
             .with_label_values(&["per_ip"]);
         let shared_for_exempt = shared.clone();
-        let site = shared.clone();
+        let builder = http_builder(shared.clone(), max_head);
         let shared = shared.clone();
         let service = move |peer: Arc<gateway::Peer>| {
             let shared = shared.clone();
@@ -223,7 +222,6 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
                 addr,
                 dup,
                 limits.clone(),
-                site.clone(),
                 builder.clone(),
                 service.clone(),
                 stop_rx.clone(),
@@ -232,7 +230,6 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         handles.push(tokio::spawn(serve(
             listener,
             limits,
-            site,
             builder,
             service,
             stop_rx.clone(),
@@ -254,7 +251,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             history,
             body_timeout: f.admin.request_header_timeout.get(),
         });
-        let site = admin.clone();
+        let builder = Arc::new(http_builder(admin.clone(), max_head));
         // HTTP/2 only (h2c): sluice's own server takes every HTTP/1 request.
         let service = move |_peer: Arc<gateway::Peer>| {
             let admin = admin.clone();
@@ -288,11 +285,9 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             grace: Duration::from_secs(1),
             caps: Caps::new(ADMIN_CONNECTIONS),
         };
-        let builder = Arc::new(http_builder(max_head));
         tokio::spawn(serve(
             admin_listener,
             limits,
-            site,
             builder,
             service,
             stop_rx.clone(),
@@ -419,14 +414,14 @@ impl Running {
 /// hyper's HTTP/2 server (h2c, and h2 under TLS); HTTP/1.1 is sluice's own
 /// (`h1server`). HTTP/2 connections are pinged so that dead peers are noticed. A
 /// decoded header list larger than `max_head` resets its stream with 431.
-fn http_builder(max_head: usize) -> Http {
+fn http_builder<Z>(site: Arc<Z>, max_head: usize) -> Http<Z> {
     let mut h2 = http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())
         .max_concurrent_streams(H2_STREAMS)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    Http { h2 }
+    Http { site, h2 }
 }
 
 /// Concurrent streams one HTTP/2 connection may open (nginx's
@@ -434,11 +429,12 @@ fn http_builder(max_head: usize) -> Http {
 /// `server.request_buffer` of its body read ahead.
 const H2_STREAMS: u32 = 128;
 
-/// The HTTP/2 server of a listener. A plain connection's protocol is known from its
-/// first bytes (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without
-/// hyper-util's detection layer, which re-reads every request through a rewind
-/// buffer.
-pub struct Http {
+/// The HTTP servers of a listener: where its HTTP/1.1 requests go (`h1server`),
+/// and hyper's HTTP/2. A plain connection's protocol is known from its first bytes
+/// (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without hyper-util's
+/// detection layer, which re-reads every request through a rewind buffer.
+pub struct Http<Z> {
+    site: Arc<Z>,
     h2: http2::Builder<TokioExecutor>,
 }
 
@@ -506,8 +502,7 @@ fn spawn_worker<S, F, Z: Site>(
     addr: SocketAddr,
     listener: std::net::TcpListener,
     limits: Limits,
-    site: Arc<Z>,
-    builder: Arc<Http>,
+    builder: Arc<Http<Z>>,
     service: F,
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, StartError>
@@ -529,7 +524,7 @@ where
             crate::pool::set_worker(i);
             runtime.block_on(async move {
                 match TcpListener::from_std(listener) {
-                    Ok(l) => serve(l, limits, site, builder, service, stop).await,
+                    Ok(l) => serve(l, limits, builder, service, stop).await,
                     Err(e) => tracing::error!(error = %e, "worker {i} cannot accept"),
                 }
             });
@@ -1146,8 +1141,7 @@ fn log_end(peer: SocketAddr, result: Result<(), crate::answer::BoxError>) {
 async fn serve<S, F, Z: Site>(
     listener: TcpListener,
     limits: Limits,
-    site: Arc<Z>,
-    builder: Arc<Http>,
+    builder: Arc<Http<Z>>,
     service: F,
     mut stop: watch::Receiver<bool>,
 ) where
@@ -1219,7 +1213,7 @@ async fn serve<S, F, Z: Site>(
         };
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
         let fast = Fast {
-            site: site.clone(),
+            site: builder.site.clone(),
             peer: client,
             header_timeout,
             idle_timeout,
