@@ -36,7 +36,7 @@ use crate::h1server::{ClientBody, Fast, Site};
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::metrics::Metrics;
 use crate::per_ip::PerIp;
-use crate::proxy::{ConnectionHeld, LastActive};
+use crate::proxy::LastActive;
 use crate::refusal_log::RefusalLog;
 
 #[derive(Debug, thiserror::Error)]
@@ -691,7 +691,7 @@ const LINGER_BYTES: usize = 64 * 1024 * 1024;
 /// most `LINGER_TIME`, `LINGER_SILENCE` without a byte, or `LINGER_BYTES`; then it
 /// closes. A close with unread bytes would send a reset, and a client still
 /// writing its body would see that instead of the answer. The drain runs in
-/// `poll_shutdown`, where hyper (HTTP/1.1, plain or under TLS) ends a connection,
+/// `poll_shutdown`, where `h1server` (HTTP/1.1, plain or under TLS) ends a connection,
 /// so the connection holds its slots, and counts for shutdown, until it is over.
 struct Linger<T> {
     io: T,
@@ -827,8 +827,7 @@ fn counted_as(ip: IpAddr, per_v6_64: bool) -> IpAddr {
 }
 
 /// Requests in flight on one connection, and when the last one ended: what the idle
-/// timeout watches. hyper has no idle timeout for HTTP/2, and for HTTP/1.1 only
-/// its header-read timeout. Plain atomics: a request costs two increments and a
+/// timeout watches (hyper has none for HTTP/2). Plain atomics: a request costs two increments and a
 /// clock read, and nothing is woken; the idle timer checks them when it fires.
 pub(crate) struct Activity {
     in_flight: AtomicUsize,
@@ -896,17 +895,12 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that keeps its request counted as in flight until it ends.
+/// An HTTP/2 response body that keeps its request counted as in flight until it
+/// ends, shared with a watchdog (`Taken`).
 struct TrackedBody {
-    inner: Held,
+    inner: Arc<Mutex<Taken>>,
     send_timeout: Duration,
     _in_flight: InFlight,
-}
-
-/// The response body itself, or (HTTP/2) shared with a watchdog.
-enum Held {
-    Own(Body),
-    Watched(Arc<Mutex<Taken>>),
 }
 
 /// An HTTP/2 response body and when it last handed out a frame that has not been
@@ -959,14 +953,11 @@ impl http_body::Body for TrackedBody {
     type Error = crate::answer::BoxError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         use std::task::Poll;
-        let shared = match &mut self.inner {
-            Held::Own(body) => return Pin::new(body).poll_frame(cx),
-            Held::Watched(shared) => shared.clone(),
-        };
+        let shared = self.inner.clone();
         let mut g = lock(&shared);
         g.handed = None;
         let Some(body) = g.body.as_mut() else {
@@ -986,33 +977,26 @@ impl http_body::Body for TrackedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.inner {
-            Held::Own(body) => body.is_end_stream(),
-            Held::Watched(shared) => lock(shared)
-                .body
-                .as_ref()
-                .is_some_and(|b| b.is_end_stream()),
-        }
+        lock(&self.inner)
+            .body
+            .as_ref()
+            .is_some_and(|b| b.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        match &self.inner {
-            Held::Own(body) => body.size_hint(),
-            Held::Watched(shared) => lock(shared)
-                .body
-                .as_ref()
-                .map(|b| b.size_hint())
-                .unwrap_or_default(),
-        }
+        lock(&self.inner)
+            .body
+            .as_ref()
+            .map(|b| b.size_hint())
+            .unwrap_or_default()
     }
 }
 
-/// The listener's service with each request counted in the connection's `Activity`.
+/// The listener's HTTP/2 service with each request counted in the connection's
+/// `Activity` (`h1server` counts HTTP/1.1 requests itself).
 struct Tracked<S> {
     inner: S,
     activity: Arc<Activity>,
-    /// The connection's slots, lent to an upgrade request's tunnel.
-    held: Arc<dyn std::any::Any + Send + Sync>,
     /// `server.send_timeout`, for HTTP/2 streams (see `Taken`).
     send_timeout: Duration,
 }
@@ -1030,16 +1014,10 @@ where
     type Error = Infallible;
     type Future = TrackedAnswer<S::Future>;
 
-    fn call(&self, mut req: Request<Incoming>) -> TrackedAnswer<S::Future> {
-        if req.headers().contains_key(http::header::UPGRADE) {
-            req.extensions_mut()
-                .insert(ConnectionHeld(self.held.clone()));
-        }
+    fn call(&self, req: Request<Incoming>) -> TrackedAnswer<S::Future> {
         let in_flight = self.activity.start();
-        let h2 = req.version() == http::Version::HTTP_2;
         TrackedAnswer {
             answer: self.inner.call(req),
-            h2,
             send_timeout: self.send_timeout,
             in_flight: Some(in_flight),
         }
@@ -1049,7 +1027,6 @@ where
 /// The answer of `Tracked`'s service, its body tracked.
 struct TrackedAnswer<F> {
     answer: F,
-    h2: bool,
     send_timeout: Duration,
     in_flight: Option<InFlight>,
 }
@@ -1070,22 +1047,13 @@ where
             .in_flight
             .take()
             .expect("TrackedAnswer polled after it answered");
-        let (h2, send_timeout) = (this.h2, this.send_timeout);
-        // (HTTP/2 ends an unread body with its stream, not the connection.)
-        if !h2 && resp.extensions().get::<crate::answer::Linger>().is_some() {
-            in_flight.0.linger.store(true, Ordering::Relaxed);
-        }
         std::task::Poll::Ready(Ok(resp.map(|body| TrackedBody {
-            inner: if h2 {
-                Held::Watched(Arc::new(Mutex::new(Taken {
-                    body: Some(body),
-                    handed: None,
-                    watched: false,
-                })))
-            } else {
-                Held::Own(body)
-            },
-            send_timeout,
+            inner: Arc::new(Mutex::new(Taken {
+                body: Some(body),
+                handed: None,
+                watched: false,
+            })),
+            send_timeout: this.send_timeout,
             _in_flight: in_flight,
         })))
     }
@@ -1208,7 +1176,6 @@ async fn serve<S, F, Z: Site>(
         let service = Tracked {
             inner: service(client.clone()),
             activity: activity.clone(),
-            held: held.clone(),
             send_timeout,
         };
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
