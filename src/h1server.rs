@@ -166,9 +166,11 @@ enum Parsed {
     Bad(StatusCode),
 }
 
-/// Serve HTTP/1 requests on `io` until it closes.
+/// Serve HTTP/1 requests on `io` until it closes; `buf` holds what was read of it
+/// already.
 pub(crate) async fn serve<IO, S: Site>(
     mut io: IO,
+    mut buf: BytesMut,
     fast: &Fast<S>,
     activity: &Arc<Activity>,
     stop: watch::Receiver<bool>,
@@ -176,7 +178,6 @@ pub(crate) async fn serve<IO, S: Site>(
 where
     IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let mut buf = BytesMut::with_capacity(4096);
     let mut out: Vec<u8> = Vec::with_capacity(1024);
     let mut spans = Vec::with_capacity(32);
     // The field names of the last request.

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use bytes::BytesMut;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http2;
@@ -567,6 +568,29 @@ async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> Option<
             .is_err()
         {
             return None;
+        }
+    }
+}
+
+/// Read until `head` holds the HTTP/2 preface, or bytes that cannot begin it: what
+/// a TLS connection whose client chose no protocol by ALPN speaks (None: it closed
+/// first).
+async fn read_preface<T>(io: &mut T, head: &mut BytesMut) -> Option<Sniffed>
+where
+    T: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    loop {
+        let n = head.len().min(H2_PREFACE.len());
+        if !H2_PREFACE.starts_with(&head[..n]) {
+            return Some(Sniffed::Http1);
+        }
+        if n == H2_PREFACE.len() {
+            return Some(Sniffed::Http2);
+        }
+        match io.read_buf(head).await {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
         }
     }
 }
@@ -1203,7 +1227,8 @@ async fn serve<S, F, Z: Site>(
                     );
                     match started {
                         Some(Sniffed::Http1) => {
-                            crate::h1server::serve(io, &fast, &activity, stop).await
+                            let buf = BytesMut::with_capacity(4096);
+                            crate::h1server::serve(io, buf, &fast, &activity, stop).await
                         }
                         Some(Sniffed::Http2) => {
                             let conn = builder.h2.serve_connection(TokioIo::new(io), service);
@@ -1218,18 +1243,35 @@ async fn serve<S, F, Z: Site>(
                         r = tokio::time::timeout(header_timeout, acceptor.accept(Linger::new(WriteStall::new(stream, send_timeout), activity.clone(), linger))) => r,
                         _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
                     };
-                    match shaken {
-                        // HTTP/2 when the client chose it by ALPN; else HTTP/1.1.
-                        Ok(Ok(stream)) if stream.get_ref().1.alpn_protocol() == Some(b"h2") => {
-                            let conn = builder.h2.serve_connection(TokioIo::new(stream), service);
+                    let stream = match shaken {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(e)) => return log_end(peer, Err(e.into())),
+                        Err(_) => return log_end(peer, Err("TLS handshake timed out".into())),
+                    };
+                    // HTTP/2 when the client chose it by ALPN, HTTP/1.1 when it chose
+                    // that; with no choice, by the first bytes, as on a plain connection.
+                    let alpn = stream.get_ref().1.alpn_protocol().map(|p| p == b"h2");
+                    let (mut stream, mut head) = (stream, BytesMut::with_capacity(4096));
+                    let sniffed = match alpn {
+                        Some(true) => Some(Sniffed::Http2),
+                        Some(false) => Some(Sniffed::Http1),
+                        None => tokio::select! {
+                            s = tokio::time::timeout(header_timeout, read_preface(&mut stream, &mut head)) => s.ok().flatten(),
+                            _ = stop.wait_for(|s| *s) => None,
+                        },
+                    };
+                    match sniffed {
+                        Some(Sniffed::Http2) => {
+                            // (With the preface, when it was read to tell.)
+                            let io = TokioIo::new(crate::h1server::Replay { head, io: stream });
+                            let conn = builder.h2.serve_connection(io, service);
                             let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
-                        Ok(Ok(stream)) => {
-                            crate::h1server::serve(stream, &fast, &activity, stop).await
+                        Some(Sniffed::Http1) => {
+                            crate::h1server::serve(stream, head, &fast, &activity, stop).await
                         }
-                        Ok(Err(e)) => Err(e.into()),
-                        Err(_) => Err("TLS handshake timed out".into()),
+                        None => Err("no request before the header timeout".into()),
                     }
                 }
             };

@@ -762,7 +762,7 @@ async fn tls_response<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> (String, St
 /// Under TLS, HTTP/1.1 (chosen by ALPN, or with none offered) is served as on a
 /// plain connection, by the same server: a chunked upload that waits for
 /// `100 Continue`, then an upgrade on the same connection. h2 chosen by ALPN is
-/// HTTP/2.
+/// HTTP/2, and so is a connection with no ALPN that starts with the h2 preface.
 #[tokio::test]
 async fn tls_http1_is_served_as_plain_http1_and_h2_by_alpn_is_http2() {
     let up = upstream().await;
@@ -809,15 +809,19 @@ routes:
         bounded("echo", s.read_exact(&mut back)).await.unwrap();
         assert_eq!(&back, b"ping");
     }
-    let mut s = tls_connect(gw.addr, &certs, &[b"h2", b"http/1.1"]).await;
-    assert_eq!(s.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
-    // The preface and an empty SETTINGS frame: the server's SETTINGS come back.
-    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
-        .await
-        .unwrap();
-    let mut frame = [0u8; 9];
-    bounded("SETTINGS", s.read_exact(&mut frame)).await.unwrap();
-    assert_eq!(frame[3], 4, "{frame:?}");
+    // h2 by ALPN, or with no ALPN by its preface (prior knowledge): the preface and
+    // an empty SETTINGS frame, and the server's SETTINGS come back.
+    for alpn in [&[&b"h2"[..], b"http/1.1"][..], &[]] {
+        let mut s = tls_connect(gw.addr, &certs, alpn).await;
+        let chosen = s.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+        assert_eq!(chosen, alpn.first().map(|p| p.to_vec()));
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .unwrap();
+        let mut frame = [0u8; 9];
+        bounded("SETTINGS", s.read_exact(&mut frame)).await.unwrap();
+        assert_eq!(frame[3], 4, "{frame:?}");
+    }
     assert_eq!(up.hits(), 4);
 }
 
