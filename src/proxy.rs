@@ -487,8 +487,9 @@ impl Upstream {
         } else {
             None
         };
-        // As `hyper::upgrade::on` takes it from a request (the request itself is
-        // never rebuilt: it is worked on in place, not moved).
+        // The client's connection, once the 101 is written, and its slots: put on
+        // the request by sluice's HTTP/1.1 server (the request itself is never
+        // rebuilt: it is worked on in place, not moved).
         let upgrading = upgrade_proto.is_some();
         let client_upgrade = upgrading.then(|| parts.extensions.remove::<OnUpgrade>());
         let held = upgrading
