@@ -11,6 +11,7 @@ pub mod deny;
 pub mod fuzzing;
 pub mod http;
 pub mod identity;
+
 pub mod limit;
 pub mod ops;
 pub mod pipeline;

@@ -708,6 +708,123 @@ routes:
     assert_eq!(answer, "");
 }
 
+/// A TLS connection to the gateway offering `alpn`, trusting `certs`.
+async fn tls_connect(
+    addr: std::net::SocketAddr,
+    certs: &SelfSigned,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(certs.cert.clone()).expect("root certificate");
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").expect("a name");
+    let tcp = connect(addr).await;
+    bounded(
+        "TLS handshake",
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)).connect(name, tcp),
+    )
+    .await
+    .expect("handshake")
+}
+
+/// A head, then as much body as its `content-length` says, from any stream.
+async fn tls_response<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> (String, String) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        bounded("a head", s.read_exact(&mut byte))
+            .await
+            .expect("a head");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).expect("UTF-8");
+    let len = head
+        .to_ascii_lowercase()
+        .split("\r\n")
+        .find_map(|l| {
+            l.strip_prefix("content-length: ")
+                .map(|n| n.parse().unwrap())
+        })
+        .unwrap_or(0);
+    let mut body = vec![0; len];
+    bounded("a body", s.read_exact(&mut body))
+        .await
+        .expect("a body");
+    (head, String::from_utf8(body).expect("UTF-8"))
+}
+
+/// Under TLS, HTTP/1.1 (chosen by ALPN, or with none offered) is served as on a
+/// plain connection, by the same server: a chunked upload that waits for
+/// `100 Continue`, then an upgrade on the same connection. h2 chosen by ALPN is
+/// HTTP/2, and so is a connection with no ALPN that starts with the h2 preface.
+#[tokio::test]
+async fn tls_http1_is_served_as_plain_http1_and_h2_by_alpn_is_http2() {
+    let up = upstream().await;
+    let certs = self_signed();
+    let gw = start_gateway(
+        &r#"
+server: {listen: "127.0.0.1:0", tls: {cert: "CERT", key: "KEY"}}
+upstreams:
+  api: {targets: ["UP"]}
+routes:
+  - {name: api, match: {path_prefix: /}, upstream: api}
+"#
+        .replace("CERT", &certs.cert_pem.path().display().to_string())
+        .replace("KEY", &certs.key_pem.path().display().to_string())
+        .replace("UP", &up.url()),
+    )
+    .await;
+    for alpn in [&[&b"http/1.1"[..]][..], &[]] {
+        let mut s = tls_connect(gw.addr, &certs, alpn).await;
+        s.write_all(b"POST /up HTTP/1.1\r\nhost: h\r\ntransfer-encoding: chunked\r\nexpect: 100-continue\r\n\r\n")
+            .await
+            .unwrap();
+        let (interim, _) = tls_response(&mut s).await;
+        assert_eq!(interim, "HTTP/1.1 100 Continue\r\n\r\n", "{alpn:?}");
+        s.write_all(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+            .await
+            .unwrap();
+        let (head, body) = tls_response(&mut s).await;
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        let e: Echo = serde_json::from_str(&body).expect("an echo");
+        assert_eq!(
+            (e.method.as_str(), e.body.as_str()),
+            ("POST", "hello world")
+        );
+        assert_eq!(e.header("x-forwarded-proto"), Some("https"));
+        s.write_all(
+            b"GET /ws HTTP/1.1\r\nhost: h\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\nping",
+        )
+        .await
+        .unwrap();
+        let (head, _) = tls_response(&mut s).await;
+        assert!(head.starts_with("HTTP/1.1 101 "), "{head}");
+        let mut back = [0u8; 4];
+        bounded("echo", s.read_exact(&mut back)).await.unwrap();
+        assert_eq!(&back, b"ping");
+    }
+    // h2 by ALPN, or with no ALPN by its preface (prior knowledge): the preface and
+    // an empty SETTINGS frame, and the server's SETTINGS come back.
+    for alpn in [&[&b"h2"[..], b"http/1.1"][..], &[]] {
+        let mut s = tls_connect(gw.addr, &certs, alpn).await;
+        let chosen = s.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+        assert_eq!(chosen, alpn.first().map(|p| p.to_vec()));
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .unwrap();
+        let mut frame = [0u8; 9];
+        bounded("SETTINGS", s.read_exact(&mut frame)).await.unwrap();
+        assert_eq!(frame[3], 4, "{frame:?}");
+    }
+    assert_eq!(up.hits(), 4);
+}
+
 // === trailers ===
 
 #[tokio::test]

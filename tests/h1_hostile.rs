@@ -1,6 +1,7 @@
-//! Hostile bytes against the gateway's own HTTP/1.1 server for plain requests: the
-//! same bytes on a fresh connection (the fast path) and on one hyper already serves
-//! get the same answers, byte for byte but for `date`; the handover never desyncs.
+//! Hostile bytes against the gateway's own HTTP/1.1 server: the same bytes on a
+//! fresh connection and on one that has already served a request with a body get
+//! the same answers, byte for byte but for `date`, and (for the first probes) the
+//! answers hyper's server gave, recorded before sluice's server took every request.
 
 mod common;
 
@@ -133,9 +134,20 @@ async fn hostile_heads_are_answered_as_hyper_answers_them() {
         format!("GET /a HTTP/1.1\r\nhost: h\r\nte: trailers, deflate\r\nconnection: te\r\n\r\n{CLOSE}"),
         format!("GET /a HTTP/1.1\r\nhost: h\r\nconnection: x-a\r\nx-a: b\r\n\r\n{CLOSE}"),
     ];
-    for probe in &probes {
+    // What hyper's HTTP/1.1 server answered to each probe, recorded (without
+    // `date`) before sluice's own server took every request.
+    let recorded: Vec<serde_json::Value> =
+        serde_json::from_str(include_str!("fixtures/h1_hostile_hyper.json")).expect("JSON");
+    assert_eq!(recorded.len(), probes.len());
+    for (probe, hyper) in probes.iter().zip(&recorded) {
         let (fast, slow) = both(gw.addr, probe.as_bytes()).await;
         let shown = &probe[..probe.len().min(200)];
+        assert!(probe.starts_with(hyper["probe"].as_str().expect("a probe")));
+        assert_eq!(
+            fast,
+            hyper["answer"].as_str().expect("an answer"),
+            "{shown:?}"
+        );
         assert_eq!(fast, slow, "{shown:?}");
         assert!(!fast.contains("\"uri\":\"/smuggled"), "{shown:?}: {fast}");
     }

@@ -495,6 +495,31 @@ async fn expect_100_continue_works_with_the_read_ahead() {
     assert_eq!(up.hits(), 2);
 }
 
+/// A request refused before its body is read (here: larger than
+/// `max_request_body`) gets no `100 Continue`: the client sends no body, reads the
+/// answer, and the connection closes (as hyper closed it).
+#[tokio::test]
+async fn an_early_answer_sends_no_100_continue() {
+    let up = upstream().await;
+    let gw = start_gateway(
+        &config(up.addr).replace("workers: 1}", "workers: 1, max_request_body: 1KiB}"),
+    )
+    .await;
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        b"POST /up HTTP/1.1\r\nhost: h\r\ncontent-length: 5000\r\nexpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .expect("write the head");
+    let (head, _) = step("the answer", read_response(&mut s))
+        .await
+        .expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 413 "), "{head}");
+    assert!(head.contains("\r\nconnection: close\r\n"), "{head}");
+    assert_eq!(read_to_close(&mut s).await, "");
+    assert_eq!(up.hits(), 0);
+}
+
 /// Bytes the upstream sends right after its 101 head belong to the tunnel: the
 /// client gets them first, then the two sides are spliced.
 #[tokio::test]

@@ -13,16 +13,16 @@ use http::header::{
 };
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use serde::Deserialize;
 
 use crate::config::value::parse_duration;
 use crate::deny::{now_ms, rfc3339, Cursor, Entry, EntryJson, Meta, Source, Target};
 use crate::http::body;
 use crate::http::body::Body;
+use crate::http::h1::server::{ClientBody, Site};
 use crate::ops::control::{Command, Control, ControlError, Reply, Status, Trigger};
 use crate::ops::stats::{History, Sample, Totals};
-use crate::pipeline::Shared;
+use crate::pipeline::{Peer, PlainConn, Shared};
 use crate::telemetry::metrics::Decision;
 
 /// Largest request body the admin API reads.
@@ -65,8 +65,23 @@ fn route_decisions() -> impl Iterator<Item = Decision> + Clone {
         .filter(|d| *d != Decision::Unmatched)
 }
 
+/// The admin port's HTTP/1 requests, as sluice's own server hands them over.
+impl Site for Admin {
+    fn answer<'a>(
+        &'a self,
+        parts: &'a mut http::request::Parts,
+        body: ClientBody,
+        _peer: &'a Peer,
+        _conn: PlainConn<'a>,
+    ) -> impl std::future::Future<Output = Response<Body>> + Send + 'a {
+        let (fresh, ()) = Request::new(()).into_parts();
+        let head = std::mem::replace(parts, fresh);
+        self.handle(Request::from_parts(head, body))
+    }
+}
+
 impl Admin {
-    pub async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+    pub async fn handle(&self, req: Request<ClientBody>) -> Response<Body> {
         let path = req.uri().path();
         match (req.method(), path) {
             (&Method::GET, "/metrics") => {
@@ -133,7 +148,7 @@ impl Admin {
     }
 
     /// `/admin/*`, once authorized.
-    async fn api(&self, req: Request<Incoming>) -> Response<Body> {
+    async fn api(&self, req: Request<ClientBody>) -> Response<Body> {
         let (method, path) = (req.method().clone(), req.uri().path().to_string());
         match (path.as_str(), method) {
             ("/admin/deny", Method::GET) => self.deny_list(req.uri().query()),
@@ -480,7 +495,7 @@ fn asset(body: &'static str, content_type: &'static str) -> Response<Body> {
 /// Reads a JSON body of at most `MAX_BODY` bytes, whole `within` its head, or the
 /// 400 (408) to answer.
 async fn read<T: serde::de::DeserializeOwned>(
-    req: Request<Incoming>,
+    req: Request<ClientBody>,
     within: std::time::Duration,
 ) -> Result<T, Response<Body>> {
     let collect = Limited::new(req.into_body(), MAX_BODY).collect();

@@ -18,7 +18,7 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
-use http::{Request, Response, StatusCode, Version};
+use http::{Response, StatusCode, Version};
 
 use self::admit::BadRequest;
 use self::refusal::{Limited, RateHeaders, Refusal};
@@ -150,14 +150,21 @@ impl Peer {
     }
 }
 
-pub async fn handle(shared: &Shared, req: Request<ClientBody>, peer: &Peer) -> Response<Body> {
-    let (mut parts, body) = req.into_parts();
-    let mut resp = process(shared, &mut parts, body, peer, None).await;
-    body::own_length(&mut resp, parts.method == http::Method::HEAD);
-    resp
+/// The request path's one entry, whichever server carried the request (sluice's
+/// HTTP/1, hyper's HTTP/2): the head, worked on in place, and the body in; the
+/// answer out. `conn` is what sluice's HTTP/1 server lends the request to save
+/// work (none of it is needed for a right answer).
+pub(crate) async fn handle(
+    shared: &Shared,
+    parts: &mut http::request::Parts,
+    body: ClientBody,
+    peer: &Peer,
+    conn: Option<PlainConn<'_>>,
+) -> Response<Body> {
+    process(shared, parts, body, peer, conn).await
 }
 
-/// What the plain-request server lends each of its requests.
+/// What sluice's HTTP/1 server lends each of its requests.
 pub(crate) struct PlainConn<'c> {
     /// Where the rate-limit fields the answer gets are written as header lines
     /// (`RateHeaders::write_lines`), for the server to write after the answer's own
@@ -169,17 +176,6 @@ pub(crate) struct PlainConn<'c> {
     /// Where the upstream answer's fields go when they can go to the client as they
     /// came (`h1::RawFields`); None when the server cannot take them so.
     pub raw: Option<&'c mut Option<RawFields>>,
-}
-
-/// `handle` for the plain-request server.
-/// (A plain request has no body; its head is the server's, worked on in place.)
-pub(crate) async fn handle_plain(
-    shared: &Shared,
-    parts: &mut http::request::Parts,
-    peer: &Peer,
-    conn: PlainConn<'_>,
-) -> Response<Body> {
-    process(shared, parts, ClientBody::Empty, peer, Some(conn)).await
 }
 
 async fn process(

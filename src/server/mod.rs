@@ -1,4 +1,5 @@
-//! Listeners and lifecycle: the gateway port (HTTP/1.1 and h2c on one socket, with
+//! Listeners and lifecycle: the gateway port (HTTP/1.1 by sluice's own server, and
+//! HTTP/2 by hyper's: h2c by its preface, h2 by ALPN under TLS; with
 //! a header-read timeout, a head size limit, an idle timeout, and connection caps
 //! in total and per peer address), the admin port, the control loop
 //! (file watcher, bans, the shared deny list, expiry), the memory store's sweeper,
@@ -13,12 +14,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use bytes::BytesMut;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::server::conn::{http1, http2};
+use hyper::server::conn::http2;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
@@ -29,7 +30,7 @@ use crate::config::{ConfigErrors, Loaded};
 use crate::deny::sync::DenySync;
 use crate::deny::DenyView;
 use crate::http::body::Body;
-use crate::http::h1::server::{ClientBody, Ended, Fast, Replay};
+use crate::http::h1::server::{ClientBody, Fast, Site};
 use crate::limit::per_ip::PerIp;
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::ops::admin::Admin;
@@ -37,7 +38,7 @@ use crate::ops::control::{Command, Control, Reply, Trigger, TICK};
 use crate::pipeline::{self, Shared};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::refusal_log::RefusalLog;
-use crate::upstream::{ConnectionHeld, LastActive};
+use crate::upstream::LastActive;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -163,7 +164,6 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let header_timeout = f.server.request_header_timeout.get();
     // Validation keeps it between 8KiB and 1MiB.
     let max_head = usize::try_from(f.server.max_header_bytes.0).unwrap_or(usize::MAX);
-    let builder = http_builder(header_timeout, max_head);
     let (stop, stop_rx) = watch::channel(false);
     let grace = f.server.shutdown_grace.get();
 
@@ -173,14 +173,20 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             .connections_refused
             .with_label_values(&["per_ip"]);
         let shared_for_exempt = shared.clone();
-        let shared_for_fast = shared.clone();
+        let builder = http_builder(shared.clone(), max_head);
         let shared = shared.clone();
         let service = move |peer: Arc<pipeline::Peer>| {
             let shared = shared.clone();
+            // HTTP/2 only: sluice's own server takes every HTTP/1 request.
             service_fn(move |req: Request<Incoming>| -> Answer {
                 let (shared, peer) = (shared.clone(), peer.clone());
-                let req = req.map(ClientBody::Hyper);
-                Box::pin(async move { Ok(pipeline::handle(&shared, req, &peer).await) })
+                let (mut parts, body) = req.into_parts();
+                Box::pin(async move {
+                    let body = ClientBody::Hyper(body);
+                    let mut resp = pipeline::handle(&shared, &mut parts, body, &peer, None).await;
+                    crate::http::body::own_length(&mut resp, parts.method == http::Method::HEAD);
+                    Ok(resp)
+                })
             })
         };
         // A load balancer in front carries many clients' connections.
@@ -189,7 +195,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             Arc::new(move |ip| shared.runtime.load().trusted.contains(ip))
         };
         let limits = Limits {
-            fast: Some((shared_for_fast, max_head)),
+            max_head,
             tls,
             header_timeout,
             idle_timeout: f.server.idle_timeout.get(),
@@ -246,10 +252,13 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             history,
             body_timeout: f.admin.request_header_timeout.get(),
         });
+        let builder = Arc::new(http_builder(admin.clone(), max_head));
+        // HTTP/2 only (h2c): sluice's own server takes every HTTP/1 request.
         let service = move |_peer: Arc<pipeline::Peer>| {
             let admin = admin.clone();
-            service_fn(move |req| -> Answer {
+            service_fn(move |req: Request<Incoming>| -> Answer {
                 let admin = admin.clone();
+                let req = req.map(ClientBody::Hyper);
                 Box::pin(async move { Ok(admin.handle(req).await) })
             })
         };
@@ -259,7 +268,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         // front of the admin port is not expected.
         let header_timeout = f.admin.request_header_timeout.get();
         let limits = Limits {
-            fast: None,
+            max_head,
             tls: None,
             header_timeout,
             idle_timeout: f.admin.idle_timeout.get(),
@@ -277,7 +286,6 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
             grace: Duration::from_secs(1),
             caps: Caps::new(ADMIN_CONNECTIONS),
         };
-        let builder = Arc::new(http_builder(header_timeout, max_head));
         tokio::spawn(serve(
             admin_listener,
             limits,
@@ -404,42 +412,17 @@ impl Running {
     }
 }
 
-/// HTTP/1.1 and h2c on one socket. The header-read timeout needs the timer to do
-/// anything; HTTP/2 connections are pinged so that dead peers are noticed.
-///
-/// A request head (HTTP/1.1: request line and header fields; HTTP/2: the decoded
-/// header list) larger than `max_head` is answered 431: HTTP/1.1 then closes the
-/// connection, HTTP/2 resets the stream. HTTP/1.1 heads have at most 100 fields
-/// (431 beyond): hyper's default, which is Envoy's. (Setting the same number
-/// explicitly would make hyper initialise a 100-entry array on every request.)
-fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
-    let mut h1 = http1::Builder::new();
-    h1.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        // A head over this is answered 431, counted exactly; bodies are read
-        // through a buffer of the same size, in pieces.
-        .max_header_size(max_head)
-        .max_buf_size(max_head);
+/// hyper's HTTP/2 server (h2c, and h2 under TLS); HTTP/1.1 is sluice's own
+/// (`h1server`). HTTP/2 connections are pinged so that dead peers are noticed. A
+/// decoded header list larger than `max_head` resets its stream with 431.
+fn http_builder<Z>(site: Arc<Z>, max_head: usize) -> Http<Z> {
     let mut h2 = http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())
         .max_concurrent_streams(H2_STREAMS)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20))
         .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    // Over TLS: whichever of the two the client speaks (hyper-util tells them apart
-    // by the preface), with the same settings.
-    let mut auto = auto::Builder::new(TokioExecutor::new());
-    auto.http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        .max_buf_size(max_head);
-    auto.http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(H2_STREAMS)
-        .keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(20))
-        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX));
-    Http { h1, h2, auto }
+    Http { site, h2 }
 }
 
 /// Concurrent streams one HTTP/2 connection may open (nginx's
@@ -447,14 +430,13 @@ fn http_builder(header_timeout: Duration, max_head: usize) -> Http {
 /// `server.request_buffer` of its body read ahead.
 const H2_STREAMS: u32 = 128;
 
-/// The HTTP servers of a listener. A plain connection's protocol is known from its
-/// first bytes (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without
-/// hyper-util's detection layer, which re-reads every request through a rewind
-/// buffer.
-pub struct Http {
-    h1: http1::Builder,
+/// The HTTP servers of a listener: where its HTTP/1.1 requests go (`h1server`),
+/// and hyper's HTTP/2. A plain connection's protocol is known from its first bytes
+/// (`first_bytes`), so it goes straight to HTTP/1.1 or HTTP/2 without hyper-util's
+/// detection layer, which re-reads every request through a rewind buffer.
+pub struct Http<Z> {
+    site: Arc<Z>,
     h2: http2::Builder<TokioExecutor>,
-    auto: auto::Builder<TokioExecutor>,
 }
 
 /// Whether a peer is exempt from the per-IP connection cap.
@@ -463,9 +445,8 @@ type Exempt = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
 /// How a listener treats its connections.
 #[derive(Clone)]
 struct Limits {
-    /// The gateway's: plain HTTP/1.1 requests are served by `h1::server` (the admin
-    /// port leaves everything to hyper).
-    fast: Option<(Arc<Shared>, usize)>,
+    /// The longest request head (`server.max_header_bytes`).
+    max_head: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// Bounds the TLS handshake and the wait for a request's first bytes.
     header_timeout: Duration,
@@ -517,12 +498,12 @@ fn workers(f: &crate::config::schema::File) -> usize {
 /// `listener` (a handle of the gateway socket, which the kernel hands each
 /// connection to one worker). Its requests, their upstream connections and timers
 /// stay on the thread. The returned task ends when the worker has drained.
-fn spawn_worker<S, F>(
+fn spawn_worker<S, F, Z: Site>(
     i: usize,
     addr: SocketAddr,
     listener: std::net::TcpListener,
     limits: Limits,
-    builder: Arc<Http>,
+    builder: Arc<Http<Z>>,
     service: F,
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, StartError>
@@ -587,6 +568,29 @@ async fn first_bytes(stream: &tokio::net::TcpStream, limit: Duration) -> Option<
             .is_err()
         {
             return None;
+        }
+    }
+}
+
+/// Read until `head` holds the HTTP/2 preface, or bytes that cannot begin it: what
+/// a TLS connection whose client chose no protocol by ALPN speaks (None: it closed
+/// first).
+async fn read_preface<T>(io: &mut T, head: &mut BytesMut) -> Option<Sniffed>
+where
+    T: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    loop {
+        let n = head.len().min(H2_PREFACE.len());
+        if !H2_PREFACE.starts_with(&head[..n]) {
+            return Some(Sniffed::Http1);
+        }
+        if n == H2_PREFACE.len() {
+            return Some(Sniffed::Http2);
+        }
+        match io.read_buf(head).await {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
         }
     }
 }
@@ -711,7 +715,7 @@ const LINGER_BYTES: usize = 64 * 1024 * 1024;
 /// most `LINGER_TIME`, `LINGER_SILENCE` without a byte, or `LINGER_BYTES`; then it
 /// closes. A close with unread bytes would send a reset, and a client still
 /// writing its body would see that instead of the answer. The drain runs in
-/// `poll_shutdown`, where hyper (HTTP/1.1, plain or under TLS) ends a connection,
+/// `poll_shutdown`, where `h1server` (HTTP/1.1, plain or under TLS) ends a connection,
 /// so the connection holds its slots, and counts for shutdown, until it is over.
 struct Linger<T> {
     io: T,
@@ -847,8 +851,7 @@ fn counted_as(ip: IpAddr, per_v6_64: bool) -> IpAddr {
 }
 
 /// Requests in flight on one connection, and when the last one ended: what the idle
-/// timeout watches. hyper has no idle timeout for HTTP/2, and for HTTP/1.1 only
-/// its header-read timeout. Plain atomics: a request costs two increments and a
+/// timeout watches (hyper has none for HTTP/2). Plain atomics: a request costs two increments and a
 /// clock read, and nothing is woken; the idle timer checks them when it fires.
 pub(crate) struct Activity {
     in_flight: AtomicUsize,
@@ -873,6 +876,12 @@ impl Activity {
             linger: AtomicBool::new(false),
             draining: AtomicBool::new(false),
         })
+    }
+
+    /// An answer went out before its request body was read: the connection
+    /// closes with a lingering close.
+    pub(crate) fn linger(&self) {
+        self.linger.store(true, Ordering::Relaxed);
     }
 
     pub(crate) fn start(self: &Arc<Self>) -> InFlight {
@@ -910,17 +919,12 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that keeps its request counted as in flight until it ends.
+/// An HTTP/2 response body that keeps its request counted as in flight until it
+/// ends, shared with a watchdog (`Taken`).
 struct TrackedBody {
-    inner: Held,
+    inner: Arc<Mutex<Taken>>,
     send_timeout: Duration,
     _in_flight: InFlight,
-}
-
-/// The response body itself, or (HTTP/2) shared with a watchdog.
-enum Held {
-    Own(Body),
-    Watched(Arc<Mutex<Taken>>),
 }
 
 /// An HTTP/2 response body and when it last handed out a frame that has not been
@@ -973,14 +977,11 @@ impl http_body::Body for TrackedBody {
     type Error = crate::http::body::BoxError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         use std::task::Poll;
-        let shared = match &mut self.inner {
-            Held::Own(body) => return Pin::new(body).poll_frame(cx),
-            Held::Watched(shared) => shared.clone(),
-        };
+        let shared = self.inner.clone();
         let mut g = lock(&shared);
         g.handed = None;
         let Some(body) = g.body.as_mut() else {
@@ -1000,33 +1001,26 @@ impl http_body::Body for TrackedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.inner {
-            Held::Own(body) => body.is_end_stream(),
-            Held::Watched(shared) => lock(shared)
-                .body
-                .as_ref()
-                .is_some_and(|b| b.is_end_stream()),
-        }
+        lock(&self.inner)
+            .body
+            .as_ref()
+            .is_some_and(|b| b.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        match &self.inner {
-            Held::Own(body) => body.size_hint(),
-            Held::Watched(shared) => lock(shared)
-                .body
-                .as_ref()
-                .map(|b| b.size_hint())
-                .unwrap_or_default(),
-        }
+        lock(&self.inner)
+            .body
+            .as_ref()
+            .map(|b| b.size_hint())
+            .unwrap_or_default()
     }
 }
 
-/// The listener's service with each request counted in the connection's `Activity`.
+/// The listener's HTTP/2 service with each request counted in the connection's
+/// `Activity` (`h1server` counts HTTP/1.1 requests itself).
 struct Tracked<S> {
     inner: S,
     activity: Arc<Activity>,
-    /// The connection's slots, lent to an upgrade request's tunnel.
-    held: Arc<dyn std::any::Any + Send + Sync>,
     /// `server.send_timeout`, for HTTP/2 streams (see `Taken`).
     send_timeout: Duration,
 }
@@ -1044,16 +1038,10 @@ where
     type Error = Infallible;
     type Future = TrackedAnswer<S::Future>;
 
-    fn call(&self, mut req: Request<Incoming>) -> TrackedAnswer<S::Future> {
-        if req.headers().contains_key(http::header::UPGRADE) {
-            req.extensions_mut()
-                .insert(ConnectionHeld(self.held.clone()));
-        }
+    fn call(&self, req: Request<Incoming>) -> TrackedAnswer<S::Future> {
         let in_flight = self.activity.start();
-        let h2 = req.version() == http::Version::HTTP_2;
         TrackedAnswer {
             answer: self.inner.call(req),
-            h2,
             send_timeout: self.send_timeout,
             in_flight: Some(in_flight),
         }
@@ -1063,7 +1051,6 @@ where
 /// The answer of `Tracked`'s service, its body tracked.
 struct TrackedAnswer<F> {
     answer: F,
-    h2: bool,
     send_timeout: Duration,
     in_flight: Option<InFlight>,
 }
@@ -1084,27 +1071,13 @@ where
             .in_flight
             .take()
             .expect("TrackedAnswer polled after it answered");
-        let (h2, send_timeout) = (this.h2, this.send_timeout);
-        // (HTTP/2 ends an unread body with its stream, not the connection.)
-        if !h2
-            && resp
-                .extensions()
-                .get::<crate::http::body::Linger>()
-                .is_some()
-        {
-            in_flight.0.linger.store(true, Ordering::Relaxed);
-        }
         std::task::Poll::Ready(Ok(resp.map(|body| TrackedBody {
-            inner: if h2 {
-                Held::Watched(Arc::new(Mutex::new(Taken {
-                    body: Some(body),
-                    handed: None,
-                    watched: false,
-                })))
-            } else {
-                Held::Own(body)
-            },
-            send_timeout,
+            inner: Arc::new(Mutex::new(Taken {
+                body: Some(body),
+                handed: None,
+                watched: false,
+            })),
+            send_timeout: this.send_timeout,
             _in_flight: in_flight,
         })))
     }
@@ -1157,10 +1130,10 @@ fn log_end(peer: SocketAddr, result: Result<(), crate::http::body::BoxError>) {
 
 /// Accept connections until told to stop, then drain them for at most `grace`.
 /// With `tls`, each connection is first handshaken (bounded by the header timeout).
-async fn serve<S, F>(
+async fn serve<S, F, Z: Site>(
     listener: TcpListener,
     limits: Limits,
-    builder: Arc<Http>,
+    builder: Arc<Http<Z>>,
     service: F,
     mut stop: watch::Receiver<bool>,
 ) where
@@ -1171,7 +1144,7 @@ async fn serve<S, F>(
     S::Future: Send + Unpin + 'static,
 {
     let Limits {
-        fast,
+        max_head,
         tls,
         header_timeout,
         idle_timeout,
@@ -1227,17 +1200,17 @@ async fn serve<S, F>(
         let service = Tracked {
             inner: service(client.clone()),
             activity: activity.clone(),
-            held: held.clone(),
             send_timeout,
         };
         let (builder, tls, mut stop) = (builder.clone(), tls.clone(), stop.clone());
-        let fast = fast.clone().map(|(shared, max_head)| Fast {
-            shared,
+        let fast = Fast {
+            site: builder.site.clone(),
             peer: client,
             header_timeout,
             idle_timeout,
             max_head,
-        });
+            held: held.clone(),
+        };
         tokio::spawn(async move {
             let _held = held;
             // Until its first request, a connection has nothing to finish at shutdown.
@@ -1247,41 +1220,22 @@ async fn serve<S, F>(
                         ok = first_bytes(&stream, header_timeout) => ok,
                         _ = stop.wait_for(|s| *s) => None,
                     };
-                    let io = WriteStall::new(stream, send_timeout);
-                    let io = TokioIo::new(Linger::new(io, activity.clone(), linger));
-                    match (started, fast) {
-                        (Some(Sniffed::Http1), Some(fast)) => {
-                            // Plain requests here; the first other one and the rest
-                            // of the connection go to hyper.
-                            let (io, head) = match crate::http::h1::server::serve(
-                                io.into_inner(),
-                                &fast,
-                                &activity,
-                                stop.clone(),
-                            )
-                            .await
-                            {
-                                Ended::Closed(r) => return log_end(peer, r),
-                                Ended::Handover(io, head) => (io, head),
-                            };
-                            let io = TokioIo::new(Replay { head, io });
-                            let conn = builder.h1.serve_connection(io, service).with_upgrades();
-                            let close =
-                                |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
-                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
+                    let io = Linger::new(
+                        WriteStall::new(stream, send_timeout),
+                        activity.clone(),
+                        linger,
+                    );
+                    match started {
+                        Some(Sniffed::Http1) => {
+                            let buf = BytesMut::with_capacity(4096);
+                            crate::http::h1::server::serve(io, buf, &fast, &activity, stop).await
                         }
-                        (Some(Sniffed::Http1), None) => {
-                            let conn = builder.h1.serve_connection(io, service).with_upgrades();
-                            let close =
-                                |c: Pin<&mut _>| http1::UpgradeableConnection::graceful_shutdown(c);
-                            drive(conn, close, activity, idle_timeout, header_timeout, stop).await
-                        }
-                        (Some(Sniffed::Http2), _) => {
-                            let conn = builder.h2.serve_connection(io, service);
+                        Some(Sniffed::Http2) => {
+                            let conn = builder.h2.serve_connection(TokioIo::new(io), service);
                             let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
-                        (None, _) => Err("no request before the header timeout".into()),
+                        None => Err("no request before the header timeout".into()),
                     }
                 }
                 Some(acceptor) => {
@@ -1289,16 +1243,37 @@ async fn serve<S, F>(
                         r = tokio::time::timeout(header_timeout, acceptor.accept(Linger::new(WriteStall::new(stream, send_timeout), activity.clone(), linger))) => r,
                         _ = stop.wait_for(|s| *s) => Ok(Err(std::io::ErrorKind::Interrupted.into())),
                     };
-                    match shaken {
-                        Ok(Ok(stream)) => {
-                            let io = TokioIo::new(stream);
-                            let conn = builder.auto.serve_connection_with_upgrades(io, service);
-                            let close =
-                                |c: Pin<&mut _>| auto::UpgradeableConnection::graceful_shutdown(c);
+                    let stream = match shaken {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(e)) => return log_end(peer, Err(e.into())),
+                        Err(_) => return log_end(peer, Err("TLS handshake timed out".into())),
+                    };
+                    // HTTP/2 when the client chose it by ALPN, HTTP/1.1 when it chose
+                    // that; with no choice, by the first bytes, as on a plain connection.
+                    let alpn = stream.get_ref().1.alpn_protocol().map(|p| p == b"h2");
+                    let (mut stream, mut head) = (stream, BytesMut::with_capacity(4096));
+                    let sniffed = match alpn {
+                        Some(true) => Some(Sniffed::Http2),
+                        Some(false) => Some(Sniffed::Http1),
+                        None => tokio::select! {
+                            s = tokio::time::timeout(header_timeout, read_preface(&mut stream, &mut head)) => s.ok().flatten(),
+                            _ = stop.wait_for(|s| *s) => None,
+                        },
+                    };
+                    match sniffed {
+                        Some(Sniffed::Http2) => {
+                            // (With the preface, when it was read to tell.)
+                            let io =
+                                TokioIo::new(crate::http::h1::server::Replay { head, io: stream });
+                            let conn = builder.h2.serve_connection(io, service);
+                            let close = |c: Pin<&mut _>| http2::Connection::graceful_shutdown(c);
                             drive(conn, close, activity, idle_timeout, header_timeout, stop).await
                         }
-                        Ok(Err(e)) => Err(e.into()),
-                        Err(_) => Err("TLS handshake timed out".into()),
+                        Some(Sniffed::Http1) => {
+                            crate::http::h1::server::serve(stream, head, &fast, &activity, stop)
+                                .await
+                        }
+                        None => Err("no request before the header timeout".into()),
                     }
                 }
             };

@@ -6,7 +6,6 @@
 
 pub mod pool;
 
-use std::error::Error as _;
 use std::future::Future;
 use std::path::Path;
 use std::pin::Pin;
@@ -15,12 +14,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::http::h1::server::ClientBody;
+use crate::http::h1::server::{ClientBody, OnUpgrade};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Request, Response, StatusCode, Uri, Version};
+use http::{Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use hyper_util::rt::TokioIo;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
@@ -105,12 +103,13 @@ pub struct ClientBodyError {
 struct BodyStalled(Duration);
 
 impl ClientBodyError {
-    fn new(source: hyper::Error) -> ClientBodyError {
-        // hyper reports a bad chunk or length as InvalidData/InvalidInput, and a body
-        // cut short as UnexpectedEof or an incomplete message; anything else (a reset,
-        // an h2 stream the client cancelled) is a client that went away.
+    fn new(source: BoxError) -> ClientBodyError {
+        // A bad chunk or length comes as InvalidData/InvalidInput (or a hyper parse
+        // error), a body cut short as UnexpectedEof or an incomplete message;
+        // anything else (a reset, an h2 stream the client cancelled) is a client
+        // that went away.
         let mut fault = ClientFault::Aborted;
-        let mut src: Option<&(dyn std::error::Error + 'static)> = source.source();
+        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&*source);
         while let Some(s) = src {
             if let Some(io) = s.downcast_ref::<std::io::Error>() {
                 if matches!(
@@ -120,15 +119,14 @@ impl ClientBodyError {
                     fault = ClientFault::Malformed;
                 }
             }
+            if s.downcast_ref::<hyper::Error>()
+                .is_some_and(|h| h.is_parse())
+            {
+                fault = ClientFault::Malformed;
+            }
             src = s.source();
         }
-        if source.is_parse() {
-            fault = ClientFault::Malformed;
-        }
-        ClientBodyError {
-            fault,
-            source: source.into(),
-        }
+        ClientBodyError { fault, source }
     }
 
     fn stalled(after: Duration) -> ClientBodyError {
@@ -494,15 +492,11 @@ impl Upstream {
         } else {
             None
         };
-        // As `hyper::upgrade::on` takes it from a request (the request itself is
-        // never rebuilt: it is worked on in place, not moved).
+        // The client's connection, once the 101 is written, and its slots: put on
+        // the request by sluice's HTTP/1.1 server (the request itself is never
+        // rebuilt: it is worked on in place, not moved).
         let upgrading = upgrade_proto.is_some();
-        let client_upgrade = upgrading.then(|| {
-            parts
-                .extensions
-                .remove::<hyper::upgrade::OnUpgrade>()
-                .unwrap_or_else(|| hyper::upgrade::on(Request::new(())))
-        });
+        let client_upgrade = upgrading.then(|| parts.extensions.remove::<OnUpgrade>());
         let held = upgrading
             .then(|| parts.extensions.remove::<ConnectionHeld>())
             .flatten();
@@ -816,7 +810,8 @@ pub struct ConnectionHeld(pub Arc<dyn std::any::Any + Send + Sync>);
 fn splice(
     mut parts: http::response::Parts,
     upstream: Conn,
-    client: hyper::upgrade::OnUpgrade,
+    // (None: the client's server cannot hand its connection over.)
+    client: Option<OnUpgrade>,
     // The client connection's slots, and the client's share of the upstream: both
     // held until the tunnel closes.
     held: (Option<ConnectionHeld>, Option<IpSlot>),
@@ -826,13 +821,17 @@ fn splice(
     tokio::spawn(async move {
         let _open = open;
         let _held = held;
-        let Ok(c) = client.await else {
+        let Some(c) = client.map(OnUpgrade::upgraded) else {
+            tracing::debug!("upgrade failed on the client's side");
+            return;
+        };
+        let Some(c) = c.await else {
             tracing::debug!("upgrade failed on the client's side");
             return;
         };
         let last = Arc::new(LastActive::new());
         let mut c = Active {
-            io: TokioIo::new(c),
+            io: c,
             last: last.clone(),
         };
         let mut u = Active {

@@ -628,7 +628,9 @@ routes:
 /// A request with a body: after it, a connection is hyper's.
 pub const WITH_BODY: &[u8] = b"POST /upload HTTP/1.1\r\nhost: h\r\ncontent-length: 5\r\n\r\nhello";
 
-/// A connection on which hyper serves whatever comes next (`WITH_BODY` went first).
+/// A connection that has served a request with a body (`WITH_BODY`). Until
+/// sluice's own server read bodies, hyper's served the rest of such a connection:
+/// tests compare its answers with a fresh connection's.
 pub async fn hyper_connection(addr: SocketAddr) -> TcpStream {
     let mut s = connect(addr).await;
     s.write_all(WITH_BODY).await.expect("write");

@@ -1384,7 +1384,7 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
 
 /// The chunk-size line at the front of `b`: its length with the CRLF, and the
 /// size; `None` until the whole line is there.
-fn size_line(b: &[u8]) -> Result<Option<(usize, u64)>, WireError> {
+pub(crate) fn size_line(b: &[u8]) -> Result<Option<(usize, u64)>, WireError> {
     let Some(end) = b.iter().position(|&c| c == b'\n') else {
         return if b.len() > MAX_CHUNK_LINE {
             Err(WireError::Malformed("chunk-size line too long"))
@@ -1470,7 +1470,7 @@ fn trim_blanks(b: &[u8]) -> &[u8] {
 
 /// The trailer block after the last chunk, taken out of `buf`: `Some(None)` when
 /// there are no fields, `None` until the block is complete.
-fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> {
+pub(crate) fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
     match httparse::parse_headers(buf, &mut fields) {
         // As large a block as a head may be, however it arrived.

@@ -1,4 +1,6 @@
-//! HTTP/1.1: the server codec (`server`) and the upstream client codec (`client`).
+//! HTTP/1.1: the server codec (`server`, with the request bodies it reads,
+//! `request_body`) and the upstream client codec (`client`).
 
 pub mod client;
+pub mod request_body;
 pub mod server;

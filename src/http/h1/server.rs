@@ -1,12 +1,15 @@
-//! The gateway's own HTTP/1.1 server for plain requests: a head with no body, no
-//! upgrade and no `Expect`, read, answered and written here without hyper's
-//! dispatcher. Anything else hands the connection, at that request's first byte,
-//! to hyper's HTTP/1.1 server for the rest of its life, so every error answer and
-//! every request body is still hyper's.
+//! The gateway's own HTTP/1.1 server: every HTTP/1 request on a connection, plain
+//! or under TLS, is read, answered and written here without hyper's dispatcher
+//! (hyper serves only HTTP/2). A request body is read for the request path as it
+//! asks for it (`h1body`); an upgrade hands the socket to its tunnel after the
+//! `101`. Bodiless requests, most of them, take the shortest way: one parse, the
+//! head worked on in place, the answer's head written behind the fields as they
+//! came.
 
+use std::future::Future;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -16,46 +19,74 @@ use http::{HeaderMap, Method, Request, StatusCode, Uri, Version};
 use http_body::{Body as _, Frame};
 use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use crate::http::body::{Body, BoxError};
 use crate::http::h1::client::{last_is_chunked, parsed_value, Names, RawFields, MAX_FIELDS};
+use crate::http::h1::request_body::{poll_read_buf, Decode, Inflow, RequestBody, Settled};
 use crate::http::wake::{Deadline, OnWake};
 use crate::pipeline::{self, Peer, Shared};
 use crate::server::Activity;
+use crate::upstream::ConnectionHeld;
 
-/// A client's request body: hyper's, or none (a plain request of the fast path).
+/// A client's request body: none, read by sluice's HTTP/1 server, or hyper's
+/// (HTTP/2).
 pub enum ClientBody {
-    Hyper(Incoming),
     Empty,
+    Own(RequestBody),
+    Hyper(Incoming),
 }
 
 impl http_body::Body for ClientBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx),
             ClientBody::Empty => Poll::Ready(None),
+            ClientBody::Own(b) => Pin::new(b).poll_frame(cx),
+            ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            ClientBody::Hyper(b) => b.is_end_stream(),
             ClientBody::Empty => true,
+            ClientBody::Own(b) => b.is_end_stream(),
+            ClientBody::Hyper(b) => b.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
         match self {
-            ClientBody::Hyper(b) => b.size_hint(),
             ClientBody::Empty => http_body::SizeHint::with_exact(0),
+            ClientBody::Own(b) => b.size_hint(),
+            ClientBody::Hyper(b) => b.size_hint(),
         }
+    }
+}
+
+/// A client connection as a tunnel takes it.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+
+/// An upgraded client connection: the bytes read past the upgrade request, then
+/// the socket.
+pub type Upgraded = Replay<Box<dyn Io>>;
+
+/// In an upgrade request's extensions (as hyper's `OnUpgrade`): the client's
+/// connection, once the `101` has been written to it.
+#[derive(Clone)]
+pub struct OnUpgrade(Arc<Mutex<Option<oneshot::Receiver<Upgraded>>>>);
+
+impl OnUpgrade {
+    /// The connection; `None` if the answer was no `101` or the connection ended.
+    pub async fn upgraded(self) -> Option<Upgraded> {
+        let rx = self.0.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        rx.await.ok()
     }
 }
 
@@ -65,25 +96,51 @@ const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
 /// are written on their own.
 const COPY_LIMIT: usize = 16 * 1024;
 
-/// What a connection's fast path needs.
-pub(crate) struct Fast {
-    pub shared: Arc<Shared>,
+/// Where a listener's HTTP/1 requests go: the gateway's request path, or the
+/// admin API.
+pub(crate) trait Site: Send + Sync + 'static {
+    /// The answer to one request: its head, worked on in place, and its body.
+    fn answer<'a>(
+        &'a self,
+        parts: &'a mut http::request::Parts,
+        body: ClientBody,
+        peer: &'a Peer,
+        conn: pipeline::PlainConn<'a>,
+    ) -> impl Future<Output = http::Response<Body>> + Send + 'a;
+}
+
+impl Site for Shared {
+    fn answer<'a>(
+        &'a self,
+        parts: &'a mut http::request::Parts,
+        body: ClientBody,
+        peer: &'a Peer,
+        conn: pipeline::PlainConn<'a>,
+    ) -> impl Future<Output = http::Response<Body>> + Send + 'a {
+        pipeline::handle(self, parts, body, peer, Some(conn))
+    }
+}
+
+/// What a connection's server needs.
+pub(crate) struct Fast<S> {
+    pub site: Arc<S>,
     pub peer: Arc<Peer>,
     pub header_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_head: usize,
+    /// The connection's slots, lent to an upgrade's tunnel (`ConnectionHeld`).
+    pub held: Arc<dyn std::any::Any + Send + Sync>,
 }
 
-/// How the fast path left a connection.
-pub(crate) enum Ended<IO> {
-    /// Closed (an error is logged by the caller).
-    Closed(Result<(), BoxError>),
-    /// The next request is not a plain one: the connection is hyper's, starting
-    /// with the bytes already read.
-    Handover(IO, BytesMut),
+/// How a request's body is framed (RFC 9112 §6.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framed {
+    None,
+    Length(u64),
+    Chunked,
 }
 
-/// A parsed plain request and what its answer's framing depends on.
+/// A parsed request and what its answer's framing depends on.
 struct Plain {
     /// The request allows the connection to stay open (HTTP/1.1 without `close`,
     /// HTTP/1.0 with `keep-alive`).
@@ -92,6 +149,11 @@ struct Plain {
     head: bool,
     /// `TE: trailers`.
     trailers: bool,
+    body: Framed,
+    /// `Expect: 100-continue` (HTTP/1.1).
+    expect: bool,
+    /// `Upgrade` (HTTP/1.1) or `CONNECT`.
+    upgrade: bool,
 }
 
 // Matched at once where it is made: not worth a box.
@@ -99,31 +161,33 @@ struct Plain {
 enum Parsed {
     Plain(Plain),
     Partial,
-    /// Anything the fast path does not handle (hyper answers it).
-    Other,
+    /// Answered with this status, and the connection closed (hyper's
+    /// `Server::on_error`).
+    Bad(StatusCode),
 }
 
-/// Serve plain requests on `io` until it closes or a request is not plain.
-pub(crate) async fn serve<IO>(
+/// Serve HTTP/1 requests on `io` until it closes; `buf` holds what was read of it
+/// already.
+pub(crate) async fn serve<IO, S: Site>(
     mut io: IO,
-    fast: &Fast,
+    mut buf: BytesMut,
+    fast: &Fast<S>,
     activity: &Arc<Activity>,
     stop: watch::Receiver<bool>,
-) -> Ended<IO>
+) -> Result<(), BoxError>
 where
-    IO: AsyncRead + AsyncWrite + Unpin,
+    IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let mut buf = BytesMut::with_capacity(4096);
     let mut out: Vec<u8> = Vec::with_capacity(1024);
     let mut spans = Vec::with_capacity(32);
     // The field names of the last request.
     let mut names = Names::default();
-    // The rate-limit fields of the answer, as header lines (`pipeline::handle_plain`).
+    // The rate-limit fields of the answer, as header lines (`pipeline::PlainConn`).
     let mut rate_lines: Vec<u8> = Vec::with_capacity(256);
     // A response's header map, emptied, holds the next request's fields (as in
     // hyper): no allocation, and room for the forwarding headers.
     let mut fields = HeaderMap::new();
-    // Each plain request's head, in turn (`parse`).
+    // Each request's head, in turn (`parse`).
     let (mut parts, ()) = Request::new(()).into_parts();
     // The waits beside the socket's are polled again only when woken (`OnWake`),
     // not every time the connection's task runs.
@@ -137,7 +201,7 @@ where
     };
     tokio::pin!(stopped);
     // One timer for the connection's deadlines: each head's, and each upstream
-    // answer's on the plain path (`pipeline::handle_plain`).
+    // answer's (`pipeline::PlainConn`).
     let timer = Deadline::new(tokio::time::Instant::now() + fast.header_timeout);
     tokio::pin!(timer);
     // How much of `buf` is known to hold no end of a head: a head sent in many
@@ -160,27 +224,27 @@ where
                         break p;
                     }
                     Parsed::Partial => scan.partial(&buf),
-                    Parsed::Other => return Ended::Handover(io, buf),
+                    Parsed::Bad(status) => return refuse(&mut io, status).await,
                 }
             } else if buf.len() >= fast.max_head {
-                // No end in sight within the limit: hyper answers 431.
-                return Ended::Handover(io, buf);
+                // No end in sight within the limit.
+                return refuse(&mut io, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE).await;
             }
             buf.reserve(2048);
             tokio::select! {
                 biased;
                 r = io.read_buf(&mut buf) => match r {
                     // With part of a head: hyper too ends without an answer.
-                    Ok(0) => return Ended::Closed(Ok(())),
+                    Ok(0) => return Ok(()),
                     Ok(_) => {}
-                    Err(e) => return Ended::Closed(Err(e.into())),
+                    Err(e) => return Err(e.into()),
                 },
                 // hyper too closes without an answer.
                 () = timer.as_mut().passed() => {
-                    return Ended::Closed(Err("no request head within request_header_timeout".into()));
+                    return Err("no request head within request_header_timeout".into());
                 }
-                _ = &mut idle => return Ended::Closed(Ok(())),
-                _ = &mut stopped => return Ended::Closed(Ok(())),
+                _ = &mut idle => return Ok(()),
+                _ = &mut stopped => return Ok(()),
             }
         };
         let Plain {
@@ -188,19 +252,42 @@ where
             version,
             head,
             trailers,
+            body,
+            expect,
+            upgrade,
         } = plain;
 
         // In flight from its head until its response body has been sent.
         let in_flight = activity.start();
         rate_lines.clear();
+        let (inflow, body) = match body {
+            Framed::None => (None, ClientBody::Empty),
+            Framed::Length(n) => {
+                let (i, b) = Inflow::new(Decode::Length(n), expect);
+                (Some(i), ClientBody::Own(b))
+            }
+            Framed::Chunked => {
+                let (i, b) = Inflow::new(Decode::chunked(), expect);
+                (Some(i), ClientBody::Own(b))
+            }
+        };
+        // The connection for the request's tunnel, and its slots (kept by the tunnel).
+        let switch = upgrade.then(|| {
+            let (tx, rx) = oneshot::channel();
+            parts
+                .extensions
+                .insert(OnUpgrade(Arc::new(Mutex::new(Some(rx)))));
+            parts.extensions.insert(ConnectionHeld(fast.held.clone()));
+            tx
+        });
         // The upstream answer's fields as they came, when they can be written so
         // (`encode_head`): to an HTTP/1.1 request other than HEAD.
         let mut raw: Option<RawFields> = None;
         let raw_ok = version == Version::HTTP_11 && !head;
         let resp = {
-            let answer = pipeline::handle_plain(
-                &fast.shared,
+            let answer = fast.site.answer(
                 &mut parts,
+                body,
                 &fast.peer,
                 pipeline::PlainConn {
                     lines: &mut rate_lines,
@@ -211,24 +298,46 @@ where
             tokio::pin!(answer);
             // As hyper: while the request is worked on, a client that closes its end
             // (with nothing more sent) cancels it.
-            if buf.is_empty() {
-                // Room to read into: a read into none would look like the end.
-                buf.reserve(2048);
-                tokio::select! {
-                    biased;
-                    r = &mut answer => r,
-                    r = io.read_buf(&mut buf) => match r {
-                        Ok(0) => return Ended::Closed(Err("the client closed its connection mid-request".into())),
-                        Err(e) => return Ended::Closed(Err(e.into())),
-                        Ok(_) => answer.await,
-                    },
+            match &inflow {
+                None if buf.is_empty() => {
+                    // Room to read into: a read into none would look like the end.
+                    buf.reserve(2048);
+                    tokio::select! {
+                        biased;
+                        r = &mut answer => r,
+                        r = io.read_buf(&mut buf) => match r {
+                            Ok(0) => return Err("the client closed its connection mid-request".into()),
+                            Err(e) => return Err(e.into()),
+                            Ok(_) => answer.await,
+                        },
+                    }
                 }
-            } else {
-                answer.await
+                None => answer.await,
+                Some(inflow) => {
+                    let mut watching = true;
+                    std::future::poll_fn(|cx| {
+                        if let Poll::Ready(r) = answer.as_mut().poll(cx) {
+                            return Poll::Ready(Ok(r));
+                        }
+                        feed_or_watch(cx, inflow, &mut io, &mut buf, &mut watching).map(Err)
+                    })
+                    .await?
+                }
             }
         };
 
         let (mut parts, body) = resp.into_parts();
+        if parts
+            .extensions
+            .get::<crate::http::body::Linger>()
+            .is_some()
+        {
+            activity.linger();
+        }
+        if let Some(inflow) = &inflow {
+            inflow.answering();
+        }
+        let switch = switch.filter(|_| parts.status == StatusCode::SWITCHING_PROTOCOLS);
         let kind = if body.is_end_stream() {
             None
         } else {
@@ -238,30 +347,104 @@ where
             version,
             keep_alive: keep_alive && !*stop.borrow(),
             head,
+            switching: switch.is_some(),
         };
         out.clear();
-        let enc = match encode_head(&mut out, &mut parts, &meta, kind, &rate_lines, raw) {
-            Ok(enc) => enc,
-            Err(e) => return Ended::Closed(Err(e)),
-        };
+        let enc = encode_head(&mut out, &mut parts, &meta, kind, &rate_lines, raw)?;
         let last = enc.last;
         fields = std::mem::take(&mut parts.headers);
         fields.clear();
         drop(parts);
-        let sent = send_body(&mut io, &mut buf, &mut out, body, enc.framing, trailers).await;
-        drop(in_flight);
-        if let Err(e) = sent {
-            return Ended::Closed(Err(e));
+        if let Some(tx) = switch {
+            // The tunnel takes the connection from here, with what came after the
+            // request (the client may speak the new protocol at once).
+            drop(body);
+            io.write_all(&out).await?;
+            io.flush().await?;
+            drop(in_flight);
+            let io: Box<dyn Io> = Box::new(io);
+            let _ = tx.send(Replay { head: buf, io });
+            return Ok(());
         }
-        if last || *stop.borrow() {
+        let sent = send_body(
+            &mut io,
+            &mut buf,
+            &mut out,
+            body,
+            enc.framing,
+            trailers,
+            inflow.as_ref(),
+        )
+        .await;
+        // A body not read to its end leaves the connection's framing unknown: it
+        // closes, lingering, so the client reads this answer rather than a reset.
+        let unread = inflow
+            .as_ref()
+            .is_some_and(|i| i.finish(&mut buf) != Settled::Done);
+        if unread {
+            activity.linger();
+        }
+        drop(in_flight);
+        sent?;
+        if last || unread || *stop.borrow() {
             let _ = io.shutdown().await;
-            return Ended::Closed(Ok(()));
+            return Ok(());
         }
         // The next head: `request_header_timeout` from the end of this response.
         timer
             .as_mut()
             .set(tokio::time::Instant::now() + fast.header_timeout);
     }
+}
+
+/// Feed a request body while it is read; once it needs nothing more, watch for
+/// the client closing its end (with nothing more sent), which cancels the
+/// request, as with hyper. Ready with the error that ends the connection.
+fn feed_or_watch<IO>(
+    cx: &mut Context<'_>,
+    inflow: &Inflow,
+    io: &mut IO,
+    buf: &mut BytesMut,
+    watching: &mut bool,
+) -> Poll<BoxError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    match inflow.poll_feed(cx, io, buf) {
+        Poll::Ready(Err(e)) => Poll::Ready(e.into()),
+        // A broken body ends its request by itself, with an answer.
+        Poll::Ready(Ok(Settled::Failed)) | Poll::Pending => Poll::Pending,
+        Poll::Ready(Ok(_)) if *watching && buf.is_empty() => match poll_read_buf(io, cx, buf) {
+            Poll::Ready(Ok(0)) => {
+                Poll::Ready("the client closed its connection mid-request".into())
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(e.into()),
+            Poll::Ready(Ok(_)) => {
+                *watching = false;
+                Poll::Pending
+            }
+            Poll::Pending => Poll::Pending,
+        },
+        Poll::Ready(Ok(_)) => Poll::Pending,
+    }
+}
+
+/// Answer a head that cannot be served (as hyper's `Server::on_error`) and close.
+async fn refuse<IO>(io: &mut IO, status: StatusCode) -> Result<(), BoxError>
+where
+    IO: AsyncWrite + Unpin,
+{
+    let mut out = Vec::with_capacity(128);
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
+    out.extend_from_slice(b"\r\nconnection: close\r\ncontent-length: 0\r\ndate: ");
+    date::extend(&mut out);
+    out.extend_from_slice(b"\r\n\r\n");
+    io.write_all(&out).await?;
+    let _ = io.shutdown().await;
+    Ok(())
 }
 
 /// What is known of a partial head in the buffer, so that a head sent in many
@@ -327,11 +510,12 @@ impl Scan {
     }
 }
 
-/// Parse the head at the start of `buf`; a plain one is split off it. `spans` is
+/// Parse the head at the start of `buf`; a whole one is split off it. `spans` is
 /// room for where its fields are (kept by the connection, so that no request
 /// allocates or zeroes it), `names` the last request's field names
-/// (`h1::Names`). A plain request's head goes into `parts` (the connection's,
-/// worked on in place by the request path, never moved).
+/// (`h1::Names`). The request's head goes into `parts` (the connection's,
+/// worked on in place by the request path, never moved). What is refused, and
+/// how, is hyper's (`Server::parse`, `Server::on_error`).
 fn parse(
     buf: &mut BytesMut,
     spans: &mut Vec<[usize; 4]>,
@@ -340,6 +524,7 @@ fn parse(
     parts: &mut http::request::Parts,
     max_head: usize,
 ) -> Parsed {
+    const BAD: Parsed = Parsed::Bad(StatusCode::BAD_REQUEST);
     // Filled by httparse before anything reads them (as hyper does).
     let mut parsed = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_FIELDS];
     spans.clear();
@@ -351,53 +536,73 @@ fn parse(
         &mut parsed,
     ) {
         Ok(httparse::Status::Complete(len)) => len,
-        // Over the limit: hyper answers 431 at once from what is buffered.
         Ok(httparse::Status::Partial) if bytes.len() < max_head => return Parsed::Partial,
-        _ => return Parsed::Other,
+        // Over the limit: 431 at once from what is buffered.
+        Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
+            return Parsed::Bad(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE)
+        }
+        Err(_) => return BAD,
     };
     if len > max_head {
-        return Parsed::Other;
+        return Parsed::Bad(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
     }
     let (Some(method), Some(path), Some(minor)) = (req.method, req.path, req.version) else {
-        return Parsed::Other;
+        return BAD;
     };
     if path.len() > MAX_URI_LEN {
-        return Parsed::Other;
+        return Parsed::Bad(StatusCode::URI_TOO_LONG);
     }
     let version = if minor == 1 {
         Version::HTTP_11
     } else {
         Version::HTTP_10
     };
+    let http11 = version == Version::HTTP_11;
     let Ok(method) = Method::from_bytes(method.as_bytes()) else {
-        return Parsed::Other;
+        return BAD;
     };
-    if method == Method::CONNECT {
-        return Parsed::Other;
-    }
     let base = bytes.as_ptr() as usize;
     let offset = |s: &[u8]| s.as_ptr() as usize - base;
     let path_at = offset(path.as_bytes());
     let path_span = (path_at, path_at + path.len());
-    let mut keep_alive = version == Version::HTTP_11;
+    let mut keep_alive = http11;
     let mut saw_close = false;
     let mut trailers = false;
+    // Framing as RFC 9112 §6.3 and hyper have it: chunked if the last
+    // `Transfer-Encoding` ends so (anything else is refused), else the length,
+    // which every `Content-Length` line must state alike.
+    let mut length: Option<u64> = None;
     let mut saw_length = false;
+    let mut te = false;
+    let mut chunked = false;
+    let mut expect = false;
+    let mut upgrade = method == Method::CONNECT;
     let n = req.headers.len();
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         let value = h.value;
         if name.eq_ignore_ascii_case(b"content-length") {
-            // `0` once, or hyper reads a body (or answers 400).
-            if saw_length || value != b"0" {
-                return Parsed::Other;
-            }
             saw_length = true;
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding")
-            || name.eq_ignore_ascii_case(b"upgrade")
-            || name.eq_ignore_ascii_case(b"expect")
-        {
-            return Parsed::Other;
+            if !te {
+                let Some(len) = digits(value) else {
+                    return BAD;
+                };
+                if length.is_some_and(|l| l != len) || len > u64::MAX - 2 {
+                    return BAD;
+                }
+                length = Some(len);
+            }
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            if !http11 {
+                return BAD;
+            }
+            te = true;
+            length = None;
+            chunked = std::str::from_utf8(value).is_ok_and(|v| {
+                v.rsplit(',')
+                    .next()
+                    .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked"))
+            });
         } else if name.eq_ignore_ascii_case(b"connection") {
             // As hyper: once any line asks to close, a later keep-alive does not undo it.
             if saw_close || has_token(value, b"close") {
@@ -408,15 +613,30 @@ fn parse(
             }
         } else if name.eq_ignore_ascii_case(b"te") && has_token(value, b"trailers") {
             trailers = true;
+        } else if name.eq_ignore_ascii_case(b"expect") {
+            expect = value.eq_ignore_ascii_case(b"100-continue");
+        } else if name.eq_ignore_ascii_case(b"upgrade") {
+            upgrade = http11;
         }
         let at = offset(name);
         let v = offset(value);
         spans.push([at, at + name.len(), v, v + value.len()]);
     }
+    if te && !chunked {
+        return BAD;
+    }
+    // Both: the length is dropped, and the connection closes after the answer.
+    if te && saw_length {
+        keep_alive = false;
+    }
+    let body = match (te, length) {
+        (true, _) => Framed::Chunked,
+        (false, Some(n)) if n > 0 => Framed::Length(n),
+        _ => Framed::None,
+    };
     let head = buf.split_to(len).freeze();
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) else {
-        // hyper answers 400; it gets the head back.
-        return unsplit(buf, head);
+        return BAD;
     };
     let mut headers = std::mem::take(fields);
     if headers.capacity() == 0 {
@@ -427,9 +647,12 @@ fn parse(
     for (i, &[a, b, c, d]) in spans.iter().enumerate() {
         let (Ok(name), Ok(value)) = (names.name(i, &head[a..b]), parsed_value(head.slice(c..d)))
         else {
-            return unsplit(buf, head);
+            return BAD;
         };
         headers.append(name, value);
+    }
+    if te && saw_length {
+        headers.remove(header::CONTENT_LENGTH);
     }
     let is_head = method == Method::HEAD;
     parts.method = method;
@@ -442,16 +665,24 @@ fn parse(
         version,
         head: is_head,
         trailers,
+        body,
+        expect: expect && http11 && body != Framed::None,
+        upgrade,
     })
 }
 
-/// Put a split-off head back in front of the buffer, for hyper.
-fn unsplit(buf: &mut BytesMut, head: Bytes) -> Parsed {
-    let mut whole = BytesMut::with_capacity(head.len() + buf.len());
-    whole.extend_from_slice(&head);
-    whole.extend_from_slice(buf);
-    *buf = whole;
-    Parsed::Other
+/// A `Content-Length` value: digits only (no sign, no list), as hyper reads one.
+fn digits(v: &[u8]) -> Option<u64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &b| {
+        if b.is_ascii_digit() {
+            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+        } else {
+            None
+        }
+    })
 }
 
 /// Whether a comma-separated list has `token` (any case); as hyper, only in a
@@ -471,6 +702,8 @@ struct Meta {
     /// no graceful close has started).
     keep_alive: bool,
     head: bool,
+    /// A `101` to an upgrade request: the connection is its tunnel's after it.
+    switching: bool,
 }
 
 /// How the response body goes on the wire.
@@ -524,6 +757,30 @@ fn encode_head(
         None
     });
     let status = parts.status;
+    if meta.switching {
+        // As hyper writes a `101`: its fields, no framing, and the end of HTTP/1.1
+        // on the connection.
+        out.extend_from_slice(b"HTTP/1.1 101 Switching Protocols\r\n");
+        let mut wrote_date = false;
+        for (name, value) in parts.headers.iter() {
+            wrote_date |= *name == header::DATE;
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(extra);
+        if !wrote_date {
+            out.extend_from_slice(b"date: ");
+            date::extend(out);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        return Ok(Encoding {
+            framing: Framing::Length(0),
+            last: true,
+        });
+    }
     let mut keep_alive = meta.keep_alive;
     // A `connection` value added to a map without one: its line would follow
     // `extra`, so it is written there rather than appended to the map.
@@ -795,7 +1052,8 @@ fn parse_length(v: &HeaderValue) -> Option<u64> {
 }
 
 /// Send the head in `out` and the body in its framing. A body frame that is ready
-/// at once goes in the same write as what precedes it.
+/// at once goes in the same write as what precedes it. A request body still being
+/// read (`inflow`) is fed meanwhile: the upstream may answer while it reads.
 async fn send_body<IO>(
     io: &mut IO,
     buf: &mut BytesMut,
@@ -803,6 +1061,7 @@ async fn send_body<IO>(
     mut body: Body,
     framing: Framing,
     trailers_allowed: bool,
+    inflow: Option<&Inflow>,
 ) -> Result<(), BoxError>
 where
     IO: AsyncRead + AsyncWrite + Unpin,
@@ -812,7 +1071,7 @@ where
         // Nothing to send: the body is dropped unread, as hyper does.
         Framing::Length(0) => {
             drop(body);
-            io.write_all(out).await?;
+            write_out(io, buf, out, inflow).await?;
             return Ok(());
         }
         Framing::Length(n) => (Some(n), None, false),
@@ -821,7 +1080,7 @@ where
     };
     let mut ended = body.is_end_stream();
     while !ended {
-        let Some(frame) = next_frame(io, buf, out, &mut body).await? else {
+        let Some(frame) = next_frame(io, buf, out, &mut body, inflow).await? else {
             break;
         };
         let frame = match frame.into_data() {
@@ -834,7 +1093,7 @@ where
                     ended |= *r == 0;
                 }
                 if !data.is_empty() {
-                    put_data(io, out, data, chunked).await?;
+                    put_data(io, buf, out, data, chunked, inflow).await?;
                 }
                 continue;
             }
@@ -866,8 +1125,7 @@ where
         out.extend_from_slice(b"0\r\n\r\n");
     }
     if !out.is_empty() {
-        io.write_all(out).await?;
-        out.clear();
+        write_out(io, buf, out, inflow).await?;
     }
     if remaining.is_some_and(|r| r > 0) {
         return Err("the response body ended before its content-length".into());
@@ -875,16 +1133,70 @@ where
     Ok(())
 }
 
+/// Write `out` whole and empty it, feeding a request body still being read while
+/// the client takes its time (it may read only once it has sent its body).
+async fn write_out<IO>(
+    io: &mut IO,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    inflow: Option<&Inflow>,
+) -> Result<(), BoxError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    write_all(io, buf, out, inflow).await?;
+    out.clear();
+    Ok(())
+}
+
+async fn write_all<IO>(
+    io: &mut IO,
+    buf: &mut BytesMut,
+    bytes: &[u8],
+    inflow: Option<&Inflow>,
+) -> Result<(), BoxError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    let Some(inflow) = inflow else {
+        io.write_all(bytes).await?;
+        return Ok(());
+    };
+    let mut at = 0;
+    std::future::poll_fn(|cx| {
+        while at < bytes.len() {
+            match Pin::new(&mut *io).poll_write(cx, &bytes[at..]) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(std::io::Error::from(std::io::ErrorKind::WriteZero)))
+                }
+                Poll::Ready(Ok(n)) => at += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    if let Poll::Ready(Err(e)) = inflow.poll_feed(cx, io, buf) {
+                        return Poll::Ready(Err(e));
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
+    })
+    .await?;
+    Ok(())
+}
+
 /// Append a data frame to `out` in its framing; a large one is written with what is
 /// pending rather than copied.
 async fn put_data<IO>(
     io: &mut IO,
+    buf: &mut BytesMut,
     out: &mut Vec<u8>,
     data: Bytes,
     chunked: bool,
+    inflow: Option<&Inflow>,
 ) -> Result<(), BoxError>
 where
-    IO: AsyncWrite + Unpin,
+    IO: AsyncRead + AsyncWrite + Unpin,
 {
     if chunked {
         push_hex(out, data.len());
@@ -893,9 +1205,8 @@ where
     if data.len() <= COPY_LIMIT {
         out.extend_from_slice(&data);
     } else {
-        io.write_all(out).await?;
-        out.clear();
-        io.write_all(&data).await?;
+        write_out(io, buf, out, inflow).await?;
+        write_all(io, buf, &data, inflow).await?;
     }
     if chunked {
         out.extend_from_slice(b"\r\n");
@@ -919,13 +1230,15 @@ fn push_hex(out: &mut Vec<u8>, mut n: usize) {
 }
 
 /// The body's next frame. What is pending in `out` is written first unless the
-/// frame is ready at once (or `out` is large). While waiting, a client that closes
-/// its end (with nothing more sent) ends the request, as with hyper.
+/// frame is ready at once (or `out` is large). While waiting, a request body still
+/// being read is fed, and a client that closes its end (with nothing more sent)
+/// ends the request, as with hyper.
 async fn next_frame<IO>(
     io: &mut IO,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     body: &mut Body,
+    inflow: Option<&Inflow>,
 ) -> Result<Option<Frame<Bytes>>, BoxError>
 where
     IO: AsyncRead + AsyncWrite + Unpin,
@@ -937,8 +1250,17 @@ where
         }
     }
     if !out.is_empty() {
-        io.write_all(out).await?;
-        out.clear();
+        write_out(io, buf, out, inflow).await?;
+    }
+    if let Some(inflow) = inflow {
+        let mut watching = true;
+        return std::future::poll_fn(|cx| {
+            if let Poll::Ready(f) = Pin::new(&mut *body).poll_frame(cx) {
+                return Poll::Ready(f.transpose());
+            }
+            feed_or_watch(cx, inflow, io, buf, &mut watching).map(Err)
+        })
+        .await;
     }
     let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx));
     if !buf.is_empty() {
@@ -958,9 +1280,9 @@ where
     }
 }
 
-/// A connection handed to hyper: the bytes the fast path had read and not used,
-/// then the socket.
-pub(crate) struct Replay<T> {
+/// A connection handed on (to a tunnel): the bytes the server had read and not
+/// used, then the socket.
+pub struct Replay<T> {
     pub head: BytesMut,
     pub io: T,
 }
@@ -1065,6 +1387,7 @@ mod tests {
             version: Version::HTTP_11,
             keep_alive: true,
             head: false,
+            switching: false,
         };
         let mut out = Vec::new();
         let extra = b"ratelimit-policy: 5;w=10\r\n";
@@ -1096,6 +1419,7 @@ mod tests {
                 version: Version::HTTP_11,
                 keep_alive: true,
                 head: false,
+                switching: false,
             };
             let mut out = Vec::new();
             let enc = encode_head(&mut out, &mut parts, &meta, Some(Some(3)), b"", None)
