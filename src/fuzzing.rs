@@ -1,7 +1,7 @@
 //! Entry points of the fuzz targets (`fuzz/fuzz_targets/*.rs`). Each takes arbitrary
 //! bytes, runs one piece of the code a client or an operator feeds, and asserts what
 //! must hold for any input: no panic, and the invariants written at each function. The
-//! cargo-fuzz targets and `tests/fuzz_corpus.rs` (which replays every corpus file on
+//! cargo-fuzz targets and `tests/repo/fuzz_corpus.rs` (which replays every corpus file on
 //! the stable toolchain) call the same functions, so a crash found once stays fixed.
 //!
 //! Inputs are text, one field per line, so a corpus file can be read and written by

@@ -16,10 +16,10 @@ command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 compgen -G '/usr/lib/faketime/libfaketimeMT.so.1' >/dev/null \
   || compgen -G '/usr/lib/*/faketime/libfaketimeMT.so.1' >/dev/null \
   || need+=(faketime)
-# promtool, which tests/metrics_lint.rs runs on /metrics and tests/fleet_files.rs
+# promtool, which tests/ops/metrics_lint.rs runs on /metrics and tests/repo/fleet_files.rs
 # on docker/prometheus/.
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-# A headless browser and its WebDriver, which tests/dashboard.rs drives.
+# A headless browser and its WebDriver, which tests/ops/dashboard.rs drives.
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 [ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"

@@ -1,11 +1,8 @@
 //! What every end-to-end test uses: bounds on waiting, free ports, child
-//! processes that never outlive the test, and the gateway starter. Loaded once, as
-//! `redis::base` (so that a test file including `redis.rs` by path alone has it too),
-//! and re-exported by `common` and `redis`.
+//! processes that never outlive the test, and the gateway starter. Loaded as
+//! `redis::base` and re-exported by `common` and `redis`; examples/pgo_train.rs
+//! includes this file alone, by path.
 #![allow(dead_code)]
-// A test file with `mod common;` that also includes `common/redis.rs` by path
-// loads this file twice; both copies work (free_port's probes differ by copy).
-#![allow(clippy::duplicate_mod)]
 
 use std::future::Future;
 use std::os::unix::process::CommandExt;

@@ -3,10 +3,13 @@
 //! the cases where the bytes matter, the metrics endpoint, free ports, and child
 //! processes that never outlive the test. Gateways and upstreams listen on
 //! 127.0.0.1:0, so tests run in parallel without sharing a port. `redis` adds real
-//! `redis-server`s and the `sluice` binary as a process.
+//! `redis-server`s and the `sluice` binary as a process, `webdriver` a headless
+//! Chromium. Every test crate (`tests/*/main.rs`) includes it once, as
+//! `#[path = "../common/mod.rs"] mod common;`.
 #![allow(dead_code)]
 
 pub mod redis;
+pub mod webdriver;
 
 pub use redis::base::*;
 
@@ -39,6 +42,16 @@ pub fn config_file(text: &str) -> tempfile::NamedTempFile {
         .expect("temp file");
     std::fs::write(f.path(), text).expect("write config");
     f
+}
+
+/// The name libtest gives the test `name` of the module whose `module_path!()` is
+/// `module`: its path without the crate's name. For running one test of this
+/// binary again in a child process (`--exact`).
+pub fn test_name(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_crate, path)) => format!("{path}::{name}"),
+        None => name.to_string(),
+    }
 }
 
 /// `http://ADDR` + `path`.
@@ -607,7 +620,7 @@ where
     (addr, accepted)
 }
 
-// === the plain-request server (tests/h1_*.rs) ===
+// === the plain-request server (tests/http/h1_*.rs) ===
 
 /// A gateway whose `/text` and `/empty` sluice answers itself (200 `ok\n`, 204)
 /// and whose other paths go to the upstream at `up`.

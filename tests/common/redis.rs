@@ -1,12 +1,9 @@
 //! The Redis test harness: real `redis-server` processes (one server, or a 3-node
 //! cluster) on free loopback ports, killed with the test; gateways on the Redis
 //! store; a raw HTTP/1.1 client; the metrics endpoint; and the `sluice` binary as a
-//! process. It is `common::redis` (`mod common;` in the test file), or included
-//! by path alone (`#[path = "common/redis.rs"] mod harness;`). Ports, bounds,
-//! children and the gateway starter are in `base.rs`, loaded here and re-exported
-//! by `common` too.
+//! process. It is `common::redis`. Ports, bounds, children and the gateway starter
+//! are in `base.rs`, loaded here and re-exported by `common` too.
 #![allow(dead_code)]
-#![allow(clippy::duplicate_mod)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -3,8 +3,7 @@
 //! with the tests' own HTTP client (JSON over HTTP, no WebDriver crate). Dropped,
 //! also when the test panics, it ends the session, kills chromedriver's group, and
 //! kills whatever process still runs with this browser's profile directory, so no
-//! Chromium outlives the test. Include it as
-//! `#[path = "common/webdriver.rs"] mod webdriver;` next to `mod common;`.
+//! Chromium outlives the test.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
@@ -15,7 +14,7 @@ use std::time::Duration;
 use http::Method;
 use serde_json::{json, Value};
 
-use crate::common::{eventually, free_port, http1, spawn_grouped, HttpClient, Spawned, BOUND};
+use super::{eventually, free_port, http1, spawn_grouped, HttpClient, Spawned, BOUND};
 
 /// The key under which WebDriver returns an element reference.
 const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";

@@ -1,0 +1,12 @@
+//! The request path in process: the gateway's decisions on both stores, the
+//! `concurrency` algorithm and its faults, limiter state across a reload, and the
+//! refusal log.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod concurrency;
+mod concurrency_faults;
+mod gateway;
+mod refusal_logs;
+mod reload_state;

@@ -1,0 +1,140 @@
+//! Limiter state across a reload of the config file, end to end, on the memory store
+//! and on a real Redis: a changed `limit`, `rate` or `burst` keeps what each client
+//! has used and applies the new numbers to it, so lowering a limit never hands out a
+//! fresh budget and raising it admits exactly the difference.
+
+use std::time::{Duration, Instant};
+
+use crate::common::redis::{redis_store, url_target, RedisServer};
+use crate::common::*;
+
+/// The route's limit, as YAML flow-mapping fields after `name: l`.
+fn config(store: &str, limit: &str) -> String {
+    format!(
+        "{store}routes:\n  - {{name: r, match: {{path_prefix: /}}, key: header:x-client, \
+         limits: [{{name: l, {limit}}}], respond: {{body: \"ok\\n\"}}}}\n"
+    )
+}
+
+/// Rewrites the file with `limit` and reloads it.
+async fn reload(gw: &Running, file: &tempfile::NamedTempFile, store: &str, limit: &str) {
+    std::fs::write(file.path(), with_listeners(&config(store, limit))).expect("write config");
+    gw.reload()
+        .await
+        .unwrap_or_else(|e| panic!("reload with {limit}: {e}"));
+}
+
+/// Statuses of `n` requests of client `who`.
+async fn send(c: &HttpClient, u: &str, who: &str, n: usize) -> Vec<u16> {
+    statuses(c, n, u, &[("x-client", who)]).await
+}
+
+const WINDOW: Duration = Duration::from_secs(2);
+
+/// fixed_window, 10 per 2 s: 6 used; lowered to 4 (nothing left), raised to 8 (exactly
+/// 2 more). All inside one aligned window: if the machine is so slow that the window
+/// may have ended before the last request, the run is repeated with a fresh client in
+/// the next window (three times at most).
+async fn fixed_window_keeps_its_count(store: &str) {
+    let fixed = |n: u32| format!("algorithm: fixed_window, limit: {n}, window: 2s");
+    let (gw, file) = start_gateway_file(&config(store, &fixed(10))).await;
+    let c = http1();
+    let u = url(gw.addr, "/");
+    for attempt in 0..3 {
+        let who = format!("client-{attempt}");
+        reload(&gw, &file, store, &fixed(10)).await;
+        at_window_start(WINDOW).await;
+        let start = Instant::now();
+        let used = send(&c, &u, &who, 6).await;
+
+        reload(&gw, &file, store, &fixed(4)).await;
+        let lowered = c.get(&u, &[("x-client", &who)]).await;
+
+        reload(&gw, &file, store, &fixed(8)).await;
+        let raised = c.get(&u, &[("x-client", &who)]).await;
+        let rest = send(&c, &u, &who, 3).await;
+
+        // The window started 20 ms after its boundary; leave a margin for its end.
+        if start.elapsed() > WINDOW - Duration::from_millis(300) {
+            eprintln!("attempt {attempt} took {:?}; again", start.elapsed());
+            continue;
+        }
+        assert_eq!(used, [200; 6]);
+        // 6 of 4 used: refused until the window ends, nothing remaining.
+        assert_eq!(
+            (lowered.status, lowered.num("x-ratelimit-remaining")),
+            (429, 0)
+        );
+        assert_eq!(lowered.num("x-ratelimit-limit"), 4);
+        // 7 of 8, then 8 of 8; then refused.
+        assert_eq!(
+            (raised.status, raised.num("x-ratelimit-remaining")),
+            (200, 1)
+        );
+        assert_eq!(rest, [200, 429, 429]);
+        return;
+    }
+    panic!("no run fitted in one {WINDOW:?} window in 3 attempts");
+}
+
+/// token_bucket refilled at 1/m (nothing comes back during the test), burst 10: 8
+/// used. Burst lowered to 5: the 2 tokens left, not 5. Then 2/m and burst 20: no
+/// tokens added, and the next one comes at the new rate (30 s, not 60 s).
+async fn token_bucket_keeps_its_level(store: &str) {
+    let bucket =
+        |rate: &str, burst: u32| format!("algorithm: token_bucket, rate: {rate}, burst: {burst}");
+    let (gw, file) = start_gateway_file(&config(store, &bucket("1/m", 10))).await;
+    let c = http1();
+    let u = url(gw.addr, "/");
+    assert_eq!(send(&c, &u, "b", 8).await, [200; 8]);
+
+    reload(&gw, &file, store, &bucket("1/m", 5)).await;
+    assert_eq!(send(&c, &u, "b", 3).await, [200, 200, 429]);
+
+    reload(&gw, &file, store, &bucket("2/m", 20)).await;
+    let r = c.get(&u, &[("x-client", "b")]).await;
+    assert_eq!(
+        (
+            r.status,
+            r.num("x-ratelimit-remaining"),
+            r.num("retry-after")
+        ),
+        (429, 0, 30),
+        "{:?}",
+        r.rate_headers()
+    );
+    // Another client starts with the new burst.
+    let fresh = c.get(&u, &[("x-client", "other")]).await;
+    assert_eq!(
+        (fresh.status, fresh.num("x-ratelimit-remaining")),
+        (200, 19)
+    );
+}
+
+fn redis_section(redis: &RedisServer) -> String {
+    redis_store(&url_target(&redis.url()), "deny", 2_000)
+}
+
+#[tokio::test]
+async fn fixed_window_keeps_its_count_on_the_memory_store() {
+    fixed_window_keeps_its_count("").await;
+}
+
+#[tokio::test]
+async fn token_bucket_keeps_its_level_on_the_memory_store() {
+    token_bucket_keeps_its_level("").await;
+}
+
+/// On Redis the refusal under the lowered limit is also cached locally; the raised
+/// limit must not be answered by it.
+#[tokio::test]
+async fn fixed_window_keeps_its_count_on_redis() {
+    let redis = RedisServer::start();
+    fixed_window_keeps_its_count(&redis_section(&redis)).await;
+}
+
+#[tokio::test]
+async fn token_bucket_keeps_its_level_on_redis() {
+    let redis = RedisServer::start();
+    token_bucket_keeps_its_level(&redis_section(&redis)).await;
+}

@@ -1,0 +1,12 @@
+//! Everything on real `redis-server` processes: the Redis store and its table of
+//! cases, gateways sharing a Redis (or a cluster), the deny list shared through it,
+//! store faults, and `rediss://`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod redis_gateway;
+mod redis_live_ops;
+mod redis_store;
+mod redis_tls;
+mod store_faults;
