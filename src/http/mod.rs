@@ -2,6 +2,7 @@
 //! rules, and the HTTP/1 server and client codecs (HTTP/2 is hyper's).
 
 pub mod body;
+pub mod conn;
 pub mod fields;
 pub mod h1;
 pub(crate) mod wake;

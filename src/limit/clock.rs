@@ -36,31 +36,6 @@ impl Clock for SystemClock {
     }
 }
 
-/// Milliseconds on a coarse monotonic clock: the time of the kernel's last tick
-/// (1 to 4 ms behind), read without reading the hardware clock (about a quarter of
-/// the cost of `Instant::now`). For stamps compared against timeouts of seconds:
-/// when a connection was last used, when its last request ended.
-pub(crate) fn coarse_ms() -> u64 {
-    #[cfg(target_os = "linux")]
-    {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC_COARSE exists
-        // on every Linux since 2.6.32, and the call cannot fail otherwise.
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-        let secs = u64::try_from(ts.tv_sec).unwrap_or(0);
-        let ms = u64::try_from(ts.tv_nsec).unwrap_or(0) / 1_000_000;
-        secs * 1000 + ms
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        START.get_or_init(Instant::now).elapsed().as_millis() as u64
-    }
-}
-
 /// A clock that moves only when told to.
 #[derive(Default)]
 pub struct ManualClock(AtomicU64);

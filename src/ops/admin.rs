@@ -19,10 +19,11 @@ use crate::config::value::parse_duration;
 use crate::deny::{now_ms, rfc3339, Cursor, Entry, EntryJson, Meta, Source, Target};
 use crate::http::body;
 use crate::http::body::Body;
+use crate::http::h1::server::Lent;
 use crate::http::h1::server::{ClientBody, Site};
 use crate::ops::control::{Command, Control, ControlError, Reply, Status, Trigger};
 use crate::ops::stats::{History, Sample, Totals};
-use crate::pipeline::{Peer, PlainConn, Shared};
+use crate::pipeline::{Peer, Shared};
 use crate::telemetry::metrics::Decision;
 
 /// Largest request body the admin API reads.
@@ -67,12 +68,14 @@ fn route_decisions() -> impl Iterator<Item = Decision> + Clone {
 
 /// The admin port's HTTP/1 requests, as sluice's own server hands them over.
 impl Site for Admin {
+    type Peer = Peer;
+
     fn answer<'a>(
         &'a self,
         parts: &'a mut http::request::Parts,
         body: ClientBody,
         _peer: &'a Peer,
-        _conn: PlainConn<'a>,
+        _conn: Lent<'a>,
     ) -> impl std::future::Future<Output = Response<Body>> + Send + 'a {
         let (fresh, ()) = Request::new(()).into_parts();
         let head = std::mem::replace(parts, fresh);

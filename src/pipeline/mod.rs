@@ -10,6 +10,7 @@ pub mod refusal;
 pub mod route;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -26,9 +27,11 @@ use self::route::Matcher;
 use crate::deny::{BanRequest, DenyView, StaticDeny, Target};
 use crate::http::body;
 use crate::http::body::Body;
+
 use crate::http::h1::client::RawFields;
-use crate::http::h1::server::ClientBody;
+use crate::http::h1::server::{ClientBody, Lent, Site};
 use crate::http::wake::Deadline;
+
 use crate::identity::{ClientKey, KeySpec, MissingKey, TrustedProxies};
 use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
 use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
@@ -150,6 +153,20 @@ impl Peer {
     }
 }
 
+impl Site for Shared {
+    type Peer = Peer;
+
+    fn answer<'a>(
+        &'a self,
+        parts: &'a mut http::request::Parts,
+        body: ClientBody,
+        peer: &'a Peer,
+        conn: Lent<'a>,
+    ) -> impl Future<Output = http::Response<Body>> + Send + 'a {
+        handle(self, parts, body, peer, Some(conn))
+    }
+}
+
 /// The request path's one entry, whichever server carried the request (sluice's
 /// HTTP/1, hyper's HTTP/2): the head, worked on in place, and the body in; the
 /// answer out. `conn` is what sluice's HTTP/1 server lends the request to save
@@ -159,23 +176,9 @@ pub(crate) async fn handle(
     parts: &mut http::request::Parts,
     body: ClientBody,
     peer: &Peer,
-    conn: Option<PlainConn<'_>>,
+    conn: Option<Lent<'_>>,
 ) -> Response<Body> {
     process(shared, parts, body, peer, conn).await
-}
-
-/// What sluice's HTTP/1 server lends each of its requests.
-pub(crate) struct PlainConn<'c> {
-    /// Where the rate-limit fields the answer gets are written as header lines
-    /// (`RateHeaders::write_lines`), for the server to write after the answer's own
-    /// fields, instead of going into its header map. (Only when the map has none of
-    /// them: else they replace those where they stand.)
-    pub lines: &'c mut Vec<u8>,
-    /// The connection's timer, for the upstream's answer (`Upstream::forward`).
-    pub timer: Pin<&'c mut Deadline>,
-    /// Where the upstream answer's fields go when they can go to the client as they
-    /// came (`h1::RawFields`); None when the server cannot take them so.
-    pub raw: Option<&'c mut Option<RawFields>>,
 }
 
 async fn process(
@@ -183,7 +186,7 @@ async fn process(
     parts: &mut http::request::Parts,
     body: ClientBody,
     peer: &Peer,
-    plain: Option<PlainConn<'_>>,
+    plain: Option<Lent<'_>>,
 ) -> Response<Body> {
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
@@ -278,7 +281,7 @@ async fn pass<'a>(
     parts: &mut http::request::Parts,
     body: ClientBody,
     tally: &mut Tally,
-    plain: Option<PlainConn<'_>>,
+    plain: Option<Lent<'_>>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     let rt = ctx.rt;
     head.map_err(Refusal::BadHead)?;
@@ -294,7 +297,7 @@ async fn pass<'a>(
     }
     let report = limits(ctx, route, ns, &key, tally).await?;
     let (lines, timer, raw) = match plain {
-        Some(PlainConn { lines, timer, raw }) => (Some(lines), Some(timer), raw),
+        Some(Lent { lines, timer, raw }) => (Some(lines), Some(timer), raw),
         None => (None, None, None),
     };
     let mut resp = act(ctx, route, parts, body, timer, raw).await?;

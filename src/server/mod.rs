@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,6 +30,7 @@ use crate::config::{ConfigErrors, Loaded};
 use crate::deny::sync::DenySync;
 use crate::deny::DenyView;
 use crate::http::body::Body;
+use crate::http::conn::{Activity, InFlight};
 use crate::http::h1::server::{ClientBody, Fast, Site};
 use crate::limit::per_ip::PerIp;
 use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
@@ -38,7 +39,6 @@ use crate::ops::control::{Command, Control, Reply, Trigger, TICK};
 use crate::pipeline::{self, Shared};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::refusal_log::RefusalLog;
-use crate::upstream::LastActive;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -498,7 +498,7 @@ fn workers(f: &crate::config::schema::File) -> usize {
 /// `listener` (a handle of the gateway socket, which the kernel hands each
 /// connection to one worker). Its requests, their upstream connections and timers
 /// stay on the thread. The returned task ends when the worker has drained.
-fn spawn_worker<S, F, Z: Site>(
+fn spawn_worker<S, F, Z: Site<Peer = pipeline::Peer>>(
     i: usize,
     addr: SocketAddr,
     listener: std::net::TcpListener,
@@ -850,75 +850,6 @@ fn counted_as(ip: IpAddr, per_v6_64: bool) -> IpAddr {
     }
 }
 
-/// Requests in flight on one connection, and when the last one ended: what the idle
-/// timeout watches (hyper has none for HTTP/2). Plain atomics: a request costs two increments and a
-/// clock read, and nothing is woken; the idle timer checks them when it fires.
-pub(crate) struct Activity {
-    in_flight: AtomicUsize,
-    /// When the last request ended.
-    last_end: LastActive,
-    /// An answer went out before its request body was read (`body::Linger`): the
-    /// connection closes with a lingering close (`Linger`).
-    linger: AtomicBool,
-    /// That lingering close is under way: the connection is busy with it (a close
-    /// for idleness or stop must not drop it mid-read; `LINGER_TIME` bounds it).
-    draining: AtomicBool,
-}
-
-/// One request in flight; ends when its response body has been sent (or dropped).
-pub(crate) struct InFlight(Arc<Activity>);
-
-impl Activity {
-    fn new() -> Arc<Activity> {
-        Arc::new(Activity {
-            in_flight: AtomicUsize::new(0),
-            last_end: LastActive::new(),
-            linger: AtomicBool::new(false),
-            draining: AtomicBool::new(false),
-        })
-    }
-
-    /// An answer went out before its request body was read: the connection
-    /// closes with a lingering close.
-    pub(crate) fn linger(&self) {
-        self.linger.store(true, Ordering::Relaxed);
-    }
-
-    pub(crate) fn start(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(self.clone())
-    }
-
-    fn busy(&self) -> bool {
-        self.in_flight.load(Ordering::Acquire) > 0 || self.draining.load(Ordering::Acquire)
-    }
-
-    /// Resolves once no request has been in flight for `timeout`.
-    pub(crate) async fn idle(&self, timeout: Duration) {
-        let mut wait = timeout;
-        loop {
-            tokio::time::sleep(wait).await;
-            if self.busy() {
-                // Whatever ends after this look ends at least `timeout` before the next.
-                wait = timeout;
-                continue;
-            }
-            let since = self.last_end.since();
-            if since >= timeout {
-                return;
-            }
-            wait = timeout - since;
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.last_end.touch();
-        self.0.in_flight.fetch_sub(1, Ordering::Release);
-    }
-}
-
 /// An HTTP/2 response body that keeps its request counted as in flight until it
 /// ends, shared with a watchdog (`Taken`).
 struct TrackedBody {
@@ -1130,7 +1061,7 @@ fn log_end(peer: SocketAddr, result: Result<(), crate::http::body::BoxError>) {
 
 /// Accept connections until told to stop, then drain them for at most `grace`.
 /// With `tls`, each connection is first handshaken (bounded by the header timeout).
-async fn serve<S, F, Z: Site>(
+async fn serve<S, F, Z: Site<Peer = pipeline::Peer>>(
     listener: TcpListener,
     limits: Limits,
     builder: Arc<Http<Z>>,

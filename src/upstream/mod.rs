@@ -23,12 +23,12 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
 use crate::http::body::{Body, BoxError};
+use crate::http::conn::{ConnectionHeld, LastActive};
 use crate::http::fields::HOP_BY_HOP;
 use crate::http::h1::client::{
     Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP,
 };
 use crate::http::wake::Deadline;
-use crate::limit::clock::coarse_ms;
 use crate::limit::per_ip::{IpSlot, PerIp};
 use crate::upstream::pool::{Answer, Pool, ReadTimeout, SendError};
 
@@ -798,12 +798,6 @@ impl http_body::Body for ReadAhead {
 #[derive(Clone)]
 pub struct TunnelEnd(pub tokio::sync::watch::Receiver<()>);
 
-/// What the listener holds for a client connection (its `max_connections` and
-/// per-IP slots), put on upgrade requests: a tunnel keeps it until it closes, so
-/// tunnels count against the connection limits like any connection.
-#[derive(Clone)]
-pub struct ConnectionHeld(pub Arc<dyn std::any::Any + Send + Sync>);
-
 /// Pass a 101 answer on and join the two upgraded connections once both sides
 /// have switched. The tunnel is closed (both connections) once no byte has
 /// crossed it, either way, for `idle` (nginx's `proxy_read_timeout`).
@@ -845,42 +839,6 @@ fn splice(
     });
     parts.extensions.insert(TunnelEnd(end));
     Response::from_parts(parts, crate::http::body::full(bytes::Bytes::new()))
-}
-
-/// When something last happened (a tunnel carried a byte, a connection's request
-/// ended), on the coarse clock (`coarse_ms`, a few milliseconds behind, for
-/// timeouts of seconds): one atomic store per event.
-pub(crate) struct LastActive {
-    at: std::sync::atomic::AtomicU64,
-}
-
-impl LastActive {
-    pub(crate) fn new() -> LastActive {
-        LastActive {
-            at: std::sync::atomic::AtomicU64::new(coarse_ms()),
-        }
-    }
-
-    pub(crate) fn touch(&self) {
-        self.at.store(coarse_ms(), Ordering::Relaxed);
-    }
-
-    /// How long ago the last event was (since it was made, if none yet).
-    pub(crate) fn since(&self) -> Duration {
-        Duration::from_millis(coarse_ms().saturating_sub(self.at.load(Ordering::Relaxed)))
-    }
-
-    /// Resolves once nothing has crossed for `idle`.
-    async fn idle(&self, idle: Duration) {
-        let idle_ms = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
-        loop {
-            let waited = u64::try_from(self.since().as_millis()).unwrap_or(u64::MAX);
-            if waited >= idle_ms {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(idle_ms - waited)).await;
-        }
-    }
 }
 
 /// One side of a tunnel, noting each byte read or written in `last`.

@@ -22,9 +22,9 @@ use http::Response;
 use tokio::sync::oneshot;
 
 use crate::http::body::{Body, BoxError};
+use crate::http::conn::coarse_ms;
 use crate::http::h1::client::{self as h1, Conn, Connector, Decoder, Framing, Upload, UploadError};
 use crate::http::wake::Deadline;
-use crate::limit::clock::coarse_ms;
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
 const LISTS: usize = 8;

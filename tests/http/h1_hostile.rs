@@ -135,7 +135,7 @@ async fn hostile_heads_are_answered_as_hyper_answers_them() {
     // What hyper's HTTP/1.1 server answered to each probe, recorded (without
     // `date`) before sluice's own server took every request.
     let recorded: Vec<serde_json::Value> =
-        serde_json::from_str(include_str!("fixtures/h1_hostile_hyper.json")).expect("JSON");
+        serde_json::from_str(include_str!("../fixtures/h1_hostile_hyper.json")).expect("JSON");
     assert_eq!(recorded.len(), probes.len());
     for (probe, hyper) in probes.iter().zip(&recorded) {
         let (fast, slow) = both(gw.addr, probe.as_bytes()).await;

@@ -22,12 +22,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{oneshot, watch};
 
 use crate::http::body::{Body, BoxError};
+use crate::http::conn::Activity;
+use crate::http::conn::ConnectionHeld;
 use crate::http::h1::client::{last_is_chunked, parsed_value, Names, RawFields, MAX_FIELDS};
 use crate::http::h1::request_body::{poll_read_buf, Decode, Inflow, RequestBody, Settled};
 use crate::http::wake::{Deadline, OnWake};
-use crate::pipeline::{self, Peer, Shared};
-use crate::server::Activity;
-use crate::upstream::ConnectionHeld;
 
 /// A client's request body: none, read by sluice's HTTP/1 server, or hyper's
 /// (HTTP/2).
@@ -99,32 +98,38 @@ const COPY_LIMIT: usize = 16 * 1024;
 /// Where a listener's HTTP/1 requests go: the gateway's request path, or the
 /// admin API.
 pub(crate) trait Site: Send + Sync + 'static {
+    /// The client's end of a connection, as the site wants it (made once per
+    /// connection by the listener).
+    type Peer: Send + Sync + 'static;
+
     /// The answer to one request: its head, worked on in place, and its body.
     fn answer<'a>(
         &'a self,
         parts: &'a mut http::request::Parts,
         body: ClientBody,
-        peer: &'a Peer,
-        conn: pipeline::PlainConn<'a>,
+        peer: &'a Self::Peer,
+        conn: Lent<'a>,
     ) -> impl Future<Output = http::Response<Body>> + Send + 'a;
 }
 
-impl Site for Shared {
-    fn answer<'a>(
-        &'a self,
-        parts: &'a mut http::request::Parts,
-        body: ClientBody,
-        peer: &'a Peer,
-        conn: pipeline::PlainConn<'a>,
-    ) -> impl Future<Output = http::Response<Body>> + Send + 'a {
-        pipeline::handle(self, parts, body, peer, Some(conn))
-    }
+/// What sluice's HTTP/1 server lends each of its requests.
+pub(crate) struct Lent<'c> {
+    /// Where the rate-limit fields the answer gets are written as header lines
+    /// (`RateHeaders::write_lines`), for the server to write after the answer's own
+    /// fields, instead of going into its header map. (Only when the map has none of
+    /// them: else they replace those where they stand.)
+    pub lines: &'c mut Vec<u8>,
+    /// The connection's timer, for the upstream's answer (`Upstream::forward`).
+    pub timer: Pin<&'c mut Deadline>,
+    /// Where the upstream answer's fields go when they can go to the client as they
+    /// came (`RawFields`); None when the server cannot take them so.
+    pub raw: Option<&'c mut Option<RawFields>>,
 }
 
 /// What a connection's server needs.
-pub(crate) struct Fast<S> {
+pub(crate) struct Fast<S: Site> {
     pub site: Arc<S>,
-    pub peer: Arc<Peer>,
+    pub peer: Arc<S::Peer>,
     pub header_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_head: usize,
@@ -182,7 +187,7 @@ where
     let mut spans = Vec::with_capacity(32);
     // The field names of the last request.
     let mut names = Names::default();
-    // The rate-limit fields of the answer, as header lines (`pipeline::PlainConn`).
+    // The rate-limit fields of the answer, as header lines (`Lent`).
     let mut rate_lines: Vec<u8> = Vec::with_capacity(256);
     // A response's header map, emptied, holds the next request's fields (as in
     // hyper): no allocation, and room for the forwarding headers.
@@ -201,7 +206,7 @@ where
     };
     tokio::pin!(stopped);
     // One timer for the connection's deadlines: each head's, and each upstream
-    // answer's (`pipeline::PlainConn`).
+    // answer's (`Lent`).
     let timer = Deadline::new(tokio::time::Instant::now() + fast.header_timeout);
     tokio::pin!(timer);
     // How much of `buf` is known to hold no end of a head: a head sent in many
@@ -289,7 +294,7 @@ where
                 &mut parts,
                 body,
                 &fast.peer,
-                pipeline::PlainConn {
+                Lent {
                     lines: &mut rate_lines,
                     timer: timer.as_mut(),
                     raw: raw_ok.then_some(&mut raw),
