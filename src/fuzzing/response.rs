@@ -13,7 +13,8 @@ use bytes::BytesMut;
 use http::{HeaderMap, Method};
 
 use super::rfc9112::{self, content_length, items, ChunkRules, ChunkedEnd, Fields, Length};
-use crate::http::h1::client::{parse_head_for, Decoder, Kept, Source, MAX_FIELDS, MAX_HEAD};
+use crate::http::h1::client::{parse_head_for, Decoder, Kept, Source};
+use crate::http::h1::framing::{MAX_FIELDS, MAX_HEAD};
 
 /// How a response body is delimited (RFC 9112 §6.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::header::{HeaderMap, HeaderValue};
 use http::{Response, StatusCode, Version};
 
 use self::admit::BadRequest;
@@ -29,6 +29,7 @@ use crate::http::body;
 use crate::http::body::Body;
 
 use crate::http::h1::client::RawFields;
+use crate::http::h1::framing::{announces_body, content_length};
 use crate::http::h1::server::{ClientBody, Lent, Site};
 use crate::http::wake::Deadline;
 
@@ -226,25 +227,6 @@ async fn process(
         return end_with(body::headless(resp), tally);
     }
     end_with(resp, tally)
-}
-
-/// Whether an HTTP/1 request head announces a body: `Transfer-Encoding`, or a
-/// first `Content-Length` other than `0`. (One pass over the few fields of most
-/// requests, cheaper than two hashed lookups.)
-fn announces_body(h: &HeaderMap) -> bool {
-    let mut length_seen = false;
-    for (k, v) in h {
-        if *k == TRANSFER_ENCODING {
-            return true;
-        }
-        if *k == CONTENT_LENGTH && !length_seen {
-            if v != "0" {
-                return true;
-            }
-            length_seen = true;
-        }
-    }
-    false
 }
 
 /// The end of the request (pingora's `logging` phase): the tally, and the permit in
@@ -599,10 +581,6 @@ fn strike(
         target,
         duration: ban.duration,
     });
-}
-
-fn content_length(h: &HeaderMap) -> Option<u64> {
-    h.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 /// Counts a failed forward: the client's fault or the upstream's.

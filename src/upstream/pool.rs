@@ -112,7 +112,7 @@ impl Pool {
         let (mut head, framing) = h1::request_head(parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
         let trailers = match framing {
-            Framing::Chunked => h1::announced_trailers(&parts.headers),
+            Framing::Chunked => crate::http::h1::framing::announced_trailers(&parts.headers),
             _ => Vec::new(),
         };
         let mut body = Some(body);

@@ -25,17 +25,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::framing::{
+    check_buffered_chunks, content_length, may_trail, size_line, trailers, FramingError, Length,
+    MAX_FIELDS, MAX_HEAD,
+};
 use crate::http::body::{Body, BoxError};
 
-/// The largest response head (status line and fields) or trailer block taken from
-/// an upstream; a larger one is a 502 (nginx's `proxy_buffer_size` is 4–8 KiB,
-/// Envoy's limit 60 KiB).
-pub const MAX_HEAD: usize = 64 * 1024;
-/// The most fields a message head or trailer block may have, both ways (hyper's
-/// default; a request head with more gets 431).
-pub(crate) const MAX_FIELDS: usize = 100;
-/// The longest chunk-size line (with its extensions).
-const MAX_CHUNK_LINE: usize = 4096;
 /// Bytes asked of the socket per read (at least).
 const READ_SIZE: usize = 16 * 1024;
 
@@ -56,6 +51,15 @@ pub enum WireError {
     HeadTooLarge,
     #[error("the request body did not match its Content-Length")]
     BodyLength,
+}
+
+impl From<FramingError> for WireError {
+    fn from(e: FramingError) -> WireError {
+        match e {
+            FramingError::Malformed(what) => WireError::Malformed(what),
+            FramingError::TooLarge => WireError::HeadTooLarge,
+        }
+    }
 }
 
 // === connections ===
@@ -591,37 +595,6 @@ fn write_fields(out: &mut BytesMut, h: &HeaderMap) {
     }
 }
 
-/// Whether the last coding a `Transfer-Encoding` value lists is `chunked`.
-pub(crate) fn last_is_chunked(v: &HeaderValue) -> bool {
-    v.to_str()
-        .ok()
-        .and_then(|s| s.rsplit(',').next())
-        .is_some_and(|e| e.trim().eq_ignore_ascii_case("chunked"))
-}
-
-/// The one `Content-Length` of a message: several values (or a list) are one only
-/// if all equal; anything but digits is none.
-fn content_length(h: &HeaderMap) -> Option<u64> {
-    let mut length = Length::None;
-    for v in h.get_all(header::CONTENT_LENGTH) {
-        length.add(v.as_bytes());
-    }
-    match length {
-        Length::One(n) => Some(n),
-        Length::None | Length::Invalid => None,
-    }
-}
-
-/// Digits only (no sign, no space), at most 19 of them (no overflow).
-fn decimal(b: &[u8]) -> Option<u64> {
-    if b.is_empty() || b.len() > 19 {
-        return None;
-    }
-    b.iter().try_fold(0u64, |n, &d| {
-        d.is_ascii_digit().then(|| n * 10 + u64::from(d - b'0'))
-    })
-}
-
 /// Writes the head, then the body in its framing; ends flushed.
 pub struct Upload {
     /// What to write before the next frame: `pending[at..]` (the head stays whole
@@ -635,40 +608,6 @@ pub struct Upload {
     written: u64,
     /// The trailer fields the request announced (`announced_trailers`).
     trailers: Vec<HeaderName>,
-}
-
-/// The trailer fields a request's `Trailer` header announces: on a chunked body,
-/// only those are sent (as hyper's client). None with `_` in its name: such request
-/// headers are dropped (`admit::drop_underscored`), and a trailer is no way round.
-pub fn announced_trailers(h: &HeaderMap) -> Vec<HeaderName> {
-    h.get_all(header::TRAILER)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .filter(|n| !n.as_str().contains('_'))
-        .collect()
-}
-
-/// Whether a field may be sent as a trailer: not one that frames, routes or
-/// authorizes the message (RFC 9110 §6.5.1; hyper's list), which a recipient that
-/// merges trailers into the head would otherwise take as the request's own.
-pub(crate) fn may_trail(name: &HeaderName) -> bool {
-    !matches!(
-        *name,
-        header::AUTHORIZATION
-            | header::CACHE_CONTROL
-            | header::CONTENT_ENCODING
-            | header::CONTENT_LENGTH
-            | header::CONTENT_RANGE
-            | header::CONTENT_TYPE
-            | header::HOST
-            | header::MAX_FORWARDS
-            | header::SET_COOKIE
-            | header::TRAILER
-            | header::TRANSFER_ENCODING
-            | header::TE
-    )
 }
 
 /// How an upload failed: the client's body (its error, to classify), or the
@@ -1220,29 +1159,6 @@ impl Codings {
     }
 }
 
-/// The `Content-Length` values of a head so far (`content_length` of a whole map).
-#[derive(Default, Debug, PartialEq)]
-enum Length {
-    #[default]
-    None,
-    /// Every value, and every item of a list, is this one.
-    One(u64),
-    /// Something other than digits, or two lengths.
-    Invalid,
-}
-
-impl Length {
-    fn add(&mut self, value: &[u8]) {
-        for part in value.split(|&b| b == b',') {
-            *self = match (decimal(part.trim_ascii()), &*self) {
-                (Some(n), Length::None) => Length::One(n),
-                (Some(n), Length::One(f)) if *f == n => Length::One(n),
-                _ => Length::Invalid,
-            };
-        }
-    }
-}
-
 /// Where a response body is.
 #[derive(Debug)]
 pub enum Decoder {
@@ -1341,7 +1257,7 @@ impl Decoder {
                             }
                             _ => Err(WireError::Malformed("chunk not followed by CRLF")),
                         },
-                        Chunk::Trailers => match trailers(buf) {
+                        Chunk::Trailers => match trailers(buf).map_err(WireError::from) {
                             Ok(Some(t)) => {
                                 *self = Decoder::Done;
                                 return Poll::Ready(t.map(|t| Ok(Frame::trailers(t))));
@@ -1382,119 +1298,9 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
     }))
 }
 
-/// The chunk-size line at the front of `b`: its length with the CRLF, and the
-/// size; `None` until the whole line is there.
-pub(crate) fn size_line(b: &[u8]) -> Result<Option<(usize, u64)>, WireError> {
-    let Some(end) = b.iter().position(|&c| c == b'\n') else {
-        return if b.len() > MAX_CHUNK_LINE {
-            Err(WireError::Malformed("chunk-size line too long"))
-        } else if !may_become_size_line(b) {
-            Err(WireError::Malformed("chunk size"))
-        } else {
-            Ok(None)
-        };
-    };
-    if end == 0 || b[end - 1] != b'\r' || end > MAX_CHUNK_LINE {
-        return Err(WireError::Malformed("chunk-size line"));
-    }
-    let line = &b[..end - 1];
-    // A CR before the line's own is a bare CR (RFC 9112 §2.2), in the extensions too.
-    if line.contains(&b'\r') {
-        return Err(WireError::Malformed("bare CR in a chunk-size line"));
-    }
-    let digits = line.iter().take_while(|c| c.is_ascii_hexdigit()).count();
-    let rest = trim_blanks(&line[digits..]);
-    if digits == 0 || digits > 16 || !(rest.is_empty() || rest[0] == b';') {
-        return Err(WireError::Malformed("chunk size"));
-    }
-    let size = line[..digits].iter().fold(0u64, |n, &c| {
-        (n << 4) | u64::from((c as char).to_digit(16).unwrap_or(0))
-    });
-    Ok(Some((end + 1, size)))
-}
-
-/// Checks the chunked framing of what came with the head, taking nothing out: a
-/// malformed size line, or a chunk not followed by CRLF, in bytes already at hand
-/// makes the answer a 502 while nothing has gone to the client (otherwise the
-/// client would get the head, then a cut). What has not come yet is checked as it
-/// comes; the trailers are left to the decoder.
-fn check_buffered_chunks(mut b: &[u8]) -> Result<(), WireError> {
-    while let Some((taken, size)) = size_line(b)? {
-        b = &b[taken..];
-        let Some(size) = usize::try_from(size).ok().filter(|n| *n > 0) else {
-            return Ok(());
-        };
-        // What came of the CRLF after the data (none, `\r`, or both) must be it.
-        let after = b.get(size..).unwrap_or_default();
-        let end = &after[..after.len().min(2)];
-        if !b"\r\n".starts_with(end) {
-            return Err(WireError::Malformed("chunk not followed by CRLF"));
-        }
-        if end.len() < 2 {
-            return Ok(());
-        }
-        b = &after[2..];
-    }
-    Ok(())
-}
-
-/// Whether `part`, a chunk-size line whose end has not come yet, can still become
-/// one `chunk_size` takes: so a size line that is wrong from its first bytes is
-/// refused with the head it came with, not once its end comes.
-fn may_become_size_line(part: &[u8]) -> bool {
-    let digits = part.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    if digits > 16 {
-        return false;
-    }
-    if digits == part.len() {
-        return true;
-    }
-    // A CR only as the last byte, the line's own (its LF to come).
-    if part
-        .iter()
-        .position(|&b| b == b'\r')
-        .is_some_and(|cr| cr + 1 != part.len())
-    {
-        return false;
-    }
-    let rest = trim_blanks(&part[digits..]);
-    digits > 0 && (rest.is_empty() || rest[0] == b';' || rest == b"\r")
-}
-
-/// Without the spaces and tabs it starts with: white space after a chunk size, as
-/// hyper and nginx take it (the grammar has it only before `;`).
-fn trim_blanks(b: &[u8]) -> &[u8] {
-    let blanks = b.iter().take_while(|&&c| c == b' ' || c == b'\t').count();
-    &b[blanks..]
-}
-
-/// The trailer block after the last chunk, taken out of `buf`: `Some(None)` when
-/// there are no fields, `None` until the block is complete.
-pub(crate) fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, WireError> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
-    match httparse::parse_headers(buf, &mut fields) {
-        // As large a block as a head may be, however it arrived.
-        Ok(httparse::Status::Complete((len, _))) if len > MAX_HEAD => Err(WireError::HeadTooLarge),
-        Ok(httparse::Status::Complete((len, fields))) => {
-            let mut map = HeaderMap::with_capacity(fields.len());
-            for f in fields.iter() {
-                let name = HeaderName::from_bytes(f.name.as_bytes())
-                    .map_err(|_| WireError::Malformed("trailer name"))?;
-                let value = HeaderValue::from_bytes(f.value)
-                    .map_err(|_| WireError::Malformed("trailer value"))?;
-                map.append(name, value);
-            }
-            buf.advance(len);
-            Ok(Some((!map.is_empty()).then_some(map)))
-        }
-        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => Err(WireError::HeadTooLarge),
-        Ok(httparse::Status::Partial) => Ok(None),
-        Err(_) => Err(WireError::Malformed("trailers")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::framing::MAX_CHUNK_LINE;
     use super::*;
 
     /// Which answers keep their fields as they came (`RawFields`), and what those
@@ -1990,7 +1796,7 @@ mod tests {
         let big = format!("x: {}\r\n\r\n", "a".repeat(MAX_HEAD));
         assert!(matches!(
             trailers(&mut BytesMut::from(big.as_str())),
-            Err(WireError::HeadTooLarge)
+            Err(FramingError::TooLarge)
         ));
         let fits = format!("x: {}\r\n\r\n", "a".repeat(MAX_HEAD - 10));
         assert!(matches!(

@@ -2,5 +2,6 @@
 //! `request_body`) and the upstream client codec (`client`).
 
 pub mod client;
+pub mod framing;
 pub mod request_body;
 pub mod server;

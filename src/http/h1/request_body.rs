@@ -13,7 +13,7 @@ use http_body::{Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::http::body::BoxError;
-use crate::http::h1::client as wire;
+use crate::http::h1::framing;
 
 /// hyper's limit on the chunk extensions of one body, in bytes.
 const EXTENSIONS_LIMIT: u64 = 16 * 1024;
@@ -77,7 +77,7 @@ impl Decode {
                 Decode::Chunked(chunk) => {
                     let next = match chunk {
                         Chunk::Size => {
-                            let Some((taken, size)) = wire::size_line(buf).map_err(malformed)?
+                            let Some((taken, size)) = framing::size_line(buf).map_err(malformed)?
                             else {
                                 return Ok(Step::More);
                             };
@@ -104,7 +104,7 @@ impl Decode {
                             _ => return Err(malformed("chunk not followed by CRLF")),
                         },
                         Chunk::Trailers => {
-                            return match wire::trailers(buf).map_err(malformed)? {
+                            return match framing::trailers(buf).map_err(malformed)? {
                                 None => Ok(Step::More),
                                 Some(t) => {
                                     *self = Decode::Done;

@@ -24,7 +24,10 @@ use tokio::sync::{oneshot, watch};
 use crate::http::body::{Body, BoxError};
 use crate::http::conn::Activity;
 use crate::http::conn::ConnectionHeld;
-use crate::http::h1::client::{last_is_chunked, parsed_value, Names, RawFields, MAX_FIELDS};
+use crate::http::h1::client::{parsed_value, Names, RawFields};
+use crate::http::h1::framing::{
+    digits, has_token, last_is_chunked, may_trail, parse_length, MAX_FIELDS,
+};
 use crate::http::h1::request_body::{poll_read_buf, Decode, Inflow, RequestBody, Settled};
 use crate::http::wake::{Deadline, OnWake};
 
@@ -676,29 +679,6 @@ fn parse(
     })
 }
 
-/// A `Content-Length` value: digits only (no sign, no list), as hyper reads one.
-fn digits(v: &[u8]) -> Option<u64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.iter().try_fold(0u64, |n, &b| {
-        if b.is_ascii_digit() {
-            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-        } else {
-            None
-        }
-    })
-}
-
-/// Whether a comma-separated list has `token` (any case); as hyper, only in a
-/// value of visible ASCII.
-fn has_token(value: &[u8], token: &[u8]) -> bool {
-    value.iter().all(|&b| b == b'\t' || (32..127).contains(&b))
-        && value
-            .split(|&b| b == b',')
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
-}
-
 /// What the answer's framing depends on besides the response.
 struct Meta {
     /// The request's.
@@ -1048,14 +1028,6 @@ fn encode_head(
     Ok(Encoding { framing, last })
 }
 
-fn parse_length(v: &HeaderValue) -> Option<u64> {
-    let s = v.to_str().ok()?;
-    let mut it = s.split(',').map(str::trim);
-    let first: u64 = it.next()?.parse().ok()?;
-    it.all(|n| n.parse::<u64>().ok() == Some(first))
-        .then_some(first)
-}
-
 /// Send the head in `out` and the body in its framing. A body frame that is ready
 /// at once goes in the same write as what precedes it. A request body still being
 /// read (`inflow`) is fed meanwhile: the upstream may answer while it reads.
@@ -1108,7 +1080,7 @@ where
             if let (true, true, Some(allowed)) = (chunked, trailers_allowed, &allowed) {
                 let mut lines = Vec::new();
                 for (n, v) in fields.iter() {
-                    if allowed.contains(n) && crate::http::h1::client::may_trail(n) {
+                    if allowed.contains(n) && may_trail(n) {
                         lines.extend_from_slice(n.as_str().as_bytes());
                         lines.extend_from_slice(b": ");
                         lines.extend_from_slice(v.as_bytes());
