@@ -584,7 +584,7 @@ async fn the_dashboard_pages_a_long_deny_list() {
     }
     let browser = webdriver::Browser::start().await;
     browser.open(&url(sluice.admin, "/")).await;
-    const SHOWN: &str = "const rows = [...document.querySelectorAll('#deny tr')]; return [document.getElementById('deny-count').textContent, rows.length, rows[0].dataset.value, rows[rows.length - 1].dataset.value, document.getElementById('deny-prev').hidden, document.getElementById('deny-next').hidden]";
+    const SHOWN: &str = "const rows = [...document.querySelectorAll('#deny tr')]; return [document.getElementById('deny-count').textContent, rows.length, rows[0]?.dataset.value ?? null, rows[rows.length - 1]?.dataset.value ?? null, document.getElementById('deny-prev').hidden, document.getElementById('deny-next').hidden]";
     let first = json!(["1–100 of 130 entries", 100, "k000", "k099", true, false]);
     browser
         .wait_for("the first page", SHOWN, first.clone())
