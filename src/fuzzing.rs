@@ -27,6 +27,7 @@ use crate::limit::{decide, State};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::BuildError;
 
+pub mod request;
 mod response;
 pub mod rfc9112;
 pub use response::{response, rfc_response, BodyEnd, BodyLength, RfcHead, RfcResponse};

@@ -1,7 +1,7 @@
 //! sluice's own HTTP/1.1 server, on the gateway's port and the admin port: every
 //! HTTP/1 request, plain or under TLS, is read, answered and written here (hyper
 //! serves only HTTP/2). A request body is read for the request path as it
-//! asks for it (`h1body`); an upgrade hands the socket to its tunnel after the
+//! asks for it (`request_body`); an upgrade hands the socket to its tunnel after the
 //! `101`. Bodiless requests, most of them, take the shortest way: one parse, the
 //! head worked on in place, the answer's head written behind the fields as they
 //! came.
