@@ -24,7 +24,7 @@ impl Default for RequestLimits {
     fn default() -> Self {
         RequestLimits {
             max_head: 32 * 1024,
-            max_fields: crate::http::h1::client::MAX_FIELDS,
+            max_fields: crate::http::h1::framing::MAX_FIELDS,
             strict_extensions: false,
         }
     }
