@@ -178,7 +178,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         let service = move |peer: Arc<pipeline::Peer>| {
             let shared = shared.clone();
             // HTTP/2 only: sluice's own server takes every HTTP/1 request.
-            service_fn(move |req: Request<Incoming>| -> Answer {
+            service_fn(move |req: Request<Incoming>| -> H2Future {
                 let (shared, peer) = (shared.clone(), peer.clone());
                 let (mut parts, body) = req.into_parts();
                 Box::pin(async move {
@@ -256,7 +256,7 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
         // HTTP/2 only (h2c): sluice's own server takes every HTTP/1 request.
         let service = move |_peer: Arc<pipeline::Peer>| {
             let admin = admin.clone();
-            service_fn(move |req: Request<Incoming>| -> Answer {
+            service_fn(move |req: Request<Incoming>| -> H2Future {
                 let admin = admin.clone();
                 let req = req.map(ClientBody::Hyper);
                 Box::pin(async move { Ok(admin.handle(req).await) })
@@ -958,7 +958,7 @@ struct Tracked<S> {
 
 /// What the gateway's and the admin port's services return: boxed once, where the
 /// request's future is made, so that it is never copied again on its way to hyper.
-type Answer = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+type H2Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
 impl<S> hyper::service::Service<Request<Incoming>> for Tracked<S>
 where
@@ -967,11 +967,11 @@ where
 {
     type Response = Response<TrackedBody>;
     type Error = Infallible;
-    type Future = TrackedAnswer<S::Future>;
+    type Future = TrackedFuture<S::Future>;
 
-    fn call(&self, req: Request<Incoming>) -> TrackedAnswer<S::Future> {
+    fn call(&self, req: Request<Incoming>) -> TrackedFuture<S::Future> {
         let in_flight = self.activity.start();
-        TrackedAnswer {
+        TrackedFuture {
             answer: self.inner.call(req),
             send_timeout: self.send_timeout,
             in_flight: Some(in_flight),
@@ -980,13 +980,13 @@ where
 }
 
 /// The answer of `Tracked`'s service, its body tracked.
-struct TrackedAnswer<F> {
+struct TrackedFuture<F> {
     answer: F,
     send_timeout: Duration,
     in_flight: Option<InFlight>,
 }
 
-impl<F> Future for TrackedAnswer<F>
+impl<F> Future for TrackedFuture<F>
 where
     F: Future<Output = Result<Response<Body>, Infallible>> + Unpin,
 {
@@ -1001,7 +1001,7 @@ where
         let in_flight = this
             .in_flight
             .take()
-            .expect("TrackedAnswer polled after it answered");
+            .expect("TrackedFuture polled after it was ready");
         std::task::Poll::Ready(Ok(resp.map(|body| TrackedBody {
             inner: Arc::new(Mutex::new(Taken {
                 body: Some(body),

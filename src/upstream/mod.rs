@@ -30,7 +30,7 @@ use crate::http::h1::client::{
 };
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
-use crate::upstream::pool::{Answer, Pool, ReadTimeout, SendError};
+use crate::upstream::pool::{Exchanged, Pool, ReadTimeout, SendError};
 
 /// A kept upstream connection idle longer than this is closed.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -617,8 +617,8 @@ impl Upstream {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
             Ok(Err(SendError::Send(e))) => return Err(classify(e, false)),
-            Ok(Ok(Answer::Response(r))) => r,
-            Ok(Ok(Answer::Switched(parts, conn))) => {
+            Ok(Ok(Exchanged::Response(r))) => r,
+            Ok(Ok(Exchanged::Switched(parts, conn))) => {
                 return match client_upgrade {
                     Some(client_upgrade) => Ok(splice(
                         parts,

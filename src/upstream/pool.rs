@@ -58,7 +58,7 @@ pub enum SendError {
 pub struct ReadTimeout(pub Duration);
 
 /// The upstream's answer.
-pub enum Answer {
+pub enum Exchanged {
     /// With a body that gives the connection back at its end.
     Response(Response<Pooled>),
     /// 101: the connection now speaks the protocol switched to.
@@ -107,7 +107,7 @@ impl Pool {
         body: Body,
         fwd: h1::Forwarded<'_>,
         mut raw: Option<&mut Option<h1::RawFields>>,
-    ) -> Result<Answer, SendError> {
+    ) -> Result<Exchanged, SendError> {
         // Taken by each attempt; given back by one that may be repeated.
         let (mut head, framing) = h1::request_head(parts, &body, fwd);
         let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
@@ -140,7 +140,7 @@ impl Pool {
             );
             match exchange.await {
                 Ok(head) if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS => {
-                    return Ok(Answer::Switched(head.parts, conn));
+                    return Ok(Exchanged::Switched(head.parts, conn));
                 }
                 Ok(mut head) => {
                     if let Some(slot) = raw.as_deref_mut() {
@@ -156,7 +156,7 @@ impl Pool {
                         silence: None,
                         progressed: false,
                     };
-                    return Ok(Answer::Response(Response::from_parts(head.parts, body)));
+                    return Ok(Exchanged::Response(Response::from_parts(head.parts, body)));
                 }
                 // Closed before anything came back (the upstream's keep-alive ran
                 // out as the request went): another connection may take it.
@@ -488,7 +488,7 @@ mod tests {
                 .body(crate::http::body::full(Bytes::new()))
                 .unwrap();
             let (mut parts, body) = req.into_parts();
-            let Ok(Answer::Response(resp)) = pool
+            let Ok(Exchanged::Response(resp)) = pool
                 .send(&mut parts, body, h1::Forwarded::default(), None)
                 .await
             else {
