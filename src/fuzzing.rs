@@ -44,6 +44,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("key", key),
     ("path", path),
     ("response", response),
+    ("request", request::request),
 ];
 
 /// A configuration file: parsed and validated; when valid, summarised, shown as

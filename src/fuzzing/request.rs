@@ -1,10 +1,12 @@
 //! The oracle of the `request` target, for the server's HTTP/1 codec: a client's
 //! bytes read as RFC 9112 says a server reads a request (§3 request line, §5 fields,
 //! §6 body length), with sluice's limits as parameters; and `check_request`, which
-//! holds a codec's reading (`CodecRequest`) to it. The target itself waits for the
-//! codec that parses every request (bodies, chunked, upgrades) to call.
+//! holds a codec's reading (`CodecRequest`) to it; `request`, the target, reads the
+//! same bytes with the server's codec (`h1::server::read_requests`). Where the codec
+//! deliberately reads as hyper's server rather than as the RFC, the rules say so at
+//! one place each, marked `EXCEPTION`, with why.
 
-use super::rfc9112::{self, content_length, items, ChunkRules, ChunkedEnd, Fields, Length};
+use super::rfc9112::{self, items, ChunkRules, ChunkedEnd, Fields};
 
 /// A server's limits on a request.
 #[derive(Debug, Clone, Copy)]
@@ -119,82 +121,85 @@ pub fn rfc_request(input: &[u8], limits: &RequestLimits) -> RfcRequest {
     let method = req.method.unwrap_or_default().to_owned();
     let target = req.path.unwrap_or_default().to_owned();
     let minor = req.version.unwrap_or(1);
-    let fields: Fields = req
+    let mut fields: Fields = req
         .headers
         .iter()
         .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
         .collect();
 
-    // §3.2: the target's form follows the method.
-    let form_ok = match method.as_str() {
-        // authority-form: host ":" port, nothing else.
-        "CONNECT" => target.rsplit_once(':').is_some_and(|(host, port)| {
-            !host.is_empty()
-                && !target.contains(['/', '?', '#', '@'])
-                && !port.is_empty()
-                && port.bytes().all(|b| b.is_ascii_digit())
-        }),
-        // asterisk-form, only for OPTIONS.
-        _ if target == "*" => method == "OPTIONS",
-        // origin-form, or absolute-form.
-        _ => target.starts_with('/') || has_scheme(&target),
+    // EXCEPTION: the target's form and Host are the request path's to check
+    // (`pipeline::admit`), as hyper leaves them to its service; the codec checks only
+    // that the target is a URI (as `http::Uri` reads it, and writes it: a fragment
+    // dropped, an absolute-form path of `/` made explicit).
+    let Ok(target) = target.parse::<http::Uri>().map(|u| u.to_string()) else {
+        return refused(400, "request target not a URI");
     };
-    if !form_ok {
-        return refused(400, "request target not of a form for its method");
+    // EXCEPTION: framing as hyper's server reads it. A `Content-Length` is one number
+    // a line (no lists), its lines equal, checked until a `Transfer-Encoding` comes;
+    // `Transfer-Encoding` wins over it (§6.1's MAY refuse not taken: the length is
+    // dropped and the connection closes after the answer); chunked is the last
+    // item of the last `Transfer-Encoding` line (empty items count, `chunked` twice
+    // is not refused, a line that is not UTF-8 names no coding).
+    let mut length: Option<u64> = None;
+    let mut transfer_encoding = false;
+    let mut chunked = false;
+    let mut saw_length = false;
+    for (name, value) in &fields {
+        if name == "content-length" {
+            saw_length = true;
+            if transfer_encoding {
+                continue;
+            }
+            let n = (!value.is_empty() && value.iter().all(u8::is_ascii_digit))
+                .then(|| std::str::from_utf8(value).ok()?.parse::<u64>().ok())
+                .flatten()
+                // (A limit: hyper's largest length.)
+                .filter(|n| *n <= u64::MAX - 2);
+            match n {
+                Some(n) if length.is_none_or(|l| l == n) => length = Some(n),
+                _ => return refused(400, "invalid Content-Length"),
+            }
+        } else if name == "transfer-encoding" {
+            // §6.1: Transfer-Encoding in HTTP/1.0 is faulty framing.
+            if minor == 0 {
+                return refused(400, "Transfer-Encoding in HTTP/1.0");
+            }
+            transfer_encoding = true;
+            let last = value.rsplit(|&b| b == b',').next().unwrap_or_default();
+            chunked = std::str::from_utf8(value).is_ok()
+                && last.trim_ascii().eq_ignore_ascii_case(b"chunked");
+        }
     }
-    // §3.2: HTTP/1.1 needs one Host; no request may have two.
-    let hosts = fields.iter().filter(|(n, _)| n == "host").count();
-    if hosts > 1 || (hosts == 0 && minor == 1) {
-        return refused(400, "not one Host");
-    }
-
-    let transfer_encoding = fields.iter().any(|(n, _)| n == "transfer-encoding");
-    let codings = items(&fields, "transfer-encoding");
-    let length = content_length(
-        fields
-            .iter()
-            .filter(|(n, _)| n == "content-length")
-            .map(|(_, v)| v.as_slice()),
-    );
     let framing = if transfer_encoding {
-        // §6.1: Transfer-Encoding in HTTP/1.0 is faulty framing.
-        if minor == 0 {
-            return refused(400, "Transfer-Encoding in HTTP/1.0");
-        }
-        // §6.1: a server may refuse Content-Length beside Transfer-Encoding (and must
-        // close after it either way): sluice refuses it.
-        if length != Length::Absent {
-            return refused(400, "Transfer-Encoding beside Content-Length");
-        }
         // §6.3 rule 4: unless chunked is the last coding, the length cannot be known.
-        // §7: chunked is never applied twice.
-        if codings.last().map(Vec::as_slice) != Some(b"chunked") {
+        if !chunked {
             return refused(400, "chunked is not the last transfer coding");
         }
-        if codings
-            .iter()
-            .filter(|c| c.as_slice() == b"chunked")
-            .count()
-            > 1
-        {
-            return refused(400, "chunked twice");
-        }
+        fields.retain(|(n, _)| n != "content-length");
         Framing::Chunked
     } else {
         match length {
-            // §6.3 rule 5.
-            Length::Invalid => return refused(400, "invalid Content-Length"),
-            Length::Valid(n) => Framing::Length(n),
-            Length::Absent => Framing::None,
+            // EXCEPTION: a length of 0 is no body, as the codec frames it.
+            Some(0) | None => Framing::None,
+            Some(n) => Framing::Length(n),
         }
     };
 
     // §9.3: HTTP/1.1 persists unless `close`; HTTP/1.0 with `keep-alive` only.
-    let options = items(&fields, "connection");
+    // EXCEPTION: a `Connection` line with a byte other than visible ASCII or a tab
+    // names no option (hyper reads the value as a string, or not at all).
+    let visible: Fields = fields
+        .iter()
+        .filter(|(_, v)| v.iter().all(|&b| b == b'\t' || (32..127).contains(&b)))
+        .cloned()
+        .collect();
+    let options = items(&visible, "connection");
     let persistent = !options.iter().any(|o| o == b"close")
-        && (minor == 1 || options.iter().any(|o| o == b"keep-alive"));
-    let upgrade =
-        options.iter().any(|o| o == b"upgrade") && fields.iter().any(|(n, _)| n == "upgrade");
+        && (minor == 1 || options.iter().any(|o| o == b"keep-alive"))
+        && !(transfer_encoding && saw_length);
+    // EXCEPTION: any `Upgrade` field in HTTP/1.1 may switch, named by `Connection`
+    // or not (hyper's server; the upgrade's answer decides).
+    let upgrade = minor == 1 && fields.iter().any(|(n, _)| n == "upgrade");
     let head = RequestHead {
         may_switch: method == "CONNECT" || upgrade,
         method,
@@ -243,16 +248,6 @@ pub fn rfc_request(input: &[u8], limits: &RequestLimits) -> RfcRequest {
     RfcRequest::Accepted { head, body }
 }
 
-/// `scheme "://"`, as an absolute-form target starts (RFC 3986 §3.1).
-fn has_scheme(target: &str) -> bool {
-    let Some((scheme, _)) = target.split_once("://") else {
-        return false;
-    };
-    let mut chars = scheme.chars();
-    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
-        && chars.all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
-}
-
 /// Every request in `input`, one after the other, as a server reads a connection:
 /// up to the first that is not accepted whole, that ends the connection (not
 /// persistent), or after which it may stop being HTTP.
@@ -276,6 +271,52 @@ pub fn rfc_requests(input: &[u8], limits: &RequestLimits) -> Vec<RfcRequest> {
     }
 }
 
+/// The `request` target: a client's bytes read by the server's codec
+/// (`h1::server::read_requests`, with the gateway's default limits) and held, request
+/// by request, to `rfc_requests`.
+pub fn request(data: &[u8]) {
+    use crate::http::h1::server::{read_requests, BodyEnd, Framed, Read};
+    let limits = RequestLimits::default();
+    let fields = |map: &http::HeaderMap| -> Fields {
+        map.iter()
+            .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+            .collect()
+    };
+    let got: Vec<CodecRequest> = read_requests(data, limits.max_head)
+        .into_iter()
+        .map(|read| match read {
+            Read::Incomplete => CodecRequest::Incomplete,
+            Read::Refused(status) => CodecRequest::Refused(status.as_u16()),
+            Read::Request {
+                parts,
+                framed,
+                data,
+                trailers,
+                end,
+            } => CodecRequest::Accepted {
+                method: parts.method.as_str().to_owned(),
+                target: parts.uri.to_string(),
+                minor: u8::from(parts.version == http::Version::HTTP_11),
+                fields: fields(&parts.headers),
+                framing: match framed {
+                    Framed::None => Framing::None,
+                    Framed::Length(n) => Framing::Length(n),
+                    Framed::Chunked => Framing::Chunked,
+                },
+                body: match end {
+                    BodyEnd::Whole => CodecBody::Complete {
+                        data,
+                        trailers: trailers.as_ref().map(fields).unwrap_or_default(),
+                    },
+                    BodyEnd::Cut => CodecBody::Incomplete { data },
+                    BodyEnd::Malformed => CodecBody::Malformed { data },
+                },
+            },
+        })
+        .collect();
+    check_requests(data, &limits, &got);
+}
+
 // === the comparison ===
 
 /// What a server codec made of a request: filled in by whatever drives the codec
@@ -291,8 +332,8 @@ pub enum CodecRequest {
         target: String,
         /// 0 for HTTP/1.0, 1 for HTTP/1.1.
         minor: u8,
-        /// Names lowercased, values as bytes, in the order they came (a map's order
-        /// is fine too: each name's values in their order, names by first line).
+        /// Names lowercased, values as bytes, each name's values in the order they
+        /// came (the order of different names is not compared).
         fields: Fields,
         framing: Framing,
         body: CodecBody,
@@ -418,16 +459,12 @@ pub fn check_requests(input: &[u8], limits: &RequestLimits, got: &[CodecRequest]
     }
 }
 
-/// Fields in a map's order: grouped by name, names in the order they first came.
+/// Fields as RFC 9110 §5.3 compares them: each name's values in their order; the
+/// order of different names is not significant (a map's removal reorders them).
 fn in_map_order(fields: &Fields) -> Fields {
-    let mut out: Fields = Vec::with_capacity(fields.len());
-    let mut names: Vec<&str> = Vec::new();
-    for (name, _) in fields {
-        if !names.contains(&name.as_str()) {
-            names.push(name);
-            out.extend(fields.iter().filter(|(n, _)| n == name).cloned());
-        }
-    }
+    let mut out = fields.clone();
+    // Stable: each name's values stay in their order.
+    out.sort_by(|a, b| a.0.cmp(&b.0));
     out
 }
 
@@ -478,17 +515,20 @@ mod tests {
             // §2.2: a bare CR is invalid.
             ("GET / HTTP/1.1\r\nHost: a\rb\r\n\r\n", "400"),
             ("GET / HTTP/1.1\r\nHost: a\r\n", "incomplete"),
-            ("GET / HTTP/1.1\r\n\r\n", "400"),
+            // Host and the target's form are `admit`'s (EXCEPTION).
+            ("GET / HTTP/1.1\r\n\r\n", "None \"\""),
             ("GET / HTTP/1.0\r\n\r\n", "None \"\""),
-            ("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", "400"),
-            ("GET * HTTP/1.1\r\nHost: a\r\n\r\n", "400"),
+            ("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", "None \"\""),
+            ("GET * HTTP/1.1\r\nHost: a\r\n\r\n", "None \"\""),
             ("OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n", "None \"\""),
             ("CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\n\r\n", "None \"\""),
-            ("CONNECT /a HTTP/1.1\r\nHost: a\r\n\r\n", "400"),
+            ("CONNECT /a HTTP/1.1\r\nHost: a\r\n\r\n", "None \"\""),
+            ("GET a|b HTTP/1.1\r\nHost: a\r\n\r\n", "400"),
             ("GET http://a/b HTTP/1.1\r\nHost: a\r\n\r\n", "None \"\""),
             ("GET / HTTP/2.0\r\nHost: a\r\n\r\n", "400"),
-            // §6.3 rule 5: a list of one length repeated may be taken as it.
-            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 5\r\n\r\nhello", "Length(5) \"hello\""),
+            // §6.3 rule 5: a list of one length repeated may be taken as it: not by
+            // hyper's server (EXCEPTION), lines repeated only.
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 5\r\n\r\nhello", "400"),
             ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", "Length(5) \"hello\""),
             ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 6\r\n\r\nhello", "400"),
             ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\nhello", "400"),
@@ -496,11 +536,14 @@ mod tests {
             // §6.3 rule 4: chunked must be the last coding.
             ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", "400"),
             ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", "Chunked \"\""),
-            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", "400"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", "Chunked \"\""),
             ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "Chunked \"\""),
             ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: \r\n\r\n", "400"),
-            // §6.1: both, or Transfer-Encoding in HTTP/1.0, are refused.
-            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", "400"),
+            // §6.1: Transfer-Encoding in HTTP/1.0 is refused; beside Content-Length it
+            // wins (EXCEPTION), unless a length before it is invalid.
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", "Chunked incomplete \"\""),
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: x\r\nTransfer-Encoding: chunked\r\n\r\n", "400"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: x\r\n\r\n", "Chunked incomplete \"\""),
             ("POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "400"),
             // §7.1: extensions (a quoted string with an escaped quote and a `;`),
             // trailers.

@@ -142,7 +142,7 @@ pub(crate) struct Fast<S: Site> {
 
 /// How a request's body is framed (RFC 9112 §6.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framed {
+pub(crate) enum Framed {
     None,
     Length(u64),
     Chunked,
@@ -677,6 +677,122 @@ fn parse(
         expect: expect && http11 && body != Framed::None,
         upgrade,
     })
+}
+
+/// One request as `read_requests` read it.
+#[cfg(feature = "fuzzing")]
+pub(crate) enum Read {
+    /// No whole head when the bytes ended.
+    Incomplete,
+    /// Answered with this status, and the connection closed.
+    Refused(StatusCode),
+    Request {
+        /// As the request path gets it.
+        parts: Box<http::request::Parts>,
+        framed: Framed,
+        data: Vec<u8>,
+        trailers: Option<HeaderMap>,
+        end: BodyEnd,
+    },
+}
+
+/// How a body `read_requests` read ended.
+#[cfg(feature = "fuzzing")]
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum BodyEnd {
+    Whole,
+    /// The bytes ended within it.
+    Cut,
+    Malformed,
+}
+
+/// The `request` fuzz target's view of the codec: `input` read as a connection that
+/// gets it whole reads it (`parse` as `serve` calls it, then each body through its
+/// `Inflow`, as the request path asks for it, then `finish`), request after request
+/// until the bytes end, the connection would close or may be handed to a tunnel, or
+/// something is refused.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn read_requests(input: &[u8], max_head: usize) -> Vec<Read> {
+    let mut buf = BytesMut::from(input);
+    let (mut spans, mut names, mut fields) = (Vec::new(), Names::default(), HeaderMap::new());
+    let mut out = Vec::new();
+    loop {
+        let (mut parts, ()) = Request::new(()).into_parts();
+        let plain = match parse(
+            &mut buf,
+            &mut spans,
+            &mut names,
+            &mut fields,
+            &mut parts,
+            max_head,
+        ) {
+            Parsed::Plain(p) => p,
+            Parsed::Partial => {
+                out.push(Read::Incomplete);
+                return out;
+            }
+            Parsed::Bad(status) => {
+                out.push(Read::Refused(status));
+                return out;
+            }
+        };
+        let decode = match plain.body {
+            Framed::None => None,
+            Framed::Length(n) => Some(Decode::Length(n)),
+            Framed::Chunked => Some(Decode::chunked()),
+        };
+        let (mut data, mut trailers, mut end) = (Vec::new(), None, BodyEnd::Whole);
+        if let Some(decode) = decode {
+            // The client has sent all it will: a read for more finds the end.
+            let (mut io, _) = tokio::io::duplex(1);
+            let (inflow, mut body) = Inflow::new(decode, false);
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            loop {
+                match Pin::new(&mut body).poll_frame(&mut cx) {
+                    Poll::Ready(None) => break,
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        Ok(d) => data.extend_from_slice(&d),
+                        Err(f) => trailers = f.into_trailers().ok(),
+                    },
+                    Poll::Ready(Some(Err(e))) => {
+                        let cut = e
+                            .downcast_ref::<std::io::Error>()
+                            .is_some_and(|e| e.kind() == std::io::ErrorKind::UnexpectedEof);
+                        end = if cut {
+                            BodyEnd::Cut
+                        } else {
+                            BodyEnd::Malformed
+                        };
+                        break;
+                    }
+                    Poll::Pending => {
+                        if let Poll::Ready(Err(e)) = inflow.poll_feed(&mut cx, &mut io, &mut buf) {
+                            panic!("no write was asked for: {e}");
+                        }
+                    }
+                }
+            }
+            drop(body);
+            let settled = inflow.finish(&mut buf);
+            assert_eq!(
+                settled == Settled::Done,
+                end == BodyEnd::Whole,
+                "{settled:?}"
+            );
+        }
+        // A body ended short or broken closes the connection.
+        let last = end != BodyEnd::Whole || !plain.keep_alive || plain.upgrade || buf.is_empty();
+        out.push(Read::Request {
+            parts: Box::new(parts),
+            framed: plain.body,
+            data,
+            trailers,
+            end,
+        });
+        if last {
+            return out;
+        }
+    }
 }
 
 /// What the answer's framing depends on besides the response.
