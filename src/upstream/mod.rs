@@ -28,6 +28,7 @@ use crate::http::fields::HOP_BY_HOP;
 use crate::http::h1::client::{
     Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP,
 };
+use crate::http::h1::framing::{items, lists, te_lists_trailers};
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
 use crate::upstream::pool::{Exchanged, Pool, ReadTimeout, SendError};
@@ -886,11 +887,7 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Active<T> {
 
 fn wants_upgrade(h: &HeaderMap) -> bool {
     any_of(h, std::slice::from_ref(&header::UPGRADE))
-        && h.get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+        && lists(h.get_all(header::CONNECTION), b"upgrade")
 }
 
 /// What the chain of an error says it was, beyond a failed connection.
@@ -970,15 +967,7 @@ fn te_has_trailers(h: &HeaderMap) -> bool {
     if !any_of(h, std::slice::from_ref(&header::TE)) {
         return false;
     }
-    h.get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| {
-            t.split(';')
-                .next()
-                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
-        })
+    te_lists_trailers(h.get_all(header::TE))
 }
 
 /// Whether `h` has any of `names`: one pass over its names, which costs less than a
@@ -1010,13 +999,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // its tokens are `keep-alive` or `close`).
     if present & (1 << CONNECTION_AT) != 0 && names_fields(h) {
         let connection = h.get_all(header::CONNECTION);
-        let named = |k: &HeaderName| {
-            connection
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(','))
-                .any(|t| t.trim().eq_ignore_ascii_case(k.as_str()))
-        };
+        let named = |k: &HeaderName| lists(&connection, k.as_str().as_bytes());
         let gone: Vec<HeaderName> = h
             .keys()
             .filter(|k| !HOP_BY_HOP.contains(k) && named(k))
@@ -1037,8 +1020,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 /// (nearly every message's tokens are `keep-alive`, `close` or `upgrade`).
 fn names_fields(h: &HeaderMap) -> bool {
     h.get_all(header::CONNECTION).iter().any(|v| {
-        v.as_bytes().split(|&b| b == b',').any(|t| {
-            let t = t.trim_ascii();
+        items(v.as_bytes()).any(|t| {
             if t.eq_ignore_ascii_case(b"close") {
                 return h.contains_key("close");
             }

@@ -26,8 +26,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::framing::{
-    check_buffered_chunks, content_length, may_trail, size_line, trailers, FramingError, Length,
-    MAX_FIELDS, MAX_HEAD,
+    check_buffered_chunks, content_length, items, may_trail, size_line, trailers, FramingError,
+    Length, MAX_FIELDS, MAX_HEAD,
 };
 use crate::http::body::{Body, BoxError};
 
@@ -964,8 +964,7 @@ fn parse_one_head(
         let value = &head[v0..v1];
         if name == header::CONNECTION {
             let mut others = false;
-            for t in value.split(|&b| b == b',') {
-                let t = t.trim_ascii();
+            for t in items(value) {
                 if t.eq_ignore_ascii_case(b"close") {
                     close = true;
                     others = true;
@@ -1147,7 +1146,7 @@ enum Codings {
 impl Codings {
     fn add(&mut self, value: &[u8]) {
         // Empty list items are nothing (RFC 9110 §5.6.1).
-        for coding in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+        for coding in items(value) {
             if coding.is_empty() {
                 continue;
             }

@@ -226,13 +226,36 @@ pub(crate) fn trailers(buf: &mut BytesMut) -> Result<Option<Option<HeaderMap>>, 
     }
 }
 
+/// The items of a comma-separated field value (RFC 9110 §5.6.1), each without the
+/// white space around it.
+pub fn items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value.split(|&b| b == b',').map(<[u8]>::trim_ascii)
+}
+
 /// Whether a comma-separated list has `token` (any case); as hyper, only in a
-/// value of visible ASCII.
-pub(crate) fn has_token(value: &[u8], token: &[u8]) -> bool {
+/// value of visible ASCII (what `HeaderValue::to_str` takes).
+pub fn has_token(value: &[u8], token: &[u8]) -> bool {
     value.iter().all(|&b| b == b'\t' || (32..127).contains(&b))
-        && value
-            .split(|&b| b == b',')
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+        && items(value).any(|t| t.eq_ignore_ascii_case(token))
+}
+
+/// Whether any of a field's values lists `token` (`Connection: upgrade`, a field
+/// `Connection` names).
+pub fn lists<'a>(values: impl IntoIterator<Item = &'a HeaderValue>, token: &[u8]) -> bool {
+    values.into_iter().any(|v| has_token(v.as_bytes(), token))
+}
+
+/// Whether `TE` values accept trailers (`trailers`, parameters aside).
+pub fn te_lists_trailers<'a>(values: impl IntoIterator<Item = &'a HeaderValue>) -> bool {
+    values
+        .into_iter()
+        .filter(|v| v.to_str().is_ok())
+        .flat_map(|v| items(v.as_bytes()))
+        .any(|t| {
+            t.split(|&b| b == b';')
+                .next()
+                .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
+        })
 }
 
 /// A `Content-Length` value: digits only (no sign, no list), as hyper reads one.
