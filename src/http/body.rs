@@ -18,6 +18,14 @@ pub fn full(b: impl Into<Bytes>) -> Body {
     Full::new(b.into()).map_err(|never| match never {}).boxed()
 }
 
+/// A body with nothing in it: unlike `full` of no bytes, boxing it allocates
+/// nothing (its type has no size).
+pub fn empty() -> Body {
+    http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed()
+}
+
 /// A short text answer from sluice itself.
 pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
     let mut r = Response::new(full(body));
@@ -75,7 +83,7 @@ pub fn headless(r: Response<Body>) -> Response<Body> {
     if !bodiless {
         parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
     }
-    Response::from_parts(parts, full(Bytes::new()))
+    Response::from_parts(parts, empty())
 }
 
 /// Ask the client to close the connection: used when we answer before reading a

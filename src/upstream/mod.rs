@@ -563,15 +563,21 @@ impl Upstream {
             let (tx, rx) = tokio::sync::watch::channel(false);
             (Some(tx), Some(rx))
         };
-        let body = Watched {
-            inner: body,
-            timeout: self.body_timeout,
-            stall: None,
-            progress,
+        // A request with no body (most) is sent with an empty one: nothing to watch,
+        // limit or allocate.
+        let mut body: Body = if sending.is_none() {
+            crate::http::body::empty()
+        } else {
+            let body = Watched {
+                inner: body,
+                timeout: self.body_timeout,
+                stall: None,
+                progress,
+            };
+            Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
+                .map_err(BoxError::from)
+                .boxed()
         };
-        let mut body: Body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
-            .map_err(BoxError::from)
-            .boxed();
         // A slow upload costs the upstream nothing until its body (or the first
         // `request_buffer` bytes of it) has come: only then is a connection taken.
         // (A body's failure here is the client's, sorted as it would be mid-send.)
@@ -839,7 +845,7 @@ fn splice(
         }
     });
     parts.extensions.insert(TunnelEnd(end));
-    Response::from_parts(parts, crate::http::body::full(bytes::Bytes::new()))
+    Response::from_parts(parts, crate::http::body::empty())
 }
 
 /// One side of a tunnel, noting each byte read or written in `last`.

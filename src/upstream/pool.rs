@@ -126,9 +126,7 @@ impl Pool {
             if let Some(map) = map.take() {
                 conn.keep_map(map);
             }
-            let sent = body
-                .take()
-                .unwrap_or_else(|| crate::http::body::full(Bytes::new()));
+            let sent = body.take().unwrap_or_else(crate::http::body::empty);
             let exchange = h1::exchange(
                 &mut conn,
                 head,
@@ -485,7 +483,7 @@ mod tests {
             let req = Request::builder()
                 .uri("/")
                 .header("host", addr.to_string())
-                .body(crate::http::body::full(Bytes::new()))
+                .body(crate::http::body::empty())
                 .unwrap();
             let (mut parts, body) = req.into_parts();
             let Ok(Exchanged::Response(resp)) = pool
