@@ -419,3 +419,56 @@ fn the_link_finder_and_anchors_follow_github() {
     assert!(broken(&readme, "docs/no-such-page.md").is_some());
     assert!(broken(&readme, "../shared/STYLE.md").is_some());
 }
+
+/// The README's first example: six requests to `/hello` in a row get five 200s and
+/// then a 429, wherever the loop falls against the limit's window. (With a fixed
+/// 10-second window, a loop that crossed the window's end got six 200s.) The
+/// route's plan is compiled from the README's own block and decided by the memory
+/// store the example runs on, under a clock driven across a window's end.
+#[tokio::test]
+async fn the_readmes_first_example_gives_five_200s_then_a_429_wherever_the_loop_falls() {
+    use sluice::limit::memory::MemoryStore;
+    use sluice::limit::ManualClock;
+
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let block = yaml_blocks(&readme)
+        .into_iter()
+        .find(|b| is_sluice_config(b) && b.contains("path: /hello"))
+        .expect("the README shows a configuration with the /hello route");
+    let loaded = sluice::config::parse(&block, Path::new("README.md")).expect("it parses");
+    let metrics = sluice::telemetry::metrics::Metrics::new();
+    let runtime = sluice::config::compile::compile(&loaded, &metrics, None).expect("it compiles");
+    let hello = runtime.routes.iter().find(|r| r.name == "hello").unwrap();
+    let plan = &hello
+        .limits
+        .as_ref()
+        .expect("/hello is limited")
+        .default
+        .plan;
+
+    const MS: u64 = 1_000;
+    // A whole number of days since the epoch: every window that divides a day
+    // ends at `day` (the loop's requests are 20 ms apart, as a shell's curls are).
+    let day = 20_834 * 86_400_000 * MS;
+    for start in (0..=120).map(|i| day - 110 * MS + i * MS) {
+        let clock = ManualClock::new(start);
+        let store = MemoryStore::new(1000, clock.clone());
+        let got: Vec<u16> = (0..6)
+            .map(|i| {
+                clock.set(start + i * 20 * MS);
+                let c = store.acquire(&hello.ns, "127.0.0.1", plan);
+                if c.verdict.allowed {
+                    200
+                } else {
+                    429
+                }
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [200, 200, 200, 200, 200, 429],
+            "six requests from {} ms before a window's end",
+            (day - start.min(day)) / MS
+        );
+    }
+}
