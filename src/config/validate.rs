@@ -2,14 +2,14 @@
 //! must be unique or must exist. Every problem is collected (not just the first),
 //! located at the YAML node that causes it, and says what was expected.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 
 use http::{HeaderName, HeaderValue, Method, Uri};
 
 use super::locate::{field, item, Index, Pos};
-use super::schema::{AlgorithmName, Backend, File, KeySpec, Limit, OnLimit, Route};
+use super::schema::{AlgorithmName, Backend, File, KeySpec, Limit, Match, OnLimit, Route};
 use super::value::{interpolate, Dur, Text};
 use super::{ConfigError, ConfigWarning};
 
@@ -44,8 +44,9 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
 
 /// Settings that are valid but that any client can defeat, located like errors, in
 /// file order: trusted proxies that cover every address (any client then chooses
-/// its address and escapes the per-address connection cap), and keys read from
-/// headers that clients write (`X-Forwarded-For`, `Forwarded`, `X-Real-IP`).
+/// its address and escapes the per-address connection cap), keys read from
+/// headers that clients write (`X-Forwarded-For`, `Forwarded`, `X-Real-IP`), and
+/// routes an earlier route takes every request of.
 pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
     let mut c = Checker {
         index,
@@ -64,9 +65,98 @@ pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
             }
         }
     }
+    c.unreachable_routes(file);
     let mut found = c.errors;
     found.sort_by_key(|e| (e.line, e.col));
     found.into_iter().map(ConfigWarning).collect()
+}
+
+/// Whether every request `b` matches, `a` matches too. Sure answers only: a
+/// regular expression covers only the same one, with the same case rule.
+fn covers(a: &Match, b: &Match) -> bool {
+    // `a`'s text condition holds for every path `b` lets through when `b`'s own
+    // text is `a`'s (a prefix of it, with `prefix`) under `a`'s case rule, and `b`
+    // is no more lenient about case than `a`.
+    let text = |want: &str, have: &str, prefix: bool| {
+        if b.case_insensitive && !a.case_insensitive {
+            return false;
+        }
+        let have = if prefix {
+            match have.get(..want.len()) {
+                Some(h) => h,
+                None => return false,
+            }
+        } else {
+            have
+        };
+        if a.case_insensitive {
+            have.eq_ignore_ascii_case(want)
+        } else {
+            have == want
+        }
+    };
+    let paths = [b.path.as_deref(), b.path_prefix.as_deref()];
+    if let Some(p) = &a.path {
+        if !b.path.as_deref().is_some_and(|q| text(p, q, false)) {
+            return false;
+        }
+    }
+    if let Some(p) = &a.path_prefix {
+        if !paths.iter().flatten().any(|q| text(p, q, true)) {
+            return false;
+        }
+    }
+    if let Some(re) = &a.path_regex {
+        if b.path_regex.as_ref().map(|r| r.as_str()) != Some(re.as_str())
+            || a.case_insensitive != b.case_insensitive
+        {
+            return false;
+        }
+    }
+    // Methods as the request path sees them: GET takes HEAD too.
+    let methods = |m: &Option<Vec<Text>>| {
+        m.as_ref().map(|ms| {
+            let mut up: Vec<String> = ms.iter().map(|s| s.to_ascii_uppercase()).collect();
+            if up.iter().any(|s| s == "GET") {
+                up.push("HEAD".into());
+            }
+            up
+        })
+    };
+    if let Some(want) = methods(&a.methods) {
+        match methods(&b.methods) {
+            Some(have) if have.iter().all(|m| want.contains(m)) => {}
+            _ => return false,
+        }
+    }
+    if let Some(h) = &a.host {
+        let Some(g) = &b.host else { return false };
+        let (h, g) = (h.to_ascii_lowercase(), g.to_ascii_lowercase());
+        let ok = match h.strip_prefix('*') {
+            // `*.example.com` takes `api.example.com` and `*.eu.example.com`.
+            Some(sfx) => {
+                let g = g.strip_prefix('*').unwrap_or(&g);
+                g.len() > sfx.len() && g.ends_with(sfx) || g == sfx && g.starts_with('.')
+            }
+            None => g == h,
+        };
+        if !ok {
+            return false;
+        }
+    }
+    let none = BTreeMap::new();
+    let have = b.headers.as_ref().unwrap_or(&none);
+    a.headers.iter().flatten().all(|(name, want)| {
+        let got = have
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str());
+        match got {
+            None => false,
+            Some(_) if want.as_str() == "*" => true,
+            Some(v) => v == want.as_str(),
+        }
+    })
 }
 
 /// A key that no request can carry: the request path refuses it with 400.
@@ -102,6 +192,25 @@ impl Checker<'_> {
                 .any(|n| n.prefix_len() == 0)
             {
                 self.at(list, message);
+            }
+        }
+    }
+
+    /// A route an earlier one takes every request of (`covers`) is never reached.
+    fn unreachable_routes(&mut self, file: &File) {
+        for (j, route) in file.routes.iter().enumerate() {
+            let earlier = file.routes[..j]
+                .iter()
+                .position(|e| covers(&e.matcher, &route.matcher));
+            if let Some(i) = earlier {
+                self.at(
+                    &format!("{}.match", item("routes", j)),
+                    format!(
+                        "route {j} ({}) is never reached: route {i} ({}), before it, matches every request it matches, and the first route that matches takes the request",
+                        route.name.as_str(),
+                        file.routes[i].name.as_str()
+                    ),
+                );
             }
         }
     }
@@ -1224,6 +1333,85 @@ mod tests {
             .into_iter()
             .map(|w| format!("{}:{}: {}", w.0.line, w.0.col, w.0.message))
             .collect()
+    }
+
+    /// A route that an earlier route matches every request of is never reached (the
+    /// first route that matches takes a request): warned about at its `match`,
+    /// naming the earlier one. Only what is surely covered is: a regular expression
+    /// covers only the same one.
+    #[test]
+    fn a_route_an_earlier_route_takes_every_request_of_is_warned_about() {
+        let never = |j: usize, name: &str, i: usize, earlier: &str| {
+            format!("route {j} ({name}) is never reached: route {i} ({earlier}), before it, matches every request it matches, and the first route that matches takes the request")
+        };
+        let routes = |list: &[(&str, &str)]| {
+            let mut y = format!("{UP}routes:\n");
+            for (name, m) in list {
+                y += &format!("  - name: {name}\n    match: {m}\n    upstream: api\n");
+            }
+            y
+        };
+        // The newcomer's case: the same login route twice.
+        let login = "{path: /login, methods: [POST]}";
+        assert_eq!(
+            warned(&routes(&[("login", login), ("login_user", login)])),
+            [format!("7:12: {}", never(1, "login_user", 0, "login"))]
+        );
+        // Prefixes, exact paths, methods (GET takes HEAD), hosts, headers, no match.
+        let covered = [
+            ("{path_prefix: /api/}", "{path: /api/users}"),
+            (
+                "{path_prefix: /api/}",
+                "{path_prefix: /api/v2/, methods: [GET]}",
+            ),
+            ("{methods: [GET]}", "{path: /x, methods: [HEAD]}"),
+            ("{host: \"*.example.com\"}", "{host: api.example.com}"),
+            ("{host: \"*.example.com\"}", "{host: \"*.eu.example.com\"}"),
+            (
+                "{headers: {x-env: \"*\"}}",
+                "{headers: {x-env: prod, x-v: \"2\"}}",
+            ),
+            ("{path: /Login, case_insensitive: true}", "{path: /login}"),
+            (
+                "{path_regex: \"^/a/[0-9]+$\"}",
+                "{path_regex: \"^/a/[0-9]+$\", host: h}",
+            ),
+            ("{}", "{path: /anything}"),
+        ];
+        for (a, b) in covered {
+            assert_eq!(
+                warned(&routes(&[("a", a), ("b", b)])),
+                [format!("7:12: {}", never(1, "b", 0, "a"))],
+                "{a} before {b}"
+            );
+        }
+        // Each of these lets through a request the earlier route does not match.
+        let not_covered = [
+            ("{path_prefix: /api/}", "{path_prefix: /ap}"),
+            ("{path: /login}", "{path: /login, case_insensitive: true}"),
+            ("{path_prefix: /api/}", "{path_regex: \"^/api/.*\"}"),
+            ("{methods: [POST]}", "{path: /x}"),
+            ("{methods: [HEAD]}", "{methods: [GET]}"),
+            ("{host: api.example.com}", "{host: \"*.example.com\"}"),
+            ("{host: \"*.example.com\"}", "{host: example.com}"),
+            ("{headers: {x-env: prod}}", "{headers: {x-env: \"*\"}}"),
+            ("{path_regex: \"^/a\"}", "{path_regex: \"^/a/b\"}"),
+        ];
+        for (a, b) in not_covered {
+            assert_eq!(
+                warned(&routes(&[("a", a), ("b", b)])),
+                Vec::<String>::new(),
+                "{a} before {b}"
+            );
+        }
+        // Later routes are never said to shadow earlier ones.
+        assert_eq!(
+            warned(&routes(&[
+                ("b", "{path: /api/users}"),
+                ("a", "{path_prefix: /api/}")
+            ])),
+            Vec::<String>::new()
+        );
     }
 
     /// Trusted blocks that together cover a family, or one that is all of it

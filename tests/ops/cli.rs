@@ -155,6 +155,35 @@ fn check_warns_about_settings_any_client_can_defeat_and_exits_0() {
     assert_eq!((out.status.code(), stderr(&out)), (Some(0), String::new()));
 }
 
+/// A newcomer's second login route, with the same `match` as the first: it passes
+/// `check`, but the first route takes every request it would. `check` says so at
+/// its `match`, naming the route that takes them, and still exits 0.
+#[test]
+fn check_warns_about_a_route_an_earlier_one_takes_every_request_of() {
+    let file = config_file(
+        r#"
+routes:
+  - name: login_per_ip
+    match: {path: /login, methods: [POST]}
+    key: ip
+    limits: [{algorithm: fixed_window, limit: 5, window: 1m}]
+    respond: {body: "ok\n"}
+  - name: login_per_user
+    match: {path: /login, methods: [POST]}
+    key: header:x-user
+    limits: [{algorithm: fixed_window, limit: 5, window: 1m}]
+    respond: {body: "ok\n"}
+"#,
+    );
+    let path = file.path().display().to_string();
+    let out = sluice(&["check", "-c", &path], None);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out).lines().collect::<Vec<_>>(),
+        [format!("{path}:9:12: warning: route 1 (login_per_user) is never reached: route 0 (login_per_ip), before it, matches every request it matches, and the first route that matches takes the request")]
+    );
+}
+
 #[tokio::test]
 async fn run_logs_the_warnings_of_check_at_warn() {
     let (port, admin) = (free_port(), free_port());

@@ -1471,7 +1471,10 @@ async fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     // so need nothing from the file, still pass, with the image's too on a broken
     // upstream file.
     let text = read(&fleet_file).replace("sliding_window", "sliding_windw");
-    assert!(text.contains("sliding_windw"), "the fleet's rules have no typo to make");
+    assert!(
+        text.contains("sliding_windw"),
+        "the fleet's rules have no typo to make"
+    );
     std::fs::write(&fleet_file, text).expect("write the typo");
     let failed = eventually(BOUND, || async {
         metric(&metrics(admin).await, "sluice_config_last_reload_success") == Some(0.0)
