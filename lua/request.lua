@@ -16,7 +16,9 @@
 -- ARGV[1]     now in µs since the epoch; '' = the server's TIME (production).
 -- Then two per request:
 --   <limits>     "<max_delay_us>" then per limit " <algorithm> <cost> <a> <b> <c>":
---                max_delay_us 0 = reject mode; the algorithm as one letter; (a, b,
+--                max_delay_us 0 = reject mode; the algorithm as one letter, in
+--                upper case for a limit on trial (`shadow`: its refusal refuses
+--                nothing, and it is charged only when it admits); (a, b,
 --                c) = (limit, window_us, 0) for the windows and logs, (count,
 --                per_us, burst) for token_bucket and gcra, (limit, lease_us, 0) for
 --                concurrency;
@@ -25,7 +27,7 @@
 -- Reply: an array of integers, three per limit of each request: remaining,
 --        reset_us, and the limit's decision: the µs it makes the request wait (>= 0)
 --        if it admits, else -(retry_after_us + 1). A request is admitted if all of
---        its limits admit (an algorithm that admits has no retry_after, one that
+--        its limits not on trial admit (an algorithm that admits has no retry_after, one that
 --        refuses no wait). Few integers: each costs sluice's Redis client far more
 --        to read than it costs here.
 local now
@@ -63,11 +65,12 @@ while a < nargs do
     end
     limits = {max_delay}
     for code, cost, params, x, y, z in string.gmatch(spec, ' (%a) (%d+) ((%d+) (%d+) (%d+))') do
-      local algorithm = algorithms[code]
+      local lower = string.lower(code)
+      local algorithm = algorithms[lower]
       if not algorithm then
         return redis.error_reply('sluice: unknown limit ' .. code)
       end
-      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params}
+      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params, code ~= lower}
     end
     parsed[spec] = limits
   end
@@ -83,7 +86,10 @@ while a < nargs do
     local decision = wait
     if not ok then
       decision = -retry - 1
-      allowed = false
+      -- A limit on trial refuses nothing (and, refusing, writes nothing below).
+      if not p[7] then
+        allowed = false
+      end
     end
     out[o + 1] = remaining
     out[o + 2] = reset
@@ -97,7 +103,7 @@ while a < nargs do
       local state = writes[2 * i - 1]
       if type(state) == 'string' then
         redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(writes[2 * i], now))
-      else
+      elseif state then
         state()
       end
     end

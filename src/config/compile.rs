@@ -344,11 +344,8 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
             lease_us: us(l.lease.map_or(DEFAULT_LEASE, |d| d.get())),
         },
     };
-    Ok(LimitDef::new(
-        name,
-        algorithm,
-        l.cost.map_or(1, |c| c.get()),
-    ))
+    let def = LimitDef::new(name, algorithm, l.cost.map_or(1, |c| c.get()));
+    Ok(if l.shadow { def.on_trial() } else { def })
 }
 
 /// How long a concurrency slot stays taken when the instance holding it dies without

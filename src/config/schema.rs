@@ -452,6 +452,10 @@ pub struct Limit {
     /// concurrency: a slot not released within this is freed (default 1m).
     #[serde(default)]
     pub lease: Option<Dur>,
+    /// On trial: counted and its refusals reported (decision `shadow`), but it
+    /// never refuses; the route's other limits still do (default false).
+    #[serde(default)]
+    pub shadow: bool,
 }
 
 impl Limit {

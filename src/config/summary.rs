@@ -220,6 +220,9 @@ fn describe_limits(limits: &[Limit]) -> String {
 
 fn describe_limit(l: &Limit, j: usize) -> String {
     let mut s = String::new();
+    if l.shadow {
+        s.push_str("(shadow) ");
+    }
     if l.name.is_some() {
         let _ = write!(s, "{}: ", l.name_at(j));
     }
@@ -339,6 +342,17 @@ deny    2 ips, 1 key -> 403
                 "  a        GET,POST,HEAD /a -> respond 200",
                 "  b        HEAD,GET -> respond 200"
             ]
+        );
+    }
+
+    #[test]
+    fn a_limit_on_trial_is_marked() {
+        let yaml = "routes:\n  - name: a\n    limits:\n      - {name: per_ip, algorithm: fixed_window, limit: 5, window: 1m}\n      - {name: strict, algorithm: fixed_window, limit: 1, window: 1m, shadow: true}\n    respond: {}\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        assert!(
+            text.contains("per_ip: fixed_window 5 per 1m; (shadow) strict: fixed_window 1 per 1m"),
+            "{text}"
         );
     }
 }

@@ -989,6 +989,12 @@ impl Checker<'_> {
         for (j, l) in limits.iter().enumerate() {
             let lp = item(path, j);
             self.limit(&lp, l, j);
+            if l.shadow && j >= 64 {
+                self.at(
+                    &format!("{lp}.shadow"),
+                    "only a list's first 64 limits can be on trial (shadow)",
+                );
+            }
             let name = l.name_at(j);
             let at = if l.name.is_some() {
                 format!("{lp}.name")

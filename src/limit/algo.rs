@@ -909,7 +909,7 @@ pub fn decide(plan: &Plan, states: &[State], now_us: u64) -> (Verdict, Option<Ve
                 .check(state, now_us, limit.cost, max_delay_us)
         })
         .unzip();
-    let verdict = Verdict::from_outcomes(outcomes);
+    let verdict = Verdict::on_trial(outcomes, plan.on_trial());
     let new = verdict.allowed.then_some(new);
     (verdict, new)
 }
@@ -929,7 +929,7 @@ pub fn judge<'a>(plan: &Plan, now_us: u64, state_of: impl Fn(usize) -> &'a State
                 .0
         })
         .collect();
-    Verdict::from_outcomes(outcomes)
+    Verdict::on_trial(outcomes, plan.on_trial())
 }
 
 // === impl Verdict ===
@@ -938,17 +938,26 @@ impl Verdict {
     /// Combines the outcomes of a request's limits (in plan order): admitted iff every
     /// limit admits; the delay is the longest of them (0 when refused).
     pub fn from_outcomes(outcomes: Vec<Outcome>) -> Verdict {
-        let allowed = outcomes.iter().all(|o| o.allowed);
+        Verdict::on_trial(outcomes, 0)
+    }
+
+    /// `from_outcomes`, with the limits of `trial` (`Plan::on_trial`) on trial: they
+    /// neither refuse nor delay the request.
+    pub fn on_trial(outcomes: Vec<Outcome>, trial: u64) -> Verdict {
+        let mut v = Verdict {
+            allowed: true,
+            delay_us: 0,
+            outcomes,
+            trial,
+        };
+        let allowed = v.enforced().all(|(_, o)| o.allowed);
         let delay_us = if allowed {
-            outcomes.iter().map(|o| o.delay_us).max().unwrap_or(0)
+            v.enforced().map(|(_, o)| o.delay_us).max().unwrap_or(0)
         } else {
             0
         };
-        Verdict {
-            allowed,
-            delay_us,
-            outcomes,
-        }
+        (v.allowed, v.delay_us) = (allowed, delay_us);
+        v
     }
 }
 

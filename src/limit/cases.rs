@@ -27,6 +27,8 @@ pub struct Step {
     pub retry_after_us: u64,
     /// `Verdict::delay_us`.
     pub delay_us: u64,
+    /// `Verdict::shadow_refused`: admitted, though a limit on trial refused.
+    pub shadowed: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -54,6 +56,7 @@ pub fn run(case: &Case, mut check: impl FnMut(&Plan, u64) -> Verdict) -> Result<
             remaining: v.headline().map_or(0, |(_, o)| o.remaining),
             retry_after_us: v.retry_after_us(),
             delay_us: v.delay_us,
+            shadowed: v.shadow_refused(),
         };
         if got != *step {
             return Err(format!(
@@ -72,6 +75,7 @@ fn ok(at_us: u64, remaining: u64) -> Step {
         remaining,
         retry_after_us: 0,
         delay_us: 0,
+        shadowed: false,
     }
 }
 
@@ -82,6 +86,7 @@ fn delayed(at_us: u64, remaining: u64, delay_us: u64) -> Step {
         remaining,
         retry_after_us: 0,
         delay_us,
+        shadowed: false,
     }
 }
 
@@ -92,6 +97,15 @@ fn refused(at_us: u64, remaining: u64, retry_after_us: u64) -> Step {
         remaining,
         retry_after_us,
         delay_us: 0,
+        shadowed: false,
+    }
+}
+
+/// Admitted, though a limit on trial refused it.
+fn tried(at_us: u64, remaining: u64) -> Step {
+    Step {
+        shadowed: true,
+        ..ok(at_us, remaining)
     }
 }
 
@@ -148,7 +162,84 @@ pub fn all() -> Vec<Case> {
     let mut cases = steady();
     cases.extend(reloaded());
     cases.extend(in_flight());
+    cases.extend(on_trial());
     cases
+}
+
+/// Limits on trial (`shadow: true`): decided and charged like the others when they
+/// admit; when one refuses, the request is admitted all the same (and the limit not
+/// charged), and only the other limits are reported or refuse.
+fn on_trial() -> Vec<Case> {
+    vec![
+        // 3 per second enforced; 1 per second on trial.
+        Case {
+            name: "on trial: its refusal refuses nothing and charges it nothing",
+            plan: plan(vec![
+                limit("second", fixed(3, S), 1),
+                limit("trial", fixed(1, S), 1).on_trial(),
+            ]),
+            reloads: vec![],
+            steps: vec![
+                // Both admit; the headline is the enforced limit's (2 left), not the
+                // trial's (0 left).
+                ok(0, 2),
+                // The trial refuses: admitted, the enforced limit charged (1 left).
+                tried(MS, 1),
+                tried(2 * MS, 0),
+                // The enforced limit refuses; its wait alone is reported.
+                refused(3 * MS, 0, S - 3 * MS),
+                // A new second: both admit again (the trial was charged once).
+                ok(S, 2),
+                tried(S, 1),
+            ],
+        },
+        // On trial, a 1/h bucket of 2 that would stop the third request; enforced,
+        // 2 per second. The bucket is charged only by the requests it admits: after
+        // its two tokens, it admits again only once one came back.
+        Case {
+            name: "on trial: charged only when it admits",
+            plan: plan(vec![
+                limit("hourly", bucket(1, 3_600 * S, 2), 1).on_trial(),
+                limit("second", fixed(2, S), 1),
+            ]),
+            reloads: vec![],
+            steps: vec![
+                ok(0, 1),
+                ok(0, 0),
+                refused(0, 0, S),
+                tried(S, 1),
+                tried(S, 0),
+                // Half an hour: no token back yet.
+                tried(1_800 * S, 1),
+                // An hour after the start: one token back, admitted by both.
+                ok(3_600 * S, 1),
+                tried(3_600 * S, 0),
+            ],
+        },
+        // Put on trial by a reload, then enforced again: its count carries over both
+        // ways (the trial does not change what the state means).
+        Case {
+            name: "on trial and back: the state carries over",
+            plan: plan(vec![limit("l", fixed(2, S), 1)]),
+            reloads: vec![
+                (2, plan(vec![limit("l", fixed(2, S), 1).on_trial()])),
+                (3, plan(vec![limit("l", fixed(2, S), 1)])),
+            ],
+            steps: vec![
+                ok(0, 1),
+                ok(0, 0),
+                tried(MS, 0),
+                refused(2 * MS, 0, S - 2 * MS),
+            ],
+        },
+        // Every limit on trial: nothing refuses, and nothing is reported.
+        Case {
+            name: "on trial alone: nothing refuses",
+            plan: plan(vec![limit("trial", fixed(1, S), 1).on_trial()]),
+            reloads: vec![],
+            steps: vec![ok(0, 0), tried(0, 0), tried(MS, 0), ok(S, 0)],
+        },
+    ]
 }
 
 fn concurrency(limit: u64) -> Algorithm {

@@ -250,21 +250,34 @@ impl MemoryStore {
             verdict
         };
         let permit = match in_flight.as_mut() {
-            Some(map) if verdict.allowed => Permit::Memory(self.take(map, shard, route, key, plan)),
+            Some(map) if verdict.allowed => {
+                Permit::Memory(self.take(map, shard, route, key, plan, &verdict))
+            }
             _ => Permit::None,
         };
         Checked { verdict, permit }
     }
 
-    /// Takes one slot of every concurrency limit of `plan` (which admitted).
-    fn take(&self, map: &mut Counts, shard: usize, route: &str, key: &str, plan: &Plan) -> Slots {
+    /// Takes one slot of every concurrency limit of `plan` that admitted (all of them
+    /// but those on trial that refused).
+    fn take(
+        &self,
+        map: &mut Counts,
+        shard: usize,
+        route: &str,
+        key: &str,
+        plan: &Plan,
+        verdict: &Verdict,
+    ) -> Slots {
         let counts = map
             .entry(route.into())
             .or_default()
             .entry(key.into())
             .or_default();
         let mut taken = Vec::with_capacity(1);
-        for l in plan.limits.iter().filter(|l| l.algorithm.is_concurrency()) {
+        let admitted = |i: usize| verdict.outcomes.get(i).is_none_or(|o| o.allowed);
+        let taking = plan.limits.iter().enumerate();
+        for (_, l) in taking.filter(|(i, l)| l.algorithm.is_concurrency() && admitted(*i)) {
             match counts.iter_mut().find(|(id, _)| *id == l.id) {
                 Some(c) => c.1 += l.cost,
                 None => counts.push((l.id, l.cost)),
@@ -886,7 +899,7 @@ impl Shard {
                 if outcome.allowed {
                     self.store_one(i, limit, state);
                 }
-                return Verdict::from_outcomes(vec![outcome]);
+                return Verdict::on_trial(vec![outcome], plan.on_trial());
             }
         }
         let verdict = judge(plan, now, |k| {

@@ -37,6 +37,10 @@ pub struct LimitDef {
     pub version: u64,
     pub algorithm: Algorithm,
     pub cost: u64,
+    /// On trial (`shadow: true`): decided and charged like the others, but its
+    /// refusal refuses nothing (the request's decision is `shadow`). Not part of
+    /// `id`: a limit put on trial, or taken off it, keeps its state.
+    pub shadow: bool,
 }
 
 impl LimitDef {
@@ -53,7 +57,15 @@ impl LimitDef {
             version,
             algorithm,
             cost,
+            shadow: false,
         }
+    }
+
+    /// The limit on trial (`shadow: true`).
+    pub fn on_trial(mut self) -> LimitDef {
+        self.shadow = true;
+        self.version = stable_id(&format!("{:x}|shadow", self.version));
+        self
     }
 }
 
@@ -82,6 +94,17 @@ impl Plan {
             Mode::Delay { max_delay_us } => max_delay_us,
         }
     }
+
+    /// The limits on trial, a bit each (bit i: `limits[i]`; `check` allows
+    /// `shadow` on a route's first 64 limits only).
+    pub fn on_trial(&self) -> u64 {
+        self.limits
+            .iter()
+            .take(64)
+            .enumerate()
+            .filter(|(_, l)| l.shadow)
+            .fold(0, |m, (i, _)| m | 1 << i)
+    }
 }
 
 /// The decision for one request over all limits of its plan.
@@ -94,16 +117,37 @@ pub struct Verdict {
     pub delay_us: u64,
     /// One outcome per limit, in plan order.
     pub outcomes: Vec<Outcome>,
+    /// The limits on trial (`Plan::on_trial`): their refusals refuse nothing, and
+    /// neither they nor their waits are reported.
+    pub trial: u64,
 }
 
 impl Verdict {
     /// Longest wait before a refused request could pass, in microseconds.
     pub fn retry_after_us(&self) -> u64 {
-        self.outcomes
-            .iter()
-            .map(|o| o.retry_after_us)
+        self.enforced()
+            .map(|(_, o)| o.retry_after_us)
             .max()
             .unwrap_or(0)
+    }
+
+    /// The outcomes of the limits that are not on trial, with their index.
+    pub fn enforced(&self) -> impl Iterator<Item = (usize, &Outcome)> {
+        let trial = self.trial;
+        self.outcomes
+            .iter()
+            .enumerate()
+            .filter(move |(i, _)| *i >= 64 || trial & (1 << i) == 0)
+    }
+
+    /// Admitted, though a limit on trial refused: the decision is `shadow`.
+    pub fn shadow_refused(&self) -> bool {
+        self.allowed
+            && self
+                .outcomes
+                .iter()
+                .enumerate()
+                .any(|(i, o)| i < 64 && self.trial & (1 << i) != 0 && !o.allowed)
     }
 
     pub fn delay(&self) -> Duration {
@@ -114,7 +158,7 @@ impl Verdict {
     /// with the longest wait; otherwise the limit with the fewest requests left
     /// (ties: the one that takes longest to reset).
     pub fn headline(&self) -> Option<(usize, &Outcome)> {
-        let it = self.outcomes.iter().enumerate();
+        let it = self.enforced();
         if !self.allowed {
             return it
                 .filter(|(_, o)| !o.allowed)

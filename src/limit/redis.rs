@@ -361,6 +361,7 @@ fn allowed_empty() -> Verdict {
         allowed: true,
         delay_us: 0,
         outcomes: Vec::new(),
+        trial: 0,
     }
 }
 
@@ -519,7 +520,12 @@ impl Part {
         for l in &plan.limits {
             let (code, a, b, c) = params(&l.algorithm);
             buf.push(' ');
-            buf.push(code);
+            // A limit on trial by its letter in upper case (`lua/request.lua`).
+            buf.push(if l.shadow {
+                code.to_ascii_uppercase()
+            } else {
+                code
+            });
             for v in [l.cost, a, b, c] {
                 buf.push(' ');
                 buf.push_str(num.format(v));
@@ -787,10 +793,8 @@ fn params(a: &Algorithm) -> (char, u64, u64, u64) {
 /// refusing limits that only ever use capacity up (not concurrency, whose slots can
 /// free at any moment). 0 when only concurrency refused.
 fn refused_until_us(plan: &Plan, v: &Verdict) -> u64 {
-    plan.limits
-        .iter()
-        .zip(&v.outcomes)
-        .filter(|(l, o)| !o.allowed && !l.algorithm.is_concurrency())
+    v.enforced()
+        .filter(|(i, o)| !o.allowed && !plan.limits[*i].algorithm.is_concurrency())
         .map(|(_, o)| o.retry_after_us)
         .max()
         .unwrap_or(0)
@@ -1007,17 +1011,7 @@ fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
             }
         })
         .collect();
-    let allowed = outcomes.iter().all(|o| o.allowed);
-    let delay_us = if allowed {
-        outcomes.iter().map(|o| o.delay_us).max().unwrap_or(0)
-    } else {
-        0
-    };
-    Ok(Verdict {
-        allowed,
-        delay_us,
-        outcomes,
-    })
+    Ok(Verdict::on_trial(outcomes, plan.on_trial()))
 }
 
 /// Identifies a plan's limits (by their versions, which change with any parameter or
@@ -1465,6 +1459,7 @@ mod tests {
             allowed: false,
             delay_us: 0,
             outcomes: vec![admitted, refused],
+            trial: 0,
         };
         let t0 = Instant::now();
         let key = ("sluice:{r:k}".to_string(), 7);
@@ -1510,6 +1505,7 @@ mod tests {
             allowed: false,
             delay_us: 0,
             outcomes,
+            trial: 0,
         };
         let only_slots = v(vec![o(true, 0), o(true, 0), o(false, 1_000_000)]);
         assert_eq!(refused_until_us(&p, &only_slots), 0);
@@ -1525,6 +1521,7 @@ mod tests {
             allowed: false,
             delay_us: 0,
             outcomes: vec![],
+            trial: 0,
         };
         for i in 0..10_000u64 {
             cache.insert((i.to_string(), 0), t0, t0 + Duration::from_secs(60), &v);

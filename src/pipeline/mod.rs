@@ -423,10 +423,12 @@ async fn limits<'a>(
         })));
     }
     tally.permit = permit;
-    tally.decision = match (store_failed, v.delay_us > 0) {
-        (true, _) => Decision::StoreErrorAllowed,
-        (false, true) => Decision::Delayed,
-        (false, false) => Decision::Allowed,
+    // A limit on trial that refused: the request goes on, counted as `shadow`.
+    tally.decision = match (store_failed, v.shadow_refused(), v.delay_us > 0) {
+        (true, _, _) => Decision::StoreErrorAllowed,
+        (false, true, _) => Decision::Shadow,
+        (false, false, true) => Decision::Delayed,
+        (false, false, false) => Decision::Allowed,
     };
     if v.delay_us > 0 {
         tokio::time::sleep(v.delay()).await;

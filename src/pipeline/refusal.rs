@@ -201,8 +201,9 @@ pub struct RateHeaders {
 /// `"burst";q=20;w=2, "daily";q=10000;w=86400` (draft-ietf-httpapi-ratelimit-headers).
 pub fn policy_header(plan: &Plan) -> Option<HeaderValue> {
     let mut s = String::new();
-    for (i, l) in plan.limits.iter().enumerate() {
-        if i > 0 {
+    // Limits on trial are not announced: clients see the policy that holds.
+    for l in plan.limits.iter().filter(|l| !l.shadow) {
+        if !s.is_empty() {
             s.push_str(", ");
         }
         s.push_str(&format!("{};q={}", sf_string(&l.name), l.algorithm.quota()));
@@ -211,6 +212,9 @@ pub fn policy_header(plan: &Plan) -> Option<HeaderValue> {
         if w > 0 {
             s.push_str(&format!(";w={}", ceil_secs(w)));
         }
+    }
+    if s.is_empty() {
+        return None;
     }
     HeaderValue::from_str(&s).ok()
 }
@@ -382,16 +386,19 @@ mod tests {
                 allowed: true,
                 delay_us: 0,
                 outcomes: vec![outcome(7, 1_000_001, true), outcome(2, 59_000_000, true)],
+                trial: 0,
             },
             Verdict {
                 allowed: false,
                 delay_us: 0,
                 outcomes: vec![outcome(0, 0, false), outcome(12_345_678_901, 1, true)],
+                trial: 0,
             },
             Verdict {
                 allowed: true,
                 delay_us: 0,
                 outcomes: vec![],
+                trial: 0,
             },
         ];
         for (ietf, x_ratelimit) in [(true, true), (true, false), (false, true), (false, false)] {

@@ -99,6 +99,7 @@ on_both_stores!(
     a_refused_request_charges_no_limit,
     overrides_give_named_keys_their_own_limits,
     shadow_counts_but_never_refuses,
+    a_limit_on_trial_counts_its_refusals_and_the_other_limits_still_refuse,
     delay_waits_for_capacity_up_to_max_delay,
     concurrent_delayed_requests_queue_one_after_another,
     every_algorithm_admits_its_quota_then_refuses,
@@ -390,6 +391,59 @@ routes:
     assert_eq!(
         decisions(&m, "shadowed"),
         [("allowed", 2.0), ("shadow", 3.0)]
+    );
+}
+
+/// `shadow: true` on one limit: its refusals are counted as `shadow` and refuse
+/// nothing; the route's other limit still refuses, and alone is announced in the
+/// rate-limit headers. Its count is charged only by the requests it admits.
+async fn a_limit_on_trial_counts_its_refusals_and_the_other_limits_still_refuse(store: Store) {
+    let gw = store
+        .start(
+            r#"
+routes:
+  - name: login
+    match: {path: /login}
+    key: ip
+    limits:
+      - {name: per_ip, algorithm: sliding_log, limit: 4, window: 1m}
+      - {name: strict, algorithm: sliding_log, limit: 1, window: 1m, shadow: true}
+    respond: {body: "ok\n"}
+"#,
+        )
+        .await;
+    let c = http1();
+    let mut got = Vec::new();
+    for _ in 0..6 {
+        let r = c.get(&url(gw.addr, "/login"), &[]).await;
+        assert_eq!(
+            r.header("ratelimit-policy"),
+            Some(r#""per_ip";q=4;w=60"#),
+            "the trial is not announced"
+        );
+        got.push((
+            r.status,
+            r.header("x-ratelimit-remaining").map(str::to_string),
+        ));
+    }
+    let left = |n: &str| Some(n.to_string());
+    assert_eq!(
+        got,
+        [
+            (200, left("3")),
+            (200, left("2")),
+            (200, left("1")),
+            (200, left("0")),
+            (429, left("0")),
+            (429, left("0")),
+        ]
+    );
+    let m = metrics(gw.admin_addr).await;
+    // The first request: both admitted. The next three: the trial refused. The
+    // last two: per_ip refused (limited, whatever the trial said).
+    assert_eq!(
+        decisions(&m, "login"),
+        [("allowed", 1.0), ("limited", 2.0), ("shadow", 3.0)]
     );
 }
 
