@@ -396,7 +396,8 @@ routes:
 
 /// `shadow: true` on one limit: its refusals are counted as `shadow` and refuse
 /// nothing; the route's other limit still refuses, and alone is announced in the
-/// rate-limit headers. Its count is charged only by the requests it admits.
+/// rate-limit headers. (That it is charged only by the requests it admits is held
+/// by the shared cases, `limit::cases`, on both stores.)
 async fn a_limit_on_trial_counts_its_refusals_and_the_other_limits_still_refuse(store: Store) {
     let gw = store
         .start(
