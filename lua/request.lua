@@ -13,7 +13,9 @@
 --
 -- KEYS        the state of each limit of each request, in order (the keys of one
 --             request share one hash tag).
--- ARGV[1]     now in µs since the epoch; '' = the server's TIME (production).
+-- ARGV[1]     now in µs since the epoch; '' = the server's TIME (production); or
+--             'r' and a time: refund (lua/refund.lua) the charges each request of
+--             the call made at that time, instead of deciding anything.
 -- Then two per request:
 --   <limits>     "<max_delay_us>" then per limit " <algorithm> <cost> <a> <b> <c>":
 --                max_delay_us 0 = reject mode; the algorithm as one letter, in
@@ -24,16 +26,19 @@
 --                concurrency;
 --   <id>         a request id unique across instances (sliding_log members,
 --                concurrency leases); '' when no limit needs one.
--- Reply: an array of integers, three per limit of each request: remaining,
+-- Reply: an array of integers, then the time the call decided at (now). Three per
+--        limit of each request: remaining,
 --        reset_us, and the limit's decision: the µs it makes the request wait (>= 0)
 --        if it admits, else -(retry_after_us + 1). A request is admitted if all of
 --        its limits not on trial admit (an algorithm that admits has no retry_after, one that
 --        refuses no wait). Few integers: each costs sluice's Redis client far more
 --        to read than it costs here.
-local now
+local now, refunding
 if ARGV[1] == '' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+elseif string.sub(ARGV[1], 1, 1) == 'r' then
+  now, refunding = tonumber(string.sub(ARGV[1], 2)), true
 else
   now = tonumber(ARGV[1])
 end
@@ -70,7 +75,7 @@ while a < nargs do
       if not algorithm then
         return redis.error_reply('sluice: unknown limit ' .. code)
       end
-      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params, code ~= lower}
+      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params, code ~= lower, lower}
     end
     parsed[spec] = limits
   end
@@ -78,36 +83,44 @@ while a < nargs do
   if k + n > nkeys then
     return redis.error_reply('sluice: more limits than keys')
   end
-  local allowed = true
-  for i = 1, n do
-    local p = limits[i + 1]
-    local ok, remaining, reset, retry, wait, state, expires_at =
-      p[1](KEYS[k + i], now, p[2], p[3], p[4], p[5], max_delay, uid, p[6])
-    local decision = wait
-    if not ok then
-      decision = -retry - 1
-      -- A limit on trial refuses nothing (and, refusing, writes nothing below).
-      if not p[7] then
-        allowed = false
-      end
-    end
-    out[o + 1] = remaining
-    out[o + 2] = reset
-    out[o + 3] = decision
-    o = o + 3
-    writes[2 * i - 1] = state
-    writes[2 * i] = expires_at
-  end
-  if allowed then
+  if refunding then
     for i = 1, n do
-      local state = writes[2 * i - 1]
-      if type(state) == 'string' then
-        redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(writes[2 * i], now))
-      elseif state then
-        state()
+      local p = limits[i + 1]
+      refunds[p[8]](KEYS[k + i], now, p[2], p[3], p[4], p[5], uid, p[6])
+    end
+  else
+    local allowed = true
+    for i = 1, n do
+      local p = limits[i + 1]
+      local ok, remaining, reset, retry, wait, state, expires_at =
+        p[1](KEYS[k + i], now, p[2], p[3], p[4], p[5], max_delay, uid, p[6])
+      local decision = wait
+      if not ok then
+        decision = -retry - 1
+        -- A limit on trial refuses nothing (and, refusing, writes nothing below).
+        if not p[7] then
+          allowed = false
+        end
+      end
+      out[o + 1] = remaining
+      out[o + 2] = reset
+      out[o + 3] = decision
+      o = o + 3
+      writes[2 * i - 1] = state
+      writes[2 * i] = expires_at
+    end
+    if allowed then
+      for i = 1, n do
+        local state = writes[2 * i - 1]
+        if type(state) == 'string' then
+          redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(writes[2 * i], now))
+        elseif state then
+          state()
+        end
       end
     end
   end
   k = k + n
 end
+out[o + 1] = now
 return out

@@ -21,7 +21,7 @@ use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisTarget, StoreError};
 use crate::pipeline::refusal::{policy_header, RateHeaders};
 use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
-use crate::pipeline::{Action, BanRule, Limits, Route, Runtime, Tier};
+use crate::pipeline::{Action, BanRule, LimitKey, Limits, Route, Runtime, ShareDef, Tier};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::{BuildError, Upstream, UpstreamOpts};
 
@@ -176,15 +176,11 @@ fn compile_route(
         (None, None) => return Err(route_err(&name, "needs upstream or respond")),
     };
 
-    let parts = match &r.key {
-        RawKey::One(k) => vec![k],
-        RawKey::Composite(ks) => ks.iter().collect(),
-    };
-    let key = KeySpec {
-        parts: parts
-            .into_iter()
-            .map(|p| KeyPart::parse(p).ok_or_else(|| route_err(&name, format!("bad key {p}"))))
-            .collect::<Result<_, _>>()?,
+    let key = key_spec(&name, &r.key)?;
+    let mut keys = Keys {
+        route: &name,
+        key: &key,
+        others: Vec::new(),
     };
 
     // A shadow route must be invisible: it never delays either.
@@ -197,10 +193,10 @@ fn compile_route(
     let limits = if r.limits.is_empty() {
         None
     } else {
-        let default = tier(&name, &r.limits, mode)?;
+        let default = tier(&mut keys, &r.limits, mode)?;
         let mut overrides = HashMap::new();
         for o in &r.overrides {
-            let t = Arc::new(tier(&name, &o.limits, mode)?);
+            let t = Arc::new(tier(&mut keys, &o.limits, mode)?);
             for k in &o.keys {
                 overrides.insert(k.0.clone(), t.clone());
             }
@@ -227,8 +223,13 @@ fn compile_route(
         }
     });
 
+    let limit_keys = keys.others;
     let (ns, fallback_ns) = (name.clone(), format!("{name}/ip"));
-    metrics.store_namespaces(&name, &[&ns, &fallback_ns]);
+    let mut namespaces = vec![ns.as_str(), fallback_ns.as_str()];
+    for k in &limit_keys {
+        namespaces.extend([k.ns.as_str(), k.fallback_ns.as_str()]);
+    }
+    metrics.store_namespaces(&name, &namespaces);
     Ok(Route {
         matcher: matcher(&name, &r.matcher)?,
         action,
@@ -236,6 +237,7 @@ fn compile_route(
         missing_key: r.missing_key,
         ns,
         fallback_ns,
+        limit_keys,
         limits,
         shadow: r.shadow,
         ban,
@@ -297,16 +299,91 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
     })
 }
 
-fn tier(route: &str, limits: &[schema::Limit], mode: Mode) -> Result<Tier, CompileError> {
+fn key_spec(route: &str, raw: &RawKey) -> Result<KeySpec, CompileError> {
+    let parts = match raw {
+        RawKey::One(k) => vec![k],
+        RawKey::Composite(ks) => ks.iter().collect(),
+    };
+    Ok(KeySpec {
+        parts: parts
+            .into_iter()
+            .map(|p| KeyPart::parse(p).ok_or_else(|| route_err(route, format!("bad key {p}"))))
+            .collect::<Result<_, _>>()?,
+    })
+}
+
+/// The keys a route's limits count: its own (number 0), then each other one a limit
+/// names (number i: `others[i - 1]`), once however many limits name it.
+struct Keys<'a> {
+    route: &'a str,
+    key: &'a KeySpec,
+    others: Vec<LimitKey>,
+}
+
+impl Keys<'_> {
+    /// The number of the key `raw` names (None: the route's key).
+    fn number(&mut self, raw: Option<&RawKey>) -> Result<usize, CompileError> {
+        let Some(raw) = raw else {
+            return Ok(0);
+        };
+        let spec = key_spec(self.route, raw)?;
+        if spec == *self.key {
+            return Ok(0);
+        }
+        if let Some(i) = self.others.iter().position(|k| k.spec == spec) {
+            return Ok(i + 1);
+        }
+        // Named by the key itself, not its place: a reload that adds, removes or
+        // reorders limits keeps every key's state where it was.
+        let ns = format!("{}/key={}", self.route, spec.describe_grammar());
+        self.others.push(LimitKey {
+            fallback_ns: format!("{ns}/ip"),
+            ns,
+            spec,
+        });
+        Ok(self.others.len())
+    }
+}
+
+fn tier(keys: &mut Keys<'_>, limits: &[schema::Limit], mode: Mode) -> Result<Tier, CompileError> {
     let defs = limits
         .iter()
         .enumerate()
-        .map(|(i, l)| limit_def(route, i, l))
+        .map(|(i, l)| limit_def(keys.route, i, l))
         .collect::<Result<Vec<_>, _>>()?;
+    let numbers = limits
+        .iter()
+        .map(|l| keys.number(l.key.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
+    // One share per key, in the order the keys first appear.
+    let mut shares: Vec<ShareDef> = Vec::new();
+    for (i, (&key, def)) in numbers.iter().zip(&defs).enumerate() {
+        let at = match shares.iter().position(|s| s.key == key) {
+            Some(j) => j,
+            None => {
+                shares.push(ShareDef {
+                    key,
+                    plan: Plan {
+                        limits: Vec::new(),
+                        mode,
+                    },
+                    at: Vec::new(),
+                });
+                shares.len() - 1
+            }
+        };
+        shares[at].plan.limits.push(def.clone());
+        shares[at].at.push(i);
+    }
+    // Every limit counts the route's key: the plan is decided whole.
+    if shares.iter().all(|s| s.key == 0) {
+        shares.clear();
+    }
     let plan = Plan { limits: defs, mode };
     Ok(Tier {
         policy: policy_header(&plan),
         plan,
+        shares,
     })
 }
 

@@ -456,6 +456,10 @@ pub struct Limit {
     /// never refuses; the route's other limits still do (default false).
     #[serde(default)]
     pub shadow: bool,
+    /// The key this limit counts, in the grammar of the route's `key` (default the
+    /// route's key): a login route limits per address and per account at once.
+    #[serde(default)]
+    pub key: Option<KeySpec>,
 }
 
 impl Limit {

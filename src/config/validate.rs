@@ -55,12 +55,30 @@ pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
     };
     c.trusted_everyone(file);
     for (i, route) in file.routes.iter().enumerate() {
-        let kp = format!("{}.key", item("routes", i));
-        match &route.key {
-            KeySpec::One(part) => c.client_written_key(&kp, part),
-            KeySpec::Composite(parts) => {
-                for (j, part) in parts.iter().enumerate() {
-                    c.client_written_key(&item(&kp, j), part);
+        let base = item("routes", i);
+        let mut keys = vec![(format!("{base}.key"), &route.key)];
+        let lists = std::iter::once((format!("{base}.limits"), &route.limits)).chain(
+            route.overrides.iter().enumerate().map(|(j, o)| {
+                (
+                    format!("{}.limits", item(&format!("{base}.overrides"), j)),
+                    &o.limits,
+                )
+            }),
+        );
+        for (lp, list) in lists {
+            for (j, l) in list.iter().enumerate() {
+                if let Some(k) = &l.key {
+                    keys.push((format!("{}.key", item(&lp, j)), k));
+                }
+            }
+        }
+        for (kp, key) in keys {
+            match key {
+                KeySpec::One(part) => c.client_written_key(&kp, part),
+                KeySpec::Composite(parts) => {
+                    for (j, part) in parts.iter().enumerate() {
+                        c.client_written_key(&item(&kp, j), part);
+                    }
                 }
             }
         }
@@ -867,8 +885,13 @@ impl Checker<'_> {
     }
 
     fn key(&mut self, route: &Route, base: &str) {
-        let path = format!("{base}.key");
-        match &route.key {
+        self.key_spec(&route.key, &format!("{base}.key"));
+    }
+
+    /// A key, the route's or a limit's, at `path`.
+    fn key_spec(&mut self, key: &KeySpec, path: &str) {
+        let path = path.to_string();
+        match key {
             KeySpec::One(part) => self.key_part(&path, part),
             KeySpec::Composite(parts) => {
                 if parts.is_empty() {
@@ -1020,6 +1043,9 @@ impl Checker<'_> {
 
     fn limit(&mut self, lp: &str, l: &Limit, j: usize) {
         let alg = l.algorithm.as_str();
+        if let Some(key) = &l.key {
+            self.key_spec(key, &format!("{lp}.key"));
+        }
         if let Some(name) = &l.name {
             if name.trim().is_empty() {
                 self.at(

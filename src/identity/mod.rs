@@ -129,6 +129,19 @@ impl KeyPart {
     }
 }
 
+/// The part as the configuration writes it.
+impl std::fmt::Display for KeyPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyPart::Ip => f.write_str("ip"),
+            KeyPart::Global => f.write_str("global"),
+            KeyPart::Header(h) => write!(f, "header:{h}"),
+            KeyPart::Query(q) => write!(f, "query:{q}"),
+            KeyPart::Cookie(c) => write!(f, "cookie:{c}"),
+        }
+    }
+}
+
 /// What a route does when a request lacks its key: 400, or count it by client IP.
 #[derive(
     Debug,
@@ -263,6 +276,12 @@ impl KeySpec {
 }
 
 impl KeySpec {
+    /// The key as the configuration writes it, a composite one's parts joined by `+`.
+    pub fn describe_grammar(&self) -> String {
+        let parts: Vec<String> = self.parts.iter().map(|p| p.to_string()).collect();
+        parts.join("+")
+    }
+
     /// Whether the key is the client IP alone.
     pub fn is_ip(&self) -> bool {
         self.parts == [KeyPart::Ip]

@@ -368,6 +368,67 @@ impl Algorithm {
         }
     }
 
+    /// Undoes a charge of `cost` made at `charged_us` (the store's time then) on
+    /// `state` as it is now, other requests charged since included: what a Redis
+    /// Cluster does to the keys that admitted a request another key refused
+    /// (`lua/refund.lua` does the same). Exact for the windows, the log and the
+    /// requests in flight; a bucket gets its tokens back up to its capacity, a gcra its
+    /// time back down to when it was last set. A state written since under other
+    /// parameters (a reload), or a window that has rolled past the charge, is left as
+    /// it is: the charge no longer counts, or counts as the new numbers say.
+    pub fn refund(&self, state: &mut State, charged_us: u64, cost: u64) {
+        match (*self, state) {
+            (Algorithm::FixedWindow { window_us, .. }, State::Window { idx, count })
+                if *idx == charged_us / window_us.max(1) =>
+            {
+                *count = count.saturating_sub(cost);
+            }
+            (Algorithm::SlidingWindow { window_us, .. }, State::Sliding { idx, prev, curr }) => {
+                let charged = charged_us / window_us.max(1);
+                if *idx == charged {
+                    *curr = curr.saturating_sub(cost);
+                } else if *idx == charged + 1 {
+                    *prev = prev.saturating_sub(cost);
+                }
+            }
+            (Algorithm::SlidingLog { .. }, State::Log(log)) => {
+                if let Some(i) = log.iter().position(|&e| e == (charged_us, cost)) {
+                    log.remove(i);
+                }
+            }
+            (
+                Algorithm::TokenBucket { rate, burst },
+                State::Bucket {
+                    tokens,
+                    rate: r0,
+                    burst: b0,
+                    ..
+                },
+            ) if *r0 == rate && *b0 == burst => {
+                let (_, p) = rate_parts(rate);
+                let cap = i128::from(burst) * p;
+                let back = (i128::from(*tokens) + i128::from(cost) * p).min(cap);
+                *tokens = i64::try_from(back).unwrap_or(i64::MAX);
+            }
+            (
+                Algorithm::Gcra { rate, burst },
+                State::Gcra {
+                    tat,
+                    ts,
+                    rate: r0,
+                    burst: b0,
+                },
+            ) if *r0 == rate && *b0 == burst => {
+                let inc = gcra_inc(rate, cost);
+                *tat = tat.saturating_sub(inc).max(*ts);
+            }
+            (Algorithm::Concurrency { .. }, State::InFlight(n)) => {
+                *n = n.saturating_sub(cost);
+            }
+            _ => {}
+        }
+    }
+
     fn window_us(&self) -> u64 {
         match *self {
             Algorithm::FixedWindow { window_us, .. }
@@ -691,12 +752,7 @@ fn gcra(
     let (n, p) = rate_parts(rate);
     let n_u = n as u128;
     let p_u = p as u128;
-    // inc = floor(cost * P / N), at least 1 for cost > 0. (Rounded down, not up: with
-    // ceil, N not dividing P made every full burst one request short; see the tests.)
-    let mut inc = u128_to_u64(u128::from(cost) * p_u / n_u);
-    if inc == 0 && cost > 0 {
-        inc = 1;
-    }
+    let inc = gcra_inc(rate, cost);
     // L = burst * P: the largest admissible (tat - now) * N.
     let span = u128::from(burst) * p_u;
     // base = max(tat, now) (tat = now when empty); new_tat = base + inc. `until`: when
@@ -851,6 +907,19 @@ fn gcra_convert(tat: u64, ts: u64, r0: Rate, b0: u64, rate: Rate, burst: u64) ->
 // === arithmetic helpers ===
 
 /// (N, P) as i128, each at least 1.
+/// gcra's emission interval for `cost`: floor(cost * P / N), at least 1 for cost > 0.
+/// (Rounded down, not up: with ceil, N not dividing P made every full burst one
+/// request short; see the tests.)
+fn gcra_inc(rate: Rate, cost: u64) -> u64 {
+    let (n, p) = rate_parts(rate);
+    let inc = u128_to_u64(u128::from(cost) * p as u128 / n as u128);
+    if inc == 0 && cost > 0 {
+        1
+    } else {
+        inc
+    }
+}
+
 fn rate_parts(rate: Rate) -> (i128, i128) {
     (
         i128::from(rate.count.max(1)),
@@ -1043,6 +1112,92 @@ mod tests {
                 burst: 3,
             },
         ]
+    }
+
+    /// A charge undone (`Algorithm::refund`, as a Redis Cluster undoes the keys that
+    /// admitted a request another key refused) leaves a limit deciding every later
+    /// request exactly as if the charge had never been made; with requests charged
+    /// between the charge and its refund, exactly so for the windows and the log, and
+    /// never more generously for the buckets.
+    #[test]
+    fn a_refunded_charge_is_as_if_it_had_never_been_made() {
+        for algo in samples() {
+            for cost in [1, 2] {
+                for between in [0, 1, 3] {
+                    let mut rng = Rng(7 + between + cost);
+                    let gap = algo.policy_window_us() / algo.quota().max(1) + 1;
+                    let (mut charged, mut twin) = (State::Empty, State::Empty);
+                    let mut now = T0 + rng.below(S);
+                    let exact = between == 0
+                        || !matches!(algo, Algorithm::TokenBucket { .. } | Algorithm::Gcra { .. });
+                    for step in 0..600 {
+                        now += rng.below(gap);
+                        // Every 7th request is charged, then refunded `between`
+                        // requests later; its twin never sees it.
+                        if step % 7 == 3 {
+                            let (o, new) = algo.check(&charged, now, cost, 0);
+                            if !o.allowed {
+                                continue;
+                            }
+                            charged = new;
+                            let at = now;
+                            let mut diverged = false;
+                            for _ in 0..between {
+                                now += rng.below(gap);
+                                let (a, new_a) = algo.check(&charged, now, 1, 0);
+                                let (b, new_b) = algo.check(&twin, now, 1, 0);
+                                if a.allowed != b.allowed {
+                                    diverged = true;
+                                }
+                                if a.allowed {
+                                    charged = new_a;
+                                }
+                                if b.allowed {
+                                    twin = new_b;
+                                }
+                            }
+                            algo.refund(&mut charged, at, cost);
+                            if diverged {
+                                // The charge refused a request its twin admitted: the
+                                // two no longer count the same requests.
+                                twin = charged.clone();
+                            }
+                            continue;
+                        }
+                        let (a, new_a) = algo.check(&charged, now, cost, 0);
+                        let (b, new_b) = algo.check(&twin, now, cost, 0);
+                        if exact {
+                            assert_eq!(a, b, "{algo:?} cost {cost} between {between} step {step}");
+                        } else {
+                            assert!(
+                                !a.allowed || b.allowed,
+                                "{algo:?} cost {cost} between {between} step {step}: refunded admits what its twin refuses"
+                            );
+                        }
+                        if a.allowed {
+                            charged = new_a;
+                        }
+                        if b.allowed {
+                            twin = new_b;
+                        }
+                        if a.allowed != b.allowed {
+                            twin = charged.clone();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_refund_gives_back_requests_in_flight() {
+        let algo = Algorithm::Concurrency {
+            limit: 2,
+            lease_us: S,
+        };
+        let mut state = State::InFlight(2);
+        algo.refund(&mut state, T0, 1);
+        assert_eq!(state, State::InFlight(1));
     }
 
     /// Drives `algo` with requests at random gaps (up to `max_gap_us`) and calls

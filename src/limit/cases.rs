@@ -1049,6 +1049,23 @@ impl PureStore {
         verdict
     }
 
+    /// `check`, then the charge undone at once where it was made (`Algorithm::refund`,
+    /// each limit that admitted), as a cluster does when another key refuses.
+    pub fn check_refunded(&mut self, plan: &Plan, now_us: u64) -> Verdict {
+        let v = self.check(plan, now_us);
+        if v.allowed {
+            for (l, o) in plan.limits.iter().zip(&v.outcomes) {
+                if let (true, Some(slot)) = (
+                    o.allowed,
+                    self.states.iter_mut().find(|(id, _)| *id == l.id),
+                ) {
+                    l.algorithm.refund(&mut slot.1, now_us, l.cost);
+                }
+            }
+        }
+        v
+    }
+
     fn state(&self, id: u64) -> &State {
         self.states
             .iter()

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::algo::{judge, EMPTY};
-use super::{Algorithm, Checked, Clock, LimitDef, Permit, Plan, State, Verdict};
+use super::{Algorithm, Checked, Clock, LimitDef, Permit, Plan, Share, State, Verdict};
 use crate::telemetry::metrics::EvictionCounters;
 
 /// Shards of the key space; fewer when `max_keys` is smaller.
@@ -215,19 +215,7 @@ impl MemoryStore {
         // The in-flight counts as states, by plan index (empty for the other limits).
         let held: Vec<State> = match &in_flight {
             None => Vec::new(),
-            Some(map) => {
-                let counts = map.get(route).and_then(|keys| keys.get(key));
-                plan.limits
-                    .iter()
-                    .map(|l| match counts {
-                        Some(c) if l.algorithm.is_concurrency() => {
-                            let n = c.iter().find(|(id, _)| *id == l.id).map_or(0, |c| c.1);
-                            State::InFlight(n)
-                        }
-                        _ => State::Empty,
-                    })
-                    .collect()
-            }
+            Some(map) => held_states(plan, map.get(route).and_then(|keys| keys.get(key))),
         };
         let verdict = if let Some(i) = entries.find(&hash) {
             entries.touch(i);
@@ -256,6 +244,113 @@ impl MemoryStore {
             _ => Permit::None,
         };
         Checked { verdict, permit }
+    }
+
+    /// `acquire` for a request whose limits count several keys, one share each:
+    /// every share is decided under the locks of all of their shards (taken in
+    /// index order, the entry shards before the in-flight ones, so two requests never
+    /// wait for each other), and charged only if every share admits.
+    pub fn acquire_shares(&self, shares: &[Share<'_>], trial: u64) -> Checked {
+        let n = shares.iter().map(|s| s.at.len()).sum();
+        let hashes: Vec<(Hash, usize)> = shares
+            .iter()
+            .map(|s| {
+                let hash = self.hash(s.ns, s.key);
+                (hash, self.shard_index(&hash))
+            })
+            .collect();
+        let mut order: Vec<usize> = hashes.iter().map(|h| h.1).collect();
+        order.sort_unstable();
+        order.dedup();
+        let mut entries: Vec<(usize, MutexGuard<'_, Shard>)> =
+            order.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
+        let now = self.clock.now_us();
+        let concurrency = shares.iter().any(|s| s.plan.has_concurrency());
+        let mut in_flight: Vec<(usize, MutexGuard<'_, Counts>)> = if concurrency {
+            order
+                .iter()
+                .map(|&i| (i, lock(&self.in_flight.shards[i])))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let guard = |v: &mut Vec<(usize, MutexGuard<'_, Shard>)>, shard: usize| {
+            v.iter().position(|(i, _)| *i == shard).unwrap_or(0)
+        };
+        let verdicts: Vec<Verdict> = shares
+            .iter()
+            .zip(&hashes)
+            .map(|(share, (hash, shard))| {
+                let counts = in_flight
+                    .iter()
+                    .find(|(i, _)| i == shard)
+                    .and_then(|(_, map)| map.get(share.ns))
+                    .and_then(|keys| keys.get(share.key));
+                let held = held_states(share.plan, counts);
+                let k = guard(&mut entries, *shard);
+                let entries = &entries[k].1;
+                match entries.find(hash) {
+                    Some(i) => entries.judge(i, share.plan, now, &held),
+                    None => judge(share.plan, now, |i| held.get(i).unwrap_or(&EMPTY)),
+                }
+            })
+            .collect();
+        let verdict = Verdict::of_shares(
+            n,
+            trial,
+            shares
+                .iter()
+                .zip(&verdicts)
+                .map(|(s, v)| (s.at, v.outcomes.clone())),
+        );
+        if !verdict.allowed {
+            return Checked {
+                verdict,
+                permit: Permit::None,
+            };
+        }
+        let mut evicted = Vec::new();
+        let mut permits = Vec::new();
+        for ((share, (hash, shard)), v) in shares.iter().zip(&hashes).zip(&verdicts) {
+            let k = guard(&mut entries, *shard);
+            let entries = &mut entries[k].1;
+            let stateful = share
+                .plan
+                .limits
+                .iter()
+                .any(|l| !l.algorithm.is_concurrency());
+            match entries.find(hash) {
+                Some(i) => {
+                    entries.touch(i);
+                    entries.charge(i, share.plan, now);
+                }
+                None if stateful => {
+                    let ns = entries.route_number(share.ns);
+                    let (i, lost) = entries.insert(*hash, ns, now);
+                    entries.charge(i, share.plan, now);
+                    evicted.extend(lost);
+                }
+                None => {}
+            }
+            if share.plan.has_concurrency() {
+                if let Some((_, map)) = in_flight.iter_mut().find(|(i, _)| i == shard) {
+                    let slots = self.take(map, *shard, share.ns, share.key, share.plan, v);
+                    permits.push(Permit::Memory(slots));
+                }
+            }
+        }
+        drop(in_flight);
+        drop(entries);
+        for ns in evicted {
+            self.evicted_live(&ns, now);
+        }
+        Checked {
+            verdict,
+            permit: match permits.len() {
+                0 => Permit::None,
+                _ => Permit::Many(permits),
+            },
+        }
     }
 
     /// Takes one slot of every concurrency limit of `plan` that admitted (all of them
@@ -387,6 +482,21 @@ impl Drop for Slots {
             map.remove(&self.route);
         }
     }
+}
+
+/// The in-flight counts of a key as states, by plan index (empty for the other
+/// limits).
+fn held_states(plan: &Plan, counts: Option<&Vec<(u64, u64)>>) -> Vec<State> {
+    plan.limits
+        .iter()
+        .map(|l| match counts {
+            Some(c) if l.algorithm.is_concurrency() => {
+                let n = c.iter().find(|(id, _)| *id == l.id).map_or(0, |c| c.1);
+                State::InFlight(n)
+            }
+            _ => State::Empty,
+        })
+        .collect()
 }
 
 /// A panic while a shard was locked leaves at worst one request half charged; the
@@ -862,6 +972,39 @@ impl Shard {
 
     /// Decides a request against entry `i`'s states and `held`, the requests in
     /// flight by plan index; charges every limit if all admit.
+    /// The verdict of entry `i` over `plan`, charging nothing.
+    fn judge(&self, i: u32, plan: &Plan, now: u64, held: &[State]) -> Verdict {
+        let e = self.entry(i);
+        let concurrency = |k: usize| plan.limits[k].algorithm.is_concurrency();
+        if e.def == SPILLED {
+            let slots = &self.spilled[e.w[0] as usize];
+            return judge(plan, now, |k| {
+                let id = plan.limits[k].id;
+                if concurrency(k) {
+                    &held[k]
+                } else {
+                    slots
+                        .iter()
+                        .find(|s| s.id == id)
+                        .map_or(&EMPTY, |s| &s.state)
+                }
+            });
+        }
+        let (id, state) = match self.defs.get(e.def as usize) {
+            Some(def) => (Some(def.id), decode(&def.algorithm, &e.w)),
+            None => (None, State::Empty),
+        };
+        judge(plan, now, |k| {
+            if concurrency(k) {
+                &held[k]
+            } else if id == Some(plan.limits[k].id) {
+                &state
+            } else {
+                &EMPTY
+            }
+        })
+    }
+
     fn decide(&mut self, i: u32, plan: &Plan, now: u64, held: &[State]) -> Verdict {
         let e = self.entry(i);
         let concurrency = |k: usize| plan.limits[k].algorithm.is_concurrency();

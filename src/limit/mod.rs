@@ -172,6 +172,39 @@ impl Verdict {
     }
 }
 
+/// One key's share of a request whose limits count different keys (`key` on a
+/// limit): the limits of the whole plan that count this key, as a plan of their own,
+/// and where each of them stands in the whole plan.
+pub struct Share<'a> {
+    /// The namespace the key's state lives in, and the key as stored.
+    pub ns: &'a str,
+    pub key: &'a str,
+    pub plan: &'a Plan,
+    /// `at[i]`: the index in the whole plan of `plan.limits[i]`.
+    pub at: &'a [usize],
+}
+
+impl Verdict {
+    /// The verdict over a whole plan of `n` limits from the verdicts of its shares,
+    /// each outcome put back at its place: admitted only if every share admits
+    /// (a store charges none of them otherwise); the wait is the longest.
+    pub fn of_shares<'a>(
+        n: usize,
+        trial: u64,
+        shares: impl IntoIterator<Item = (&'a [usize], Vec<Outcome>)>,
+    ) -> Verdict {
+        let mut outcomes = vec![Outcome::default(); n];
+        for (at, part) in shares {
+            for (&i, o) in at.iter().zip(part) {
+                if let Some(slot) = outcomes.get_mut(i) {
+                    *slot = o;
+                }
+            }
+        }
+        Verdict::on_trial(outcomes, trial)
+    }
+}
+
 /// A store's answer for one request: the verdict and, when admitted, the permit that
 /// holds its concurrency slots.
 pub struct Checked {
@@ -189,6 +222,8 @@ pub enum Permit {
     None,
     Memory(memory::Slots),
     Redis(redis::Held),
+    /// The slots of a request whose limits count several keys.
+    Many(Vec<Permit>),
 }
 
 impl Plan {

@@ -17,7 +17,7 @@ use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
-use super::{Algorithm, Checked, Outcome, Permit, Plan, StoreError, Verdict};
+use super::{Algorithm, Checked, LimitDef, Outcome, Permit, Plan, Share, StoreError, Verdict};
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
 /// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
@@ -35,6 +35,8 @@ const SCRIPT: &str = concat!(
     include_str!("../../lua/gcra.lua"),
     "\n",
     include_str!("../../lua/concurrency.lua"),
+    "\n",
+    include_str!("../../lua/refund.lua"),
     "\n",
     include_str!("../../lua/request.lua"),
 );
@@ -292,6 +294,189 @@ impl RedisStore {
         Ok(Checked { verdict, permit })
     }
 
+    /// `acquire` for a request whose limits count several keys, one share each. On one
+    /// Redis server the shares go in one script call as one request: every limit
+    /// decided, then all charged or none. On a cluster the keys of different shares
+    /// live in different slots, so each share is a call of its own, sent at once; when
+    /// one refuses, the shares that admitted are refunded (`refund`).
+    pub async fn acquire_shares(
+        &self,
+        shares: &[Share<'_>],
+        trial: u64,
+    ) -> Result<Checked, StoreError> {
+        let inner = &self.inner;
+        let n = shares.iter().map(|s| s.at.len()).sum();
+        let tags: Vec<String> = shares.iter().map(|s| inner.tag(s.ns, s.key)).collect();
+        let sent = Instant::now();
+        // A share refused a moment ago refuses the request: the shares not asked
+        // are reported as admitting (the headers speak of the refusing limit).
+        if let Some(cache) = &inner.refusals {
+            for (s, tag) in shares.iter().zip(&tags) {
+                if let Some(v) = cache.get(&(tag.clone(), fingerprint(s.plan)), sent) {
+                    return Ok(Checked {
+                        verdict: Verdict::of_shares(n, trial, [(s.at, v.outcomes)]),
+                        permit: Permit::None,
+                    });
+                }
+            }
+        }
+        if inner.breaker.is_open() {
+            inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::Open);
+        }
+        let uid = if shares.iter().any(|s| needs_uid(s.plan)) {
+            inner.uid()
+        } else {
+            String::new()
+        };
+        let mut leases = shares
+            .iter()
+            .any(|s| s.plan.has_concurrency())
+            .then(|| Leases {
+                inner: self.inner.clone(),
+                keys: shares
+                    .iter()
+                    .zip(&tags)
+                    .flat_map(|(s, tag)| {
+                        s.plan.limits.iter().filter_map(move |l| match l.algorithm {
+                            Algorithm::Concurrency { lease_us, .. } => {
+                                Some((limit_key(tag, l.id), Duration::from_micros(lease_us)))
+                            }
+                            _ => None,
+                        })
+                    })
+                    .collect(),
+                uid: uid.clone(),
+            });
+        let result = match &inner.batch {
+            // One server: one request of the script.
+            Some(_) => {
+                let limits = shares
+                    .iter()
+                    .zip(&tags)
+                    .flat_map(|(s, tag)| s.plan.limits.iter().map(move |l| (tag.as_str(), l)));
+                let max_delay = shares.first().map_or(0, |s| s.plan.max_delay_us());
+                let part = Part::of(limits, max_delay, &uid);
+                inner.ask(part).await.and_then(|reply| {
+                    let mut at = 0;
+                    let mut verdicts = Vec::with_capacity(shares.len());
+                    for s in shares {
+                        let len = REPLY_PER_LIMIT * s.plan.limits.len();
+                        verdicts.push(verdict(s.plan, &reply[at..at + len])?);
+                        at += len;
+                    }
+                    Ok(verdicts)
+                })
+            }
+            // A cluster: a call per share, refunds when one refuses.
+            None => {
+                let parts: Vec<Part> = shares
+                    .iter()
+                    .zip(&tags)
+                    .map(|(s, tag)| Part::new(tag, s.plan, &uid))
+                    .collect();
+                let parts: Vec<[&Part; 1]> = parts.iter().map(|p| [p]).collect();
+                let calls = parts.iter().map(|p| inner.run(p, None));
+                let answers = futures_util::future::join_all(calls).await;
+                let decided: Vec<Result<(Verdict, u64), StoreError>> = shares
+                    .iter()
+                    .zip(answers)
+                    .map(|(s, a)| a.and_then(|(reply, now)| Ok((verdict(s.plan, &reply)?, now))))
+                    .collect();
+                let refused = decided
+                    .iter()
+                    .any(|d| d.as_ref().map_or(true, |(v, _)| !v.allowed));
+                if refused {
+                    self.refund_admitted(shares, &tags, &decided, &uid);
+                }
+                decided
+                    .into_iter()
+                    .map(|d| d.map(|(v, _)| v))
+                    .collect::<Result<Vec<_>, _>>()
+            }
+        };
+        match &result {
+            Ok(_) => inner.breaker.success(),
+            Err(e) => {
+                if inner.breaker.failure() {
+                    tracing::error!(error = %e, failures = TRIP_AFTER, "Redis keeps failing; breaker open, applying store.on_error while probing");
+                } else {
+                    tracing::warn!(error = %e, "Redis limiter call failed");
+                }
+            }
+        }
+        let verdicts = result?;
+        let verdict = Verdict::of_shares(
+            n,
+            trial,
+            shares
+                .iter()
+                .zip(&verdicts)
+                .map(|(s, v)| (s.at, v.outcomes.clone())),
+        );
+        if !verdict.allowed {
+            if let Some(cache) = &inner.refusals {
+                for ((s, tag), v) in shares.iter().zip(&tags).zip(&verdicts) {
+                    let hold = refused_until_us(s.plan, v).saturating_sub(s.plan.max_delay_us());
+                    if !v.allowed && hold > 0 {
+                        let hold = Duration::from_micros(hold).min(REFUSAL_HOLD_MAX);
+                        cache.insert((tag.clone(), fingerprint(s.plan)), sent, sent + hold, v);
+                    }
+                }
+            }
+        }
+        let permit = match (verdict.allowed, leases.take()) {
+            (true, Some(leases)) => Permit::Redis(leases.hold()),
+            (false, Some(mut leases)) => {
+                leases.keys.clear();
+                Permit::None
+            }
+            (_, None) => Permit::None,
+        };
+        Ok(Checked { verdict, permit })
+    }
+
+    /// After a cluster's calls for one request's shares: the shares that admitted it
+    /// (another refused, or failed) are refunded what they were charged, each on its
+    /// own node at the time it decided, in a task of its own (the refusal does not
+    /// wait for it). Only the limits that admitted are refunded: a limit on trial that
+    /// refused charged nothing. A refund that fails leaves the charge (the key counts
+    /// one request more than it should until its window passes); it is logged.
+    fn refund_admitted(
+        &self,
+        shares: &[Share<'_>],
+        tags: &[String],
+        decided: &[Result<(Verdict, u64), StoreError>],
+        uid: &str,
+    ) {
+        let mut refunds = Vec::new();
+        for ((s, tag), d) in shares.iter().zip(tags).zip(decided) {
+            let Ok((v, at)) = d else { continue };
+            if !v.allowed {
+                continue;
+            }
+            let admitted = s
+                .plan
+                .limits
+                .iter()
+                .zip(&v.outcomes)
+                .filter(|(_, o)| o.allowed)
+                .map(|(l, _)| (tag.as_str(), l));
+            refunds.push((Part::of(admitted, s.plan.max_delay_us(), uid), *at));
+        }
+        if refunds.is_empty() {
+            return;
+        }
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            for (part, at) in refunds {
+                if let Err(e) = inner.refund(&[&part], at).await {
+                    tracing::warn!(error = %e, "Redis Cluster: a refused request's charge on another node could not be refunded; that key counts it until its window passes");
+                }
+            }
+        });
+    }
+
     /// `check` at an explicit time instead of the server's clock, for driving a table of
     /// cases. Skips the refusal cache (it runs on real time).
     pub async fn check_at(
@@ -310,7 +495,37 @@ impl RedisStore {
             .inner
             .run(&[&Part::new(&tag, plan, &uid)], Some(now_us))
             .await?;
-        verdict(plan, &reply)
+        verdict(plan, &reply.0)
+    }
+
+    /// `check_at`, then, if admitted, the refund a cluster sends when another key
+    /// refuses (`refund_admitted`), at once: for holding `lua/refund.lua` to
+    /// `Algorithm::refund`.
+    pub async fn check_refunded_at(
+        &self,
+        ns: &str,
+        key: &str,
+        plan: &Plan,
+        now_us: u64,
+    ) -> Result<Verdict, StoreError> {
+        let tag = self.inner.tag(ns, key);
+        let uid = self.inner.uid_for(plan);
+        let (reply, now) = self
+            .inner
+            .run(&[&Part::new(&tag, plan, &uid)], Some(now_us))
+            .await?;
+        let v = verdict(plan, &reply)?;
+        if v.allowed {
+            let admitted = plan
+                .limits
+                .iter()
+                .zip(&v.outcomes)
+                .filter(|(_, o)| o.allowed)
+                .map(|(l, _)| (tag.as_str(), l));
+            let part = Part::of(admitted, plan.max_delay_us(), &uid);
+            self.inner.refund(&[&part], now).await?;
+        }
+        Ok(v)
     }
 
     /// Runs one command over the store's shared connection, bounded by its timeout;
@@ -437,7 +652,13 @@ impl Inner {
     /// requests waiting at the same time on one Redis server, in a call of its own on a
     /// cluster. Bounded by the timeout, the wait for a shared call included.
     async fn decide(&self, part: Part, plan: &Plan) -> Result<Verdict, StoreError> {
-        let reply = match &self.batch {
+        let reply = self.ask(part).await?;
+        verdict(plan, &reply)
+    }
+
+    /// The reply to one request (`part`), sent as `decide` says.
+    async fn ask(&self, part: Part) -> Result<Vec<i64>, StoreError> {
+        Ok(match &self.batch {
             Some(batch) => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 batch.push(Queued { part, reply: tx });
@@ -447,15 +668,43 @@ impl Inner {
                     Err(_) => return Err(StoreError::Timeout),
                 }
             }
-            None => self.run(&[&part], None).await?,
-        };
-        verdict(plan, &reply)
+            None => self.run(&[&part], None).await?.0,
+        })
     }
 
     /// One script call deciding `parts` in order (`now_us`: None = Redis' clock):
-    /// the reply's integers, `Part::reply_len` of them per part. Bounded by the timeout.
-    async fn run(&self, parts: &[&Part], now_us: Option<u64>) -> Result<Vec<i64>, StoreError> {
-        let command = |verb: &str, script: &str| script_call(verb, script, parts, now_us);
+    /// the reply's integers, `Part::reply_len` of them per part, and the time the
+    /// server decided at. Bounded by the timeout.
+    async fn run(
+        &self,
+        parts: &[&Part],
+        now_us: Option<u64>,
+    ) -> Result<(Vec<i64>, u64), StoreError> {
+        let at = now_us.map(Time::At).unwrap_or(Time::Server);
+        let mut reply = self.call(parts, at).await?;
+        let want: usize = parts.iter().map(|p| p.reply_len()).sum();
+        if reply.len() != want + 1 {
+            return Err(StoreError::Unavailable(format!(
+                "limiter script answered {} numbers for {} requests ({} expected)",
+                reply.len(),
+                parts.len(),
+                want + 1
+            )));
+        }
+        let now = reply.pop().map_or(0, |n| u64::try_from(n).unwrap_or(0));
+        Ok((reply, now))
+    }
+
+    /// Undoes what the requests of `parts` (each of the limits that admitted it)
+    /// were charged at `charged_us`, on this server's time: see `lua/refund.lua`.
+    async fn refund(&self, parts: &[&Part], charged_us: u64) -> Result<(), StoreError> {
+        self.call(parts, Time::Refund(charged_us)).await.map(drop)
+    }
+
+    /// The script called on `parts`, EVALSHA and EVAL as needed; bounded by the
+    /// timeout.
+    async fn call(&self, parts: &[&Part], at: Time) -> Result<Vec<i64>, StoreError> {
+        let command = |verb: &str, script: &str| script_call(verb, script, parts, at);
         // EVALSHA; on NOSCRIPT (flushed, restarted, failed over) EVAL with the body,
         // which runs and caches it in one step. (SCRIPT LOAD, then EVALSHA again, fails
         // when another flush lands between the two.)
@@ -468,19 +717,10 @@ impl Inner {
                 r => r,
             }
         };
-        let reply = match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string()))?,
-            Err(_) => return Err(StoreError::Timeout),
-        };
-        let want: usize = parts.iter().map(|p| p.reply_len()).sum();
-        if reply.len() != want {
-            return Err(StoreError::Unavailable(format!(
-                "limiter script answered {} numbers for {} requests ({want} expected)",
-                reply.len(),
-                parts.len()
-            )));
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string())),
+            Err(_) => Err(StoreError::Timeout),
         }
-        Ok(reply)
     }
 }
 
@@ -504,10 +744,24 @@ struct Part {
 
 impl Part {
     fn new(tag: &str, plan: &Plan, uid: &str) -> Part {
-        let n = plan.limits.len();
-        let mut buf = String::with_capacity(n * (tag.len() + 60) + uid.len() + 24);
+        Part::of(
+            plan.limits.iter().map(|l| (tag, l)),
+            plan.max_delay_us(),
+            uid,
+        )
+    }
+
+    /// The request of `limits`, each with the tag of the key it counts.
+    fn of<'a>(
+        limits: impl Iterator<Item = (&'a str, &'a LimitDef)> + Clone,
+        max_delay_us: u64,
+        uid: &str,
+    ) -> Part {
+        let n = limits.clone().count();
+        let tags: usize = limits.clone().map(|(t, _)| t.len()).sum();
+        let mut buf = String::with_capacity(tags + n * 60 + uid.len() + 24);
         let mut ends = Vec::with_capacity(n + 2);
-        for l in &plan.limits {
+        for (tag, l) in limits.clone() {
             buf.push_str(tag);
             buf.push(':');
             push_id(&mut buf, l.id);
@@ -516,8 +770,8 @@ impl Part {
         // The limits: max_delay, then each limit's letter, cost and parameters. The
         // same for every request of a route, so the script parses it once per call.
         let mut num = itoa::Buffer::new();
-        buf.push_str(num.format(plan.max_delay_us()));
-        for l in &plan.limits {
+        buf.push_str(num.format(max_delay_us));
+        for (_, l) in limits {
             let (code, a, b, c) = params(&l.algorithm);
             buf.push(' ');
             // A limit on trial by its letter in upper case (`lua/request.lua`).
@@ -643,7 +897,7 @@ async fn dispatch(store: Weak<Inner>, batch: Arc<Batch>) {
         drop(parts);
         drop(inner);
         match result {
-            Ok(reply) => {
+            Ok((reply, _)) => {
                 let mut at = 0;
                 for q in sending.drain(..) {
                     let n = q.part.reply_len();
@@ -753,7 +1007,18 @@ fn needs_uid(plan: &Plan) -> bool {
 /// The script call deciding `parts` in order: `verb` (EVALSHA or EVAL) and `script`
 /// (its hash or body), every part's keys, then now (empty: Redis' clock) and every
 /// part's arguments (`lua/request.lua`).
-fn script_call(verb: &str, script: &str, parts: &[&Part], now_us: Option<u64>) -> Cmd {
+/// The script's first argument: the time it decides at, or refunds a charge of.
+#[derive(Clone, Copy)]
+enum Time {
+    /// The server's clock (production).
+    Server,
+    /// A driven clock (the table of cases).
+    At(u64),
+    /// Refund the charges made at this time.
+    Refund(u64),
+}
+
+fn script_call(verb: &str, script: &str, parts: &[&Part], at: Time) -> Cmd {
     let keys: usize = parts.iter().map(|p| p.keys()).sum();
     let args: usize = parts.iter().map(|p| p.ends.len()).sum();
     let bytes: usize = parts.iter().map(|p| p.buf.len()).sum();
@@ -764,9 +1029,10 @@ fn script_call(verb: &str, script: &str, parts: &[&Part], now_us: Option<u64>) -
             cmd.arg(key);
         }
     }
-    match now_us {
-        Some(now) => cmd.arg(now),
-        None => cmd.arg(""),
+    match at {
+        Time::Server => cmd.arg(""),
+        Time::At(now) => cmd.arg(now),
+        Time::Refund(charged) => cmd.arg(format!("r{charged}")),
     };
     for p in parts {
         for arg in p.pieces().skip(p.keys()) {
@@ -1324,7 +1590,7 @@ mod tests {
         single.limits.truncate(1);
         single.mode = Mode::Reject;
         let two = Part::new("sluice:{r:j}", &single, "id.7");
-        let cmd = script_call("EVALSHA", "abc", &[&one, &two], None);
+        let cmd = script_call("EVALSHA", "abc", &[&one, &two], Time::Server);
         let args: Vec<String> = cmd
             .args_iter()
             .map(|a| match a {
@@ -1351,7 +1617,7 @@ mod tests {
         );
         assert_eq!((one.reply_len(), two.reply_len()), (6, 3));
         assert!(!needs_uid(&p));
-        let at = script_call("EVAL", "body", &[&two], Some(17));
+        let at = script_call("EVAL", "body", &[&two], Time::At(17));
         assert_eq!(at.args_iter().count(), 3 + 1 + 1 + 2);
     }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use prometheus::{Histogram, IntCounter};
 
-use super::{Checked, MemoryStore, Plan, RedisStore, SystemClock};
+use super::{Checked, MemoryStore, Plan, RedisStore, Share, SystemClock};
 use crate::telemetry::metrics::EvictionCounters;
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -112,6 +112,52 @@ impl Store {
             Ok(_) => timer.observe_duration(),
         }
         v
+    }
+
+    /// `check` for a request whose limits count several keys (`Share`): admitted
+    /// only if every share admits, and then charged to all of them.
+    pub async fn check_shares(
+        &self,
+        shares: &[Share<'_>],
+        trial: u64,
+    ) -> Result<Checked, StoreError> {
+        let timer = self.latency.start_timer();
+        let v = match &self.backend {
+            Backend::Memory(m) => Ok(m.acquire_shares(shares, trial)),
+            Backend::Redis { redis, .. } => redis.acquire_shares(shares, trial).await,
+        };
+        match &v {
+            Err(StoreError::Open) => {
+                timer.stop_and_discard();
+            }
+            Err(_) => {
+                if let Some(errors) = &self.errors {
+                    errors.inc();
+                }
+                timer.observe_duration();
+            }
+            Ok(_) => timer.observe_duration(),
+        }
+        v
+    }
+
+    /// `fallback` for a request whose limits count several keys.
+    pub fn fallback_shares(&self, shares: &[Share<'_>], trial: u64) -> Option<Checked> {
+        match &self.backend {
+            Backend::Memory(_) => None,
+            Backend::Redis {
+                fallback,
+                fallback_max_keys,
+                evictions,
+                ..
+            } => {
+                let m = fallback.get_or_init(|| {
+                    MemoryStore::new(*fallback_max_keys, SystemClock::new())
+                        .with_evictions(evictions.clone())
+                });
+                Some(m.acquire_shares(shares, trial))
+            }
+        }
     }
 
     /// Decide in this instance's memory while the shared store is unreachable

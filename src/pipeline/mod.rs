@@ -9,6 +9,7 @@ pub mod path;
 pub mod refusal;
 pub mod route;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -34,7 +35,7 @@ use crate::http::h1::server::{ClientBody, Lent, Site};
 use crate::http::wake::Deadline;
 
 use crate::identity::{ClientKey, KeySpec, MissingKey, TrustedProxies};
-use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Store, Verdict};
+use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Share, Store, Verdict};
 use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
 use crate::telemetry::refusal_log::{Line, RefusalLog, What};
 use crate::upstream::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
@@ -70,10 +71,28 @@ pub struct Route {
     /// with an IP fallback.
     pub ns: String,
     pub fallback_ns: String,
+    /// The other keys the route's limits count (`key` on a limit): key number i
+    /// (`ShareDef::key`) is `limit_keys[i - 1]`; number 0 is the route's own.
+    pub limit_keys: Vec<LimitKey>,
     pub limits: Option<Limits>,
     pub shadow: bool,
     pub ban: Option<BanRule>,
     pub metrics: RouteMetrics,
+}
+
+impl Route {
+    /// Whether the key counted in namespace `ns` is the client's address: a key
+    /// `ip`, or one that fell back to it (`missing_key: ip`).
+    fn counts_address(&self, ns: &str) -> bool {
+        if ns == self.ns {
+            return self.key.is_ip();
+        }
+        ns == self.fallback_ns
+            || self
+                .limit_keys
+                .iter()
+                .any(|k| ns == k.fallback_ns || (ns == k.ns && k.spec.is_ip()))
+    }
 }
 
 /// `ban:` of a route: a key refused `after` times within `within` is denied for
@@ -104,6 +123,28 @@ pub struct Tier {
     pub plan: Plan,
     /// Precomputed `RateLimit-Policy` value.
     pub policy: Option<HeaderValue>,
+    /// With limits that count other keys than the route's: the plan split by key,
+    /// in the order the keys first appear. Empty when every limit counts the route's
+    /// key (the plan is decided whole).
+    pub shares: Vec<ShareDef>,
+}
+
+/// The limits of a tier that count one key.
+pub struct ShareDef {
+    /// The key's number (`Route::limit_keys`).
+    pub key: usize,
+    /// Those limits, in plan order, with the route's mode.
+    pub plan: Plan,
+    /// Where each stands in the tier's plan.
+    pub at: Vec<usize>,
+}
+
+/// A key a limit counts that is not the route's, with the namespaces of its state
+/// (named after the key, so a reload that reorders limits keeps it).
+pub struct LimitKey {
+    pub spec: KeySpec,
+    pub ns: String,
+    pub fallback_ns: String,
 }
 
 impl Limits {
@@ -273,11 +314,19 @@ async fn pass<'a>(
     let line = &mut tally.line;
     deny_ip(ctx, route.map_or("unmatched", |i| &rt.routes[i].name), line)?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
-    let (ns, key) = client_key(ctx, route, parts, line)?;
+    let route_key = (&route.key, route.ns.as_str(), route.fallback_ns.as_str());
+    let key = client_key(ctx, route, route_key, parts, line)?;
+    // The keys of limits that count another (none on most routes: no allocation).
+    let mut others = Vec::new();
+    for k in &route.limit_keys {
+        let limit_key = (&k.spec, k.ns.as_str(), k.fallback_ns.as_str());
+        others.push(client_key(ctx, route, limit_key, parts, line)?);
+    }
     if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
-    let report = limits(ctx, route, ns, &key, tally).await?;
+    let report = limits(ctx, route, &key, &others, tally).await?;
+    drop((key, others));
     let (lines, timer, raw) = match plain {
         Some(Lent { lines, timer, raw }) => (Some(lines), Some(timer), raw),
         None => (None, None, None),
@@ -313,10 +362,13 @@ fn deny_ip<'a>(
     Ok(())
 }
 
-/// The route's key, with the namespace its state lives in; denied keys refused.
+/// A key the route's limits count (`spec`, with the namespaces of its state, as the
+/// route's or a limit's): the request's value, and the namespace it is counted in;
+/// denied keys refused.
 fn client_key<'a, 'r>(
     ctx: &Ctx<'a>,
     route: &'r Route,
+    (spec, ns, fallback_ns): (&'r KeySpec, &'r str, &'r str),
     parts: &'r http::request::Parts,
     line: &mut Option<Box<Line>>,
 ) -> Result<(&'r str, ClientKey<'r>), Refusal<'a>> {
@@ -331,7 +383,7 @@ fn client_key<'a, 'r>(
     };
     // Every value of every key part, before any fallback: a denied key sent twice
     // (which makes it missing) is still denied.
-    if denied_key(rt, shared, |d| route.key.any_value(parts, d), &mut log) {
+    if denied_key(rt, shared, |d| spec.any_value(parts, d), &mut log) {
         return Err(Refusal::Denied(status));
     }
     // A value with a byte outside printable ASCII is refused whatever `missing_key`
@@ -339,15 +391,15 @@ fn client_key<'a, 'r>(
     // budget of its own). A found key is one copy of each part, so its own bytes
     // tell; a missing one (absent, or sent twice) has every copy looked at.
     let unprintable = || {
-        let part = route.key.unprintable(parts);
+        let part = spec.unprintable(parts);
         Refusal::UnprintableKey(part.map_or_else(|| "the key".into(), |p| p.describe()))
     };
-    let (ns, key) = match route.key.extract(parts, ctx.ip) {
+    let (ns, key) = match spec.extract(parts, ctx.ip) {
         Ok(k) if !crate::identity::printable_key(&k.value) => return Err(unprintable()),
-        Ok(k) => (&route.ns, k),
-        Err(_) if route.key.unprintable(parts).is_some() => return Err(unprintable()),
+        Ok(k) => (ns, k),
+        Err(_) if spec.unprintable(parts).is_some() => return Err(unprintable()),
         Err(part) => match route.missing_key {
-            MissingKey::Ip => (&route.fallback_ns, ClientKey::new(ctx.ip.to_string())),
+            MissingKey::Ip => (fallback_ns, ClientKey::new(ctx.ip.to_string())),
             MissingKey::Reject => return Err(Refusal::MissingKey(part.describe())),
         },
     };
@@ -358,25 +410,54 @@ fn client_key<'a, 'r>(
     Ok((ns, key))
 }
 
-/// Decides the route's limits; the decision goes on the tally, and an admitted
+/// Decides the route's limits over the request's keys (`keys[0]` the route's, then
+/// one per `Route::limit_keys`); the decision goes on the tally, and an admitted
 /// request's concurrency permit into it (released when the response ends). Returns
 /// what the rate-limit headers of the answer report.
 async fn limits<'a>(
     ctx: &Ctx<'a>,
     route: &'a Route,
-    ns: &str,
-    key: &ClientKey<'_>,
+    (ns, key): &(&str, ClientKey<'_>),
+    others: &[(&str, ClientKey<'_>)],
     tally: &mut Tally,
 ) -> Result<Option<(&'a Tier, Verdict)>, Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
     let Some(limits) = &route.limits else {
         return Ok(None);
     };
+    // Tiers are chosen by the route's key.
     let tier = limits.tier(&key.value);
     let stored = key.stored();
+    // Key number k: the route's (0), or `others[k - 1]`.
+    let key_at = |k: usize| match k.checked_sub(1) {
+        None => (*ns, key),
+        Some(j) => (others[j].0, &others[j].1),
+    };
+    let others_stored: Vec<Cow<'_, str>> = others.iter().map(|(_, k)| k.stored()).collect();
+    let stored_at = |k: usize| match k.checked_sub(1) {
+        None => &*stored,
+        Some(j) => &*others_stored[j],
+    };
+    let shares: Vec<Share<'_>> = tier
+        .shares
+        .iter()
+        .map(|s| Share {
+            ns: key_at(s.key).0,
+            key: stored_at(s.key),
+            plan: &s.plan,
+            at: &s.at,
+        })
+        .collect();
+    let trial = tier.plan.on_trial();
+    let store = &shared.store;
     // Store unreachable: answer 503, forward unchecked, or decide in this instance's
     // memory (`on_error`); either way the decision is counted.
-    let (checked, store_failed) = match shared.store.check(ns, &stored, &tier.plan).await {
+    let checked = if shares.is_empty() {
+        store.check(ns, &stored, &tier.plan).await
+    } else {
+        store.check_shares(&shares, trial).await
+    };
+    let (checked, store_failed) = match checked {
         Ok(c) => (Some(c), false),
         Err(e) => {
             // The store logs its failures; this would repeat them per request.
@@ -389,7 +470,10 @@ async fn limits<'a>(
                     return Err(Refusal::StoreDown);
                 }
                 OnError::Allow => (None, true),
-                OnError::Local => (shared.store.fallback(ns, &stored, &tier.plan), true),
+                OnError::Local if shares.is_empty() => {
+                    (store.fallback(ns, &stored, &tier.plan), true)
+                }
+                OnError::Local => (store.fallback_shares(&shares, trial), true),
             }
         }
     };
@@ -402,18 +486,38 @@ async fn limits<'a>(
             tally.decision = Decision::Shadow;
             return Ok(None);
         }
+        // The key of a limit is the key it refused: each such key earns a strike
+        // towards the route's ban, and the log names the key of the limit reported.
+        let key_of = |i: usize| {
+            tier.shares
+                .iter()
+                .find(|s| s.at.contains(&i))
+                .map_or(0, |s| s.key)
+        };
         if let Some(ban) = &route.ban {
-            strike(shared, route, ban, ns, &stored, key, ctx.ip);
+            let mut struck: Vec<usize> = Vec::with_capacity(1);
+            for (i, _) in v.enforced().filter(|(_, o)| !o.allowed) {
+                let k = key_of(i);
+                if !struck.contains(&k) {
+                    struck.push(k);
+                    let (ns, key) = key_at(k);
+                    strike(shared, route, ban, ns, stored_at(k), key, ctx.ip);
+                }
+            }
         }
-        let (limit, retry_us) = match v.headline() {
-            Some((i, o)) => (tier.plan.limits[i].name.as_str(), o.retry_after_us),
-            None => ("", v.retry_after_us()),
+        let (limit, retry_us, k) = match v.headline() {
+            Some((i, o)) => (
+                tier.plan.limits[i].name.as_str(),
+                o.retry_after_us,
+                key_of(i),
+            ),
+            None => ("", v.retry_after_us(), 0),
         };
         let what = What::Limited {
             limit,
             retry_after: crate::pipeline::refusal::retry_after_secs(retry_us),
         };
-        tally.line = shared.refusals.line(&route.name, &key.value, what);
+        tally.line = shared.refusals.line(&route.name, &key_at(k).1.value, what);
         return Err(Refusal::Limited(Box::new(Limited {
             route: &route.name,
             plan: &tier.plan,
@@ -573,7 +677,8 @@ fn strike(
     if shared.strikes.check(ns, stored, &ban.strikes).allowed {
         return;
     }
-    let target = if route.key.is_ip() || ns == route.fallback_ns {
+    // A key that is the address, or fell back to it, bans the address.
+    let target = if route.counts_address(ns) {
         Target::Ip(ip.into())
     } else {
         Target::client_key(&key.value)

@@ -100,6 +100,7 @@ on_both_stores!(
     overrides_give_named_keys_their_own_limits,
     shadow_counts_but_never_refuses,
     a_limit_on_trial_counts_its_refusals_and_the_other_limits_still_refuse,
+    a_login_is_limited_per_address_and_per_account_at_once,
     delay_waits_for_capacity_up_to_max_delay,
     concurrent_delayed_requests_queue_one_after_another,
     every_algorithm_admits_its_quota_then_refuses,
@@ -446,6 +447,104 @@ routes:
         decisions(&m, "login"),
         [("allowed", 1.0), ("limited", 2.0), ("shadow", 3.0)]
     );
+}
+
+/// Credential stuffing, both ways, on one route: `per_ip` counts the address,
+/// `per_account` the account (`key` on the limit). One address trying many
+/// accounts is stopped by the first, many addresses trying one account by the
+/// second. A request refused by either charges neither; the ban denies the key of
+/// the limit that refused: the address, or the account.
+async fn a_login_is_limited_per_address_and_per_account_at_once(store: Store) {
+    let up = upstream().await;
+    let gw = store
+        .start(
+            &r#"
+client_ip: {trusted_proxies: [127.0.0.1/32]}
+upstreams:
+  api: {targets: ["UP"]}
+routes:
+  - name: login
+    match: {path: /login}
+    upstream: api
+    key: ip
+    limits:
+      - {name: per_ip, algorithm: sliding_log, limit: 5, window: 1m}
+      - {name: per_account, key: "header:x-user", algorithm: sliding_log, limit: 3, window: 1m}
+    ban: {after: 2, within: 1m, for: 1m}
+"#
+            .replace("UP", &up.url()),
+        )
+        .await;
+    let c = http1();
+    let u = url(gw.addr, "/login");
+    let login = |ip: &'static str, user: String| {
+        let (c, u) = (&c, &u);
+        async move {
+            let r = c
+                .get(u, &[("x-forwarded-for", ip), ("x-user", &user)])
+                .await;
+            (r.status, r.header("x-ratelimit-limit").map(str::to_string))
+        }
+    };
+    let limit = |n: &str| Some(n.to_string());
+
+    // One address, seven accounts: five pass, then per_ip refuses. The headers
+    // speak of the limit with the fewest left (per_account's 2 until per_ip's 2;
+    // on a tie, the first).
+    let mut got = Vec::new();
+    for i in 1..=7 {
+        got.push(login("192.0.2.1", format!("user{i}")).await);
+    }
+    #[rustfmt::skip]
+    assert_eq!(got, [
+        (200, limit("3")), (200, limit("3")), (200, limit("5")), (200, limit("5")),
+        (200, limit("5")), (429, limit("5")), (429, limit("5")),
+    ]);
+    assert_eq!(up.hits(), 5);
+    // Two refusals by per_ip: the address is banned, whatever account it names.
+    let banned = eventually(Duration::from_secs(2), || async {
+        login("192.0.2.1", "user9".into()).await.0 == 403
+    });
+    assert!(banned.await.is_some(), "the address is banned");
+    // The accounts it refused were charged nothing: user6 has all three.
+    for ip in ["198.51.100.1", "198.51.100.2", "198.51.100.3"] {
+        assert_eq!(login(ip, "user6".into()).await.0, 200);
+    }
+    assert_eq!(up.hits(), 8);
+
+    // Five addresses, one account: three pass, then per_account refuses.
+    let mut got = Vec::new();
+    for ip in [
+        "203.0.113.1",
+        "203.0.113.2",
+        "203.0.113.3",
+        "203.0.113.4",
+        "203.0.113.5",
+    ] {
+        got.push(login(ip, "victim".into()).await);
+    }
+    #[rustfmt::skip]
+    assert_eq!(got, [
+        (200, limit("3")), (200, limit("3")), (200, limit("3")),
+        (429, limit("3")), (429, limit("3")),
+    ]);
+    assert_eq!(up.hits(), 11);
+    // The account is banned, from any address; the addresses it refused are not, and
+    // were charged nothing: 203.0.113.4 still has all five.
+    let banned = eventually(Duration::from_secs(2), || async {
+        login("203.0.113.9", "victim".into()).await.0 == 403
+    });
+    assert!(banned.await.is_some(), "the account is banned");
+    let mut got = Vec::new();
+    for i in 1..=6 {
+        got.push(login("203.0.113.4", format!("other{i}")).await.0);
+    }
+    assert_eq!(got, [200, 200, 200, 200, 200, 429]);
+    assert_eq!(up.hits(), 16);
+    // A request without the account's header: 400, naming it.
+    let r = c.get(&u, &[("x-forwarded-for", "192.0.2.77")]).await;
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("x-user"), "{}", r.text());
 }
 
 async fn delay_waits_for_capacity_up_to_max_delay(store: Store) {

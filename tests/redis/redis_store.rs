@@ -103,7 +103,8 @@ fn the_table_of_cases_passes_on_a_cluster() {
 /// period, day-long windows, large limits that stress the sliding window's doubles,
 /// costs above one, delay mode, and plans of several limits. Every 40 steps or so the
 /// plan is reloaded with other numbers (limit, rate, burst, cost), which keep the
-/// state and convert it.
+/// state and convert it; every 5th request or so is refunded at once (a cluster's
+/// refund, `lua/refund.lua` against `Algorithm::refund`).
 #[test]
 fn random_walks_agree_with_the_pure_functions() {
     let redis = RedisServer::start();
@@ -254,6 +255,7 @@ fn random_walks_agree_with_the_pure_functions() {
     ];
     let mut admitted = 0;
     let mut reloads = 0;
+    let mut refunds = 0;
     for (p, first) in plans.iter().enumerate() {
         let mut rng = Rng(p as u64 + 1);
         let mut pure = PureStore::default();
@@ -279,16 +281,24 @@ fn random_walks_agree_with_the_pure_functions() {
                 };
                 reloads += 1;
             }
-            let expected = pure.check(&plan, now);
-            let got = rt
-                .block_on(store.check_at("walk", &key, &plan, now))
-                .unwrap();
+            // Now and then a charge undone at once, as a cluster undoes the keys
+            // that admitted a request another key refused (`lua/refund.lua`).
+            let (expected, got) = if rng.below(5) == 0 {
+                refunds += 1;
+                let got = store.check_refunded_at("walk", &key, &plan, now);
+                (pure.check_refunded(&plan, now), rt.block_on(got))
+            } else {
+                let got = store.check_at("walk", &key, &plan, now);
+                (pure.check(&plan, now), rt.block_on(got))
+            };
+            let got = got.unwrap();
             assert_eq!(got, expected, "plan {p} step {step} at {now}: {plan:?}");
             admitted += usize::from(got.allowed);
         }
     }
     assert!(admitted > 1_000, "{admitted}");
     assert!(reloads > 50, "{reloads}");
+    assert!(refunds > 500, "{refunds}");
 }
 
 /// `plan` with other numbers (limit, rate, burst, cost, each between about half and
