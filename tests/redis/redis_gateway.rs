@@ -152,6 +152,120 @@ async fn three_gateways_on_a_cluster_admit_exactly_the_limit() {
     assert_eq!(sorted, [0, 0, 2], "{per_node:?}");
 }
 
+/// The node of `cluster` that holds `key`'s slot.
+fn owner(cluster: &RedisCluster, key: &str) -> usize {
+    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", key]);
+    cluster
+        .nodes
+        .iter()
+        .position(|n| {
+            let nodes: String = n.cmd(&["CLUSTER", "NODES"]);
+            let mine = nodes.lines().find(|l| l.contains("myself")).unwrap_or("");
+            mine.split_whitespace().skip(8).any(|range| {
+                let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+                let (lo, hi) = (lo.parse().unwrap_or(-1), hi.parse().unwrap_or(-1));
+                (lo..=hi).contains(&slot)
+            })
+        })
+        .expect("a node owns every slot")
+}
+
+/// A route that limits per address and per account (`key` on a limit) on a
+/// cluster, where the two keys of one request live on different nodes and are
+/// decided by a call each: a request one of them refuses charges the other
+/// nothing, because the node that admitted it is refunded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_request_refused_on_one_node_is_refunded_on_the_other() {
+    let cluster = RedisCluster::start();
+    let up = crate::common::upstream().await;
+    let yaml = format!(
+        "{}client_ip: {{trusted_proxies: [127.0.0.1/32]}}\nupstreams:\n  api: {{targets: [\"{}\"]}}\nroutes:\n  - name: login\n    match: {{path: /login}}\n    upstream: api\n    key: ip\n    limits:\n      - {{name: per_ip, algorithm: fixed_window, limit: 5, window: 1h}}\n      - {{name: per_account, key: \"header:x-user\", algorithm: sliding_log, limit: 3, window: 1h}}\n",
+        redis_store(&cluster_target(&cluster.urls()), "deny", 2000),
+        up.url()
+    );
+    let gw = start_gateway(&yaml).await;
+    // The tags the two keys are stored under (`limit::redis::tag`; the limit key's
+    // namespace names it, its `:` escaped).
+    let ip_tag = |ip: &str| format!("{{login:{ip}}}");
+    let user_tag = |u: &str| format!("{{login/key=header\\;x-user:{u}}}");
+    // An address and two accounts whose keys live on nodes other than the address's.
+    let ip = "192.0.2.1";
+    let home = owner(&cluster, &ip_tag(ip));
+    let mut away = (0..200)
+        .map(|i| format!("acct{i}"))
+        .filter(|u| owner(&cluster, &user_tag(u)) != home);
+    let (victim, spare) = (away.next().unwrap(), away.next().unwrap());
+    let login = |ip: &str, user: &str| {
+        let (ip, user) = (ip.to_string(), user.to_string());
+        async move {
+            get(
+                gw.addr,
+                "/login",
+                &[("x-forwarded-for", &ip), ("x-user", &user)],
+            )
+            .await
+            .status
+        }
+    };
+    // The address's count as its node keeps it: "<window> <count>".
+    let ip_count = || -> Option<u64> {
+        let keys: Vec<String> =
+            cluster.nodes[home].cmd(&["KEYS", &format!("sluice:{}:*", ip_tag(ip))]);
+        let state: String = cluster.nodes[home].cmd(&["GET", keys.first()?]);
+        state.split(' ').nth(1)?.parse().ok()
+    };
+
+    // The account is refused on its node after three; the address's node admitted
+    // the two refused requests, and is refunded them.
+    let mut got = Vec::new();
+    for _ in 0..5 {
+        got.push(login(ip, &victim).await);
+    }
+    assert_eq!(got, [200, 200, 200, 429, 429]);
+    assert_eq!(up.hits(), 3);
+    let refunded =
+        crate::common::eventually(Duration::from_secs(2), || async { ip_count() == Some(3) });
+    assert!(
+        refunded.await.is_some(),
+        "per_ip counts {:?}, not 3",
+        ip_count()
+    );
+    // So the address has two requests left, not none.
+    let mut got = Vec::new();
+    for i in 0..3 {
+        got.push(login(ip, &format!("other{i}")).await);
+    }
+    assert_eq!(got, [200, 200, 429]);
+    assert_eq!(up.hits(), 5);
+
+    // The other way round: the address refuses (its node), the account's node
+    // admitted and is refunded: `spare` still has its three, from other addresses.
+    assert_eq!(login(ip, &spare).await, 429);
+    let spare_tag = user_tag(&spare);
+    let spare_node = &cluster.nodes[owner(&cluster, &spare_tag)];
+    let spare_count = || -> usize {
+        spare_node
+            .cmd::<Vec<String>>(&["KEYS", &format!("sluice:{spare_tag}:*")])
+            .iter()
+            .map(|k| spare_node.cmd::<usize>(&["ZCARD", k]))
+            .sum()
+    };
+    let refunded =
+        crate::common::eventually(Duration::from_secs(2), || async { spare_count() == 0 });
+    assert!(refunded.await.is_some(), "{spare} holds {}", spare_count());
+    let mut got = Vec::new();
+    for other in [
+        "198.51.100.1",
+        "198.51.100.2",
+        "198.51.100.3",
+        "198.51.100.4",
+    ] {
+        got.push(login(other, &spare).await);
+    }
+    assert_eq!(got, [200, 200, 200, 429]);
+    assert_eq!(up.hits(), 8);
+}
+
 // === c: SCRIPT FLUSH mid-traffic ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
