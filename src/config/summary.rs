@@ -120,15 +120,7 @@ fn route(out: &mut String, r: &Route, width: usize, indent: &str) {
         describe_match(r)
     );
     if !r.limits.is_empty() {
-        let key = match &r.key {
-            KeySpec::One(k) => k.to_string(),
-            KeySpec::Composite(parts) => parts
-                .iter()
-                .map(|p| p.as_str())
-                .collect::<Vec<_>>()
-                .join("+"),
-        };
-        let _ = write!(head, "   key {key}");
+        let _ = write!(head, "   key {}", key_text(&r.key));
     }
     if r.shadow {
         head.push_str("   (shadow)");
@@ -258,7 +250,22 @@ fn describe_limit(l: &Limit, j: usize) -> String {
             let _ = write!(s, " cost {}", c.get());
         }
     }
+    if let Some(key) = &l.key {
+        let _ = write!(s, " by {}", key_text(key));
+    }
     s
+}
+
+/// A key as the configuration writes it, a composite one's parts joined by `+`.
+fn key_text(key: &KeySpec) -> String {
+    match key {
+        KeySpec::One(k) => k.to_string(),
+        KeySpec::Composite(parts) => parts
+            .iter()
+            .map(|p| p.as_str())
+            .collect::<Vec<_>>()
+            .join("+"),
+    }
 }
 
 fn plural<'a>(n: usize, one: &'a str, many: &'a str) -> &'a str {
@@ -352,6 +359,25 @@ deny    2 ips, 1 key -> 403
         let text = summary(&loaded);
         assert!(
             text.contains("per_ip: fixed_window 5 per 1m; (shadow) strict: fixed_window 1 per 1m"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_limit_says_which_key_it_counts() {
+        let yaml = "routes:
+  - name: login
+    key: ip
+    limits:
+      - {name: per_ip, algorithm: sliding_log, limit: 5, window: 1m}
+      - {name: per_account, key: \"header:x-user\", algorithm: sliding_log, limit: 3, window: 1m}
+      - {name: pair, key: [ip, \"header:x-user\"], algorithm: sliding_log, limit: 2, window: 1m}
+    respond: {}
+";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        assert!(
+            text.contains("      per_ip: sliding_log 5 per 1m; per_account: sliding_log 3 per 1m by header:x-user; pair: sliding_log 2 per 1m by ip+header:x-user\n"),
             "{text}"
         );
     }

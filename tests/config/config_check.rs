@@ -884,6 +884,20 @@ routes:
 }
 
 #[test]
+fn a_limit_key_is_read_like_the_route_key() {
+    let yaml = with_limit(
+        "      - algorithm: fixed_window\n        limit: 1\n        window: 1m\n        key: [ip, 'cookie:', body]\n",
+    );
+    assert_eq!(
+        errors(&yaml),
+        [
+            "rules.yaml:9:19: key \"cookie:\" needs a name after \"cookie:\"",
+            "rules.yaml:9:30: unknown key \"body\", expected ip, global, header:NAME, query:NAME or cookie:NAME",
+        ]
+    );
+}
+
+#[test]
 fn composite_key_is_not_empty() {
     let yaml = "routes:\n  - name: a\n    respond: {}\n    key: []\n";
     assert_eq!(

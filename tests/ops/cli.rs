@@ -120,6 +120,10 @@ routes:
     match: {path: /a}
     key: header:X-Forwarded-For
     respond: {body: "hi\n"}
+  - name: c
+    match: {path: /c}
+    limits: [{key: "header:x-real-ip", algorithm: fixed_window, limit: 1, window: 1m}]
+    respond: {body: "hi\n"}
   - name: b
     key: [ip, "header:x-real-ip", "header:forwarded"]
     respond: {body: "hi\n"}
@@ -134,8 +138,9 @@ fn self_defeating_warnings(path: &str) -> Vec<String> {
     vec![
         format!("{path}:4:43: warning: {every}"),
         format!("{path}:8:10: warning: {}", header("X-Forwarded-For")),
-        format!("{path}:11:15: warning: {}", header("x-real-ip")),
-        format!("{path}:11:35: warning: {}", header("forwarded")),
+        format!("{path}:12:20: warning: {}", header("x-real-ip")),
+        format!("{path}:15:15: warning: {}", header("x-real-ip")),
+        format!("{path}:15:35: warning: {}", header("forwarded")),
     ]
 }
 

@@ -138,3 +138,62 @@ async fn token_bucket_keeps_its_level_on_redis() {
     let redis = RedisServer::start();
     token_bucket_keeps_its_level(&redis_section(&redis)).await;
 }
+
+/// A limit that counts another key than its route's (`key` on a limit) keeps its
+/// state across a reload that adds a limit before it and changes its number, and
+/// starts afresh when its key changes: state is kept per route, name, algorithm,
+/// window and key.
+async fn a_limit_key_keeps_its_state_until_the_key_changes(store: &str) {
+    let write = |limits: &str| {
+        format!(
+            "{store}routes:\n  - {{name: r, match: {{path_prefix: /}}, key: header:x-client, \
+             limits: [{limits}], respond: {{body: \"ok\\n\"}}}}\n"
+        )
+    };
+    let per_user = |n: u32, key: &str| {
+        format!(
+            "{{name: u, key: \"header:{key}\", algorithm: sliding_log, limit: {n}, window: 1m}}"
+        )
+    };
+    let (gw, file) = start_gateway_file(&write(&per_user(5, "x-user"))).await;
+    let reload = |limits: String| {
+        let (gw, file) = (&gw, &file);
+        async move {
+            std::fs::write(file.path(), with_listeners(&write(&limits))).expect("write config");
+            gw.reload().await.unwrap_or_else(|e| panic!("reload: {e}"));
+        }
+    };
+    let c = http1();
+    let u = url(gw.addr, "/");
+    let send = |user: &'static str, n: usize| {
+        let (c, u) = (&c, &u);
+        async move {
+            statuses(
+                c,
+                n,
+                u,
+                &[("x-client", "c"), ("x-user", user), ("x-account", user)],
+            )
+            .await
+        }
+    };
+    assert_eq!(send("ann", 3).await, [200; 3]);
+    // A limit before it, and its number lowered to 4: one left of 4.
+    let before = "{name: all, algorithm: sliding_log, limit: 100, window: 1m}";
+    reload(format!("{before}, {}", per_user(4, "x-user"))).await;
+    assert_eq!(send("ann", 2).await, [200, 429]);
+    // Another key (the same value, read from x-account): a fresh count.
+    reload(format!("{before}, {}", per_user(4, "x-account"))).await;
+    assert_eq!(send("ann", 5).await, [200, 200, 200, 200, 429]);
+}
+
+#[tokio::test]
+async fn a_limit_key_keeps_its_state_until_the_key_changes_on_the_memory_store() {
+    a_limit_key_keeps_its_state_until_the_key_changes("").await;
+}
+
+#[tokio::test]
+async fn a_limit_key_keeps_its_state_until_the_key_changes_on_redis() {
+    let redis = RedisServer::start();
+    a_limit_key_keeps_its_state_until_the_key_changes(&redis_section(&redis)).await;
+}
