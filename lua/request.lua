@@ -15,12 +15,17 @@
 --             request share one hash tag).
 -- ARGV[1]     now in µs since the epoch; '' = the server's TIME (production); or
 --             'r' and a time: refund (lua/refund.lua) the charges each request of
---             the call made at that time, instead of deciding anything.
+--             the call made at that time, instead of deciding anything; or 'c',
+--             and optionally a time: charge each limit of each request its cost
+--             whatever is left (what the upstream's response said a request cost:
+--             a window or log counts past its limit, a bucket goes into debt).
 -- Then two per request:
 --   <limits>     "<max_delay_us>" then per limit " <algorithm> <cost> <a> <b> <c>":
 --                max_delay_us 0 = reject mode; the algorithm as one letter, in
 --                upper case for a limit on trial (`shadow`: its refusal refuses
---                nothing, and it is charged only when it admits); (a, b,
+--                nothing, and it is charged only when it admits), after a '~' for
+--                a limit charged from the response (checked for its cost, never
+--                written by a decision); (a, b,
 --                c) = (limit, window_us, 0) for the windows and logs, (count,
 --                per_us, burst) for token_bucket and gcra, (limit, lease_us, 0) for
 --                concurrency;
@@ -33,15 +38,22 @@
 --        its limits not on trial admit (an algorithm that admits has no retry_after, one that
 --        refuses no wait). Few integers: each costs sluice's Redis client far more
 --        to read than it costs here.
-local now, refunding
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-elseif string.sub(ARGV[1], 1, 1) == 'r' then
+local now, refunding, forcing
+local mode = string.sub(ARGV[1], 1, 1)
+if mode == 'r' then
   now, refunding = tonumber(string.sub(ARGV[1], 2)), true
-else
+elseif mode == 'c' then
+  now, forcing = tonumber(string.sub(ARGV[1], 2)), true
+elseif ARGV[1] ~= '' then
   now = tonumber(ARGV[1])
 end
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+-- What a charge from a response is held to: no limit, no wait that matters
+-- (algo.rs: UNBOUNDED).
+local UNBOUNDED = 2 ^ 52
 
 local algorithms = {
   t = token_bucket,
@@ -69,13 +81,13 @@ while a < nargs do
       return redis.error_reply('sluice: bad limits ' .. spec)
     end
     limits = {max_delay}
-    for code, cost, params, x, y, z in string.gmatch(spec, ' (%a) (%d+) ((%d+) (%d+) (%d+))') do
+    for peek, code, cost, params, x, y, z in string.gmatch(spec, ' (~?)(%a) (%d+) ((%d+) (%d+) (%d+))') do
       local lower = string.lower(code)
       local algorithm = algorithms[lower]
       if not algorithm then
         return redis.error_reply('sluice: unknown limit ' .. code)
       end
-      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params, code ~= lower, lower}
+      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params, code ~= lower, lower, peek == '~'}
     end
     parsed[spec] = limits
   end
@@ -87,6 +99,26 @@ while a < nargs do
     for i = 1, n do
       local p = limits[i + 1]
       refunds[p[8]](KEYS[k + i], now, p[2], p[3], p[4], p[5], uid, p[6])
+    end
+  elseif forcing then
+    for i = 1, n do
+      local p = limits[i + 1]
+      -- (A cost of 0 charges nothing: algo.rs: charge_anyway.)
+      local a, wait = p[3], max_delay
+      if p[8] == 't' or p[8] == 'g' then
+        wait = UNBOUNDED
+      else
+        a = UNBOUNDED
+      end
+      local ok, _, _, _, _, state, expires_at = false
+      if p[2] > 0 then
+        ok, _, _, _, _, state, expires_at = p[1](KEYS[k + i], now, p[2], a, p[4], p[5], wait, uid, p[6])
+      end
+      if ok and type(state) == 'string' then
+        redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(expires_at, now))
+      elseif ok and state then
+        state()
+      end
     end
   else
     local allowed = true
@@ -106,7 +138,8 @@ while a < nargs do
       out[o + 2] = reset
       out[o + 3] = decision
       o = o + 3
-      writes[2 * i - 1] = state
+      -- A limit charged from the response is only checked here.
+      writes[2 * i - 1] = not p[9] and state
       writes[2 * i] = expires_at
     end
     if allowed then

@@ -14,14 +14,20 @@ use http::{Method, StatusCode};
 use regex::RegexBuilder;
 
 use super::schema::{self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit};
+use super::validate::{status_pattern, StatusPattern};
 use super::Loaded;
 use crate::deny::{Source, StaticDeny};
 use crate::identity::{KeyPart, KeySpec, TrustedProxies};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
-use crate::limit::{Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisTarget, StoreError};
+use crate::limit::{
+    Algorithm, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, Rate, RedisOptions,
+    RedisTarget, ResponseCost, StatusSet, StoreError,
+};
 use crate::pipeline::refusal::{policy_header, RateHeaders};
 use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
-use crate::pipeline::{Action, BanRule, LimitKey, Limits, Route, Runtime, ShareDef, Tier};
+use crate::pipeline::{
+    Action, BanRule, LaterLimit, LimitKey, Limits, Route, Runtime, ShareDef, Tier,
+};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::{BuildError, Upstream, UpstreamOpts};
 
@@ -193,10 +199,10 @@ fn compile_route(
     let limits = if r.limits.is_empty() {
         None
     } else {
-        let default = tier(&mut keys, &r.limits, mode)?;
+        let default = tier(&mut keys, &r.limits, mode, metrics)?;
         let mut overrides = HashMap::new();
         for o in &r.overrides {
-            let t = Arc::new(tier(&mut keys, &o.limits, mode)?);
+            let t = Arc::new(tier(&mut keys, &o.limits, mode, metrics)?);
             for k in &o.keys {
                 overrides.insert(k.0.clone(), t.clone());
             }
@@ -345,7 +351,12 @@ impl Keys<'_> {
     }
 }
 
-fn tier(keys: &mut Keys<'_>, limits: &[schema::Limit], mode: Mode) -> Result<Tier, CompileError> {
+fn tier(
+    keys: &mut Keys<'_>,
+    limits: &[schema::Limit],
+    mode: Mode,
+    metrics: &Metrics,
+) -> Result<Tier, CompileError> {
     let defs = limits
         .iter()
         .enumerate()
@@ -379,11 +390,32 @@ fn tier(keys: &mut Keys<'_>, limits: &[schema::Limit], mode: Mode) -> Result<Tie
     if shares.iter().all(|s| s.key == 0) {
         shares.clear();
     }
+    let later = defs
+        .iter()
+        .enumerate()
+        .filter_map(|(at, d)| match &d.charge {
+            Charge::Admission => None,
+            Charge::Response(r) => Some(LaterLimit {
+                at,
+                costs: matches!(r.cost, ResponseCost::Header { .. }).then(|| {
+                    // Exported at 0 from the start.
+                    CostFrom::ALL.map(|from| {
+                        metrics.response_costs.with_label_values(&[
+                            keys.route,
+                            d.name.as_str(),
+                            from.label(),
+                        ])
+                    })
+                }),
+            }),
+        })
+        .collect();
     let plan = Plan { limits: defs, mode };
     Ok(Tier {
         policy: policy_header(&plan),
         plan,
         shares,
+        later,
     })
 }
 
@@ -421,8 +453,46 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
             lease_us: us(l.lease.map_or(DEFAULT_LEASE, |d| d.get())),
         },
     };
-    let def = LimitDef::new(name, algorithm, l.cost.map_or(1, |c| c.get()));
+    // A limit charged from the response checks for its cost (one unit when the
+    // response says the cost) before forwarding.
+    let mut def = LimitDef::new(name, algorithm, l.units().unwrap_or(1));
+    if l.from_response() {
+        def = def.from_response(from_response(route, l, &algorithm)?);
+    }
     Ok(if l.shadow { def.on_trial() } else { def })
+}
+
+/// What a response charges a limit with `count` or a `cost` from a header.
+fn from_response(
+    route: &str,
+    l: &schema::Limit,
+    algorithm: &Algorithm,
+) -> Result<FromResponse, CompileError> {
+    let statuses = match &l.count {
+        None => None,
+        Some(count) => {
+            let mut set = StatusSet::default();
+            for st in &count.status {
+                match status_pattern(st) {
+                    Some(StatusPattern::Code(c)) => set.insert(c),
+                    Some(StatusPattern::Class(c)) => set.insert_class(c),
+                    None => return Err(route_err(route, format!("bad status {st:?}"))),
+                }
+            }
+            Some(set)
+        }
+    };
+    let cost = match &l.cost {
+        Some(schema::Cost::Response(r)) => ResponseCost::Header {
+            name: HeaderName::from_bytes(r.response_header.as_bytes())
+                .map_err(|_| route_err(route, "bad response_header"))?,
+            // No response owes more than a whole window or bucket.
+            default: r.default.map_or(1, |d| d.get()).min(algorithm.quota()),
+            cap: algorithm.quota(),
+        },
+        _ => ResponseCost::Units(l.units().unwrap_or(1)),
+    };
+    Ok(FromResponse { statuses, cost })
 }
 
 /// How long a concurrency slot stays taken when the instance holding it dies without

@@ -446,9 +446,15 @@ pub struct Limit {
     /// token_bucket, gcra: the bucket size; default the rate's count.
     #[serde(default)]
     pub burst: Option<Num<u64>>,
-    /// Tokens a request takes (default 1).
+    /// Units a request takes (default 1); or `{response_header, default}`: what the
+    /// upstream's response header says, charged when the response head arrives.
     #[serde(default)]
-    pub cost: Option<Num<u64>>,
+    pub cost: Option<Cost>,
+    /// Which requests the limit counts: `{status: [401, 403, "5xx"]}` counts only
+    /// those the upstream answered with a listed status, when the answer arrives
+    /// (default: every admitted request, at admission).
+    #[serde(default)]
+    pub count: Option<Count>,
     /// concurrency: a slot not released within this is freed (default 1m).
     #[serde(default)]
     pub lease: Option<Dur>,
@@ -462,7 +468,49 @@ pub struct Limit {
     pub key: Option<KeySpec>,
 }
 
+/// A limit's `cost`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum Cost {
+    /// Units every request takes.
+    Units(Num<u64>),
+    /// What the upstream's response says the request cost.
+    Response(ResponseCost),
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseCost {
+    /// The response header holding the units the request cost, e.g. x-usage-tokens.
+    pub response_header: Text,
+    /// The units charged when the header is missing or not a whole number
+    /// (default 1).
+    #[serde(default)]
+    pub default: Option<Num<u64>>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Count {
+    /// Upstream statuses that count: codes (401) and classes ("5xx").
+    pub status: Vec<Text>,
+}
+
 impl Limit {
+    /// The units a request takes when they do not come from the response.
+    pub fn units(&self) -> Option<u64> {
+        match self.cost {
+            Some(Cost::Units(n)) => Some(n.get()),
+            _ => None,
+        }
+    }
+
+    /// Whether the limit is charged from the upstream's response (`count` by status,
+    /// or `cost` from a header) rather than at admission.
+    pub fn from_response(&self) -> bool {
+        self.count.is_some() || matches!(self.cost, Some(Cost::Response(_)))
+    }
+
     /// The name a limit goes by: its `name`, or `<algorithm>_<index in its list>`.
     pub fn name_at(&self, index: usize) -> String {
         match &self.name {

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::schema::{AlgorithmName, Backend, KeySpec, Limit, OnError, OnLimit, Route};
+use super::schema::{AlgorithmName, Backend, Cost, KeySpec, Limit, OnError, OnLimit, Route};
 use super::value::{fmt_dur, fmt_rate, redact_url};
 use super::Loaded;
 
@@ -245,10 +245,23 @@ fn describe_limit(l: &Limit, j: usize) -> String {
             }
         }
     }
-    if let Some(c) = l.cost {
-        if c.get() != 1 {
+    match &l.cost {
+        Some(Cost::Units(c)) if c.get() != 1 => {
             let _ = write!(s, " cost {}", c.get());
         }
+        Some(Cost::Response(r)) => {
+            let default = r.default.map_or(1, |d| d.get());
+            let _ = write!(
+                s,
+                " cost from response header {} (default {default})",
+                r.response_header.as_str()
+            );
+        }
+        _ => {}
+    }
+    if let Some(count) = &l.count {
+        let statuses: Vec<&str> = count.status.iter().map(|t| t.as_str()).collect();
+        let _ = write!(s, " counting responses {}", statuses.join(","));
     }
     if let Some(key) = &l.key {
         let _ = write!(s, " by {}", key_text(key));

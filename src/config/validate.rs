@@ -9,7 +9,7 @@ use std::path::Path;
 use http::{HeaderName, HeaderValue, Method, Uri};
 
 use super::locate::{field, item, Index, Pos};
-use super::schema::{AlgorithmName, Backend, File, KeySpec, Limit, Match, OnLimit, Route};
+use super::schema::{AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, OnLimit, Route};
 use super::value::{interpolate, Dur, Text};
 use super::{ConfigError, ConfigWarning};
 
@@ -912,6 +912,29 @@ impl Checker<'_> {
 
     fn route_limits(&mut self, route: &Route, base: &str) {
         self.limit_list(&format!("{base}.limits"), &route.limits);
+        if route.respond.is_some() {
+            let lists = std::iter::once((format!("{base}.limits"), &route.limits)).chain(
+                route.overrides.iter().enumerate().map(|(j, o)| {
+                    (
+                        format!("{}.limits", item(&format!("{base}.overrides"), j)),
+                        &o.limits,
+                    )
+                }),
+            );
+            for (lp, list) in lists {
+                for (j, l) in list.iter().enumerate() {
+                    let field = match (&l.count, &l.cost) {
+                        (Some(_), _) => "count",
+                        (None, Some(Cost::Response(_))) => "cost",
+                        _ => continue,
+                    };
+                    self.at_key(
+                        &format!("{}.{field}", item(&lp, j)),
+                        format!("{field} from the upstream's response on a route that answers with respond: sluice's own answers are never counted, so this limit would never be charged"),
+                    );
+                }
+            }
+        }
         for (j, ov) in route.overrides.iter().enumerate() {
             let op = item(&format!("{base}.overrides"), j);
             if ov.keys.is_empty() {
@@ -1086,16 +1109,53 @@ impl Checker<'_> {
             }
         }
 
-        let cost = l.cost.map(|c| c.get());
+        let cost = l.units();
         if l.algorithm == AlgorithmName::Concurrency && l.cost.is_some() {
             self.at_key(
                 &format!("{lp}.cost"),
                 "concurrency does not take cost: each request in flight takes one slot",
             );
         }
+        if l.algorithm == AlgorithmName::Concurrency && l.count.is_some() {
+            self.at_key(
+                &format!("{lp}.count"),
+                "concurrency does not take count: it counts the requests in flight, not answers",
+            );
+        }
         if cost == Some(0) {
             self.at(&format!("{lp}.cost"), "cost must be greater than 0");
         }
+        if let Some(Cost::Response(r)) = &l.cost {
+            let hp = format!("{lp}.cost.response_header");
+            if HeaderName::from_bytes(r.response_header.as_bytes()).is_err() {
+                self.at(
+                    &hp,
+                    format!(
+                        "{:?} is not a valid HTTP header name",
+                        r.response_header.as_str()
+                    ),
+                );
+            }
+        }
+        if let Some(count) = &l.count {
+            let cp = format!("{lp}.count.status");
+            if count.status.is_empty() {
+                self.at(
+                    &cp,
+                    "count.status needs at least one status, like [401, 403] or [\"5xx\"]",
+                );
+            }
+            for (i, st) in count.status.iter().enumerate() {
+                if status_pattern(st).is_none() {
+                    self.at(
+                        &item(&cp, i),
+                        format!("{:?} is not a status: write a code from 100 to 599 (401) or a class (\"5xx\")", st.as_str()),
+                    );
+                }
+            }
+        }
+        // What the limit checks for before forwarding: its cost, or one unit when the
+        // response says the cost; a default above the quota is charged as the quota.
         let cost = cost.unwrap_or(1);
 
         match l.algorithm {
@@ -1192,6 +1252,29 @@ impl Checker<'_> {
             }
         }
     }
+}
+
+/// A `count.status` item: a code from 100 to 599, or a class `1xx` to `5xx`.
+pub fn status_pattern(s: &str) -> Option<StatusPattern> {
+    let s = s.trim();
+    if let Some(class) = s.strip_suffix("xx").or_else(|| s.strip_suffix("XX")) {
+        return match class {
+            "1" | "2" | "3" | "4" | "5" => class.parse().ok().map(StatusPattern::Class),
+            _ => None,
+        };
+    }
+    let code: u16 = s.parse().ok()?;
+    (100..=599)
+        .contains(&code)
+        .then_some(StatusPattern::Code(code))
+}
+
+/// A status a `count` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusPattern {
+    Code(u16),
+    /// `5xx`: 5.
+    Class(u16),
 }
 
 // === value forms ===

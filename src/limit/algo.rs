@@ -50,6 +50,10 @@ pub enum Algorithm {
     },
 }
 
+/// The limit (windows, log) or the wait (buckets) a charge from a response is held
+/// to: none that matters, and exact in Lua's doubles (`lua/request.lua`).
+pub const UNBOUNDED: u64 = 1 << 52;
+
 /// What a refused `concurrency` request is told to wait: a slot may free at any moment,
 /// and nothing says when, so a short fixed retry (1 s, `Retry-After: 1`).
 pub const CONCURRENCY_RETRY_US: u64 = 1_000_000;
@@ -366,6 +370,34 @@ impl Algorithm {
             Algorithm::Gcra { .. } => "gcra",
             Algorithm::Concurrency { .. } => "concurrency",
         }
+    }
+
+    /// Charges `cost` whatever is left: what the upstream's response said a request
+    /// cost (`limit::response`), after the request went through. A window or log
+    /// counts it past its limit, a bucket goes into debt (as delay mode books
+    /// capacity), so the requests after it are refused until it has passed.
+    pub fn charge_anyway(&self, state: &mut State, now_us: u64, cost: u64) {
+        // Nothing to charge (a log would otherwise keep an entry of no cost).
+        if cost == 0 {
+            return;
+        }
+        let unbounded = match *self {
+            Algorithm::FixedWindow { window_us, .. } => Algorithm::FixedWindow {
+                limit: UNBOUNDED,
+                window_us,
+            },
+            Algorithm::SlidingWindow { window_us, .. } => Algorithm::SlidingWindow {
+                limit: UNBOUNDED,
+                window_us,
+            },
+            Algorithm::SlidingLog { window_us, .. } => Algorithm::SlidingLog {
+                limit: UNBOUNDED,
+                window_us,
+            },
+            Algorithm::TokenBucket { .. } | Algorithm::Gcra { .. } => *self,
+            Algorithm::Concurrency { .. } => return,
+        };
+        unbounded.charge(state, now_us, cost, UNBOUNDED);
     }
 
     /// Undoes a charge of `cost` made at `charged_us` (the store's time then) on
@@ -973,9 +1005,16 @@ pub fn decide(plan: &Plan, states: &[State], now_us: u64) -> (Verdict, Option<Ve
         .enumerate()
         .map(|(i, limit)| {
             let state = states.get(i).unwrap_or(&EMPTY);
-            limit
+            let (outcome, new) = limit
                 .algorithm
-                .check(state, now_us, limit.cost, max_delay_us)
+                .check(state, now_us, limit.cost, max_delay_us);
+            // A limit charged from the response is only checked here.
+            let new = if limit.at_admission() {
+                new
+            } else {
+                state.clone()
+            };
+            (outcome, new)
         })
         .unzip();
     let verdict = Verdict::on_trial(outcomes, plan.on_trial());

@@ -1050,13 +1050,13 @@ impl PureStore {
     }
 
     /// `check`, then the charge undone at once where it was made (`Algorithm::refund`,
-    /// each limit that admitted), as a cluster does when another key refuses.
+    /// each limit charged at admission that admitted), as a cluster does when another key refuses.
     pub fn check_refunded(&mut self, plan: &Plan, now_us: u64) -> Verdict {
         let v = self.check(plan, now_us);
         if v.allowed {
             for (l, o) in plan.limits.iter().zip(&v.outcomes) {
                 if let (true, Some(slot)) = (
-                    o.allowed,
+                    o.allowed && l.at_admission(),
                     self.states.iter_mut().find(|(id, _)| *id == l.id),
                 ) {
                     l.algorithm.refund(&mut slot.1, now_us, l.cost);
@@ -1064,6 +1064,22 @@ impl PureStore {
             }
         }
         v
+    }
+
+    /// Charges what a response said: each limit of `plan` its `cost`, whatever is
+    /// left (`Algorithm::charge_anyway`).
+    pub fn charge_response(&mut self, plan: &Plan, now_us: u64) {
+        for l in &plan.limits {
+            let i = match self.states.iter().position(|(id, _)| *id == l.id) {
+                Some(i) => i,
+                None => {
+                    self.states.push((l.id, State::Empty));
+                    self.states.len() - 1
+                }
+            };
+            l.algorithm
+                .charge_anyway(&mut self.states[i].1, now_us, l.cost);
+        }
     }
 
     fn state(&self, id: u64) -> &State {

@@ -226,7 +226,7 @@ impl MemoryStore {
             let verdict = judge(plan, now, |i| held.get(i).unwrap_or(&EMPTY));
             // Requests in flight are counted beside the entries: a plan of
             // concurrency limits alone keeps no entry.
-            if verdict.allowed && plan.limits.iter().any(|l| !l.algorithm.is_concurrency()) {
+            if verdict.allowed && plan.limits.iter().any(LimitDef::stateful_at_admission) {
                 let ns = entries.route_number(route);
                 let (i, evicted) = entries.insert(hash, ns, now);
                 entries.charge(i, plan, now);
@@ -318,7 +318,7 @@ impl MemoryStore {
                 .plan
                 .limits
                 .iter()
-                .any(|l| !l.algorithm.is_concurrency());
+                .any(LimitDef::stateful_at_admission);
             match entries.find(hash) {
                 Some(i) => {
                     entries.touch(i);
@@ -351,6 +351,30 @@ impl MemoryStore {
                 _ => Permit::Many(permits),
             },
         }
+    }
+
+    /// Charges what a response said a request of `key` on `route` cost: each limit of
+    /// `plan` (limits charged from the response, with the units to charge as their
+    /// `cost`), whatever is left.
+    pub fn charge_response(&self, route: &str, key: &str, plan: &Plan) {
+        let hash = self.hash(route, key);
+        let mut entries = lock(&self.shards[self.shard_index(&hash)]);
+        let now = self.clock.now_us();
+        let i = match entries.find(&hash) {
+            Some(i) => {
+                entries.touch(i);
+                i
+            }
+            None => {
+                let ns = entries.route_number(route);
+                let (i, evicted) = entries.insert(hash, ns, now);
+                if let Some(ns) = evicted {
+                    self.evicted_live(&ns, now);
+                }
+                i
+            }
+        };
+        entries.charge_as(i, plan, now, true);
     }
 
     /// Takes one slot of every concurrency limit of `plan` that admitted (all of them
@@ -579,12 +603,27 @@ fn decode(algorithm: &Algorithm, w: &[u64; 3]) -> State {
     }
 }
 
-/// Charges the request to every limit of `plan` (after all of them admitted); returns
-/// the max of the states' expiry.
-fn charge_slots(slots: &mut Vec<Slot>, plan: &Plan, now: u64) -> u64 {
-    let max_delay_us = plan.max_delay_us();
-    // Requests in flight are counted beside the entry (`InFlight`), not in it.
-    for limit in plan.limits.iter().filter(|l| !l.algorithm.is_concurrency()) {
+/// Whether a charge writes `limit`'s state in the entry: requests in flight are
+/// counted beside it (`InFlight`); a limit charged from the response only by the
+/// response's charge, which charges nothing else.
+fn charged_now(limit: &LimitDef, from_response: bool) -> bool {
+    !limit.algorithm.is_concurrency() && limit.at_admission() != from_response
+}
+
+fn charge_one(limit: &LimitDef, state: &mut State, plan: &Plan, now: u64, from_response: bool) {
+    if from_response {
+        limit.algorithm.charge_anyway(state, now, limit.cost);
+    } else {
+        limit
+            .algorithm
+            .charge(state, now, limit.cost, plan.max_delay_us());
+    }
+}
+
+/// Charges the request to every limit of `plan` (after all of them admitted), or what
+/// a response said (`from_response`); returns the max of the states' expiry.
+fn charge_slots(slots: &mut Vec<Slot>, plan: &Plan, now: u64, from_response: bool) -> u64 {
+    for limit in plan.limits.iter().filter(|l| charged_now(l, from_response)) {
         let i = match slots.iter().position(|s| s.id == limit.id) {
             Some(i) => i,
             None => {
@@ -597,9 +636,7 @@ fn charge_slots(slots: &mut Vec<Slot>, plan: &Plan, now: u64) -> u64 {
             }
         };
         let slot = &mut slots[i];
-        limit
-            .algorithm
-            .charge(&mut slot.state, now, limit.cost, max_delay_us);
+        charge_one(limit, &mut slot.state, plan, now, from_response);
         slot.expires_at_us = limit.algorithm.expires_at_us(&slot.state);
     }
     // States of limits a reload removed, or gave another algorithm or window (a new
@@ -1033,7 +1070,7 @@ impl Shard {
         // One limit, the entry's: deciding is charging (a refused request changes
         // nothing), in one evaluation.
         if let [limit] = &plan.limits[..] {
-            if !limit.algorithm.is_concurrency() && id.is_none_or(|id| id == limit.id) {
+            if limit.stateful_at_admission() && id.is_none_or(|id| id == limit.id) {
                 let mut state = state;
                 let outcome =
                     limit
@@ -1061,8 +1098,15 @@ impl Shard {
     }
 
     /// Charges the request to every limit of `plan` (after all of them admitted).
+    /// Charges entry `i` for an admitted request (`Charge::Admission` limits), or, with
+    /// `from_response`, what a response said (every limit of `plan`, whatever is
+    /// left: `Algorithm::charge_anyway`).
     fn charge(&mut self, i: u32, plan: &Plan, now: u64) {
-        let mut limits = plan.limits.iter().filter(|l| !l.algorithm.is_concurrency());
+        self.charge_as(i, plan, now, false)
+    }
+
+    fn charge_as(&mut self, i: u32, plan: &Plan, now: u64, from_response: bool) {
+        let mut limits = plan.limits.iter().filter(|l| charged_now(l, from_response));
         if let (Some(limit), None) = (limits.next(), limits.next()) {
             let e = self.entry(i);
             let state = match e.def {
@@ -1074,15 +1118,13 @@ impl Shard {
                 }
             };
             if let Some(mut state) = state {
-                limit
-                    .algorithm
-                    .charge(&mut state, now, limit.cost, plan.max_delay_us());
+                charge_one(limit, &mut state, plan, now, from_response);
                 self.store_one(i, limit, state);
                 return;
             }
         }
         let mut slots = self.take_slots(i);
-        let expires_at_us = charge_slots(&mut slots, plan, now);
+        let expires_at_us = charge_slots(&mut slots, plan, now, from_response);
         if let [slot] = &slots[..] {
             if let Some(limit) = plan.limits.iter().find(|l| l.id == slot.id) {
                 let def = self.def_number(limit, self.entry(i).def);

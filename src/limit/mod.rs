@@ -10,6 +10,7 @@ pub mod clock;
 pub mod memory;
 pub mod per_ip;
 pub mod redis;
+pub mod response;
 pub mod store;
 
 use std::time::Duration;
@@ -18,6 +19,7 @@ pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
+pub use response::{Charge, CostFrom, FromResponse, ResponseCost, StatusSet};
 pub use store::{OnError, Store, StoreError};
 
 /// One configured limit, compiled.
@@ -41,6 +43,10 @@ pub struct LimitDef {
     /// refusal refuses nothing (the request's decision is `shadow`). Not part of
     /// `id`: a limit put on trial, or taken off it, keeps its state.
     pub shadow: bool,
+    /// When it is charged: at admission, or from the upstream's response (then
+    /// `cost` is what it checks for before forwarding, and charges nothing then).
+    /// Not part of `id`: changing what a limit counts keeps its state.
+    pub charge: Charge,
 }
 
 impl LimitDef {
@@ -58,7 +64,28 @@ impl LimitDef {
             algorithm,
             cost,
             shadow: false,
+            charge: Charge::Admission,
         }
+    }
+
+    /// The limit charged from the upstream's response (`count` by status, `cost`
+    /// from a header) instead of at admission.
+    pub fn from_response(mut self, from: FromResponse) -> LimitDef {
+        self.version = stable_id(&format!("{:x}|{from:?}", self.version));
+        self.charge = Charge::Response(Box::new(from));
+        self
+    }
+
+    /// Whether admitting a request charges it (not a limit charged from the
+    /// response).
+    pub fn at_admission(&self) -> bool {
+        self.charge == Charge::Admission
+    }
+
+    /// Whether admitting a request writes this limit's state: charged at admission
+    /// and not `concurrency` (whose slots the memory store keeps beside its states).
+    pub fn stateful_at_admission(&self) -> bool {
+        self.at_admission() && !self.algorithm.is_concurrency()
     }
 
     /// The limit on trial (`shadow: true`).

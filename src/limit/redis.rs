@@ -439,8 +439,9 @@ impl RedisStore {
     /// After a cluster's calls for one request's shares: the shares that admitted it
     /// (another refused, or failed) are refunded what they were charged, each on its
     /// own node at the time it decided, in a task of its own (the refusal does not
-    /// wait for it). Only the limits that admitted are refunded: a limit on trial that
-    /// refused charged nothing. A refund that fails leaves the charge (the key counts
+    /// wait for it). Only the limits that admitted, and were charged, are refunded: a
+    /// limit on trial that refused, or one charged from the response, charged
+    /// nothing. A refund that fails leaves the charge (the key counts
     /// one request more than it should until its window passes); it is logged.
     fn refund_admitted(
         &self,
@@ -460,7 +461,7 @@ impl RedisStore {
                 .limits
                 .iter()
                 .zip(&v.outcomes)
-                .filter(|(_, o)| o.allowed)
+                .filter(|(l, o)| o.allowed && l.at_admission())
                 .map(|(l, _)| (tag.as_str(), l));
             refunds.push((Part::of(admitted, s.plan.max_delay_us(), uid), *at));
         }
@@ -498,6 +499,43 @@ impl RedisStore {
         verdict(plan, &reply.0)
     }
 
+    /// Charges what a response said requests cost: each share's limits (limits
+    /// charged from the response, with the units to charge as their `cost`),
+    /// whatever is left, in one call (on a cluster, one per share). `now_us`: a
+    /// driven clock, for the tests; None in production (the server's).
+    pub async fn charge_response(
+        &self,
+        shares: &[(&str, &str, &Plan)],
+        now_us: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let inner = &self.inner;
+        if inner.breaker.is_open() {
+            return Err(StoreError::Open);
+        }
+        let tags: Vec<String> = shares.iter().map(|(ns, k, _)| inner.tag(ns, k)).collect();
+        let needs = shares.iter().any(|(_, _, p)| needs_uid(p));
+        let uid = if needs { inner.uid() } else { String::new() };
+        let max_delay = shares.first().map_or(0, |(_, _, p)| p.max_delay_us());
+        let at = Time::Anyway(now_us);
+        match &inner.batch {
+            Some(_) => {
+                let limits = shares
+                    .iter()
+                    .zip(&tags)
+                    .flat_map(|((_, _, p), tag)| p.limits.iter().map(move |l| (tag.as_str(), l)));
+                inner
+                    .call(&[&Part::of(limits, max_delay, &uid)], at)
+                    .await?;
+            }
+            None => {
+                for ((_, _, p), tag) in shares.iter().zip(&tags) {
+                    inner.call(&[&Part::new(tag, p, &uid)], at).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `check_at`, then, if admitted, the refund a cluster sends when another key
     /// refuses (`refund_admitted`), at once: for holding `lua/refund.lua` to
     /// `Algorithm::refund`.
@@ -520,7 +558,7 @@ impl RedisStore {
                 .limits
                 .iter()
                 .zip(&v.outcomes)
-                .filter(|(_, o)| o.allowed)
+                .filter(|(l, o)| o.allowed && l.at_admission())
                 .map(|(l, _)| (tag.as_str(), l));
             let part = Part::of(admitted, plan.max_delay_us(), &uid);
             self.inner.refund(&[&part], now).await?;
@@ -774,7 +812,11 @@ impl Part {
         for (_, l) in limits {
             let (code, a, b, c) = params(&l.algorithm);
             buf.push(' ');
-            // A limit on trial by its letter in upper case (`lua/request.lua`).
+            // A limit charged from the response after a `~`, one on trial by its
+            // letter in upper case (`lua/request.lua`).
+            if !l.at_admission() {
+                buf.push('~');
+            }
             buf.push(if l.shadow {
                 code.to_ascii_uppercase()
             } else {
@@ -1016,6 +1058,8 @@ enum Time {
     At(u64),
     /// Refund the charges made at this time.
     Refund(u64),
+    /// Charge whatever is left, at the server's time or a driven one.
+    Anyway(Option<u64>),
 }
 
 fn script_call(verb: &str, script: &str, parts: &[&Part], at: Time) -> Cmd {
@@ -1033,6 +1077,8 @@ fn script_call(verb: &str, script: &str, parts: &[&Part], at: Time) -> Cmd {
         Time::Server => cmd.arg(""),
         Time::At(now) => cmd.arg(now),
         Time::Refund(charged) => cmd.arg(format!("r{charged}")),
+        Time::Anyway(None) => cmd.arg("c"),
+        Time::Anyway(Some(now)) => cmd.arg(format!("c{now}")),
     };
     for p in parts {
         for arg in p.pieces().skip(p.keys()) {

@@ -2,6 +2,7 @@
 //! does not care which it is. The memory store cannot fail; the Redis store reports
 //! errors, and the gateway applies `on_error` (with `local`, through `fallback`).
 
+use std::future::Future;
 use std::sync::{Arc, OnceLock};
 
 use prometheus::{Histogram, IntCounter};
@@ -139,6 +140,53 @@ impl Store {
             Ok(_) => timer.observe_duration(),
         }
         v
+    }
+
+    /// Charges what a response said requests cost (`limit::response`): each entry a
+    /// namespace, a stored key and the limits to charge there (their `cost` the units
+    /// the response said), whatever is left. Never waits: the memory store charges
+    /// at once, the Redis store in a task of its own, one call for the response (on a
+    /// cluster one per key). `fallback`: the request was decided in this instance's
+    /// fallback (`on_error: local`), which is charged instead.
+    pub fn charge_response(&self, charges: Vec<(String, String, Plan)>, fallback: bool) {
+        match &self.backend {
+            Backend::Memory(m) => {
+                for (ns, key, plan) in &charges {
+                    m.charge_response(ns, key, plan);
+                }
+            }
+            Backend::Redis {
+                fallback: local, ..
+            } if fallback => {
+                if let Some(m) = local.get() {
+                    for (ns, key, plan) in &charges {
+                        m.charge_response(ns, key, plan);
+                    }
+                }
+            }
+            Backend::Redis { redis, .. } => {
+                let (redis, errors) = (redis.clone(), self.errors.clone());
+                let mut call = Box::pin(async move {
+                    let shares: Vec<(&str, &str, &Plan)> = charges
+                        .iter()
+                        .map(|(ns, key, plan)| (ns.as_str(), key.as_str(), plan))
+                        .collect();
+                    if let Err(e) = redis.charge_response(&shares, None).await {
+                        if let (Some(errors), false) = (&errors, matches!(e, StoreError::Open)) {
+                            errors.inc();
+                        }
+                        tracing::debug!(error = %e, "a response's charge was not made");
+                    }
+                });
+                // Polled once here, which hands the call to the connection before the
+                // response goes out: on one Redis server, this instance's next
+                // decision runs after it. Its answer is waited for in a task.
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                if call.as_mut().poll(&mut cx).is_pending() {
+                    tokio::spawn(call);
+                }
+            }
+        }
     }
 
     /// `fallback` for a request whose limits count several keys.

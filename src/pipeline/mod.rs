@@ -35,7 +35,7 @@ use crate::http::h1::server::{ClientBody, Lent, Site};
 use crate::http::wake::Deadline;
 
 use crate::identity::{ClientKey, KeySpec, MissingKey, TrustedProxies};
-use crate::limit::{Checked, MemoryStore, OnError, Permit, Plan, Share, Store, Verdict};
+use crate::limit::{Charge, Checked, MemoryStore, OnError, Permit, Plan, Share, Store, Verdict};
 use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
 use crate::telemetry::refusal_log::{Line, RefusalLog, What};
 use crate::upstream::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
@@ -127,6 +127,18 @@ pub struct Tier {
     /// in the order the keys first appear. Empty when every limit counts the route's
     /// key (the plan is decided whole).
     pub shares: Vec<ShareDef>,
+    /// The limits charged from the upstream's response (`count` by status, `cost`
+    /// from a header), by their index in the plan; empty on most tiers.
+    pub later: Vec<LaterLimit>,
+}
+
+/// A limit of a tier charged from the upstream's response.
+pub struct LaterLimit {
+    /// Its index in the tier's plan.
+    pub at: usize,
+    /// For a cost read from a response header: `sluice_response_costs_total`'s
+    /// children, in `CostFrom::ALL` order.
+    pub costs: Option<[prometheus::IntCounter; 4]>,
 }
 
 /// The limits of a tier that count one key.
@@ -325,13 +337,23 @@ async fn pass<'a>(
     if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
-    let report = limits(ctx, route, &key, &others, tally).await?;
+    let (report, later) = limits(ctx, route, &key, &others, tally).await?;
     drop((key, others));
-    let (lines, timer, raw) = match plain {
+    let (lines, timer, mut raw) = match plain {
         Some(Lent { lines, timer, raw }) => (Some(lines), Some(timer), raw),
         None => (None, None, None),
     };
+    // A cost read from a response header needs the upstream's fields parsed.
+    if later
+        .as_ref()
+        .is_some_and(|l| l.tier.later.iter().any(|l| l.costs.is_some()))
+    {
+        raw = None;
+    }
     let mut resp = act(ctx, route, parts, body, timer, raw).await?;
+    if let Some(later) = later {
+        charge_from_response(ctx.shared, later, &resp);
+    }
     if let Some((tier, v)) = &report {
         let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
         match lines {
@@ -420,10 +442,10 @@ async fn limits<'a>(
     (ns, key): &(&str, ClientKey<'_>),
     others: &[(&str, ClientKey<'_>)],
     tally: &mut Tally,
-) -> Result<Option<(&'a Tier, Verdict)>, Refusal<'a>> {
+) -> Result<(Option<(&'a Tier, Verdict)>, Option<Later<'a>>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
     let Some(limits) = &route.limits else {
-        return Ok(None);
+        return Ok((None, None));
     };
     // Tiers are chosen by the route's key.
     let tier = limits.tier(&key.value);
@@ -479,12 +501,20 @@ async fn limits<'a>(
     };
     let Some(Checked { verdict: v, permit }) = checked else {
         tally.decision = Decision::StoreErrorAllowed;
-        return Ok(None);
+        return Ok((None, None));
     };
+    // What the response will charge, with the keys it charges.
+    let later = (!tier.later.is_empty() && (v.allowed || route.shadow)).then(|| Later {
+        tier,
+        keys: (0..=others.len())
+            .map(|k| (key_at(k).0.to_string(), stored_at(k).to_string()))
+            .collect(),
+        fallback: store_failed,
+    });
     if !v.allowed {
         if route.shadow {
             tally.decision = Decision::Shadow;
-            return Ok(None);
+            return Ok((None, later));
         }
         // The key of a limit is the key it refused: each such key earns a strike
         // towards the route's ban, and the log names the key of the limit reported.
@@ -537,7 +567,69 @@ async fn limits<'a>(
     if v.delay_us > 0 {
         tokio::time::sleep(v.delay()).await;
     }
-    Ok((!route.shadow).then_some((tier, v)))
+    Ok(((!route.shadow).then_some((tier, v)), later))
+}
+
+/// The limits of an admitted request that its response charges (`Tier::later`),
+/// with the keys they count.
+struct Later<'a> {
+    tier: &'a Tier,
+    /// The namespace and the stored key of each key number (`ShareDef::key`).
+    keys: Vec<(String, String)>,
+    /// Decided in this instance's fallback (`on_error: local`): charged there.
+    fallback: bool,
+}
+
+/// Charges what the upstream's response head says to the limits charged from the
+/// response, off the response path (`Store::charge_response` never waits).
+fn charge_from_response(shared: &Shared, later: Later<'_>, resp: &Response<Body>) {
+    let status = resp.status().as_u16();
+    let tier = later.tier;
+    let key_of = |i: usize| {
+        tier.shares
+            .iter()
+            .find(|s| s.at.contains(&i))
+            .map_or(0, |s| s.key)
+    };
+    // Per key number, the limits to charge with the units as their cost.
+    let mut by_key: Vec<(usize, Plan)> = Vec::new();
+    for l in &tier.later {
+        let def = &tier.plan.limits[l.at];
+        let Charge::Response(from) = &def.charge else {
+            continue;
+        };
+        let (units, how) = from.units(status, resp.headers());
+        if let (Some(how), Some(costs)) = (how, &l.costs) {
+            costs[how.index()].inc();
+        }
+        if units == 0 {
+            continue;
+        }
+        let mut charged = def.clone();
+        charged.cost = units;
+        let k = key_of(l.at);
+        match by_key.iter_mut().find(|(key, _)| *key == k) {
+            Some((_, plan)) => plan.limits.push(charged),
+            None => by_key.push((
+                k,
+                Plan {
+                    limits: vec![charged],
+                    mode: tier.plan.mode,
+                },
+            )),
+        }
+    }
+    if by_key.is_empty() {
+        return;
+    }
+    let charges = by_key
+        .into_iter()
+        .map(|(k, plan)| {
+            let (ns, key) = &later.keys[k];
+            (ns.clone(), key.clone(), plan)
+        })
+        .collect();
+    shared.store.charge_response(charges, later.fallback);
 }
 
 /// The route's action: its own answer, or the upstream's.

@@ -41,6 +41,9 @@ pub struct Metrics {
     pub config_last_reload_success: IntGauge,
     pub deny_entries: IntGaugeVec,
     pub bans: IntCounterVec,
+    /// Charges of limits whose cost a response header says, by how the cost was
+    /// found (`limit::CostFrom`).
+    pub response_costs: IntCounterVec,
     /// Dynamic deny entries evicted by a newer one at `deny.max_entries`.
     pub deny_evictions: IntCounter,
     pub build_info: IntGaugeVec,
@@ -137,6 +140,14 @@ impl Metrics {
             &["route"],
         )
         .expect("metric definition");
+        let response_costs = IntCounterVec::new(
+            Opts::new(
+                "sluice_response_costs_total",
+                "Responses that charged a limit whose cost a response header says, by route, limit and how the cost was found: header (as sent), missing or invalid (the limit's default), capped (at the limit's quota).",
+            ),
+            &["route", "limit", "from"],
+        )
+        .expect("metric definition");
         let deny_evictions = IntCounter::new(
             "sluice_deny_evictions_total",
             "Dynamic deny-list entries evicted at deny.max_entries by a newer entry.",
@@ -165,6 +176,7 @@ impl Metrics {
             Box::new(config_last_reload_success.clone()),
             Box::new(deny_entries.clone()),
             Box::new(bans.clone()),
+            Box::new(response_costs.clone()),
             Box::new(deny_evictions.clone()),
             Box::new(build_info.clone()),
             Box::new(refusal_logs_dropped.clone()),
@@ -204,6 +216,7 @@ impl Metrics {
             config_last_reload_success,
             deny_entries,
             bans,
+            response_costs,
             deny_evictions,
             build_info,
             refusal_logs_dropped,

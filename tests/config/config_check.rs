@@ -109,7 +109,7 @@ fn typo_in_a_limit_is_located() {
     assert_eq!(
         error(&yaml),
         "rules.yaml:8:9: routes[0].limits[0]: unknown field `brust`, expected one of `name`, \
-         `algorithm`, `limit`, `window`, `rate`, `burst`, `cost`, `lease`, `shadow`, `key`"
+         `algorithm`, `limit`, `window`, `rate`, `burst`, `cost`, `count`, `lease`, `shadow`, `key`"
     );
 }
 
@@ -893,6 +893,43 @@ fn a_limit_key_is_read_like_the_route_key() {
         [
             "rules.yaml:9:19: key \"cookie:\" needs a name after \"cookie:\"",
             "rules.yaml:9:30: unknown key \"body\", expected ip, global, header:NAME, query:NAME or cookie:NAME",
+        ]
+    );
+}
+
+#[test]
+fn counts_and_costs_from_the_response_need_an_upstream_and_no_concurrency() {
+    let yaml = "\
+upstreams: {api: {targets: [http://127.0.0.1:3000]}}
+routes:
+  - name: a
+    respond: {}
+    limits:
+      - {algorithm: fixed_window, limit: 5, window: 1m, count: {status: [401]}}
+      - {algorithm: token_bucket, rate: 10/s, cost: {response_header: x-tokens}}
+  - name: b
+    upstream: api
+    limits:
+      - {algorithm: concurrency, limit: 5, count: {status: [500]}}
+      - {algorithm: fixed_window, limit: 5, window: 1m, count: {status: [401, 5xx, 600, 6xx, nope]}}
+      - {algorithm: fixed_window, limit: 5, window: 1m, count: {status: []}}
+      - {algorithm: token_bucket, rate: 10/s, cost: {response_header: \"x tokens\"}}
+";
+    let respond = "from the upstream's response on a route that answers with respond: sluice's own answers are never counted, so this limit would never be charged";
+    let status = |s: &str| {
+        format!("{s:?} is not a status: write a code from 100 to 599 (401) or a class (\"5xx\")")
+    };
+    assert_eq!(
+        errors(yaml),
+        [
+            format!("rules.yaml:6:57: count {respond}"),
+            format!("rules.yaml:7:47: cost {respond}"),
+            "rules.yaml:11:44: concurrency does not take count: it counts the requests in flight, not answers".to_string(),
+            format!("rules.yaml:12:84: {}", status("600")),
+            format!("rules.yaml:12:89: {}", status("6xx")),
+            format!("rules.yaml:12:94: {}", status("nope")),
+            "rules.yaml:13:73: count.status needs at least one status, like [401, 403] or [\"5xx\"]".to_string(),
+            "rules.yaml:14:71: \"x tokens\" is not a valid HTTP header name".to_string(),
         ]
     );
 }

@@ -101,6 +101,8 @@ on_both_stores!(
     shadow_counts_but_never_refuses,
     a_limit_on_trial_counts_its_refusals_and_the_other_limits_still_refuse,
     a_login_is_limited_per_address_and_per_account_at_once,
+    only_failed_logins_count_and_three_refusals_ban,
+    a_token_budget_is_charged_what_the_response_says,
     delay_waits_for_capacity_up_to_max_delay,
     concurrent_delayed_requests_queue_one_after_another,
     every_algorithm_admits_its_quota_then_refuses,
@@ -545,6 +547,154 @@ routes:
     let r = c.get(&u, &[("x-forwarded-for", "192.0.2.77")]).await;
     assert_eq!(r.status, 400);
     assert!(r.text().contains("x-user"), "{}", r.text());
+}
+
+/// `count: {status: [...]}`: only answers with a listed status count, charged when
+/// they arrive; once the count is reached the limit refuses before forwarding, and
+/// its refusals count toward the ban like any other: "5 failed logins in 15
+/// minutes, three such refusals and the address is out for a day", here with 3.
+async fn only_failed_logins_count_and_three_refusals_ban(store: Store) {
+    let up = upstream().await;
+    let gw = store
+        .start(
+            &r#"
+client_ip: {trusted_proxies: [127.0.0.1/32]}
+upstreams:
+  api: {targets: ["UP"]}
+routes:
+  - name: login
+    match: {path: /login}
+    upstream: api
+    key: ip
+    limits:
+      - {name: failures, algorithm: sliding_log, limit: 3, window: 15m, count: {status: [401, 403, "5xx"]}}
+    ban: {after: 3, within: 1h, for: 1d}
+"#
+            .replace("UP", &up.url()),
+        )
+        .await;
+    let c = http1();
+    let u = url(gw.addr, "/login");
+    let login = |ip: &'static str, answer: &'static str| {
+        let (c, u) = (&c, &u);
+        async move {
+            let r = c
+                .get(u, &[("x-forwarded-for", ip), ("x-reply-status", answer)])
+                .await;
+            (
+                r.status,
+                r.header("x-ratelimit-remaining").map(str::to_string),
+            )
+        }
+    };
+    let left = |n: &str| Some(n.to_string());
+    // Successes and other failures count nothing; 401, 403 and 5xx do.
+    let mut got = Vec::new();
+    for answer in ["200", "200", "404", "401", "200", "503", "403"] {
+        got.push(login("192.0.2.1", answer).await);
+    }
+    #[rustfmt::skip]
+    assert_eq!(got, [
+        (200, left("2")), (200, left("2")), (404, left("2")), (401, left("2")),
+        (200, left("1")), (503, left("1")), (403, left("0")),
+    ]);
+    assert_eq!(up.hits(), 7);
+    // Three failures: refused before forwarding, whatever the request.
+    let mut got = Vec::new();
+    for answer in ["200", "200"] {
+        got.push(login("192.0.2.1", answer).await);
+    }
+    assert_eq!(got, [(429, left("0")), (429, left("0"))]);
+    assert_eq!(
+        up.hits(),
+        7,
+        "the requests after the third failure never reach the upstream"
+    );
+    // Another address is untouched.
+    assert_eq!(login("192.0.2.2", "401").await, (401, left("2")));
+    // The third refusal bans the address.
+    assert_eq!(login("192.0.2.1", "200").await.0, 429);
+    let banned = eventually(Duration::from_secs(2), || async {
+        login("192.0.2.1", "200").await.0 == 403
+    });
+    assert!(banned.await.is_some(), "three refusals ban the address");
+    assert_eq!(up.hits(), 8);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(metric(&m, r#"sluice_bans_total{route="login"}"#), Some(1.0));
+}
+
+/// `cost: {response_header, default}`: the upstream's header says what the request
+/// cost, charged when the answer arrives. Before forwarding the limit admits while
+/// one unit is left, so the last request can overdraw the budget; the requests after
+/// it are refused until it is paid back. A huge value is capped at the limit's
+/// quota, a missing or malformed one charges the default, and
+/// `sluice_response_costs_total` counts each case.
+async fn a_token_budget_is_charged_what_the_response_says(store: Store) {
+    let up = upstream().await;
+    let gw = store
+        .start(
+            &r#"
+upstreams:
+  api: {targets: ["UP"]}
+routes:
+  - name: llm
+    match: {path: /llm}
+    upstream: api
+    key: header:x-api-key
+    limits:
+      - {name: tokens, algorithm: token_bucket, rate: 1000/d, burst: 1000, cost: {response_header: x-usage-tokens, default: 50}}
+"#
+            .replace("UP", &up.url()),
+        )
+        .await;
+    let c = http1();
+    let u = url(gw.addr, "/llm");
+    let call = |key: &'static str, used: Option<&'static str>| {
+        let (c, u) = (&c, &u);
+        async move {
+            let reply = used.map(|n| format!("x-usage-tokens={n}"));
+            let mut headers = vec![("x-api-key", key)];
+            if let Some(h) = &reply {
+                headers.push(("x-reply-header", h));
+            }
+            let r = c.get(u, &headers).await;
+            (r.status, r.num("x-ratelimit-remaining"))
+        }
+    };
+    // The remaining header is what was left before this request's charge, less the
+    // one unit it is checked for.
+    let mut got = Vec::new();
+    for used in [Some("400"), Some("300"), None, Some(" 200 "), Some("100")] {
+        got.push(call("team-a", used).await);
+    }
+    assert_eq!(
+        got,
+        [(200, 999), (200, 599), (200, 299), (200, 249), (200, 49)]
+    );
+    assert_eq!(up.hits(), 5);
+    // 1,050 used of 1,000: 50 in debt. Refused, never forwarded.
+    let r = c.get(&u, &[("x-api-key", "team-a")]).await;
+    assert_eq!((r.status, r.num("x-ratelimit-remaining")), (429, 0));
+    // 51 tokens at 1000/d: 51 × 86.4 s = 4406.4 s, less the moments the test took.
+    let retry = r.num("retry-after");
+    assert!((4400..=4407).contains(&retry), "Retry-After {retry}");
+    assert_eq!(up.hits(), 5);
+
+    // A huge value is capped at the quota; a malformed one charges the default.
+    assert_eq!(call("team-b", Some("-5")).await, (200, 999));
+    assert_eq!(call("team-b", Some("99999999999")).await, (200, 949));
+    assert_eq!(call("team-b", None).await.0, 429);
+    let m = metrics(gw.admin_addr).await;
+    let costs = |from: &str| {
+        metric(
+            &m,
+            &format!(r#"sluice_response_costs_total{{from="{from}",limit="tokens",route="llm"}}"#),
+        )
+    };
+    assert_eq!(
+        ["header", "missing", "invalid", "capped"].map(costs),
+        [Some(4.0), Some(1.0), Some(1.0), Some(1.0)]
+    );
 }
 
 async fn delay_waits_for_capacity_up_to_max_delay(store: Store) {

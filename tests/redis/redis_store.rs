@@ -29,6 +29,14 @@ fn one(name: &str, algorithm: Algorithm, cost: u64) -> Plan {
     }
 }
 
+/// A limit charged `units` by every response.
+fn response_units(units: u64) -> sluice::limit::FromResponse {
+    sluice::limit::FromResponse {
+        statuses: None,
+        cost: sluice::limit::ResponseCost::Units(units),
+    }
+}
+
 fn rate(count: u64, per_us: u64) -> Rate {
     Rate { count, per_us }
 }
@@ -223,6 +231,39 @@ fn random_walks_agree_with_the_pure_functions() {
                 max_delay_us: 450_000,
             },
         },
+        // Limits charged from the response: checked for their cost before, and
+        // charged only by the responses' charges above.
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "fw".into(),
+                    Algorithm::FixedWindow {
+                        limit: 6,
+                        window_us: 2 * S,
+                    },
+                    1,
+                )
+                .from_response(response_units(1)),
+                LimitDef::new(
+                    "tb".into(),
+                    Algorithm::TokenBucket {
+                        rate: rate(3, S),
+                        burst: 5,
+                    },
+                    1,
+                )
+                .from_response(response_units(1)),
+                LimitDef::new(
+                    "sl".into(),
+                    Algorithm::SlidingLog {
+                        limit: 4,
+                        window_us: S,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
         Plan {
             limits: vec![
                 LimitDef::new(
@@ -256,6 +297,7 @@ fn random_walks_agree_with_the_pure_functions() {
     let mut admitted = 0;
     let mut reloads = 0;
     let mut refunds = 0;
+    let mut responses = 0;
     for (p, first) in plans.iter().enumerate() {
         let mut rng = Rng(p as u64 + 1);
         let mut pure = PureStore::default();
@@ -281,6 +323,19 @@ fn random_walks_agree_with_the_pure_functions() {
                 };
                 reloads += 1;
             }
+            // Now and then what a response said a request cost, charged whatever
+            // is left (`Algorithm::charge_anyway`): 0 to 3 units of each limit.
+            if rng.below(4) == 0 {
+                let mut charged = plan.clone();
+                for l in &mut charged.limits {
+                    l.cost = rng.below(4);
+                }
+                pure.charge_response(&charged, now);
+                let shares = [("walk", key.as_str(), &charged)];
+                rt.block_on(store.charge_response(&shares, Some(now)))
+                    .unwrap();
+                responses += 1;
+            }
             // Now and then a charge undone at once, as a cluster undoes the keys
             // that admitted a request another key refused (`lua/refund.lua`).
             let (expected, got) = if rng.below(5) == 0 {
@@ -299,6 +354,7 @@ fn random_walks_agree_with_the_pure_functions() {
     assert!(admitted > 1_000, "{admitted}");
     assert!(reloads > 50, "{reloads}");
     assert!(refunds > 500, "{refunds}");
+    assert!(responses > 500, "{responses}");
 }
 
 /// `plan` with other numbers (limit, rate, burst, cost, each between about half and
