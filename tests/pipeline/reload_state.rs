@@ -197,3 +197,44 @@ async fn a_limit_key_keeps_its_state_until_the_key_changes_on_redis() {
     let redis = RedisServer::start();
     a_limit_key_keeps_its_state_until_the_key_changes(&redis_section(&redis)).await;
 }
+
+/// A limit charged from the response keeps its count across a reload that changes
+/// what it counts (its statuses), as a changed `limit` does.
+async fn a_count_by_status_keeps_its_count_when_its_statuses_change(store: &str) {
+    let up = upstream().await;
+    let write = |statuses: &str| {
+        format!(
+            "{store}upstreams: {{api: {{targets: [\"{}\"]}}}}\nroutes:\n  - {{name: r, match: {{path_prefix: /}}, key: header:x-client, upstream: api, \
+             limits: [{{name: failures, algorithm: sliding_log, limit: 3, window: 1m, count: {{status: [{statuses}]}}}}]}}\n",
+            up.url()
+        )
+    };
+    let (gw, file) = start_gateway_file(&write("401")).await;
+    let c = http1();
+    let u = url(gw.addr, "/");
+    let send = |answer: &'static str| {
+        let (c, u) = (&c, &u);
+        async move {
+            c.get(u, &[("x-client", "c"), ("x-reply-status", answer)])
+                .await
+                .status
+        }
+    };
+    assert_eq!([send("401").await, send("401").await], [401, 401]);
+    std::fs::write(file.path(), with_listeners(&write("401, 403"))).expect("write config");
+    gw.reload().await.unwrap_or_else(|e| panic!("reload: {e}"));
+    // Two of three kept: one more failure, then refused.
+    assert_eq!([send("403").await, send("200").await], [403, 429]);
+    assert_eq!(up.hits(), 3);
+}
+
+#[tokio::test]
+async fn a_count_by_status_keeps_its_count_when_its_statuses_change_on_the_memory_store() {
+    a_count_by_status_keeps_its_count_when_its_statuses_change("").await;
+}
+
+#[tokio::test]
+async fn a_count_by_status_keeps_its_count_when_its_statuses_change_on_redis() {
+    let redis = RedisServer::start();
+    a_count_by_status_keeps_its_count_when_its_statuses_change(&redis_section(&redis)).await;
+}

@@ -959,8 +959,9 @@ async fn changes_after_a_flush_are_enforced_and_the_copy_written_back() {
     for k in ["k4", "k5", "k6", "k7"] {
         a.add(json!({"key": k})).await;
     }
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    let admitted: Vec<&str> = {
+    // Bounded, not slept for: on a loaded machine the follower's read and the
+    // write-back take a while.
+    let admitted = || async {
         let mut v = Vec::new();
         for k in ["k1", "k2", "k3", "k4", "k5", "k6", "k7"] {
             if a.ask("10.0.0.1", k).await != 403 {
@@ -969,11 +970,15 @@ async fn changes_after_a_flush_are_enforced_and_the_copy_written_back() {
         }
         v
     };
+    let settled = crate::common::eventually(Duration::from_secs(10), || async {
+        admitted().await.is_empty() && db.entries() == 7
+    });
     assert!(
-        admitted.is_empty(),
-        "admitted after the flush: {admitted:?}"
+        settled.await.is_some(),
+        "admitted after the flush: {:?}; {} entries written back to Redis, not 7",
+        admitted().await,
+        db.entries()
     );
-    assert_eq!(db.entries(), 7, "entries written back to Redis");
 }
 
 /// While an instance writes 20,000 entries back after Redis lost its data, none of
