@@ -19,7 +19,8 @@
 --                max_delay_us 0 = reject mode; the algorithm as one letter, in
 --                upper case for a limit on trial (`shadow`: its refusal refuses
 --                nothing, and it is charged only when it admits); (a, b,
---                c) = (limit, window_us, 0) for the windows and logs, (count,
+--                c) = (limit, window_us, 0) for the windows and logs, (limit,
+--                0, 0) for fixed_window by calendar month (letter m), (count,
 --                per_us, burst) for token_bucket and gcra, (limit, lease_us, 0) for
 --                concurrency;
 --   <id>         a request id unique across instances (sliding_log members,
@@ -42,6 +43,7 @@ local algorithms = {
   t = token_bucket,
   g = gcra,
   f = fixed_window,
+  m = calendar_month,
   w = sliding_window,
   l = sliding_log,
   c = concurrency,

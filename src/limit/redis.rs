@@ -781,6 +781,7 @@ fn script_call(verb: &str, script: &str, parts: &[&Part], now_us: Option<u64>) -
 fn params(a: &Algorithm) -> (char, u64, u64, u64) {
     match *a {
         Algorithm::FixedWindow { limit, window_us } => ('f', limit, window_us, 0),
+        Algorithm::CalendarMonth { limit } => ('m', limit, 0, 0),
         Algorithm::SlidingWindow { limit, window_us } => ('w', limit, window_us, 0),
         Algorithm::SlidingLog { limit, window_us } => ('l', limit, window_us, 0),
         Algorithm::TokenBucket { rate, burst } => ('t', rate.count, rate.per_us, burst),
