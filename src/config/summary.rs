@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 
 use super::schema::{AlgorithmName, Backend, KeySpec, Limit, OnError, OnLimit, Route};
-use super::value::{fmt_dur, fmt_rate, redact_url};
+use super::value::{fmt_dur, fmt_rate, redact_url, Window};
 use super::Loaded;
 
 /// The summary of a loaded file, one line per `\n`, ending with a newline.
@@ -248,8 +248,12 @@ fn describe_limit(l: &Limit, j: usize) -> String {
             if let Some(n) = l.limit {
                 let _ = write!(s, " {}", n.get());
             }
-            if let Some(w) = l.window {
-                let _ = write!(s, " per {}", fmt_dur(w.get()));
+            match l.window {
+                Some(Window::Length(d)) => {
+                    let _ = write!(s, " per {}", fmt_dur(d));
+                }
+                Some(Window::Month) => s.push_str(" per calendar month (UTC)"),
+                None => {}
             }
         }
     }
@@ -352,6 +356,18 @@ deny    2 ips, 1 key -> 403
         let text = summary(&loaded);
         assert!(
             text.contains("per_ip: fixed_window 5 per 1m; (shadow) strict: fixed_window 1 per 1m"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_calendar_month_is_named() {
+        let yaml = "routes:\n  - name: a\n    limits:\n      - {name: monthly, algorithm: fixed_window, limit: 100, window: month}\n    respond: {}\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        assert!(
+            text.lines()
+                .any(|l| l.trim() == "monthly: fixed_window 100 per calendar month (UTC)"),
             "{text}"
         );
     }
