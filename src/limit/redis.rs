@@ -17,7 +17,7 @@ use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
-use super::{Algorithm, Checked, Outcome, Permit, Plan, StoreError, Verdict};
+use super::{Algorithm, Checked, Clock, Outcome, Permit, Plan, StoreError, Verdict};
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
 /// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
@@ -103,6 +103,9 @@ struct Inner {
     /// Requests waiting for a script call (one Redis server only: on a cluster each
     /// request is a call of its own, its keys' slot deciding the node).
     batch: Option<Arc<Batch>>,
+    /// The time sent with every limiter call; None (production): Redis' own clock
+    /// (`TIME`), which every instance shares. Only tests drive it (`connect_at`).
+    clock: Option<Arc<dyn Clock>>,
 }
 
 /// A multiplexed connection, shared by concurrent requests (cloning is cheap).
@@ -118,6 +121,16 @@ impl RedisStore {
     /// Connects and loads the script. An unreachable Redis is not an error: the store
     /// starts with its breaker open (not ready, `on_error` applies) and keeps probing.
     pub async fn connect(opts: RedisOptions) -> Result<RedisStore, StoreError> {
+        RedisStore::open(opts, None).await
+    }
+
+    /// `connect`; with a `clock`, every request is decided at its time instead of
+    /// Redis' (for tests that drive time across a window's end), and refusals are
+    /// not cached (the cache runs on real time).
+    pub(crate) async fn open(
+        opts: RedisOptions,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<RedisStore, StoreError> {
         let timeout = opts.timeout.max(Duration::from_millis(1));
         // Connecting (TCP, TLS, HELLO) happens off the request path, behind the shared
         // connection future, and each call is bounded by `timeout` anyway: a slow
@@ -169,12 +182,16 @@ impl RedisStore {
             },
             requests: AtomicU64::new(0),
             breaker: Breaker::default(),
-            refusals: RefusalCache::new(opts.refusal_cache),
+            refusals: match clock {
+                Some(_) => None,
+                None => RefusalCache::new(opts.refusal_cache),
+            },
             retrying: Arc::new(AtomicUsize::new(0)),
             batch: match opts.target {
                 RedisTarget::Url(_) => Some(Arc::new(Batch::default())),
                 RedisTarget::Cluster(_) => None,
             },
+            clock,
         });
         if let Some(batch) = &inner.batch {
             tokio::spawn(dispatch(Arc::downgrade(&inner), batch.clone()));
@@ -447,9 +464,14 @@ impl Inner {
                     Err(_) => return Err(StoreError::Timeout),
                 }
             }
-            None => self.run(&[&part], None).await?,
+            None => self.run(&[&part], self.now_us()).await?,
         };
         verdict(plan, &reply)
+    }
+
+    /// The time a limiter call is sent with: None for Redis' own.
+    fn now_us(&self) -> Option<u64> {
+        self.clock.as_ref().map(|c| c.now_us())
     }
 
     /// One script call deciding `parts` in order (`now_us`: None = Redis' clock):
@@ -639,7 +661,7 @@ async fn dispatch(store: Weak<Inner>, batch: Arc<Batch>) {
             return;
         };
         let parts: Vec<&Part> = sending.iter().map(|q| &q.part).collect();
-        let result = inner.run(&parts, None).await;
+        let result = inner.run(&parts, inner.now_us()).await;
         drop(parts);
         drop(inner);
         match result {
