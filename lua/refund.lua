@@ -16,6 +16,15 @@ local function refund_fixed_window(key, at, cost, _, w)
   end
 end
 
+local function refund_calendar_month(key, at, cost)
+  local s = redis.call('GET', key)
+  local i, c = string.match(s or '', '^(%d+) (%d+)$')
+  local year, month = civil_month(floor_div(at, DAY_US))
+  if i and tonumber(i) == (year - 1970) * 12 + month - 1 then
+    redis.call('SET', key, string.format('%d %d', tonumber(i), unsigned(tonumber(c) - cost)), 'KEEPTTL')
+  end
+end
+
 local function refund_sliding_window(key, at, cost, _, w)
   local s = redis.call('GET', key)
   local i, p, c = string.match(s or '', '^(%d+) (%d+) (%d+)$')
@@ -79,6 +88,7 @@ end
 
 local refunds = {
   f = refund_fixed_window,
+  m = refund_calendar_month,
   w = refund_sliding_window,
   l = refund_sliding_log,
   t = refund_token_bucket,

@@ -26,7 +26,8 @@
 --                nothing, and it is charged only when it admits), after a '~' for
 --                a limit charged from the response (checked for its cost, never
 --                written by a decision); (a, b,
---                c) = (limit, window_us, 0) for the windows and logs, (count,
+--                c) = (limit, window_us, 0) for the windows and logs, (limit,
+--                0, 0) for fixed_window by calendar month (letter m), (count,
 --                per_us, burst) for token_bucket and gcra, (limit, lease_us, 0) for
 --                concurrency;
 --   <id>         a request id unique across instances (sliding_log members,
@@ -59,6 +60,7 @@ local algorithms = {
   t = token_bucket,
   g = gcra,
   f = fixed_window,
+  m = calendar_month,
   w = sliding_window,
   l = sliding_log,
   c = concurrency,

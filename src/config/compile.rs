@@ -15,6 +15,7 @@ use regex::RegexBuilder;
 
 use super::schema::{self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit};
 use super::validate::{status_pattern, StatusPattern};
+use super::value::Window;
 use super::Loaded;
 use crate::deny::{Source, StaticDeny};
 use crate::identity::{KeyPart, KeySpec, TrustedProxies};
@@ -423,11 +424,18 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     let name = l.name_at(index);
     let missing = |what: &str| route_err(route, format!("limit {name}: missing {what}"));
     let us = |d: std::time::Duration| d.as_micros() as u64;
+    let limit =
+        || -> Result<u64, CompileError> { Ok(l.limit.ok_or_else(|| missing("limit"))?.get()) };
+    // A window of fixed length, for sliding_window and sliding_log (`check` refuses
+    // `month` on them).
     let windowed = || -> Result<(u64, u64), CompileError> {
-        Ok((
-            l.limit.ok_or_else(|| missing("limit"))?.get(),
-            us(l.window.ok_or_else(|| missing("window"))?.get()),
-        ))
+        match l.window.ok_or_else(|| missing("window"))? {
+            Window::Length(d) => Ok((limit()?, us(d))),
+            Window::Month => Err(route_err(
+                route,
+                format!("limit {name}: window: month is for fixed_window only"),
+            )),
+        }
     };
     let bucket = || -> Result<(Rate, u64), CompileError> {
         let r = l.rate.ok_or_else(|| missing("rate"))?;
@@ -435,9 +443,13 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
         Ok((reduced(r.count, us(r.per)), burst))
     };
     let algorithm = match l.algorithm {
-        AlgorithmName::FixedWindow => {
-            windowed().map(|(limit, window_us)| Algorithm::FixedWindow { limit, window_us })?
-        }
+        AlgorithmName::FixedWindow => match l.window.ok_or_else(|| missing("window"))? {
+            Window::Length(d) => Algorithm::FixedWindow {
+                limit: limit()?,
+                window_us: us(d),
+            },
+            Window::Month => Algorithm::CalendarMonth { limit: limit()? },
+        },
         AlgorithmName::SlidingWindow => {
             windowed().map(|(limit, window_us)| Algorithm::SlidingWindow { limit, window_us })?
         }
@@ -449,7 +461,7 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
         }
         AlgorithmName::Gcra => bucket().map(|(rate, burst)| Algorithm::Gcra { rate, burst })?,
         AlgorithmName::Concurrency => Algorithm::Concurrency {
-            limit: l.limit.ok_or_else(|| missing("limit"))?.get(),
+            limit: limit()?,
             lease_us: us(l.lease.map_or(DEFAULT_LEASE, |d| d.get())),
         },
     };

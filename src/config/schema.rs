@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text};
+use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text, Window};
 // Enums the runtime reads as they are written.
 pub use crate::identity::MissingKey;
 pub use crate::limit::OnError;
@@ -437,9 +437,11 @@ pub struct Limit {
     /// fixed_window, sliding_window, sliding_log, concurrency: the most allowed.
     #[serde(default)]
     pub limit: Option<Num<u64>>,
-    /// fixed_window, sliding_window, sliding_log: the window length.
+    /// fixed_window, sliding_window, sliding_log: the window length; for fixed_window
+    /// also `month`: calendar months, UTC, each ending at 00:00 UTC on the first of the
+    /// next.
     #[serde(default)]
-    pub window: Option<Dur>,
+    pub window: Option<Window>,
     /// token_bucket, gcra: the refill rate, e.g. 10/s.
     #[serde(default)]
     pub rate: Option<RateSpec>,

@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 
 use super::schema::{AlgorithmName, Backend, Cost, KeySpec, Limit, OnError, OnLimit, Route};
-use super::value::{fmt_dur, fmt_rate, redact_url};
+use super::value::{fmt_dur, fmt_rate, redact_url, Window};
 use super::Loaded;
 
 /// The summary of a loaded file, one line per `\n`, ending with a newline.
@@ -240,8 +240,12 @@ fn describe_limit(l: &Limit, j: usize) -> String {
             if let Some(n) = l.limit {
                 let _ = write!(s, " {}", n.get());
             }
-            if let Some(w) = l.window {
-                let _ = write!(s, " per {}", fmt_dur(w.get()));
+            match l.window {
+                Some(Window::Length(d)) => {
+                    let _ = write!(s, " per {}", fmt_dur(d));
+                }
+                Some(Window::Month) => s.push_str(" per calendar month (UTC)"),
+                None => {}
             }
         }
     }
@@ -391,6 +395,18 @@ deny    2 ips, 1 key -> 403
         let text = summary(&loaded);
         assert!(
             text.contains("      per_ip: sliding_log 5 per 1m; per_account: sliding_log 3 per 1m by header:x-user; pair: sliding_log 2 per 1m by ip+header:x-user\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_calendar_month_is_named() {
+        let yaml = "routes:\n  - name: a\n    limits:\n      - {name: monthly, algorithm: fixed_window, limit: 100, window: month}\n    respond: {}\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        assert!(
+            text.lines()
+                .any(|l| l.trim() == "monthly: fixed_window 100 per calendar month (UTC)"),
             "{text}"
         );
     }

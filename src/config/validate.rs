@@ -10,7 +10,7 @@ use http::{HeaderName, HeaderValue, Method, Uri};
 
 use super::locate::{field, item, Index, Pos};
 use super::schema::{AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, OnLimit, Route};
-use super::value::{interpolate, Dur, Text};
+use super::value::{interpolate, Dur, Text, Window};
 use super::{ConfigError, ConfigWarning};
 
 /// Above this a limit's count could not be kept exactly by the Redis store's Lua,
@@ -1240,7 +1240,15 @@ impl Checker<'_> {
                 };
                 let limit = limit.get();
                 self.limit_in_range(lp, limit);
-                self.positive_dur(&format!("{lp}.window"), "window", window);
+                let wp = format!("{lp}.window");
+                match window {
+                    Window::Length(d) => self.positive_dur(&wp, "window", Dur(d)),
+                    Window::Month if l.algorithm != AlgorithmName::FixedWindow => self.at(
+                        &wp,
+                        format!("{alg} does not take window: month (calendar months are for fixed_window only); give a duration like 30d"),
+                    ),
+                    Window::Month => {}
+                }
                 if limit > 0 && cost > limit {
                     self.at(
                         &format!("{lp}.cost"),
@@ -1547,6 +1555,27 @@ mod tests {
         assert_eq!(
             warned(&yaml("0.0.0.0/1, 128.0.0.0/2, \"::/1\"")),
             Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn window_month_is_for_fixed_window_only() {
+        let limits =
+            |l: &str| format!("{UP}routes:\n  - name: a\n    upstream: api\n    limits:\n{l}");
+        assert_eq!(
+            errors(&limits(
+                "      - {algorithm: fixed_window, limit: 100, window: month}\n"
+            )),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            errors(&limits(
+                "      - {algorithm: sliding_window, limit: 100, window: month}\n      - {algorithm: sliding_log, limit: 5, window: month}\n"
+            )),
+            [
+                "6:57: sliding_window does not take window: month (calendar months are for fixed_window only); give a duration like 30d",
+                "7:52: sliding_log does not take window: month (calendar months are for fixed_window only); give a duration like 30d",
+            ]
         );
     }
 

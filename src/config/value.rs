@@ -221,6 +221,40 @@ impl<'de> Deserialize<'de> for Dur {
     }
 }
 
+// === Window ===
+
+/// A limit's window: a duration, or `month` (calendar months, UTC; fixed_window only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Window {
+    Length(Duration),
+    Month,
+}
+
+pub fn parse_window(s: &str) -> Option<Window> {
+    if s == "month" {
+        return Some(Window::Month);
+    }
+    parse_duration(s).map(Window::Length)
+}
+
+impl<'de> Deserialize<'de> for Window {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parsed(
+            d,
+            "a duration like 10s, 1m, 1h or 1d, or month",
+            parse_window,
+        )
+    }
+}
+
+/// A window as written: `1d`, `90s`, `month`.
+pub fn fmt_window(w: Window) -> String {
+    match w {
+        Window::Length(d) => fmt_dur(d),
+        Window::Month => "month".to_string(),
+    }
+}
+
 // === RateSpec ===
 
 /// A rate: `N/s`, `N/m`, `N/h`, `N/d`, or `N/<duration>` such as `5/10s`.
@@ -335,6 +369,7 @@ macro_rules! serialize_as {
 serialize_as!(Text, |v, s| s.serialize_str(&v.0.replace("${", "$${")));
 serialize_as!(Dur, |v, s| s.serialize_str(&fmt_dur(v.0)));
 serialize_as!(RateSpec, |v, s| s.serialize_str(&fmt_rate(*v)));
+serialize_as!(Window, |v, s| s.serialize_str(&fmt_window(*v)));
 serialize_as!(Size, |v, s| s.serialize_u64(v.0));
 serialize_as!(Addr, |v, s| s.collect_str(&v.0));
 serialize_as!(Net, |v, s| {
@@ -360,6 +395,7 @@ impl<T: serde::Serialize> serde::Serialize for Num<T> {
 /// since only the environment at startup decides it.
 pub mod forms {
     pub const DURATION: &str = r"[0-9]+\s*(?:us|µs|ms|s|m|h|d)";
+    pub const WINDOW: &str = r"month|[0-9]+\s*(?:us|µs|ms|s|m|h|d)";
     pub const RATE: &str = r"\+?[0-9]+\s*/\s*(?:[0-9]+\s*)?(?:us|µs|ms|s|m|h|d)";
     pub const SIZE: &str = r"[0-9]+\s*(?:B|KB|kB|KiB|MB|MiB|GB|GiB)?";
     pub const NUMBER: &str = r"\+?[0-9]+";
@@ -419,6 +455,14 @@ json_schema_as!(
     string_schema(
         "A duration: 250ms, 10s, 1m, 1h, 1d (also us).",
         forms::DURATION
+    )
+);
+json_schema_as!(
+    Window,
+    "Window",
+    string_schema(
+        "A duration: 10s, 1m, 1h, 1d (also ms, us); or month: calendar months, UTC (fixed_window only).",
+        forms::WINDOW
     )
 );
 json_schema_as!(
@@ -627,12 +671,18 @@ mod tests {
     #[test]
     fn schema_forms_agree_with_the_parsers() {
         type Parser = fn(&str) -> bool;
-        let cases: [(&str, Parser, &[&str], &[&str]); 6] = [
+        let cases: [(&str, Parser, &[&str], &[&str]); 7] = [
             (
                 forms::DURATION,
                 |s| parse_duration(s.trim()).is_some(),
                 &["250ms", "10s", " 1m ", "1h", "1d", "5us", "5µs", "10 s"],
                 &["10", "1w", "1.5s", "s", "-1s", "10s5"],
+            ),
+            (
+                forms::WINDOW,
+                |s| parse_window(s.trim()).is_some(),
+                &["month", " month ", "30d", "10s", "1m", "250ms"],
+                &["Month", "months", "1month", "month1", "monthly", "10", "1w"],
             ),
             (
                 forms::RATE,

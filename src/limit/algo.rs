@@ -25,6 +25,11 @@ pub enum Algorithm {
         limit: u64,
         window_us: u64,
     },
+    /// fixed_window with `window: month`: at most `limit` per calendar month, UTC. Its
+    /// windows have no one length (28 to 31 days), so it is not a `FixedWindow`.
+    CalendarMonth {
+        limit: u64,
+    },
     SlidingWindow {
         limit: u64,
         window_us: u64,
@@ -63,7 +68,8 @@ pub const CONCURRENCY_RETRY_US: u64 = 1_000_000;
 pub enum State {
     #[default]
     Empty,
-    /// fixed_window: the aligned window index and its count.
+    /// fixed_window: the aligned window index and its count. With `window: month` the
+    /// index counts calendar months since January 1970 (`month_of`).
     Window { idx: u64, count: u64 },
     /// sliding_window: the current window index, the previous and current counts.
     Sliding { idx: u64, prev: u64, curr: u64 },
@@ -268,6 +274,9 @@ impl Algorithm {
             (Algorithm::FixedWindow { window_us, .. }, State::Window { idx, .. }) => {
                 idx.saturating_add(1).saturating_mul(window_us.max(1))
             }
+            (Algorithm::CalendarMonth { .. }, State::Window { idx, .. }) => {
+                month_start_us(idx.saturating_add(1))
+            }
             // The end of the next window, where this window stops being the previous one.
             (Algorithm::SlidingWindow { window_us, .. }, State::Sliding { idx, .. }) => {
                 idx.saturating_add(2).saturating_mul(window_us.max(1))
@@ -319,6 +328,7 @@ impl Algorithm {
     pub fn quota(&self) -> u64 {
         match *self {
             Algorithm::FixedWindow { limit, .. }
+            | Algorithm::CalendarMonth { limit }
             | Algorithm::SlidingWindow { limit, .. }
             | Algorithm::SlidingLog { limit, .. }
             | Algorithm::Concurrency { limit, .. } => limit,
@@ -328,7 +338,8 @@ impl Algorithm {
 
     /// The `w` of `RateLimit-Policy`, in µs: the window, or for token_bucket and gcra
     /// the time to refill `burst` from empty, ceil(burst * per_us / count). 0 for
-    /// concurrency, which has no window (the header then has no `w`).
+    /// concurrency, which has no window, and for a calendar month, which has no one
+    /// length (the header then has no `w`).
     pub fn policy_window_us(&self) -> u64 {
         match *self {
             Algorithm::FixedWindow { window_us, .. }
@@ -338,17 +349,19 @@ impl Algorithm {
                 let (n, p) = rate_parts(rate);
                 to_u64(ceil_div(i128::from(burst) * p, n))
             }
-            Algorithm::Concurrency { .. } => 0,
+            Algorithm::CalendarMonth { .. } | Algorithm::Concurrency { .. } => 0,
         }
     }
 
-    /// The window length of fixed_window, sliding_window and sliding_log: part of what
-    /// their state means, so a changed window starts afresh. None for the others.
-    pub fn window_len_us(&self) -> Option<u64> {
+    /// The window of fixed_window, sliding_window and sliding_log as text: its length
+    /// in µs, or `month`. Part of what their state means, so a changed window starts
+    /// afresh. None for the others.
+    pub fn window_name(&self) -> Option<String> {
         match *self {
             Algorithm::FixedWindow { window_us, .. }
             | Algorithm::SlidingWindow { window_us, .. }
-            | Algorithm::SlidingLog { window_us, .. } => Some(window_us),
+            | Algorithm::SlidingLog { window_us, .. } => Some(window_us.to_string()),
+            Algorithm::CalendarMonth { .. } => Some("month".to_string()),
             Algorithm::TokenBucket { .. }
             | Algorithm::Gcra { .. }
             | Algorithm::Concurrency { .. } => None,
@@ -363,7 +376,7 @@ impl Algorithm {
     /// The configuration name of the algorithm.
     pub fn label(&self) -> &'static str {
         match self {
-            Algorithm::FixedWindow { .. } => "fixed_window",
+            Algorithm::FixedWindow { .. } | Algorithm::CalendarMonth { .. } => "fixed_window",
             Algorithm::SlidingWindow { .. } => "sliding_window",
             Algorithm::SlidingLog { .. } => "sliding_log",
             Algorithm::TokenBucket { .. } => "token_bucket",
@@ -386,6 +399,7 @@ impl Algorithm {
                 limit: UNBOUNDED,
                 window_us,
             },
+            Algorithm::CalendarMonth { .. } => Algorithm::CalendarMonth { limit: UNBOUNDED },
             Algorithm::SlidingWindow { window_us, .. } => Algorithm::SlidingWindow {
                 limit: UNBOUNDED,
                 window_us,
@@ -412,6 +426,11 @@ impl Algorithm {
         match (*self, state) {
             (Algorithm::FixedWindow { window_us, .. }, State::Window { idx, count })
                 if *idx == charged_us / window_us.max(1) =>
+            {
+                *count = count.saturating_sub(cost);
+            }
+            (Algorithm::CalendarMonth { .. }, State::Window { idx, count })
+                if *idx == month_of(charged_us) =>
             {
                 *count = count.saturating_sub(cost);
             }
@@ -466,7 +485,8 @@ impl Algorithm {
             Algorithm::FixedWindow { window_us, .. }
             | Algorithm::SlidingWindow { window_us, .. }
             | Algorithm::SlidingLog { window_us, .. } => window_us.max(1),
-            Algorithm::TokenBucket { .. }
+            Algorithm::CalendarMonth { .. }
+            | Algorithm::TokenBucket { .. }
             | Algorithm::Gcra { .. }
             | Algorithm::Concurrency { .. } => 1,
         }
@@ -475,7 +495,22 @@ impl Algorithm {
     fn eval(&self, state: &State, now: u64, cost: u64, max_delay_us: u64) -> (Outcome, Next) {
         let (mut outcome, next) = match *self {
             Algorithm::FixedWindow { limit, window_us } => {
-                fixed_window(limit, window_us.max(1), state, now, cost)
+                // idx = now / W; the window ends at (idx+1)*W.
+                let w = window_us.max(1);
+                let idx = now / w;
+                let end = idx.saturating_add(1).saturating_mul(w);
+                fixed_window(limit, idx, end, state, now, cost)
+            }
+            Algorithm::CalendarMonth { limit } => {
+                let idx = month_of(now);
+                fixed_window(
+                    limit,
+                    idx,
+                    month_start_us(idx.saturating_add(1)),
+                    state,
+                    now,
+                    cost,
+                )
             }
             Algorithm::SlidingWindow { limit, window_us } => {
                 sliding_window(limit, window_us.max(1), state, now, cost)
@@ -500,16 +535,23 @@ impl Algorithm {
 // rejected by config validation; they are raised to 1 here only so no input can make
 // the process divide by zero.
 
-/// fixed_window: at most `limit` in the aligned window [idx*W, (idx+1)*W).
-fn fixed_window(limit: u64, w: u64, state: &State, now: u64, cost: u64) -> (Outcome, Next) {
-    // idx = now / W; the stored count counts only in its own window.
-    let idx = now / w;
+/// fixed_window: at most `limit` in the window `idx`, which holds `now` and ends at
+/// `end`: [idx*W, (idx+1)*W), or the calendar month `idx`.
+fn fixed_window(
+    limit: u64,
+    idx: u64,
+    end: u64,
+    state: &State,
+    now: u64,
+    cost: u64,
+) -> (Outcome, Next) {
+    // The stored count counts only in its own window.
     let count = match *state {
         State::Window { idx: s, count } if s == idx => count,
         _ => 0,
     };
-    // Time to the window's end: (idx+1)*W - now.
-    let until_end = idx.saturating_add(1).saturating_mul(w).saturating_sub(now);
+    // Time to the window's end.
+    let until_end = end.saturating_sub(now);
     // Admit iff count + cost <= limit.
     let after = count.saturating_add(cost);
     if after <= limit {
@@ -936,6 +978,54 @@ fn gcra_convert(tat: u64, ts: u64, r0: Rate, b0: u64, rate: Rate, burst: u64) ->
     ts.saturating_add(to_u64(floor_div(used * p, n)))
 }
 
+// === calendar months, UTC ===
+//
+// Howard Hinnant's days_from_civil and civil_from_days (chrono-Compatible Low-Level
+// Date Algorithms), for dates from 1970 on only, so every number is unsigned;
+// lua/fixed_window.lua does the same integer arithmetic.
+
+const DAY_US: u64 = 86_400_000_000;
+
+/// The calendar month (UTC) holding `now_us`, counted from January 1970 as 0:
+/// (year - 1970) * 12 + month - 1.
+pub fn month_of(now_us: u64) -> u64 {
+    // civil_from_days, for the year and month only. Days fit in 28 bits, so nothing
+    // below can overflow.
+    let z = now_us / DAY_US + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    // mp counts months from March: January and February belong to the next year.
+    let (year, month) = if mp < 10 {
+        (era * 400 + yoe, mp + 3)
+    } else {
+        (era * 400 + yoe + 1, mp - 9)
+    };
+    (year - 1970) * 12 + month - 1
+}
+
+/// When calendar month `idx` (`month_of`) starts: 00:00 UTC on its first day, in µs
+/// since the epoch (u64::MAX if later than that holds).
+pub fn month_start_us(idx: u64) -> u64 {
+    // days_from_civil for the first of the month, in u128 so no index overflows.
+    let idx = u128::from(idx);
+    let (year, month) = (1970 + idx / 12, idx % 12 + 1);
+    // Counted from March, so that February's length comes last.
+    let (y, mp) = if month > 2 {
+        (year, month - 3)
+    } else {
+        (year - 1, month + 9)
+    };
+    let era = y / 400;
+    let yoe = y - era * 400;
+    let doy = (153 * mp + 2) / 5;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    u128_to_u64(days * u128::from(DAY_US))
+}
+
 // === arithmetic helpers ===
 
 /// (N, P) as i128, each at least 1.
@@ -1106,6 +1196,7 @@ mod tests {
                 limit: 100,
                 window_us: 60 * S,
             },
+            Algorithm::CalendarMonth { limit: 4 },
             Algorithm::SlidingWindow {
                 limit: 10,
                 window_us: S,
@@ -1249,8 +1340,13 @@ mod tests {
         mut visit: impl FnMut(&State, u64, &Outcome),
     ) {
         let mut rng = Rng(seed);
-        // On average three times the allowed rate.
-        let gap = algo.policy_window_us() / algo.quota().max(1) + 1;
+        // On average three times the allowed rate (a calendar month has no policy
+        // window: taken as 31 days).
+        let window = match algo {
+            Algorithm::CalendarMonth { .. } => 31 * DAY_US,
+            _ => algo.policy_window_us(),
+        };
+        let gap = window / algo.quota().max(1) + 1;
         let mut state = State::Empty;
         let mut now = T0 + rng.below(S);
         for _ in 0..3_000 {
@@ -1670,6 +1766,118 @@ mod tests {
                 });
             }
         }
+    }
+
+    #[test]
+    fn calendar_months_start_at_00_00_utc_on_the_first() {
+        // (month index, its first day in seconds since the epoch, from `date -u +%s`).
+        let month = |year: u64, month: u64| (year - 1970) * 12 + month - 1;
+        let firsts = [
+            (month(1970, 1), 0),
+            (month(1970, 2), 2_678_400),
+            (month(1970, 3), 5_097_600),
+            // 2000 is a leap year (divisible by 400), 2100 is not (by 100).
+            (month(2000, 2), 949_363_200),
+            (month(2000, 3), 951_868_800),
+            (month(2026, 12), 1_796_083_200),
+            (month(2027, 1), 1_798_761_600),
+            (month(2028, 2), 1_832_976_000),
+            (month(2028, 3), 1_835_481_600),
+            (month(2100, 2), 4_105_123_200),
+            (month(2100, 3), 4_107_542_400),
+        ];
+        for (idx, secs) in firsts {
+            assert_eq!(month_start_us(idx), secs * S, "month {idx}");
+            assert_eq!(month_of(secs * S), idx);
+            if idx > 0 {
+                assert_eq!(month_of(secs * S - 1), idx - 1);
+            }
+        }
+        // Every month from 1970 to 2500 by the Gregorian rules, day by day.
+        let mut day = 0;
+        let mut idx = 0;
+        for year in 1970..2500u64 {
+            let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+            for len in [
+                31,
+                if leap { 29 } else { 28 },
+                31,
+                30,
+                31,
+                30,
+                31,
+                31,
+                30,
+                31,
+                30,
+                31,
+            ] {
+                assert_eq!(month_start_us(idx), day * DAY_US, "{year}, month {idx}");
+                assert_eq!(month_of(day * DAY_US), idx);
+                assert_eq!(month_of((day + len) * DAY_US - 1), idx);
+                day += len;
+                idx += 1;
+            }
+        }
+        // Far beyond: no overflow.
+        assert_eq!(month_start_us(u64::MAX), u64::MAX);
+        assert!(month_of(u64::MAX) > month_of(u64::MAX / 2));
+    }
+
+    #[test]
+    fn a_calendar_month_counts_down_to_the_first_of_the_next() {
+        let algo = Algorithm::CalendarMonth { limit: 2 };
+        // 2026-12-31T23:59:59Z, then 2027-01-01T00:00:00Z.
+        let (dec_31, jan_1) = (1_798_761_599 * S, 1_798_761_600 * S);
+        let (o, state) = algo.check(&State::Empty, dec_31, 1, 0);
+        assert_eq!(
+            o,
+            Outcome {
+                allowed: true,
+                quota: 2,
+                remaining: 1,
+                reset_us: S,
+                retry_after_us: 0,
+                delay_us: 0
+            }
+        );
+        let december = month_of(dec_31);
+        assert_eq!(
+            state,
+            State::Window {
+                idx: december,
+                count: 1
+            }
+        );
+        assert_eq!(algo.expires_at_us(&state), jan_1);
+        let (_, state) = algo.check(&state, dec_31, 1, 0);
+        let (o, _) = algo.check(&state, jan_1 - 1, 1, 0);
+        assert_eq!(
+            (o.allowed, o.remaining, o.reset_us, o.retry_after_us),
+            (false, 0, 1, 1)
+        );
+        // January has 31 days.
+        let (o, state) = algo.check(&state, jan_1, 1, 0);
+        assert_eq!((o.allowed, o.remaining, o.reset_us), (true, 1, 31 * DAY_US));
+        assert_eq!(
+            state,
+            State::Window {
+                idx: december + 1,
+                count: 1
+            }
+        );
+        // Its own id: never the state of a fixed window, whatever its length.
+        let id = |a| LimitDef::new("l".into(), a, 1).id;
+        assert_ne!(
+            id(algo),
+            id(Algorithm::FixedWindow {
+                limit: 2,
+                window_us: 30 * DAY_US
+            })
+        );
+        assert_eq!(id(algo), id(Algorithm::CalendarMonth { limit: 7 }));
+        assert_eq!(algo.label(), "fixed_window");
+        assert_eq!(algo.policy_window_us(), 0);
     }
 
     #[test]

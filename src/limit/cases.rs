@@ -8,7 +8,7 @@
 use super::algo::{decide, EMPTY};
 use super::{Algorithm, LimitDef, Mode, Plan, Rate, State, Verdict};
 
-/// Start of every case: a whole number of days since the epoch (2027-01-13), so every
+/// Start of every case: a whole number of days since the epoch (2027-01-16), so every
 /// window that divides a day starts here.
 pub const BASE_US: u64 = 20_834 * 86_400_000_000;
 
@@ -29,6 +29,18 @@ pub struct Step {
     pub delay_us: u64,
     /// `Verdict::shadow_refused`: admitted, though a limit on trial refused.
     pub shadowed: bool,
+    /// When given, `Verdict::headline()`'s reset_us.
+    pub reset_us: Option<u64>,
+}
+
+impl Step {
+    /// The step, its headline's reset checked too.
+    fn reset(self, reset_us: u64) -> Step {
+        Step {
+            reset_us: Some(reset_us),
+            ..self
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +69,9 @@ pub fn run(case: &Case, mut check: impl FnMut(&Plan, u64) -> Verdict) -> Result<
             retry_after_us: v.retry_after_us(),
             delay_us: v.delay_us,
             shadowed: v.shadow_refused(),
+            reset_us: step
+                .reset_us
+                .map(|_| v.headline().map_or(0, |(_, o)| o.reset_us)),
         };
         if got != *step {
             return Err(format!(
@@ -76,6 +91,7 @@ fn ok(at_us: u64, remaining: u64) -> Step {
         retry_after_us: 0,
         delay_us: 0,
         shadowed: false,
+        reset_us: None,
     }
 }
 
@@ -87,6 +103,7 @@ fn delayed(at_us: u64, remaining: u64, delay_us: u64) -> Step {
         retry_after_us: 0,
         delay_us,
         shadowed: false,
+        reset_us: None,
     }
 }
 
@@ -98,6 +115,7 @@ fn refused(at_us: u64, remaining: u64, retry_after_us: u64) -> Step {
         retry_after_us,
         delay_us: 0,
         shadowed: false,
+        reset_us: None,
     }
 }
 
@@ -163,7 +181,107 @@ pub fn all() -> Vec<Case> {
     cases.extend(reloaded());
     cases.extend(in_flight());
     cases.extend(on_trial());
+    cases.extend(by_month());
     cases
+}
+
+fn month(limit: u64) -> Algorithm {
+    Algorithm::CalendarMonth { limit }
+}
+
+const DAY: u64 = 86_400 * S;
+
+/// A time given in seconds since the epoch (as `date -u -d 2027-03-01 +%s` prints
+/// it), as a step's offset from `BASE_US`.
+fn utc(unix_s: u64) -> u64 {
+    unix_s * S - BASE_US
+}
+
+// Times of the calendar-month cases, worked out with `date -u`, not with the code
+// under test.
+/// 2027-01-31T23:00:00Z
+const JAN_31_2027_2300: u64 = 1_801_436_400;
+/// 2027-02-01T00:00:00Z
+const FEB_2027: u64 = 1_801_440_000;
+/// 2027-02-10T12:00:00Z
+const FEB_10_2027_NOON: u64 = 1_802_260_800;
+/// 2027-02-28T12:00:00Z
+const FEB_28_2027_NOON: u64 = 1_803_816_000;
+/// 2027-03-01T00:00:00Z
+const MAR_2027: u64 = 1_803_859_200;
+/// 2027-12-31T23:59:59Z
+const DEC_31_2027_235959: u64 = 1_830_297_599;
+/// 2028-01-01T00:00:00Z
+const JAN_2028: u64 = 1_830_297_600;
+/// 2028-02-01T00:00:00Z
+const FEB_2028: u64 = 1_832_976_000;
+/// 2028-02-28T12:00:00Z
+const FEB_28_2028_NOON: u64 = 1_835_352_000;
+/// 2028-02-29T00:00:00Z
+const FEB_29_2028: u64 = 1_835_395_200;
+/// 2028-03-01T00:00:00Z
+const MAR_2028: u64 = 1_835_481_600;
+
+/// fixed_window with `window: month`: calendar months in UTC, each ending at 00:00
+/// UTC on the first of the next; reset and retry count down to it.
+fn by_month() -> Vec<Case> {
+    vec![
+        // February 2027 has 28 days.
+        Case {
+            name: "month: counts within the month, all back at 00:00 UTC on the 1st",
+            plan: one(month(3), 1),
+            reloads: vec![],
+            steps: vec![
+                // 18.5 days to 2027-03-01.
+                ok(utc(FEB_10_2027_NOON), 2).reset(1_598_400 * S),
+                ok(utc(FEB_28_2027_NOON), 1).reset(43_200 * S),
+                // The month's last µs.
+                ok(utc(MAR_2027) - 1, 0).reset(1),
+                refused(utc(MAR_2027) - 1, 0, 1).reset(1),
+                // Its first µs: a new month, of 31 days.
+                ok(utc(MAR_2027), 2).reset(31 * DAY),
+            ],
+        },
+        Case {
+            name: "month: December 2027 to January 2028",
+            plan: one(month(2), 1),
+            reloads: vec![],
+            steps: vec![
+                ok(utc(DEC_31_2027_235959), 1).reset(S),
+                ok(utc(DEC_31_2027_235959) + 500 * MS, 0).reset(500 * MS),
+                refused(utc(DEC_31_2027_235959) + 500 * MS, 0, 500 * MS).reset(500 * MS),
+                ok(utc(JAN_2028), 1).reset(31 * DAY),
+                ok(utc(JAN_2028) + S, 0).reset(31 * DAY - S),
+                refused(utc(JAN_2028) + S, 0, 31 * DAY - S),
+            ],
+        },
+        // 2028 is a leap year: February has 29 days.
+        Case {
+            name: "month: February of a leap year",
+            plan: one(month(1), 1),
+            reloads: vec![],
+            steps: vec![
+                // A day and a half: the 29th is still February.
+                ok(utc(FEB_28_2028_NOON), 0).reset(129_600 * S),
+                refused(utc(FEB_29_2028), 0, DAY).reset(DAY),
+                refused(utc(MAR_2028) - 1, 0, 1),
+                ok(utc(MAR_2028), 0).reset(31 * DAY),
+            ],
+        },
+        Case {
+            name: "month: a state written in an earlier month does not count",
+            plan: one(month(1), 1),
+            reloads: vec![],
+            steps: vec![
+                ok(utc(JAN_31_2027_2300), 0).reset(3_600 * S),
+                // February 2027: 28 days.
+                ok(utc(FEB_2027), 0).reset(28 * DAY),
+                refused(utc(FEB_2027) + S, 0, 28 * DAY - S),
+                // The same month a year later is another month (of 29 days).
+                ok(utc(FEB_2028), 0).reset(29 * DAY),
+            ],
+        },
+    ]
 }
 
 /// Limits on trial (`shadow: true`): decided and charged like the others when they
@@ -618,6 +736,25 @@ fn reject(algorithm: Algorithm) -> Plan {
 /// algorithm, window length); new `limit`, `rate`, `burst` and `cost` apply to it.
 fn reloaded() -> Vec<Case> {
     let mut cases = vec![
+        // 2 per 30 days (epoch-aligned: this one ends 1 771 200 s after the steps'
+        // time), then 2 per calendar month: another window, so afresh. Then 3 per
+        // month: the month's count is kept, exactly one more.
+        Case {
+            name: "fixed_window: 30d to month starts afresh, a new limit keeps the month",
+            plan: one(fixed(2, 30 * DAY), 1),
+            reloads: vec![reload(3, one(month(2), 1)), reload(6, one(month(3), 1))],
+            steps: vec![
+                ok(utc(FEB_10_2027_NOON), 1),
+                ok(utc(FEB_10_2027_NOON), 0),
+                refused(utc(FEB_10_2027_NOON), 0, 1_771_200 * S),
+                ok(utc(FEB_10_2027_NOON), 1),
+                ok(utc(FEB_10_2027_NOON), 0),
+                // 18.5 days to 2027-03-01.
+                refused(utc(FEB_10_2027_NOON), 0, 1_598_400 * S),
+                ok(utc(FEB_10_2027_NOON), 0),
+                refused(utc(FEB_10_2027_NOON), 0, 1_598_400 * S),
+            ],
+        },
         // limit 10 per second; 6 taken. Lowered to 5: 6 + 1 > 5, nothing left until
         // the window ends. Raised to 8: exactly 8 - 6 = 2 more.
         Case {

@@ -549,7 +549,10 @@ fn index_size(n: usize) -> usize {
 /// only in full (sliding_log's log, no state, a state of other parameters).
 fn encode(algorithm: &Algorithm, state: &State) -> Option<[u64; 3]> {
     match (*algorithm, state) {
-        (Algorithm::FixedWindow { .. }, &State::Window { idx, count }) => Some([idx, count, 0]),
+        (
+            Algorithm::FixedWindow { .. } | Algorithm::CalendarMonth { .. },
+            &State::Window { idx, count },
+        ) => Some([idx, count, 0]),
         (Algorithm::SlidingWindow { .. }, &State::Sliding { idx, prev, curr }) => {
             Some([idx, prev, curr])
         }
@@ -578,7 +581,7 @@ fn encode(algorithm: &Algorithm, state: &State) -> Option<[u64; 3]> {
 /// The state `encode` made `w` from.
 fn decode(algorithm: &Algorithm, w: &[u64; 3]) -> State {
     match *algorithm {
-        Algorithm::FixedWindow { .. } => State::Window {
+        Algorithm::FixedWindow { .. } | Algorithm::CalendarMonth { .. } => State::Window {
             idx: w[0],
             count: w[1],
         },

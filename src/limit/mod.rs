@@ -28,7 +28,7 @@ pub struct LimitDef {
     /// `name` from the config, or `<algorithm>_<index>`.
     pub name: String,
     /// Stable id of what the state means: the name, the algorithm and, for the window
-    /// algorithms, the window length. State is kept per id (within a route), so a
+    /// algorithms, the window (its length, or `month`). State is kept per id (within a route), so a
     /// reload that changes `limit`, `rate`, `burst` or `cost` keeps the count and the
     /// algorithm applies the new numbers to it; a changed algorithm or window starts
     /// afresh.
@@ -52,8 +52,10 @@ pub struct LimitDef {
 impl LimitDef {
     pub fn new(name: String, algorithm: Algorithm, cost: u64) -> LimitDef {
         let label = algorithm.label();
-        let id = match algorithm.window_len_us() {
-            Some(window_us) => stable_id(&format!("{name}|{label}|{window_us}")),
+        // A window's length in µs, or `month`: a calendar month is never the same
+        // state as a window of any fixed length.
+        let id = match algorithm.window_name() {
+            Some(window) => stable_id(&format!("{name}|{label}|{window}")),
             None => stable_id(&format!("{name}|{label}")),
         };
         let version = stable_id(&format!("{id:x}|{algorithm:?}|{cost}"));

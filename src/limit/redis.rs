@@ -17,7 +17,9 @@ use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
-use super::{Algorithm, Checked, LimitDef, Outcome, Permit, Plan, Share, StoreError, Verdict};
+use super::{
+    Algorithm, Checked, Clock, LimitDef, Outcome, Permit, Plan, Share, StoreError, Verdict,
+};
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
 /// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
@@ -105,6 +107,9 @@ struct Inner {
     /// Requests waiting for a script call (one Redis server only: on a cluster each
     /// request is a call of its own, its keys' slot deciding the node).
     batch: Option<Arc<Batch>>,
+    /// The time sent with every limiter call; None (production): Redis' own clock
+    /// (`TIME`), which every instance shares. Only tests drive it (`connect_at`).
+    clock: Option<Arc<dyn Clock>>,
 }
 
 /// A multiplexed connection, shared by concurrent requests (cloning is cheap).
@@ -120,6 +125,16 @@ impl RedisStore {
     /// Connects and loads the script. An unreachable Redis is not an error: the store
     /// starts with its breaker open (not ready, `on_error` applies) and keeps probing.
     pub async fn connect(opts: RedisOptions) -> Result<RedisStore, StoreError> {
+        RedisStore::open(opts, None).await
+    }
+
+    /// `connect`; with a `clock`, every request is decided at its time instead of
+    /// Redis' (for tests that drive time across a window's end), and refusals are
+    /// not cached (the cache runs on real time).
+    pub(crate) async fn open(
+        opts: RedisOptions,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<RedisStore, StoreError> {
         let timeout = opts.timeout.max(Duration::from_millis(1));
         // Connecting (TCP, TLS, HELLO) happens off the request path, behind the shared
         // connection future, and each call is bounded by `timeout` anyway: a slow
@@ -171,12 +186,16 @@ impl RedisStore {
             },
             requests: AtomicU64::new(0),
             breaker: Breaker::default(),
-            refusals: RefusalCache::new(opts.refusal_cache),
+            refusals: match clock {
+                Some(_) => None,
+                None => RefusalCache::new(opts.refusal_cache),
+            },
             retrying: Arc::new(AtomicUsize::new(0)),
             batch: match opts.target {
                 RedisTarget::Url(_) => Some(Arc::new(Batch::default())),
                 RedisTarget::Cluster(_) => None,
             },
+            clock,
         });
         if let Some(batch) = &inner.batch {
             tokio::spawn(dispatch(Arc::downgrade(&inner), batch.clone()));
@@ -376,7 +395,7 @@ impl RedisStore {
                     .map(|(s, tag)| Part::new(tag, s.plan, &uid))
                     .collect();
                 let parts: Vec<[&Part; 1]> = parts.iter().map(|p| [p]).collect();
-                let calls = parts.iter().map(|p| inner.run(p, None));
+                let calls = parts.iter().map(|p| inner.run(p, inner.now_us()));
                 let answers = futures_util::future::join_all(calls).await;
                 let decided: Vec<Result<(Verdict, u64), StoreError>> = shares
                     .iter()
@@ -516,7 +535,7 @@ impl RedisStore {
         let needs = shares.iter().any(|(_, _, p)| needs_uid(p));
         let uid = if needs { inner.uid() } else { String::new() };
         let max_delay = shares.first().map_or(0, |(_, _, p)| p.max_delay_us());
-        let at = Time::Anyway(now_us);
+        let at = Time::Anyway(now_us.or(inner.now_us()));
         match &inner.batch {
             Some(_) => {
                 let limits = shares
@@ -706,8 +725,13 @@ impl Inner {
                     Err(_) => return Err(StoreError::Timeout),
                 }
             }
-            None => self.run(&[&part], None).await?.0,
+            None => self.run(&[&part], self.now_us()).await?.0,
         })
+    }
+
+    /// The time a limiter call is sent with: None for Redis' own.
+    fn now_us(&self) -> Option<u64> {
+        self.clock.as_ref().map(|c| c.now_us())
     }
 
     /// One script call deciding `parts` in order (`now_us`: None = Redis' clock):
@@ -935,7 +959,7 @@ async fn dispatch(store: Weak<Inner>, batch: Arc<Batch>) {
             return;
         };
         let parts: Vec<&Part> = sending.iter().map(|q| &q.part).collect();
-        let result = inner.run(&parts, None).await;
+        let result = inner.run(&parts, inner.now_us()).await;
         drop(parts);
         drop(inner);
         match result {
@@ -1093,6 +1117,7 @@ fn script_call(verb: &str, script: &str, parts: &[&Part], at: Time) -> Cmd {
 fn params(a: &Algorithm) -> (char, u64, u64, u64) {
     match *a {
         Algorithm::FixedWindow { limit, window_us } => ('f', limit, window_us, 0),
+        Algorithm::CalendarMonth { limit } => ('m', limit, 0, 0),
         Algorithm::SlidingWindow { limit, window_us } => ('w', limit, window_us, 0),
         Algorithm::SlidingLog { limit, window_us } => ('l', limit, window_us, 0),
         Algorithm::TokenBucket { rate, burst } => ('t', rate.count, rate.per_us, burst),

@@ -30,7 +30,7 @@ use crate::deny::sync::DenySync;
 use crate::deny::DenyView;
 use crate::http::body::Body;
 use crate::http::h1::server::{ClientBody, Site};
-use crate::limit::{MemoryStore, RedisStore, Store, StoreError, SystemClock};
+use crate::limit::{Clock, MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::ops::admin::Admin;
 use crate::ops::control::{Command, Control, Reply, Trigger, TICK};
 use crate::pipeline::{self, Shared};
@@ -109,6 +109,18 @@ const STARTUP_READ: Duration = Duration::from_secs(1);
 const BAN_QUEUE: usize = 1024;
 
 pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
+    start_with(loaded, None).await
+}
+
+/// `start`, with the limiter's time `clock`'s: the memory store's clock, or on Redis
+/// the time sent with every limiter call instead of Redis' own. For tests that drive
+/// time across a window's end.
+#[cfg(any(test, feature = "test-support"))]
+pub async fn start_at(loaded: Loaded, clock: Arc<dyn Clock>) -> Result<Running, StartError> {
+    start_with(loaded, Some(clock)).await
+}
+
+async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let runtime = compile(&loaded, &metrics, None)?;
     let f = &loaded.file;
@@ -116,12 +128,17 @@ pub async fn start(loaded: Loaded) -> Result<Running, StartError> {
     let max_keys = f.store.memory.max_keys.get();
     let store = match (f.store.backend, &f.store.redis) {
         (Backend::Memory, _) => {
-            let m = MemoryStore::new(max_keys, SystemClock::new())
-                .with_evictions(metrics.eviction_counters.clone());
+            let clock: Arc<dyn Clock> = match clock {
+                Some(c) => c,
+                None => SystemClock::new(),
+            };
+            let m =
+                MemoryStore::new(max_keys, clock).with_evictions(metrics.eviction_counters.clone());
             Store::memory(m, &metrics)
         }
         (Backend::Redis, Some(redis)) => {
-            let redis = RedisStore::connect(crate::config::compile::redis_options(redis)?).await?;
+            let opts = crate::config::compile::redis_options(redis)?;
+            let redis = RedisStore::open(opts, clock).await?;
             Store::redis(redis, max_keys, &metrics)
         }
         (Backend::Redis, None) => {

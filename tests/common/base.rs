@@ -9,7 +9,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{mpsc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub use sluice::server::Running;
@@ -192,6 +192,18 @@ pub async fn start_gateway(yaml: &str) -> Running {
     let loaded = sluice::config::parse(&text, Path::new("test.yaml"))
         .unwrap_or_else(|e| panic!("config does not parse: {e}\n{text}"));
     start(loaded).await
+}
+
+/// Like `start_gateway`, with the limiter's time driven by `clock` (on Redis, sent
+/// with every call instead of Redis' own: `sluice::server::start_at`).
+pub async fn start_gateway_at(yaml: &str, clock: Arc<dyn sluice::limit::Clock>) -> Running {
+    let text = with_listeners(yaml);
+    let loaded = sluice::config::parse(&text, Path::new("test.yaml"))
+        .unwrap_or_else(|e| panic!("config does not parse: {e}\n{text}"));
+    match sluice::server::start_at(loaded, clock).await {
+        Ok(r) => r,
+        Err(e) => panic!("gateway does not start: {e}"),
+    }
 }
 
 /// Like `start_gateway`, but from a file (kept alive by the returned handle), for

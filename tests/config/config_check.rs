@@ -124,8 +124,8 @@ fn bad_values_are_located_without_a_repeated_position() {
         with_limit("      - algorithm: fixed_window\n        limit: 5\n        window: 1w\n");
     assert_eq!(
         error(&yaml),
-        "rules.yaml:8:17: routes[0].limits[0].window: expected a duration like 250ms, 10s, 1m, \
-         1h or 1d, found \"1w\""
+        "rules.yaml:8:17: routes[0].limits[0].window: expected a duration like 10s, 1m, 1h or \
+         1d, or month, found \"1w\""
     );
 }
 
@@ -545,6 +545,30 @@ fn window_algorithms_reject_rate_burst_and_lease() {
             "rules.yaml:10:9: fixed_window does not take burst; it takes limit and window",
             "rules.yaml:11:9: fixed_window does not take lease; it takes limit and window",
         ]
+    );
+}
+
+#[test]
+fn window_month_is_for_fixed_window_only() {
+    assert_eq!(
+        errors(&with_limit(
+            "      - algorithm: fixed_window\n        limit: 100\n        window: month\n"
+        )),
+        Vec::<String>::new()
+    );
+    let yaml = with_limit(
+        "      - algorithm: sliding_window\n        limit: 100\n        window: month\n",
+    );
+    assert_eq!(
+        error(&yaml),
+        "rules.yaml:8:17: sliding_window does not take window: month (calendar months are for fixed_window only); give a duration like 30d"
+    );
+    let yaml = with_limit(
+        "      - algorithm: fixed_window\n        limit: 100\n        window: monthly\n",
+    );
+    assert_eq!(
+        error(&yaml),
+        "rules.yaml:8:17: routes[0].limits[0].window: expected a duration like 10s, 1m, 1h or 1d, or month, found \"monthly\""
     );
 }
 

@@ -208,6 +208,14 @@ const CASES: &[(&str, bool)] = &[
         false,
     ),
     (
+        "routes: [{name: a, respond: {status: 200}, limits: [{algorithm: fixed_window, limit: 100, window: month}]}]",
+        true,
+    ),
+    (
+        "routes: [{name: a, respond: {status: 200}, limits: [{algorithm: fixed_window, limit: 100, window: monthly}]}]",
+        false,
+    ),
+    (
         "routes: [{name: a, respond: {status: 200}, key: [ip, \"header:x-api-key\"]}]",
         true,
     ),

@@ -56,6 +56,11 @@ impl Store {
         start_gateway(&self.yaml(yaml)).await
     }
 
+    /// `start`, the limiter's time driven by `clock`.
+    async fn start_at(&self, yaml: &str, clock: Arc<sluice::limit::ManualClock>) -> Running {
+        start_gateway_at(&self.yaml(yaml), clock).await
+    }
+
     async fn start_file(&self, yaml: &str) -> (Running, tempfile::NamedTempFile) {
         start_gateway_file(&self.yaml(yaml)).await
     }
@@ -103,6 +108,7 @@ on_both_stores!(
     a_login_is_limited_per_address_and_per_account_at_once,
     only_failed_logins_count_and_three_refusals_ban,
     a_token_budget_is_charged_what_the_response_says,
+    a_monthly_limit_counts_down_to_00_00_utc_on_the_first,
     delay_waits_for_capacity_up_to_max_delay,
     concurrent_delayed_requests_queue_one_after_another,
     every_algorithm_admits_its_quota_then_refuses,
@@ -694,6 +700,80 @@ routes:
     assert_eq!(
         ["header", "missing", "invalid", "capped"].map(costs),
         [Some(4.0), Some(1.0), Some(1.0), Some(1.0)]
+    );
+}
+
+/// `window: month`: a calendar month's budget, refused until 00:00 UTC on the first
+/// of the next month and counted down to it in every header, with the limiter's
+/// time driven from the last second of 2026 into 2027.
+async fn a_monthly_limit_counts_down_to_00_00_utc_on_the_first(store: Store) {
+    const S: u64 = 1_000_000;
+    // 2026-12-31T23:59:59Z and 2027-01-01T00:00:00Z (`date -u +%s`).
+    let (last_second, new_year) = (1_798_761_599 * S, 1_798_761_600 * S);
+    let clock = sluice::limit::ManualClock::new(last_second);
+    let gw = store
+        .start_at(
+            r#"
+routes:
+  - name: billing
+    match: {path: /bill}
+    key: ip
+    limits:
+      - {name: monthly, algorithm: fixed_window, limit: 2, window: month}
+    respond: {body: "ok
+"}
+"#,
+            clock.clone(),
+        )
+        .await;
+    let c = http1();
+    let u = url(gw.addr, "/bill");
+    let headers = |r: &Resp| {
+        [
+            "retry-after",
+            "ratelimit",
+            "ratelimit-policy",
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset",
+        ]
+        .map(|h| r.header(h).map(str::to_string))
+    };
+    let expect = |retry: Option<&str>, left: &str, t: &str| {
+        [
+            retry.map(str::to_string),
+            Some(format!(r#""monthly";r={left};t={t}"#)),
+            // A month has no one length: no `w`.
+            Some(r#""monthly";q=2"#.to_string()),
+            Some("2".to_string()),
+            Some(left.to_string()),
+            Some(t.to_string()),
+        ]
+    };
+    // A second to the new year.
+    for left in ["1", "0"] {
+        let r = c.get(&u, &[]).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(headers(&r), expect(None, left, "1"));
+    }
+    let r = c.get(&u, &[]).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(headers(&r), expect(Some("1"), "0", "1"));
+    // The year's last µs is still December.
+    clock.set(new_year - 1);
+    let r = c.get(&u, &[]).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(headers(&r), expect(Some("1"), "0", "1"));
+    // January: a fresh budget, for 31 days.
+    clock.set(new_year);
+    let r = c.get(&u, &[]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(headers(&r), expect(None, "1", "2678400"));
+
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        decisions(&m, "billing"),
+        [("allowed", 3.0), ("limited", 2.0)]
     );
 }
 

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::common::redis::*;
+use sluice::limit::algo::{month_of, month_start_us};
 use sluice::limit::cases::{self, PureStore, Rng, BASE_US};
 use sluice::limit::{
     Algorithm, LimitDef, Mode, Plan, Rate, RedisOptions, RedisStore, RedisTarget, State, StoreError,
@@ -160,6 +161,8 @@ fn random_walks_agree_with_the_pure_functions() {
             },
             40_001,
         ),
+        // Across months: the refunds and the response charges of a calendar month.
+        one("mo", Algorithm::CalendarMonth { limit: 40 }, 1),
         one(
             "sl",
             Algorithm::SlidingLog {
@@ -371,6 +374,9 @@ fn renumbered(plan: &Plan, rng: &mut Rng) -> Plan {
                     limit: about(limit),
                     window_us,
                 },
+                Algorithm::CalendarMonth { limit } => Algorithm::CalendarMonth {
+                    limit: about(limit),
+                },
                 Algorithm::SlidingWindow { limit, window_us } => Algorithm::SlidingWindow {
                     limit: about(limit),
                     window_us,
@@ -521,8 +527,66 @@ fn unit_us(a: &Algorithm) -> u64 {
         Algorithm::TokenBucket { rate, .. } | Algorithm::Gcra { rate, .. } => {
             (rate.per_us / rate.count.max(1)).max(1)
         }
+        Algorithm::CalendarMonth { limit } => (31 * 86_400 * S / limit.max(1)).max(1),
         Algorithm::Concurrency { lease_us, .. } => lease_us,
     }
+}
+
+/// The script's calendar arithmetic (`lua/fixed_window.lua`) against `algo`'s: the
+/// first µs of every month from 1970 to 2200 and the last of the month before, and
+/// random times up to 2250 (times stay below 2^53 µs, exact in Lua's doubles), each
+/// decided on a state of the month before and of the month itself.
+#[test]
+fn calendar_months_agree_with_algo() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+    let mut conn = redis.connection().unwrap();
+    let algorithm = Algorithm::CalendarMonth { limit: 3 };
+    let plan = one("month", algorithm, 1);
+    let key = store.keys("month", "k", &plan).remove(0);
+    let mut times = Vec::new();
+    for idx in 1..(2200 - 1970) * 12 {
+        let first = month_start_us(idx);
+        times.extend([first, first - 1]);
+    }
+    let mut rng = Rng(11);
+    let end = month_start_us((2250 - 1970) * 12);
+    times.extend((0..2_000).map(|_| rng.below(end)));
+    for &now in &times {
+        let idx = month_of(now);
+        for state_idx in [idx.saturating_sub(1), idx] {
+            let state = State::Window {
+                idx: state_idx,
+                count: 2,
+            };
+            let _: () = redis::cmd("SET")
+                .arg(&key)
+                .arg(format!("{state_idx} 2"))
+                .query(&mut conn)
+                .unwrap();
+            let got = rt
+                .block_on(store.check_at("month", "k", &plan, now))
+                .unwrap();
+            let (expected, _) = algorithm.check(&state, now, 1, 0);
+            assert_eq!(
+                got.outcomes[0], expected,
+                "at {now}, state of month {state_idx}"
+            );
+        }
+    }
+    assert_eq!(times.len(), 2 * ((2200 - 1970) * 12 - 1) + 2_000);
+
+    // The key expires when its month ends: 2027-02-10T12:00:00Z is 18.5 days before
+    // March (the TTL is rounded up to a ms, plus 1 ms).
+    let _: () = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
+    let v = rt
+        .block_on(store.check_at("month", "k", &plan, 1_802_260_800 * S))
+        .unwrap();
+    assert!(v.allowed);
+    let ttl: u64 = redis::cmd("PTTL").arg(&key).query(&mut conn).unwrap();
+    let full = 1_598_400_000 + 1;
+    assert!(ttl <= full && ttl > full - 10_000, "{ttl}");
 }
 
 /// The sliding window's doubles, state by state: every (prev, curr) up to the limit
