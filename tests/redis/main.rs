@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod abuse;
 mod redis_gateway;
 mod redis_live_ops;
 mod redis_store;
