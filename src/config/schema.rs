@@ -310,7 +310,8 @@ pub struct Route {
     /// Answer from sluice itself instead of forwarding.
     #[serde(default)]
     pub respond: Option<Respond>,
-    /// The client key: ip, header:NAME, query:NAME, cookie:NAME, global, or a list of these.
+    /// The client key: ip, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER,
+    /// global, or a list of these.
     #[serde(default)]
     pub key: KeySpec,
     /// A request without its key: `reject` (400) or `ip` (count it by address).
@@ -380,7 +381,8 @@ fn default_respond_status() -> Num<u16> {
     Num(200)
 }
 
-/// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `global`, or a list of these.
+/// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `form:NAME`, `json:/POINTER`,
+/// `global`, or a list of these.
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum KeySpec {

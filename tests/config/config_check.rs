@@ -180,8 +180,8 @@ routes:
     );
     assert_eq!(
         error("routes:\n  - name: a\n    respond: {}\n    key: {header: x}\n"),
-        "rules.yaml:4:10: routes[0].key: expected a key (ip, global, header:NAME, query:NAME or \
-         cookie:NAME) or a list of these, found a mapping"
+        "rules.yaml:4:10: routes[0].key: expected a key (ip, global, header:NAME, query:NAME, \
+         cookie:NAME, form:NAME or json:/POINTER) or a list of these, found a mapping"
     );
 }
 
@@ -861,8 +861,8 @@ fn key_parts_are_known() {
     let yaml = "routes:\n  - name: a\n    respond: {}\n    key: header-x\n";
     assert_eq!(
         error(yaml),
-        "rules.yaml:4:10: unknown key \"header-x\", expected ip, global, header:NAME, query:NAME \
-         or cookie:NAME"
+        "rules.yaml:4:10: unknown key \"header-x\", expected ip, global, header:NAME, query:NAME, \
+         cookie:NAME, form:NAME or json:/POINTER"
     );
 }
 
@@ -883,13 +883,35 @@ routes:
     );
 }
 
+/// Body keys: a form field needs a name, a JSON value an RFC 6901 pointer.
+#[test]
+fn body_keys_name_a_field_or_a_json_pointer() {
+    let yaml = "\
+routes:
+  - name: a
+    respond: {}
+    key: ['form:', 'json:', 'json:user', 'json:/a~2b', 'form:username', 'json:/user/n~1a~0me']
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:4:11: key \"form:\" needs a name after \"form:\"",
+            "rules.yaml:4:20: key \"json:\" needs a JSON pointer after \"json:\", like json:/user/name",
+            "rules.yaml:4:29: key \"json:user\": \"user\" is not a JSON pointer (RFC 6901): it starts \
+             with \"/\", and a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")",
+            "rules.yaml:4:42: key \"json:/a~2b\": \"/a~2b\" is not a JSON pointer (RFC 6901): it \
+             starts with \"/\", and a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")",
+        ]
+    );
+}
+
 #[test]
 fn composite_key_is_not_empty() {
     let yaml = "routes:\n  - name: a\n    respond: {}\n    key: []\n";
     assert_eq!(
         error(yaml),
         "rules.yaml:4:10: the key list must not be empty: expected one or more of ip, global, \
-         header:NAME, query:NAME, cookie:NAME"
+         header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER"
     );
 }
 
