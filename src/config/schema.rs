@@ -56,6 +56,10 @@ pub struct Server {
     pub request_header_timeout: Dur,
     /// Larger request bodies get 413.
     pub max_request_body: Size,
+    /// On routes whose key reads the body (`form:NAME`, `json:/POINTER`), up to this
+    /// much of it is read before the decision; a larger body makes that key missing.
+    /// At most 1MiB.
+    pub max_key_body: Size,
     /// On SIGTERM, how long requests in flight may take to finish.
     pub shutdown_grace: Dur,
     /// Client connections open at once; more wait in the kernel backlog.
@@ -91,6 +95,7 @@ impl Default for Server {
             listen: Addr::literal("0.0.0.0:8080"),
             request_header_timeout: Dur::secs(10),
             max_request_body: Size(10 * 1024 * 1024),
+            max_key_body: Size(64 * 1024),
             shutdown_grace: Dur::secs(30),
             max_connections: Num(10_000),
             max_connections_per_ip: Num(256),

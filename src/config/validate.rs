@@ -232,6 +232,10 @@ impl Checker<'_> {
 /// in flight.
 const MAX_REQUEST_BUFFER: u64 = 1024 * 1024;
 
+/// The largest `server.max_key_body`: it is held per request (and HTTP/2 stream)
+/// in flight, before the request is admitted.
+const MAX_KEY_BODY: u64 = 1024 * 1024;
+
 /// `server.max_header_bytes` bounds: hyper's smallest read buffer, and a size no
 /// legitimate request head needs.
 const MIN_HEADER_BYTES: u64 = 8 * 1024;
@@ -397,6 +401,16 @@ impl Checker<'_> {
             "max_request_body",
             s.max_request_body.0,
         );
+        self.positive("server.max_key_body", "max_key_body", s.max_key_body.0);
+        if s.max_key_body.0 > MAX_KEY_BODY {
+            self.at(
+                "server.max_key_body",
+                format!(
+                    "max_key_body must be at most 1MiB, found {} bytes",
+                    s.max_key_body.0
+                ),
+            );
+        }
         self.positive(
             "server.max_connections",
             "max_connections",

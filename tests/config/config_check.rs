@@ -73,9 +73,29 @@ fn typo_in_server_is_located() {
     assert_eq!(
         error("server:\n  listen: 0.0.0.0:8080\n  max_conections: 5\nroutes: []\n"),
         "rules.yaml:3:3: server: unknown field `max_conections`, expected one of `listen`, \
-         `request_header_timeout`, `max_request_body`, `shutdown_grace`, `max_connections`, \
-         `max_connections_per_ip`, `idle_timeout`, `send_timeout`, `request_body_timeout`, \
+         `request_header_timeout`, `max_request_body`, `max_key_body`, `shutdown_grace`, \
+         `max_connections`, `max_connections_per_ip`, `idle_timeout`, `send_timeout`, `request_body_timeout`, \
          `request_buffer`, `tunnel_idle_timeout`, `max_header_bytes`, `upgrades`, `tls`, `workers`"
+    );
+}
+
+#[test]
+fn max_key_body_is_above_0_and_at_most_1mib() {
+    assert_eq!(
+        errors("server:\n  max_key_body: 0\nroutes: []\n"),
+        ["rules.yaml:2:17: max_key_body must be greater than 0"]
+    );
+    assert_eq!(
+        errors("server:\n  max_key_body: 2MiB\nroutes: []\n"),
+        ["rules.yaml:2:17: max_key_body must be at most 1MiB, found 2097152 bytes"]
+    );
+    assert_eq!(
+        loads("server:\n  max_key_body: 1MiB\nroutes: []\n")
+            .file
+            .server
+            .max_key_body
+            .0,
+        1024 * 1024
     );
 }
 
