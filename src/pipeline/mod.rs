@@ -5,6 +5,7 @@
 //! configuration (`Runtime`) is read through one `Arc` that a reload swaps whole.
 
 pub mod admit;
+pub mod body_key;
 pub mod path;
 pub mod refusal;
 pub mod route;
