@@ -111,6 +111,8 @@ pub fn compile(
             x_ratelimit: f.response_headers.contains(&HeaderFamily::XRatelimit),
         },
         max_request_body: f.server.max_request_body.0,
+        max_key_body: f.server.max_key_body.0,
+        request_body_timeout: f.server.request_body_timeout.get(),
         on_error: f.store.on_error,
         unmatched: metrics.unmatched(),
         hash: loaded.hash.clone(),

@@ -56,6 +56,10 @@ pub struct Server {
     pub request_header_timeout: Dur,
     /// Larger request bodies get 413.
     pub max_request_body: Size,
+    /// On routes whose key reads the body (`form:NAME`, `json:/POINTER`), up to this
+    /// much of it is read before the decision; a larger body makes that key missing.
+    /// At most 1MiB.
+    pub max_key_body: Size,
     /// On SIGTERM, how long requests in flight may take to finish.
     pub shutdown_grace: Dur,
     /// Client connections open at once; more wait in the kernel backlog.
@@ -91,6 +95,7 @@ impl Default for Server {
             listen: Addr::literal("0.0.0.0:8080"),
             request_header_timeout: Dur::secs(10),
             max_request_body: Size(10 * 1024 * 1024),
+            max_key_body: Size(64 * 1024),
             shutdown_grace: Dur::secs(30),
             max_connections: Num(10_000),
             max_connections_per_ip: Num(256),
@@ -310,7 +315,8 @@ pub struct Route {
     /// Answer from sluice itself instead of forwarding.
     #[serde(default)]
     pub respond: Option<Respond>,
-    /// The client key: ip, header:NAME, query:NAME, cookie:NAME, global, or a list of these.
+    /// The client key: ip, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER,
+    /// global, or a list of these.
     #[serde(default)]
     pub key: KeySpec,
     /// A request without its key: `reject` (400) or `ip` (count it by address).
@@ -380,7 +386,8 @@ fn default_respond_status() -> Num<u16> {
     Num(200)
 }
 
-/// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `global`, or a list of these.
+/// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `form:NAME`, `json:/POINTER`,
+/// `global`, or a list of these.
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum KeySpec {

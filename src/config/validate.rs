@@ -250,6 +250,10 @@ impl Checker<'_> {
 /// in flight.
 const MAX_REQUEST_BUFFER: u64 = 1024 * 1024;
 
+/// The largest `server.max_key_body`: it is held per request (and HTTP/2 stream)
+/// in flight, before the request is admitted.
+const MAX_KEY_BODY: u64 = 1024 * 1024;
+
 /// `server.max_header_bytes` bounds: hyper's smallest read buffer, and a size no
 /// legitimate request head needs.
 const MIN_HEADER_BYTES: u64 = 8 * 1024;
@@ -415,6 +419,16 @@ impl Checker<'_> {
             "max_request_body",
             s.max_request_body.0,
         );
+        self.positive("server.max_key_body", "max_key_body", s.max_key_body.0);
+        if s.max_key_body.0 > MAX_KEY_BODY {
+            self.at(
+                "server.max_key_body",
+                format!(
+                    "max_key_body must be at most 1MiB, found {} bytes",
+                    s.max_key_body.0
+                ),
+            );
+        }
         self.positive(
             "server.max_connections",
             "max_connections",
@@ -895,7 +909,7 @@ impl Checker<'_> {
             KeySpec::One(part) => self.key_part(&path, part),
             KeySpec::Composite(parts) => {
                 if parts.is_empty() {
-                    self.at(&path, "the key list must not be empty: expected one or more of ip, global, header:NAME, query:NAME, cookie:NAME");
+                    self.at(&path, "the key list must not be empty: expected one or more of ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER");
                 }
                 for (i, part) in parts.iter().enumerate() {
                     self.key_part(&item(&path, i), part);
@@ -1316,14 +1330,22 @@ pub fn valid_host(host: &str) -> bool {
     })
 }
 
-/// One part of a route's key: `ip`, `global`, `header:NAME`, `query:NAME` or
-/// `cookie:NAME`.
+/// One part of a route's key: `ip`, `global`, `header:NAME`, `query:NAME`,
+/// `cookie:NAME`, `form:NAME` or `json:/POINTER`.
 pub fn check_key_part(part: &str) -> Result<(), String> {
-    const EXPECTED: &str = "ip, global, header:NAME, query:NAME or cookie:NAME";
+    const EXPECTED: &str =
+        "ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER";
     match part {
         "ip" | "global" => Ok(()),
         _ => match part.split_once(':') {
-            Some((kind @ ("header" | "query" | "cookie"), name)) => {
+            Some(("json", "")) => Err(format!(
+                "key {part:?} needs a JSON pointer after \"json:\", like json:/user/name"
+            )),
+            Some(("json", pointer)) if !crate::identity::is_json_pointer(pointer) => Err(format!(
+                "key {part:?}: {pointer:?} is not a JSON pointer (RFC 6901): it starts with \"/\", and a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")"
+            )),
+            Some(("json", _)) => Ok(()),
+            Some((kind @ ("header" | "query" | "cookie" | "form"), name)) => {
                 if name.is_empty() {
                     Err(format!("key {part:?} needs a name after \"{kind}:\""))
                 } else if kind == "header" && HeaderName::from_bytes(name.as_bytes()).is_err() {
@@ -1348,7 +1370,7 @@ pub fn check_key_part(part: &str) -> Result<(), String> {
 pub fn explain_key_error(text: &str, index: &Index, route: &str) -> Option<(Pos, String)> {
     use serde_yaml::Value;
     const EXPECTED: &str =
-        "expected a key (ip, global, header:NAME, query:NAME or cookie:NAME) or a list of these";
+        "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these";
     fn kind(v: &Value) -> &'static str {
         match v {
             Value::Null => "nothing",

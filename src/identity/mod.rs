@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::net::IpAddr;
 
-use http::header::{HeaderMap, HeaderName, HeaderValue, COOKIE};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, COOKIE};
 use http::request::Parts;
 use ipnet::IpNet;
 
@@ -100,10 +100,15 @@ pub enum KeyPart {
     Header(HeaderName),
     Query(String),
     Cookie(String),
+    /// A field of an `application/x-www-form-urlencoded` body.
+    Form(String),
+    /// A value in a JSON body, at this RFC 6901 pointer (as written, `/user/name`).
+    Json(String),
 }
 
 impl KeyPart {
-    /// `ip`, `global`, `header:NAME`, `query:NAME`, `cookie:NAME`.
+    /// `ip`, `global`, `header:NAME`, `query:NAME`, `cookie:NAME`, `form:NAME`,
+    /// `json:/POINTER`.
     pub fn parse(s: &str) -> Option<KeyPart> {
         match s.split_once(':') {
             None if s == "ip" => Some(KeyPart::Ip),
@@ -113,6 +118,8 @@ impl KeyPart {
                 .map(KeyPart::Header),
             Some(("query", n)) if !n.is_empty() => Some(KeyPart::Query(n.to_string())),
             Some(("cookie", n)) if !n.is_empty() => Some(KeyPart::Cookie(n.to_string())),
+            Some(("form", n)) if !n.is_empty() => Some(KeyPart::Form(n.to_string())),
+            Some(("json", p)) if is_json_pointer(p) => Some(KeyPart::Json(p.to_string())),
             _ => None,
         }
     }
@@ -125,8 +132,23 @@ impl KeyPart {
             KeyPart::Header(h) => format!("header {h}"),
             KeyPart::Query(q) => format!("query parameter {q}"),
             KeyPart::Cookie(c) => format!("cookie {c}"),
+            KeyPart::Form(f) => format!("form field {f}"),
+            KeyPart::Json(p) => format!("JSON value {p}"),
         }
     }
+
+    /// Whether the part is read from the request body.
+    pub fn reads_body(&self) -> bool {
+        matches!(self, KeyPart::Form(_) | KeyPart::Json(_))
+    }
+}
+
+/// Whether `p` is an RFC 6901 pointer a key can use: it starts with `/` (the empty
+/// pointer, the whole document, is never a key), and every `~` is `~0` or `~1`.
+pub fn is_json_pointer(p: &str) -> bool {
+    p.starts_with('/')
+        && p.match_indices('~')
+            .all(|(i, _)| matches!(p.as_bytes().get(i + 1), Some(b'0' | b'1')))
 }
 
 /// The part as the configuration writes it.
@@ -247,15 +269,30 @@ impl KeyDigest {
 }
 
 impl KeySpec {
-    /// The request's key, or the part that is missing.
+    /// The request's key, or the part that is missing, for a request whose body is
+    /// not read: a body part (`form:`, `json:`) is then missing.
     pub fn extract<'a>(&'a self, req: &'a Parts, ip: IpAddr) -> Result<ClientKey<'a>, &'a KeyPart> {
+        self.extract_with_body(req, ip, None)
+    }
+
+    /// The request's key, or the part that is missing. `body` is the request body
+    /// when it was read whole (`pipeline::body_key`); None (not read, or larger than
+    /// `server.max_key_body`) makes a body part missing.
+    pub fn extract_with_body<'a>(
+        &'a self,
+        req: &'a Parts,
+        ip: IpAddr,
+        body: Option<&'a [u8]>,
+    ) -> Result<ClientKey<'a>, &'a KeyPart> {
         if let [one] = self.parts.as_slice() {
-            return part_value(one, req, ip).map(ClientKey::new).ok_or(one);
+            return part_value(one, req, ip, body)
+                .map(ClientKey::new)
+                .ok_or(one);
         }
         let mut key = String::new();
         let mut parts = Vec::with_capacity(self.parts.len());
         for (i, part) in self.parts.iter().enumerate() {
-            let v = part_value(part, req, ip).ok_or(part)?;
+            let v = part_value(part, req, ip, body).ok_or(part)?;
             if i > 0 {
                 key.push('|');
             }
@@ -287,10 +324,40 @@ impl KeySpec {
         self.parts == [KeyPart::Ip]
     }
 
+    /// Whether a part of the key is read from the request body (`form:`, `json:`):
+    /// only then is the body read before the decision.
+    pub fn reads_body(&self) -> bool {
+        self.parts.iter().any(KeyPart::reads_body)
+    }
+
+    /// Whether the body of this request is worth reading for the key: a part reads
+    /// the body, and a `Content-Type` of the request names the type that part reads
+    /// (any copy of the field: the deny list looks at every reading of the body). A
+    /// body of another type is never read, as nothing in it could be the key.
+    pub fn body_wanted(&self, headers: &HeaderMap) -> bool {
+        self.parts.iter().any(|part| match part {
+            KeyPart::Form(_) => any_body_type(headers, BodyType::Form),
+            KeyPart::Json(_) => any_body_type(headers, BodyType::Json),
+            _ => false,
+        })
+    }
+
+    /// `any_value` for a request whose body is not read: its body parts see nothing.
+    pub fn any_value(&self, req: &Parts, f: impl FnMut(&str) -> bool) -> bool {
+        self.any_value_with_body(req, None, f)
+    }
+
     /// Whether `f` holds for any value of any part as sent, every copy of a repeated
-    /// header, parameter or cookie included: the deny list must catch a denied key
-    /// however it is sent, even where `extract` calls it missing.
-    pub fn any_value(&self, req: &Parts, mut f: impl FnMut(&str) -> bool) -> bool {
+    /// header, parameter, cookie, form field or JSON member included: the deny list
+    /// must catch a denied key however it is sent, even where `extract` calls it
+    /// missing. A body part is looked for under every `Content-Type` the request
+    /// names, since an upstream given two may read either.
+    pub fn any_value_with_body(
+        &self,
+        req: &Parts,
+        body: Option<&[u8]>,
+        mut f: impl FnMut(&str) -> bool,
+    ) -> bool {
         self.parts.iter().any(|part| match part {
             // The address is checked against the deny list's IP entries already.
             KeyPart::Ip | KeyPart::Global => false,
@@ -305,15 +372,22 @@ impl KeySpec {
                 .query()
                 .is_some_and(|q| query_pairs(q).any(|(k, v)| same_name(&k, name) && f(&v))),
             KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| f(&v)),
+            KeyPart::Form(_) | KeyPart::Json(_) => any_body_value(part, req, body, &mut f),
         })
+    }
+
+    /// `unprintable` for a request whose body is not read.
+    pub fn unprintable(&self, req: &Parts) -> Option<&KeyPart> {
+        self.unprintable_with_body(req, None)
     }
 
     /// The first part with a value, any copy of it, holding a byte outside
     /// printable ASCII (0x20-0x7E), as the upstream would read it (a header
-    /// without the spaces and tabs around it, a parameter or cookie decoded):
-    /// Node trims an NBSP off a header, PHP and others trim Unicode white space, so
-    /// `k` followed by one would be `k` to the upstream, yet another key here.
-    pub fn unprintable(&self, req: &Parts) -> Option<&KeyPart> {
+    /// without the spaces and tabs around it, a parameter or cookie decoded, a body
+    /// value trimmed of white space): Node trims an NBSP off a header, PHP and
+    /// others trim Unicode white space, so `k` followed by one would be `k` to the
+    /// upstream, yet another key here. Body values are the ones `any_value` sees.
+    pub fn unprintable_with_body(&self, req: &Parts, body: Option<&[u8]>) -> Option<&KeyPart> {
         let bad = |v: &[u8]| !printable_bytes(v);
         self.parts.iter().find(|part| match part {
             KeyPart::Ip | KeyPart::Global => false,
@@ -326,6 +400,9 @@ impl KeySpec {
                 query_pairs(q).any(|(k, v)| same_name(&k, name) && bad(v.as_bytes()))
             }),
             KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| bad(v.as_bytes())),
+            KeyPart::Form(_) | KeyPart::Json(_) => {
+                any_body_value(part, req, body, &mut |v: &str| bad(v.as_bytes()))
+            }
         })
     }
 }
@@ -380,8 +457,29 @@ fn trim_ows(b: &[u8]) -> &[u8] {
 /// (`?k=a&k=b`, two headers, two cookies) is missing: upstreams disagree on which of
 /// several values counts, so a client must not be able to pick one for its key and
 /// let the upstream see another.
-fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'a, str>> {
+///
+/// A body part is read only from a body of its type, named by one `Content-Type`
+/// (a second one, which an upstream may read instead, makes it missing), and a
+/// JSON member sent twice on the pointer's way is missing too: serde_json keeps the
+/// last, other parsers the first.
+fn part_value<'a>(
+    part: &'a KeyPart,
+    req: &'a Parts,
+    ip: IpAddr,
+    body: Option<&'a [u8]>,
+) -> Option<Cow<'a, str>> {
     let v: Cow<'a, str> = match part {
+        KeyPart::Form(name) if key_body_type(&req.headers) == Some(BodyType::Form) => {
+            single(form_fields(body?, name))?
+        }
+        KeyPart::Json(pointer) if key_body_type(&req.headers) == Some(BodyType::Json) => {
+            let found = json_values(body?, pointer)?;
+            if found.repeated {
+                return None;
+            }
+            Cow::Owned(json_text(single(found.values.iter())?)?)
+        }
+        KeyPart::Form(_) | KeyPart::Json(_) => return None,
         KeyPart::Ip => Cow::Owned(ip.to_string()),
         KeyPart::Global => Cow::Borrowed("global"),
         KeyPart::Header(h) => header_text(single(req.headers.get_all(h).iter())?),
@@ -396,6 +494,276 @@ fn part_value<'a>(part: &'a KeyPart, req: &'a Parts, ip: IpAddr) -> Option<Cow<'
         None
     } else {
         Some(v)
+    }
+}
+
+// === body keys ===
+
+/// The body types a key part reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyType {
+    Form,
+    Json,
+}
+
+/// The body type a `Content-Type` value names, if a key part reads it: its media
+/// type (cut at `;`, `,` or white space, as PHP cuts it; case-insensitive) is
+/// `application/x-www-form-urlencoded`, or `*/json` or `*/*+json` (Flask, Spring
+/// and Laravel read `application/vnd.api+json` as JSON, and Laravel `text/json`:
+/// a key that an upstream reads must not be missing here).
+fn body_type(v: &HeaderValue) -> Option<BodyType> {
+    let v = v.as_bytes().trim_ascii_start();
+    let end = v
+        .iter()
+        .position(|b| matches!(b, b';' | b',') || b.is_ascii_whitespace())
+        .unwrap_or(v.len());
+    let media = std::str::from_utf8(&v[..end]).ok()?.to_ascii_lowercase();
+    if media == "application/x-www-form-urlencoded" {
+        return Some(BodyType::Form);
+    }
+    let (_, subtype) = media.split_once('/')?;
+    (subtype == "json" || subtype.ends_with("+json")).then_some(BodyType::Json)
+}
+
+/// The body's type as a key reads it: one `Content-Type`, of a type a part reads.
+fn key_body_type(headers: &HeaderMap) -> Option<BodyType> {
+    body_type(single(headers.get_all(CONTENT_TYPE).iter())?)
+}
+
+/// Whether any `Content-Type` of the request names `t`.
+fn any_body_type(headers: &HeaderMap, t: BodyType) -> bool {
+    headers
+        .get_all(CONTENT_TYPE)
+        .iter()
+        .any(|v| body_type(v) == Some(t))
+}
+
+/// Whether `f` holds for any value of a body part, every copy of it, under any
+/// `Content-Type` the request names (`any_value`).
+fn any_body_value(
+    part: &KeyPart,
+    req: &Parts,
+    body: Option<&[u8]>,
+    f: &mut impl FnMut(&str) -> bool,
+) -> bool {
+    let Some(body) = body else {
+        return false;
+    };
+    match part {
+        KeyPart::Form(name) if any_body_type(&req.headers, BodyType::Form) => {
+            form_fields(body, name).any(|v| f(&v))
+        }
+        // Every member on the pointer's way, each copy of a repeated one, and the
+        // items of an array at its end: `["bad"] == "bad"` in JavaScript, as
+        // `k[]=bad` is `bad` to PHP's loose comparisons.
+        KeyPart::Json(pointer) if any_body_type(&req.headers, BodyType::Json) => {
+            json_values(body, pointer).is_some_and(|found| {
+                found.values.iter().any(|v| match v {
+                    serde_json::Value::Array(items) => {
+                        items.iter().filter_map(json_text).any(|t| f(&t))
+                    }
+                    v => json_text(v).is_some_and(|t| f(&t)),
+                })
+            })
+        }
+        _ => false,
+    }
+}
+
+/// The values of form field `name` in a form body, every copy: split and decoded as
+/// a query is (`query_pairs`: `+` is a space, `;` splits too, names read as PHP
+/// reads them), each trimmed of Unicode white space; bytes that are not UTF-8
+/// replaced (so refused as unprintable).
+fn form_fields<'a>(body: &'a [u8], name: &'a str) -> impl Iterator<Item = Cow<'a, str>> + 'a {
+    body.split(|b| matches!(b, b'&' | b';'))
+        .flat_map(form_urlencoded::parse)
+        .filter(move |(k, _)| same_name(k, name))
+        .map(|(_, v)| trim_white(v))
+}
+
+/// A text without the Unicode white space around it, as body keys are read (PHP's
+/// frameworks trim it: Laravel's `TrimStrings`).
+fn trim_white(v: Cow<'_, str>) -> Cow<'_, str> {
+    match v {
+        Cow::Borrowed(b) => Cow::Borrowed(b.trim()),
+        Cow::Owned(o) if o.trim().len() == o.len() => Cow::Owned(o),
+        Cow::Owned(o) => Cow::Owned(o.trim().to_owned()),
+    }
+}
+
+/// What a JSON pointer reaches in a body.
+struct JsonFound {
+    /// Every value at the pointer: more than one when a member on its way is sent
+    /// twice.
+    values: Vec<serde_json::Value>,
+    /// A member on the pointer's way is sent more than once.
+    repeated: bool,
+}
+
+/// The values at `pointer` in a JSON body; None when the body is not one JSON
+/// document in UTF-8 (RFC 8259 §8.1), or nests deeper than serde_json's 128 levels.
+/// Members off the pointer's way are checked and skipped, never kept.
+fn json_values(body: &[u8], pointer: &str) -> Option<JsonFound> {
+    use serde::de::DeserializeSeed;
+    // serde_json skips the text of strings it ignores without looking at their
+    // bytes: the body is checked whole first.
+    let text = std::str::from_utf8(body).ok()?;
+    let mut found = JsonFound {
+        values: Vec::new(),
+        repeated: false,
+    };
+    let mut de = serde_json::Deserializer::from_str(text);
+    JsonAt {
+        pointer,
+        found: &mut found,
+    }
+    .deserialize(&mut de)
+    .ok()?;
+    de.end().ok()?;
+    Some(found)
+}
+
+/// A key's text of a JSON value: a string trimmed of Unicode white space, a number
+/// in one spelling for every way of writing it (`1`, `1.0`, `1e0` and `"1"` are one
+/// key: JavaScript and PHP's loose comparisons take them for one), `true` or
+/// `false`. Null, an array or an object is no key.
+fn json_text(v: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Some(s.trim().to_owned()),
+        Value::Bool(b) => Some(b.to_string()),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                return Some(i.to_string());
+            }
+            if let Some(u) = n.as_u64() {
+                return Some(u.to_string());
+            }
+            let f = n.as_f64()?;
+            // Whole numbers within i64 are written as integers (and -0 as 0).
+            if f.fract() == 0.0 && f.abs() < 9.2e18 {
+                Some((f as i64).to_string())
+            } else {
+                Some(f.to_string())
+            }
+        }
+        Value::Null | Value::Array(_) | Value::Object(_) => None,
+    }
+}
+
+/// The first reference token of a pointer (`/a~1b/c` gives `a/b` and `/c`),
+/// borrowed when it has no escape; None at the pointer's end.
+fn pointer_token(pointer: &str) -> Option<(Cow<'_, str>, &str)> {
+    let rest = pointer.strip_prefix('/')?;
+    let end = rest.find('/').unwrap_or(rest.len());
+    let (token, rest) = rest.split_at(end);
+    let token = if token.contains('~') {
+        Cow::Owned(token.replace("~1", "/").replace("~0", "~"))
+    } else {
+        Cow::Borrowed(token)
+    };
+    Some((token, rest))
+}
+
+/// Deserializes a JSON document, keeping what is at `pointer` (what is left of it)
+/// in `found` and skipping the rest.
+struct JsonAt<'p, 'f> {
+    pointer: &'p str,
+    found: &'f mut JsonFound,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for JsonAt<'_, '_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        if self.pointer.is_empty() {
+            let v = <serde_json::Value as serde::Deserialize>::deserialize(d)?;
+            self.found.values.push(v);
+            Ok(())
+        } else {
+            d.deserialize_any(self)
+        }
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for JsonAt<'_, '_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        use serde::de::IgnoredAny;
+        let Some((token, rest)) = pointer_token(self.pointer) else {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            return Ok(());
+        };
+        let mut seen = 0;
+        while let Some(name) = map.next_key::<Cow<'de, str>>()? {
+            if name == token {
+                seen += 1;
+                map.next_value_seed(JsonAt {
+                    pointer: rest,
+                    found: &mut *self.found,
+                })?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        if seen > 1 {
+            self.found.repeated = true;
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        use serde::de::IgnoredAny;
+        // An index is `0` or digits without a leading zero (RFC 6901 §4).
+        let index = pointer_token(self.pointer).and_then(|(token, rest)| {
+            let digits = !token.is_empty() && token.bytes().all(|b| b.is_ascii_digit());
+            let canonical = token == "0" || !token.starts_with('0');
+            (digits && canonical)
+                .then(|| token.parse::<usize>().ok())
+                .flatten()
+                .map(|i| (i, rest))
+        });
+        let mut i = 0;
+        loop {
+            let more = match index {
+                Some((at, rest)) if at == i => seq
+                    .next_element_seed(JsonAt {
+                        pointer: rest,
+                        found: &mut *self.found,
+                    })?
+                    .is_some(),
+                _ => seq.next_element::<IgnoredAny>()?.is_some(),
+            };
+            if !more {
+                return Ok(());
+            }
+            i += 1;
+        }
+    }
+
+    // A scalar where the pointer goes on: nothing there.
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
     }
 }
 
@@ -833,6 +1201,338 @@ mod tests {
             which(&c, "/", &[("cookie", "s=%00")]),
             Some("cookie s".into())
         );
+    }
+
+    /// A key read from `body`, sent with `content_type`: its value, or what is
+    /// missing.
+    fn body_key(spec_: &[&str], content_type: &str, body: &str) -> Result<String, String> {
+        body_key_with(
+            spec_,
+            &[("content-type", content_type)],
+            Some(body.as_bytes()),
+        )
+    }
+
+    fn body_key_with(
+        spec_: &[&str],
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Result<String, String> {
+        let p = parts("/login", headers);
+        let s = spec(spec_);
+        let key = s.extract_with_body(&p, ip("1.2.3.4"), body);
+        key.map(|k| k.value.into_owned()).map_err(|p| p.describe())
+    }
+
+    /// Every value of the body parts the deny list sees.
+    fn body_seen(spec_: &[&str], content_type: &str, body: &str) -> Vec<String> {
+        let p = parts("/login", &[("content-type", content_type)]);
+        let mut v = Vec::new();
+        spec(spec_).any_value_with_body(&p, Some(body.as_bytes()), |x| {
+            v.push(x.to_string());
+            false
+        });
+        v
+    }
+
+    const FORM: &str = "application/x-www-form-urlencoded";
+    const JSON: &str = "application/json";
+
+    #[test]
+    fn body_parts_parse_and_describe() {
+        assert_eq!(
+            KeyPart::parse("form:username"),
+            Some(KeyPart::Form("username".into()))
+        );
+        assert_eq!(
+            KeyPart::parse("json:/user/name"),
+            Some(KeyPart::Json("/user/name".into()))
+        );
+        assert_eq!(KeyPart::parse("json:/"), Some(KeyPart::Json("/".into())));
+        assert_eq!(
+            KeyPart::parse("json:/a~0b/c~1d"),
+            Some(KeyPart::Json("/a~0b/c~1d".into()))
+        );
+        for bad in [
+            "form:",
+            "json:",
+            "json:user",
+            "json:/a~2",
+            "json:/a~",
+            "json:~0",
+        ] {
+            assert_eq!(KeyPart::parse(bad), None, "{bad}");
+        }
+        assert_eq!(
+            KeyPart::parse("form:username").unwrap().describe(),
+            "form field username"
+        );
+        assert_eq!(
+            KeyPart::parse("json:/user/name").unwrap().describe(),
+            "JSON value /user/name"
+        );
+        assert!(spec(&["ip", "form:u"]).reads_body());
+        assert!(spec(&["json:/u"]).reads_body());
+        assert!(!spec(&["ip", "header:x", "query:u", "cookie:u", "global"]).reads_body());
+    }
+
+    #[test]
+    fn form_fields_as_upstreams_read_them() {
+        let u = ["form:username"];
+        assert_eq!(
+            body_key(&u, FORM, "username=alice&password=x"),
+            Ok("alice".into())
+        );
+        // `+` is a space, escapes decoded, Unicode white space trimmed.
+        assert_eq!(body_key(&u, FORM, "username=a+b%21"), Ok("a b!".into()));
+        assert_eq!(
+            body_key(&u, FORM, "username=%C2%A0%09alice+%0A"),
+            Ok("alice".into())
+        );
+        // Names read as PHP reads them, and `;` splits as in a query.
+        assert_eq!(
+            body_key(&["form:user_name"], FORM, "user.name=bob"),
+            Ok("bob".into())
+        );
+        assert_eq!(body_key(&u, FORM, "username[]=bob"), Ok("bob".into()));
+        assert_eq!(body_key(&u, FORM, "username=bob;x=1"), Ok("bob".into()));
+        // Parameters and case of the type do not matter.
+        for ct in [
+            "application/x-www-form-urlencoded; charset=UTF-8",
+            "Application/X-WWW-Form-Urlencoded",
+            " application/x-www-form-urlencoded ;charset=utf-8",
+        ] {
+            assert_eq!(body_key(&u, ct, "username=c"), Ok("c".into()), "{ct}");
+        }
+        let missing = Err("form field username".to_string());
+        assert_eq!(
+            body_key(&u, FORM, "username=a&username=b"),
+            missing,
+            "twice"
+        );
+        assert_eq!(
+            body_key(&u, FORM, "username=a&username[]=b"),
+            missing,
+            "twice"
+        );
+        assert_eq!(body_key(&u, FORM, "username=+%20"), missing, "blank");
+        assert_eq!(body_key(&u, FORM, "user=a"), missing, "absent");
+        assert_eq!(body_key(&u, FORM, ""), missing, "empty body");
+        assert_eq!(body_key(&u, "text/plain", "username=a"), missing);
+        assert_eq!(body_key(&u, "multipart/form-data", "username=a"), missing);
+        assert_eq!(body_key_with(&u, &[], Some(b"username=a")), missing);
+        // Not read (larger than `max_key_body`).
+        assert_eq!(body_key_with(&u, &[("content-type", FORM)], None), missing);
+        // Two types: an upstream may read the body as either.
+        let two = [("content-type", FORM), ("content-type", "text/plain")];
+        assert_eq!(body_key_with(&u, &two, Some(b"username=a")), missing);
+        // A composite key with a body part.
+        assert_eq!(
+            body_key(&["form:username", "ip"], FORM, "username=a%7Cb"),
+            Ok("a\\|b|1.2.3.4".into())
+        );
+        assert_eq!(
+            body_key(&["ip", "form:tenant", "form:username"], FORM, "username=a"),
+            Err("form field tenant".into())
+        );
+    }
+
+    #[test]
+    fn json_values_as_upstreams_read_them() {
+        let name = ["json:/user/name"];
+        assert_eq!(
+            body_key(
+                &name,
+                JSON,
+                r#"{"user": {"name": " alice\u00a0"}, "x": [1, {}]}"#
+            ),
+            Ok("alice".into())
+        );
+        // Escapes in names are read as any parser reads them.
+        assert_eq!(
+            body_key(&name, JSON, r#"{"us\u0065r": {"name": "bob"}}"#),
+            Ok("bob".into())
+        );
+        for ct in [
+            "application/json; charset=utf-8",
+            "APPLICATION/JSON",
+            "application/vnd.api+json",
+            "application/problem+JSON",
+            "text/json",
+            "application/json, text/plain",
+        ] {
+            assert_eq!(
+                body_key(&name, ct, r#"{"user":{"name":"c"}}"#),
+                Ok("c".into()),
+                "{ct}"
+            );
+        }
+        // Numbers: one spelling for every way of writing one; booleans as written.
+        let id = ["json:/id"];
+        for (body, key) in [
+            (r#"{"id": 42}"#, "42"),
+            (r#"{"id": "42"}"#, "42"),
+            (r#"{"id": 42.0}"#, "42"),
+            (r#"{"id": 4.2e1}"#, "42"),
+            (r#"{"id": -0}"#, "0"),
+            (r#"{"id": -7}"#, "-7"),
+            (r#"{"id": 18446744073709551615}"#, "18446744073709551615"),
+            (r#"{"id": 0.5}"#, "0.5"),
+            (r#"{"id": true}"#, "true"),
+        ] {
+            assert_eq!(body_key(&id, JSON, body), Ok(key.into()), "{body}");
+        }
+        // Pointers: array indices, escaped names, the empty name.
+        assert_eq!(
+            body_key(&["json:/u/1"], JSON, r#"{"u": ["a", "b"]}"#),
+            Ok("b".into())
+        );
+        assert_eq!(
+            body_key(&["json:/a~1b/c~0d"], JSON, r#"{"a/b": {"c~d": "e"}}"#),
+            Ok("e".into())
+        );
+        assert_eq!(body_key(&["json:/"], JSON, r#"{"": "e"}"#), Ok("e".into()));
+        let missing = Err("JSON value /user/name".to_string());
+        for body in [
+            r#"{"user": {"name": null}}"#,
+            r#"{"user": {"name": ["alice"]}}"#,
+            r#"{"user": {"name": {"first": "a"}}}"#,
+            r#"{"user": {"name": "  "}}"#,
+            r#"{"user": "name"}"#,
+            r#"{"user": {}}"#,
+            r#"[{"user": {"name": "a"}}]"#,
+            // Malformed, trailing bytes, a lone surrogate, not UTF-8 inside a string.
+            r#"{"user": {"name": "a"}"#,
+            r#"{"user": {"name": "a"}} x"#,
+            r#"{"user": {"name": "\ud800"}}"#,
+            "",
+        ] {
+            assert_eq!(body_key(&name, JSON, body), missing, "{body}");
+        }
+        let bad_utf8 = b"{\"user\": {\"name\": \"a\", \"x\": \"\xff\"}}";
+        assert_eq!(
+            body_key_with(&name, &[("content-type", JSON)], Some(bad_utf8)),
+            missing
+        );
+        // Indices are digits without a leading zero.
+        for p in ["json:/u/01", "json:/u/-", "json:/u/+1", "json:/u/x"] {
+            assert_eq!(
+                body_key(&[p], JSON, r#"{"u": ["a", "b"]}"#),
+                Err(format!("JSON value {}", &p[5..])),
+                "{p}"
+            );
+        }
+        assert_eq!(body_key(&name, FORM, r#"{"user":{"name":"a"}}"#), missing);
+        assert_eq!(
+            body_key(&name, "application/jsonx", r#"{"user":{"name":"a"}}"#),
+            missing
+        );
+    }
+
+    /// serde_json keeps the last of two members of one name, other parsers (and
+    /// upstreams) the first: a member sent twice on the pointer's way is missing,
+    /// and the deny list sees both.
+    #[test]
+    fn a_json_member_sent_twice_is_missing_and_both_are_denied() {
+        let u = ["json:/username"];
+        let missing = Err("JSON value /username".to_string());
+        let twice = r#"{"username": "victim", "username": "me"}"#;
+        assert_eq!(body_key(&u, JSON, twice), missing);
+        assert_eq!(body_seen(&u, JSON, twice), ["victim", "me"]);
+        // On the way, not only at its end.
+        let name = ["json:/user/name"];
+        let twice = r#"{"user": {"name": "victim"}, "user": {"x": 1}}"#;
+        assert_eq!(
+            body_key(&name, JSON, twice),
+            Err("JSON value /user/name".into())
+        );
+        assert_eq!(body_seen(&name, JSON, twice), ["victim"]);
+        // A name sent twice off the way does not matter.
+        assert_eq!(
+            body_key(&name, JSON, r#"{"x": 1, "x": 2, "user": {"name": "a"}}"#),
+            Ok("a".into())
+        );
+        // The items of an array at the pointer: `["bad"] == "bad"` in JavaScript.
+        assert_eq!(
+            body_seen(&u, JSON, r#"{"username": ["bad", 7, {"x": "no"}]}"#),
+            ["bad", "7"]
+        );
+        assert_eq!(body_seen(&u, JSON, r#"{"username": 1.0}"#), ["1"]);
+    }
+
+    #[test]
+    fn the_deny_list_sees_every_copy_of_a_body_part() {
+        let u = ["form:username"];
+        assert_eq!(
+            body_seen(&u, FORM, "username=victim&username[0]=%20me&x=1"),
+            ["victim", "me"]
+        );
+        // Under any `Content-Type` the request names.
+        let p = parts(
+            "/",
+            &[("content-type", "text/plain"), ("content-type", FORM)],
+        );
+        assert!(spec(&u).any_value_with_body(&p, Some(b"username=bad"), |v| v == "bad"));
+        // Not under another type, and not when the body was not read.
+        assert_eq!(
+            body_seen(&u, "text/plain", "username=bad"),
+            Vec::<String>::new()
+        );
+        let p = parts("/", &[("content-type", FORM)]);
+        assert!(!spec(&u).any_value_with_body(&p, None, |_| true));
+        assert!(!spec(&u).any_value(&p, |_| true));
+        // Next to other parts.
+        let p = parts("/?k=q", &[("content-type", JSON)]);
+        let mut seen = Vec::new();
+        spec(&["query:k", "json:/u"]).any_value_with_body(&p, Some(br#"{"u": "b"}"#), |v| {
+            seen.push(v.to_string());
+            false
+        });
+        assert_eq!(seen, ["q", "b"]);
+    }
+
+    #[test]
+    fn body_wanted_only_for_a_type_a_part_reads() {
+        let wanted = |spec_: &[&str], types: &[&str]| {
+            let h: Vec<_> = types.iter().map(|t| ("content-type", *t)).collect();
+            spec(spec_).body_wanted(&parts("/", &h).headers)
+        };
+        assert!(wanted(&["form:u"], &[FORM]));
+        assert!(wanted(&["ip", "json:/u"], &["application/ld+json"]));
+        assert!(wanted(&["form:u", "json:/u"], &[JSON]));
+        assert!(wanted(&["form:u"], &["text/plain", FORM]));
+        assert!(!wanted(&["form:u"], &[JSON]));
+        assert!(!wanted(&["form:u"], &[]));
+        assert!(!wanted(&["json:/u"], &["multipart/form-data; boundary=x"]));
+        assert!(!wanted(&["header:x", "query:u"], &[FORM]));
+    }
+
+    /// Body values with a byte outside printable ASCII, any copy, after trimming.
+    #[test]
+    fn unprintable_body_values() {
+        let which = |spec_: &[&str], ct: &str, body: &[u8]| {
+            spec(spec_)
+                .unprintable_with_body(&parts("/", &[("content-type", ct)]), Some(body))
+                .map(KeyPart::describe)
+        };
+        let f = ["ip", "form:u"];
+        assert_eq!(which(&f, FORM, b"u=%C2%A0k%09&x=%00"), None);
+        assert_eq!(which(&f, FORM, b"u=k%C2%A0k"), Some("form field u".into()));
+        assert_eq!(which(&f, FORM, b"u=k&u=k%00"), Some("form field u".into()));
+        assert_eq!(which(&f, FORM, b"u=caf%C3%A9"), Some("form field u".into()));
+        // Bytes that are not UTF-8 are replaced, so refused.
+        assert_eq!(which(&f, FORM, b"u=%FF"), Some("form field u".into()));
+        let j = ["json:/u"];
+        assert_eq!(which(&j, JSON, br#"{"u": " k\n", "x": "\u0000"}"#), None);
+        assert_eq!(
+            which(&j, JSON, br#"{"u": "k", "u": "k\u200b"}"#),
+            Some("JSON value /u".into())
+        );
+        assert_eq!(
+            which(&j, JSON, br#"{"u": ["k\u0007"]}"#),
+            Some("JSON value /u".into())
+        );
+        assert_eq!(which(&j, FORM, br#"{"u": "k\u0007"}"#), None);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! configuration (`Runtime`) is read through one `Arc` that a reload swaps whole.
 
 pub mod admit;
+pub mod body_key;
 pub mod path;
 pub mod refusal;
 pub mod route;
@@ -51,6 +52,11 @@ pub struct Runtime {
     pub deny: StaticDeny,
     pub rate_headers: RateHeaders,
     pub max_request_body: u64,
+    /// `server.max_key_body`: the most of a body read for a key in it (`body_key`).
+    pub max_key_body: u64,
+    /// `server.request_body_timeout`: the longest wait for more of a body read for a
+    /// key in it (`body_key`).
+    pub request_body_timeout: std::time::Duration,
     pub on_error: OnError,
     /// Counters for requests that match no route.
     pub unmatched: RouteMetrics,

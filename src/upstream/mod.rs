@@ -103,14 +103,15 @@ pub struct ClientBodyError {
 #[error("no progress within {0:?}")]
 struct BodyStalled(Duration);
 
-impl ClientBodyError {
-    fn new(source: BoxError) -> ClientBodyError {
+impl ClientFault {
+    /// How a client's request body (`ClientBody`) failed, from its error.
+    pub fn of(e: &BoxError) -> ClientFault {
         // A bad chunk or length comes as InvalidData/InvalidInput (or a hyper parse
         // error), a body cut short as UnexpectedEof or an incomplete message;
         // anything else (a reset, an h2 stream the client cancelled) is a client
         // that went away.
         let mut fault = ClientFault::Aborted;
-        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&*source);
+        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&**e);
         while let Some(s) = src {
             if let Some(io) = s.downcast_ref::<std::io::Error>() {
                 if matches!(
@@ -127,7 +128,16 @@ impl ClientBodyError {
             }
             src = s.source();
         }
-        ClientBodyError { fault, source }
+        fault
+    }
+}
+
+impl ClientBodyError {
+    fn new(source: BoxError) -> ClientBodyError {
+        ClientBodyError {
+            fault: ClientFault::of(&source),
+            source,
+        }
     }
 
     fn stalled(after: Duration) -> ClientBodyError {

@@ -73,9 +73,29 @@ fn typo_in_server_is_located() {
     assert_eq!(
         error("server:\n  listen: 0.0.0.0:8080\n  max_conections: 5\nroutes: []\n"),
         "rules.yaml:3:3: server: unknown field `max_conections`, expected one of `listen`, \
-         `request_header_timeout`, `max_request_body`, `shutdown_grace`, `max_connections`, \
-         `max_connections_per_ip`, `idle_timeout`, `send_timeout`, `request_body_timeout`, \
+         `request_header_timeout`, `max_request_body`, `max_key_body`, `shutdown_grace`, \
+         `max_connections`, `max_connections_per_ip`, `idle_timeout`, `send_timeout`, `request_body_timeout`, \
          `request_buffer`, `tunnel_idle_timeout`, `max_header_bytes`, `upgrades`, `tls`, `workers`"
+    );
+}
+
+#[test]
+fn max_key_body_is_above_0_and_at_most_1mib() {
+    assert_eq!(
+        errors("server:\n  max_key_body: 0\nroutes: []\n"),
+        ["rules.yaml:2:17: max_key_body must be greater than 0"]
+    );
+    assert_eq!(
+        errors("server:\n  max_key_body: 2MiB\nroutes: []\n"),
+        ["rules.yaml:2:17: max_key_body must be at most 1MiB, found 2097152 bytes"]
+    );
+    assert_eq!(
+        loads("server:\n  max_key_body: 1MiB\nroutes: []\n")
+            .file
+            .server
+            .max_key_body
+            .0,
+        1024 * 1024
     );
 }
 
@@ -180,8 +200,8 @@ routes:
     );
     assert_eq!(
         error("routes:\n  - name: a\n    respond: {}\n    key: {header: x}\n"),
-        "rules.yaml:4:10: routes[0].key: expected a key (ip, global, header:NAME, query:NAME or \
-         cookie:NAME) or a list of these, found a mapping"
+        "rules.yaml:4:10: routes[0].key: expected a key (ip, global, header:NAME, query:NAME, \
+         cookie:NAME, form:NAME or json:/POINTER) or a list of these, found a mapping"
     );
 }
 
@@ -885,8 +905,8 @@ fn key_parts_are_known() {
     let yaml = "routes:\n  - name: a\n    respond: {}\n    key: header-x\n";
     assert_eq!(
         error(yaml),
-        "rules.yaml:4:10: unknown key \"header-x\", expected ip, global, header:NAME, query:NAME \
-         or cookie:NAME"
+        "rules.yaml:4:10: unknown key \"header-x\", expected ip, global, header:NAME, query:NAME, \
+         cookie:NAME, form:NAME or json:/POINTER"
     );
 }
 
@@ -903,6 +923,28 @@ routes:
         [
             "rules.yaml:4:15: key \"cookie:\" needs a name after \"cookie:\"",
             "rules.yaml:4:26: key \"header:x api\": \"x api\" is not a valid HTTP header name",
+        ]
+    );
+}
+
+/// Body keys: a form field needs a name, a JSON value an RFC 6901 pointer.
+#[test]
+fn body_keys_name_a_field_or_a_json_pointer() {
+    let yaml = "\
+routes:
+  - name: a
+    respond: {}
+    key: ['form:', 'json:', 'json:user', 'json:/a~2b', 'form:username', 'json:/user/n~1a~0me']
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:4:11: key \"form:\" needs a name after \"form:\"",
+            "rules.yaml:4:20: key \"json:\" needs a JSON pointer after \"json:\", like json:/user/name",
+            "rules.yaml:4:29: key \"json:user\": \"user\" is not a JSON pointer (RFC 6901): it starts \
+             with \"/\", and a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")",
+            "rules.yaml:4:42: key \"json:/a~2b\": \"/a~2b\" is not a JSON pointer (RFC 6901): it \
+             starts with \"/\", and a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")",
         ]
     );
 }
@@ -964,7 +1006,7 @@ fn composite_key_is_not_empty() {
     assert_eq!(
         error(yaml),
         "rules.yaml:4:10: the key list must not be empty: expected one or more of ip, global, \
-         header:NAME, query:NAME, cookie:NAME"
+         header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER"
     );
 }
 

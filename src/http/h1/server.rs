@@ -31,12 +31,13 @@ use crate::http::h1::framing::{
 use crate::http::h1::request_body::{poll_read_buf, Decode, Inflow, RequestBody, Settled};
 use crate::http::wake::{Deadline, OnWake};
 
-/// A client's request body: none, read by sluice's HTTP/1 server, or hyper's
-/// (HTTP/2).
+/// A client's request body: none, read by sluice's HTTP/1 server, hyper's
+/// (HTTP/2), or one of these whose start the request path has read already.
 pub enum ClientBody {
     Empty,
     Own(RequestBody),
     Hyper(Incoming),
+    Read(Box<ReadBody>),
 }
 
 impl http_body::Body for ClientBody {
@@ -51,6 +52,7 @@ impl http_body::Body for ClientBody {
             ClientBody::Empty => Poll::Ready(None),
             ClientBody::Own(b) => Pin::new(b).poll_frame(cx),
             ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            ClientBody::Read(b) => Pin::new(&mut **b).poll_frame(cx),
         }
     }
 
@@ -59,6 +61,7 @@ impl http_body::Body for ClientBody {
             ClientBody::Empty => true,
             ClientBody::Own(b) => b.is_end_stream(),
             ClientBody::Hyper(b) => b.is_end_stream(),
+            ClientBody::Read(b) => b.is_end_stream(),
         }
     }
 
@@ -67,7 +70,90 @@ impl http_body::Body for ClientBody {
             ClientBody::Empty => http_body::SizeHint::with_exact(0),
             ClientBody::Own(b) => b.size_hint(),
             ClientBody::Hyper(b) => b.size_hint(),
+            ClientBody::Read(b) => b.size_hint(),
         }
+    }
+}
+
+/// A request body whose start was read before it is forwarded (for a key in it,
+/// `pipeline::body_key`): the bytes read, the trailers if it ended with some, then
+/// the rest as it comes. Until it is first asked for a frame it tells what the
+/// client's body told before any of it was read (not over, its size hint), so the
+/// upload keeps the client's framing: a `Content-Length` stays, a chunked body
+/// stays chunked (as the upstream's read-ahead does).
+pub struct ReadBody {
+    data: Bytes,
+    trailers: Option<HeaderMap>,
+    /// None: the body had ended.
+    rest: Option<ClientBody>,
+    hint: http_body::SizeHint,
+    /// A frame has been asked for.
+    started: bool,
+}
+
+impl ReadBody {
+    /// `data`, then `trailers`, then `rest` (None when the body has ended); `hint`
+    /// is the body's size hint before any of it was read.
+    pub fn new(
+        data: Bytes,
+        trailers: Option<HeaderMap>,
+        rest: Option<ClientBody>,
+        hint: http_body::SizeHint,
+    ) -> ReadBody {
+        ReadBody {
+            data,
+            trailers,
+            rest,
+            hint,
+            started: false,
+        }
+    }
+}
+
+impl http_body::Body for ReadBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        this.started = true;
+        if !this.data.is_empty() {
+            return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut this.data)))));
+        }
+        if let Some(t) = this.trailers.take() {
+            return Poll::Ready(Some(Ok(Frame::trailers(t))));
+        }
+        match &mut this.rest {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.started
+            && self.data.is_empty()
+            && self.trailers.is_none()
+            && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        if !self.started {
+            return self.hint;
+        }
+        let read = self.data.len() as u64;
+        let rest = self
+            .rest
+            .as_ref()
+            .map_or_else(|| http_body::SizeHint::with_exact(0), |r| r.size_hint());
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(rest.lower().saturating_add(read));
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper.saturating_add(read));
+        }
+        hint
     }
 }
 
