@@ -160,6 +160,8 @@ impl std::fmt::Display for KeyPart {
             KeyPart::Header(h) => write!(f, "header:{h}"),
             KeyPart::Query(q) => write!(f, "query:{q}"),
             KeyPart::Cookie(c) => write!(f, "cookie:{c}"),
+            KeyPart::Form(n) => write!(f, "form:{n}"),
+            KeyPart::Json(p) => write!(f, "json:{p}"),
         }
     }
 }

@@ -332,13 +332,38 @@ async fn pass<'a>(
     let line = &mut tally.line;
     deny_ip(ctx, route.map_or("unmatched", |i| &rt.routes[i].name), line)?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
+    // A key read from the body (`form:`, `json:`): the body is read first, up to
+    // `server.max_key_body`, and then forwarded unchanged.
+    let h = &parts.headers;
+    let wants_body =
+        route.key.body_wanted(h) || route.limit_keys.iter().any(|k| k.spec.body_wanted(h));
+    let (read, mut body) = (None::<Bytes>, body);
+    let read = if wants_body {
+        if content_length(h).is_some_and(|n| n > rt.max_request_body) {
+            return Err(Refusal::TooLarge(rt.max_request_body));
+        }
+        let timeout = rt.request_body_timeout;
+        match body_key::read(body, rt.max_key_body, timeout).await {
+            Ok(k) => {
+                body = k.body;
+                k.bytes
+            }
+            Err(fault) => {
+                count_client_fault(ctx.shared, &fault);
+                return Err(Refusal::Client(fault));
+            }
+        }
+    } else {
+        read
+    };
+    let bytes = read.as_deref();
     let route_key = (&route.key, route.ns.as_str(), route.fallback_ns.as_str());
-    let key = client_key(ctx, route, route_key, parts, line)?;
+    let key = client_key(ctx, route, route_key, parts, bytes, line)?;
     // The keys of limits that count another (none on most routes: no allocation).
     let mut others = Vec::new();
     for k in &route.limit_keys {
         let limit_key = (&k.spec, k.ns.as_str(), k.fallback_ns.as_str());
-        others.push(client_key(ctx, route, limit_key, parts, line)?);
+        others.push(client_key(ctx, route, limit_key, parts, bytes, line)?);
     }
     if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
@@ -398,6 +423,7 @@ fn client_key<'a, 'r>(
     route: &'r Route,
     (spec, ns, fallback_ns): (&'r KeySpec, &'r str, &'r str),
     parts: &'r http::request::Parts,
+    body: Option<&'r [u8]>,
     line: &mut Option<Box<Line>>,
 ) -> Result<(&'r str, ClientKey<'r>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
@@ -411,7 +437,12 @@ fn client_key<'a, 'r>(
     };
     // Every value of every key part, before any fallback: a denied key sent twice
     // (which makes it missing) is still denied.
-    if denied_key(rt, shared, |d| spec.any_value(parts, d), &mut log) {
+    if denied_key(
+        rt,
+        shared,
+        |d| spec.any_value_with_body(parts, body, d),
+        &mut log,
+    ) {
         return Err(Refusal::Denied(status));
     }
     // A value with a byte outside printable ASCII is refused whatever `missing_key`
@@ -419,13 +450,13 @@ fn client_key<'a, 'r>(
     // budget of its own). A found key is one copy of each part, so its own bytes
     // tell; a missing one (absent, or sent twice) has every copy looked at.
     let unprintable = || {
-        let part = spec.unprintable(parts);
+        let part = spec.unprintable_with_body(parts, body);
         Refusal::UnprintableKey(part.map_or_else(|| "the key".into(), |p| p.describe()))
     };
-    let (ns, key) = match spec.extract(parts, ctx.ip) {
+    let (ns, key) = match spec.extract_with_body(parts, ctx.ip, body) {
         Ok(k) if !crate::identity::printable_key(&k.value) => return Err(unprintable()),
         Ok(k) => (ns, k),
-        Err(_) if spec.unprintable(parts).is_some() => return Err(unprintable()),
+        Err(_) if spec.unprintable_with_body(parts, body).is_some() => return Err(unprintable()),
         Err(part) => match route.missing_key {
             MissingKey::Ip => (fallback_ns, ClientKey::new(ctx.ip.to_string())),
             MissingKey::Reject => return Err(Refusal::MissingKey(part.describe())),
@@ -788,6 +819,15 @@ fn strike(
     });
 }
 
+/// Counts a client's fault with its request body.
+fn count_client_fault(shared: &Shared, fault: &ClientFault) {
+    match fault {
+        ClientFault::Malformed => shared.metrics.client_body.inc(),
+        ClientFault::Aborted => shared.metrics.client_aborted.inc(),
+        ClientFault::Timeout => shared.metrics.client_timeout.inc(),
+    }
+}
+
 /// Counts a failed forward: the client's fault or the upstream's.
 fn forward_failed<'a>(shared: &Shared, route: &Route, e: ProxyError) -> Refusal<'a> {
     match &e {
@@ -796,9 +836,7 @@ fn forward_failed<'a>(shared: &Shared, route: &Route, e: ProxyError) -> Refusal<
         ProxyError::Reset(_) => route.metrics.upstream_reset.inc(),
         ProxyError::Busy => route.metrics.upstream_busy.inc(),
         ProxyError::TooLarge => {}
-        ProxyError::Client(ClientFault::Malformed) => shared.metrics.client_body.inc(),
-        ProxyError::Client(ClientFault::Aborted) => shared.metrics.client_aborted.inc(),
-        ProxyError::Client(ClientFault::Timeout) => shared.metrics.client_timeout.inc(),
+        ProxyError::Client(fault) => count_client_fault(shared, fault),
     }
     tracing::debug!(route = %route.name, error = %e, "forwarding failed");
     Refusal::from(e)

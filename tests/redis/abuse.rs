@@ -5,8 +5,6 @@
 //! says, a monthly quota per API key, and a limit on trial. The limiter's time is
 //! driven (frozen at ten seconds before a month ends), so every number is exact.
 
-use std::sync::Arc;
-
 use http::Method;
 
 use crate::common::redis::*;
@@ -65,13 +63,16 @@ async fn call(c: &HttpClient, gw: &Running, key: &str, tokens: u32) -> (u16, Opt
             &[("x-api-key", key), ("x-reply-header", &used)],
         )
         .await;
-    (r.status, r.header("retry-after").map(|v| v.parse().unwrap()))
+    (
+        r.status,
+        r.header("retry-after").map(|v| v.parse().unwrap()),
+    )
 }
 
 /// The whole story on `store` (a `store:` section, or "" for memory).
 async fn limits_that_fit_abuse(store: &str) {
     let up = upstream().await;
-    let clock = Arc::new(sluice::limit::ManualClock::new(NOW_US));
+    let clock = sluice::limit::ManualClock::new(NOW_US);
     let yaml = format!("{store}{}", CONFIG.replace("UP", &up.url()));
     let gw = crate::common::start_gateway_at(&yaml, clock).await;
     let c = http1();
@@ -91,7 +92,13 @@ async fn limits_that_fit_abuse(store: &str) {
 
     // One account from five addresses: four pass, the account's limit refuses.
     let mut got = Vec::new();
-    for ip in ["192.0.2.10", "192.0.2.11", "192.0.2.12", "192.0.2.13", "192.0.2.14"] {
+    for ip in [
+        "192.0.2.10",
+        "192.0.2.11",
+        "192.0.2.12",
+        "192.0.2.13",
+        "192.0.2.14",
+    ] {
         got.push(login(&c, &gw, ip, "bob", "200").await);
     }
     assert_eq!(got, [200, 200, 200, 200, 429]);
@@ -122,7 +129,13 @@ async fn limits_that_fit_abuse(store: &str) {
     }
     assert_eq!(
         got,
-        [(200, None), (200, None), (200, None), (200, None), (429, Some(10))]
+        [
+            (200, None),
+            (200, None),
+            (200, None),
+            (200, None),
+            (429, Some(10))
+        ]
     );
     assert_eq!(up.hits(), 19);
 
