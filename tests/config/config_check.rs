@@ -958,7 +958,7 @@ fn a_limit_key_is_read_like_the_route_key() {
         errors(&yaml),
         [
             "rules.yaml:9:19: key \"cookie:\" needs a name after \"cookie:\"",
-            "rules.yaml:9:30: unknown key \"body\", expected ip, global, header:NAME, query:NAME or cookie:NAME",
+            "rules.yaml:9:30: unknown key \"body\", expected ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER",
         ]
     );
 }
