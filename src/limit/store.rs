@@ -99,8 +99,14 @@ impl Store {
             Backend::Memory(m) => Ok(m.acquire(ns, key, plan)),
             Backend::Redis { redis, .. } => redis.acquire(ns, key, plan).await,
         };
-        match &v {
-            // Not a call: neither timed nor counted again.
+        self.observe(timer, &v);
+        v
+    }
+
+    /// Times a decision and counts a failed one. A call the open breaker skipped is
+    /// not a call: neither timed nor counted again.
+    fn observe(&self, timer: prometheus::HistogramTimer, v: &Result<Checked, StoreError>) {
+        match v {
             Err(StoreError::Open) => {
                 timer.stop_and_discard();
             }
@@ -110,9 +116,10 @@ impl Store {
                 }
                 timer.observe_duration();
             }
-            Ok(_) => timer.observe_duration(),
+            Ok(_) => {
+                timer.observe_duration();
+            }
         }
-        v
     }
 
     /// `check` for a request whose limits count several keys (`Share`): admitted
@@ -127,18 +134,7 @@ impl Store {
             Backend::Memory(m) => Ok(m.acquire_shares(shares, trial)),
             Backend::Redis { redis, .. } => redis.acquire_shares(shares, trial).await,
         };
-        match &v {
-            Err(StoreError::Open) => {
-                timer.stop_and_discard();
-            }
-            Err(_) => {
-                if let Some(errors) = &self.errors {
-                    errors.inc();
-                }
-                timer.observe_duration();
-            }
-            Ok(_) => timer.observe_duration(),
-        }
+        self.observe(timer, &v);
         v
     }
 
