@@ -1047,34 +1047,12 @@ impl Shard {
 
     fn decide(&mut self, i: u32, plan: &Plan, now: u64, held: &[State]) -> Verdict {
         let e = self.entry(i);
-        let concurrency = |k: usize| plan.limits[k].algorithm.is_concurrency();
-        if e.def == SPILLED {
-            let slots = &self.spilled[e.w[0] as usize];
-            let verdict = judge(plan, now, |k| {
-                let id = plan.limits[k].id;
-                if concurrency(k) {
-                    &held[k]
-                } else {
-                    slots
-                        .iter()
-                        .find(|s| s.id == id)
-                        .map_or(&EMPTY, |s| &s.state)
-                }
-            });
-            if verdict.allowed {
-                self.charge(i, plan, now);
-            }
-            return verdict;
-        }
-        let (id, state) = match self.defs.get(e.def as usize) {
-            Some(def) => (Some(def.id), decode(&def.algorithm, &e.w)),
-            None => (None, State::Empty),
-        };
         // One limit, the entry's: deciding is charging (a refused request changes
         // nothing), in one evaluation.
-        if let [limit] = &plan.limits[..] {
-            if limit.stateful_at_admission() && id.is_none_or(|id| id == limit.id) {
-                let mut state = state;
+        if let ([limit], false) = (&plan.limits[..], e.def == SPILLED) {
+            let def = self.defs.get(e.def as usize);
+            if limit.stateful_at_admission() && def.is_none_or(|d| d.id == limit.id) {
+                let mut state = def.map_or(State::Empty, |d| decode(&d.algorithm, &e.w));
                 let outcome =
                     limit
                         .algorithm
@@ -1085,22 +1063,13 @@ impl Shard {
                 return Verdict::on_trial(vec![outcome], plan.on_trial());
             }
         }
-        let verdict = judge(plan, now, |k| {
-            if concurrency(k) {
-                &held[k]
-            } else if id == Some(plan.limits[k].id) {
-                &state
-            } else {
-                &EMPTY
-            }
-        });
+        let verdict = self.judge(i, plan, now, held);
         if verdict.allowed {
             self.charge(i, plan, now);
         }
         verdict
     }
 
-    /// Charges the request to every limit of `plan` (after all of them admitted).
     /// Charges entry `i` for an admitted request (`Charge::Admission` limits), or, with
     /// `from_response`, what a response said (every limit of `plan`, whatever is
     /// left: `Algorithm::charge_anyway`).

@@ -187,26 +187,18 @@ impl Store {
 
     /// `fallback` for a request whose limits count several keys.
     pub fn fallback_shares(&self, shares: &[Share<'_>], trial: u64) -> Option<Checked> {
-        match &self.backend {
-            Backend::Memory(_) => None,
-            Backend::Redis {
-                fallback,
-                fallback_max_keys,
-                evictions,
-                ..
-            } => {
-                let m = fallback.get_or_init(|| {
-                    MemoryStore::new(*fallback_max_keys, SystemClock::new())
-                        .with_evictions(evictions.clone())
-                });
-                Some(m.acquire_shares(shares, trial))
-            }
-        }
+        self.fallback_store()
+            .map(|m| m.acquire_shares(shares, trial))
     }
 
     /// Decide in this instance's memory while the shared store is unreachable
     /// (`on_error: local`). None for the memory store, which cannot fail.
     pub fn fallback(&self, ns: &str, key: &str, plan: &Plan) -> Option<Checked> {
+        self.fallback_store().map(|m| m.acquire(ns, key, plan))
+    }
+
+    /// The Redis store's in-process fallback, created on first use.
+    fn fallback_store(&self) -> Option<&MemoryStore> {
         match &self.backend {
             Backend::Memory(_) => None,
             Backend::Redis {
@@ -214,13 +206,10 @@ impl Store {
                 fallback_max_keys,
                 evictions,
                 ..
-            } => {
-                let m = fallback.get_or_init(|| {
-                    MemoryStore::new(*fallback_max_keys, SystemClock::new())
-                        .with_evictions(evictions.clone())
-                });
-                Some(m.acquire(ns, key, plan))
-            }
+            } => Some(fallback.get_or_init(|| {
+                MemoryStore::new(*fallback_max_keys, SystemClock::new())
+                    .with_evictions(evictions.clone())
+            })),
         }
     }
 
