@@ -214,16 +214,28 @@ fn main() -> ExitCode {
     }
 }
 
+/// The log on stderr: `SLUICE_LOG` filters every line; the access log's lines
+/// (`sluice::access`) are written as they are, every other line in `format`.
 fn init_logging(format: LogFormat) {
+    use sluice::telemetry::access_log::{AccessLayer, TARGET};
+    use tracing_subscriber::filter::filter_fn;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
     let filter = EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let not_access = filter_fn(|m| m.target() != TARGET);
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    let fmt = match format {
+        LogFormat::Text => fmt.with_filter(not_access).boxed(),
+        LogFormat::Json => fmt.json().with_filter(not_access).boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(AccessLayer)
+        .init();
 }
 
 fn check(path: PathBuf) -> ExitCode {

@@ -29,6 +29,7 @@ use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
 use crate::pipeline::{
     Action, BanRule, LaterLimit, LimitKey, Limits, Route, Runtime, ShareDef, Tier,
 };
+use crate::telemetry::access_log::{AccessLog, Format};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::{BuildError, Upstream, UpstreamOpts};
 
@@ -114,6 +115,13 @@ pub fn compile(
         max_key_body: f.server.max_key_body.0,
         request_body_timeout: f.server.request_body_timeout.get(),
         on_error: f.store.on_error,
+        access: f.access_log.as_ref().map(|a| {
+            let format = match a.format {
+                schema::AccessFormat::Json => Format::Json,
+                schema::AccessFormat::Combined => Format::Combined,
+            };
+            AccessLog::new(format, a.sample, metrics.access_logs_dropped.clone())
+        }),
         unmatched: metrics.unmatched(),
         hash: loaded.hash.clone(),
         // An empty token (`${VAR:-}`) is no token; validation allows that only on loopback.

@@ -37,8 +37,36 @@ pub struct File {
     /// Keys and addresses refused on every route.
     #[serde(default)]
     pub deny: Deny,
+    /// One line per request on stderr (target `sluice::access`); off when absent.
+    #[serde(default)]
+    pub access_log: Option<AccessLogConfig>,
     /// Routes in order; the first that matches a request takes it.
     pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLogConfig {
+    /// `json` (one object per line) or `combined` (nginx's, with sluice's fields
+    /// after it).
+    #[serde(default)]
+    pub format: AccessFormat,
+    /// The share of forwarded requests logged, 0 to 1; refused requests are always
+    /// logged (within a budget of lines a second).
+    #[serde(default = "one")]
+    pub sample: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AccessFormat {
+    #[default]
+    Json,
+    Combined,
 }
 
 fn default_header_families() -> Vec<HeaderFamily> {

@@ -67,6 +67,19 @@ pub fn summary(loaded: &Loaded) -> String {
         _ => format!("memory, max_keys {max_keys}"),
     };
     line(&mut out, format!("store   {store}"));
+    if let Some(a) = &f.access_log {
+        let format = match a.format {
+            super::schema::AccessFormat::Json => "json",
+            super::schema::AccessFormat::Combined => "combined",
+        };
+        line(
+            &mut out,
+            format!(
+                "access  {format} on stderr, {}% of forwarded requests, every refusal (10 lines/s)",
+                a.sample * 100.0
+            ),
+        );
+    }
 
     for (name, up) in &f.upstreams {
         let targets: Vec<&str> = up.targets.iter().map(|t| t.as_str()).collect();

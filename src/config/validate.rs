@@ -32,6 +32,7 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     };
     c.server(file);
     c.admin(file);
+    c.access_log(file);
     c.store(file);
     c.upstreams(file);
     c.deny(file);
@@ -407,6 +408,20 @@ impl Checker<'_> {
 // === impl Checker: sections ===
 
 impl Checker<'_> {
+    fn access_log(&mut self, f: &File) {
+        if let Some(a) = &f.access_log {
+            if !(0.0..=1.0).contains(&a.sample) {
+                self.at(
+                    "access_log.sample",
+                    format!(
+                        "sample is the share of forwarded requests logged, from 0 to 1, found {}",
+                        a.sample
+                    ),
+                );
+            }
+        }
+    }
+
     fn server(&mut self, file: &File) {
         let s = &file.server;
         self.timeout(

@@ -120,6 +120,14 @@ pub fn connect_refused() -> Response<Body> {
 /// has gone to the client), before the guard is dropped.
 pub trait OnFail {
     fn failed(&mut self, e: &BoxError);
+
+    /// `bytes` of the body went out (told only while `counts_bytes`).
+    fn sent(&mut self, _bytes: usize) {}
+
+    /// Whether the guard wants `sent` (the access log's byte count).
+    fn counts_bytes(&self) -> bool {
+        false
+    }
 }
 
 /// A response body that holds `guard` until the body has ended (its last frame was
@@ -157,7 +165,16 @@ impl<G: OnFail + Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
                 }
             }
             Poll::Ready(None) => this.guard = None,
-            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.guard = None,
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(guard), Some(data)) = (this.guard.as_mut(), frame.data_ref()) {
+                    if guard.counts_bytes() {
+                        guard.sent(data.len());
+                    }
+                }
+                if this.body.is_end_stream() {
+                    this.guard = None;
+                }
+            }
             _ => {}
         }
         polled

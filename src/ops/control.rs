@@ -346,7 +346,16 @@ impl Control {
             );
         }
         let hash = rt.hash.clone();
+        let old = self.shared.runtime.load();
+        let built: Vec<_> = rt
+            .upstreams
+            .values()
+            .filter(|up| !old.upstreams.values().any(|o| Arc::ptr_eq(o, up)))
+            .cloned()
+            .collect();
+        drop(old);
         self.shared.runtime.store(Arc::new(rt));
+        crate::upstream::warn_absent(built);
         m.config_reloads.with_label_values(&["success"]).inc();
         m.config_last_reload_success.set(1);
         let now = now_ms();

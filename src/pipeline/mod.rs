@@ -37,6 +37,7 @@ use crate::http::wake::Deadline;
 
 use crate::identity::{ClientKey, KeySpec, MissingKey, TrustedProxies};
 use crate::limit::{Charge, Checked, MemoryStore, OnError, Permit, Plan, Share, Store, Verdict};
+use crate::telemetry::access_log::{self, AccessLog};
 use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
 use crate::telemetry::refusal_log::{Line, RefusalLog, What};
 use crate::upstream::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
@@ -58,6 +59,8 @@ pub struct Runtime {
     /// key in it (`body_key`).
     pub request_body_timeout: std::time::Duration,
     pub on_error: OnError,
+    /// `access_log:`, when on.
+    pub access: Option<AccessLog>,
     /// Counters for requests that match no route.
     pub unmatched: RouteMetrics,
     /// SHA-1 of the configuration file this was compiled from.
@@ -270,15 +273,39 @@ async fn process(
         peer,
         unread_body,
     };
+    // What the combined access log writes of the request's fields: read before they
+    // are forwarded.
+    let client_fields = rt
+        .access
+        .as_ref()
+        .and_then(|a| a.client_fields(&parts.headers));
+    let mut refused = false;
     let resp = match pass(&ctx, head, route, parts, body, &mut tally, plain).await {
         Ok(resp) => resp,
         Err(refusal) => {
             if let Some(d) = refusal.decision() {
                 tally.decision = d;
+                refused = true;
             }
             refusal.respond(unread_body)
         }
     };
+    if let Some(access) = &rt.access {
+        if let Some(dropped) = access.keep(refused, crate::deny::now_ms()) {
+            let (p, status) = (&*parts, resp.status().as_u16());
+            let mut entry = access.entry(
+                &p.method,
+                p.uri.path(),
+                p.version,
+                client_fields,
+                ip,
+                status,
+                dropped,
+            );
+            entry.upstream_status = tally.upstream_status;
+            tally.access = Some(entry);
+        }
+    }
     if let Some(line) = tally.line.take() {
         line.write(parts.method.as_str(), parts.uri.path());
     }
@@ -381,7 +408,10 @@ async fn pass<'a>(
     {
         raw = None;
     }
-    let mut resp = act(ctx, route, parts, body, timer, raw).await?;
+    let mut resp = act(ctx, route, parts, body, timer, raw, &mut tally.target).await?;
+    if matches!(route.action, Action::Upstream(_)) {
+        tally.upstream_status = Some(resp.status().as_u16());
+    }
     if let Some(later) = later {
         charge_from_response(ctx.shared, later, &resp);
     }
@@ -409,7 +439,7 @@ fn deny_ip<'a>(
             status: status.as_u16(),
             deny: "ip",
         };
-        *line = ctx.shared.refusals.line(route, ctx.ip, what);
+        *line = ctx.shared.refusals.line(route, ctx.ip, ctx.ip, what);
         return Err(Refusal::Denied(status));
     }
     Ok(())
@@ -433,7 +463,7 @@ fn client_key<'a, 'r>(
             status: status.as_u16(),
             deny: "key",
         };
-        *line = shared.refusals.line(&route.name, key, what);
+        *line = shared.refusals.line(&route.name, key, ctx.ip, what);
     };
     // Every value of every key part, before any fallback: a denied key sent twice
     // (which makes it missing) is still denied.
@@ -523,9 +553,10 @@ async fn limits<'a>(
             tracing::debug!(route = %route.name, error = %e, "limiter store failed");
             match rt.on_error {
                 OnError::Deny => {
-                    tally.line = shared
-                        .refusals
-                        .line(&route.name, &key.value, What::StoreDown);
+                    tally.line =
+                        shared
+                            .refusals
+                            .line(&route.name, &key.value, ctx.ip, What::StoreDown);
                     return Err(Refusal::StoreDown);
                 }
                 OnError::Allow => (None, true),
@@ -584,7 +615,12 @@ async fn limits<'a>(
             limit,
             retry_after: crate::pipeline::refusal::retry_after_secs(retry_us),
         };
-        tally.line = shared.refusals.line(&route.name, &key_at(k).1.value, what);
+        tally.line = shared
+            .refusals
+            .line(&route.name, &key_at(k).1.value, ctx.ip, what);
+        if rt.access.is_some() {
+            tally.limit = Some(limit.into());
+        }
         return Err(Refusal::Limited(Box::new(Limited {
             route: &route.name,
             plan: &tier.plan,
@@ -677,6 +713,7 @@ async fn act<'a>(
     body: ClientBody,
     timer: Option<Pin<&mut Deadline>>,
     raw: Option<&mut Option<RawFields>>,
+    target: &mut Option<usize>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     match &route.action {
         Action::Respond {
@@ -701,9 +738,11 @@ async fn act<'a>(
                 trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,
             };
-            up.forward(parts, body, &origin, ctx.rt.max_request_body, timer, raw)
+            let t = up.pick();
+            *target = Some(t);
+            up.forward(t, parts, body, &origin, ctx.rt.max_request_body, timer, raw)
                 .await
-                .map_err(|e| forward_failed(ctx.shared, route, e))
+                .map_err(|e| forward_failed(ctx.shared, route, (up, t), e))
         }
     }
 }
@@ -720,6 +759,16 @@ struct Tally {
     /// The refusal's log line, written once the request's method and path are at
     /// hand again (`process`).
     line: Option<Box<Line>>,
+    /// The upstream target the request went to (`Upstream::pick`).
+    target: Option<usize>,
+    /// The upstream's status, when the answer is the upstream's.
+    upstream_status: Option<u16>,
+    /// The limit that refused (kept only when the access log is on).
+    limit: Option<Box<str>>,
+    /// The access log's line, finished and written when the request ends.
+    access: Option<Box<access_log::Entry>>,
+    /// Body bytes sent to the client (counted only when `access` is kept).
+    bytes: u64,
 }
 
 impl Tally {
@@ -731,6 +780,20 @@ impl Tally {
             decision: Decision::Allowed,
             permit: Permit::None,
             line: None,
+            target: None,
+            upstream_status: None,
+            limit: None,
+            access: None,
+            bytes: 0,
+        }
+    }
+
+    /// The upstream the request went to, and the target's number.
+    fn upstream(&self) -> Option<(&Upstream, usize)> {
+        let route = &self.rt.routes[self.route?];
+        match (&route.action, self.target) {
+            (Action::Upstream(up), Some(t)) => Some((up, t)),
+            _ => None,
         }
     }
 }
@@ -749,7 +812,20 @@ impl body::OnFail for Tally {
             None => return,
         };
         counter.inc();
-        tracing::debug!(route = %route.name, error = %e, "upstream response body failed");
+        if let Some((up, t)) = self.upstream() {
+            if let Some(dropped) = up.failure_line(t) {
+                let target = up.target_addr(t);
+                tracing::warn!(route = %route.name, upstream = %up.name, target, dropped, error = %e, "upstream response body failed");
+            }
+        }
+    }
+
+    fn sent(&mut self, bytes: usize) {
+        self.bytes += bytes as u64;
+    }
+
+    fn counts_bytes(&self) -> bool {
+        self.access.is_some()
     }
 }
 
@@ -760,9 +836,21 @@ impl Drop for Tally {
             None => &self.rt.unmatched,
         };
         metrics.count(self.decision);
-        metrics
-            .duration
-            .observe(self.started.elapsed().as_secs_f64());
+        let elapsed = self.started.elapsed();
+        metrics.duration.observe(elapsed.as_secs_f64());
+        if let Some(entry) = &self.access {
+            let route = self.route.map(|i| &self.rt.routes[i]);
+            let limit = self.limit.as_deref();
+            entry.write(&access_log::End {
+                at_ms: crate::deny::now_ms(),
+                route: route.map_or("unmatched", |r| r.name.as_str()),
+                decision: self.decision.as_str(),
+                limit,
+                upstream: self.upstream().map(|(up, t)| up.target_addr(t)),
+                duration: elapsed,
+                bytes: self.bytes,
+            });
+        }
     }
 }
 
@@ -828,16 +916,38 @@ fn count_client_fault(shared: &Shared, fault: &ClientFault) {
     }
 }
 
-/// Counts a failed forward: the client's fault or the upstream's.
-fn forward_failed<'a>(shared: &Shared, route: &Route, e: ProxyError) -> Refusal<'a> {
-    match &e {
-        ProxyError::Connect(_) => route.metrics.upstream_connect.inc(),
-        ProxyError::Timeout => route.metrics.upstream_timeout.inc(),
-        ProxyError::Reset(_) => route.metrics.upstream_reset.inc(),
-        ProxyError::Busy => route.metrics.upstream_busy.inc(),
-        ProxyError::TooLarge => {}
-        ProxyError::Client(fault) => count_client_fault(shared, fault),
+/// Counts a failed forward: the client's fault or the upstream's. The upstream's
+/// (connect, timeout, reset or a malformed answer) is logged at WARN with the target,
+/// a few lines a second per target (`Upstream::failure_line`).
+fn forward_failed<'a>(
+    shared: &Shared,
+    route: &Route,
+    (up, t): (&Upstream, usize),
+    e: ProxyError,
+) -> Refusal<'a> {
+    let upstream_fault = match &e {
+        ProxyError::Connect(_) => Some(&route.metrics.upstream_connect),
+        ProxyError::Timeout => Some(&route.metrics.upstream_timeout),
+        ProxyError::Reset(_) => Some(&route.metrics.upstream_reset),
+        ProxyError::Busy => {
+            route.metrics.upstream_busy.inc();
+            None
+        }
+        ProxyError::TooLarge => None,
+        ProxyError::Client(fault) => {
+            count_client_fault(shared, fault);
+            None
+        }
+    };
+    match upstream_fault {
+        Some(counter) => {
+            counter.inc();
+            if let Some(dropped) = up.failure_line(t) {
+                let target = up.target_addr(t);
+                tracing::warn!(route = %route.name, upstream = %up.name, target, dropped, error = %e, "forwarding failed");
+            }
+        }
+        None => tracing::debug!(route = %route.name, error = %e, "forwarding failed"),
     }
-    tracing::debug!(route = %route.name, error = %e, "forwarding failed");
     Refusal::from(e)
 }

@@ -123,6 +123,7 @@ pub async fn start_at(loaded: Loaded, clock: Arc<dyn Clock>) -> Result<Running, 
 async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let runtime = compile(&loaded, &metrics, None)?;
+    crate::upstream::warn_absent(runtime.upstreams.values().cloned().collect());
     let f = &loaded.file;
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let max_keys = f.store.memory.max_keys.get();

@@ -49,6 +49,8 @@ pub struct Metrics {
     pub build_info: IntGaugeVec,
     /// Refusal log lines not written, over the per-second budget.
     pub refusal_logs_dropped: IntCounter,
+    /// Access log lines of refused requests not written, over the per-second budget.
+    pub access_logs_dropped: IntCounter,
 }
 
 impl Metrics {
@@ -163,6 +165,11 @@ impl Metrics {
             "Refusal log lines not written because a second's budget was spent.",
         )
         .expect("metric definition");
+        let access_logs_dropped = IntCounter::new(
+            "sluice_access_logs_dropped_total",
+            "Access log lines of refused requests not written because a second's budget was spent.",
+        )
+        .expect("metric definition");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(request_duration.clone()),
@@ -180,6 +187,7 @@ impl Metrics {
             Box::new(deny_evictions.clone()),
             Box::new(build_info.clone()),
             Box::new(refusal_logs_dropped.clone()),
+            Box::new(access_logs_dropped.clone()),
         ] {
             registry.register(c).expect("metric registered once");
         }
@@ -220,6 +228,7 @@ impl Metrics {
             deny_evictions,
             build_info,
             refusal_logs_dropped,
+            access_logs_dropped,
         }
     }
 

@@ -1,4 +1,58 @@
-//! What sluice tells operators: Prometheus metrics and the refusal log.
+//! What sluice tells operators: Prometheus metrics, the refusal log and the access
+//! log, and the UTC times they write.
 
+pub mod access_log;
 pub mod metrics;
 pub mod refusal_log;
+
+/// A moment in UTC, from milliseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Civil {
+    pub year: i64,
+    /// 1 to 12.
+    pub month: u32,
+    pub day: u32,
+    pub hour: u32,
+    pub minute: u32,
+    pub second: u32,
+    pub milli: u32,
+}
+
+impl Civil {
+    pub fn from_ms(ms: u64) -> Civil {
+        let secs = ms / 1000;
+        let (days, rem) = (secs / 86_400, secs % 86_400);
+        // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+        let z = days as i64 + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let day = doy - (153 * mp + 2) / 5 + 1;
+        let month = if mp < 10 { mp + 3 } else { mp - 9 };
+        let year = yoe + era * 400 + i64::from(month <= 2);
+        Civil {
+            year,
+            month: month as u32,
+            day: day as u32,
+            hour: (rem / 3600) as u32,
+            minute: (rem % 3600 / 60) as u32,
+            second: (rem % 60) as u32,
+            milli: (ms % 1000) as u32,
+        }
+    }
+}
+
+/// `2026-11-21T22:10:00Z` (`.123` added when the milliseconds are not zero).
+pub fn rfc3339(ms: u64) -> String {
+    let c = Civil::from_ms(ms);
+    let frac = match c.milli {
+        0 => String::new(),
+        f => format!(".{f:03}"),
+    };
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}{frac}Z",
+        c.year, c.month, c.day, c.hour, c.minute, c.second
+    )
+}

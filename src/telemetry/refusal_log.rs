@@ -2,13 +2,16 @@
 //! list's status) or refused because the store is down (`on_error: deny`, 503). Info
 //! level, target `sluice::refusal`, so `SLUICE_LOG=info,sluice::refusal=off` turns
 //! them off. The key is never written: a short hash of it stands in, the same on
-//! every instance, so one client's lines can be followed across a fleet.
+//! every instance, so one client's lines can be followed across a fleet. The
+//! client's address is written as it is (`ip`), so the operator reading a line can
+//! deny the address they read.
 //!
 //! A flood of refusals must not fill the disk: at most `LINES_PER_SECOND` lines are
 //! written each second (per process); the rest are counted, in
 //! `sluice_refusal_logs_dropped_total` and in the `dropped` field of the next line
 //! written.
 
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
@@ -46,12 +49,14 @@ impl RefusalLog {
         &self,
         route: &str,
         key: impl std::fmt::Display,
+        ip: IpAddr,
         what: What<&str>,
     ) -> Option<Box<Line>> {
         let dropped = self.admit()?;
         Some(Box::new(Line {
             route: route.to_string(),
             key_hash: KeyHash(key).to_string(),
+            ip,
             what: what.owned(),
             dropped,
         }))
@@ -102,6 +107,7 @@ impl What<&str> {
 pub struct Line {
     route: String,
     key_hash: String,
+    ip: IpAddr,
     what: What,
     dropped: u64,
 }
@@ -120,6 +126,7 @@ impl Line {
         let path = &path[..end];
         let (route, key_hash, dropped) =
             (self.route.as_str(), self.key_hash.as_str(), self.dropped);
+        let ip = crate::identity::canonical(self.ip);
         match &self.what {
             What::Limited { limit, retry_after } => tracing::info!(
                 target: TARGET,
@@ -129,6 +136,7 @@ impl Line {
                 method,
                 path,
                 key_hash = %key_hash,
+                ip = %ip,
                 limit = limit.as_str(),
                 retry_after,
                 dropped,
@@ -142,6 +150,7 @@ impl Line {
                 method,
                 path,
                 key_hash = %key_hash,
+                ip = %ip,
                 deny,
                 dropped,
                 "request refused"
@@ -154,6 +163,7 @@ impl Line {
                 method,
                 path,
                 key_hash = %key_hash,
+                ip = %ip,
                 dropped,
                 "request refused"
             ),
@@ -164,7 +174,7 @@ impl Line {
 /// At most `per_second` admissions in each whole second, and the count of those
 /// refused since the last admission. The second and its count share one atomic
 /// word, so the limit is exact under any number of threads.
-struct Budget {
+pub struct Budget {
     per_second: u64,
     /// The second (high 40 bits) and the admissions in it (low 24 bits).
     state: AtomicU64,
@@ -175,7 +185,7 @@ const COUNT_BITS: u32 = 24;
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 
 impl Budget {
-    fn new(per_second: u64) -> Budget {
+    pub fn new(per_second: u64) -> Budget {
         Budget {
             per_second: per_second.min(COUNT_MASK),
             state: AtomicU64::new(0),
@@ -184,7 +194,7 @@ impl Budget {
     }
 
     /// At `second`: `Some(dropped since the last admission)`, or `None`, counted.
-    fn admit(&self, second: u64) -> Option<u64> {
+    pub fn admit(&self, second: u64) -> Option<u64> {
         let mut cur = self.state.load(Relaxed);
         loop {
             let (at, used) = (cur >> COUNT_BITS, cur & COUNT_MASK);

@@ -31,6 +31,7 @@ use crate::http::h1::client::{
 use crate::http::h1::framing::{items, lists, te_lists_trailers};
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
+use crate::telemetry::refusal_log::Budget;
 use crate::upstream::pool::{Exchanged, Pool, ReadTimeout, SendError};
 
 /// A kept upstream connection idle longer than this is closed.
@@ -224,7 +225,13 @@ struct Target {
     scheme: Scheme,
     authority: Authority,
     pool: Arc<Pool>,
+    /// Failure lines written about this target, at most `FAILURE_LINES` a second.
+    failures: Budget,
 }
+
+/// Lines a second, at most, about one target's failures (the rest are counted in
+/// the next line's `dropped`, and all of them in `sluice_upstream_errors_total`).
+pub const FAILURE_LINES: u64 = 3;
 
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -393,6 +400,7 @@ impl Upstream {
                     scheme,
                     authority,
                     pool: Arc::new(Pool::new(connector, POOL_IDLE_TIMEOUT, o.read_timeout)),
+                    failures: Budget::new(FAILURE_LINES),
                 })
             })
             .collect::<Result<Vec<_>, BuildError>>()?;
@@ -431,12 +439,39 @@ impl Upstream {
         HeaderValue::from_str(&offered.join(", ")).ok()
     }
 
-    fn pick(&self) -> &Target {
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
-        &self.targets[i % self.targets.len()]
+    /// The next target in turn (round robin): its number, for `forward`.
+    pub fn pick(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % self.targets.len()
     }
 
-    /// Forward `req` to the next target and return its answer with a streaming body.
+    /// Target number `t`'s address as written (`host:port`), as logs name it.
+    pub fn target_addr(&self, t: usize) -> &str {
+        self.targets[t % self.targets.len()].authority.as_str()
+    }
+
+    /// Whether a line about a failure of target `t` may be written now (a few a
+    /// second per target): `Some(lines dropped since the last one written)`.
+    pub fn failure_line(&self, t: usize) -> Option<u64> {
+        let second = crate::deny::now_ms() / 1000;
+        self.targets[t % self.targets.len()].failures.admit(second)
+    }
+
+    /// One connection attempt to every target (no retries, within the connect
+    /// timeout, the TLS handshake included): the targets that failed, with why.
+    /// At startup and after a reload, so an upstream nothing listens on is logged at
+    /// once rather than found by the first request.
+    pub async fn probe(&self) -> Vec<(String, BoxError)> {
+        let mut failed = Vec::new();
+        for t in &self.targets {
+            if let Err(e) = t.pool.probe().await {
+                failed.push((format!("{}://{}", t.scheme, t.authority), e));
+            }
+        }
+        failed
+    }
+
+    /// Forward `req` to target number `target` (`pick`) and return its answer with a
+    /// streaming body.
     /// The upstream's answer to `sent`, within `timeout`: counted from the end of the
     /// request body (`sending` reports its progress), and while the body is being sent,
     /// from its last progress. A slow but steady upload is no upstream timeout; an
@@ -485,8 +520,10 @@ impl Upstream {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn forward(
         &self,
+        target: usize,
         parts: &mut http::request::Parts,
         body: ClientBody,
         origin: &Origin<'_>,
@@ -494,7 +531,7 @@ impl Upstream {
         timer: Option<Pin<&mut Deadline>>,
         raw: Option<&mut Option<RawFields>>,
     ) -> Result<Response<Body>, ProxyError> {
-        let target = self.pick();
+        let target = &self.targets[target % self.targets.len()];
         // Only listed protocols are spliced: any other `Upgrade` (h2c above all,
         // whose tunnel would carry requests past every route and limit) is dropped
         // with the hop-by-hop headers and the request forwarded as a plain one.
@@ -659,6 +696,27 @@ impl Upstream {
         }
         Ok(Response::from_parts(parts, body.boxed()))
     }
+}
+
+/// Probes `upstreams` in a task of their own (`Upstream::probe`) and logs one WARN
+/// per target that takes no connection: at startup, and for the upstreams a reload
+/// built anew (an unchanged upstream is not probed again).
+pub fn warn_absent(upstreams: Vec<Arc<Upstream>>) {
+    if upstreams.is_empty() {
+        return;
+    }
+    tokio::spawn(async move {
+        for up in upstreams {
+            for (target, error) in up.probe().await {
+                tracing::warn!(
+                    upstream = %up.name,
+                    target,
+                    %error,
+                    "upstream target takes no connection: requests routed to it will get 502 until it does"
+                );
+            }
+        }
+    });
 }
 
 /// No answer from the upstream within its `timeout`.

@@ -193,6 +193,12 @@ impl Pool {
     /// not thrown away: it goes to the pool once open. (Dropping it made the pool
     /// stay smaller than the requests in flight, so a steady load kept opening and
     /// closing connections.)
+    /// One connection opened and dropped (within the connect timeout, outside the
+    /// cap): whether the target takes connections at all.
+    pub async fn probe(&self) -> Result<(), BoxError> {
+        self.connector.probe().await
+    }
+
     async fn connect_or_wait(self: &Arc<Self>) -> Result<(Conn, bool), SendError> {
         let mut given = self.wait_for_one();
         let pool = self.clone();

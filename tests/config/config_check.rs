@@ -100,6 +100,28 @@ fn max_key_body_is_above_0_and_at_most_1mib() {
 }
 
 #[test]
+fn access_log_sample_is_a_share_and_its_format_one_of_two() {
+    assert_eq!(
+        errors("access_log:\n  sample: 1.5\nroutes: []\n"),
+        ["rules.yaml:2:11: sample is the share of forwarded requests logged, from 0 to 1, found 1.5"]
+    );
+    let e = error("access_log: {format: apache}\nroutes: []\n");
+    assert!(
+        e.starts_with("rules.yaml:1:22: ") && e.contains("json") && e.contains("combined"),
+        "{e}"
+    );
+    let on = loads("access_log: {}\nroutes: []\n")
+        .file
+        .access_log
+        .unwrap();
+    assert_eq!(
+        (on.format, on.sample),
+        (sluice::config::schema::AccessFormat::Json, 1.0)
+    );
+    assert!(loads("routes: []\n").file.access_log.is_none());
+}
+
+#[test]
 fn typo_in_store_is_located() {
     assert_eq!(
         error("store:\n  backend: memory\n  memroy: {max_keys: 5}\nroutes: []\n"),

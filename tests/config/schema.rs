@@ -84,6 +84,7 @@ fn the_schema_knows_every_section_and_refuses_what_it_does_not_know() {
     assert_eq!(
         top,
         [
+            "access_log",
             "admin",
             "client_ip",
             "deny",

@@ -1,10 +1,11 @@
 //! The request path in process: the gateway's decisions on both stores, the
 //! `concurrency` algorithm and its faults, limiter state across a reload, and the
-//! refusal log.
+//! refusal log and the access log.
 
 #[path = "../common/mod.rs"]
 mod common;
 
+mod access_log;
 mod concurrency;
 mod concurrency_faults;
 mod gateway;

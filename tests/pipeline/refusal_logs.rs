@@ -50,13 +50,13 @@ routes:
 }
 
 /// A running `sluice run`, its stderr read line by line as it comes.
-struct Sluice {
+pub(crate) struct Sluice {
     process: Spawned,
-    lines: Arc<Mutex<Vec<String>>>,
+    pub lines: Arc<Mutex<Vec<String>>>,
     reader: Option<std::thread::JoinHandle<()>>,
-    port: u16,
-    admin: u16,
-    _file: tempfile::NamedTempFile,
+    pub port: u16,
+    pub admin: u16,
+    pub file: tempfile::NamedTempFile,
 }
 
 impl Sluice {
@@ -66,8 +66,13 @@ impl Sluice {
 
     /// With `store` (a `store:` section) at the head of the configuration.
     async fn start_with(json: bool, store: &str) -> Sluice {
+        Sluice::start_yaml(json, |port, admin| config(port, admin, store)).await
+    }
+
+    /// With the configuration `yaml(port, admin port)`.
+    pub async fn start_yaml(json: bool, yaml: impl FnOnce(u16, u16) -> String) -> Sluice {
         let (port, admin) = (free_port(), free_port());
-        let file = config_file(&config(port, admin, store));
+        let file = config_file(&yaml(port, admin));
         let path = file.path().display().to_string();
         let mut args = vec!["run", "-c", &path];
         if json {
@@ -98,7 +103,7 @@ impl Sluice {
             reader: Some(reader),
             port,
             admin,
-            _file: file,
+            file,
         };
         let health = format!("http://127.0.0.1:{admin}/healthz");
         let c = http1();
@@ -112,11 +117,11 @@ impl Sluice {
         s
     }
 
-    fn url(&self, path: &str) -> String {
+    pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
-    async fn metrics(&self) -> String {
+    pub async fn metrics(&self) -> String {
         metrics(format!("127.0.0.1:{}", self.admin).parse().unwrap()).await
     }
 
@@ -152,7 +157,7 @@ impl Sluice {
     }
 
     /// Stop it (SIGTERM, exit 0) and return everything it wrote.
-    async fn stop(mut self) -> String {
+    pub async fn stop(mut self) -> String {
         self.process.signal(libc::SIGTERM);
         let mut status = None;
         for _ in 0..(BOUND.as_millis() / 20) {
@@ -212,6 +217,7 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
         "method": "GET",
         "path": "/api/x",
         "key_hash": key_hash("secret-A"),
+        "ip": "127.0.0.1",
         "limit": "per_key",
         "retry_after": retry_after,
         "dropped": 0,
@@ -228,6 +234,7 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
             "method": "GET",
             "path": "/api/x",
             "key_hash": key_hash("leaked-key-123"),
+        "ip": "127.0.0.1",
             "deny": "key",
             "dropped": 0,
         })
@@ -242,6 +249,7 @@ async fn json_lines_name_route_key_hash_limit_and_retry_after_never_the_key() {
             "method": "GET",
             "path": "/api/x",
             "key_hash": key_hash("203.0.113.9"),
+            "ip": "203.0.113.9",
             "deny": "ip",
             "dropped": 0,
         })
@@ -286,7 +294,7 @@ async fn text_lines_carry_the_same_fields() {
         .map(|l| l.split_once("sluice::refusal: ").unwrap().1)
         .collect();
     let limited = format!(
-        "request refused decision=\"limited\" status=429 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} limit=\"per_key\" retry_after={retry_after} dropped=0",
+        "request refused decision=\"limited\" status=429 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} ip=127.0.0.1 limit=\"per_key\" retry_after={retry_after} dropped=0",
         key_hash("secret-A")
     );
     assert_eq!(
@@ -295,11 +303,11 @@ async fn text_lines_carry_the_same_fields() {
             limited.as_str(),
             limited.as_str(),
             &format!(
-                "request refused decision=\"denied\" status=403 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} deny=\"key\" dropped=0",
+                "request refused decision=\"denied\" status=403 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} ip=127.0.0.1 deny=\"key\" dropped=0",
                 key_hash("leaked-key-123")
             ),
             &format!(
-                "request refused decision=\"denied\" status=403 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} deny=\"ip\" dropped=0",
+                "request refused decision=\"denied\" status=403 route=\"api\" method=\"GET\" path=\"/api/x\" key_hash={} ip=203.0.113.9 deny=\"ip\" dropped=0",
                 key_hash("203.0.113.9")
             ),
         ]
@@ -375,6 +383,7 @@ async fn a_store_down_under_on_error_deny_is_a_line_too() {
             "method": "GET",
             "path": "/api/x",
             "key_hash": key_hash("secret-A"),
+        "ip": "127.0.0.1",
             "dropped": 0,
         })
     );

@@ -418,6 +418,17 @@ impl Connector {
         })
     }
 
+    /// One connection opened (TLS handshake included) and dropped, within the
+    /// connect timeout and outside the slots: whether the target is there.
+    pub async fn probe(&self) -> Result<(), BoxError> {
+        match tokio::time::timeout(self.connect_timeout, self.open()).await {
+            Ok(io) => io.map(drop),
+            Err(_) => {
+                Err(io::Error::new(io::ErrorKind::TimedOut, "upstream connect timeout").into())
+            }
+        }
+    }
+
     async fn open(&self) -> Result<Stream, BoxError> {
         let tcp = match self.host.parse::<IpAddr>() {
             Ok(ip) => TcpStream::connect((ip, self.port)).await?,
