@@ -21,6 +21,7 @@ const SLUICE_KEYS: &[&str] = &[
     "response_headers",
     "upstreams",
     "deny",
+    "access_log",
     "routes",
 ];
 
