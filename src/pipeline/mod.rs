@@ -39,6 +39,7 @@ use crate::identity::{ClientKey, KeySpec, MissingKey, TrustedProxies};
 use crate::limit::{Charge, Checked, MemoryStore, OnError, Permit, Plan, Share, Store, Verdict};
 use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
 use crate::telemetry::refusal_log::{Line, RefusalLog, What};
+use crate::telemetry::top::Top;
 use crate::upstream::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
 
 // === the compiled configuration ===
@@ -84,6 +85,9 @@ pub struct Route {
     pub shadow: bool,
     pub ban: Option<BanRule>,
     pub metrics: RouteMetrics,
+    /// The route's heaviest refused clients (`/admin/top`), kept across reloads by
+    /// the route's name.
+    pub top: Arc<Top>,
 }
 
 impl Route {
@@ -585,6 +589,9 @@ async fn limits<'a>(
             retry_after: crate::pipeline::refusal::retry_after_secs(retry_us),
         };
         tally.line = shared.refusals.line(&route.name, &key_at(k).1.value, what);
+        // Counted for `/admin/top` (a deny-list refusal is not: that client is
+        // already denied).
+        route.top.refused(stored_at(k), ctx.ip, crate::deny::now_ms());
         return Err(Refusal::Limited(Box::new(Limited {
             route: &route.name,
             plan: &tier.plan,
@@ -594,6 +601,11 @@ async fn limits<'a>(
         })));
     }
     tally.permit = permit;
+    // A route that refused no one lately pays one relaxed load.
+    if route.top.holds_any() {
+        let keys = (0..=others.len()).map(stored_at);
+        route.top.allowed(keys, crate::deny::now_ms());
+    }
     // A limit on trial that refused: the request goes on, counted as `shadow`.
     tally.decision = match (store_failed, v.shadow_refused(), v.delay_us > 0) {
         (true, _, _) => Decision::StoreErrorAllowed,

@@ -1,4 +1,6 @@
-//! What sluice tells operators: Prometheus metrics and the refusal log.
+//! What sluice tells operators: Prometheus metrics, the refusal log and the
+//! heaviest refused clients of each route (`top`).
 
 pub mod metrics;
 pub mod refusal_log;
+pub mod top;
