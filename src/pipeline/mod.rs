@@ -591,7 +591,9 @@ async fn limits<'a>(
         tally.line = shared.refusals.line(&route.name, &key_at(k).1.value, what);
         // Counted for `/admin/top` (a deny-list refusal is not: that client is
         // already denied).
-        route.top.refused(stored_at(k), ctx.ip, crate::deny::now_ms());
+        route
+            .top
+            .refused(stored_at(k), ctx.ip, crate::deny::now_ms());
         return Err(Refusal::Limited(Box::new(Limited {
             route: &route.name,
             plan: &tier.plan,

@@ -202,7 +202,8 @@ impl Sketch {
             if self.counters.capacity() == 0 {
                 self.counters.reserve_exact(CAPACITY);
             }
-            self.counters.push(Counter::new(hash, key, ip, 1, 0, now_ms));
+            self.counters
+                .push(Counter::new(hash, key, ip, 1, 0, now_ms));
             return;
         }
         // Full: the smallest counter goes to the new key, which inherits its count
@@ -351,7 +352,10 @@ mod tests {
         top.refused("k1", B, T0 + 40);
         assert_eq!(
             top.list(T0 + 50),
-            vec![row("k1", B, 11, 0, 1, T0 + 40), row("k2", B, 3, 0, 1, T0 + 31)]
+            vec![
+                row("k1", B, 11, 0, 1, T0 + 40),
+                row("k2", B, 3, 0, 1, T0 + 31)
+            ]
         );
     }
 
