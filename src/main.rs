@@ -134,9 +134,23 @@ enum Command {
         #[command(subcommand)]
         action: DenyAction,
     },
+    /// The most refused clients of the last 60 to 120 seconds, through the admin API.
+    Top {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Only this route's [default: every route's]
+        #[arg(long, value_name = "R")]
+        route: Option<String>,
+        /// How many rows, from 1 to 1000 [default: 20]
+        #[arg(short = 'n', value_name = "N")]
+        n: Option<u64>,
+        /// Print the admin API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
-/// Where `sluice deny` and `sluice health` find the admin API; `sluice deny`'s
+/// Where `sluice deny`, `sluice top` and `sluice health` find the admin API; their
 /// token comes from `SLUICE_ADMIN_TOKEN`, else from the configuration's
 /// `admin.token` (health needs none).
 #[derive(Args)]
@@ -211,6 +225,12 @@ fn main() -> ExitCode {
         }
         Command::Deny { admin, action } => deny(admin, action),
         Command::Health { admin, ready } => health(admin, ready),
+        Command::Top {
+            admin,
+            route,
+            n,
+            json,
+        } => top(admin, route, n, json),
     }
 }
 
@@ -327,6 +347,30 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
         }
         Err(e) => {
             eprintln!("sluice deny: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `sluice top`: the admin API's `/admin/top`, found and authenticated as `sluice
+/// deny` does.
+fn top(args: AdminArgs, route: Option<String>, n: Option<u64>, json: bool) -> ExitCode {
+    let config = args.config.unwrap_or_else(sluice::config::default_path);
+    let token = std::env::var(admin_api::TOKEN_ENV).ok();
+    let Some(rt) = runtime("sluice top") else {
+        return ExitCode::FAILURE;
+    };
+    let result = rt.block_on(async {
+        let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
+        admin_api::top(&endpoint, route.as_deref(), n, json).await
+    });
+    match result {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("sluice top: {e}");
             ExitCode::FAILURE
         }
     }

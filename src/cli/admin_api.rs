@@ -1,6 +1,7 @@
-//! The client side of the admin API's deny list, for `sluice deny`: it finds the
-//! admin address and token (flags, environment, configuration file), sends one
-//! bounded HTTP/1.1 request and turns the answer into what the operator reads.
+//! The client side of the admin API's deny list and top offenders, for `sluice
+//! deny` and `sluice top`: it finds the admin address and token (flags, environment,
+//! configuration file), sends one bounded HTTP/1.1 request and turns the answer into
+//! what the operator reads.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
@@ -15,6 +16,7 @@ use serde::Serialize;
 
 use crate::config::{self, ConfigErrors};
 use crate::deny::Target;
+use crate::ops::admin::TopRow;
 
 /// How long one call may take, from connecting to the last byte of the answer.
 pub const CALL_BOUND: Duration = Duration::from_secs(10);
@@ -306,6 +308,32 @@ impl Endpoint {
         self.call(Method::DELETE, Some(&body)).await.map(drop)
     }
 
+    /// `GET /admin/top`: the rows, and the JSON the API sent.
+    pub async fn top(
+        &self,
+        route: Option<&str>,
+        n: Option<u64>,
+    ) -> Result<(Vec<TopRow>, String), ClientError> {
+        let mut query = form_urlencoded::Serializer::new(String::new());
+        if let Some(r) = route {
+            query.append_pair("route", r);
+        }
+        if let Some(n) = n {
+            query.append_pair("n", &n.to_string());
+        }
+        let query = query.finish();
+        let path = match query.is_empty() {
+            true => "/admin/top".to_string(),
+            false => format!("/admin/top?{query}"),
+        };
+        let (body, _) = self.call_at(Method::GET, &path, None).await?;
+        let rows = serde_json::from_slice(&body).map_err(|e| ClientError::BadAnswer {
+            url: self.base.clone(),
+            what: format!("something that is not a list of top offenders: {e}"),
+        })?;
+        Ok((rows, String::from_utf8_lossy(&body).trim_end().to_string()))
+    }
+
     fn bad_answer(&self, wanted: &str, e: serde_json::Error) -> ClientError {
         ClientError::BadAnswer {
             url: self.base.clone(),
@@ -493,8 +521,6 @@ pub fn removed_line(target: &Target) -> String {
     format!("removed {target}")
 }
 
-/// The entries as an aligned table under a header row; every line ends in `\n`,
-/// and no line in trailing spaces.
 /// A key or address as printable ASCII, anything else escaped (`\u{a0}`): a key
 /// that a request can carry is printable ASCII, so anything else in one is an old
 /// entry's, shown so that it cannot pass for another.
@@ -548,12 +574,13 @@ fn is_invisible(c: char) -> bool {
         | '\u{FE00}'..='\u{FE0F}' | '\u{FFA0}' | '\u{E0100}'..='\u{E01EF}')
 }
 
+/// The entries as an aligned table under a header row.
 pub fn table(entries: &[Entry]) -> String {
     let header = ["KIND", "VALUE", "SOURCE", "EXPIRES", "REASON"];
     // Keys and reasons come from clients: control and format characters are shown
     // escaped, so a key can never move the cursor, forge a line of the table or
     // reorder what is shown.
-    let rows: Vec<[String; 5]> = entries
+    let rows = entries
         .iter()
         .map(|e| {
             [
@@ -565,6 +592,43 @@ pub fn table(entries: &[Entry]) -> String {
             ]
         })
         .collect();
+    aligned(header, rows)
+}
+
+/// `sluice top`'s table: a count the sketch may have overstated shows as the range
+/// it lies in (`95..100`).
+pub fn top_table(rows: &[TopRow]) -> String {
+    let header = [
+        "ROUTE",
+        "KEY",
+        "IP",
+        "REFUSED",
+        "ALLOWED",
+        "LAST SEEN (UTC)",
+    ];
+    let rows = rows
+        .iter()
+        .map(|r| {
+            let refused = match r.error {
+                0 => r.refused.to_string(),
+                e => format!("{}..{}", r.refused.saturating_sub(e), r.refused),
+            };
+            [
+                printable(&r.route),
+                ascii(&r.key),
+                ascii(&r.ip),
+                refused,
+                r.allowed.to_string(),
+                printable(&r.last_seen),
+            ]
+        })
+        .collect();
+    aligned(header, rows)
+}
+
+/// `rows` as columns aligned under `header`; every line ends in `\n`, and no line
+/// in trailing spaces.
+fn aligned<const N: usize>(header: [&str; N], rows: Vec<[String; N]>) -> String {
     let header = header.map(String::from);
     let mut widths = header.each_ref().map(|h| h.chars().count());
     for row in &rows {
@@ -609,6 +673,20 @@ pub enum Action {
     List {
         json: bool,
     },
+}
+
+/// `sluice top`: what to print on stdout, a table or the API's JSON.
+pub async fn top(
+    endpoint: &Endpoint,
+    route: Option<&str>,
+    n: Option<u64>,
+    json: bool,
+) -> Result<String, ClientError> {
+    let (rows, text) = endpoint.top(route, n).await?;
+    Ok(match json {
+        true => text + "\n",
+        false => top_table(&rows),
+    })
 }
 
 /// Run `action` against `endpoint`; what to print on stdout.
@@ -797,6 +875,27 @@ mod tests {
              ip    2001:db8::/32   ban     never                 -\n"
         );
         assert_eq!(table(&[]), "KIND  VALUE  SOURCE  EXPIRES  REASON\n");
+    }
+
+    #[test]
+    fn top_table_shows_an_overstated_count_as_its_range() {
+        let rows: Vec<TopRow> = serde_json::from_str(
+            r#"[
+            {"route":"api","key":"flood\n","ip":"198.51.100.7","refused":100,"error":5,"allowed":2,"last_seen":"2027-01-15T08:00:00.250Z","last_seen_ms":1799999999250},
+            {"route":"login","key":"192.0.2.1","ip":"192.0.2.1","refused":3,"error":0,"allowed":0,"last_seen":"2027-01-15T08:00:00Z","last_seen_ms":1799999999000}
+            ]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            top_table(&rows),
+            "ROUTE  KEY        IP            REFUSED  ALLOWED  LAST SEEN (UTC)\n\
+             api    flood\\n    198.51.100.7  95..100  2        2027-01-15T08:00:00.250Z\n\
+             login  192.0.2.1  192.0.2.1     3        0        2027-01-15T08:00:00Z\n"
+        );
+        assert_eq!(
+            top_table(&[]),
+            "ROUTE  KEY  IP  REFUSED  ALLOWED  LAST SEEN (UTC)\n"
+        );
     }
 
     #[test]

@@ -51,7 +51,9 @@ fn route_err(route: &str, message: impl Into<String>) -> CompileError {
 /// Compiles a loaded file into the runtime that serves it. An upstream whose
 /// settings (and CA file) are those of one in `previous` is taken over as it is, with
 /// its pool and its connection cap: connections in use when a reload happens still
-/// count, and an unchanged upstream's idle connections are not thrown away.
+/// count, and an unchanged upstream's idle connections are not thrown away. A
+/// route of the same name in `previous` hands over its heaviest refused clients
+/// (`Route::top`); those of a route the file no longer has go with `previous`.
 pub fn compile(
     loaded: &Loaded,
     metrics: &Metrics,
@@ -83,11 +85,17 @@ pub fn compile(
         upstreams.insert(name.clone(), up);
     }
 
-    let routes = f
+    let mut routes = f
         .routes
         .iter()
         .map(|r| compile_route(r, &upstreams, metrics))
         .collect::<Result<Vec<_>, _>>()?;
+    // A route's heaviest refused clients outlive a reload that keeps its name.
+    for r in &mut routes {
+        if let Some(old) = previous.and_then(|p| p.routes.iter().find(|o| o.name == r.name)) {
+            r.top = old.top.clone();
+        }
+    }
 
     let deny = StaticDeny::new(
         f.deny.ips.iter().map(|n| n.0),
@@ -259,6 +267,7 @@ fn compile_route(
         shadow: r.shadow,
         ban,
         metrics: metrics.route(&name),
+        top: Arc::default(),
         name,
     })
 }

@@ -13,7 +13,7 @@ use http::header::{
 };
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::value::parse_duration;
 use crate::deny::{now_ms, rfc3339, Cursor, Entry, EntryJson, Meta, Source, Target};
@@ -177,6 +177,8 @@ impl Admin {
             ("/admin/config", _) => not_allowed("GET"),
             ("/admin/stats", Method::GET) => json(StatusCode::OK, &self.stats()),
             ("/admin/stats", _) => not_allowed("GET"),
+            ("/admin/top", Method::GET) => self.top(req.uri().query()),
+            ("/admin/top", _) => not_allowed("GET"),
             // No body: no Content-Type is fine, but not what a form sends.
             ("/admin/reload", Method::POST)
                 if req.headers().contains_key(CONTENT_TYPE) && !is_json(&req) =>
@@ -261,6 +263,64 @@ impl Admin {
             },
             "deny_entries": deny,
         })
+    }
+
+    /// `/admin/top?route=R&n=N`: the most refused keys of route `R` (of every route
+    /// without it), the most refused first, `n` of them (`TOP_DEFAULT` if not given).
+    fn top(&self, query: Option<&str>) -> Response<Body> {
+        let rt = self.shared.runtime.load_full();
+        let (mut route, mut n) = (None, None);
+        for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            match &*name {
+                "route" if route.is_some() => return bad_request("route given twice"),
+                "route" => match rt.routes.iter().find(|r| r.name == value) {
+                    Some(r) => route = Some(r),
+                    None => return bad_request(&format!("no route named {value:?}")),
+                },
+                "n" if n.is_some() => return bad_request("n given twice"),
+                "n" => match value.parse::<usize>() {
+                    Ok(v) if (1..=TOP_MAX).contains(&v) => n = Some(v),
+                    _ => {
+                        return bad_request(&format!(
+                            "n {value:?} is not a number from 1 to {TOP_MAX}"
+                        ))
+                    }
+                },
+                other => {
+                    return bad_request(&format!(
+                        "unknown query parameter {other:?}: expected route or n"
+                    ))
+                }
+            }
+        }
+        let now = now_ms();
+        let mut rows: Vec<TopRow> = rt
+            .routes
+            .iter()
+            .filter(|r| route.is_none_or(|only| std::ptr::eq(only, *r)))
+            .flat_map(|r| {
+                r.top.list(now).into_iter().map(|o| TopRow {
+                    route: r.name.clone(),
+                    key: o.key,
+                    ip: crate::identity::canonical(o.ip).to_string(),
+                    refused: o.refused,
+                    error: o.error,
+                    allowed: o.allowed,
+                    last_seen: rfc3339(o.last_seen_ms),
+                    last_seen_ms: o.last_seen_ms,
+                })
+            })
+            .collect();
+        // Each route's list is in order already; across routes, by refusals, then
+        // route and key, so that the order never depends on timing.
+        rows.sort_by(|a, b| {
+            b.refused
+                .cmp(&a.refused)
+                .then_with(|| a.route.cmp(&b.route))
+                .then_with(|| a.key.cmp(&b.key))
+        });
+        rows.truncate(n.unwrap_or(TOP_DEFAULT));
+        json(StatusCode::OK, &rows)
     }
 
     /// A page of the list (`?limit=N&after=CURSOR`): a JSON list of entries as the
@@ -393,6 +453,29 @@ impl Admin {
         };
         constant_time_eq(given.trim().as_bytes(), token.as_bytes())
     }
+}
+
+/// Rows of `/admin/top` by default, and the most a client may ask for.
+pub const TOP_DEFAULT: usize = 20;
+pub const TOP_MAX: usize = 1000;
+
+/// A row of `GET /admin/top`: a key of a route, its counts over the last 60 to 120
+/// seconds (`telemetry::top`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopRow {
+    pub route: String,
+    /// The key as the limiter stores it (an address key: the address).
+    pub key: String,
+    /// The client address of its last refusal.
+    pub ip: String,
+    /// Refusals by a limit: at least the true number, at most `error` above it.
+    pub refused: u64,
+    pub error: u64,
+    /// Requests of the key allowed since it was first counted as refused.
+    pub allowed: u64,
+    /// Its last request counted, refused or allowed (RFC 3339, UTC).
+    pub last_seen: String,
+    pub last_seen_ms: u64,
 }
 
 /// The body of `POST` and `DELETE /admin/deny`.

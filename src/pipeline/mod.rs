@@ -40,6 +40,7 @@ use crate::limit::{Charge, Checked, MemoryStore, OnError, Permit, Plan, Share, S
 use crate::telemetry::access_log::{self, AccessLog};
 use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
 use crate::telemetry::refusal_log::{Line, RefusalLog, What};
+use crate::telemetry::top::Top;
 use crate::upstream::{BodyFailure, ClientFault, Origin, ProxyError, TunnelEnd, Upstream};
 
 // === the compiled configuration ===
@@ -87,6 +88,9 @@ pub struct Route {
     pub shadow: bool,
     pub ban: Option<BanRule>,
     pub metrics: RouteMetrics,
+    /// The route's heaviest refused clients (`/admin/top`), kept across reloads by
+    /// the route's name.
+    pub top: Arc<Top>,
 }
 
 impl Route {
@@ -621,6 +625,11 @@ async fn limits<'a>(
         if rt.access.is_some() {
             tally.limit = Some(limit.into());
         }
+        // Counted for `/admin/top` (a deny-list refusal is not: that client is
+        // already denied).
+        route
+            .top
+            .refused(stored_at(k), ctx.ip, crate::deny::now_ms());
         return Err(Refusal::Limited(Box::new(Limited {
             route: &route.name,
             plan: &tier.plan,
@@ -630,6 +639,11 @@ async fn limits<'a>(
         })));
     }
     tally.permit = permit;
+    // A route that refused no one lately pays one relaxed load.
+    if route.top.holds_any() {
+        let keys = (0..=others.len()).map(stored_at);
+        route.top.allowed(keys, crate::deny::now_ms());
+    }
     // A limit on trial that refused: the request goes on, counted as `shadow`.
     tally.decision = match (store_failed, v.shadow_refused(), v.delay_us > 0) {
         (true, _, _) => Decision::StoreErrorAllowed,

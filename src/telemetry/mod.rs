@@ -1,9 +1,11 @@
-//! What sluice tells operators: Prometheus metrics, the refusal log and the access
-//! log, and the UTC times they write.
+//! What sluice tells operators: Prometheus metrics, the refusal log, the access
+//! log, the heaviest refused clients of each route (`top`), and the UTC times they
+//! write.
 
 pub mod access_log;
 pub mod metrics;
 pub mod refusal_log;
+pub mod top;
 
 /// A moment in UTC, from milliseconds since the Unix epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,3 +12,4 @@ mod cli_health;
 mod dashboard;
 mod live_ops;
 mod metrics_lint;
+mod top;
