@@ -430,12 +430,22 @@ fn tier(
             }),
         })
         .collect();
+    // Created at 0, once per (route, limit name): tiers share a name's child.
+    let refused_by = defs
+        .iter()
+        .map(|d| {
+            metrics
+                .limit_refusals
+                .with_label_values(&[keys.route, d.name.as_str()])
+        })
+        .collect();
     let plan = Plan { limits: defs, mode };
     Ok(Tier {
         policy: policy_header(&plan),
         plan,
         shares,
         later,
+        refused_by,
     })
 }
 

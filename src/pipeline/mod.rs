@@ -143,6 +143,8 @@ pub struct Tier {
     /// The limits charged from the upstream's response (`count` by status, `cost`
     /// from a header), by their index in the plan; empty on most tiers.
     pub later: Vec<LaterLimit>,
+    /// `sluice_limit_refusals_total`'s child of each limit of the plan, by index.
+    pub refused_by: Vec<prometheus::IntCounter>,
 }
 
 /// A limit of a tier charged from the upstream's response.
@@ -414,7 +416,9 @@ async fn pass<'a>(
     }
     let mut resp = act(ctx, route, parts, body, timer, raw, &mut tally.target).await?;
     if matches!(route.action, Action::Upstream(_)) {
-        tally.upstream_status = Some(resp.status().as_u16());
+        let status = resp.status().as_u16();
+        route.metrics.upstream_answered(status);
+        tally.upstream_status = Some(status);
     }
     if let Some(later) = later {
         charge_from_response(ctx.shared, later, &resp);
@@ -615,6 +619,9 @@ async fn limits<'a>(
             ),
             None => ("", v.retry_after_us(), 0),
         };
+        if let Some((i, _)) = v.headline() {
+            tier.refused_by[i].inc();
+        }
         let what = What::Limited {
             limit,
             retry_after: crate::pipeline::refusal::retry_after_secs(retry_us),

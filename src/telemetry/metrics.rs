@@ -44,6 +44,9 @@ pub struct Metrics {
     /// Charges of limits whose cost a response header says, by how the cost was
     /// found (`limit::CostFrom`).
     pub response_costs: IntCounterVec,
+    upstream_responses: IntCounterVec,
+    /// `sluice_limit_refusals_total{route,limit}`: refusals by the limit reported.
+    pub limit_refusals: IntCounterVec,
     /// Dynamic deny entries evicted by a newer one at `deny.max_entries`.
     pub deny_evictions: IntCounter,
     pub build_info: IntGaugeVec,
@@ -142,6 +145,22 @@ impl Metrics {
             &["route"],
         )
         .expect("metric definition");
+        let upstream_responses = IntCounterVec::new(
+            Opts::new(
+                "sluice_upstream_responses_total",
+                "Responses from the upstream by route and status class (1xx to 5xx); answers sluice writes itself are not counted.",
+            ),
+            &["route", "code"],
+        )
+        .expect("metric definition");
+        let limit_refusals = IntCounterVec::new(
+            Opts::new(
+                "sluice_limit_refusals_total",
+                "Requests refused (429) by route and by the limit that refused (the one the answer reports).",
+            ),
+            &["route", "limit"],
+        )
+        .expect("metric definition");
         let response_costs = IntCounterVec::new(
             Opts::new(
                 "sluice_response_costs_total",
@@ -184,6 +203,8 @@ impl Metrics {
             Box::new(deny_entries.clone()),
             Box::new(bans.clone()),
             Box::new(response_costs.clone()),
+            Box::new(upstream_responses.clone()),
+            Box::new(limit_refusals.clone()),
             Box::new(deny_evictions.clone()),
             Box::new(build_info.clone()),
             Box::new(refusal_logs_dropped.clone()),
@@ -225,6 +246,8 @@ impl Metrics {
             deny_entries,
             bans,
             response_costs,
+            upstream_responses,
+            limit_refusals,
             deny_evictions,
             build_info,
             refusal_logs_dropped,
@@ -259,6 +282,8 @@ impl Metrics {
             upstream_timeout: u("timeout"),
             upstream_reset: u("reset"),
             upstream_busy: u("busy"),
+            upstream_status: ["1xx", "2xx", "3xx", "4xx", "5xx"]
+                .map(|code| self.upstream_responses.with_label_values(&[route, code])),
         }
     }
 
@@ -295,6 +320,7 @@ impl Metrics {
             upstream_timeout: detached(),
             upstream_reset: detached(),
             upstream_busy: detached(),
+            upstream_status: [(); 5].map(|_| detached()),
         }
     }
 }
@@ -398,11 +424,36 @@ pub struct RouteMetrics {
     pub upstream_timeout: IntCounter,
     pub upstream_reset: IntCounter,
     pub upstream_busy: IntCounter,
+    /// `sluice_upstream_responses_total`, by status class: `[1xx, …, 5xx]`.
+    pub upstream_status: [IntCounter; 5],
 }
 
 impl RouteMetrics {
     pub fn count(&self, d: Decision) {
         self.counter(d).inc();
+    }
+
+    /// One response from the upstream with `status` (100 to 599).
+    #[inline]
+    pub fn upstream_answered(&self, status: u16) {
+        let class = usize::from(status / 100).clamp(1, 5) - 1;
+        self.upstream_status[class].inc();
+    }
+
+    /// The route's `sluice_upstream_responses_total` counters now, 1xx to 5xx.
+    pub fn upstream_totals(&self) -> [u64; 5] {
+        std::array::from_fn(|i| self.upstream_status[i].get())
+    }
+
+    /// The route's `sluice_upstream_errors_total` counters now: connect, timeout,
+    /// reset, busy.
+    pub fn upstream_error_totals(&self) -> [u64; 4] {
+        [
+            self.upstream_connect.get(),
+            self.upstream_timeout.get(),
+            self.upstream_reset.get(),
+            self.upstream_busy.get(),
+        ]
     }
 
     #[inline]

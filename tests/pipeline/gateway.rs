@@ -1549,3 +1549,78 @@ routes:
         [("allowed".to_string(), 1.0), ("delayed".to_string(), 1.0)]
     );
 }
+
+// === what the upstream answered, and which limit refused ===
+
+#[tokio::test]
+async fn upstream_statuses_are_counted_by_class_and_refusals_by_limit() {
+    let up = upstream().await;
+    let gw = start_gateway(&format!(
+        r#"
+upstreams:
+  api: {{targets: ["{}"]}}
+routes:
+  - name: api
+    match: {{path_prefix: /api/}}
+    key: header:x-key
+    limits:
+      - {{name: burst, algorithm: fixed_window, limit: 3, window: 1h}}
+      - {{name: hourly, algorithm: fixed_window, limit: 1, window: 1h, key: "header:x-account"}}
+    upstream: api
+  - name: local
+    match: {{path: /local}}
+    respond: {{status: 503}}
+"#,
+        up.url()
+    ))
+    .await;
+    let c = http1();
+    let url = format!("http://{}/api/x", gw.addr);
+    let mut got = Vec::new();
+    // a: 200, 401, 503 from the upstream, then refused by `burst` twice.
+    for (status, account) in [
+        ("200", "a1"),
+        ("401", "a2"),
+        ("503", "a3"),
+        ("200", "a4"),
+        ("200", "a5"),
+    ] {
+        let h = [
+            ("x-key", "a"),
+            ("x-account", account),
+            ("x-reply-status", status),
+        ];
+        got.push(c.get(&url, &h).await.status);
+    }
+    // b with an account: the account's `hourly` admits one, then refuses.
+    for _ in 0..2 {
+        let h = [("x-key", "b"), ("x-account", "acme")];
+        got.push(c.get(&url, &h).await.status);
+    }
+    // sluice's own answers are not the upstream's.
+    got.push(
+        c.get(&format!("http://{}/local", gw.addr), &[])
+            .await
+            .status,
+    );
+    assert_eq!(got, [200, 401, 503, 429, 429, 200, 429, 503]);
+    let m = metrics(gw.admin_addr).await;
+    let class = |route: &str, code: &str| {
+        metric(
+            &m,
+            &format!(r#"sluice_upstream_responses_total{{code="{code}",route="{route}"}}"#),
+        )
+    };
+    assert_eq!(
+        ["1xx", "2xx", "3xx", "4xx", "5xx"].map(|c| class("api", c)),
+        [Some(0.0), Some(2.0), Some(0.0), Some(1.0), Some(1.0)]
+    );
+    assert_eq!(class("local", "5xx"), Some(0.0));
+    let by = |limit: &str| {
+        metric(
+            &m,
+            &format!(r#"sluice_limit_refusals_total{{limit="{limit}",route="api"}}"#),
+        )
+    };
+    assert_eq!((by("burst"), by("hourly")), (Some(2.0), Some(1.0)));
+}
