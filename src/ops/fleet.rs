@@ -354,7 +354,12 @@ mod tests {
 
     #[test]
     fn the_view_sums_every_instance_and_counts_this_one_live() {
-        let own = hb("b", "h1", 2000, &[("api", &[("allowed", 5), ("limited", 1)])]);
+        let own = hb(
+            "b",
+            "h1",
+            2000,
+            &[("api", &[("allowed", 5), ("limited", 1)])],
+        );
         let others = vec![
             hb("c", "h1", 1500, &[("api", &[("allowed", 2)])]),
             // This instance's last heartbeat: its live counters count instead.
@@ -396,7 +401,10 @@ mod tests {
     fn different_hashes_are_not_consistent_and_an_error_is_shown() {
         let own = hb("a", "h1", 1000, &[]);
         let v = render(&own, vec![hb("b", "h2", 1000, &[])], "redis", None);
-        assert_eq!((v["config_hashes"].clone(), v["consistent"].clone()), (2.into(), false.into()));
+        assert_eq!(
+            (v["config_hashes"].clone(), v["consistent"].clone()),
+            (2.into(), false.into())
+        );
         let v = render(&own, Vec::new(), "redis", Some("timed out".into()));
         assert_eq!(v["instances"].as_array().map(Vec::len), Some(1));
         assert_eq!(v["error"], "timed out");
@@ -405,7 +413,12 @@ mod tests {
 
     #[test]
     fn a_heartbeat_round_trips_and_stays_small() {
-        let h = hb("host-1-abcdef", "0123456789abcdef", 1, &[("api", &[("allowed", u64::MAX)])]);
+        let h = hb(
+            "host-1-abcdef",
+            "0123456789abcdef",
+            1,
+            &[("api", &[("allowed", u64::MAX)])],
+        );
         let json = serde_json::to_string(&h).unwrap();
         assert_eq!(serde_json::from_str::<Heartbeat>(&json).unwrap(), h);
         assert!(json.len() < 300, "{}", json.len());
