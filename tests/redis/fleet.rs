@@ -82,7 +82,7 @@ fn ids(v: &Value) -> Vec<String> {
 }
 
 /// The listed instance whose `addr` is `addr`.
-fn at<'a>(v: &'a Value, addr: SocketAddr) -> &'a Value {
+fn at(v: &Value, addr: SocketAddr) -> &Value {
     v["instances"]
         .as_array()
         .expect("instances")
@@ -95,6 +95,29 @@ fn at<'a>(v: &'a Value, addr: SocketAddr) -> &'a Value {
 fn counts(allowed: u64, limited: u64) -> Value {
     json!({"allowed": allowed, "delayed": 0, "limited": limited, "denied": 0, "shadow": 0,
         "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0})
+}
+
+/// `sluice fleet ARGS --admin http://ADMIN` with the token in the environment:
+/// its stdout, once it exited 0 (the client bounds its call by 10 s).
+async fn cli_fleet(admin: SocketAddr, args: &[&str]) -> String {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    cmd.arg("fleet")
+        .args(args)
+        .args(["--admin", &format!("http://{admin}")])
+        .env_remove("SLUICE_CONFIG")
+        .env("SLUICE_ADMIN_TOKEN", TOKEN)
+        .env("SLUICE_LOG", "warn");
+    let out = tokio::task::spawn_blocking(move || run_grouped(&mut cmd))
+        .await
+        .expect("join")
+        .expect("sluice fleet runs");
+    let stdout = String::from_utf8(out.stdout).expect("UTF-8");
+    assert!(
+        out.status.success(),
+        "sluice fleet {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }
 
 async fn config_hash(admin: SocketAddr) -> String {
@@ -295,6 +318,32 @@ async fn on_a_cluster_both_instances_are_listed_and_sigterm_leaves_at_once() {
     let mut sorted = per_node.clone();
     sorted.sort();
     assert_eq!(sorted, [0, 0, 3], "{per_node:?}");
+
+    // `sluice fleet`: both instances, the sums, and the line that flags the hashes.
+    let text = cli_fleet(a.admin_addr, &[]).await;
+    for id in ids(&v) {
+        let line = text.lines().find(|l| l.starts_with(&id));
+        let addr = if at(&v, a.addr)["id"] == id.as_str() {
+            a.addr
+        } else {
+            p.addr
+        };
+        assert!(
+            line.is_some_and(|l| l.contains(&addr.to_string())),
+            "{id}: {text}"
+        );
+    }
+    assert!(text.lines().any(|l| l.starts_with("INSTANCE ")), "{text}");
+    let route = "api    5        0        1        0       0       0                    0                   0";
+    assert!(text.lines().any(|l| l == route), "{text}");
+    assert!(
+        text.contains("\nconfig hashes differ: 2 hashes across 2 instances (a reload not applied everywhere?)\n"),
+        "{text}"
+    );
+    let json: Value =
+        serde_json::from_str(&cli_fleet(a.admin_addr, &["--json"]).await).expect("JSON");
+    assert_eq!(ids(&json), ids(&v));
+    assert_eq!(json["routes"], v["routes"]);
 
     p.child.signal(libc::SIGTERM);
     let mut exited = None;
