@@ -127,6 +127,15 @@ enum Command {
         #[arg(long)]
         ready: bool,
     },
+    /// The instances sharing this gateway's Redis and their decisions per route
+    /// (GET /admin/fleet), and whether their configurations agree.
+    Fleet {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Print the admin API's JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
     /// Add, remove or list deny-list entries through the admin API.
     Deny {
         #[command(flatten)]
@@ -224,6 +233,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Deny { admin, action } => deny(admin, action),
+        Command::Fleet { admin, json } => fleet(admin, json),
         Command::Health { admin, ready } => health(admin, ready),
         Command::Top {
             admin,
@@ -371,6 +381,33 @@ fn top(args: AdminArgs, route: Option<String>, n: Option<u64>, json: bool) -> Ex
         }
         Err(e) => {
             eprintln!("sluice top: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `sluice fleet`: GET /admin/fleet, found and authorized as `sluice deny` is.
+fn fleet(args: AdminArgs, json: bool) -> ExitCode {
+    let config = args.config.unwrap_or_else(sluice::config::default_path);
+    let token = std::env::var(admin_api::TOKEN_ENV).ok();
+    let Some(rt) = runtime("sluice fleet") else {
+        return ExitCode::FAILURE;
+    };
+    let result = rt.block_on(async {
+        let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
+        endpoint.fleet().await
+    });
+    match result {
+        Ok((_, text)) if json => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Ok((v, _)) => {
+            print!("{}", admin_api::fleet_text(&v));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("sluice fleet: {e}");
             ExitCode::FAILURE
         }
     }

@@ -1,7 +1,7 @@
-//! The client side of the admin API's deny list and top offenders, for `sluice
-//! deny` and `sluice top`: it finds the admin address and token (flags, environment,
-//! configuration file), sends one bounded HTTP/1.1 request and turns the answer into
-//! what the operator reads.
+//! The client side of the admin API's deny list, top offenders and fleet view, for
+//! `sluice deny`, `sluice top` and `sluice fleet`: it finds the admin address and
+//! token (flags, environment, configuration file), sends one bounded HTTP/1.1
+//! request and turns the answer into what the operator reads.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
@@ -719,9 +719,161 @@ pub async fn run(endpoint: &Endpoint, action: &Action) -> Result<String, ClientE
     }
 }
 
+// === sluice fleet ===
+
+impl Endpoint {
+    /// `GET /admin/fleet`: the view, and its JSON as the API sent it.
+    pub async fn fleet(&self) -> Result<(serde_json::Value, String), ClientError> {
+        let (body, _) = self.call_at(Method::GET, "/admin/fleet", None).await?;
+        let v = serde_json::from_slice(&body).map_err(|e| ClientError::BadAnswer {
+            url: self.base.clone(),
+            what: format!("something that is not a fleet view: {e}"),
+        })?;
+        Ok((v, String::from_utf8_lossy(&body).trim_end().to_string()))
+    }
+}
+
+/// `sluice fleet`: the instances, each route's sums, and a line when the
+/// instances' config hashes differ or Redis could not be read.
+pub fn fleet_text(v: &serde_json::Value) -> String {
+    let text = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => printable(s),
+        serde_json::Value::Null => "-".to_string(),
+        other => printable(&other.to_string()),
+    };
+    let empty = Vec::new();
+    let instances = v["instances"].as_array().unwrap_or(&empty);
+    let rows: Vec<Vec<String>> = instances
+        .iter()
+        .map(|i| {
+            let mut id = text(&i["id"]);
+            if i["self"] == true {
+                id.push_str(" (this)");
+            }
+            let hash = text(&i["config_hash"]);
+            vec![
+                id,
+                text(&i["addr"]),
+                text(&i["version"]),
+                hash.chars().take(12).collect(),
+                if i["ready"] == true { "yes" } else { "no" }.to_string(),
+                text(&i["last_seen"]),
+            ]
+        })
+        .collect();
+    let mut out = columns(
+        &[
+            "INSTANCE",
+            "ADDRESS",
+            "VERSION",
+            "CONFIG",
+            "READY",
+            "LAST SEEN",
+        ],
+        &rows,
+    );
+    out.push('\n');
+    let decisions = [
+        "allowed",
+        "delayed",
+        "limited",
+        "denied",
+        "shadow",
+        "store_error_allowed",
+        "store_error_denied",
+        "bad_request",
+    ];
+    let rows: Vec<Vec<String>> = v["routes"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(name, counts)| {
+            std::iter::once(printable(name))
+                .chain(decisions.iter().map(|d| text(&counts[*d])))
+                .collect()
+        })
+        .collect();
+    let header: Vec<String> = std::iter::once("ROUTE".to_string())
+        .chain(decisions.iter().map(|d| d.to_ascii_uppercase()))
+        .collect();
+    let header: Vec<&str> = header.iter().map(String::as_str).collect();
+    out.push_str(&columns(&header, &rows));
+    if v["consistent"] == false {
+        out.push_str(&format!(
+            "\nconfig hashes differ: {} hashes across {} instances (a reload not applied everywhere?)\n",
+            text(&v["config_hashes"]),
+            instances.len()
+        ));
+    }
+    if v["store"] == "memory" {
+        out.push_str("\nmemory store: every instance limits on its own; this one alone is shown\n");
+    }
+    if let Some(e) = v["error"].as_str() {
+        out.push_str(&format!(
+            "\nRedis not read ({}): this instance alone is shown\n",
+            printable(e)
+        ));
+    }
+    out
+}
+
+/// Left-aligned columns two spaces apart, the header first.
+fn columns(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let mut out = String::new();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i > 0 {
+                line.push_str("  ");
+            }
+            line.push_str(cell);
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            line.extend(std::iter::repeat_n(' ', pad));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fleet_text_lists_instances_and_routes_and_flags_differing_hashes() {
+        let v = serde_json::json!({
+            "instances": [
+                {"id": "a-1-000001", "addr": "a:8080", "version": "0.1.0",
+                 "config_hash": "93f078b7bb41b8492b7c656dff6592c1de9f0866", "ready": true,
+                 "last_seen": "2026-11-26T22:44:22.807Z", "last_seen_ms": 1, "self": true},
+                {"id": "b-2-000002", "addr": "b:8080", "version": "0.1.0",
+                 "config_hash": "c331faa035f05f808b4ccf2a8e031e544813e0e8", "ready": false,
+                 "last_seen": "2026-11-26T22:44:21.5Z", "last_seen_ms": 1, "self": false}
+            ],
+            "routes": {"api": {"allowed": 5, "delayed": 0, "limited": 4, "denied": 0, "shadow": 0,
+                "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0}},
+            "config_hashes": 2, "consistent": false, "store": "redis"
+        });
+        assert_eq!(
+            fleet_text(&v),
+            "INSTANCE           ADDRESS  VERSION  CONFIG        READY  LAST SEEN\n\
+             a-1-000001 (this)  a:8080   0.1.0    93f078b7bb41  yes    2026-11-26T22:44:22.807Z\n\
+             b-2-000002         b:8080   0.1.0    c331faa035f0  no     2026-11-26T22:44:21.5Z\n\
+             \n\
+             ROUTE  ALLOWED  DELAYED  LIMITED  DENIED  SHADOW  STORE_ERROR_ALLOWED  STORE_ERROR_DENIED  BAD_REQUEST\n\
+             api    5        0        4        0       0       0                    0                   0\n\
+             \n\
+             config hashes differ: 2 hashes across 2 instances (a reload not applied everywhere?)\n"
+        );
+    }
 
     #[test]
     fn ip_values_as_the_api_takes_them() {

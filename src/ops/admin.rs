@@ -39,6 +39,8 @@ pub struct Admin {
     pub control: Arc<Control>,
     /// Every route's sampled counters, for `/admin/stats`.
     pub history: Arc<History>,
+    /// This instance and the others on the same Redis, for `/admin/fleet`.
+    pub fleet: Arc<crate::ops::fleet::Fleet>,
     /// A request body must have come whole within this after its head
     /// (`admin.request_header_timeout`): else 408, and the connection closes.
     pub body_timeout: std::time::Duration,
@@ -130,14 +132,7 @@ impl Admin {
 
     /// Why `/readyz` answers 503, in the order it checks: empty when ready.
     fn not_ready(&self) -> Vec<&'static str> {
-        let mut why = Vec::new();
-        if !self.shared.store.ready() {
-            why.push("store unavailable");
-        }
-        if !self.control.ready() {
-            why.push("shared deny list not read yet");
-        }
-        why
+        self.control.not_ready()
     }
 
     /// With a token, any `Host` (the token protects the API, and an operator may use
@@ -179,6 +174,11 @@ impl Admin {
             ("/admin/stats", _) => not_allowed("GET"),
             ("/admin/top", Method::GET) => self.top(req.uri().query()),
             ("/admin/top", _) => not_allowed("GET"),
+            ("/admin/fleet", Method::GET) => match req.uri().query().unwrap_or("") {
+                "" => json(StatusCode::OK, &self.fleet.view().await),
+                q => bad_request(&format!("/admin/fleet takes no query parameters: {q}")),
+            },
+            ("/admin/fleet", _) => not_allowed("GET"),
             // No body: no Content-Type is fine, but not what a form sends.
             ("/admin/reload", Method::POST)
                 if req.headers().contains_key(CONTENT_TYPE) && !is_json(&req) =>

@@ -242,6 +242,23 @@ impl Control {
         lock(&self.status).clone()
     }
 
+    /// The hash of the configuration in force (as `/admin/config` shows it).
+    pub fn hash(&self) -> String {
+        lock(&self.status).hash.clone()
+    }
+
+    /// Why `/readyz` answers 503, in the order it checks: empty when ready.
+    pub fn not_ready(&self) -> Vec<&'static str> {
+        let mut why = Vec::new();
+        if !self.shared.store.ready() {
+            why.push("store unavailable");
+        }
+        if !self.ready() {
+            why.push("shared deny list not read yet");
+        }
+        why
+    }
+
     /// A page of the entries the request path enforces, static ones first: at most
     /// `limit` entries after `after`, the cursor of the next page if there is one,
     /// and how many entries there are.

@@ -268,11 +268,18 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         history.clone(),
         stop_rx.clone(),
     ));
+    // The fleet view; its heartbeat starts once the shared deny list was read.
+    let fleet = Arc::new(crate::ops::fleet::Fleet::new(
+        shared.clone(),
+        control.clone(),
+        addr,
+    ));
     let admin = {
         let admin = Arc::new(Admin {
             shared: shared.clone(),
             control: control.clone(),
             history,
+            fleet: fleet.clone(),
             body_timeout: f.admin.request_header_timeout.get(),
         });
         let builder = Arc::new(http_builder(admin.clone(), max_head));
@@ -360,6 +367,7 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         }
     };
     let publisher = tokio::spawn(control.clone().run_publisher());
+    let heartbeat = tokio::spawn(fleet.run(stop_rx.clone()));
     let control_loop = {
         let control = control.clone();
         let mut stop_rx = stop_rx.clone();
@@ -392,7 +400,7 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         stop,
         tasks: gw
             .into_iter()
-            .chain([admin, sampler, sweeper, control_loop])
+            .chain([admin, sampler, sweeper, control_loop, heartbeat])
             .collect(),
         publisher,
         _watch: watch,

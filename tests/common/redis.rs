@@ -118,7 +118,15 @@ impl RedisServer {
         redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))
     }
 
-    /// A command on this server, panicking on failure.
+    /// The keys matching `pattern` but the fleet view's heartbeats (`{fleet}`),
+    /// which every gateway on this server writes every few seconds.
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        let keys: Vec<String> = self.cmd(&["KEYS", pattern]);
+        keys.into_iter()
+            .filter(|k| !k.contains("{fleet}:"))
+            .collect()
+    }
+
     /// Calls of `command` so far, from `INFO commandstats`.
     pub fn calls(&self, command: &str) -> u64 {
         let info: String = self.cmd(&["INFO", "commandstats"]);
@@ -215,12 +223,9 @@ impl RedisCluster {
             .expect("connect to the cluster")
     }
 
-    /// Every key on every node.
+    /// Every key on every node but the fleet view's heartbeats.
     pub fn keys(&self) -> Vec<String> {
-        self.nodes
-            .iter()
-            .flat_map(|n| n.cmd::<Vec<String>>(&["KEYS", "*"]))
-            .collect()
+        self.nodes.iter().flat_map(|n| n.keys("*")).collect()
     }
 }
 

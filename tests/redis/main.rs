@@ -1,11 +1,12 @@
 //! Everything on real `redis-server` processes: the Redis store and its table of
 //! cases, gateways sharing a Redis (or a cluster), the deny list shared through it,
-//! store faults, and `rediss://`.
+//! store faults, `rediss://`, and the fleet view.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod abuse;
+mod fleet;
 mod redis_gateway;
 mod redis_live_ops;
 mod redis_store;

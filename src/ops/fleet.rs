@@ -1,0 +1,435 @@
+//! The fleet view: on the Redis store every instance publishes a small heartbeat
+//! (who it is, where it listens, its configuration's hash, whether it is ready, and
+//! its decision counters) every `HEARTBEAT_EVERY`, in a key that expires; `GET
+//! /admin/fleet` reads them all back and sums the counters per route. Nothing here
+//! runs per request, and a Redis failure only leaves this instance out of the view.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::deny::{now_ms, rfc3339};
+use crate::limit::{RedisStore, StoreError};
+use crate::ops::control::Control;
+use crate::pipeline::Shared;
+use crate::telemetry::metrics::Decision;
+
+/// How often an instance publishes its heartbeat.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+/// How long a heartbeat lasts in Redis: an instance that stopped publishing (it
+/// crashed, or lost Redis) leaves the view this long after its last one.
+pub const HEARTBEAT_TTL: Duration = Duration::from_secs(10);
+/// Ids in the index whose last heartbeat (by the writer's clock) is older than this
+/// are removed by every publisher: a crashed instance's id, long after its key
+/// expired. Generous, so that clocks a little apart never remove a live instance's
+/// id (which its next heartbeat would add back anyway).
+const FORGET_AFTER: Duration = Duration::from_secs(60);
+
+/// Decision counts by decision name (`allowed`, `limited`, ...).
+pub type Counts = BTreeMap<String, u64>;
+
+/// What one instance publishes, and `GET /admin/fleet` reads back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub id: String,
+    /// The proxy listener's address (the host's name if it listens on every one).
+    pub addr: String,
+    pub version: String,
+    pub config_hash: String,
+    /// As `/readyz` says.
+    pub ready: bool,
+    /// When it was written, in milliseconds since the epoch (the writer's clock).
+    pub last_seen_ms: u64,
+    /// Every route's decisions since the instance started.
+    #[serde(default)]
+    pub routes: BTreeMap<String, Counts>,
+}
+
+/// The keys of the view, which share the `{fleet}` hash tag (one slot on a cluster).
+struct Keys {
+    store: RedisStore,
+    /// A sorted set of instance ids, scored by their last heartbeat.
+    ids: String,
+    /// An instance's heartbeat is `<instance><id>`.
+    instance: String,
+}
+
+pub struct Fleet {
+    shared: Arc<Shared>,
+    control: Arc<Control>,
+    id: String,
+    addr: String,
+    redis: Option<Keys>,
+    /// The last heartbeat failed: logged once per outage.
+    failing: AtomicBool,
+}
+
+// === impl Fleet ===
+
+impl Fleet {
+    /// This instance, listening for the proxy on `listen`; on the Redis store, with
+    /// its keys under the store's prefix.
+    pub fn new(shared: Arc<Shared>, control: Arc<Control>, listen: SocketAddr) -> Fleet {
+        let redis = shared.store.redis_store().map(|store| {
+            let p = store.prefix();
+            Keys {
+                ids: format!("{p}{{fleet}}:ids"),
+                instance: format!("{p}{{fleet}}:i:"),
+                store: store.clone(),
+            }
+        });
+        let host = hostname();
+        Fleet {
+            id: new_id(&host),
+            addr: if listen.ip().is_unspecified() {
+                format!("{host}:{}", listen.port())
+            } else {
+                listen.to_string()
+            },
+            shared,
+            control,
+            redis,
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    /// This instance's id: its host's name, its process id and a random part.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// This instance as it is now, its counters live.
+    pub fn heartbeat(&self) -> Heartbeat {
+        let rt = self.shared.runtime.load();
+        Heartbeat {
+            id: self.id.clone(),
+            addr: self.addr.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            config_hash: self.control.hash(),
+            ready: self.control.not_ready().is_empty(),
+            last_seen_ms: now_ms(),
+            routes: rt
+                .routes
+                .iter()
+                .map(|r| {
+                    let t = r.metrics.totals();
+                    let counts = route_decisions()
+                        .map(|d| (d.as_str().to_string(), t[d.index()]))
+                        .collect();
+                    (r.name.clone(), counts)
+                })
+                .collect(),
+        }
+    }
+
+    /// Writes this instance's heartbeat (with its TTL) and renews the index.
+    pub async fn publish(&self) -> Result<(), StoreError> {
+        let Some(k) = &self.redis else {
+            return Ok(());
+        };
+        let hb = self.heartbeat();
+        let json =
+            serde_json::to_string(&hb).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        let ttl = HEARTBEAT_TTL.as_millis() as u64;
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(format!("{}{}", k.instance, self.id))
+            .arg(json)
+            .arg("PX")
+            .arg(ttl);
+        k.store.query::<()>(&cmd).await?;
+        let mut cmd = redis::cmd("ZADD");
+        cmd.arg(&k.ids).arg(hb.last_seen_ms).arg(&self.id);
+        k.store.query::<()>(&cmd).await?;
+        let mut cmd = redis::cmd("PEXPIRE");
+        cmd.arg(&k.ids).arg(ttl);
+        k.store.query::<()>(&cmd).await?;
+        let forget = hb
+            .last_seen_ms
+            .saturating_sub(FORGET_AFTER.as_millis() as u64);
+        let mut cmd = redis::cmd("ZREMRANGEBYSCORE");
+        cmd.arg(&k.ids).arg("-inf").arg(format!("({forget}"));
+        k.store.query::<()>(&cmd).await
+    }
+
+    /// Removes this instance from the view (at graceful shutdown).
+    pub async fn leave(&self) -> Result<(), StoreError> {
+        let Some(k) = &self.redis else {
+            return Ok(());
+        };
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(format!("{}{}", k.instance, self.id));
+        k.store.query::<()>(&cmd).await?;
+        let mut cmd = redis::cmd("ZREM");
+        cmd.arg(&k.ids).arg(&self.id);
+        k.store.query::<()>(&cmd).await
+    }
+
+    /// The heartbeats in Redis now: the index, then every key in one MGET. Ids whose
+    /// key expired are removed from the index.
+    pub async fn read(&self) -> Result<Vec<Heartbeat>, StoreError> {
+        let Some(k) = &self.redis else {
+            return Ok(Vec::new());
+        };
+        let mut cmd = redis::cmd("ZRANGE");
+        cmd.arg(&k.ids).arg(0).arg(-1);
+        let ids: Vec<String> = k.store.query(&cmd).await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut cmd = redis::cmd("MGET");
+        for id in &ids {
+            cmd.arg(format!("{}{id}", k.instance));
+        }
+        let values: Vec<Option<String>> = k.store.query(&cmd).await?;
+        let mut live = Vec::with_capacity(ids.len());
+        let mut gone = Vec::new();
+        for (id, v) in ids.iter().zip(values) {
+            match v.and_then(|j| serde_json::from_str::<Heartbeat>(&j).ok()) {
+                Some(hb) if hb.id == *id => live.push(hb),
+                _ => gone.push(id),
+            }
+        }
+        if !gone.is_empty() {
+            let mut cmd = redis::cmd("ZREM");
+            cmd.arg(&k.ids).arg(gone);
+            // Cleaning only: the next reader or publisher tries again.
+            let _ = k.store.query::<()>(&cmd).await;
+        }
+        Ok(live)
+    }
+
+    /// `GET /admin/fleet`: on Redis every live instance, else (or with Redis
+    /// unreachable, then with `error`) this one alone.
+    pub async fn view(&self) -> serde_json::Value {
+        let (store, others, error) = match &self.redis {
+            None => ("memory", Vec::new(), None),
+            Some(_) => match self.read().await {
+                Ok(hbs) => ("redis", hbs, None),
+                Err(e) => ("redis", Vec::new(), Some(e.to_string())),
+            },
+        };
+        render(&self.heartbeat(), others, store, error)
+    }
+
+    /// The publisher: a heartbeat every `HEARTBEAT_EVERY` (the first at once) until
+    /// `stop`, then this instance leaves the view. Nothing to do on the memory store.
+    pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        if self.redis.is_none() {
+            return;
+        }
+        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => break,
+            }
+            match self.publish().await {
+                Ok(()) => {
+                    if self.failing.swap(false, Ordering::Relaxed) {
+                        tracing::info!("fleet heartbeat published again");
+                    }
+                }
+                Err(e) => {
+                    if !self.failing.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(error = %e, "fleet heartbeat not published; this instance drops out of GET /admin/fleet until Redis answers");
+                    }
+                }
+            }
+        }
+        if let Err(e) = self.leave().await {
+            tracing::debug!(error = %e, "fleet heartbeat not removed at shutdown; it expires by itself");
+        }
+    }
+}
+
+/// The decisions of a route's requests (all but `unmatched`).
+fn route_decisions() -> impl Iterator<Item = Decision> {
+    Decision::ALL
+        .into_iter()
+        .filter(|d| *d != Decision::Unmatched)
+}
+
+/// The view from `own` (this instance now) and the heartbeats read from Redis
+/// (`own`'s last one among them is left out: its live counters count instead).
+pub fn render(
+    own: &Heartbeat,
+    others: Vec<Heartbeat>,
+    store: &str,
+    error: Option<String>,
+) -> serde_json::Value {
+    let mut all: Vec<Heartbeat> = others.into_iter().filter(|h| h.id != own.id).collect();
+    all.push(own.clone());
+    all.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut routes: BTreeMap<String, Counts> = BTreeMap::new();
+    for hb in &all {
+        for (route, counts) in &hb.routes {
+            let sum = routes.entry(route.clone()).or_insert_with(|| {
+                route_decisions()
+                    .map(|d| (d.as_str().to_string(), 0))
+                    .collect()
+            });
+            for (decision, n) in counts {
+                let s = sum.entry(decision.clone()).or_insert(0);
+                *s = s.saturating_add(*n);
+            }
+        }
+    }
+    let hashes: std::collections::BTreeSet<&str> =
+        all.iter().map(|h| h.config_hash.as_str()).collect();
+    let instances: Vec<_> = all
+        .iter()
+        .map(|h| {
+            serde_json::json!({
+                "id": h.id,
+                "addr": h.addr,
+                "version": h.version,
+                "config_hash": h.config_hash,
+                "ready": h.ready,
+                "last_seen": rfc3339(h.last_seen_ms),
+                "last_seen_ms": h.last_seen_ms,
+                "self": h.id == own.id,
+            })
+        })
+        .collect();
+    let mut v = serde_json::json!({
+        "instances": instances,
+        "routes": routes,
+        "config_hashes": hashes.len(),
+        "consistent": hashes.len() <= 1,
+        "store": store,
+    });
+    if let Some(e) = error {
+        v["error"] = e.into();
+    }
+    v
+}
+
+/// `<host>-<pid>-<random>`: readable in a list, unique across restarts of one
+/// process id and across hosts that share a name.
+fn new_id(host: &str) -> String {
+    use std::hash::{BuildHasher, RandomState};
+    let random = RandomState::new().hash_one(std::time::SystemTime::now()) & 0xff_ffff;
+    format!("{host}-{}-{random:06x}", std::process::id())
+}
+
+/// The host's name (`gethostname`), or `localhost` if it has none that is text.
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at most that.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match std::str::from_utf8(&buf[..end]) {
+        Ok(h) if rc == 0 && !h.is_empty() => h.to_string(),
+        _ => "localhost".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hb(id: &str, hash: &str, at: u64, routes: &[(&str, &[(&str, u64)])]) -> Heartbeat {
+        Heartbeat {
+            id: id.into(),
+            addr: format!("{id}:8080"),
+            version: "1.0.0".into(),
+            config_hash: hash.into(),
+            ready: true,
+            last_seen_ms: at,
+            routes: routes
+                .iter()
+                .map(|(r, c)| {
+                    let c = c.iter().map(|(d, n)| (d.to_string(), *n)).collect();
+                    (r.to_string(), c)
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_view_sums_every_instance_and_counts_this_one_live() {
+        let own = hb(
+            "b",
+            "h1",
+            2000,
+            &[("api", &[("allowed", 5), ("limited", 1)])],
+        );
+        let others = vec![
+            hb("c", "h1", 1500, &[("api", &[("allowed", 2)])]),
+            // This instance's last heartbeat: its live counters count instead.
+            hb("b", "h1", 1000, &[("api", &[("allowed", 1)])]),
+            hb(
+                "a",
+                "h1",
+                1000,
+                &[("api", &[("limited", 3)]), ("login", &[("denied", 4)])],
+            ),
+        ];
+        let v = render(&own, others, "redis", None);
+        let ids: Vec<&str> = v["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["a", "b", "c"]);
+        assert_eq!(
+            v["instances"][1],
+            serde_json::json!({"id": "b", "addr": "b:8080", "version": "1.0.0", "config_hash": "h1",
+                "ready": true, "last_seen": "1970-01-01T00:00:02Z", "last_seen_ms": 2000, "self": true})
+        );
+        assert_eq!(v["instances"][0]["self"], false);
+        assert_eq!(
+            v["routes"]["api"],
+            serde_json::json!({"allowed": 7, "delayed": 0, "limited": 4, "denied": 0, "shadow": 0,
+                "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0})
+        );
+        assert_eq!(v["routes"]["login"]["denied"], 4);
+        assert_eq!(v["config_hashes"], 1);
+        assert_eq!(v["consistent"], true);
+        assert_eq!(v["store"], "redis");
+        assert!(v.get("error").is_none());
+    }
+
+    #[test]
+    fn different_hashes_are_not_consistent_and_an_error_is_shown() {
+        let own = hb("a", "h1", 1000, &[]);
+        let v = render(&own, vec![hb("b", "h2", 1000, &[])], "redis", None);
+        assert_eq!(
+            (v["config_hashes"].clone(), v["consistent"].clone()),
+            (2.into(), false.into())
+        );
+        let v = render(&own, Vec::new(), "redis", Some("timed out".into()));
+        assert_eq!(v["instances"].as_array().map(Vec::len), Some(1));
+        assert_eq!(v["error"], "timed out");
+        assert_eq!(v["consistent"], true);
+    }
+
+    #[test]
+    fn a_heartbeat_round_trips_and_stays_small() {
+        let h = hb(
+            "host-1-abcdef",
+            "0123456789abcdef",
+            1,
+            &[("api", &[("allowed", u64::MAX)])],
+        );
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(serde_json::from_str::<Heartbeat>(&json).unwrap(), h);
+        assert!(json.len() < 300, "{}", json.len());
+    }
+
+    #[test]
+    fn an_id_names_the_host_and_the_process() {
+        let id = new_id("web-1");
+        let prefix = format!("web-1-{}-", std::process::id());
+        assert!(id.starts_with(&prefix), "{id}");
+        assert_eq!(id.len(), prefix.len() + 6);
+        assert!(!hostname().is_empty());
+    }
+}
