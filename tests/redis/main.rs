@@ -6,6 +6,7 @@
 mod common;
 
 mod abuse;
+mod abusers;
 mod fleet;
 mod redis_gateway;
 mod redis_live_ops;

@@ -140,7 +140,14 @@ fn every_example_and_configuration_file_passes_check() {
         .iter()
         .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, ["envoy-ratelimit.yaml", "nginx-limit-req.yaml"]);
+    assert_eq!(
+        names,
+        [
+            "abusers.yaml",
+            "envoy-ratelimit.yaml",
+            "nginx-limit-req.yaml"
+        ]
+    );
     let configs = files("config", ".yaml");
     assert!(
         configs.iter().any(|p| p.ends_with("config/rules.yaml")),
