@@ -212,10 +212,16 @@ impl Admin {
             .routes
             .iter()
             .map(|r| {
+                let [c1, c2, c3, c4, c5] = r.metrics.upstream_totals();
+                let [connect, timeout, reset, busy] = r.metrics.upstream_error_totals();
                 serde_json::json!({
                     "name": r.name,
                     "totals": totals_json(&r.metrics.totals(), route_decisions()),
                     "history": history_json(&self.history.route(&r.name), route_decisions()),
+                    "long_history": history_json(&self.history.route_long(&r.name), route_decisions()),
+                    "upstream": {"1xx": c1, "2xx": c2, "3xx": c3, "4xx": c4, "5xx": c5},
+                    "upstream_errors": {"connect": connect, "timeout": timeout, "reset": reset, "busy": busy},
+                    "refused_by_limit": refused_by_limit(r),
                 })
             })
             .collect();
@@ -244,6 +250,8 @@ impl Admin {
             "not_ready": not_ready,
             "sample_every_ms": crate::ops::stats::SAMPLE_EVERY.as_millis() as u64,
             "keep_ms": crate::ops::stats::KEEP.as_millis() as u64,
+            "long_every_ms": crate::ops::stats::LONG_EVERY.as_millis() as u64,
+            "long_keep_ms": crate::ops::stats::LONG_KEEP.as_millis() as u64,
             "routes": routes,
             "unmatched": {
                 "totals": totals_json(&rt.unmatched.totals(), UNMATCHED_DECISIONS),
@@ -551,6 +559,22 @@ fn totals_json(
 
 /// `{"at_ms": [t0, t1, ...], "allowed": [n0, n1, ...], ...}`: one column per decision,
 /// the counters as they were at each sample time.
+/// A route's `sluice_limit_refusals_total`, by limit name (tiers that share a name
+/// share its count), in the order of the default tier's limits then the others'.
+fn refused_by_limit(r: &crate::pipeline::Route) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    if let Some(limits) = &r.limits {
+        let tiers = std::iter::once(&limits.default).chain(limits.overrides.values().map(|t| &**t));
+        for tier in tiers {
+            for (def, counter) in tier.plan.limits.iter().zip(&tier.refused_by) {
+                m.entry(def.name.clone())
+                    .or_insert_with(|| counter.get().into());
+            }
+        }
+    }
+    m.into()
+}
+
 fn history_json(
     samples: &[Sample],
     decisions: impl IntoIterator<Item = Decision>,

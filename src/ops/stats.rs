@@ -1,7 +1,9 @@
 //! The recent past, for the dashboard: every few seconds a sampler copies each
 //! route's `sluice_requests_total` counters (kept by the request path anyway) into a
 //! bounded ring per route name, so a page opened now already shows the last minutes
-//! and a reload that keeps a route keeps its history. Nothing here runs per request.
+//! and a reload that keeps a route keeps its history; the first sample of each
+//! minute also goes into a second ring that reaches back two hours. Nothing here
+//! runs per request.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -15,8 +17,12 @@ use crate::telemetry::metrics::Decision;
 
 /// How often the sampler reads the counters.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);
-/// How far back the history reaches.
+/// How far back the recent history reaches.
 pub const KEEP: Duration = Duration::from_secs(5 * 60);
+/// How often the long history keeps a sample: the first of each minute.
+pub const LONG_EVERY: Duration = Duration::from_secs(60);
+/// How far back the long history reaches.
+pub const LONG_KEEP: Duration = Duration::from_secs(2 * 60 * 60);
 
 /// One route's counters at one moment, in the order of `Decision::ALL`.
 pub type Totals = [u64; Decision::ALL.len()];
@@ -28,6 +34,9 @@ pub type Sample = (u64, Totals);
 pub struct History {
     capacity: usize,
     inner: Mutex<Rings>,
+    /// One sample a minute (`LONG_EVERY`), `long_capacity` of them.
+    long_capacity: usize,
+    long: Mutex<Rings>,
 }
 
 #[derive(Default)]
@@ -38,17 +47,25 @@ struct Rings {
 
 impl History {
     /// Rings of at most `capacity` samples each.
-    pub fn new(capacity: usize) -> History {
+    /// Rings of at most `capacity` samples each, and long ones of `long_capacity`.
+    pub fn new(capacity: usize, long_capacity: usize) -> History {
         History {
             capacity: capacity.max(1),
             inner: Mutex::new(Rings::default()),
+            long_capacity: long_capacity.max(1),
+            long: Mutex::new(Rings::default()),
         }
     }
 
-    /// Enough samples of `SAMPLE_EVERY` to cover `KEEP` (and the moment it starts).
+    /// Enough samples of `SAMPLE_EVERY` to cover `KEEP`, and of `LONG_EVERY` to cover
+    /// `LONG_KEEP` (each with the moment it starts).
     pub fn standard() -> History {
-        let n = KEEP.as_millis() / SAMPLE_EVERY.as_millis();
-        History::new(usize::try_from(n).unwrap_or(usize::MAX).saturating_add(1))
+        let n = |keep: Duration, every: Duration| {
+            usize::try_from(keep.as_millis() / every.as_millis())
+                .unwrap_or(usize::MAX)
+                .saturating_add(1)
+        };
+        History::new(n(KEEP, SAMPLE_EVERY), n(LONG_KEEP, LONG_EVERY))
     }
 
     /// Appends one sample of every route there is now; a route missing from
@@ -59,16 +76,35 @@ impl History {
         routes: impl IntoIterator<Item = (&'a str, Totals)>,
         unmatched: Totals,
     ) {
-        let cap = self.capacity;
+        let routes: Vec<(&str, Totals)> = routes.into_iter().collect();
+        Self::push_all(&self.inner, self.capacity, at_ms, &routes, unmatched);
+        // The long rings: the first sample of each minute.
+        let every = LONG_EVERY.as_millis() as u64;
+        let newest = {
+            let long = self.long.lock().unwrap_or_else(PoisonError::into_inner);
+            long.unmatched.back().map(|(at, _)| *at)
+        };
+        if newest.is_none_or(|t| t / every != at_ms / every) {
+            Self::push_all(&self.long, self.long_capacity, at_ms, &routes, unmatched);
+        }
+    }
+
+    fn push_all(
+        rings: &Mutex<Rings>,
+        cap: usize,
+        at_ms: u64,
+        routes: &[(&str, Totals)],
+        unmatched: Totals,
+    ) {
         let push = |ring: &mut VecDeque<Sample>, totals: Totals| {
             while ring.len() >= cap {
                 ring.pop_front();
             }
             ring.push_back((at_ms, totals));
         };
-        let mut rings = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut rings = rings.lock().unwrap_or_else(PoisonError::into_inner);
         let mut seen = HashSet::new();
-        for (name, totals) in routes {
+        for &(name, totals) in routes {
             seen.insert(name);
             match rings.routes.get_mut(name) {
                 Some(ring) => push(ring, totals),
@@ -97,6 +133,16 @@ impl History {
     pub fn unmatched(&self) -> Vec<Sample> {
         let rings = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         rings.unmatched.iter().copied().collect()
+    }
+
+    /// The long history of route `name` (a sample a minute), oldest first.
+    pub fn route_long(&self, name: &str) -> Vec<Sample> {
+        let rings = self.long.lock().unwrap_or_else(PoisonError::into_inner);
+        rings
+            .routes
+            .get(name)
+            .map(|r| r.iter().copied().collect())
+            .unwrap_or_default()
     }
 }
 
@@ -139,7 +185,7 @@ mod tests {
 
     #[test]
     fn a_ring_keeps_the_newest_samples_up_to_its_capacity() {
-        let h = History::new(3);
+        let h = History::new(3, 3);
         for i in 0..5u64 {
             h.record(1000 * i, [("api", t(i, 0))], t(0, 0));
         }
@@ -152,7 +198,7 @@ mod tests {
 
     #[test]
     fn a_reload_that_keeps_a_route_keeps_its_history_and_one_that_drops_it_does_not() {
-        let h = History::new(10);
+        let h = History::new(10, 10);
         h.record(1000, [("api", t(1, 0)), ("login", t(5, 1))], t(0, 0));
         // Reload: `login` is gone, `admin` is new, `api` stays.
         h.record(3000, [("api", t(2, 0)), ("admin", t(0, 0))], t(0, 0));
@@ -166,9 +212,33 @@ mod tests {
     }
 
     #[test]
-    fn the_standard_history_covers_five_minutes() {
+    fn the_standard_history_covers_five_minutes_and_the_long_one_two_hours() {
         let h = History::standard();
         assert_eq!(h.capacity, 151);
         assert_eq!(SAMPLE_EVERY.as_millis() * (h.capacity as u128 - 1), 300_000);
+        assert_eq!(h.long_capacity, 121);
+        assert_eq!(
+            LONG_EVERY.as_millis() * (h.long_capacity as u128 - 1),
+            7_200_000
+        );
+    }
+
+    #[test]
+    fn the_long_history_keeps_the_first_sample_of_each_minute() {
+        let h = History::new(4, 3);
+        // Every 20 s from 00:00:50 to 00:04:10: 11 samples over 5 minutes.
+        for i in 0..11u64 {
+            let at = 50_000 + 20_000 * i;
+            h.record(at, [("api", t(i, 0))], t(0, 0));
+        }
+        // The recent ring: the last 4.
+        let recent: Vec<u64> = h.route("api").iter().map(|(at, _)| *at).collect();
+        assert_eq!(recent, [190_000, 210_000, 230_000, 250_000]);
+        // The long one: the first of minutes 0..=4 (00:00:50, 01:10, 02:10, 03:10,
+        // 04:10), the last 3 kept, with their counts.
+        assert_eq!(
+            h.route_long("api"),
+            vec![(130_000, t(4, 0)), (190_000, t(7, 0)), (250_000, t(10, 0))]
+        );
     }
 }

@@ -402,6 +402,49 @@ impl SluiceProcess {
         p
     }
 
+    /// `sluice run` of `yaml` exactly as written (a file whose listeners are
+    /// `${SLUICE_LISTEN}` and `${SLUICE_ADMIN_LISTEN}`, set here to free ports), with
+    /// `env`: instances of one file then have one configuration hash. The file's path
+    /// is `config_path()`.
+    pub async fn start_env(yaml: &str, env: &[(&str, &str)]) -> SluiceProcess {
+        let (port, admin_port) = (free_port(), free_port());
+        let config = tempfile::Builder::new()
+            .suffix(".yaml")
+            .tempfile()
+            .expect("temp file");
+        std::fs::write(config.path(), yaml).expect("write config");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        cmd.arg("run")
+            .arg("-c")
+            .arg(config.path())
+            .env("SLUICE_LISTEN", format!("127.0.0.1:{port}"))
+            .env("SLUICE_ADMIN_LISTEN", format!("127.0.0.1:{admin_port}"))
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = spawn_grouped(&mut cmd).expect("start sluice");
+        let p = SluiceProcess {
+            child,
+            addr: ([127, 0, 0, 1], port).into(),
+            admin: ([127, 0, 0, 1], admin_port).into(),
+            _config: config,
+        };
+        let up = eventually(BOUND, || async {
+            match TcpStream::connect(p.admin).await {
+                Ok(_) => get(p.admin, "/healthz", &[]).await.status == 200,
+                Err(_) => false,
+            }
+        })
+        .await;
+        assert!(up.is_some(), "sluice process did not come up");
+        p
+    }
+
+    /// The configuration file it runs.
+    pub fn config_path(&self) -> &std::path::Path {
+        self._config.path()
+    }
+
     /// Like `start`, with the process' clock `offset` off (libfaketime's offset
     /// syntax: `-1h`, `+1h`); monotonic time is not faked.
     pub async fn start_faked(offset: &str, yaml: &str) -> SluiceProcess {

@@ -601,3 +601,282 @@ async fn the_dashboard_pages_a_long_deny_list() {
     browser.wait_for("the first page again", SHOWN, first).await;
     browser.quit().await;
 }
+
+/// Writes `png` as `dir/name`, creating `dir` if need be.
+fn save_named(dir: &std::path::Path, name: &str, png: &[u8]) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    let path = dir.join(name);
+    std::fs::write(&path, png).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    path
+}
+
+/// The walk-through of docs/finding-abusers.md in Chromium: two instances of
+/// `docs/examples/abusers.yaml` on one Redis; the page of one shows the fleet (both
+/// instances, one hash, summed counts), each route's upstream statuses (a 5xx
+/// marked), which limit refused, its top offenders (a hostile key as text), denies
+/// the scraper with one click (the other instance refuses it), and puts a failed
+/// reload, a fleet with two configurations and a store gone across the page. Times
+/// are UTC and say so. Screenshots: `target/dashboard-abusers.png`,
+/// `target/dashboard-banners.png`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
+    let mut redis = common::redis::RedisServer::start();
+    let up = upstream().await;
+    let example = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/examples/abusers.yaml"),
+    )
+    .unwrap();
+    let yaml = example.replace("http://127.0.0.1:3000", &up.url());
+    let env = [("REDIS_URL", redis.url())];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let a = SluiceProcess::start_env(&yaml, &env).await;
+    let b = SluiceProcess::start_env(&yaml, &env).await;
+    let c = http1();
+
+    // Failed logins through a first: 5 of the upstream's 401s, then 3 refusals.
+    let mut logins = Vec::new();
+    for _ in 0..8 {
+        let h = [
+            ("content-type", "application/x-www-form-urlencoded"),
+            ("x-reply-status", "401"),
+        ];
+        let r = c
+            .send(
+                Method::POST,
+                &url(a.addr, "/login"),
+                &h,
+                "user=alice&password=guess",
+            )
+            .await;
+        logins.push(r.status);
+    }
+    assert_eq!(logins, [401, 401, 401, 401, 401, 429, 429, 429]);
+    // The scraper through both: 20 a minute between them, the rest refused. (The
+    // page's refresh is no request of the gateway's.)
+    let scraper = [("x-api-key", "scraper-7")];
+    let mut admitted = 0;
+    for _ in 0..30 {
+        for gw in [&a, &b] {
+            admitted +=
+                usize::from(c.get(&url(gw.addr, "/api/items"), &scraper).await.status == 200);
+        }
+    }
+    assert!(admitted <= 20, "{admitted}");
+    // A hostile key refused twice through a, and one 503 from the upstream.
+    for _ in 0..22 {
+        c.get(&url(a.addr, "/api/items"), &[("x-api-key", HOSTILE)])
+            .await;
+    }
+    let r = c
+        .get(
+            &url(a.addr, "/api/items"),
+            &[("x-api-key", "user-1"), ("x-reply-status", "503")],
+        )
+        .await;
+    assert_eq!(r.status, 503);
+
+    let browser = webdriver::Browser::start().await;
+    browser.open(&url(a.admin, "/")).await;
+    let route_text = |route: &str, css: &str| {
+        format!("const e = document.querySelector('.route[data-route=\"{route}\"] {css}'); return e ? e.textContent : null")
+    };
+    // The fleet: both instances, one configuration, the counts summed.
+    browser
+        .wait_for(
+            "both instances in the fleet card",
+            "return document.querySelectorAll('#fleet tr').length",
+            json!(2),
+        )
+        .await;
+    // Once b's heartbeat carries all of its requests: 60 scraper requests, 22
+    // hostile, one 503, each admitted or refused.
+    let mut fleet = Value::Null;
+    let mut counted = 0;
+    for _ in 0..(BOUND.as_millis() / 50) {
+        let body = get(&url(a.admin, "/admin/fleet"), &[]).await.body;
+        fleet = serde_json::from_slice(&body).unwrap();
+        let api = &fleet["routes"]["api"];
+        counted = api["allowed"].as_u64().unwrap() + api["limited"].as_u64().unwrap();
+        if counted == 83 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(counted, 83, "{fleet}");
+    let api = &fleet["routes"]["api"];
+    let (allowed, limited) = (
+        api["allowed"].as_u64().unwrap(),
+        api["limited"].as_u64().unwrap(),
+    );
+    browser
+        .wait_for(
+            "the fleet's sums",
+            "const e = document.querySelector('.fleet-route[data-route=\"api\"]'); return e ? e.textContent : null",
+            json!(format!("api allowed {allowed} · limited {limited} · denied 0")),
+        )
+        .await;
+    assert_eq!(
+        browser.eval("return [...document.querySelectorAll('#fleet tr td:nth-child(4) code')].map(e => e.textContent)").await,
+        json!([fleet["instances"][0]["config_hash"].as_str().unwrap()[..12], fleet["instances"][1]["config_hash"].as_str().unwrap()[..12]])
+    );
+    // The upstream's answers beside the decisions: the 5xx marked, the 401s.
+    browser
+        .wait_for(
+            "api's 5xx",
+            &route_text("api", ".status.bad[data-code=\"5xx\"]"),
+            json!("5xx 1"),
+        )
+        .await;
+    browser
+        .wait_for(
+            "login's 4xx",
+            &route_text("login", ".status[data-code=\"4xx\"]"),
+            json!("4xx 5"),
+        )
+        .await;
+    // Which limit refused.
+    browser
+        .wait_for(
+            "login's failures",
+            &route_text("login", ".by-limit li[data-limit=\"failures\"] b"),
+            json!("3"),
+        )
+        .await;
+    // Top offenders of this instance: the scraper first, its address, the hostile
+    // key shown as text.
+    let rows = "return [...document.querySelectorAll('.route[data-route=\"api\"] table.top tbody tr')].map(r => [...r.querySelectorAll('td')].slice(0, 4).map(td => td.textContent))";
+    browser
+        .wait_for(
+            "api's top offenders",
+            "return document.querySelectorAll('.route[data-route=\"api\"] table.top tbody tr[data-key]').length",
+            json!(2),
+        )
+        .await;
+    let top: Value =
+        serde_json::from_slice(&get(&url(a.admin, "/admin/top?route=api"), &[]).await.body)
+            .unwrap();
+    let first_refused = top[0]["refused"].as_u64().unwrap();
+    assert_eq!(top[0]["key"], "scraper-7", "{top}");
+    assert_eq!(
+        browser.eval(rows).await,
+        json!([
+            ["scraper-7", "127.0.0.1", first_refused.to_string(), "0"],
+            [HOSTILE, "127.0.0.1", "2", "0"]
+        ])
+    );
+    assert_eq!(
+        browser.eval("return [document.querySelectorAll('table.top code b, table.top img').length, window.__xss === undefined]").await,
+        json!([0, true])
+    );
+    // Every time on the page is UTC, and says so.
+    let status = browser.text(&browser.find("#status").await).await;
+    assert!(
+        status.starts_with("updated ") && status.ends_with(" UTC"),
+        "{status}"
+    );
+    let ticks = browser
+        .eval("return [...document.querySelectorAll('.route[data-route=\"api\"] .tick.end')].map(e => e.textContent)")
+        .await;
+    for t in ticks.as_array().unwrap() {
+        assert!(t.as_str().unwrap().ends_with(" UTC (now)"), "{ticks}");
+    }
+    let shot = browser.screenshot().await;
+    let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    println!(
+        "screenshot: {}",
+        save_named(&target, "dashboard-abusers.png", &shot).display()
+    );
+
+    // One click denies the scraper, for the TTL and with the reason shown; the entry
+    // is shared, so b refuses it too.
+    browser
+        .click(
+            &browser
+                .find(".route[data-route=\"api\"] tr[data-key=\"scraper-7\"] button.remove")
+                .await,
+        )
+        .await;
+    browser
+        .wait_for(
+            "the deny's message",
+            &route_text("api", ".offenders .deny-form span"),
+            json!("Denied key scraper-7 for 1h."),
+        )
+        .await;
+    let listed = eventually(BOUND, || async {
+        let l: Value =
+            serde_json::from_slice(&get(&url(b.admin, "/admin/deny"), &[]).await.body).unwrap();
+        l.as_array().unwrap().iter().any(|e| {
+            e["value"] == "scraper-7"
+                && e["reason"] == "top offender on api"
+                && e["expires_at"].is_string()
+        })
+    })
+    .await;
+    assert!(listed.is_some(), "b never listed the entry");
+    assert_eq!(
+        c.get(&url(b.addr, "/api/items"), &scraper).await.status,
+        403
+    );
+    browser
+        .wait_for(
+            "the entry in the deny list",
+            "return document.querySelector('#deny tr[data-value=\"scraper-7\"]') !== null",
+            json!(true),
+        )
+        .await;
+
+    // Banners across the page: a failed reload of a, then b on another
+    // configuration, then the store gone.
+    std::fs::write(a.config_path(), "routes: [oops\n").unwrap();
+    let r = c
+        .send(Method::POST, &url(a.admin, "/admin/reload"), &[], "")
+        .await;
+    assert_eq!(r.status, 422);
+    browser
+        .wait_for(
+            "the failed reload's banner",
+            "const b = document.getElementById('banner-reload'); return b ? [b.getAttribute('role'), b.textContent.startsWith('The last reload failed (')] : null",
+            json!(["alert", true]),
+        )
+        .await;
+    std::fs::write(b.config_path(), yaml.replace("limit: 20,", "limit: 30,")).unwrap();
+    let r = c
+        .send(Method::POST, &url(b.admin, "/admin/reload"), &[], "")
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    browser
+        .wait_for(
+            "the fleet's banner",
+            "const b = document.getElementById('banner-fleet'); return b ? b.textContent : null",
+            json!("The fleet runs 2 different configurations: an instance has not reloaded (see Fleet)."),
+        )
+        .await;
+    let shot = browser.screenshot().await;
+    println!(
+        "screenshot: {}",
+        save_named(&target, "dashboard-banners.png", &shot).display()
+    );
+    // A good file again: the reload banner goes.
+    std::fs::write(a.config_path(), &yaml).unwrap();
+    let r = c
+        .send(Method::POST, &url(a.admin, "/admin/reload"), &[], "")
+        .await;
+    assert_eq!(r.status, 200);
+    browser
+        .wait_for(
+            "the reload banner gone",
+            "return document.getElementById('banner-reload') === null",
+            json!(true),
+        )
+        .await;
+    redis.kill();
+    browser
+        .wait_for(
+            "the not-ready banner",
+            "const b = document.getElementById('banner-ready'); return b ? b.textContent.startsWith('Not ready (/readyz answers 503): ') : null",
+            json!(true),
+        )
+        .await;
+    browser.quit().await;
+}

@@ -1,5 +1,6 @@
-// The sluice dashboard: polls the admin API (/admin/stats, /admin/deny, and
-// /admin/config when the configuration changed) and draws what it reads. Every
+// The sluice dashboard: polls the admin API (/admin/stats, /admin/deny, /admin/top,
+// /admin/fleet, and /admin/config when the configuration changed) and draws what
+// it reads. Every time shown is UTC, and says so. Every
 // value from the server goes into the page as text (textContent, attributes set
 // through the DOM), never as markup: route names and deny reasons are written by
 // operators and, through the API, possibly by anyone holding a token.
@@ -67,6 +68,34 @@
     return el("span", { class: ok ? "badge ok" : "badge bad" }, ok ? yes : no);
   }
 
+  // "2026-11-26 22:03:04 UTC" from an RFC 3339 time or milliseconds since the epoch.
+  function utc(t) {
+    const d = new Date(typeof t === "number" ? t : Date.parse(t));
+    if (Number.isNaN(d.getTime())) return "";
+    return `${d.toISOString().slice(0, 19).replace("T", " ")} UTC`;
+  }
+
+  // "22:03:04 UTC".
+  function utcTime(t) {
+    return utc(t).slice(11);
+  }
+
+  // === banners across the page ===
+
+  function showBanner(id, text) {
+    let b = document.getElementById(`banner-${id}`);
+    if (!b) {
+      b = el("div", { id: `banner-${id}`, class: "banner", role: "alert" });
+      $("banners").append(b);
+    }
+    if (b.textContent !== text) b.textContent = text;
+  }
+
+  function hideBanner(id) {
+    const b = document.getElementById(`banner-${id}`);
+    if (b) b.remove();
+  }
+
   function ago(iso, nowMs) {
     const t = Date.parse(iso);
     if (!Number.isFinite(t)) return "";
@@ -114,7 +143,12 @@
   // === polling ===
 
   async function refresh() {
-    const [stats, deny] = await Promise.all([getJson("/admin/stats"), getDenyPage()]);
+    const [stats, deny, top, fleet] = await Promise.all([
+      getJson("/admin/stats"),
+      getDenyPage(),
+      getJson("/admin/top?n=50"),
+      getFleet(),
+    ]);
     if (stats.config.hash !== configHash) {
       const c = await getJson("/admin/config");
       config = c.config;
@@ -126,7 +160,44 @@
     renderConfig(stats);
     renderUnmatched(stats.unmatched);
     renderRoutes(stats);
+    renderTop(top);
+    renderFleet(fleet);
+    renderBanners(stats, fleet);
     renderDeny(deny);
+  }
+
+  // The fleet view every few seconds (its heartbeats come every 2 s).
+  const FLEET_EVERY_MS = 3000;
+  let fleetAt = 0;
+  let fleetLast = null;
+
+  async function getFleet() {
+    const now = Date.now();
+    if (fleetLast && now - fleetAt < FLEET_EVERY_MS) return fleetLast;
+    fleetLast = await getJson("/admin/fleet");
+    fleetAt = now;
+    return fleetLast;
+  }
+
+  function renderBanners(stats, fleet) {
+    const last = stats.config.last_reload;
+    if (last && last.result !== "success") {
+      let first = String(last.error || "").split("\n")[0].trim();
+      if (!/[.!?]$/.test(first)) first += ".";
+      showBanner(
+        "reload",
+        `The last reload failed (${utc(last.at)}, via ${last.trigger}): ${first} The configuration loaded ${utc(stats.config.loaded_at)} is still serving.`
+      );
+    } else hideBanner("reload");
+    if (!stats.ready) {
+      showBanner("ready", `Not ready (/readyz answers 503): ${stats.not_ready.join(", ")}.`);
+    } else hideBanner("ready");
+    if (fleet && fleet.consistent === false) {
+      showBanner(
+        "fleet",
+        `The fleet runs ${fleet.config_hashes} different configurations: an instance has not reloaded (see Fleet).`
+      );
+    } else hideBanner("fleet");
   }
 
   async function poll() {
@@ -135,7 +206,7 @@
     try {
       await refresh();
       showApp();
-      $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      $("status").textContent = `updated ${utcTime(Date.now())}`;
       $("status").className = "muted";
     } catch (e) {
       if (e instanceof Unauthorized) {
@@ -192,7 +263,7 @@
     const dl = $("config");
     clear(dl);
     row(dl, "hash", el("code", null, c.hash.slice(0, 12)));
-    row(dl, "loaded", `${c.loaded_at} (${ago(c.loaded_at, stats.now_ms)})`);
+    row(dl, "loaded", `${utc(c.loaded_at)} (${ago(c.loaded_at, stats.now_ms)})`);
     const last = c.last_reload;
     if (!last) {
       row(dl, "last reload", el("span", { class: "muted" }, "none since start"));
@@ -202,7 +273,7 @@
         dl,
         "last reload",
         badge(ok, "success", "failure"),
-        ` via ${last.trigger}, ${last.at} (${ago(last.at, stats.now_ms)})`
+        ` via ${last.trigger}, ${utc(last.at)} (${ago(last.at, stats.now_ms)})`
       );
       if (!ok) row(dl, "error", el("pre", { class: "error", id: "reload-error" }, last.error));
     }
@@ -281,14 +352,18 @@
       const counters = el("div", { class: "counters" });
       const chart = svg("svg", { class: "chart", viewBox: "0 0 320 90", preserveAspectRatio: "none" });
       const top = el("span", { class: "tick top" });
-      const plot = el(
-        "div",
-        { class: "plot" },
-        chart,
-        top,
-        el("span", { class: "tick start" }, "-5m"),
-        el("span", { class: "tick end" }, "now")
-      );
+      const startTick = el("span", { class: "tick start" }, "-5m");
+      const endTick = el("span", { class: "tick end" }, "now");
+      const plot = el("div", { class: "plot" }, chart, top, startTick, endTick);
+      const longChart = svg("svg", { class: "chart", viewBox: "0 0 320 90", preserveAspectRatio: "none" });
+      const longTop = el("span", { class: "tick top" });
+      const longStart = el("span", { class: "tick start" }, "-2h");
+      const longEnd = el("span", { class: "tick end" }, "now");
+      const longPlot = el("div", { class: "plot" }, longChart, longTop, longStart, longEnd);
+      // What the upstream answered, and what sluice could not forward.
+      const upstream = el("div", { class: "upstream small" });
+      const byLimit = el("div", { class: "by-limit small" });
+      const offenders = el("div", { class: "offenders" });
       const legend = el("div", { class: "legend" });
       for (const [key, label] of LINES) legend.append(el("span", { class: `key ${key}` }, label));
       const card = el(
@@ -296,11 +371,16 @@
         { class: "card route", dataset: { route: r.name } },
         el("div", { class: "route-head" }, el("h3", null, r.name)),
         el("div", { class: "route-body" },
-          el("div", { class: "route-left" }, info, limits),
-          el("div", { class: "route-right" }, counters, plot, legend))
+          el("div", { class: "route-left" }, info, limits, byLimit),
+          el("div", { class: "route-right" }, counters, upstream, plot, longPlot, legend)),
+        offenders
       );
       box.append(card);
-      routeViews.set(r.name, { counters, chart, top, cells: new Map() });
+      routeViews.set(r.name, {
+        counters, chart, top, startTick, endTick, longChart, longTop, longStart, longEnd,
+        upstream, byLimit, offenders, cells: new Map(), topShown: null,
+        isUpstream: Boolean(r.upstream), hasLimits: Boolean(r.limits && r.limits.length),
+      });
     }
   }
 
@@ -324,7 +404,160 @@
         cell.num.textContent = String(n);
         cell.per.textContent = `${rate(rates[d] || 0)}/s`;
       }
-      v.top.textContent = `${drawChart(v.chart, samples, stats.now_ms, stats.keep_ms)}/s`;
+      v.top.textContent = `${drawChart(v.chart, samples, stats.now_ms, stats.keep_ms)}/s · last 5 minutes`;
+      v.startTick.textContent = utcTime(stats.now_ms - stats.keep_ms);
+      v.endTick.textContent = `${utcTime(stats.now_ms)} (now)`;
+      if (r.long_history) {
+        const long = series(r.long_history, r.totals, stats.now_ms);
+        v.longTop.textContent = `${drawChart(v.longChart, long, stats.now_ms, stats.long_keep_ms)}/s · last 2 hours, a point a minute`;
+        v.longStart.textContent = utcTime(stats.now_ms - stats.long_keep_ms);
+        v.longEnd.textContent = `${utcTime(stats.now_ms)} (now)`;
+      }
+      renderUpstream(v, r);
+      renderByLimit(v, r);
+    }
+  }
+
+  function renderUpstream(v, r) {
+    clear(v.upstream);
+    if (!v.isUpstream || !r.upstream) return;
+    const u = r.upstream;
+    const e = r.upstream_errors;
+    v.upstream.append(el("span", { class: "muted" }, "upstream answered "));
+    for (const c of ["2xx", "3xx", "4xx", "5xx"]) {
+      const bad = c === "5xx" && u[c] > 0;
+      v.upstream.append(el("span", { class: `status s${c[0]}${bad ? " bad" : ""}`, dataset: { code: c } }, `${c} ${u[c]}`));
+    }
+    const failed = e.connect + e.timeout + e.reset + e.busy;
+    v.upstream.append(
+      el(
+        "span",
+        { class: `status failed${failed > 0 ? " bad" : ""}`, dataset: { code: "failed" } },
+        `not answered ${failed}`
+      )
+    );
+    if (failed > 0) {
+      v.upstream.append(
+        el("span", { class: "muted" }, ` (connect ${e.connect}, timeout ${e.timeout}, reset ${e.reset}, busy ${e.busy})`)
+      );
+    }
+  }
+
+  function renderByLimit(v, r) {
+    clear(v.byLimit);
+    const names = Object.keys(r.refused_by_limit || {});
+    if (!names.length) return;
+    v.byLimit.append(el("div", { class: "muted" }, "refused (429) by limit"));
+    const ul = el("ul", { class: "by-limit-list" });
+    for (const n of names) {
+      ul.append(el("li", { dataset: { limit: n } }, el("b", null, r.refused_by_limit[n]), ` ${n}`));
+    }
+    v.byLimit.append(ul);
+  }
+
+  // === top offenders, with deny buttons ===
+
+  function renderTop(rows) {
+    const byRoute = new Map();
+    for (const row of rows) {
+      if (!byRoute.has(row.route)) byRoute.set(row.route, []);
+      byRoute.get(row.route).push(row);
+    }
+    for (const [name, v] of routeViews) {
+      if (!v.hasLimits) continue;
+      const mine = (byRoute.get(name) || []).slice(0, 10);
+      const text = JSON.stringify(mine.map((r) => [r.key, r.ip, r.refused, r.allowed]));
+      if (text === v.topShown) continue;
+      v.topShown = text;
+      drawOffenders(name, v, mine);
+    }
+  }
+
+  function drawOffenders(route, v, rows) {
+    // The inputs are kept across redraws (an operator may be typing in them).
+    if (!v.ttl) {
+      v.ttl = el("input", { class: "short", value: "1h", "aria-label": `ttl for ${route}` });
+      v.reason = el("input", { class: "wide", value: `top offender on ${route}`, "aria-label": `reason for ${route}` });
+      v.topMessage = el("span", { class: "small" });
+      v.topBody = el("tbody");
+      v.offenders.append(
+        el("h4", null, "Top offenders ", el("span", { class: "muted small" }, "most refused in the last 1–2 minutes, this instance")),
+        el("div", { class: "deny-form" }, el("label", { class: "small muted" }, "deny for ", v.ttl), el("label", { class: "small muted wide" }, "reason ", v.reason), v.topMessage),
+        el("table", { class: "deny top" },
+          el("thead", null, el("tr", null, el("th", null, "key"), el("th", null, "ip"), el("th", null, "refused"), el("th", null, "allowed"), el("th", null, "last seen"), el("th", null, ""))),
+          v.topBody)
+      );
+    }
+    clear(v.topBody);
+    if (!rows.length) {
+      v.topBody.append(el("tr", null, el("td", { colspan: "6", class: "muted" }, "No one refused lately.")));
+      return;
+    }
+    for (const r of rows) {
+      const denyKey = el("button", { type: "button", class: "remove" }, "Deny key");
+      const denyIp = el("button", { type: "button", class: "remove" }, "Deny IP");
+      denyKey.addEventListener("click", () => denyFromTop(v, { key: r.key }, `key ${r.key}`));
+      denyIp.addEventListener("click", () => denyFromTop(v, { ip: r.ip }, `ip ${r.ip}`));
+      const refused = r.error > 0 ? `${r.refused} (±${r.error})` : String(r.refused);
+      v.topBody.append(
+        el("tr", { dataset: { key: r.key, ip: r.ip } },
+          el("td", { class: "value" }, el("code", null, r.key)),
+          el("td", { class: "value" }, el("code", null, r.ip)),
+          el("td", { class: "num" }, refused),
+          el("td", { class: "num" }, String(r.allowed)),
+          el("td", null, utcTime(r.last_seen)),
+          el("td", { class: "actions" }, denyKey, " ", denyIp))
+      );
+    }
+  }
+
+  // The same command as `sluice deny add`: POST /admin/deny.
+  async function denyFromTop(v, target, what) {
+    const body = { ...target };
+    const ttl = v.ttl.value.trim();
+    const reason = v.reason.value;
+    if (ttl) body.ttl = ttl;
+    if (reason) body.reason = reason;
+    try {
+      const r = await api("POST", "/admin/deny", body);
+      const text = (await r.text()).trim();
+      v.topMessage.textContent = r.ok ? `Denied ${what}${ttl ? ` for ${ttl}` : ""}.` : `${r.status}: ${text}`;
+      v.topMessage.className = r.ok ? "small ok" : "small error";
+      if (r.ok) renderDeny(await getDenyPage());
+    } catch (e) {
+      if (e instanceof Unauthorized) return showLogin("That token was refused.");
+      v.topMessage.textContent = e.message;
+      v.topMessage.className = "small error";
+    }
+  }
+
+  // === the fleet ===
+
+  function renderFleet(f) {
+    const note = f.store === "redis"
+      ? `${f.instances.length} instance${f.instances.length === 1 ? "" : "s"} on this Redis, counts summed over them since each started`
+      : "memory store: this instance alone";
+    $("fleet-note").textContent = f.error ? `${note} (${f.error})` : note;
+    const totals = $("fleet-totals");
+    clear(totals);
+    for (const [route, c] of Object.entries(f.routes || {})) {
+      const parts = MAIN.map((d) => `${d} ${c[d] || 0}`);
+      totals.append(el("div", { class: "fleet-route", dataset: { route } }, el("b", null, route), ` ${parts.join(" · ")}`));
+    }
+    const body = $("fleet");
+    clear(body);
+    const hashes = new Set(f.instances.map((i) => i.config_hash));
+    for (const i of f.instances) {
+      const odd = hashes.size > 1;
+      body.append(
+        el("tr", { dataset: { id: i.id } },
+          el("td", null, el("code", null, i.id), i.self ? el("span", { class: "muted" }, " (this one)") : null),
+          el("td", null, i.addr),
+          el("td", null, i.version),
+          el("td", null, el("code", { class: odd ? "error" : "" }, i.config_hash.slice(0, 12))),
+          el("td", null, badge(i.ready, "ready", "not ready")),
+          el("td", null, utcTime(i.last_seen)))
+      );
     }
   }
 
@@ -455,7 +688,7 @@
       return;
     }
     for (const e of entries) {
-      const expires = e.expires_at ? new Date(e.expires_at).toLocaleString() : "never";
+      const expires = e.expires_at ? utc(e.expires_at) : "never";
       let action = null;
       if (e.source !== "static") {
         action = el("button", { type: "button", class: "remove" }, "Remove");
