@@ -11,3 +11,4 @@ mod concurrency_faults;
 mod gateway;
 mod refusal_logs;
 mod reload_state;
+mod upstream_metrics;
