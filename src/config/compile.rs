@@ -76,6 +76,7 @@ pub fn compile(
             // Validation keeps it at most 1MiB.
             request_buffer: usize::try_from(f.server.request_buffer.0).unwrap_or(usize::MAX),
             tunnel_idle: f.server.tunnel_idle_timeout.get(),
+            probe: u.probe,
         };
         let spec = opts.spec(name, &targets);
         let up = match previous.and_then(|p| p.upstreams.get(name)) {

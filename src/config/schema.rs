@@ -281,6 +281,15 @@ pub struct Upstream {
     /// targets.
     #[serde(default = "default_upstream_connections")]
     pub max_connections: Num<usize>,
+    /// At startup and when a reload builds the upstream anew, open one connection
+    /// to each target and log a warning for each that takes none; `false` for an
+    /// upstream that must see no connection without a request.
+    #[serde(default = "yes")]
+    pub probe: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_upstream_connections() -> Num<usize> {

@@ -260,6 +260,8 @@ pub struct Upstream {
     /// (`client_share`).
     held: Arc<PerIp>,
     share: usize,
+    /// `upstreams.*.probe`: whether `warn_absent` connects to its targets.
+    probe: bool,
 }
 
 /// How an upstream is reached, beyond its targets.
@@ -282,6 +284,8 @@ pub struct UpstreamOpts<'a> {
     /// `server.tunnel_idle_timeout`: a tunnel with no bytes either way this long
     /// is closed.
     pub tunnel_idle: Duration,
+    /// Whether `warn_absent` probes its targets (`upstreams.*.probe`).
+    pub probe: bool,
 }
 
 impl UpstreamOpts<'_> {
@@ -416,6 +420,7 @@ impl Upstream {
             tunnel_idle: o.tunnel_idle,
             held: Arc::default(),
             share: client_share(o.max_connections),
+            probe: o.probe,
         })
     }
 
@@ -702,6 +707,10 @@ impl Upstream {
 /// per target that takes no connection: at startup, and for the upstreams a reload
 /// built anew (an unchanged upstream is not probed again).
 pub fn warn_absent(upstreams: Vec<Arc<Upstream>>) {
+    if upstreams.is_empty() {
+        return;
+    }
+    let upstreams: Vec<_> = upstreams.into_iter().filter(|up| up.probe).collect();
     if upstreams.is_empty() {
         return;
     }

@@ -628,7 +628,7 @@ pub async fn plain_gateway(up: &str) -> Running {
     start_gateway(&format!(
         r#"
 upstreams:
-  app: {{targets: ["{up}"]}}
+  app: {{targets: ["{up}"], probe: false}}
 routes:
   - {{name: text, match: {{path: /text}}, respond: {{status: 200, body: "ok\n"}}}}
   - {{name: empty, match: {{path: /empty}}, respond: {{status: 204, body: ""}}}}

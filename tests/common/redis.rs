@@ -384,22 +384,7 @@ impl SluiceProcess {
             .arg(config.path())
             .envs(env.iter().copied());
         cmd.stdout(Stdio::null()).stderr(Stdio::null());
-        let child = spawn_grouped(&mut cmd).expect("start sluice");
-        let p = SluiceProcess {
-            child,
-            addr: ([127, 0, 0, 1], port).into(),
-            admin: ([127, 0, 0, 1], admin_port).into(),
-            _config: config,
-        };
-        let up = eventually(BOUND, || async {
-            match TcpStream::connect(p.admin).await {
-                Ok(_) => get(p.admin, "/healthz", &[]).await.status == 200,
-                Err(_) => false,
-            }
-        })
-        .await;
-        assert!(up.is_some(), "sluice process did not come up");
-        p
+        Self::launch(cmd, config, port, admin_port).await
     }
 
     /// `sluice run` of `yaml` exactly as written (a file whose listeners are
@@ -422,6 +407,17 @@ impl SluiceProcess {
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        Self::launch(cmd, config, port, admin_port).await
+    }
+
+    /// Starts `cmd` (a `sluice run` of `config`, listening on `port` and
+    /// `admin_port`) and waits for its `/healthz`.
+    async fn launch(
+        mut cmd: Command,
+        config: tempfile::NamedTempFile,
+        port: u16,
+        admin_port: u16,
+    ) -> SluiceProcess {
         let child = spawn_grouped(&mut cmd).expect("start sluice");
         let p = SluiceProcess {
             child,

@@ -137,7 +137,7 @@ fn proxy(target: SocketAddr, extra: &str) -> String {
     format!(
         r#"
 upstreams:
-  app: {{targets: ["http://{target}"]{extra}}}
+  app: {{targets: ["http://{target}"], probe: false{extra}}}
 routes:
   - name: login
     match: {{path: /login}}

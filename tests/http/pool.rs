@@ -46,7 +46,7 @@ async fn counting_upstream(
 
 fn config(up: SocketAddr) -> String {
     format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"]}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     )
 }
 
@@ -139,7 +139,7 @@ async fn a_connection_still_taking_an_upload_is_not_lent_to_the_next_request() {
     // Streamed as it comes (no read-ahead), so the upload is still going on when
     // the answer arrives.
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1, request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", workers: 1, request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let mut upload = connect(gw.addr).await;

@@ -63,7 +63,7 @@ async fn big_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
 
 fn config(up: SocketAddr, server: &str) -> String {
     format!(
-        "server: {{listen: \"127.0.0.1:0\", {server}}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], max_connections: 1, connect_timeout: 200ms, timeout: 10s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", {server}}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, max_connections: 1, connect_timeout: 200ms, timeout: 10s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     )
 }
 
@@ -241,7 +241,7 @@ async fn the_client_timeout_counter_starts_at_zero() {
 async fn an_idle_tunnel_is_closed() {
     let up = upstream().await;
     let yaml = format!(
-        "server: {{listen: \"127.0.0.1:0\", tunnel_idle_timeout: 500ms}}\nupstreams:\n  app: {{targets: [\"{}\"]}}\nroutes:\n  - {{name: ws, match: {{path_prefix: /}}, upstream: app}}\n",
+        "server: {{listen: \"127.0.0.1:0\", tunnel_idle_timeout: 500ms}}\nupstreams:\n  app: {{targets: [\"{}\"], probe: false}}\nroutes:\n  - {{name: ws, match: {{path_prefix: /}}, upstream: app}}\n",
         up.url()
     );
     let gw = start_gateway(&yaml).await;
@@ -320,7 +320,7 @@ async fn an_h2_stream_whose_window_stays_closed_frees_the_upstream() {
 async fn a_slow_steady_upload_is_not_an_upstream_timeout() {
     let (up, complete) = big_upstream().await;
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\"}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 600ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\"}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, timeout: 600ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let mut s = connect(gw.addr).await;
@@ -355,7 +355,7 @@ async fn an_upstream_that_stops_reading_the_body_times_out() {
         }
     });
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\", max_request_body: 256MiB}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 500ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", max_request_body: 256MiB}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, timeout: 500ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     const LEN: usize = 128 << 20;
@@ -394,7 +394,7 @@ async fn an_upstream_that_stops_reading_the_body_times_out() {
 /// A gateway in front of `up` whose response bodies may be silent 300 ms at most.
 fn read_timeout_config(up: SocketAddr) -> String {
     format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 2s, read_timeout: 300ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, timeout: 2s, read_timeout: 300ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     )
 }
 
@@ -576,7 +576,7 @@ async fn an_upstream_waiting_on_a_slow_upload_is_not_cut() {
     })
     .await;
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\", request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 2s, read_timeout: 300ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, timeout: 2s, read_timeout: 300ms}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let mut c = connect(gw.addr).await;

@@ -39,7 +39,7 @@ async fn closing_on_the_second() -> (
 async fn a_plain_request_is_sent_again_on_another_connection() {
     let (up, accepted, heads) = closing_on_the_second().await;
     let gw = start_gateway(&format!(
-        "upstreams:\n  app: {{targets: [\"http://{up}\"]}}\nroutes:\n  - {{name: all, match: {{path_prefix: /}}, upstream: app}}\n"
+        "upstreams:\n  app: {{targets: [\"http://{up}\"], probe: false}}\nroutes:\n  - {{name: all, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let mut c = connect(gw.addr).await;
@@ -63,7 +63,7 @@ async fn a_plain_request_is_sent_again_on_another_connection() {
 async fn a_request_with_a_body_is_not_sent_again() {
     let (up, accepted, _) = closing_on_the_second().await;
     let gw = start_gateway(&format!(
-        "upstreams:\n  app: {{targets: [\"http://{up}\"]}}\nroutes:\n  - {{name: all, match: {{path_prefix: /}}, upstream: app}}\n"
+        "upstreams:\n  app: {{targets: [\"http://{up}\"], probe: false}}\nroutes:\n  - {{name: all, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let mut c = connect(gw.addr).await;

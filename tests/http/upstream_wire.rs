@@ -29,7 +29,7 @@ async fn step<F: std::future::Future>(what: &str, f: F) -> F::Output {
 
 fn config(up: SocketAddr) -> String {
     format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, timeout: 1s}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     )
 }
 
@@ -629,7 +629,7 @@ async fn no_failure_keeps_the_one_upstream_connection_slot() {
     })
     .await;
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1, request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], timeout: 300ms, connect_timeout: 500ms, max_connections: 1}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
+        "server: {{listen: \"127.0.0.1:0\", workers: 1, request_buffer: 0}}\nupstreams:\n  app: {{targets: [\"http://{up}\"], probe: false, timeout: 300ms, connect_timeout: 500ms, max_connections: 1}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n"
     ))
     .await;
     let ok = || async {
@@ -893,7 +893,7 @@ async fn idle_tls_connections_the_upstream_closed_are_not_used_again() {
         }
     });
     let gw = start_gateway(&format!(
-        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"https://{up}\"], timeout: 1s, tls_ca: \"{}\"}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n",
+        "server: {{listen: \"127.0.0.1:0\", workers: 1}}\nupstreams:\n  app: {{targets: [\"https://{up}\"], probe: false, timeout: 1s, tls_ca: \"{}\"}}\nroutes:\n  - {{name: rest, match: {{path_prefix: /}}, upstream: app}}\n",
         certs.cert_pem.path().display()
     ))
     .await;

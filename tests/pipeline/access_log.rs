@@ -282,6 +282,10 @@ async fn an_absent_upstream_is_a_warning_at_startup_after_a_reload_and_on_every_
     // Nothing listens on either port.
     let (dead, dead2) = (free_port(), free_port());
     let target = format!("127.0.0.1:{dead}");
+    // An upstream with `probe: false` is never probed, absent as it is.
+    let quiet = free_port();
+    let quiet_upstream =
+        format!("upstreams:\n  quiet: {{targets: [\"http://127.0.0.1:{quiet}\"], probe: false}}\n");
     let s = Sluice::start_yaml(false, |port, admin| {
         yaml(
             port,
@@ -289,6 +293,7 @@ async fn an_absent_upstream_is_a_warning_at_startup_after_a_reload_and_on_every_
             &format!("http://{target}"),
             "{format: json, sample: 0}",
         )
+        .replace("upstreams:\n", &quiet_upstream)
     })
     .await;
     let startup = wait_warnings(&s, "takes no connection", 1).await;
@@ -358,5 +363,9 @@ async fn an_absent_upstream_is_a_warning_at_startup_after_a_reload_and_on_every_
     let last = wait_warnings(&s, &format!("127.0.0.1:{dead3}"), 1).await;
     assert!(last[0].contains("takes no connection"), "{}", last[0]);
     assert_eq!(warnings(&s, "takes no connection").len(), 3);
+    assert_eq!(
+        warnings(&s, &format!("127.0.0.1:{quiet}")),
+        Vec::<String>::new()
+    );
     s.stop().await;
 }
