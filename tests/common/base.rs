@@ -102,6 +102,26 @@ pub fn spawn_grouped(cmd: &mut Command) -> std::io::Result<Spawned> {
     Ok(Spawned { child: Some(child) })
 }
 
+/// Lines a child writes to stderr, collected as they come (`spawn_logged`).
+pub type Lines = Arc<Mutex<Vec<String>>>;
+
+/// `cmd` started as `spawn_grouped` does, with its stderr read line by line into
+/// `Lines` by a thread, which ends when the pipe closes.
+pub fn spawn_logged(cmd: &mut Command) -> (Spawned, Lines, std::thread::JoinHandle<()>) {
+    use std::io::BufRead;
+    let mut child = spawn_grouped(cmd.stderr(Stdio::piped())).expect("the child starts");
+    let pipe = child.stderr.take().expect("stderr piped");
+    let lines: Lines = Arc::default();
+    let sink = lines.clone();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            sink.lock().unwrap().push(line);
+        }
+    });
+    (child, lines, reader)
+}
+
 /// Runs `cmd` to its end as a `Spawned` child: its status and output (stdin empty,
 /// stdout and stderr captured), like `Command::output`.
 pub fn run_grouped(cmd: &mut Command) -> std::io::Result<Output> {

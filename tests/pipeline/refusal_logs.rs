@@ -4,9 +4,7 @@
 //! at most a second's budget of lines, every line not written counted. No line of
 //! the process names a client key, the lines of a ban and its end included.
 
-use std::io::BufRead;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::common::redis::RedisServer;
@@ -52,7 +50,7 @@ routes:
 /// A running `sluice run`, its stderr read line by line as it comes.
 pub(crate) struct Sluice {
     process: Spawned,
-    pub lines: Arc<Mutex<Vec<String>>>,
+    pub lines: Lines,
     reader: Option<std::thread::JoinHandle<()>>,
     pub port: u16,
     pub admin: u16,
@@ -78,25 +76,14 @@ impl Sluice {
         if json {
             args.extend(["--log-format", "json"]);
         }
-        let mut process = spawn_grouped(
+        let (process, lines, reader) = spawn_logged(
             Command::new(SLUICE)
                 .args(&args)
                 .env_remove("SLUICE_CONFIG")
                 .env("SLUICE_LOG", "info")
                 .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped()),
-        )
-        .expect("sluice starts");
-        let pipe = process.stderr.take().unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = lines.clone();
-        let reader = std::thread::spawn(move || {
-            for line in std::io::BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                sink.lock().unwrap().push(line);
-            }
-        });
+                .stdout(Stdio::null()),
+        );
         let s = Sluice {
             process,
             lines,

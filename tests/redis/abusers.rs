@@ -6,10 +6,8 @@
 //! dashboard's), refused by the other instance too, and the fleet view with both
 //! instances, one configuration hash and the summed counts.
 
-use std::io::BufRead;
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::common::redis::RedisServer;
@@ -22,7 +20,7 @@ const SLUICE: &str = env!("CARGO_BIN_EXE_sluice");
 /// One `sluice run` of the example, its stderr collected line by line.
 struct Instance {
     process: Spawned,
-    lines: Arc<Mutex<Vec<String>>>,
+    lines: Lines,
     port: u16,
     admin: u16,
 }
@@ -30,7 +28,7 @@ struct Instance {
 impl Instance {
     async fn start(config: &std::path::Path, redis: &RedisServer) -> Instance {
         let (port, admin) = (free_port(), free_port());
-        let mut process = spawn_grouped(
+        let (process, lines, _reader) = spawn_logged(
             Command::new(SLUICE)
                 .args(["run", "-c"])
                 .arg(config)
@@ -40,19 +38,8 @@ impl Instance {
                 .env("SLUICE_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
                 .env("REDIS_URL", redis.url())
                 .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped()),
-        )
-        .expect("sluice starts");
-        let pipe = process.stderr.take().unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = lines.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                sink.lock().unwrap().push(line);
-            }
-        });
+                .stdout(Stdio::null()),
+        );
         let i = Instance {
             process,
             lines,
