@@ -294,6 +294,8 @@ pub fn render(
                 "last_seen": rfc3339(h.last_seen_ms),
                 "last_seen_ms": h.last_seen_ms,
                 "self": h.id == own.id,
+                // Its own counts, as of its last heartbeat (this instance's: now).
+                "routes": h.routes,
             })
         })
         .collect();
@@ -382,7 +384,8 @@ mod tests {
         assert_eq!(
             v["instances"][1],
             serde_json::json!({"id": "b", "addr": "b:8080", "version": "1.0.0", "config_hash": "h1",
-                "ready": true, "last_seen": "1970-01-01T00:00:02Z", "last_seen_ms": 2000, "self": true})
+                "ready": true, "last_seen": "1970-01-01T00:00:02Z", "last_seen_ms": 2000, "self": true,
+                "routes": {"api": {"allowed": 5, "limited": 1}}})
         );
         assert_eq!(v["instances"][0]["self"], false);
         assert_eq!(

@@ -719,6 +719,34 @@ async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
         browser.eval("return [...document.querySelectorAll('#fleet tr td:nth-child(4) code')].map(e => e.textContent)").await,
         json!([fleet["instances"][0]["config_hash"].as_str().unwrap()[..12], fleet["instances"][1]["config_hash"].as_str().unwrap()[..12]])
     );
+    // Each instance beside the sums: its own decisions over its routes.
+    let own: Vec<String> = fleet["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            let sum = |d: &str| -> u64 {
+                let routes = i["routes"].as_object().unwrap();
+                routes.values().map(|c| c[d].as_u64().unwrap_or(0)).sum()
+            };
+            let (a, l, d) = (sum("allowed"), sum("limited"), sum("denied"));
+            format!("allowed {a} · limited {l} · denied {d}")
+        })
+        .collect();
+    assert_eq!(
+        own.iter()
+            .map(|o| o.split(' ').nth(1).unwrap().parse::<u64>().unwrap())
+            .sum::<u64>(),
+        allowed + 5,
+        "{own:?}"
+    );
+    browser
+        .wait_for(
+            "each instance's own decisions",
+            "return [...document.querySelectorAll('#fleet td.decisions')].map(e => e.textContent)",
+            json!(own),
+        )
+        .await;
     // The upstream's answers beside the decisions: the 5xx marked, the 401s.
     browser
         .wait_for(

@@ -533,6 +533,13 @@
 
   // === the fleet ===
 
+  // An instance's own allowed · limited · denied, over its routes.
+  function instanceDecisions(routes) {
+    const sum = { allowed: 0, limited: 0, denied: 0 };
+    for (const c of Object.values(routes)) for (const d of MAIN) sum[d] += c[d] || 0;
+    return MAIN.map((d) => `${d} ${sum[d]}`).join(" · ");
+  }
+
   function renderFleet(f) {
     const note = f.store === "redis"
       ? `${f.instances.length} instance${f.instances.length === 1 ? "" : "s"} on this Redis, counts summed over them since each started`
@@ -556,6 +563,7 @@
           el("td", null, i.version),
           el("td", null, el("code", { class: odd ? "error" : "" }, i.config_hash.slice(0, 12))),
           el("td", null, badge(i.ready, "ready", "not ready")),
+          el("td", { class: "decisions" }, instanceDecisions(i.routes || {})),
           el("td", null, utcTime(i.last_seen)))
       );
     }
