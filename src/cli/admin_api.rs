@@ -17,6 +17,7 @@ use serde::Serialize;
 use crate::config::{self, ConfigErrors};
 use crate::deny::Target;
 use crate::ops::admin::TopRow;
+use crate::telemetry::metrics::Decision;
 
 /// How long one call may take, from connecting to the last byte of the answer.
 pub const CALL_BOUND: Duration = Duration::from_secs(10);
@@ -773,16 +774,7 @@ pub fn fleet_text(v: &serde_json::Value) -> String {
         &rows,
     );
     out.push('\n');
-    let decisions = [
-        "allowed",
-        "delayed",
-        "limited",
-        "denied",
-        "shadow",
-        "store_error_allowed",
-        "store_error_denied",
-        "bad_request",
-    ];
+    let decisions: Vec<&str> = Decision::of_route().map(Decision::as_str).collect();
     let rows: Vec<Vec<String>> = v["routes"]
         .as_object()
         .into_iter()

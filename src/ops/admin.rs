@@ -62,12 +62,6 @@ base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 const UNMATCHED_DECISIONS: [Decision; 3] =
     [Decision::Denied, Decision::Unmatched, Decision::BadRequest];
 
-fn route_decisions() -> impl Iterator<Item = Decision> + Clone {
-    Decision::ALL
-        .into_iter()
-        .filter(|d| *d != Decision::Unmatched)
-}
-
 /// The admin port's HTTP/1 requests, as sluice's own server hands them over.
 impl Site for Admin {
     type Peer = Peer;
@@ -216,9 +210,9 @@ impl Admin {
                 let [connect, timeout, reset, busy] = r.metrics.upstream_error_totals();
                 serde_json::json!({
                     "name": r.name,
-                    "totals": totals_json(&r.metrics.totals(), route_decisions()),
-                    "history": history_json(&self.history.route(&r.name), route_decisions()),
-                    "long_history": history_json(&self.history.route_long(&r.name), route_decisions()),
+                    "totals": totals_json(&r.metrics.totals(), Decision::of_route()),
+                    "history": history_json(&self.history.route(&r.name), Decision::of_route()),
+                    "long_history": history_json(&self.history.route_long(&r.name), Decision::of_route()),
                     "upstream": {"1xx": c1, "2xx": c2, "3xx": c3, "4xx": c4, "5xx": c5},
                     "upstream_errors": {"connect": connect, "timeout": timeout, "reset": reset, "busy": busy},
                     "refused_by_limit": refused_by_limit(r),

@@ -118,7 +118,7 @@ impl Fleet {
                 .iter()
                 .map(|r| {
                     let t = r.metrics.totals();
-                    let counts = route_decisions()
+                    let counts = Decision::of_route()
                         .map(|d| (d.as_str().to_string(), t[d.index()]))
                         .collect();
                     (r.name.clone(), counts)
@@ -248,13 +248,6 @@ impl Fleet {
     }
 }
 
-/// The decisions of a route's requests (all but `unmatched`).
-fn route_decisions() -> impl Iterator<Item = Decision> {
-    Decision::ALL
-        .into_iter()
-        .filter(|d| *d != Decision::Unmatched)
-}
-
 /// The view from `own` (this instance now) and the heartbeats read from Redis
 /// (`own`'s last one among them is left out: its live counters count instead).
 pub fn render(
@@ -270,7 +263,7 @@ pub fn render(
     for hb in &all {
         for (route, counts) in &hb.routes {
             let sum = routes.entry(route.clone()).or_insert_with(|| {
-                route_decisions()
+                Decision::of_route()
                     .map(|d| (d.as_str().to_string(), 0))
                     .collect()
             });

@@ -386,6 +386,14 @@ impl Decision {
         Decision::BadRequest,
     ];
 
+    /// The decisions a route's requests can get (every one but `unmatched`), in the
+    /// order of `ALL`.
+    pub fn of_route() -> impl Iterator<Item = Decision> + Clone {
+        Decision::ALL
+            .into_iter()
+            .filter(|d| *d != Decision::Unmatched)
+    }
+
     /// Its place in `ALL` (and in `RouteMetrics::totals`): the order of declaration.
     pub fn index(self) -> usize {
         self as usize
