@@ -13,7 +13,9 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
 use regex::RegexBuilder;
 
-use super::schema::{self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit};
+use super::schema::{
+    self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit, UpstreamProtocol,
+};
 use super::validate::{status_pattern, StatusPattern};
 use super::value::Window;
 use super::Loaded;
@@ -31,7 +33,7 @@ use crate::pipeline::{
 };
 use crate::telemetry::access_log::{AccessLog, Format};
 use crate::telemetry::metrics::Metrics;
-use crate::upstream::{BuildError, Upstream, UpstreamOpts};
+use crate::upstream::{BuildError, Protocol, Upstream, UpstreamOpts};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {
@@ -77,6 +79,12 @@ pub fn compile(
             request_buffer: usize::try_from(f.server.request_buffer.0).unwrap_or(usize::MAX),
             tunnel_idle: f.server.tunnel_idle_timeout.get(),
             probe: u.probe,
+            protocol: match u.protocol {
+                UpstreamProtocol::Http1 => Protocol::Http1,
+                UpstreamProtocol::H2c => Protocol::H2c,
+                UpstreamProtocol::H2 => Protocol::H2,
+                UpstreamProtocol::Auto => Protocol::Auto,
+            },
         };
         let spec = opts.spec(name, &targets);
         let up = match previous.and_then(|p| p.upstreams.get(name)) {

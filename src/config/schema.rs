@@ -286,6 +286,25 @@ pub struct Upstream {
     /// upstream that must see no connection without a request.
     #[serde(default = "yes")]
     pub probe: bool,
+    /// What the upstream is spoken to in, whatever the client speaks.
+    #[serde(default)]
+    pub protocol: UpstreamProtocol,
+}
+
+/// `upstreams.*.protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1, connections kept alive between requests.
+    #[default]
+    Http1,
+    /// HTTP/2 with prior knowledge on a cleartext (`http://`) target: gRPC services.
+    H2c,
+    /// HTTP/2 over TLS (`https://`), offered by ALPN.
+    H2,
+    /// Over TLS, whichever of HTTP/2 and HTTP/1.1 the target picks by ALPN;
+    /// HTTP/1.1 on `http://` targets.
+    Auto,
 }
 
 fn yes() -> bool {

@@ -9,7 +9,9 @@ use std::path::Path;
 use http::{HeaderName, HeaderValue, Method, Uri};
 
 use super::locate::{field, item, Index, Pos};
-use super::schema::{AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, OnLimit, Route};
+use super::schema::{
+    AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, OnLimit, Route, UpstreamProtocol,
+};
 use super::value::{interpolate, Dur, Text, Window};
 use super::{ConfigError, ConfigWarning};
 
@@ -648,6 +650,8 @@ impl Checker<'_> {
             }
             for (i, t) in up.targets.iter().enumerate() {
                 if let Err(msg) = check_target(t) {
+                    self.at(&item(&targets, i), msg);
+                } else if let Err(msg) = check_protocol(up.protocol, t) {
                     self.at(&item(&targets, i), msg);
                 }
             }
@@ -1423,6 +1427,22 @@ pub fn explain_key_error(text: &str, index: &Index, route: &str) -> Option<(Pos,
 }
 
 /// An upstream target: `http://host[:port]` or `https://host[:port]`, nothing more.
+/// Whether `protocol` can be spoken to `target` (a valid target): HTTP/2 over
+/// TLS needs `https://`, and prior knowledge is cleartext only (h2c over TLS is
+/// not a thing a server answers).
+fn check_protocol(protocol: UpstreamProtocol, target: &str) -> Result<(), String> {
+    let https = target.starts_with("https://");
+    match protocol {
+        UpstreamProtocol::H2 if !https => Err(format!(
+            "protocol h2 is HTTP/2 over TLS and needs an https:// target, found {target:?}; for cleartext HTTP/2 use protocol: h2c"
+        )),
+        UpstreamProtocol::H2c if https => Err(format!(
+            "protocol h2c is cleartext HTTP/2 and needs an http:// target, found {target:?}; over TLS use protocol: h2 (or auto)"
+        )),
+        _ => Ok(()),
+    }
+}
+
 pub fn check_target(target: &str) -> Result<(), String> {
     const EXPECTED: &str = "http://host[:port] or https://host[:port]";
     let uri: Uri = target

@@ -285,6 +285,9 @@ async fn process(
         .access
         .as_ref()
         .and_then(|a| a.client_fields(&parts.headers));
+    // A gRPC call gets sluice's own answers in gRPC. Known before its fields go
+    // upstream; an HTTP/1 request (gRPC is HTTP/2) is looked at only if refused.
+    let grpc = parts.version == Version::HTTP_2 && crate::upstream::is_grpc(&parts.headers);
     let mut refused = false;
     let resp = match pass(&ctx, head, route, parts, body, &mut tally, plain).await {
         Ok(resp) => resp,
@@ -293,7 +296,8 @@ async fn process(
                 tally.decision = d;
                 refused = true;
             }
-            refusal.respond(unread_body)
+            let grpc = grpc || crate::upstream::is_grpc(&parts.headers);
+            refusal.respond(unread_body, grpc)
         }
     };
     if let Some(access) = &rt.access {

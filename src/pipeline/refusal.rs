@@ -4,7 +4,7 @@
 //! on every answer of a limited route, and the body wrapper that keeps a request's
 //! end-of-request work (tally, concurrency permit) alive until its body ends.
 
-use http::header::{HeaderValue, RETRY_AFTER};
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::http::body::{close, connect_refused, text, Body};
@@ -26,12 +26,17 @@ pub fn retry_after_secs(retry_after_us: u64) -> u64 {
     ceil_secs(retry_after_us).max(1)
 }
 
+/// What a refusal by a limit says.
+fn limited_message(route: &str, limit: &str, secs: u64) -> String {
+    format!("rate limit \"{limit}\" of route \"{route}\" exceeded; retry in {secs}s")
+}
+
 /// The 429 answer.
 pub fn limited(route: &str, limit: &str, retry_after_us: u64) -> Response<Body> {
     let secs = retry_after_secs(retry_after_us);
     let mut r = text(
         StatusCode::TOO_MANY_REQUESTS,
-        format!("rate limit \"{limit}\" of route \"{route}\" exceeded; retry in {secs}s\n"),
+        limited_message(route, limit, secs) + "\n",
     );
     r.headers_mut().insert(RETRY_AFTER, HeaderValue::from(secs));
     r
@@ -139,53 +144,162 @@ impl Refusal<'_> {
         }
     }
 
-    /// The answer.
-    pub fn respond(self, unread_body: bool) -> Response<Body> {
-        let status = self.status();
+    /// The gRPC status code a gRPC call gets instead of `status` (`grpc_answer`).
+    pub fn grpc_code(&self) -> u8 {
+        match self {
+            // What gRPC makes of an HTTP 400 and 405 (its HTTP-to-gRPC mapping).
+            Refusal::BadHead(_) | Refusal::Client(ClientFault::Malformed) => grpc::INTERNAL,
+            Refusal::Connect | Refusal::Unmatched => grpc::UNIMPLEMENTED,
+            Refusal::Denied(_) => grpc::PERMISSION_DENIED,
+            // The client is not identified.
+            Refusal::MissingKey(_) => grpc::UNAUTHENTICATED,
+            Refusal::UnprintableKey(_) => grpc::INVALID_ARGUMENT,
+            // As gRPC answers a message over its size limit.
+            Refusal::TooLarge(_) | Refusal::Upstream(ProxyError::TooLarge) => {
+                grpc::RESOURCE_EXHAUSTED
+            }
+            Refusal::Limited(_) => grpc::RESOURCE_EXHAUSTED,
+            Refusal::StoreDown => grpc::UNAVAILABLE,
+            Refusal::Upstream(ProxyError::Timeout) | Refusal::Client(ClientFault::Timeout) => {
+                grpc::DEADLINE_EXCEEDED
+            }
+            Refusal::Upstream(_) => grpc::UNAVAILABLE,
+            Refusal::Client(ClientFault::Aborted) => grpc::CANCELLED,
+        }
+    }
+
+    /// The answer: in gRPC for a gRPC call (`grpc`: its `content-type` is
+    /// `application/grpc…`), else in HTTP.
+    pub fn respond(self, unread_body: bool, grpc: bool) -> Response<Body> {
         let closes = self.closes(unread_body);
-        let mut r = match self {
-            Refusal::BadHead(bad) => bad.answer(),
-            Refusal::Connect => connect_refused(),
-            Refusal::Denied(_) => text(status, "access denied\n"),
-            Refusal::Unmatched => text(status, "no route matches this request\n"),
-            Refusal::MissingKey(part) => text(
-                status,
-                format!("missing {part} (absent, empty or sent more than once): this route needs it to identify the client\n"),
-            ),
-            Refusal::UnprintableKey(part) => text(
-                status,
-                format!("{part} holds a byte outside printable ASCII (0x20-0x7E), which an upstream may read as another key\n"),
-            ),
-            Refusal::TooLarge(max) => text(status, format!("request body larger than {max} bytes\n")),
-            Refusal::Limited(l) => {
-                let (name, retry) = match l.verdict.headline() {
-                    Some((i, o)) => (l.plan.limits[i].name.as_str(), o.retry_after_us),
-                    None => ("", l.verdict.retry_after_us()),
-                };
-                let mut r = limited(l.route, name, retry);
-                l.headers.apply(r.headers_mut(), l.plan, l.policy, &l.verdict);
-                r
-            }
-            Refusal::StoreDown => text(status, "rate limiter unavailable; try again later\n"),
-            Refusal::Upstream(e) => text(
-                status,
-                match e {
-                    ProxyError::Timeout => "upstream did not answer in time\n",
-                    ProxyError::TooLarge => "request body too large\n",
-                    ProxyError::Busy => "upstream busy\n",
-                    _ => "upstream unavailable\n",
-                },
-            ),
-            Refusal::Client(ClientFault::Malformed) => text(status, "malformed request body\n"),
-            Refusal::Client(ClientFault::Timeout) => text(status, "request body stalled\n"),
-            Refusal::Client(ClientFault::Aborted) => {
-                text(status, "request body ended before its end\n")
-            }
+        let mut r = if grpc {
+            self.grpc_answer()
+        } else {
+            self.http_answer()
         };
         if closes {
             r = close(r);
         }
         r
+    }
+
+    /// What the answer says, in one line (an HTTP answer's body, a gRPC answer's
+    /// `grpc-message`).
+    fn message(&self) -> String {
+        match self {
+            Refusal::BadHead(bad) => format!("bad request: {bad}"),
+            Refusal::Connect => "CONNECT is not supported: sluice is no forward proxy".into(),
+            Refusal::Denied(_) => "access denied".into(),
+            Refusal::Unmatched => "no route matches this request".into(),
+            Refusal::MissingKey(part) => format!(
+                "missing {part} (absent, empty or sent more than once): this route needs it to identify the client"
+            ),
+            Refusal::UnprintableKey(part) => format!(
+                "{part} holds a byte outside printable ASCII (0x20-0x7E), which an upstream may read as another key"
+            ),
+            Refusal::TooLarge(max) => format!("request body larger than {max} bytes"),
+            Refusal::Limited(l) => {
+                let (name, retry) = l.headline();
+                limited_message(l.route, name, retry_after_secs(retry))
+            }
+            Refusal::StoreDown => "rate limiter unavailable; try again later".into(),
+            Refusal::Upstream(e) => match e {
+                ProxyError::Timeout => "upstream did not answer in time",
+                ProxyError::TooLarge => "request body too large",
+                ProxyError::Busy => "upstream busy",
+                _ => "upstream unavailable",
+            }
+            .into(),
+            Refusal::Client(ClientFault::Malformed) => "malformed request body".into(),
+            Refusal::Client(ClientFault::Timeout) => "request body stalled".into(),
+            Refusal::Client(ClientFault::Aborted) => "request body ended before its end".into(),
+        }
+    }
+
+    /// A gRPC answer (gRPC over HTTP/2, "Trailers-Only"): HTTP 200 with
+    /// `grpc-status` and `grpc-message` in the head and no body; a limit's also has
+    /// the rate-limit fields, `retry-after` and `grpc-retry-pushback-ms` (the delay
+    /// gRPC's retry policy honours) as metadata.
+    fn grpc_answer(self) -> Response<Body> {
+        let mut r = Response::new(crate::http::body::empty());
+        let h = r.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(
+            grpc::STATUS.clone(),
+            HeaderValue::from(u16::from(self.grpc_code())),
+        );
+        if let Ok(v) = HeaderValue::from_str(&grpc::percent_encode(&self.message())) {
+            h.insert(grpc::MESSAGE.clone(), v);
+        }
+        if let Refusal::Limited(l) = &self {
+            let secs = retry_after_secs(l.headline().1);
+            h.insert(RETRY_AFTER, HeaderValue::from(secs));
+            h.insert(
+                grpc::RETRY_PUSHBACK_MS.clone(),
+                HeaderValue::from(secs * 1000),
+            );
+            l.headers.apply(h, l.plan, l.policy, &l.verdict);
+        }
+        r
+    }
+
+    fn http_answer(self) -> Response<Body> {
+        let status = self.status();
+        match self {
+            Refusal::BadHead(bad) => bad.answer(),
+            Refusal::Connect => connect_refused(),
+            Refusal::Limited(l) => {
+                let (name, retry) = l.headline();
+                let mut r = limited(l.route, name, retry);
+                l.headers
+                    .apply(r.headers_mut(), l.plan, l.policy, &l.verdict);
+                r
+            }
+            other => text(status, other.message() + "\n"),
+        }
+    }
+}
+
+impl Limited<'_> {
+    /// The limit the answer names, and its retry delay (microseconds).
+    fn headline(&self) -> (&str, u64) {
+        match self.verdict.headline() {
+            Some((i, o)) => (self.plan.limits[i].name.as_str(), o.retry_after_us),
+            None => ("", self.verdict.retry_after_us()),
+        }
+    }
+}
+
+/// gRPC's status codes and fields, as sluice answers gRPC calls itself.
+pub mod grpc {
+    use http::HeaderName;
+
+    pub const CANCELLED: u8 = 1;
+    pub const INVALID_ARGUMENT: u8 = 3;
+    pub const DEADLINE_EXCEEDED: u8 = 4;
+    pub const PERMISSION_DENIED: u8 = 7;
+    pub const RESOURCE_EXHAUSTED: u8 = 8;
+    pub const UNIMPLEMENTED: u8 = 12;
+    pub const INTERNAL: u8 = 13;
+    pub const UNAVAILABLE: u8 = 14;
+    pub const UNAUTHENTICATED: u8 = 16;
+
+    pub static STATUS: HeaderName = HeaderName::from_static("grpc-status");
+    pub static MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+    pub static RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+
+    /// `grpc-message`'s encoding: UTF-8, with bytes outside printable ASCII and
+    /// `%` percent-encoded.
+    pub fn percent_encode(message: &str) -> String {
+        let mut out = String::with_capacity(message.len());
+        for b in message.bytes() {
+            if (0x20..=0x7e).contains(&b) && b != b'%' {
+                out.push(char::from(b));
+            } else {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        }
+        out
     }
 }
 

@@ -4,6 +4,7 @@
 //! protocols (WebSocket) spliced, and failures sorted into connect / timeout /
 //! reset / busy for a 502, 504 or 503.
 
+pub mod h2;
 pub mod pool;
 
 use std::future::Future;
@@ -32,6 +33,7 @@ use crate::http::h1::framing::{items, lists, te_lists_trailers};
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
 use crate::telemetry::refusal_log::Budget;
+use crate::upstream::h2::{H2Error, H2Pool};
 use crate::upstream::pool::{Exchanged, Pool, ReadTimeout, SendError};
 
 /// A kept upstream connection idle longer than this is closed.
@@ -219,12 +221,33 @@ impl ProxyError {
     }
 }
 
+/// What an upstream is spoken to in (`upstreams.*.protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    #[default]
+    Http1,
+    /// HTTP/2 with prior knowledge, cleartext.
+    H2c,
+    /// HTTP/2 over TLS.
+    H2,
+    /// Over TLS, what ALPN picks; HTTP/1.1 in cleartext.
+    Auto,
+}
+
+/// How a target is spoken to: its pool of connections.
+enum Via {
+    H1(Arc<Pool>),
+    H2(Arc<H2Pool>),
+    /// `auto` over TLS: HTTP/2 until a connection's ALPN picks HTTP/1.1, then that.
+    Auto(Arc<Pool>, Arc<H2Pool>),
+}
+
 /// One target of an upstream, with its own pool and its share of the upstream's
 /// connections.
 struct Target {
     scheme: Scheme,
     authority: Authority,
-    pool: Arc<Pool>,
+    via: Via,
     /// Failure lines written about this target, at most `FAILURE_LINES` a second.
     failures: Budget,
 }
@@ -286,6 +309,8 @@ pub struct UpstreamOpts<'a> {
     pub tunnel_idle: Duration,
     /// Whether `warn_absent` probes its targets (`upstreams.*.probe`).
     pub probe: bool,
+    /// `upstreams.*.protocol`.
+    pub protocol: Protocol,
 }
 
 impl UpstreamOpts<'_> {
@@ -301,7 +326,8 @@ impl UpstreamOpts<'_> {
             )
         });
         format!(
-            "{name}|{targets:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}",
+            "{name}|{targets:?}|{:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}",
+            self.protocol,
             self.connect_timeout,
             self.timeout,
             self.read_timeout,
@@ -373,12 +399,20 @@ impl Upstream {
             }
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        let base = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()?
             .with_root_certificates(roots)
             .with_no_client_auth();
-        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let tls = Arc::new(tls);
+        // What ALPN offers: HTTP/1.1 for `http1` (and `auto`'s HTTP/1.1 pool),
+        // `h2` for `h2`, both (h2 first) for `auto`.
+        let alpn = |protocols: &[&[u8]]| {
+            let mut c = base.clone();
+            c.alpn_protocols = protocols.iter().map(|p| p.to_vec()).collect();
+            Arc::new(c)
+        };
+        let tls = alpn(&[b"http/1.1"]);
+        let tls_h2 = alpn(&[b"h2"]);
+        let tls_auto = alpn(&[b"h2", b"http/1.1"]);
 
         // Validation keeps max_connections at least the number of targets.
         let n = addrs.len().max(1);
@@ -389,21 +423,36 @@ impl Upstream {
                 let share = (o.max_connections / n + usize::from(i < o.max_connections % n)).max(1);
                 let https = scheme == Scheme::HTTPS;
                 let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
-                let connector = Connector::new(
-                    authority.host(),
-                    port,
-                    https.then(|| tls.clone()),
-                    connect_timeout,
-                    share,
-                )
-                .map_err(|_| BuildError::Target {
-                    upstream: name.into(),
-                    target: format!("{scheme}://{authority}"),
-                })?;
+                let connector = |tls: &Arc<rustls::ClientConfig>| {
+                    Connector::new(
+                        authority.host(),
+                        port,
+                        https.then(|| tls.clone()),
+                        connect_timeout,
+                        share,
+                    )
+                    .map_err(|_| BuildError::Target {
+                        upstream: name.into(),
+                        target: format!("{scheme}://{authority}"),
+                    })
+                };
+                let h1 = |c| Arc::new(Pool::new(c, POOL_IDLE_TIMEOUT, o.read_timeout));
+                let h2 =
+                    |c, auto| Arc::new(H2Pool::new(c, auto, POOL_IDLE_TIMEOUT, o.read_timeout));
+                // (Validation keeps h2 to https:// and h2c to http://.)
+                let via = match o.protocol {
+                    Protocol::Http1 => Via::H1(h1(connector(&tls)?)),
+                    Protocol::Auto if !https => Via::H1(h1(connector(&tls)?)),
+                    Protocol::H2c => Via::H2(h2(connector(&tls)?, false)),
+                    Protocol::H2 => Via::H2(h2(connector(&tls_h2)?, false)),
+                    Protocol::Auto => {
+                        Via::Auto(h1(connector(&tls)?), h2(connector(&tls_auto)?, true))
+                    }
+                };
                 Ok(Target {
                     scheme,
                     authority,
-                    pool: Arc::new(Pool::new(connector, POOL_IDLE_TIMEOUT, o.read_timeout)),
+                    via,
                     failures: Budget::new(FAILURE_LINES),
                 })
             })
@@ -468,7 +517,11 @@ impl Upstream {
     pub async fn probe(&self) -> Vec<(String, BoxError)> {
         let mut failed = Vec::new();
         for t in &self.targets {
-            if let Err(e) = t.pool.probe().await {
+            let probed = match &t.via {
+                Via::H1(pool) => pool.probe().await,
+                Via::H2(pool) | Via::Auto(_, pool) => pool.probe().await,
+            };
+            if let Err(e) = probed {
                 failed.push((format!("{}://{}", t.scheme, t.authority), e));
             }
         }
@@ -493,12 +546,13 @@ impl Upstream {
         mut sent: Pin<&mut F>,
         sending: Option<tokio::sync::watch::Receiver<bool>>,
         timer: Option<Pin<&mut Deadline>>,
+        timeout: Duration,
     ) -> Result<F::Output, TimedOut> {
         if let Some(mut sending) = sending {
             loop {
                 tokio::select! {
                     r = &mut sent => return Ok(r),
-                    changed = tokio::time::timeout(self.timeout, sending.changed()) => match changed {
+                    changed = tokio::time::timeout(timeout, sending.changed()) => match changed {
                         Err(_) => return Err(TimedOut),
                         // A frame went on: the clock starts again.
                         Ok(Ok(())) if !*sending.borrow_and_update() => {}
@@ -510,16 +564,14 @@ impl Upstream {
         }
         match timer {
             Some(mut timer) => {
-                timer
-                    .as_mut()
-                    .set(tokio::time::Instant::now() + self.timeout);
+                timer.as_mut().set(tokio::time::Instant::now() + timeout);
                 tokio::select! {
                     biased;
                     r = sent => Ok(r),
                     () = timer.passed() => Err(TimedOut),
                 }
             }
-            None => tokio::time::timeout(self.timeout, sent)
+            None => tokio::time::timeout(timeout, sent)
                 .await
                 .map_err(|_| TimedOut),
         }
@@ -537,10 +589,18 @@ impl Upstream {
         raw: Option<&mut Option<RawFields>>,
     ) -> Result<Response<Body>, ProxyError> {
         let target = &self.targets[target % self.targets.len()];
+        // The HTTP/2 pool, when the target speaks HTTP/2 (`auto`: until it picked
+        // HTTP/1.1).
+        let h2 = match &target.via {
+            Via::H1(_) => None,
+            Via::H2(h2) => Some(h2),
+            Via::Auto(_, h2) => (!h2.picked_http1()).then_some(h2),
+        };
         // Only listed protocols are spliced: any other `Upgrade` (h2c above all,
         // whose tunnel would carry requests past every route and limit) is dropped
-        // with the hop-by-hop headers and the request forwarded as a plain one.
-        let upgrade_proto = if wants_upgrade(&parts.headers) {
+        // with the hop-by-hop headers and the request forwarded as a plain one. An
+        // HTTP/2 upstream has no upgrades (RFC 9113 §8.6): the same.
+        let upgrade_proto = if h2.is_none() && wants_upgrade(&parts.headers) {
             self.allowed_upgrade(&parts.headers)
         } else {
             None
@@ -575,6 +635,11 @@ impl Upstream {
         // gRPC is HTTP/2 only: an `application/grpc` body over HTTP/1.1 is read
         // ahead like any other.
         let grpc = parts.version == Version::HTTP_2 && is_grpc(&parts.headers);
+        // A gRPC call's own deadline, when sooner, is the upstream's timeout.
+        let timeout = match grpc.then(|| grpc_timeout(&parts.headers)).flatten() {
+            Some(t) => t.min(self.timeout),
+            None => self.timeout,
+        };
         parts.version = Version::HTTP_11;
         // Settings for an h2c upgrade, never passed on (RFC 9113 §3.2.1 drops the upgrade).
         if any_of(&parts.headers, std::slice::from_ref(&HTTP2_SETTINGS)) {
@@ -595,7 +660,7 @@ impl Upstream {
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
             parts.headers.insert(header::UPGRADE, proto);
         }
-        let fwd = forwarded(&mut parts.headers, origin, host.as_ref());
+        let mut fwd = forwarded(&mut parts.headers, origin, host.as_ref());
         match &host {
             Some(h) => {
                 parts.headers.insert(header::HOST, h.clone());
@@ -669,10 +734,49 @@ impl Upstream {
             }
             .boxed();
         }
+        let mut timer = timer;
+        let pool = match (&target.via, h2) {
+            (_, Some(h2)) => {
+                fwd.put_in_map(&mut parts.headers);
+                let req = h2_request(parts, target, body);
+                let sent = std::pin::pin!(h2.send(req));
+                let answer = self.answer(
+                    sent,
+                    sending.clone(),
+                    timer.as_mut().map(|t| t.as_mut()),
+                    timeout,
+                );
+                match answer.await {
+                    Err(_) => return Err(ProxyError::Timeout),
+                    Ok(Ok(resp)) => return Ok(resp),
+                    Ok(Err(H2Error::Send(SendError::Connect(e)))) => return Err(classify(e, true)),
+                    Ok(Err(H2Error::Send(SendError::Send(e)))) => return Err(classify(e, false)),
+                    // `auto`, and the target picked HTTP/1.1: the request goes on the
+                    // connection it picked it on, in the HTTP/1.1 pool.
+                    Ok(Err(H2Error::Http1(req, conn))) => {
+                        let Via::Auto(pool, _) = &target.via else {
+                            return Err(ProxyError::Reset(
+                                "the upstream refused HTTP/2 by ALPN".into(),
+                            ));
+                        };
+                        let (back, b) = req.into_parts();
+                        parts.headers = back.headers;
+                        if let Some(h) = &host {
+                            parts.headers.insert(header::HOST, h.clone());
+                        }
+                        body = b;
+                        pool.adopt(conn);
+                        pool
+                    }
+                }
+            }
+            (Via::H1(pool) | Via::Auto(pool, _), None) => pool,
+            (Via::H2(_), None) => unreachable!("an HTTP/2 target always has its pool"),
+        };
         // (An upgrade's answer is spliced, never written from its fields.)
         let raw = raw.filter(|_| !upgrading);
-        let sent = std::pin::pin!(target.pool.send(parts, body, fwd, raw));
-        let resp = match self.answer(sent, sending, timer).await {
+        let sent = std::pin::pin!(pool.send(parts, body, fwd, raw));
+        let resp = match self.answer(sent, sending, timer, timeout).await {
             Err(_) => return Err(ProxyError::Timeout),
             Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
             Ok(Err(SendError::Send(e))) => return Err(classify(e, false)),
@@ -728,13 +832,67 @@ pub fn warn_absent(upstreams: Vec<Arc<Upstream>>) {
     });
 }
 
+/// The request to send to an HTTP/2 target: the client's `Host` (or else the
+/// target's authority) as `:authority`, the target's scheme as `:scheme`, the
+/// fields (hop-by-hop ones already gone) taken from `parts`, which keeps its method
+/// and path for the request's log lines.
+fn h2_request(
+    parts: &mut http::request::Parts,
+    target: &Target,
+    body: Body,
+) -> http::Request<Body> {
+    let authority = parts
+        .headers
+        .remove(header::HOST)
+        .and_then(|h| Authority::try_from(h.as_bytes()).ok())
+        .unwrap_or_else(|| target.authority.clone());
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(target.scheme.clone());
+    uri.authority = Some(authority);
+    uri.path_and_query = Some(
+        parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/")),
+    );
+    let mut req = http::Request::new(body);
+    *req.method_mut() = parts.method.clone();
+    if let Ok(uri) = Uri::from_parts(uri) {
+        *req.uri_mut() = uri;
+    }
+    *req.version_mut() = Version::HTTP_2;
+    *req.headers_mut() = std::mem::take(&mut parts.headers);
+    req
+}
+
+/// A gRPC call's `grpc-timeout` (gRPC over HTTP/2: at most 8 digits and a unit,
+/// `H`, `M`, `S`, `m`, `u` or `n`), or `None` when it has none or it is malformed.
+pub fn grpc_timeout(h: &HeaderMap) -> Option<Duration> {
+    let v = h.get("grpc-timeout")?.as_bytes();
+    let (&unit, digits) = v.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b'H' => Duration::from_secs(n * 3600),
+        b'M' => Duration::from_secs(n * 60),
+        b'S' => Duration::from_secs(n),
+        b'm' => Duration::from_millis(n),
+        b'u' => Duration::from_micros(n),
+        b'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// No answer from the upstream within its `timeout`.
 struct TimedOut;
 
 /// A gRPC request (`application/grpc`, `application/grpc+proto`, ...): its
 /// messages go both ways at once (a bidirectional call waits for answers before it
 /// sends more), so its body is never read ahead (it is capped per client instead).
-fn is_grpc(h: &HeaderMap) -> bool {
+pub fn is_grpc(h: &HeaderMap) -> bool {
     const GRPC: &[u8] = b"application/grpc";
     h.get(header::CONTENT_TYPE).is_some_and(|v| {
         let v = v.as_bytes();

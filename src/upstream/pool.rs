@@ -235,6 +235,12 @@ impl Pool {
         given
     }
 
+    /// Takes `conn`, opened elsewhere (`auto`'s HTTP/2 pool, on a target that
+    /// picked HTTP/1.1), for the next request.
+    pub fn adopt(&self, conn: Conn) {
+        self.give_back(conn);
+    }
+
     fn give_back(&self, mut conn: Conn) {
         // A request waiting for a connection takes it at once.
         loop {

@@ -201,14 +201,18 @@ pub fn self_signed() -> SelfSigned {
 
 impl SelfSigned {
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(Arc::new(self.server_config()))
+    }
+
+    /// A server's TLS configuration with this certificate (no ALPN).
+    pub fn server_config(&self) -> rustls::ServerConfig {
         let key = rustls_pki_types::PrivateKeyDer::Pkcs8(self.key_der.clone().into());
-        let config = rustls::ServerConfig::builder_with_provider(provider())
+        rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .expect("TLS versions")
             .with_no_client_auth()
             .with_single_cert(vec![self.cert.clone()], key)
-            .expect("server certificate");
-        tokio_rustls::TlsAcceptor::from(Arc::new(config))
+            .expect("server certificate")
     }
 }
 

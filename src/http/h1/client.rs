@@ -71,6 +71,14 @@ pub enum Stream {
 }
 
 impl Stream {
+    /// Whether TLS's ALPN picked HTTP/2 (`h2`).
+    pub fn speaks_h2(&self) -> bool {
+        match self {
+            Stream::Plain(_) => false,
+            Stream::Tls(s) => s.get_ref().1.alpn_protocol() == Some(b"h2"),
+        }
+    }
+
     fn tcp(&self) -> &TcpStream {
         match self {
             Stream::Plain(s) => s,
@@ -249,6 +257,16 @@ impl Names {
 }
 
 impl Conn {
+    /// An HTTP/1.1 connection on `io`, holding `slot` until it closes.
+    pub fn new(io: Stream, slot: OwnedSemaphorePermit) -> Conn {
+        Conn {
+            io,
+            buf: BytesMut::with_capacity(READ_SIZE / 2),
+            _slot: slot,
+            kept: Box::default(),
+        }
+    }
+
     /// Whether a kept connection can take a request: nothing arrived on it while it
     /// sat idle. An end of stream is the upstream closing it; bytes are something no
     /// request asked for. Costs no syscall unless the socket was reported readable.
@@ -397,25 +415,33 @@ impl Connector {
     }
 
     pub async fn connect(&self) -> Result<Conn, BoxError> {
+        let (io, slot) = self.connect_stream().await?;
+        Ok(Conn::new(io, slot))
+    }
+
+    /// A new connection's stream (TLS handshake done) and its slot under the cap,
+    /// for a protocol other than HTTP/1.1 to speak on it (`upstream::h2`).
+    pub async fn connect_stream(&self) -> Result<(Stream, OwnedSemaphorePermit), BoxError> {
         let wait = self.connect_timeout;
         let slot = match tokio::time::timeout(wait, self.slots.clone().acquire_owned()).await {
             Ok(Ok(slot)) => slot,
             _ => return Err(NoFreeConnection(wait).into()),
         };
-        let io = match tokio::time::timeout(wait, self.open()).await {
-            Ok(io) => io?,
+        match tokio::time::timeout(wait, self.open()).await {
+            Ok(io) => Ok((io?, slot)),
             Err(_) => {
-                return Err(
-                    io::Error::new(io::ErrorKind::TimedOut, "upstream connect timeout").into(),
-                )
+                Err(io::Error::new(io::ErrorKind::TimedOut, "upstream connect timeout").into())
             }
-        };
-        Ok(Conn {
-            io,
-            buf: BytesMut::with_capacity(READ_SIZE / 2),
-            _slot: slot,
-            kept: Box::default(),
-        })
+        }
+    }
+
+    /// Whether a connection may be opened now without waiting for one to close.
+    pub fn has_free_slot(&self) -> bool {
+        self.slots.available_permits() > 0
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
     }
 
     /// One connection opened (TLS handshake included) and dropped, within the
@@ -505,7 +531,7 @@ impl Forwarded<'_> {
     }
 
     /// Into the map after all: something is appended after them.
-    fn put_in_map(&mut self, h: &mut HeaderMap) {
+    pub fn put_in_map(&mut self, h: &mut HeaderMap) {
         if let Some(v) = self.for_.take() {
             h.insert(XFF.clone(), v.clone());
         }

@@ -1222,6 +1222,12 @@ fn encode_head(
         out.extend_from_slice(b"\r\n\r\n");
     }
     if let Framing::Chunked(t) = &mut framing {
+        // An answer from an HTTP/2 upstream cannot announce its trailers (HTTP/2
+        // has no `Trailer` field to speak of): all that may trail are passed,
+        // shown by an empty list.
+        if allowed_trailers.is_none() && parts.extensions.get::<UnannouncedTrailers>().is_some() {
+            allowed_trailers = Some(Vec::new());
+        }
         *t = allowed_trailers;
     }
     if matches!(framing, Framing::Close) {
@@ -1229,6 +1235,12 @@ fn encode_head(
     }
     Ok(Encoding { framing, last })
 }
+
+/// In a response's extensions: its trailers may come unannounced by a `Trailer`
+/// field (it comes from an HTTP/2 upstream), and are passed to a client that
+/// accepts trailers all the same, those that may trail.
+#[derive(Clone, Copy, Debug)]
+pub struct UnannouncedTrailers;
 
 /// Send the head in `out` and the body in its framing. A body frame that is ready
 /// at once goes in the same write as what precedes it. A request body still being
@@ -1282,7 +1294,7 @@ where
             if let (true, true, Some(allowed)) = (chunked, trailers_allowed, &allowed) {
                 let mut lines = Vec::new();
                 for (n, v) in fields.iter() {
-                    if allowed.contains(n) && may_trail(n) {
+                    if (allowed.is_empty() || allowed.contains(n)) && may_trail(n) {
                         lines.extend_from_slice(n.as_str().as_bytes());
                         lines.extend_from_slice(b": ");
                         lines.extend_from_slice(v.as_bytes());
