@@ -4,7 +4,9 @@
 
 use std::fmt::Write as _;
 
-use super::schema::{AlgorithmName, Backend, Cost, KeySpec, Limit, OnError, OnLimit, Route};
+use super::schema::{
+    AlgorithmName, Backend, Cost, KeySpec, Limit, OnError, OnLimit, Route, UpstreamProtocol,
+};
 use super::value::{fmt_dur, fmt_rate, redact_url, Window};
 use super::Loaded;
 
@@ -83,10 +85,16 @@ pub fn summary(loaded: &Loaded) -> String {
 
     for (name, up) in &f.upstreams {
         let targets: Vec<&str> = up.targets.iter().map(|t| t.as_str()).collect();
+        let protocol = match up.protocol {
+            UpstreamProtocol::Http1 => "",
+            UpstreamProtocol::H2c => "h2c, ",
+            UpstreamProtocol::H2 => "h2, ",
+            UpstreamProtocol::Auto => "auto, ",
+        };
         line(
             &mut out,
             format!(
-                "upstream {name} -> {} (connect {}, timeout {})",
+                "upstream {name} -> {} ({protocol}connect {}, timeout {})",
                 targets.join(", "),
                 fmt_dur(up.connect_timeout.get()),
                 fmt_dur(up.timeout.get())
@@ -104,7 +112,12 @@ pub fn summary(loaded: &Loaded) -> String {
         .max(8);
     let indent = " ".repeat(2 + width + 1);
     for r in &f.routes {
-        route(&mut out, r, width, &indent);
+        let http2 = r
+            .upstream
+            .as_ref()
+            .and_then(|u| f.upstreams.get(u.as_str()))
+            .is_some_and(|u| u.protocol != UpstreamProtocol::Http1);
+        route(&mut out, r, width, &indent, http2);
     }
 
     let (ips, keys) = (f.deny.ips.len(), f.deny.keys.len());
@@ -121,7 +134,8 @@ pub fn summary(loaded: &Loaded) -> String {
     out
 }
 
-fn route(out: &mut String, r: &Route, width: usize, indent: &str) {
+/// `http2`: the route's upstream speaks HTTP/2, so its paths may be gRPC methods.
+fn route(out: &mut String, r: &Route, width: usize, indent: &str, http2: bool) {
     let target = match (&r.upstream, &r.respond) {
         (Some(up), _) => format!("upstream {up}"),
         (None, Some(resp)) => format!("respond {}", resp.status.get()),
@@ -130,7 +144,7 @@ fn route(out: &mut String, r: &Route, width: usize, indent: &str) {
     let mut head = format!(
         "  {:<width$} {} -> {target}",
         r.name.as_str(),
-        describe_match(r)
+        describe_match(r, http2)
     );
     if !r.limits.is_empty() {
         let _ = write!(head, "   key {}", key_text(&r.key));
@@ -171,17 +185,44 @@ fn route(out: &mut String, r: &Route, width: usize, indent: &str) {
     }
 }
 
-fn describe_match(r: &Route) -> String {
+/// A gRPC method's path (`/package.Service/Method`) as gRPC names it
+/// (`package.Service/Method`), or a service's prefix (`/package.Service/`) as
+/// `package.Service/*`; `None` for any other path.
+fn grpc_name(path: &str, prefix: bool) -> Option<String> {
+    let rest = path.strip_prefix('/')?;
+    let (service, method) = rest.split_once('/')?;
+    let ident = |s: &str| {
+        s.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+    };
+    if !service.contains('.') || !ident(service) {
+        return None;
+    }
+    match (prefix, method) {
+        (true, "") => Some(format!("{service}/*")),
+        (false, m) if ident(m) && !m.contains('.') => Some(format!("{service}/{m}")),
+        _ => None,
+    }
+}
+
+fn describe_match(r: &Route, http2: bool) -> String {
     let m = &r.matcher;
     let mut parts = Vec::new();
     if let Some(h) = &m.host {
         parts.push(format!("host {h}"));
     }
     if let Some(p) = &m.path {
-        parts.push(p.to_string());
+        match grpc_name(p, false).filter(|_| http2) {
+            Some(g) => parts.push(format!("gRPC {g}")),
+            None => parts.push(p.to_string()),
+        }
     }
     if let Some(p) = &m.path_prefix {
-        parts.push(format!("prefix {p}"));
+        match grpc_name(p, true).filter(|_| http2) {
+            Some(g) => parts.push(format!("gRPC {g}")),
+            None => parts.push(format!("prefix {p}")),
+        }
     }
     if let Some(p) = &m.path_regex {
         parts.push(format!("regex {p}"));
@@ -316,6 +357,47 @@ mod tests {
     use super::*;
     use crate::config::parse;
     use std::path::Path;
+
+    /// gRPC methods and services read as gRPC names them, on routes whose
+    /// upstream speaks HTTP/2; the same paths to an HTTP/1.1 upstream as paths.
+    #[test]
+    fn grpc_routes_read_as_grpc_names() {
+        let yaml = "\
+upstreams:
+  orders: {targets: [http://127.0.0.1:50051], protocol: h2c}
+  web: {targets: [http://127.0.0.1:3000]}
+routes:
+  - {name: create, match: {path: /orders.v1.Orders/Create}, upstream: orders}
+  - {name: orders, match: {path_prefix: /orders.v1.Orders/}, upstream: orders}
+  - {name: v1, match: {path_prefix: /v1/}, upstream: orders}
+  - {name: web, match: {path: /orders.v1.Orders/Create}, upstream: web}
+";
+        let loaded = parse(yaml, Path::new("t.yaml")).unwrap();
+        let text = summary(&loaded);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines.contains(
+                &"upstream orders -> http://127.0.0.1:50051 (h2c, connect 2s, timeout 30s)"
+            ),
+            "{text}"
+        );
+        assert!(
+            lines.contains(&"  create   gRPC orders.v1.Orders/Create -> upstream orders"),
+            "{text}"
+        );
+        assert!(
+            lines.contains(&"  orders   gRPC orders.v1.Orders/* -> upstream orders"),
+            "{text}"
+        );
+        assert!(
+            lines.contains(&"  v1       prefix /v1/ -> upstream orders"),
+            "{text}"
+        );
+        assert!(
+            lines.contains(&"  web      /orders.v1.Orders/Create -> upstream web"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn the_spec_example_in_one_screen() {

@@ -1694,6 +1694,18 @@ mod tests {
     }
 
     #[test]
+    fn the_protocol_must_fit_the_targets_scheme() {
+        let yaml = "upstreams:\n  a:\n    targets: [http://127.0.0.1:3000, https://x.example]\n    protocol: h2\n  b:\n    targets: [https://x.example, http://127.0.0.1:3000]\n    protocol: h2c\n  c:\n    targets: [http://127.0.0.1:3000, https://x.example]\n    protocol: auto\nroutes: []\n";
+        assert_eq!(
+            errors(yaml),
+            [
+                "3:15: protocol h2 is HTTP/2 over TLS and needs an https:// target, found \"http://127.0.0.1:3000\"; for cleartext HTTP/2 use protocol: h2c",
+                "6:15: protocol h2c is cleartext HTTP/2 and needs an http:// target, found \"https://x.example\"; over TLS use protocol: h2 (or auto)",
+            ]
+        );
+    }
+
+    #[test]
     fn an_upstream_read_timeout_must_be_positive() {
         let yaml = "upstreams:\n  app:\n    targets: [http://127.0.0.1:3000]\n    read_timeout: 0s\nroutes: []\n";
         assert_eq!(errors(yaml), ["4:19: read_timeout must be greater than 0"]);

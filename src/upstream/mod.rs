@@ -1370,6 +1370,27 @@ fn forwarded<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// gRPC's `grpc-timeout`: at most 8 digits and one of its six units; anything
+    /// else is no deadline.
+    #[test]
+    fn grpc_timeouts_are_read_as_grpc_writes_them() {
+        let t = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("grpc-timeout", HeaderValue::from_str(v).unwrap());
+            grpc_timeout(&h)
+        };
+        assert_eq!(t("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(t("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(t("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(t("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(t("99999999u"), Some(Duration::from_micros(99_999_999)));
+        assert_eq!(t("5n"), Some(Duration::from_nanos(5)));
+        for bad in ["", "m", "123456789m", "1.5S", "10s", "-1S", "10"] {
+            assert_eq!(t(bad), None, "{bad:?}");
+        }
+        assert_eq!(grpc_timeout(&HeaderMap::new()), None);
+    }
     use http_body::Body as _;
 
     /// A body of `frames`, its size hint `hint`, as a client's would come.
