@@ -145,6 +145,7 @@ fn every_example_and_configuration_file_passes_check() {
         [
             "abusers.yaml",
             "envoy-ratelimit.yaml",
+            "grpc.yaml",
             "nginx-limit-req.yaml"
         ]
     );
