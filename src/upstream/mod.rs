@@ -739,13 +739,13 @@ impl Upstream {
             (_, Some(h2)) => {
                 fwd.put_in_map(&mut parts.headers);
                 let req = h2_request(parts, target, body);
-                let sent = std::pin::pin!(h2.send(req));
-                let answer = self.answer(
-                    sent,
-                    sending.clone(),
-                    timer.as_mut().map(|t| t.as_mut()),
-                    timeout,
-                );
+                // Boxed: its state would otherwise grow every request's future,
+                // HTTP/1.1 ones too.
+                let answer = Box::pin(async {
+                    let sent = std::pin::pin!(h2.send(req));
+                    let timer = timer.as_mut().map(|t| t.as_mut());
+                    self.answer(sent, sending.clone(), timer, timeout).await
+                });
                 match answer.await {
                     Err(_) => return Err(ProxyError::Timeout),
                     Ok(Ok(resp)) => return Ok(resp),
