@@ -298,22 +298,45 @@ impl H2Pool {
             known: self.known_max.clone(),
             told: false,
         };
-        let gone = closed.clone();
-        tokio::spawn(async move {
-            // The connection's slot under the cap is held until it closes.
-            let _permit = permit;
-            if let Err(error) = driven.await {
-                tracing::debug!(%error, "upstream HTTP/2 connection failed");
-            }
-            gone.store(true, Ordering::Relaxed);
-        });
-        Ok(Arc::new(H2Conn {
+        let conn = Arc::new(H2Conn {
             send,
             streams: AtomicUsize::new(0),
             max,
             idle_since: AtomicU64::new(coarse_ms()),
             closed,
-        }))
+        });
+        let (watched, idle_ms) = (Arc::downgrade(&conn), self.idle_ms);
+        let every = Duration::from_millis(idle_ms.max(1));
+        tokio::spawn(async move {
+            // The connection's slot under the cap is held until it closes.
+            let _permit = permit;
+            let mut driven = std::pin::pin!(driven);
+            loop {
+                tokio::select! {
+                    r = &mut driven => {
+                        if let Err(error) = r {
+                            tracing::debug!(%error, "upstream HTTP/2 connection failed");
+                        }
+                        break;
+                    }
+                    // An idle connection is closed even if no request comes to
+                    // find it so (its PINGs would otherwise go on for ever).
+                    () = tokio::time::sleep(every) => {
+                        let Some(c) = watched.upgrade() else { continue };
+                        let idle = coarse_ms().saturating_sub(c.idle_since.load(Ordering::Relaxed));
+                        if c.streams.load(Ordering::Relaxed) == 0 && idle > idle_ms {
+                            c.closed.store(true, Ordering::Relaxed);
+                            tracing::debug!(idle_ms = idle, "idle upstream HTTP/2 connection closed");
+                            break;
+                        }
+                    }
+                }
+            }
+            if let Some(c) = watched.upgrade() {
+                c.closed.store(true, Ordering::Relaxed);
+            }
+        });
+        Ok(conn)
     }
 }
 
@@ -500,5 +523,71 @@ impl http_body::Body for H2Body {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An h2c server answering 200 to everything; counts the connections open.
+    async fn server() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let open = Arc::new(AtomicUsize::new(0));
+        let counter = open.clone();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    let service = hyper::service::service_fn(|_req| async {
+                        Ok::<_, std::convert::Infallible>(Response::new(crate::http::body::empty()))
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(tcp), service)
+                        .await;
+                    counter.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        (addr, open)
+    }
+
+    /// A connection with no stream for the idle timeout is closed though no request
+    /// comes to find it so; the next request opens another.
+    #[tokio::test]
+    async fn an_idle_connection_is_closed_without_a_request() {
+        let (addr, open) = server().await;
+        let connector =
+            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 4).unwrap();
+        let pool = Arc::new(H2Pool::new(
+            connector,
+            false,
+            Duration::from_millis(200),
+            Duration::from_secs(60),
+        ));
+        let get = || {
+            let mut req = Request::new(crate::http::body::empty());
+            *req.uri_mut() = format!("http://{addr}/").parse().unwrap();
+            req
+        };
+        for round in 0..2 {
+            let Ok(resp) = pool.send(get()).await else {
+                panic!("no answer in round {round}");
+            };
+            assert_eq!(resp.status(), 200);
+            drop(resp);
+            assert_eq!(open.load(Ordering::SeqCst), 1, "round {round}");
+            let mut waited = Duration::ZERO;
+            while open.load(Ordering::SeqCst) != 0 {
+                assert!(
+                    waited < Duration::from_secs(3),
+                    "still open after {waited:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                waited += Duration::from_millis(20);
+            }
+        }
     }
 }
