@@ -708,17 +708,18 @@ async fn a_limited_call_is_resource_exhausted_with_when_to_retry() {
 async fn sluices_own_answers_are_read_as_grpc_codes() {
     let server = GrpcServer::start().await;
     let dead = free_port();
-    let routes = format!(
-        "  - {{name: slow, match: {{path: /test.Echo/Slow}}, upstream: greeter}}\n\
-         \x20 - {{name: keyed, match: {{path: /test.Echo/Unary}}, upstream: greeter, key: header:x-api-key}}\n\
-         \x20 - {{name: gone, match: {{path_prefix: /test.Gone/}}, upstream: gone}}\n\
-         deny: {{keys: [blocked]}}\n"
-    );
-    let yaml = config(&server.target(), ", timeout: 300ms", &routes).replace(
-        "routes:\n",
-        &format!(
-            "  gone: {{targets: [\"http://127.0.0.1:{dead}\"], protocol: h2c, probe: false}}\nroutes:\n"
-        ),
+    let target = server.target();
+    let yaml = format!(
+        r#"
+deny: {{keys: [blocked]}}
+upstreams:
+  greeter: {{targets: ["http://{target}"], protocol: h2c, probe: false, timeout: 300ms}}
+  gone: {{targets: ["http://127.0.0.1:{dead}"], protocol: h2c, probe: false}}
+routes:
+  - {{name: slow, match: {{path: /test.Echo/Slow}}, upstream: greeter}}
+  - {{name: keyed, match: {{path: /test.Echo/Unary}}, upstream: greeter, key: header:x-api-key}}
+  - {{name: gone, match: {{path_prefix: /test.Gone/}}, upstream: gone}}
+"#
     );
     let gw = start_gateway(&yaml).await;
     let via = gw.addr.to_string();
