@@ -699,8 +699,8 @@ async fn a_limited_call_is_resource_exhausted_with_when_to_retry() {
     assert_eq!(decisions(&m, "say"), [("allowed", 3.0), ("limited", 2.0)]);
 }
 
-/// Every other answer sluice gives itself, as a real client reads it: denied
-/// (PERMISSION_DENIED), no key (UNAUTHENTICATED), no route (UNIMPLEMENTED), an
+/// Every other answer sluice gives itself, as a real client reads it: denied, by
+/// key or by address (PERMISSION_DENIED, whatever HTTP status `deny` names), no key (UNAUTHENTICATED), no route (UNIMPLEMENTED), an
 /// upstream that refuses connections (UNAVAILABLE), an upstream slower than its
 /// `timeout` (DEADLINE_EXCEEDED, and the upstream's call is cancelled). On the
 /// wire each is HTTP 200 with `grpc-status` in the head and no body, no trailers.
@@ -711,7 +711,8 @@ async fn sluices_own_answers_are_read_as_grpc_codes() {
     let target = server.target();
     let yaml = format!(
         r#"
-deny: {{keys: [blocked]}}
+client_ip: {{trusted_proxies: [127.0.0.1/32]}}
+deny: {{keys: [blocked], ips: [10.0.0.0/8], status: 451}}
 upstreams:
   greeter: {{targets: ["http://{target}"], protocol: h2c, probe: false, timeout: 300ms}}
   gone: {{targets: ["http://127.0.0.1:{dead}"], protocol: h2c, probe: false}}
@@ -727,6 +728,15 @@ routes:
     let cases = [
         (
             unary("/test.Echo/Unary", "hi", json!([["x-api-key", "blocked"]])),
+            "PERMISSION_DENIED",
+            "access denied",
+        ),
+        (
+            unary(
+                "/test.Echo/Unary",
+                "hi",
+                json!([["x-api-key", "k1"], ["x-forwarded-for", "10.1.2.3"]]),
+            ),
             "PERMISSION_DENIED",
             "access denied",
         ),
@@ -780,7 +790,7 @@ routes:
     let m = metrics(gw.admin_addr).await;
     assert_eq!(
         decisions(&m, "keyed"),
-        [("bad_request", 1.0), ("denied", 2.0)]
+        [("bad_request", 1.0), ("denied", 3.0)]
     );
     assert_eq!(decisions(&m, "unmatched"), [("unmatched", 1.0)]);
     assert_eq!(decisions(&m, "gone"), [("allowed", 1.0)]);
