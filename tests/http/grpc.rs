@@ -279,7 +279,8 @@ const ECHO: &str = "  - {name: echo, match: {path_prefix: /test.Echo/}, upstream
 /// sluice, the client sees exactly what it sees directly; the bidirectional call
 /// is a ping-pong (each message sent only after the reply to the one before came
 /// back), so neither direction waits for the other's end. The upstream sees the
-/// client's metadata and X-Forwarded-For.
+/// client's metadata and X-Forwarded-For. 100 calls at once on one connection
+/// each get their own answer.
 #[tokio::test]
 async fn every_kind_of_call_passes_through_as_it_does_directly() {
     let server = GrpcServer::start().await;
@@ -330,8 +331,21 @@ async fn every_kind_of_call_passes_through_as_it_does_directly() {
     assert_eq!(direct["x-forwarded-for"], Value::Null);
     assert_eq!(through["user-agent"], direct["user-agent"]);
 
+    // 100 calls at once on the client's one connection, each answered as its own.
+    let spec = json!({"call": "unary", "method": "/test.Echo/Unary", "request": "call",
+                      "parallel": 100, "timeout": 10});
+    let all = calls(&via, &spec).await;
+    let replies: Vec<_> = all
+        .iter()
+        .map(|c| (c.code.as_str(), json!(c.replies)))
+        .collect();
+    let wanted: Vec<_> = (0..100)
+        .map(|i| ("OK", json!([format!("call-{i}")])))
+        .collect();
+    assert_eq!(replies, wanted);
+
     let m = metrics(gw.admin_addr).await;
-    assert_eq!(decisions(&m, "echo"), [("allowed", 4.0)]);
+    assert_eq!(decisions(&m, "echo"), [("allowed", 104.0)]);
 }
 
 /// Messages of 4 MiB and more, both ways: a 4 MiB echo, an 8 MiB client stream, a
