@@ -337,6 +337,7 @@ async fn every_kind_of_call_passes_through_as_it_does_directly() {
     }
     assert_eq!(through["x-api-key"], "k1");
     assert_eq!(through["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(through["x-forwarded-proto"], "http");
     assert_eq!(direct["x-forwarded-for"], Value::Null);
     assert_eq!(through["user-agent"], direct["user-agent"]);
 
@@ -887,23 +888,32 @@ async fn a_client_stream_over_max_request_body_is_resource_exhausted() {
 
 // === TLS ===
 
-/// `protocol: h2` to a gRPC server over TLS (a private CA, `tls_ca`): a unary call
-/// and a ping-pong pass through.
+/// TLS on both legs: a gRPC client to sluice's `server.tls` (h2 by ALPN), sluice
+/// to a gRPC server with `protocol: h2` (a private CA, `tls_ca`). A unary call and
+/// a ping-pong pass through; the upstream sees `X-Forwarded-Proto: https`.
 #[tokio::test]
-async fn grpc_passes_through_to_an_h2_upstream_over_tls() {
+async fn grpc_passes_through_tls_on_both_legs() {
     let certs = self_signed();
     let server = GrpcServer::start_tls(&certs).await;
+    let (cert, key) = (certs.cert_pem.path(), certs.key_pem.path());
     let yaml = format!(
-        "upstreams:\n  greeter: {{targets: [\"https://127.0.0.1:{}\"], protocol: h2, probe: false, tls_ca: \"{}\"}}\n\
-         routes:\n{ECHO}",
-        server.port,
-        certs.cert_pem.path().display()
+        r#"
+server: {{listen: "127.0.0.1:0", tls: {{cert: "{cert}", key: "{key}"}}}}
+upstreams:
+  greeter: {{targets: ["https://127.0.0.1:{port}"], protocol: h2, probe: false, tls_ca: "{cert}"}}
+routes:
+{ECHO}"#,
+        cert = cert.display(),
+        key = key.display(),
+        port = server.port,
     );
     let gw = start_gateway(&yaml).await;
     let via = gw.addr.to_string();
+    let ca = cert.to_str().unwrap();
     let c = call(
         &via,
-        &json!({"call": "unary", "method": "/test.Echo/Unary", "request": "over tls"}),
+        &json!({"call": "unary", "method": "/test.Echo/Unary", "request": "over tls",
+                "ca": ca}),
     )
     .await;
     assert_eq!(
@@ -913,15 +923,18 @@ async fn grpc_passes_through_to_an_h2_upstream_over_tls() {
     let c = call(
         &via,
         &json!({"call": "bidi", "method": "/test.Echo/Bidi", "timeout": 10,
-                "messages": ["a", "b", "c"]}),
+                "messages": ["a", "b", "c"], "ca": ca}),
     )
     .await;
     assert_eq!(
         (c.code.as_str(), json!(c.replies)),
         ("OK", json!(["a", "b", "c"]))
     );
-    let seen = server.events("call", "Unary");
-    assert_eq!(seen[0]["metadata"]["x-forwarded-for"], "127.0.0.1");
+    let seen = &server.events("call", "Unary")[0]["metadata"];
+    assert_eq!(
+        (&seen["x-forwarded-for"], &seen["x-forwarded-proto"]),
+        (&json!("127.0.0.1"), &json!("https"))
+    );
     let m = metrics(gw.admin_addr).await;
     assert_eq!(decisions(&m, "echo"), [("allowed", 2.0)]);
 }
