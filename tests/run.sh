@@ -3,8 +3,9 @@
 # cannot: redis-server and redis-cli (the Redis store's tests start their own
 # servers), faketime (clock-skew tests), promtool (the prometheus package:
 # tests lint /metrics and check docker/'s Prometheus configuration and alert rules
-# with it) and chromium with chromium-driver (the dashboard's test drives a
-# headless browser), from Debian's packages; and cargo-deny,
+# with it), chromium with chromium-driver (the dashboard's test drives a
+# headless browser) and python3-grpcio (the gRPC tests' client and server), from
+# Debian's packages; and cargo-deny,
 # which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,8 @@ command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # A headless browser and its WebDriver, which tests/ops/dashboard.rs drives.
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+# A real gRPC client and server, which tests/http/grpc.rs runs with Debian's Python.
+/usr/bin/python3 -c 'import grpc' >/dev/null 2>&1 || need+=(python3-grpcio)
 [ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories

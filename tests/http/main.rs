@@ -9,6 +9,7 @@ mod client_faults;
 mod connections;
 mod forwarded_order;
 mod forwarding;
+mod grpc;
 mod h1_fast_path;
 mod h1_fast_path_limits;
 mod h1_hostile;
