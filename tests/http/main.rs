@@ -13,6 +13,7 @@ mod grpc;
 mod h1_fast_path;
 mod h1_fast_path_limits;
 mod h1_hostile;
+mod h2_hostile;
 mod h2_upstream;
 mod hostile_requests;
 mod pool;
