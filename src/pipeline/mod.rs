@@ -285,8 +285,9 @@ async fn process(
         .access
         .as_ref()
         .and_then(|a| a.client_fields(&parts.headers));
-    // A gRPC call gets sluice's own answers in gRPC. Known before its fields go
-    // upstream; an HTTP/1 request (gRPC is HTTP/2) is looked at only if refused.
+    // A gRPC call gets sluice's own answers in gRPC. gRPC is HTTP/2 only: an
+    // `application/grpc` body over HTTP/1.1 is an upload like any other (read
+    // ahead, answered in HTTP). Known before its fields go upstream.
     let grpc = parts.version == Version::HTTP_2 && crate::upstream::is_grpc(&parts.headers);
     let mut refused = false;
     let resp = match pass(&ctx, head, route, parts, body, &mut tally, plain).await {
@@ -296,7 +297,6 @@ async fn process(
                 tally.decision = d;
                 refused = true;
             }
-            let grpc = grpc || crate::upstream::is_grpc(&parts.headers);
             refusal.respond(unread_body, grpc)
         }
     };

@@ -146,16 +146,10 @@ impl H2Pool {
         let again = http_body::Body::is_end_stream(req.body()).then(|| Again::of(&req));
         // The client's request body fails in hyper's task, which only resets the
         // stream: its error is kept here, so the failure is the client's.
+        // (Wrapped once a connection is found: a request handed to the HTTP/1.1
+        // pool instead keeps its body's own errors.)
         let body_failed = Arc::new(Mutex::new(None));
-        if again.is_none() {
-            req = req.map(|inner| {
-                Recorded {
-                    inner,
-                    failed: body_failed.clone(),
-                }
-                .boxed()
-            });
-        }
+        let mut wrapped = again.is_some();
         for attempt in 1..=ATTEMPTS {
             let slot = match self.take() {
                 Some(slot) => slot,
@@ -164,6 +158,11 @@ impl H2Pool {
                     Opened::Http1(conn) => return Err(H2Error::Http1(Box::new(req), conn)),
                 },
             };
+            if !wrapped {
+                wrapped = true;
+                let failed = body_failed.clone();
+                req = req.map(|inner| Recorded { inner, failed }.boxed());
+            }
             let mut sender = slot.conn.send.clone();
             match sender.try_send_request(req).await {
                 Ok(resp) => {
@@ -306,7 +305,8 @@ impl H2Pool {
             closed,
         });
         let (watched, idle_ms) = (Arc::downgrade(&conn), self.idle_ms);
-        let every = Duration::from_millis(idle_ms.max(1));
+        // (Looked at four times per idle timeout: closed within 1.25 of it.)
+        let every = Duration::from_millis((idle_ms / 4).max(1));
         tokio::spawn(async move {
             // The connection's slot under the cap is held until it closes.
             let _permit = permit;
@@ -349,13 +349,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Whether the upstream says it never processed the stream: it sent GOAWAY with a
-/// last stream below it, or refused it (RFC 9113 §8.7).
+/// Whether the upstream says it never processed the stream: it sent a graceful
+/// GOAWAY (`NO_ERROR`) with a last stream below it, or refused it (RFC 9113 §8.7).
 fn not_processed(e: &hyper::Error) -> bool {
     let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = src {
         if let Some(h2) = s.downcast_ref::<h2::Error>() {
-            return (h2.is_go_away() && h2.is_remote())
+            // A GOAWAY with an error code says something went wrong, maybe with
+            // this very request (fields over the server's limit): sent again, it
+            // would end another connection and the streams on it.
+            return (h2.is_go_away()
+                && h2.is_remote()
+                && h2.reason() == Some(h2::Reason::NO_ERROR))
                 || h2.reason() == Some(h2::Reason::REFUSED_STREAM);
         }
         src = s.source();

@@ -445,8 +445,12 @@ impl Upstream {
                     Protocol::Auto if !https => Via::H1(h1(connector(&tls)?)),
                     Protocol::H2c => Via::H2(h2(connector(&tls)?, false)),
                     Protocol::H2 => Via::H2(h2(connector(&tls_h2)?, false)),
+                    // One cap for both pools: a connection the HTTP/2 pool opens
+                    // and hands over keeps its slot.
                     Protocol::Auto => {
-                        Via::Auto(h1(connector(&tls)?), h2(connector(&tls_auto)?, true))
+                        let h1_connector = connector(&tls)?;
+                        let h2_connector = connector(&tls_auto)?.sharing_slots(&h1_connector);
+                        Via::Auto(h1(h1_connector), h2(h2_connector, true))
                     }
                 };
                 Ok(Target {
@@ -661,15 +665,8 @@ impl Upstream {
             parts.headers.insert(header::UPGRADE, proto);
         }
         let mut fwd = forwarded(&mut parts.headers, origin, host.as_ref());
-        match &host {
-            Some(h) => {
-                parts.headers.insert(header::HOST, h.clone());
-            }
-            None => {
-                if let Ok(h) = HeaderValue::from_str(target.authority.as_str()) {
-                    parts.headers.insert(header::HOST, h);
-                }
-            }
+        if let Some(h) = back_host(&host, target) {
+            parts.headers.insert(header::HOST, h);
         }
 
         // A failure of the client's body (a stall too) carries its mark through the
@@ -761,8 +758,9 @@ impl Upstream {
                         };
                         let (back, b) = req.into_parts();
                         parts.headers = back.headers;
-                        if let Some(h) = &host {
-                            parts.headers.insert(header::HOST, h.clone());
+                        // (`h2_request` took it for `:authority`.)
+                        if let Some(h) = back_host(&host, target) {
+                            parts.headers.insert(header::HOST, h);
                         }
                         body = b;
                         pool.adopt(conn);
@@ -830,6 +828,14 @@ pub fn warn_absent(upstreams: Vec<Arc<Upstream>>) {
             }
         }
     });
+}
+
+/// The `Host` a request goes upstream with: the client's, else the target's.
+fn back_host(client: &Option<HeaderValue>, target: &Target) -> Option<HeaderValue> {
+    match client {
+        Some(h) => Some(h.clone()),
+        None => HeaderValue::from_str(target.authority.as_str()).ok(),
+    }
 }
 
 /// The request to send to an HTTP/2 target: the client's `Host` (or else the

@@ -167,34 +167,43 @@ async fn auto_gives_host_to_the_request_that_finds_the_http1_pick() {
     );
 }
 
-/// An `application/grpc` request over HTTP/1.1 whose upstream takes no
-/// connection: docs/grpc-and-http2.md promises a gRPC answer (200,
-/// `grpc-status: 14`) to any request of that content type that sluice answers
-/// itself, as a limit's refusal of the same request is.
+/// gRPC is HTTP/2 only: an `application/grpc` request over HTTP/1.1 is answered
+/// in HTTP by sluice, whatever refuses it (here an upstream that takes no
+/// connection, to an `http1` and an `h2c` upstream), and the same request over
+/// h2c in gRPC (200, `grpc-status: 14`). (The review found the HTTP/1.1 request
+/// answered in gRPC when a limit refused it and in HTTP when the upstream failed.)
 #[tokio::test]
-async fn an_http1_grpc_request_to_a_dead_upstream_is_answered_in_grpc() {
+async fn a_grpc_content_type_is_answered_in_grpc_over_http2_only() {
     let dead = format!("http://127.0.0.1:{}", free_port());
     let mut answers = Vec::new();
     for protocol in ["http1", "h2c"] {
         let gw = start_gateway(&config(&dead, protocol, "")).await;
-        let r = http1()
-            .send(
-                Method::POST,
-                &url(gw.addr, "/orders.v1.Orders/Get"),
-                &[("content-type", "application/grpc")],
-                Bytes::from_static(b"\0\0\0\0\0"),
-            )
-            .await;
-        answers.push((
-            protocol,
-            r.status,
-            r.header("grpc-status").map(str::to_owned),
-        ));
+        for (client, name) in [(http1(), "HTTP/1.1"), (h2c(), "h2c")] {
+            let r = client
+                .send(
+                    Method::POST,
+                    &url(gw.addr, "/orders.v1.Orders/Get"),
+                    &[("content-type", "application/grpc")],
+                    Bytes::from_static(b"\0\0\0\0\0"),
+                )
+                .await;
+            answers.push((
+                protocol,
+                name,
+                r.status,
+                r.header("grpc-status").map(str::to_owned),
+            ));
+        }
     }
     let grpc = Some("14".to_owned());
     assert_eq!(
         answers,
-        vec![("http1", 200, grpc.clone()), ("h2c", 200, grpc)]
+        vec![
+            ("http1", "HTTP/1.1", 502, None),
+            ("http1", "h2c", 200, grpc.clone()),
+            ("h2c", "HTTP/1.1", 502, None),
+            ("h2c", "h2c", 200, grpc),
+        ]
     );
 }
 

@@ -435,6 +435,13 @@ impl Connector {
         }
     }
 
+    /// This connector, its connections counted under `other`'s cap instead of its
+    /// own (two ways of speaking to one target, one `max_connections` share).
+    pub fn sharing_slots(mut self, other: &Connector) -> Connector {
+        self.slots = other.slots.clone();
+        self
+    }
+
     /// Whether a connection may be opened now without waiting for one to close.
     pub fn has_free_slot(&self) -> bool {
         self.slots.available_permits() > 0

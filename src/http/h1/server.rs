@@ -896,9 +896,19 @@ struct Meta {
 /// How the response body goes on the wire.
 enum Framing {
     Length(u64),
-    Chunked(Option<Vec<HeaderName>>),
+    Chunked(Trailers),
     /// Until the connection closes (HTTP/1.0 without a length).
     Close,
+}
+
+/// Which trailers a chunked answer passes on (to a client that accepts them).
+enum Trailers {
+    None,
+    /// Those its `Trailer` field names.
+    Named(Vec<HeaderName>),
+    /// Every one that may trail: an answer from an HTTP/2 upstream, which cannot
+    /// announce them (`UnannouncedTrailers`).
+    Any,
 }
 
 struct Encoding {
@@ -1121,7 +1131,7 @@ fn encode_head(
                 wrote_len = true;
                 chunked_missing = !last_is_chunked(value);
                 if !continuing {
-                    framing = Framing::Chunked(None);
+                    framing = Framing::Chunked(Trailers::None);
                     out.extend_from_slice(b"transfer-encoding: ");
                     open = Some(header::TRANSFER_ENCODING);
                 } else {
@@ -1190,7 +1200,7 @@ fn encode_head(
                     Framing::Close
                 } else {
                     out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-                    Framing::Chunked(None)
+                    Framing::Chunked(Trailers::None)
                 }
             }
             None | Some(Some(0)) => {
@@ -1222,13 +1232,11 @@ fn encode_head(
         out.extend_from_slice(b"\r\n\r\n");
     }
     if let Framing::Chunked(t) = &mut framing {
-        // An answer from an HTTP/2 upstream cannot announce its trailers (HTTP/2
-        // has no `Trailer` field to speak of): all that may trail are passed,
-        // shown by an empty list.
-        if allowed_trailers.is_none() && parts.extensions.get::<UnannouncedTrailers>().is_some() {
-            allowed_trailers = Some(Vec::new());
-        }
-        *t = allowed_trailers;
+        *t = match allowed_trailers {
+            Some(named) => Trailers::Named(named),
+            None if parts.extensions.get::<UnannouncedTrailers>().is_some() => Trailers::Any,
+            None => Trailers::None,
+        };
     }
     if matches!(framing, Framing::Close) {
         last = true;
@@ -1265,9 +1273,9 @@ where
             write_out(io, buf, out, inflow).await?;
             return Ok(());
         }
-        Framing::Length(n) => (Some(n), None, false),
+        Framing::Length(n) => (Some(n), Trailers::None, false),
         Framing::Chunked(t) => (None, t, true),
-        Framing::Close => (None, None, false),
+        Framing::Close => (None, Trailers::None, false),
     };
     let mut ended = body.is_end_stream();
     while !ended {
@@ -1291,10 +1299,15 @@ where
             Err(frame) => frame,
         };
         if let Ok(fields) = frame.into_trailers() {
-            if let (true, true, Some(allowed)) = (chunked, trailers_allowed, &allowed) {
+            let passes = |n: &HeaderName| match &allowed {
+                Trailers::None => false,
+                Trailers::Named(named) => named.contains(n),
+                Trailers::Any => true,
+            };
+            if chunked && trailers_allowed && !matches!(allowed, Trailers::None) {
                 let mut lines = Vec::new();
                 for (n, v) in fields.iter() {
-                    if (allowed.is_empty() || allowed.contains(n)) && may_trail(n) {
+                    if passes(n) && may_trail(n) {
                         lines.extend_from_slice(n.as_str().as_bytes());
                         lines.extend_from_slice(b": ");
                         lines.extend_from_slice(v.as_bytes());
