@@ -153,10 +153,7 @@ async fn auto_gives_host_to_the_request_that_finds_the_http1_pick() {
         s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
             .await
             .unwrap();
-        let mut answer = String::new();
-        bounded("answer", s.read_to_string(&mut answer))
-            .await
-            .unwrap();
+        let answer = read_to_close(&mut s).await;
         // (An HTTP/1.0 client is answered in HTTP/1.0.)
         assert!(answer.starts_with("HTTP/1.0 200 OK\r\n"), "{answer}");
     }
@@ -229,10 +226,7 @@ async fn an_empty_trailer_field_from_an_http1_upstream_passes_no_trailer() {
     s.write_all(b"GET / HTTP/1.1\r\nhost: h\r\nte: trailers\r\nconnection: close\r\n\r\n")
         .await
         .unwrap();
-    let mut answer = String::new();
-    bounded("answer", s.read_to_string(&mut answer))
-        .await
-        .unwrap();
+    let answer = read_to_close(&mut s).await;
     assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
     assert!(answer.ends_with("\r\n0\r\n\r\n"), "{answer:?}");
 }
