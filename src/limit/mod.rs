@@ -11,6 +11,7 @@ pub mod memory;
 pub mod per_ip;
 pub mod redis;
 pub mod response;
+pub mod sentinel;
 pub mod store;
 
 use std::time::Duration;
@@ -20,6 +21,7 @@ pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
 pub use response::{Charge, CostFrom, FromResponse, ResponseCost, StatusSet};
+pub use sentinel::{PrimaryUrl, SentinelTarget};
 pub use store::{OnError, Store, StoreError};
 
 /// One configured limit, compiled.

@@ -26,6 +26,8 @@ pub struct RedisServer {
     /// nothing: no persistence).
     dir: Option<tempfile::TempDir>,
     cluster: bool,
+    /// More arguments for redis-server (a replica's `--replicaof`).
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -42,6 +44,20 @@ impl RedisServer {
     /// On `port`, or (when `port` is taken by the time the server binds it, as by a
     /// cluster node's bus port) on another free port.
     fn start_on(port: u16, cluster: bool) -> RedisServer {
+        Self::start_with(port, cluster, Vec::new())
+    }
+
+    /// A fresh replica of the server on `primary`'s port.
+    pub fn replica_of(primary: u16) -> RedisServer {
+        let extra = vec![
+            "--replicaof".into(),
+            "127.0.0.1".into(),
+            primary.to_string(),
+        ];
+        Self::start_with(free_port(), false, extra)
+    }
+
+    fn start_with(port: u16, cluster: bool, extra: Vec<String>) -> RedisServer {
         let mut port = port;
         for _ in 0..5 {
             let dir = cluster.then(|| tempfile::tempdir().expect("temp dir"));
@@ -50,6 +66,7 @@ impl RedisServer {
                 child: None,
                 dir,
                 cluster,
+                extra: extra.clone(),
             };
             if s.try_spawn() {
                 return s;
@@ -77,6 +94,7 @@ impl RedisServer {
                 Some(dir) => dir.path().to_path_buf(),
                 None => std::env::temp_dir(),
             })
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         if let Some(dir) = &self.dir {
@@ -227,6 +245,145 @@ impl RedisCluster {
     pub fn keys(&self) -> Vec<String> {
         self.nodes.iter().flat_map(|n| n.keys("*")).collect()
     }
+}
+
+// === Redis Sentinel ===
+
+/// The master name the sentinels monitor.
+pub const MASTER: &str = "mymaster";
+
+/// A primary with one replica, watched by three sentinels (quorum 2) that call the
+/// primary down after 500 ms and fail over at once.
+pub struct SentinelSet {
+    pub primary: RedisServer,
+    pub replica: RedisServer,
+    pub sentinels: Vec<Sentinel>,
+}
+
+pub struct Sentinel {
+    pub port: u16,
+    _child: Spawned,
+    /// Its configuration file, which a sentinel rewrites as it learns.
+    _dir: tempfile::TempDir,
+}
+
+impl SentinelSet {
+    /// Everything started, and each sentinel knowing the replica and the two other
+    /// sentinels (so a failover can be agreed), the replica in sync.
+    pub fn start() -> SentinelSet {
+        let primary = RedisServer::start();
+        let replica = RedisServer::replica_of(primary.port);
+        let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start(primary.port)).collect();
+        let set = SentinelSet {
+            primary,
+            replica,
+            sentinels,
+        };
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let synced = set
+                .replica
+                .cmd::<String>(&["INFO", "replication"])
+                .contains("master_link_status:up");
+            let known = set.sentinels.iter().all(|s| {
+                let m = s.master();
+                m.get("num-slaves").map(String::as_str) == Some("1")
+                    && m.get("num-other-sentinels").map(String::as_str) == Some("2")
+            });
+            if synced && known {
+                return set;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sentinels never agreed on the set: {:?}",
+                set.sentinels.iter().map(|s| s.master()).collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(|s| s.url()).collect()
+    }
+
+    /// The primary's port as the first sentinel names it now.
+    pub fn named(&self) -> u16 {
+        let (_, port): (String, u16) = self.sentinels[0].cmd(&["get-master-addr-by-name", MASTER]);
+        port
+    }
+}
+
+impl Sentinel {
+    fn start(primary: u16) -> Sentinel {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\n\
+                 sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
+                 sentinel down-after-milliseconds {MASTER} 500\n\
+                 sentinel failover-timeout {MASTER} 2000\n",
+                dir.path().display()
+            ),
+        )
+        .expect("write sentinel.conf");
+        let mut cmd = Command::new("redis-server");
+        cmd.arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = spawn_grouped(&mut cmd).expect("redis-server --sentinel runs");
+        let s = Sentinel {
+            port,
+            _child: child,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + BOUND;
+        while s.ping().is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "sentinel on {port} does not answer PING"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn ping(&self) -> redis::RedisResult<String> {
+        let mut c =
+            redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))?;
+        redis::cmd("PING").query(&mut c)
+    }
+
+    /// `SENTINEL <args>`.
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = redis::Client::open(self.url())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+            .expect("connect to the sentinel");
+        redis::cmd("SENTINEL")
+            .arg(args)
+            .query(&mut c)
+            .unwrap_or_else(|e| panic!("SENTINEL {args:?}: {e}"))
+    }
+
+    /// What it knows of the master (`SENTINEL MASTER`), field by field.
+    pub fn master(&self) -> std::collections::HashMap<String, String> {
+        self.cmd(&["MASTER", MASTER])
+    }
+}
+
+pub fn sentinel_target(set: &SentinelSet) -> String {
+    let list: Vec<String> = set.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    format!(
+        "sentinel: {{master: {MASTER}, nodes: [{}]}}",
+        list.join(", ")
+    )
 }
 
 // === gateways ===
