@@ -140,6 +140,15 @@ impl Link {
     fn is_cluster(&self) -> bool {
         matches!(self, Link::Fixed(Connection::Cluster(_)))
     }
+
+    /// Notified when calls go to another server from now on (Sentinel named a new
+    /// primary).
+    fn moved(&self) -> Option<Arc<tokio::sync::Notify>> {
+        match self {
+            Link::Fixed(_) => None,
+            Link::Sentinel(p) => Some(p.moved()),
+        }
+    }
 }
 
 // === impl RedisStore ===
@@ -1483,14 +1492,23 @@ impl Breaker {
 /// count like failed calls, so an idle instance notices a Redis that went away (and
 /// `/readyz` says so) within `TRIP_AFTER` probes. The PINGs are also the keepalive: no
 /// connection is ever idle for longer than `PROBE_EVERY`, far below the smallest
-/// server `timeout` (1 s), so Redis never closes one as idle. Ends when the store is
-/// dropped.
+/// server `timeout` (1 s), so Redis never closes one as idle. A store that moved to
+/// another primary (Sentinel) is probed at once. Ends when the store is dropped.
 fn spawn_prober(store: Weak<Inner>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(PROBE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let moved = store.upgrade().and_then(|inner| inner.conn.moved());
         loop {
-            tick.tick().await;
+            match &moved {
+                Some(moved) => tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = moved.notified() => {}
+                },
+                None => {
+                    tick.tick().await;
+                }
+            }
             let Some(inner) = store.upgrade() else { return };
             let open = inner.breaker.is_open();
             // A call that just answered kept the one connection busy; on a cluster it

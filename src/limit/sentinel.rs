@@ -66,6 +66,8 @@ pub(crate) struct Primary {
     current: ArcSwapOption<Current>,
     /// Woken when a call fails: the primary may have moved.
     suspect: Arc<Notify>,
+    /// Notified when the store moved to another primary.
+    moved: Arc<Notify>,
     target: SentinelTarget,
     manager: ConnectionManagerConfig,
     /// Bound on one question to a sentinel or a server (connecting included).
@@ -92,6 +94,7 @@ impl Primary {
         let p = Arc::new(Primary {
             current: ArcSwapOption::empty(),
             suspect: Arc::new(Notify::new()),
+            moved: Arc::new(Notify::new()),
             target,
             manager,
             timeout,
@@ -120,6 +123,12 @@ impl Primary {
     /// The current primary's URL.
     pub(crate) fn url(&self) -> Option<String> {
         self.current.load().as_ref().map(|c| c.url.clone())
+    }
+
+    /// Notified each time the store moves to another primary: the breaker's prober
+    /// tries it at once instead of at its next tick.
+    pub(crate) fn moved(&self) -> Arc<Notify> {
+        self.moved.clone()
     }
 
     /// A call failed: ask the sentinels soon.
@@ -202,6 +211,7 @@ impl Primary {
             url,
             conn,
         })));
+        self.moved.notify_one();
     }
 }
 
