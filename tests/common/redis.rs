@@ -28,6 +28,8 @@ pub struct RedisServer {
     cluster: bool,
     /// More arguments for redis-server (a replica's `--replicaof`).
     extra: Vec<String>,
+    /// Its `requirepass` (also its `masterauth`), which `url` carries.
+    password: Option<String>,
 }
 
 impl RedisServer {
@@ -44,20 +46,29 @@ impl RedisServer {
     /// On `port`, or (when `port` is taken by the time the server binds it, as by a
     /// cluster node's bus port) on another free port.
     fn start_on(port: u16, cluster: bool) -> RedisServer {
-        Self::start_with(port, cluster, Vec::new())
+        Self::start_with(port, cluster, Vec::new(), None)
     }
 
-    /// A fresh replica of the server on `primary`'s port.
-    pub fn replica_of(primary: u16) -> RedisServer {
-        let extra = vec![
-            "--replicaof".into(),
-            "127.0.0.1".into(),
-            primary.to_string(),
-        ];
-        Self::start_with(free_port(), false, extra)
+    /// A fresh server of a replicated set: a replica of `primary` if given, with
+    /// `password` for clients and for the replica's link to its primary (which it
+    /// may become after a failover).
+    pub fn in_set(primary: Option<u16>, password: Option<&str>) -> RedisServer {
+        let mut extra: Vec<String> = Vec::new();
+        if let Some(p) = primary {
+            extra.extend(["--replicaof".into(), "127.0.0.1".into(), p.to_string()]);
+        }
+        if let Some(pw) = password {
+            extra.extend(["--requirepass".into(), pw.into(), "--masterauth".into(), pw.into()]);
+        }
+        Self::start_with(free_port(), false, extra, password)
     }
 
-    fn start_with(port: u16, cluster: bool, extra: Vec<String>) -> RedisServer {
+    fn start_with(
+        port: u16,
+        cluster: bool,
+        extra: Vec<String>,
+        password: Option<&str>,
+    ) -> RedisServer {
         let mut port = port;
         for _ in 0..5 {
             let dir = cluster.then(|| tempfile::tempdir().expect("temp dir"));
@@ -67,6 +78,7 @@ impl RedisServer {
                 dir,
                 cluster,
                 extra: extra.clone(),
+                password: password.map(str::to_string),
             };
             if s.try_spawn() {
                 return s;
@@ -129,7 +141,10 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match &self.password {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
     }
 
     pub fn connection(&self) -> redis::RedisResult<redis::Connection> {
@@ -262,6 +277,8 @@ pub struct SentinelSet {
 
 pub struct Sentinel {
     pub port: u16,
+    /// Its own `requirepass`.
+    password: Option<String>,
     _child: Spawned,
     /// Its configuration file, which a sentinel rewrites as it learns.
     _dir: tempfile::TempDir,
@@ -271,9 +288,18 @@ impl SentinelSet {
     /// Everything started, and each sentinel knowing the replica and the two other
     /// sentinels (so a failover can be agreed), the replica in sync.
     pub fn start() -> SentinelSet {
-        let primary = RedisServer::start();
-        let replica = RedisServer::replica_of(primary.port);
-        let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start(primary.port)).collect();
+        Self::start_auth(None)
+    }
+
+    /// `start`, with `(password, sentinel password)`: the servers' `requirepass`
+    /// (which the sentinels are told), and the sentinels' own.
+    pub fn start_auth(auth: Option<(&str, &str)>) -> SentinelSet {
+        let password = auth.map(|a| a.0);
+        let primary = RedisServer::in_set(None, password);
+        let replica = RedisServer::in_set(Some(primary.port), password);
+        let sentinels: Vec<Sentinel> = (0..3)
+            .map(|_| Sentinel::start(primary.port, auth))
+            .collect();
         let set = SentinelSet {
             primary,
             replica,
@@ -314,21 +340,24 @@ impl SentinelSet {
 }
 
 impl Sentinel {
-    fn start(primary: u16) -> Sentinel {
+    fn start(primary: u16, auth: Option<(&str, &str)>) -> Sentinel {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = free_port();
         let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\ndir {}\n\
-                 sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
-                 sentinel down-after-milliseconds {MASTER} 500\n\
-                 sentinel failover-timeout {MASTER} 2000\n",
-                dir.path().display()
-            ),
-        )
-        .expect("write sentinel.conf");
+        let mut text = format!(
+            "port {port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
+             sentinel down-after-milliseconds {MASTER} 500\n\
+             sentinel failover-timeout {MASTER} 2000\n",
+            dir.path().display()
+        );
+        if let Some((pw, own)) = auth {
+            // The servers' password, its own, and the one it gives other sentinels.
+            text.push_str(&format!(
+                "sentinel auth-pass {MASTER} {pw}\nrequirepass {own}\nsentinel sentinel-pass {own}\n"
+            ));
+        }
+        std::fs::write(&conf, text).expect("write sentinel.conf");
         let mut cmd = Command::new("redis-server");
         cmd.arg(&conf)
             .arg("--sentinel")
@@ -337,6 +366,7 @@ impl Sentinel {
         let child = spawn_grouped(&mut cmd).expect("redis-server --sentinel runs");
         let s = Sentinel {
             port,
+            password: auth.map(|a| a.1.to_string()),
             _child: child,
             _dir: dir,
         };
@@ -352,7 +382,10 @@ impl Sentinel {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match &self.password {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
     }
 
     fn ping(&self) -> redis::RedisResult<String> {

@@ -148,3 +148,33 @@ async fn a_failover_moves_limits_and_the_deny_list_to_the_new_primary() {
         .cmd(&["HEXISTS", "sluice:{deny}:entries", "key:bad"]);
     assert_eq!(kept, 1);
 }
+
+/// Credentials: the sentinels' own in their URLs, the servers' in `password`; the
+/// new primary after a failover takes the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_reach_the_sentinels_and_each_primary() {
+    let mut set = SentinelSet::start_auth(Some(("s3cret-pw", "sentinel-pw")));
+    assert!(set.urls().iter().all(|u| u.contains(":sentinel-pw@")));
+    let nodes: Vec<String> = set.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let target = format!(
+        "sentinel: {{master: {MASTER}, nodes: [{}], password: s3cret-pw}}",
+        nodes.join(", ")
+    );
+    let yaml = format!(
+        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    limits: [{{name: per_key, algorithm: fixed_window, limit: 3, window: 1h}}]\n",
+        redis_store(&target, "deny", 200)
+    );
+    let p = SluiceProcess::start(&[], &[], &yaml).await;
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        seen.push(ask(&p, "k").await);
+    }
+    assert_eq!(seen, [200, 200, 200, 429]);
+    assert_eq!(set.primary.keys("sluice:{api:k}:*").len(), 1);
+
+    set.primary.kill();
+    let moved = eventually(BOUND, || async { ask(&p, "later").await == 200 }).await;
+    assert!(moved.is_some(), "never decided in the new primary");
+    assert_eq!(set.named(), set.replica.port);
+    assert_eq!(set.replica.keys("sluice:{api:later}:*").len(), 1);
+}
