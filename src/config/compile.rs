@@ -175,7 +175,7 @@ pub fn redis_options(c: &schema::RedisStore) -> Result<RedisOptions, StoreError>
 }
 
 /// The sentinels, and how to reach the primary they name: the way the sentinels are
-/// reached (TLS, `#insecure`, `?protocol=`, from the first node: validation makes
+/// reached (TLS and `?protocol=`, from the first node: validation makes
 /// them agree), with the primary's own credentials and database.
 fn sentinel_target(s: &schema::RedisSentinel) -> Result<SentinelTarget, StoreError> {
     let first = s

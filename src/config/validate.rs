@@ -647,15 +647,14 @@ impl Checker<'_> {
                 ways.push((i, way));
             }
         }
-        // The primary is reached the way the sentinels are (TLS, #insecure,
-        // ?protocol): they must agree on it.
+        // The primary is reached the way the sentinels are (TLS, ?protocol): they
+        // must agree on it.
         if let Some(((_, first), rest)) = ways.split_first() {
             if let Some((i, _)) = rest.iter().find(|(_, w)| w != first) {
                 self.at(
                     &item(nodes, *i),
                     "store.redis.sentinel.nodes must all be reached the same way (redis:// or \
-                     rediss://, the same ?protocol and #insecure): the primary is reached that \
-                     way too",
+                     rediss://, the same ?protocol): the primary is reached that way too",
                 );
             }
         }
@@ -670,7 +669,7 @@ impl Checker<'_> {
     /// Checks a Redis URL as the Redis client reads it, which ignores what it does not
     /// know: a query parameter, a fragment or a database it would silently drop
     /// would leave the store not what the file says. Returns how the URL reaches its
-    /// server (scheme, query and fragment) if it is valid.
+    /// server (scheme and query) if it is valid.
     fn redis_url(&mut self, path: &str, url: &str, of: UrlOf) -> Option<String> {
         let shown = super::value::redact_url(url);
         let Some((scheme, rest)) = url
@@ -752,24 +751,24 @@ impl Checker<'_> {
                 ),
             }
         }
+        // The client reads one fragment, `#insecure` on rediss://, and only to fail
+        // every connection: sluice's build has no way to skip the certificate check.
         match (scheme, fragment) {
-            (_, None) | ("rediss", Some("insecure")) => {}
-            ("rediss", Some(f)) => fail(
+            (_, None) => {}
+            ("rediss", Some("insecure")) => fail(
                 self,
-                format!("redis URL {shown:?}: the only fragment the Redis client reads is #insecure, found #{f}"),
+                format!(
+                    "redis URL {shown:?}: #insecure is not supported: the server's certificate \
+                     is always checked; trust its CA in the system's store, or name it with \
+                     SSL_CERT_FILE"
+                ),
             ),
             (_, Some(f)) => fail(
                 self,
-                format!("redis URL {shown:?}: #{f} means nothing without TLS (#insecure is for rediss://)"),
+                format!("redis URL {shown:?}: the Redis client reads no #fragment, found #{f}"),
             ),
         }
-        ok.then(|| {
-            format!(
-                "{scheme}?{}#{}",
-                query.unwrap_or(""),
-                fragment.unwrap_or("")
-            )
-        })
+        ok.then(|| format!("{scheme}?{}", query.unwrap_or("")))
     }
 
     fn upstreams(&mut self, file: &File) {

@@ -32,7 +32,7 @@ pub struct SentinelTarget {
 }
 
 /// The parts of the primary's URL that do not come from the sentinels: scheme (TLS or
-/// not), credentials, database and the rest (`?protocol=`, `#insecure`).
+/// not), credentials, database and the rest (`?protocol=`).
 #[derive(Debug, Clone)]
 pub struct PrimaryUrl {
     /// `redis` or `rediss`.
@@ -40,7 +40,7 @@ pub struct PrimaryUrl {
     /// `user:password@`, percent-encoded, or empty.
     pub userinfo: String,
     pub db: u16,
-    /// What follows the path: `?protocol=3`, `#insecure`, or nothing.
+    /// What follows the path: `?protocol=3`, or nothing.
     pub tail: String,
 }
 
@@ -368,15 +368,15 @@ mod tests {
             scheme: "rediss".into(),
             userinfo: "app:p%40ss@".into(),
             db: 2,
-            tail: "#insecure".into(),
+            tail: "?protocol=3".into(),
         };
         assert_eq!(
             p.at("10.0.0.7", 6380),
-            "rediss://app:p%40ss@10.0.0.7:6380/2#insecure"
+            "rediss://app:p%40ss@10.0.0.7:6380/2?protocol=3"
         );
         assert_eq!(
             p.at("fd00::7", 6379),
-            "rediss://app:p%40ss@[fd00::7]:6379/2#insecure"
+            "rediss://app:p%40ss@[fd00::7]:6379/2?protocol=3"
         );
     }
 

@@ -58,7 +58,12 @@ impl RedisServer {
             extra.extend(["--replicaof".into(), "127.0.0.1".into(), p.to_string()]);
         }
         if let Some(pw) = password {
-            extra.extend(["--requirepass".into(), pw.into(), "--masterauth".into(), pw.into()]);
+            extra.extend([
+                "--requirepass".into(),
+                pw.into(),
+                "--masterauth".into(),
+                pw.into(),
+            ]);
         }
         Self::start_with(free_port(), false, extra, password)
     }

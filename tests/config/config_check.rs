@@ -1369,6 +1369,7 @@ store:
       - redis://10.0.0.3:7000#insecure
       - rediss://10.0.0.4:7000/0?protocol=4#nocheck
       - rediss://10.0.0.5:7000/0?protocol=resp3#insecure
+      - rediss://10.0.0.6:7000/0?protocol=resp3
 routes: []
 ";
     assert_eq!(
@@ -1379,12 +1380,15 @@ routes: []
              only one it reads is protocol",
             "rules.yaml:6:9: redis URL \"redis://10.0.0.2:7000/1\": Redis Cluster has only \
              database 0, found /1",
-            "rules.yaml:7:9: redis URL \"redis://10.0.0.3:7000#insecure\": #insecure means \
-             nothing without TLS (#insecure is for rediss://)",
+            "rules.yaml:7:9: redis URL \"redis://10.0.0.3:7000#insecure\": the Redis client \
+             reads no #fragment, found #insecure",
             "rules.yaml:8:9: redis URL \"rediss://10.0.0.4:7000/0?protocol=4#nocheck\": \
              protocol must be 2, 3, resp2 or resp3, found \"4\"",
             "rules.yaml:8:9: redis URL \"rediss://10.0.0.4:7000/0?protocol=4#nocheck\": the \
-             only fragment the Redis client reads is #insecure, found #nocheck",
+             Redis client reads no #fragment, found #nocheck",
+            "rules.yaml:9:9: redis URL \"rediss://10.0.0.5:7000/0?protocol=resp3#insecure\": \
+             #insecure is not supported: the server's certificate is always checked; trust its \
+             CA in the system's store, or name it with SSL_CERT_FILE",
         ]
     );
     assert_eq!(
@@ -1445,7 +1449,7 @@ routes: []
     assert_eq!(
         error(yaml),
         "rules.yaml:4:60: store.redis.sentinel.nodes must all be reached the same way (redis:// \
-         or rediss://, the same ?protocol and #insecure): the primary is reached that way too"
+         or rediss://, the same ?protocol): the primary is reached that way too"
     );
     assert_eq!(
         error(
