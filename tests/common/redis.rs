@@ -416,6 +416,145 @@ impl Sentinel {
     }
 }
 
+/// `SentinelSet` over TLS only: servers and sentinels on TLS ports (replication and
+/// the sentinels' own links too), with a self-signed certificate for 127.0.0.1 in
+/// `cert`. Driven with `redis-cli --tls`, so the test process needs no trust store.
+pub struct TlsSentinelSet {
+    pub primary: (u16, Spawned),
+    pub replica: (u16, Spawned),
+    pub sentinels: Vec<(u16, Spawned)>,
+    pub cert: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsSentinelSet {
+    pub fn start() -> TlsSentinelSet {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cert =
+            rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).expect("certificate");
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).expect("write cert");
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).expect("write key");
+        let tls = format!(
+            "port 0\nbind 127.0.0.1\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\ntls-replication yes\n",
+            cert_file.display(),
+            key_file.display(),
+            cert_file.display()
+        );
+        let start = |name: &str, extra: String, sentinel: bool| {
+            let port = free_port();
+            let conf = dir.path().join(format!("{name}.conf"));
+            std::fs::write(
+                &conf,
+                format!(
+                    "{tls}tls-port {port}\ndir {}\n{extra}",
+                    dir.path().display()
+                ),
+            )
+            .expect("write conf");
+            let mut cmd = Command::new("redis-server");
+            cmd.arg(&conf).stdout(Stdio::null()).stderr(Stdio::null());
+            if sentinel {
+                cmd.arg("--sentinel");
+            }
+            let child = spawn_grouped(&mut cmd).expect("redis-server runs");
+            let deadline = Instant::now() + BOUND;
+            while tls_cli(&cert_file, port, &["PING"]).trim() != "PONG" {
+                assert!(
+                    Instant::now() < deadline,
+                    "{name} on {port} does not answer PING"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (port, child)
+        };
+        let server = "save \"\"\nappendonly no\n".to_string();
+        let primary = start("primary", server.clone(), false);
+        let replica = start(
+            "replica",
+            format!("{server}replicaof 127.0.0.1 {}\n", primary.0),
+            false,
+        );
+        let sentinels = (0..3)
+            .map(|i| {
+                let watch = format!(
+                    "sentinel monitor {MASTER} 127.0.0.1 {} 2\n\
+                     sentinel down-after-milliseconds {MASTER} 500\n\
+                     sentinel failover-timeout {MASTER} 2000\n",
+                    primary.0
+                );
+                start(&format!("sentinel{i}"), watch, true)
+            })
+            .collect();
+        let set = TlsSentinelSet {
+            primary,
+            replica,
+            sentinels,
+            cert: cert_file,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let synced = set
+                .cli(set.replica.0, &["INFO", "replication"])
+                .contains("master_link_status:up");
+            let known = set.sentinels.iter().all(|(port, _)| {
+                let m = set.cli(*port, &["SENTINEL", "MASTER", MASTER]);
+                let lines: Vec<&str> = m.lines().collect();
+                let field = |name: &str| {
+                    lines
+                        .iter()
+                        .position(|l| *l == name)
+                        .and_then(|i| lines.get(i + 1).copied())
+                };
+                field("num-slaves") == Some("1") && field("num-other-sentinels") == Some("2")
+            });
+            if synced && known {
+                return set;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "TLS sentinels never agreed on the set"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis-cli --tls` on `port`: its output.
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        tls_cli(&self.cert, port, args)
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|(port, _)| format!("rediss://127.0.0.1:{port}"))
+            .collect()
+    }
+
+    /// The keys matching `pattern` on the server on `port` but the fleet view's.
+    pub fn keys(&self, port: u16, pattern: &str) -> Vec<String> {
+        self.cli(port, &["KEYS", pattern])
+            .lines()
+            .filter(|k| !k.is_empty() && !k.contains("{fleet}:"))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+fn tls_cli(cert: &std::path::Path, port: u16, args: &[&str]) -> String {
+    let out = run_grouped(
+        Command::new("redis-cli")
+            .args(["--tls", "--cacert"])
+            .arg(cert)
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(args),
+    )
+    .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 pub fn sentinel_target(set: &SentinelSet) -> String {
     let list: Vec<String> = set.urls().iter().map(|u| format!("\"{u}\"")).collect();
     format!(

@@ -178,3 +178,38 @@ async fn credentials_reach_the_sentinels_and_each_primary() {
     assert_eq!(set.named(), set.replica.port);
     assert_eq!(set.replica.keys("sluice:{api:later}:*").len(), 1);
 }
+
+/// TLS: `rediss://` sentinels, and the primary they name reached over TLS too (its
+/// certificate checked against the address they announce), before and after a
+/// failover. sluice trusts the self-signed certificate through `SSL_CERT_FILE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_reaches_the_sentinels_and_each_primary() {
+    let mut set = TlsSentinelSet::start();
+    let nodes: Vec<String> = set.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let target = format!(
+        "sentinel: {{master: {MASTER}, nodes: [{}]}}",
+        nodes.join(", ")
+    );
+    let yaml = format!(
+        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    limits: [{{name: per_key, algorithm: fixed_window, limit: 3, window: 1h}}]\n",
+        redis_store(&target, "deny", 500)
+    );
+    let cert = set.cert.display().to_string();
+    let p = SluiceProcess::start(&[], &[("SSL_CERT_FILE", &cert)], &yaml).await;
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        seen.push(ask(&p, "k").await);
+    }
+    assert_eq!(seen, [200, 200, 200, 429]);
+    assert_eq!(set.keys(set.primary.0, "sluice:{api:k}:*").len(), 1);
+
+    set.primary.1.kill();
+    let moved = eventually(BOUND, || async { ask(&p, "later").await == 200 }).await;
+    assert!(moved.is_some(), "never decided in the new primary");
+    let named = set.cli(
+        set.sentinels[0].0,
+        &["SENTINEL", "get-master-addr-by-name", MASTER],
+    );
+    assert_eq!(named, format!("127.0.0.1\n{}\n", set.replica.0));
+    assert_eq!(set.keys(set.replica.0, "sluice:{api:later}:*").len(), 1);
+}
