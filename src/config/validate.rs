@@ -693,6 +693,8 @@ impl Checker<'_> {
             None => (rest, None),
         };
         let (authority, db) = rest.split_once('/').unwrap_or((rest, ""));
+        // As the client reads it: slashes around the number do not count.
+        let db = db.trim_matches('/');
         // The host is what follows any `user:password@` and precedes `:port`.
         let host = authority.rsplit('@').next().unwrap_or("");
         if host.is_empty() || host.starts_with(':') {

@@ -1396,6 +1396,16 @@ routes: []
         "rules.yaml:3:16: redis URL \"redis://h:6379/zero\": expected a database number after \
          the host, like /0, found /zero"
     );
+    // What the client reads passes.
+    for url in [
+        "redis://:pw@h:6379/3/?protocol=resp3",
+        "rediss://user:pw@h:6380?protocol=2",
+        "redis://h",
+    ] {
+        loads(&format!(
+            "store:\n  backend: redis\n  redis: {{url: \"{url}\"}}\nroutes: []\n"
+        ));
+    }
 }
 
 #[test]
