@@ -100,9 +100,8 @@ impl Primary {
             timeout,
         });
         let mut asker = Asker::default();
-        p.refresh(&mut asker, None).await;
-        if p.current.load().is_none() {
-            tracing::error!(master = %p.target.master, "Redis Sentinel: no sentinel named a primary at startup; applying store.on_error until one does");
+        if let Err(why) = p.refresh(&mut asker, None).await {
+            tracing::error!(master = %p.target.master, %why, "Redis Sentinel: no primary at startup; applying store.on_error until the sentinels name one");
         }
         tokio::spawn(follow(Arc::downgrade(&p), p.suspect.clone(), asker));
         p
@@ -137,40 +136,29 @@ impl Primary {
     }
 
     /// Asks the sentinels (or takes `named`, the address a `+switch-master` gave) and
-    /// moves to the server named if it is not the current one and says it is a primary.
-    async fn refresh(&self, asker: &mut Asker, named: Option<(String, u16)>) {
+    /// moves to the server named if it is not the current one and says it is a
+    /// primary. Ok if the store is on the primary named; why not otherwise.
+    async fn refresh(&self, asker: &mut Asker, named: Option<(String, u16)>) -> Result<(), String> {
         let named = match named {
             Some(n) => Some(n),
-            None => match asker.ask(&self.target, self.timeout).await {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::debug!(error = %e, "Redis Sentinel: no sentinel answered");
-                    return;
-                }
-            },
+            None => asker
+                .ask(&self.target, self.timeout)
+                .await
+                .map_err(|e| format!("no sentinel answered: {e}"))?,
         };
-        let Some((host, port)) = named else {
-            tracing::warn!(master = %self.target.master, "Redis Sentinel: the sentinels do not know this master");
-            return;
-        };
+        let (host, port) = named.ok_or("the sentinels do not know this master")?;
         let before = self.current.load_full();
         if let Some(c) = &before {
             if c.host == host && c.port == port {
-                return;
+                return Ok(());
             }
         }
         let url = self.target.primary.at(&host, port);
-        let conn = match redis::Client::open(url.as_str())
+        let conn = redis::Client::open(url.as_str())
             .and_then(|c| ConnectionManager::new_lazy_with_config(c, self.manager.clone()))
-        {
-            Ok(conn) => conn,
-            Err(e) => {
-                tracing::warn!(error = %e, host, port, "Redis Sentinel: the named primary's address is not usable");
-                return;
-            }
-        };
-        // The server named must say it is the primary: a sentinel in a minority, or
-        // one that has not seen the failover yet, can name a demoted one.
+            .map_err(|e| format!("the address named, {host}:{port}, is not usable: {e}"))?;
+        // The server named must say it is the primary: a sentinel that has not seen
+        // the failover yet can name a demoted one.
         let mut check = conn.clone();
         let role = tokio::time::timeout(
             self.timeout,
@@ -179,22 +167,12 @@ impl Primary {
         .await;
         match role {
             Ok(Ok(Role::Primary { .. })) => {}
-            Ok(Ok(role)) => {
-                tracing::warn!(
-                    host,
-                    port,
-                    ?role,
-                    "Redis Sentinel: the server named is not a primary (yet); asking again"
-                );
-                return;
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, host, port, "Redis Sentinel: the named primary does not answer");
-                return;
-            }
+            Ok(Ok(_)) => return Err(format!("{host}:{port} is named but is not a primary")),
+            Ok(Err(e)) => return Err(format!("{host}:{port} is named but fails: {e}")),
             Err(_) => {
-                tracing::debug!(host, port, "Redis Sentinel: the named primary is too slow");
-                return;
+                return Err(format!(
+                    "{host}:{port} is named but does not answer in time"
+                ))
             }
         }
         match &before {
@@ -212,6 +190,7 @@ impl Primary {
             conn,
         })));
         self.moved.notify_one();
+        Ok(())
     }
 }
 
@@ -223,6 +202,8 @@ async fn follow(primary: Weak<Primary>, suspect: Arc<Notify>, mut asker: Asker) 
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     let mut events: Option<redis::aio::PubSubStream> = None;
+    // Said once per outage, then at debug level.
+    let mut failing = false;
     loop {
         let mut named = None;
         tokio::select! {
@@ -243,7 +224,15 @@ async fn follow(primary: Weak<Primary>, suspect: Arc<Notify>, mut asker: Asker) 
         if events.is_none() {
             events = subscribe(&p.target, p.timeout).await;
         }
-        p.refresh(&mut asker, named).await;
+        match p.refresh(&mut asker, named).await {
+            Ok(()) => failing = false,
+            Err(why) if !std::mem::replace(&mut failing, true) => {
+                tracing::warn!(master = %p.target.master, %why, "Redis Sentinel: not following the primary; asking again")
+            }
+            Err(why) => {
+                tracing::debug!(master = %p.target.master, %why, "Redis Sentinel: still not following the primary")
+            }
+        }
         drop(p);
         tokio::time::sleep(ASK_GAP).await;
     }
