@@ -39,6 +39,7 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     c.upstreams(file);
     c.deny(file);
     c.routes(file);
+    c.reserves(file);
     let mut errors = c.errors;
     // Stable: problems at one node keep the order they were found in.
     errors.sort_by_key(|e| (e.line, e.col));
@@ -1056,6 +1057,91 @@ impl Checker<'_> {
                 self.at_key(
                     &bp,
                     "ban needs a per-client key: with key: global every client shares one key, and banning it would deny nobody in particular",
+                );
+            }
+        }
+    }
+
+    /// `reserve` on limits: only where units taken in advance can be spent locally and
+    /// still never over-admit (see `limit::reserve`).
+    fn reserves(&mut self, file: &File) {
+        for (i, route) in file.routes.iter().enumerate() {
+            let base = item("routes", i);
+            let lists = std::iter::once((format!("{base}.limits"), &route.limits)).chain(
+                route.overrides.iter().enumerate().map(|(o, ov)| {
+                    (
+                        format!("{}.limits", item(&format!("{base}.overrides"), o)),
+                        &ov.limits,
+                    )
+                }),
+            );
+            for (path, limits) in lists {
+                self.reserve_list(file, &path, limits);
+            }
+        }
+    }
+
+    fn reserve_list(&mut self, file: &File, path: &str, limits: &[Limit]) {
+        let Some(first) = limits.iter().position(|l| l.reserve.is_some()) else {
+            return;
+        };
+        for (j, l) in limits.iter().enumerate() {
+            let lp = item(path, j);
+            let name = l.name_at(j);
+            let Some(n) = l.reserve else {
+                self.at(
+                    &lp,
+                    format!(
+                        "limit {name} needs reserve too: reserve on {} takes effect only when every limit of the list has it (a request is admitted from held units only if all of its limits hold them)",
+                        limits[first].name_at(first)
+                    ),
+                );
+                continue;
+            };
+            let rp = format!("{lp}.reserve");
+            let n = n.get();
+            let alg = l.algorithm.as_str();
+            if n < 2 {
+                self.at(
+                    &rp,
+                    "reserve must be at least 2: with 1 nothing is taken in advance",
+                );
+            }
+            if file.store.backend != Backend::Redis {
+                self.at_key(
+                    &rp,
+                    "reserve needs the Redis store (store.backend: redis): on the memory store every decision is already local",
+                );
+            }
+            match l.algorithm {
+                AlgorithmName::SlidingLog | AlgorithmName::Concurrency => self.at_key(
+                    &rp,
+                    format!("{alg} does not take reserve: it keeps every request (or slot) apart, so there are no units to take in advance; use fixed_window, sliding_window, token_bucket or gcra"),
+                ),
+                _ => {}
+            }
+            if l.from_response() {
+                self.at_key(
+                    &rp,
+                    "a limit charged from the response (count, or a cost from a response header) does not take reserve: its charge is known only after the request",
+                );
+            }
+            if limits.iter().any(|l| l.key.is_some()) {
+                self.at_key(
+                    &rp,
+                    "reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
+                );
+            }
+            let quota = match l.algorithm {
+                AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
+                    l.burst.map(|b| b.get()).or(l.rate.map(|r| r.count))
+                }
+                _ => l.limit.map(|x| x.get()),
+            };
+            if let Some(q) = quota.filter(|&q| q > 0 && n > q) {
+                self.at(
+                    &rp,
+                    format!("reserve {n} is greater than the limit's {q}: an instance could never take that many"),
                 );
             }
         }
