@@ -1723,6 +1723,60 @@ mod tests {
     }
 
     #[test]
+    fn reserve_only_where_units_can_be_held_without_over_admitting() {
+        const REDIS: &str = "store: {backend: redis, redis: {url: \"redis://127.0.0.1:6379\"}}\n";
+        let limits = |store: &str, l: &str| {
+            format!("{store}{UP}routes:\n  - name: a\n    upstream: api\n    limits:\n{l}")
+        };
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 20}\n      - {algorithm: gcra, rate: 10/s, burst: 20, reserve: 20}\n"
+            )),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: sliding_log, limit: 100, window: 1s, reserve: 20}\n      - {algorithm: concurrency, limit: 10, reserve: 5}\n"
+            )),
+            [
+                "7:58: sliding_log does not take reserve: it keeps every request (or slot) apart, so there are no units to take in advance; use fixed_window, sliding_window, token_bucket or gcra",
+                "8:45: concurrency does not take reserve: it keeps every request (or slot) apart, so there are no units to take in advance; use fixed_window, sliding_window, token_bucket or gcra",
+            ]
+        );
+        assert_eq!(
+            errors(&limits(
+                "",
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 20}\n"
+            )),
+            ["6:59: reserve needs the Redis store (store.backend: redis): on the memory store every decision is already local"]
+        );
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 1}\n      - {name: day, algorithm: fixed_window, limit: 10, window: 1d}\n      - {algorithm: token_bucket, rate: 5/s, reserve: 6}\n"
+            )),
+            [
+                "7:68: reserve must be at least 2: with 1 nothing is taken in advance",
+                "8:9: limit day needs reserve too: reserve on fixed_window_0 takes effect only when every limit of the list has it (a request is admitted from held units only if all of its limits hold them)",
+                "9:55: reserve 6 is greater than the limit's 5: an instance could never take that many",
+            ]
+        );
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 20, count: {status: [401]}}\n      - {algorithm: fixed_window, limit: 100, window: 1m, reserve: 20, key: ip}\n"
+            )),
+            [
+                "7:59: a limit charged from the response (count, or a cost from a response header) does not take reserve: its charge is known only after the request",
+                "7:59: reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
+                "8:59: reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
+            ]
+        );
+    }
+
+    #[test]
     fn a_clean_file_has_no_errors() {
         let yaml = format!(
             "{UP}routes:\n  - name: a\n    upstream: api\n    limits: [{{algorithm: gcra, rate: 10/s}}]\n"

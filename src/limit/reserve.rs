@@ -261,7 +261,9 @@ fn count_unused(limit: Option<&LimitDef>, units: u64) {
     }
 }
 
-type Key = (String, u64);
+/// A key's tag (route and client key): one entry whatever its limits, so a reload
+/// that changes them is seen, and what was held counted, at the key's next request.
+type Key = String;
 
 /// What a key's entry remembers beside its units: the limits it was kept for, so
 /// units dropped with it are counted against the right ones.
