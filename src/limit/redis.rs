@@ -339,7 +339,10 @@ impl RedisStore {
         let deadline = tokio::time::Instant::now() + inner.timeout;
         let mut counted = false;
         let taking = loop {
-            match inner.reserves.find(cache_key.0.clone(), plan, counted) {
+            match inner
+                .reserves
+                .find(cache_key.0.clone(), cache_key.1, plan, counted)
+            {
                 Found::Admitted(verdict) => {
                     inner.count(CallKind::Local);
                     return Ok(Checked {
