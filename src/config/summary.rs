@@ -331,6 +331,9 @@ fn describe_limit(l: &Limit, j: usize) -> String {
     if let Some(key) = &l.key {
         let _ = write!(s, " by {}", key_text(key));
     }
+    if let Some(n) = l.reserve {
+        let _ = write!(s, " reserving {} at a time", n.get());
+    }
     s
 }
 
@@ -478,6 +481,17 @@ deny    2 ips, 1 key -> 403
         let text = summary(&loaded);
         assert!(
             text.contains("per_ip: fixed_window 5 per 1m; (shadow) strict: fixed_window 1 per 1m"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_limit_says_how_many_units_it_reserves() {
+        let yaml = "store: {backend: redis, redis: {url: \"redis://127.0.0.1:6379\"}}\nroutes:\n  - name: a\n    limits:\n      - {name: hot, algorithm: token_bucket, rate: 50/s, burst: 100, reserve: 20}\n    respond: {}\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        assert!(
+            text.contains("hot: token_bucket 50/s burst 100 reserving 20 at a time"),
             "{text}"
         );
     }

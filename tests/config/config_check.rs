@@ -151,7 +151,7 @@ fn typo_in_a_limit_is_located() {
     assert_eq!(
         error(&yaml),
         "rules.yaml:8:9: routes[0].limits[0]: unknown field `brust`, expected one of `name`, \
-         `algorithm`, `limit`, `window`, `rate`, `burst`, `cost`, `count`, `lease`, `shadow`, `key`"
+         `algorithm`, `limit`, `window`, `rate`, `burst`, `cost`, `count`, `lease`, `shadow`, `key`, `reserve`"
     );
 }
 

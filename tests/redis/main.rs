@@ -12,5 +12,6 @@ mod redis_gateway;
 mod redis_live_ops;
 mod redis_store;
 mod redis_tls;
+mod reserve;
 mod sentinel;
 mod store_faults;
