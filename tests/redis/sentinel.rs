@@ -1,8 +1,8 @@
 //! Redis Sentinel end to end: two `sluice run` processes find their Redis through
 //! three sentinels, and when the primary is killed under traffic they follow the
 //! failover by themselves: `on_error` answers during the gap, then limits are
-//! decided in the new primary and the shared deny list is followed there, with no
-//! restart and no configuration change.
+//! decided in the new primary, the shared deny list is followed there and the fleet
+//! heartbeats are written there, with no restart and no configuration change.
 
 use std::time::{Duration, Instant};
 
@@ -123,6 +123,28 @@ async fn a_failover_moves_limits_and_the_deny_list_to_the_new_primary() {
     }
     assert_eq!(after, [200, 200, 200, 429]);
     assert_eq!(set.replica.keys("sluice:{api:after}:*").len(), 1);
+
+    // The fleet heartbeats: both instances' are written to the new primary. A key
+    // copied from the old one has at most 10 s - 2 s (heartbeat TTL less the time
+    // since the kill) left; one written there again has more than 9 s.
+    // (Each instance beats on its own schedule: seen fresh one at a time.)
+    let mut fresh = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + BOUND;
+    while fresh.len() < 2 {
+        for k in set
+            .replica
+            .cmd::<Vec<String>>(&["KEYS", "sluice:{fleet}:i:*"])
+        {
+            if set.replica.cmd::<i64>(&["PTTL", &k]) > 9_000 {
+                fresh.insert(k);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "heartbeats written there: {fresh:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // The deny list: both instances subscribed on the new primary; an entry added
     // on a is enforced by b.
