@@ -351,3 +351,37 @@ async fn a_token_bucket_with_reserve_never_admits_more_than_its_rate_allows() {
 async fn gcra_with_reserve_in_delay_mode_never_admits_more_than_its_rate_allows() {
     bucket_fleet("gcra", "    on_limit: delay\n    max_delay: 100ms\n").await;
 }
+
+/// One gateway, one key, `limits` in delay mode (max_delay 2 s), the store's
+/// default timeout (50 ms): `n` requests at once, statuses counted.
+async fn delayed_burst(limits: &str, n: usize) -> BTreeMap<u16, usize> {
+    let redis = RedisServer::start();
+    let yaml = format!(
+        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    on_limit: delay\n    max_delay: 2s\n    limits: {limits}\n",
+        redis_store(&url_target(&redis.url()), "deny", 50),
+    );
+    let g = start_gateway(&yaml).await;
+    burst(&[g.addr], n, "shared").await
+}
+
+/// Requests that must wait (delay mode) are one call each, with or without
+/// `reserve`; without it, those that arrive together share calls. With it, a key's
+/// calls go one at a time: 150 requests at once queue behind each other's calls and
+/// those at the back run out of the store's timeout (503), though Redis answered
+/// every call at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_requests_of_a_reserved_key_are_not_timed_out_by_waiting_for_each_other() {
+    // Burst 10, then one every 10 ms: the 150th waits 1.4 s, within max_delay.
+    let without = delayed_burst(
+        "[{name: hot, algorithm: gcra, rate: 100/s, burst: 10}]",
+        150,
+    )
+    .await;
+    assert_eq!(without, BTreeMap::from([(200, 150)]));
+    let with = delayed_burst(
+        "[{name: hot, algorithm: gcra, rate: 100/s, burst: 10, reserve: 5}]",
+        150,
+    )
+    .await;
+    assert_eq!(with, BTreeMap::from([(200, 150)]));
+}
