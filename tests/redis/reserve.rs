@@ -385,3 +385,68 @@ async fn delayed_requests_of_a_reserved_key_are_not_timed_out_by_waiting_for_eac
     .await;
     assert_eq!(with, BTreeMap::from([(200, 150)]));
 }
+
+/// A take whose answer never comes back (the call timed out: Redis stalled by a long
+/// script, a fork, a slow network) still runs when Redis gets to it, and its units are
+/// counted in the shared count. Spent by no one, they are unused, and the contract
+/// is that every unit taken is spent or counted in `sluice_reserve_unused_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn units_taken_by_a_call_that_timed_out_are_counted_unused() {
+    let redis = RedisServer::start();
+    let yaml = format!(
+        "{}{}",
+        redis_store(&url_target(&redis.url()), "deny", 50),
+        route("[{name: hot, algorithm: fixed_window, limit: 1000, window: 1h, reserve: 10}]")
+    );
+    let g = start_gateway(&yaml).await;
+    let count = || {
+        let key = redis.keys("sluice:{api:shared}:*")[0].clone();
+        window_count(&redis.cmd::<String>(&["GET", key.as_str()]))
+    };
+    // A busy key: 30 requests one after another, then what the gateway still holds
+    // spent, so that the next request takes (as many as the key's rate asks, ≥ 1).
+    let mut admitted = 0;
+    for _ in 0..30 {
+        assert_eq!(get(g.addr, "/", &[("x-key", "shared")]).await.status, 200);
+        admitted += 1;
+    }
+    let held = count() - admitted;
+    for _ in 0..held {
+        assert_eq!(get(g.addr, "/", &[("x-key", "shared")]).await.status, 200);
+        admitted += 1;
+    }
+    assert_eq!(count(), admitted, "everything taken was spent");
+    // Redis busy for 300 ms with a script of its own; the next request's take waits
+    // behind it, times out on the gateway's side (503), and runs afterwards.
+    let url = redis.url();
+    let stall = std::thread::spawn(move || {
+        let mut c = redis::Client::open(url)
+            .and_then(|c| c.get_connection())
+            .expect("connect");
+        let busy = "local t0 = redis.call('TIME') repeat local t = redis.call('TIME') until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > 300000 return 1";
+        let _: i64 = redis::cmd("EVAL")
+            .arg(busy)
+            .arg(0)
+            .query(&mut c)
+            .expect("busy script");
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(get(g.addr, "/", &[("x-key", "shared")]).await.status, 503);
+    stall.join().expect("stall thread");
+    let taken = count() - admitted;
+    assert!(
+        taken >= 2,
+        "the late call took the request's unit and more: {taken}"
+    );
+    // The request's own unit is lost as any timed-out call's is; the units beyond it
+    // were taken for this instance to hold.
+    assert_eq!(
+        metric(
+            g.admin_addr,
+            "sluice_reserve_unused_total",
+            &[("route", "api"), ("limit", "hot")],
+        )
+        .await,
+        (taken - 1) as f64
+    );
+}
