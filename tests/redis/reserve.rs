@@ -450,3 +450,51 @@ async fn units_taken_by_a_call_that_timed_out_are_counted_unused() {
         (taken - 1) as f64
     );
 }
+
+/// `delayed_requests_of_a_reserved_key_are_not_timed_out_by_waiting_for_each_other`
+/// with the default `on_error: local`: the requests that ran out of the timeout
+/// waiting for the key's take are decided by this instance's memory fallback, a
+/// budget of its own, though Redis never failed. The fleet's shared bucket (burst 10,
+/// 100/s) admits at most 10 + 100 × t requests in the first t seconds; the gateway
+/// forwards far more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserved_key_in_delay_mode_never_passes_more_than_its_shared_bucket_on_a_healthy_redis()
+{
+    let redis = RedisServer::start();
+    let yaml = format!(
+        "{}routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    on_limit: delay\n    max_delay: 2s\n    limits: [{{name: hot, algorithm: gcra, rate: 100/s, burst: 10, reserve: 5}}]\n",
+        redis_store(&url_target(&redis.url()), "local", 50),
+    );
+    let g = start_gateway(&yaml).await;
+    let start = std::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..150 {
+        let addr = g.addr;
+        tasks.spawn(async move {
+            let status = get(addr, "/", &[("x-key", "shared")]).await.status;
+            (status, start.elapsed())
+        });
+    }
+    let mut early = 0;
+    let mut statuses = BTreeMap::new();
+    while let Some(r) = tasks.join_next().await {
+        let (status, at) = r.expect("request task");
+        *statuses.entry(status).or_insert(0) += 1;
+        if status == 200 && at < Duration::from_millis(700) {
+            early += 1;
+        }
+    }
+    assert_eq!(statuses, BTreeMap::from([(200, 150)]));
+    // Burst 10, then 100/s: at most 80 (one more for rounding) in the first 700 ms.
+    assert!(early <= 81, "{early} forwarded in the first 700 ms");
+    // Redis answered every call: nothing was decided by the fallback.
+    assert_eq!(
+        metric(
+            g.admin_addr,
+            "sluice_requests_total",
+            &[("route", "api"), ("decision", "store_error_allowed")],
+        )
+        .await,
+        0.0
+    );
+}
