@@ -67,6 +67,9 @@ const RELEASES_RETRYING_MAX: usize = 65_536;
 /// Requests decided by one script call at most: a call blocks Redis while it runs,
 /// and 64 requests with one limit each take it about 0.5 ms.
 const BATCH_MAX: usize = 64;
+/// How long a take (`reserve`) may wait for Redis' answer, whatever the request's
+/// timeout: a late answer still brings its units (`acquire_reserving`).
+const TAKE_WITHIN: Duration = Duration::from_secs(2);
 /// Integers the script answers per limit (`verdict`).
 const REPLY_PER_LIMIT: usize = 3;
 
@@ -374,11 +377,11 @@ impl RedisStore {
         use super::reserve::Found;
         let inner = &self.inner;
         let deadline = tokio::time::Instant::now() + inner.timeout;
-        let mut counted = false;
-        let taking = loop {
+        let mut waited = false;
+        let (wants, taking) = loop {
             match inner
                 .reserves
-                .find(cache_key.0.clone(), cache_key.1, plan, counted)
+                .find(cache_key.0.clone(), cache_key.1, plan, waited)
             {
                 Found::Admitted(verdict) => {
                     inner.count(CallKind::Local);
@@ -388,15 +391,15 @@ impl RedisStore {
                     });
                 }
                 Found::Wait(notified) => {
-                    counted = true;
+                    waited = true;
                     if tokio::time::timeout_at(deadline, notified).await.is_err() {
                         return Err(StoreError::Timeout);
                     }
                 }
-                Found::Take(wants, taking) => break (wants, taking),
+                Found::Call(wants, taking) => break (wants, taking),
             }
         };
-        let (wants, taking) = taking;
+        // (A refusal or an open breaker ends the take at once: `taking` is dropped.)
         let sent = Instant::now();
         if let Some(cache) = &inner.refusals {
             if let Some(v) = cache.get(&cache_key, sent) {
@@ -411,24 +414,62 @@ impl RedisStore {
             return Err(StoreError::Open);
         }
         let uid = inner.uid_for(plan);
+        let Some(taking) = taking else {
+            // Nothing to take: a call like any other.
+            let result = inner
+                .decide(Part::new(&cache_key.0, plan, &uid), plan)
+                .await;
+            return self.settle(result, &cache_key, plan, sent);
+        };
+        // The take runs as a task of its own, bounded by `TAKE_WITHIN` rather than the
+        // request's timeout: a call that Redis answers late (stalled by a fork or a
+        // long script) still brings its units to the key, instead of leaving them
+        // counted in Redis and spent by no one. The request waits only its timeout.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let part = Part::taking(&cache_key.0, plan, &uid, &wants);
+        let (task, plan_of_take, tag) = (inner.clone(), plan.clone(), cache_key.clone());
+        let within = inner.timeout.max(TAKE_WITHIN);
         let sent_us = inner.reserves.now_us();
-        let result = inner
-            .ask(Part::taking(&cache_key.0, plan, &uid, &wants))
-            .await
-            .and_then(|(reply, now)| Ok((verdict_taking(plan, &reply)?, now)));
-        match result {
-            Ok(((verdict, taken), now)) => {
-                inner.breaker.success();
-                if verdict.allowed {
-                    taking.keep(plan, &verdict, &taken, sent_us, now);
-                } else if let Some(cache) = &inner.refusals {
-                    let hold = refused_until_us(plan, &verdict).saturating_sub(plan.max_delay_us());
-                    if hold > 0 {
-                        let hold = Duration::from_micros(hold).min(REFUSAL_HOLD_MAX);
-                        cache.insert(cache_key.clone(), sent, sent + hold, &verdict);
-                    }
+        tokio::spawn(async move {
+            let mut taking = taking;
+            let result = task
+                .run_within(&[&part], task.now_us(), within)
+                .await
+                .and_then(|(reply, now)| Ok((verdict_taking(&plan_of_take, &reply)?, now)));
+            match &result {
+                Ok(((verdict, taken), now)) if verdict.allowed => {
+                    taking.keep(&plan_of_take, verdict, taken, sent_us, *now);
                 }
-                drop(taking);
+                // Remembered before the requests waiting for this take look again,
+                // so they are refused from the cache rather than each by a call.
+                Ok(((verdict, _), _)) => task.remember_refusal(&tag, &plan_of_take, verdict, sent),
+                Err(_) => {}
+            }
+            drop(taking);
+            let _ = tx.send(result.map(|((verdict, _), _)| verdict));
+        });
+        let result = match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(StoreError::Unavailable("store closed".into())),
+            Err(_) => Err(StoreError::Timeout),
+        };
+        self.settle(result, &cache_key, plan, sent)
+    }
+
+    /// What a reserving request's call ended with, as `acquire` records it: the
+    /// breaker told, a refusal remembered until its retry time.
+    fn settle(
+        &self,
+        result: Result<Verdict, StoreError>,
+        cache_key: &(String, u64),
+        plan: &Plan,
+        sent: Instant,
+    ) -> Result<Checked, StoreError> {
+        let inner = &self.inner;
+        match result {
+            Ok(verdict) => {
+                inner.breaker.success();
+                inner.remember_refusal(cache_key, plan, &verdict, sent);
                 Ok(Checked {
                     verdict,
                     permit: Permit::None,
@@ -824,6 +865,20 @@ impl Inner {
     /// idle timeout), is sent again at once, on the new connection. A command that was
     /// written and then lost its connection is not: Redis may have run it, and a
     /// script run twice charges a request twice.
+    /// A refusal answered from the cache (`RefusalCache`) until its retry time, counted
+    /// from `sent`, no later than the server's now. In delay mode a wait of max_delay
+    /// would be admitted, so only until retry - max_delay. Only the limits that use
+    /// capacity up count: a concurrency slot can free at any moment.
+    fn remember_refusal(&self, key: &(String, u64), plan: &Plan, verdict: &Verdict, sent: Instant) {
+        if let (false, Some(cache)) = (verdict.allowed, &self.refusals) {
+            let hold = refused_until_us(plan, verdict).saturating_sub(plan.max_delay_us());
+            if hold > 0 {
+                let hold = Duration::from_micros(hold).min(REFUSAL_HOLD_MAX);
+                cache.insert(key.clone(), sent, sent + hold, verdict);
+            }
+        }
+    }
+
     /// Counts a call of `kind` (or a local admission).
     fn count(&self, kind: CallKind) {
         if let Some(calls) = self.calls.get() {
@@ -926,8 +981,18 @@ impl Inner {
         parts: &[&Part],
         now_us: Option<u64>,
     ) -> Result<(Vec<i64>, u64), StoreError> {
+        self.run_within(parts, now_us, self.timeout).await
+    }
+
+    /// `run`, bounded by `within` instead of the timeout.
+    async fn run_within(
+        &self,
+        parts: &[&Part],
+        now_us: Option<u64>,
+        within: Duration,
+    ) -> Result<(Vec<i64>, u64), StoreError> {
         let at = now_us.map(Time::At).unwrap_or(Time::Server);
-        let mut reply = self.call(parts, at).await?;
+        let mut reply = self.call_within(parts, at, within).await?;
         let want: usize = parts.iter().map(|p| p.reply_len()).sum();
         if reply.len() != want + 1 {
             return Err(StoreError::Unavailable(format!(
@@ -950,6 +1015,16 @@ impl Inner {
     /// The script called on `parts`, EVALSHA and EVAL as needed; bounded by the
     /// timeout.
     async fn call(&self, parts: &[&Part], at: Time) -> Result<Vec<i64>, StoreError> {
+        self.call_within(parts, at, self.timeout).await
+    }
+
+    /// `call`, bounded by `within`.
+    async fn call_within(
+        &self,
+        parts: &[&Part],
+        at: Time,
+        within: Duration,
+    ) -> Result<Vec<i64>, StoreError> {
         self.count(match at {
             // The script run for no request: the breaker's probe.
             _ if parts.is_empty() => CallKind::Probe,
@@ -970,7 +1045,7 @@ impl Inner {
                 r => r,
             }
         };
-        match tokio::time::timeout(self.timeout, call).await {
+        match tokio::time::timeout(within, call).await {
             Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string())),
             Err(_) => Err(StoreError::Timeout),
         }

@@ -106,6 +106,10 @@ pub struct Held {
     previous: u64,
     /// An instance's call taking units for this key is out: others wait for it.
     taking: Option<Arc<tokio::sync::Notify>>,
+    /// The last take brought nothing beyond its request's cost (a bucket in debt,
+    /// delay mode, a refusal): requests that waited for one take do not wait for
+    /// another, so they never queue behind one another's calls.
+    dry: bool,
 }
 
 impl Held {
@@ -224,6 +228,7 @@ impl Held {
             }
             self.lots = vec![VecDeque::new(); plan.limits.len()];
         }
+        self.dry = taken.iter().all(|&t| t == 0);
         for ((l, q), &units) in plan.limits.iter().zip(&mut self.lots).zip(taken) {
             if units > 0 {
                 q.push_back(Lot::new(&l.algorithm, units, sent_us, server_now_us));
@@ -287,8 +292,9 @@ pub enum Found {
     Admitted(Verdict),
     /// Another request is taking units for the key: wait for it, then look again.
     Wait(tokio::sync::futures::OwnedNotified),
-    /// This request takes, with these wants; the guard ends the take when dropped.
-    Take(Vec<u64>, Taking),
+    /// This request makes a call. With a guard, it takes these wants for the key (the
+    /// guard ends the take when dropped); without, it only decides itself.
+    Call(Vec<u64>, Option<Taking>),
 }
 
 /// The take in progress for a key: dropped (however the call ended), it wakes the
@@ -299,6 +305,8 @@ pub struct Taking {
     /// The limits the take is for.
     fingerprint: u64,
     notify: Arc<tokio::sync::Notify>,
+    /// Its units were kept (`keep`); a take that ends otherwise brought nothing.
+    kept: bool,
 }
 
 impl Drop for Taking {
@@ -310,6 +318,9 @@ impl Drop for Taking {
                 .is_some_and(|n| Arc::ptr_eq(n, &self.notify))
             {
                 e.held.taking = None;
+                if !self.kept {
+                    e.held.dry = true;
+                }
             }
         }
         self.notify.notify_waiters();
@@ -318,7 +329,15 @@ impl Drop for Taking {
 
 impl Taking {
     /// Keeps what the call took (`Held::keep`).
-    pub fn keep(&self, plan: &Plan, verdict: &Verdict, taken: &[u64], sent_us: u64, now_us: u64) {
+    pub fn keep(
+        &mut self,
+        plan: &Plan,
+        verdict: &Verdict,
+        taken: &[u64],
+        sent_us: u64,
+        now_us: u64,
+    ) {
+        self.kept = true;
         let mut shard = self.reserves.shard(&self.key);
         match shard.get_mut(&self.key) {
             // The key's limits are still those the units were taken for.
@@ -364,9 +383,11 @@ impl Reserves {
     }
 
     /// Looks at the key's units for a request of `plan`, whose limits and mode
-    /// `fingerprint` identifies (`counted`: whether this request was already counted
-    /// towards the key's rate, on an earlier look).
-    pub fn find(self: &Arc<Self>, key: Key, fingerprint: u64, plan: &Plan, counted: bool) -> Found {
+    /// `fingerprint` identifies. `waited`: the request already waited for a take (and
+    /// was counted towards the key's rate then); it waits for another only while takes
+    /// bring units, so requests that find nothing held (a bucket in debt, delay mode)
+    /// never queue behind one another's calls.
+    pub fn find(self: &Arc<Self>, key: Key, fingerprint: u64, plan: &Plan, waited: bool) -> Found {
         let now = self.now_us();
         let mut shard = self.shard(&key);
         if !shard.contains(&key) {
@@ -385,7 +406,7 @@ impl Reserves {
         let Some(e) = shard.get_mut(&key) else {
             unreachable!("inserted above")
         };
-        if !counted {
+        if !waited {
             e.held.note(now);
         }
         if e.fingerprint != fingerprint {
@@ -398,21 +419,29 @@ impl Reserves {
         if let Some(v) = e.held.admit(plan, now) {
             return Found::Admitted(v);
         }
-        if let Some(n) = &e.held.taking {
-            return Found::Wait(n.clone().notified_owned());
+        match &e.held.taking {
+            Some(n) if !waited || !e.held.dry => return Found::Wait(n.clone().notified_owned()),
+            // Taking nothing, this call cannot push what the instance holds past
+            // N - 1.
+            Some(_) => return Found::Call(vec![0; plan.limits.len()], None),
+            None => {}
+        }
+        let wants = e.held.wants(plan, now);
+        if wants.iter().all(|&w| w == 0) {
+            return Found::Call(wants, None);
         }
         let notify = Arc::new(tokio::sync::Notify::new());
         e.held.taking = Some(notify.clone());
-        let wants = e.held.wants(plan, now);
         drop(shard);
-        Found::Take(
+        Found::Call(
             wants,
-            Taking {
+            Some(Taking {
                 reserves: self.clone(),
                 key,
                 fingerprint,
                 notify,
-            },
+                kept: false,
+            }),
         )
     }
 }
