@@ -20,7 +20,7 @@
 --             whatever is left (what the upstream's response said a request cost:
 --             a window or log counts past its limit, a bucket goes into debt).
 -- Then two per request:
---   <limits>     "<max_delay_us>" then per limit " <algorithm> <cost> <a> <b> <c>":
+--   <limits>     "<max_delay_us>" then per limit " <algorithm> <cost>[+<want>] <a> <b> <c>":
 --                max_delay_us 0 = reject mode; the algorithm as one letter, in
 --                upper case for a limit on trial (`shadow`: its refusal refuses
 --                nothing, and it is charged only when it admits), after a '~' for
@@ -32,8 +32,11 @@
 --                concurrency;
 --   <id>         a request id unique across instances (sliding_log members,
 --                concurrency leases); '' when no limit needs one.
+--                `+<want>` (`reserve`): when the request is admitted at once, take up
+--                to want more units of what is left for the instance to hold;
 -- Reply: an array of integers, then the time the call decided at (now). Three per
---        limit of each request: remaining,
+--        limit of each request (four when its limits carry a `+<want>`: then the
+--        units taken beyond the cost last): remaining,
 --        reset_us, and the limit's decision: the µs it makes the request wait (>= 0)
 --        if it admits, else -(retry_after_us + 1). A request is admitted if all of
 --        its limits not on trial admit (an algorithm that admits has no retry_after, one that
@@ -83,13 +86,16 @@ while a < nargs do
       return redis.error_reply('sluice: bad limits ' .. spec)
     end
     limits = {max_delay}
-    for peek, code, cost, params, x, y, z in string.gmatch(spec, ' (~?)(%a) (%d+) ((%d+) (%d+) (%d+))') do
+    for peek, code, cost, want, params, x, y, z in string.gmatch(spec, ' (~?)(%a) (%d+)%+?(%d*) ((%d+) (%d+) (%d+))') do
       local lower = string.lower(code)
       local algorithm = algorithms[lower]
       if not algorithm then
         return redis.error_reply('sluice: unknown limit ' .. code)
       end
-      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params, code ~= lower, lower, peek == '~'}
+      if want ~= '' then
+        limits.taking = true
+      end
+      limits[#limits + 1] = {algorithm, tonumber(cost), tonumber(x), tonumber(y), tonumber(z), params, code ~= lower, lower, peek == '~', tonumber(want) or 0}
     end
     parsed[spec] = limits
   end
@@ -140,6 +146,24 @@ while a < nargs do
       out[o + 2] = reset
       out[o + 3] = decision
       o = o + 3
+      -- `reserve`: admitted at once, take up to `want` more of what is left for the
+      -- instance to hold (algo.rs: Algorithm::take): cost + extra decided again, and
+      -- kept only if that too is admitted at once.
+      if limits.taking then
+        local extra = 0
+        if ok and wait == 0 and p[10] > 0 and remaining > 0 then
+          extra = math.min(p[10], remaining)
+          local ok2, _, _, _, wait2, state2, expires2 =
+            p[1](KEYS[k + i], now, p[2] + extra, p[3], p[4], p[5], max_delay, uid, p[6])
+          if ok2 and wait2 == 0 then
+            state, expires_at = state2, expires2
+          else
+            extra = 0
+          end
+        end
+        out[o + 1] = extra
+        o = o + 1
+      end
       -- A limit charged from the response is only checked here.
       writes[2 * i - 1] = not p[9] and state
       writes[2 * i] = expires_at

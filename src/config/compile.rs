@@ -24,7 +24,7 @@ use crate::identity::{KeyPart, KeySpec, TrustedProxies};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{
     Algorithm, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, Rate, RedisOptions,
-    RedisTarget, ResponseCost, StatusSet, StoreError,
+    RedisTarget, Reserve, ResponseCost, StatusSet, StoreError,
 };
 use crate::pipeline::refusal::{policy_header, RateHeaders};
 use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
@@ -386,7 +386,7 @@ fn tier(
     mode: Mode,
     metrics: &Metrics,
 ) -> Result<Tier, CompileError> {
-    let defs = limits
+    let mut defs = limits
         .iter()
         .enumerate()
         .map(|(i, l)| limit_def(keys.route, i, l))
@@ -440,6 +440,15 @@ fn tier(
         })
         .collect();
     // Created at 0, once per (route, limit name): tiers share a name's child.
+    for d in defs.iter_mut() {
+        if let Some(r) = &mut d.reserve {
+            r.unused = Some(
+                metrics
+                    .reserve_unused
+                    .with_label_values(&[keys.route, d.name.as_str()]),
+            );
+        }
+    }
     let refused_by = defs
         .iter()
         .map(|d| {
@@ -508,6 +517,9 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     let mut def = LimitDef::new(name, algorithm, l.units().unwrap_or(1));
     if l.from_response() {
         def = def.from_response(from_response(route, l, &algorithm)?);
+    }
+    if let Some(n) = l.reserve {
+        def = def.reserving(Reserve::new(n.get()));
     }
     Ok(if l.shadow { def.on_trial() } else { def })
 }

@@ -531,6 +531,12 @@ pub struct Limit {
     /// route's key): a login route limits per address and per account at once.
     #[serde(default)]
     pub key: Option<KeySpec>,
+    /// Redis store: units an instance takes from the shared count in one call and
+    /// spends locally, at most this many (fixed_window, sliding_window, token_bucket,
+    /// gcra; every limit of the list needs it). A hot key then costs one Redis call
+    /// per `reserve` requests; up to instances × (reserve − 1) units may go unused.
+    #[serde(default)]
+    pub reserve: Option<Num<u64>>,
 }
 
 /// A limit's `cost`.

@@ -39,6 +39,7 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     c.upstreams(file);
     c.deny(file);
     c.routes(file);
+    c.reserves(file);
     let mut errors = c.errors;
     // Stable: problems at one node keep the order they were found in.
     errors.sort_by_key(|e| (e.line, e.col));
@@ -1061,6 +1062,91 @@ impl Checker<'_> {
         }
     }
 
+    /// `reserve` on limits: only where units taken in advance can be spent locally and
+    /// still never over-admit (see `limit::reserve`).
+    fn reserves(&mut self, file: &File) {
+        for (i, route) in file.routes.iter().enumerate() {
+            let base = item("routes", i);
+            let lists = std::iter::once((format!("{base}.limits"), &route.limits)).chain(
+                route.overrides.iter().enumerate().map(|(o, ov)| {
+                    (
+                        format!("{}.limits", item(&format!("{base}.overrides"), o)),
+                        &ov.limits,
+                    )
+                }),
+            );
+            for (path, limits) in lists {
+                self.reserve_list(file, &path, limits);
+            }
+        }
+    }
+
+    fn reserve_list(&mut self, file: &File, path: &str, limits: &[Limit]) {
+        let Some(first) = limits.iter().position(|l| l.reserve.is_some()) else {
+            return;
+        };
+        for (j, l) in limits.iter().enumerate() {
+            let lp = item(path, j);
+            let name = l.name_at(j);
+            let Some(n) = l.reserve else {
+                self.at(
+                    &lp,
+                    format!(
+                        "limit {name} needs reserve too: reserve on {} takes effect only when every limit of the list has it (a request is admitted from held units only if all of its limits hold them)",
+                        limits[first].name_at(first)
+                    ),
+                );
+                continue;
+            };
+            let rp = format!("{lp}.reserve");
+            let n = n.get();
+            let alg = l.algorithm.as_str();
+            if n < 2 {
+                self.at(
+                    &rp,
+                    "reserve must be at least 2: with 1 nothing is taken in advance",
+                );
+            }
+            if file.store.backend != Backend::Redis {
+                self.at_key(
+                    &rp,
+                    "reserve needs the Redis store (store.backend: redis): on the memory store every decision is already local",
+                );
+            }
+            match l.algorithm {
+                AlgorithmName::SlidingLog | AlgorithmName::Concurrency => self.at_key(
+                    &rp,
+                    format!("{alg} does not take reserve: it keeps every request (or slot) apart, so there are no units to take in advance; use fixed_window, sliding_window, token_bucket or gcra"),
+                ),
+                _ => {}
+            }
+            if l.from_response() {
+                self.at_key(
+                    &rp,
+                    "a limit charged from the response (count, or a cost from a response header) does not take reserve: its charge is known only after the request",
+                );
+            }
+            if limits.iter().any(|l| l.key.is_some()) {
+                self.at_key(
+                    &rp,
+                    "reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
+                );
+            }
+            let quota = match l.algorithm {
+                AlgorithmName::TokenBucket | AlgorithmName::Gcra => {
+                    l.burst.map(|b| b.get()).or(l.rate.map(|r| r.count))
+                }
+                _ => l.limit.map(|x| x.get()),
+            };
+            if let Some(q) = quota.filter(|&q| q > 0 && n > q) {
+                self.at(
+                    &rp,
+                    format!("reserve {n} is greater than the limit's {q}: an instance could never take that many"),
+                );
+            }
+        }
+    }
+
     /// One list of limits (a route's, or an override's): each limit, and that their
     /// names, given or default, are unique within the list.
     fn limit_list(&mut self, path: &str, limits: &[Limit]) {
@@ -1632,6 +1718,60 @@ mod tests {
             [
                 "6:57: sliding_window does not take window: month (calendar months are for fixed_window only); give a duration like 30d",
                 "7:52: sliding_log does not take window: month (calendar months are for fixed_window only); give a duration like 30d",
+            ]
+        );
+    }
+
+    #[test]
+    fn reserve_only_where_units_can_be_held_without_over_admitting() {
+        const REDIS: &str = "store: {backend: redis, redis: {url: \"redis://127.0.0.1:6379\"}}\n";
+        let limits = |store: &str, l: &str| {
+            format!("{store}{UP}routes:\n  - name: a\n    upstream: api\n    limits:\n{l}")
+        };
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 20}\n      - {algorithm: gcra, rate: 10/s, burst: 20, reserve: 20}\n"
+            )),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: sliding_log, limit: 100, window: 1s, reserve: 20}\n      - {algorithm: concurrency, limit: 10, reserve: 5}\n"
+            )),
+            [
+                "7:58: sliding_log does not take reserve: it keeps every request (or slot) apart, so there are no units to take in advance; use fixed_window, sliding_window, token_bucket or gcra",
+                "8:45: concurrency does not take reserve: it keeps every request (or slot) apart, so there are no units to take in advance; use fixed_window, sliding_window, token_bucket or gcra",
+            ]
+        );
+        assert_eq!(
+            errors(&limits(
+                "",
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 20}\n"
+            )),
+            ["6:59: reserve needs the Redis store (store.backend: redis): on the memory store every decision is already local"]
+        );
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 1}\n      - {name: day, algorithm: fixed_window, limit: 10, window: 1d}\n      - {algorithm: token_bucket, rate: 5/s, reserve: 6}\n"
+            )),
+            [
+                "7:68: reserve must be at least 2: with 1 nothing is taken in advance",
+                "8:9: limit day needs reserve too: reserve on fixed_window_0 takes effect only when every limit of the list has it (a request is admitted from held units only if all of its limits hold them)",
+                "9:55: reserve 6 is greater than the limit's 5: an instance could never take that many",
+            ]
+        );
+        assert_eq!(
+            errors(&limits(
+                REDIS,
+                "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 20, count: {status: [401]}}\n      - {algorithm: fixed_window, limit: 100, window: 1m, reserve: 20, key: ip}\n"
+            )),
+            [
+                "7:59: a limit charged from the response (count, or a cost from a response header) does not take reserve: its charge is known only after the request",
+                "7:59: reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
+                "8:59: reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
             ]
         );
     }

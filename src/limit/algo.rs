@@ -480,6 +480,63 @@ impl Algorithm {
         }
     }
 
+    /// Decides a request of `cost` (`check`) and, when it is admitted at once, takes
+    /// up to `want` more units for its instance to hold (`reserve`): as many as are
+    /// left after the request, never more. Returns the request's outcome (its
+    /// `remaining` counts the units taken as still left: they are this instance's to
+    /// spend), the units taken beyond `cost`, and the state to write. A request that
+    /// waits (delay mode) or is refused takes nothing more. `lua/request.lua` does the
+    /// same: the algorithm decides `cost`, then `cost + extra`; if the second is not
+    /// admitted at once (rounding in gcra's emission interval), only `cost` is taken.
+    pub fn take(
+        &self,
+        state: &State,
+        now_us: u64,
+        cost: u64,
+        want: u64,
+        max_delay_us: u64,
+    ) -> (Outcome, u64, State) {
+        let (outcome, next) = self.check(state, now_us, cost, max_delay_us);
+        let extra = want.min(outcome.remaining);
+        if !outcome.allowed || outcome.delay_us > 0 || extra == 0 {
+            return (outcome, 0, next);
+        }
+        match self.check(state, now_us, cost.saturating_add(extra), max_delay_us) {
+            (o, more) if o.allowed && o.delay_us == 0 => (outcome, extra, more),
+            _ => (outcome, 0, next),
+        }
+    }
+
+    /// How long units taken at `now_us` (`take`) stay this instance's to spend: until
+    /// the window they were counted in ends (the current window of sliding_window,
+    /// which counts them whole there), in µs. None for token_bucket and gcra, which
+    /// have no window: their units fade at the limit's rate instead (`limit::reserve`).
+    pub fn reserve_hold_us(&self, now_us: u64) -> Option<u64> {
+        match *self {
+            Algorithm::FixedWindow { window_us, .. }
+            | Algorithm::SlidingWindow { window_us, .. } => {
+                let w = window_us.max(1);
+                Some(w - now_us % w)
+            }
+            Algorithm::CalendarMonth { .. } => {
+                Some(month_start_us(month_of(now_us).saturating_add(1)).saturating_sub(now_us))
+            }
+            Algorithm::TokenBucket { .. }
+            | Algorithm::Gcra { .. }
+            | Algorithm::SlidingLog { .. }
+            | Algorithm::Concurrency { .. } => None,
+        }
+    }
+
+    /// The refill rate of token_bucket and gcra, at which held units fade; None for
+    /// the others.
+    pub fn refill(&self) -> Option<Rate> {
+        match *self {
+            Algorithm::TokenBucket { rate, .. } | Algorithm::Gcra { rate, .. } => Some(rate),
+            _ => None,
+        }
+    }
+
     fn window_us(&self) -> u64 {
         match *self {
             Algorithm::FixedWindow { window_us, .. }
@@ -1112,6 +1169,38 @@ pub fn decide(plan: &Plan, states: &[State], now_us: u64) -> (Verdict, Option<Ve
     (verdict, new)
 }
 
+/// `decide`, taking for each limit `wants[i]` more units when the request is admitted
+/// at once (`Algorithm::take`): the verdict, the units each limit took beyond the
+/// request's cost, and the states to commit (None when refused: nothing is charged or
+/// taken). A limit on trial that refuses takes nothing, as it charges nothing.
+pub fn decide_taking(
+    plan: &Plan,
+    states: &[State],
+    now_us: u64,
+    wants: &[u64],
+) -> (Verdict, Vec<u64>, Option<Vec<State>>) {
+    let max_delay_us = plan.max_delay_us();
+    let mut taken = Vec::with_capacity(plan.limits.len());
+    let mut new = Vec::with_capacity(plan.limits.len());
+    let mut outcomes = Vec::with_capacity(plan.limits.len());
+    for (i, limit) in plan.limits.iter().enumerate() {
+        let state = states.get(i).unwrap_or(&EMPTY);
+        let want = wants.get(i).copied().unwrap_or(0);
+        let (outcome, extra, next) =
+            limit
+                .algorithm
+                .take(state, now_us, limit.cost, want, max_delay_us);
+        outcomes.push(outcome);
+        taken.push(if outcome.allowed { extra } else { 0 });
+        new.push(if outcome.allowed { next } else { state.clone() });
+    }
+    let verdict = Verdict::on_trial(outcomes, plan.on_trial());
+    if !verdict.allowed {
+        return (verdict, vec![0; plan.limits.len()], None);
+    }
+    (verdict, taken, Some(new))
+}
+
 /// The verdict over every limit of `plan` without charging anything; `state_of(i)` is
 /// the state of `plan.limits[i]`.
 pub fn judge<'a>(plan: &Plan, now_us: u64, state_of: impl Fn(usize) -> &'a State) -> Verdict {
@@ -1249,6 +1338,19 @@ mod tests {
     /// request exactly as if the charge had never been made; with requests charged
     /// between the charge and its refund, exactly so for the windows and the log, and
     /// never more generously for the buckets.
+    #[test]
+    fn the_take_cases_pass_in_pure_rust() {
+        for case in crate::limit::cases::takes() {
+            let store = std::cell::RefCell::new(crate::limit::cases::PureStore::default());
+            crate::limit::cases::run_takes(
+                &case,
+                |plan, now, wants| store.borrow_mut().take(plan, now, wants),
+                || store.borrow_mut().lose(),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+
     #[test]
     fn a_refunded_charge_is_as_if_it_had_never_been_made() {
         for algo in samples() {

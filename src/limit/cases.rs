@@ -5,7 +5,7 @@
 //! plan between requests, as a changed config file does: the state of every limit
 //! whose name, algorithm and window are unchanged carries over.
 
-use super::algo::{decide, EMPTY};
+use super::algo::{decide, decide_taking, EMPTY};
 use super::{Algorithm, LimitDef, Mode, Plan, Rate, State, Verdict};
 
 /// Start of every case: a whole number of days since the epoch (2027-01-16), so every
@@ -173,6 +173,211 @@ fn gcra(count: u64, per_us: u64, burst: u64) -> Algorithm {
         rate: Rate { count, per_us },
         burst,
     }
+}
+
+// === taking units in advance (`reserve`) ===
+
+/// A request that takes units for its instance to hold: at `at_us`, wanting
+/// `wants[i]` units beyond its cost for limit i; the verdict and the units it must
+/// get.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TakeStep {
+    pub at_us: u64,
+    pub wants: Vec<u64>,
+    /// Before this request the store lost every state (a Redis restarted empty).
+    pub lost: bool,
+    pub allowed: bool,
+    /// `Verdict::headline()`'s remaining: the units left, those just taken included
+    /// (they are the instance's to spend).
+    pub remaining: u64,
+    pub delay_us: u64,
+    /// Units taken beyond the cost, per limit; all 0 when refused.
+    pub taken: Vec<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TakeCase {
+    pub name: &'static str,
+    pub plan: Plan,
+    /// (step index, plan): from that step on, the plan is this one (a reload).
+    pub reloads: Vec<(usize, Plan)>,
+    pub steps: Vec<TakeStep>,
+}
+
+/// Runs `case` through `take`, which decides one request under the plan, at the time
+/// and with the wants it is given (for one fixed route and key of a fresh store);
+/// `lose` empties the store.
+pub fn run_takes(
+    case: &TakeCase,
+    mut take: impl FnMut(&Plan, u64, &[u64]) -> (Verdict, Vec<u64>),
+    mut lose: impl FnMut(),
+) -> Result<(), String> {
+    let mut plan = &case.plan;
+    for (i, step) in case.steps.iter().enumerate() {
+        if let Some((_, p)) = case.reloads.iter().find(|(at, _)| *at == i) {
+            plan = p;
+        }
+        if step.lost {
+            lose();
+        }
+        let (v, taken) = take(plan, BASE_US + step.at_us, &step.wants);
+        let got = TakeStep {
+            allowed: v.allowed,
+            remaining: v.headline().map_or(0, |(_, o)| o.remaining),
+            delay_us: v.delay_us,
+            taken,
+            ..step.clone()
+        };
+        if got != *step {
+            return Err(format!(
+                "take case {:?}, step {} (at +{} µs):\n  expected {:?}\n       got {:?}\n  outcomes {:?}",
+                case.name, i, step.at_us, step, got, v.outcomes
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn took(at_us: u64, wants: &[u64], remaining: u64, taken: &[u64]) -> TakeStep {
+    TakeStep {
+        at_us,
+        wants: wants.to_vec(),
+        lost: false,
+        allowed: true,
+        remaining,
+        delay_us: 0,
+        taken: taken.to_vec(),
+    }
+}
+
+fn not_taken(at_us: u64, wants: &[u64], remaining: u64) -> TakeStep {
+    TakeStep {
+        allowed: false,
+        taken: vec![0; wants.len()],
+        ..took(at_us, wants, remaining, &[])
+    }
+}
+
+/// The cases of taking units in advance, worked out by hand: every algorithm that
+/// takes them, both modes, windows rolling with units taken, a reload that lowers
+/// the limit, and a store that lost its counts.
+pub fn takes() -> Vec<TakeCase> {
+    vec![
+        TakeCase {
+            name: "fixed_window: takes what is left, never more, and afresh each window",
+            plan: one(fixed(10, 10 * S), 1),
+            reloads: vec![],
+            steps: vec![
+                // count 0: 1 + 4 taken, 5; remaining after the request 9.
+                took(0, &[4], 9, &[4]),
+                // count 5: 6 after the request (remaining 4), all 4 taken: 10.
+                took(S, &[4], 4, &[4]),
+                not_taken(2 * S, &[4], 0),
+                // The next window: 1 + 9 of the 20 wanted, all that is left.
+                took(10 * S, &[20], 9, &[9]),
+                not_taken(11 * S, &[0], 0),
+            ],
+        },
+        TakeCase {
+            name: "fixed_window: a reload that lowers the limit counts the units taken",
+            plan: one(fixed(10, 10 * S), 1),
+            reloads: vec![(1, one(fixed(6, 10 * S), 1))],
+            steps: vec![
+                took(0, &[4], 9, &[4]),
+                // Count 5 of the new 6: one more request, nothing more to take.
+                took(S, &[4], 0, &[0]),
+                not_taken(2 * S, &[4], 0),
+            ],
+        },
+        TakeCase {
+            name: "fixed_window: a store that lost its counts starts afresh",
+            plan: one(fixed(10, 10 * S), 1),
+            reloads: vec![],
+            steps: vec![
+                took(0, &[4], 9, &[4]),
+                TakeStep {
+                    lost: true,
+                    ..took(S, &[4], 9, &[4])
+                },
+                took(2 * S, &[9], 4, &[4]),
+            ],
+        },
+        TakeCase {
+            name: "sliding_window: units count whole in the window they are taken in",
+            plan: one(sliding(10, 10 * S), 1),
+            reloads: vec![],
+            steps: vec![
+                // curr 0 -> 1 + 5.
+                took(0, &[5], 9, &[5]),
+                // Next window, e = 0: prev 6 weighs 1; 6 + 1 = 7: remaining 3, all taken.
+                took(10 * S, &[5], 3, &[3]),
+                // e = W/2: 6 * 0.5 + 4 = 7; + 1 = 8: remaining 2, both taken (curr 7).
+                took(15 * S, &[2], 2, &[2]),
+                // 3 + 7 = 10: nothing left.
+                not_taken(15 * S, &[1], 0),
+            ],
+        },
+        TakeCase {
+            name: "token_bucket: takes whole tokens left, never more",
+            plan: one(bucket(10, S, 10), 1),
+            reloads: vec![],
+            steps: vec![
+                // 10 tokens: 1 + 5; 4 left.
+                took(0, &[5], 9, &[5]),
+                // 4: 1 + 3; empty.
+                took(0, &[5], 3, &[3]),
+                not_taken(0, &[1], 0),
+                // Half a second refills 5: 1 + 4.
+                took(S / 2, &[9], 4, &[4]),
+            ],
+        },
+        TakeCase {
+            name: "gcra: takes the emission slots left within the burst",
+            plan: one(gcra(10, S, 10), 1),
+            reloads: vec![],
+            steps: vec![
+                // tat 0 -> 100 ms for the request, then 600 ms with 5 more (<= 1 s).
+                took(0, &[5], 9, &[5]),
+                // 700 ms: 3 slots left under 1 s; all taken, tat 1 s.
+                took(0, &[5], 3, &[3]),
+                not_taken(0, &[0], 0),
+                // 300 ms later: 3 slots again.
+                took(300 * MS, &[5], 2, &[2]),
+            ],
+        },
+        TakeCase {
+            name: "delay mode: a request that must wait takes nothing more",
+            plan: delay_plan(bucket(10, S, 2), S),
+            reloads: vec![],
+            steps: vec![
+                // 2 tokens: 1 + 1; empty.
+                took(0, &[5], 1, &[1]),
+                // Empty: admitted after 100 ms, booking the token; nothing taken.
+                TakeStep {
+                    delay_us: 100 * MS,
+                    ..took(0, &[5], 0, &[0])
+                },
+            ],
+        },
+        TakeCase {
+            name: "two limits: all take, or a refusal takes nothing anywhere",
+            plan: plan(vec![
+                limit("day", fixed(10, 10 * S), 1),
+                limit("rate", bucket(5, S, 5), 1),
+            ]),
+            reloads: vec![],
+            steps: vec![
+                // day: 1 + 4 (remaining 9); rate: 1 + 4 of 5 (remaining 4).
+                took(0, &[4, 4], 4, &[4, 4]),
+                // rate is empty: refused, and day keeps its count of 5.
+                not_taken(0, &[4, 4], 0),
+                // 1 s refills rate: day 5 + 1 + 4 (remaining 4); rate 1 + 4.
+                took(S, &[4, 4], 4, &[4, 4]),
+                // day is full now.
+                not_taken(2 * S, &[0, 0], 0),
+            ],
+        },
+    ]
 }
 
 /// Every case.
@@ -1217,6 +1422,29 @@ impl PureStore {
             l.algorithm
                 .charge_anyway(&mut self.states[i].1, now_us, l.cost);
         }
+    }
+
+    /// `check`, taking `wants[i]` more units for limit i when admitted at once
+    /// (`algo::decide_taking`, `reserve`): the verdict and the units taken.
+    pub fn take(&mut self, plan: &Plan, now_us: u64, wants: &[u64]) -> (Verdict, Vec<u64>) {
+        let states: Vec<State> = plan
+            .limits
+            .iter()
+            .map(|l| self.state(l.id).clone())
+            .collect();
+        let (verdict, taken, new) = decide_taking(plan, &states, now_us, wants);
+        for (l, state) in plan.limits.iter().zip(new.into_iter().flatten()) {
+            match self.states.iter_mut().find(|(id, _)| *id == l.id) {
+                Some(slot) => slot.1 = state,
+                None => self.states.push((l.id, state)),
+            }
+        }
+        (verdict, taken)
+    }
+
+    /// Forgets every state, as a Redis that restarted without its data.
+    pub fn lose(&mut self) {
+        self.states.clear();
     }
 
     fn state(&self, id: u64) -> &State {

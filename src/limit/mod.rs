@@ -10,6 +10,7 @@ pub mod clock;
 pub mod memory;
 pub mod per_ip;
 pub mod redis;
+pub mod reserve;
 pub mod response;
 pub mod store;
 
@@ -47,6 +48,34 @@ pub struct LimitDef {
     /// `cost` is what it checks for before forwarding, and charges nothing then).
     /// Not part of `id`: changing what a limit counts keeps its state.
     pub charge: Charge,
+    /// `reserve: N` (Redis store): units an instance takes in advance and spends
+    /// locally (`limit::reserve`). Not part of `id` or `version`: the shared count is
+    /// the same whoever holds its units.
+    pub reserve: Option<Reserve>,
+}
+
+/// A limit's `reserve`: how many units an instance takes at most in one call, and
+/// where it counts those it never spends (`sluice_reserve_unused_total{route,limit}`).
+#[derive(Debug, Clone)]
+pub struct Reserve {
+    pub units: u64,
+    pub unused: Option<prometheus::IntCounter>,
+}
+
+impl Reserve {
+    pub fn new(units: u64) -> Reserve {
+        Reserve {
+            units,
+            unused: None,
+        }
+    }
+}
+
+impl PartialEq for Reserve {
+    /// The same reservation whichever counter it reports to.
+    fn eq(&self, other: &Reserve) -> bool {
+        self.units == other.units
+    }
 }
 
 impl LimitDef {
@@ -67,7 +96,14 @@ impl LimitDef {
             cost,
             shadow: false,
             charge: Charge::Admission,
+            reserve: None,
         }
+    }
+
+    /// The limit with `reserve`.
+    pub fn reserving(mut self, reserve: Reserve) -> LimitDef {
+        self.reserve = Some(reserve);
+        self
     }
 
     /// The limit charged from the upstream's response (`count` by status, `cost`
@@ -256,6 +292,17 @@ pub enum Permit {
 }
 
 impl Plan {
+    /// Whether every limit of the plan takes units in advance (`reserve`), and so a
+    /// request may be admitted from units its instance holds. A limit without it
+    /// (or one charged from the response) needs a call for every request anyway.
+    pub fn reserving(&self) -> bool {
+        !self.limits.is_empty()
+            && self
+                .limits
+                .iter()
+                .all(|l| l.reserve.is_some() && l.at_admission() && !l.algorithm.is_concurrency())
+    }
+
     /// Whether any limit of the plan counts requests in flight.
     pub fn has_concurrency(&self) -> bool {
         self.limits.iter().any(|l| l.algorithm.is_concurrency())

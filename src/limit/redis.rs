@@ -7,7 +7,7 @@ use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -17,9 +17,11 @@ use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
+use super::reserve::{Reserves, RESERVE_ENTRIES};
 use super::{
     Algorithm, Checked, Clock, LimitDef, Outcome, Permit, Plan, Share, StoreError, Verdict,
 };
+use crate::telemetry::metrics::{CallKind, StoreCalls};
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
 /// (`SCRIPT LOAD`) and run with `EVALSHA`; sent whole (`EVAL`) only after `NOSCRIPT`.
@@ -110,6 +112,10 @@ struct Inner {
     /// The time sent with every limiter call; None (production): Redis' own clock
     /// (`TIME`), which every instance shares. Only tests drive it (`connect_at`).
     clock: Option<Arc<dyn Clock>>,
+    /// The units this instance holds of limits with `reserve`.
+    reserves: Arc<Reserves>,
+    /// Where calls are counted (`sluice_store_calls_total`): set once, by `Store`.
+    calls: OnceLock<Arc<StoreCalls>>,
 }
 
 /// A multiplexed connection, shared by concurrent requests (cloning is cheap).
@@ -196,6 +202,8 @@ impl RedisStore {
                 RedisTarget::Cluster(_) => None,
             },
             clock,
+            reserves: Reserves::new(RESERVE_ENTRIES),
+            calls: OnceLock::new(),
         });
         if let Some(batch) = &inner.batch {
             tokio::spawn(dispatch(Arc::downgrade(&inner), batch.clone()));
@@ -237,6 +245,9 @@ impl RedisStore {
             });
         }
         let cache_key = (inner.tag(ns, key), fingerprint(plan));
+        if plan.reserving() {
+            return self.acquire_reserving(cache_key, plan).await;
+        }
         let sent = Instant::now();
         if let Some(cache) = &inner.refusals {
             if let Some(v) = cache.get(&cache_key, sent) {
@@ -313,6 +324,87 @@ impl RedisStore {
         Ok(Checked { verdict, permit })
     }
 
+    /// `acquire` for a plan whose every limit has `reserve`: admitted from the units
+    /// this instance holds for the key when they pay for it; otherwise one call that
+    /// decides the request and takes units for the next ones (`limit::reserve`). One
+    /// such call per key at a time: requests that find one out wait for it (within the
+    /// timeout), then look again.
+    async fn acquire_reserving(
+        &self,
+        cache_key: (String, u64),
+        plan: &Plan,
+    ) -> Result<Checked, StoreError> {
+        use super::reserve::Found;
+        let inner = &self.inner;
+        let deadline = tokio::time::Instant::now() + inner.timeout;
+        let mut counted = false;
+        let taking = loop {
+            match inner.reserves.find(cache_key.0.clone(), plan, counted) {
+                Found::Admitted(verdict) => {
+                    inner.count(CallKind::Local);
+                    return Ok(Checked {
+                        verdict,
+                        permit: Permit::None,
+                    });
+                }
+                Found::Wait(notified) => {
+                    counted = true;
+                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                        return Err(StoreError::Timeout);
+                    }
+                }
+                Found::Take(wants, taking) => break (wants, taking),
+            }
+        };
+        let (wants, taking) = taking;
+        let sent = Instant::now();
+        if let Some(cache) = &inner.refusals {
+            if let Some(v) = cache.get(&cache_key, sent) {
+                return Ok(Checked {
+                    verdict: v,
+                    permit: Permit::None,
+                });
+            }
+        }
+        if inner.breaker.is_open() {
+            inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::Open);
+        }
+        let uid = inner.uid_for(plan);
+        let sent_us = inner.reserves.now_us();
+        let result = inner
+            .ask(Part::taking(&cache_key.0, plan, &uid, &wants))
+            .await
+            .and_then(|(reply, now)| Ok((verdict_taking(plan, &reply)?, now)));
+        match result {
+            Ok(((verdict, taken), now)) => {
+                inner.breaker.success();
+                if verdict.allowed {
+                    taking.keep(plan, &verdict, &taken, sent_us, now);
+                } else if let Some(cache) = &inner.refusals {
+                    let hold = refused_until_us(plan, &verdict).saturating_sub(plan.max_delay_us());
+                    if hold > 0 {
+                        let hold = Duration::from_micros(hold).min(REFUSAL_HOLD_MAX);
+                        cache.insert(cache_key.clone(), sent, sent + hold, &verdict);
+                    }
+                }
+                drop(taking);
+                Ok(Checked {
+                    verdict,
+                    permit: Permit::None,
+                })
+            }
+            Err(e) => {
+                if inner.breaker.failure() {
+                    tracing::error!(error = %e, failures = TRIP_AFTER, "Redis keeps failing; breaker open, applying store.on_error while probing");
+                } else {
+                    tracing::warn!(error = %e, "Redis limiter call failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// `acquire` for a request whose limits count several keys, one share each. On one
     /// Redis server the shares go in one script call as one request: every limit
     /// decided, then all charged or none. On a cluster the keys of different shares
@@ -375,8 +467,8 @@ impl RedisStore {
                     .zip(&tags)
                     .flat_map(|(s, tag)| s.plan.limits.iter().map(move |l| (tag.as_str(), l)));
                 let max_delay = shares.first().map_or(0, |s| s.plan.max_delay_us());
-                let part = Part::of(limits, max_delay, &uid);
-                inner.ask(part).await.and_then(|reply| {
+                let part = Part::of(limits, max_delay, &uid, None);
+                inner.ask(part).await.and_then(|(reply, _)| {
                     let mut at = 0;
                     let mut verdicts = Vec::with_capacity(shares.len());
                     for s in shares {
@@ -482,7 +574,7 @@ impl RedisStore {
                 .zip(&v.outcomes)
                 .filter(|(l, o)| o.allowed && l.at_admission())
                 .map(|(l, _)| (tag.as_str(), l));
-            refunds.push((Part::of(admitted, s.plan.max_delay_us(), uid), *at));
+            refunds.push((Part::of(admitted, s.plan.max_delay_us(), uid, None), *at));
         }
         if refunds.is_empty() {
             return;
@@ -518,6 +610,26 @@ impl RedisStore {
         verdict(plan, &reply.0)
     }
 
+    /// `check_at`, taking `wants[i]` units beyond the cost for limit i when admitted
+    /// at once (the script's `reserve` arithmetic, for the table of cases): the
+    /// verdict and the units taken. Nothing is held locally.
+    pub async fn take_at(
+        &self,
+        ns: &str,
+        key: &str,
+        plan: &Plan,
+        now_us: u64,
+        wants: &[u64],
+    ) -> Result<(Verdict, Vec<u64>), StoreError> {
+        let tag = self.inner.tag(ns, key);
+        let uid = self.inner.uid_for(plan);
+        let (reply, _) = self
+            .inner
+            .run(&[&Part::taking(&tag, plan, &uid, wants)], Some(now_us))
+            .await?;
+        verdict_taking(plan, &reply)
+    }
+
     /// Charges what a response said requests cost: each share's limits (limits
     /// charged from the response, with the units to charge as their `cost`),
     /// whatever is left, in one call (on a cluster, one per share). `now_us`: a
@@ -543,7 +655,7 @@ impl RedisStore {
                     .zip(&tags)
                     .flat_map(|((_, _, p), tag)| p.limits.iter().map(move |l| (tag.as_str(), l)));
                 inner
-                    .call(&[&Part::of(limits, max_delay, &uid)], at)
+                    .call(&[&Part::of(limits, max_delay, &uid, None)], at)
                     .await?;
             }
             None => {
@@ -579,7 +691,7 @@ impl RedisStore {
                 .zip(&v.outcomes)
                 .filter(|(l, o)| o.allowed && l.at_admission())
                 .map(|(l, _)| (tag.as_str(), l));
-            let part = Part::of(admitted, plan.max_delay_us(), &uid);
+            let part = Part::of(admitted, plan.max_delay_us(), &uid, None);
             self.inner.refund(&[&part], now).await?;
         }
         Ok(v)
@@ -598,10 +710,16 @@ impl RedisStore {
         cmd: &Cmd,
         timeout: Duration,
     ) -> Result<T, StoreError> {
+        self.inner.count(CallKind::Other);
         match tokio::time::timeout(timeout, self.inner.query(cmd)).await {
             Ok(r) => r.map_err(|e| StoreError::Unavailable(e.to_string())),
             Err(_) => Err(StoreError::Timeout),
         }
+    }
+
+    /// Counts this store's calls in `calls` from now on (once; later calls do nothing).
+    pub fn count_calls_in(&self, calls: Arc<StoreCalls>) {
+        let _ = self.inner.calls.set(calls);
     }
 
     /// The key prefix (`store.redis.key_prefix`).
@@ -657,6 +775,13 @@ impl Inner {
     /// idle timeout), is sent again at once, on the new connection. A command that was
     /// written and then lost its connection is not: Redis may have run it, and a
     /// script run twice charges a request twice.
+    /// Counts a call of `kind` (or a local admission).
+    fn count(&self, kind: CallKind) {
+        if let Some(calls) = self.calls.get() {
+            calls.count(kind);
+        }
+    }
+
     async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         match self.conn.clone() {
             Connection::Single(mut c) => match attempt(cmd.query_async(&mut c)).await {
@@ -679,6 +804,7 @@ impl Inner {
 
     /// PING, bounded by the timeout.
     async fn ping(&self) -> Result<(), StoreError> {
+        self.count(CallKind::Probe);
         match tokio::time::timeout(self.timeout, self.query::<String>(&redis::cmd("PING"))).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
@@ -709,12 +835,13 @@ impl Inner {
     /// requests waiting at the same time on one Redis server, in a call of its own on a
     /// cluster. Bounded by the timeout, the wait for a shared call included.
     async fn decide(&self, part: Part, plan: &Plan) -> Result<Verdict, StoreError> {
-        let reply = self.ask(part).await?;
+        let (reply, _) = self.ask(part).await?;
         verdict(plan, &reply)
     }
 
-    /// The reply to one request (`part`), sent as `decide` says.
-    async fn ask(&self, part: Part) -> Result<Vec<i64>, StoreError> {
+    /// The reply to one request (`part`), sent as `decide` says, and the time the
+    /// store decided it at.
+    async fn ask(&self, part: Part) -> Result<(Vec<i64>, u64), StoreError> {
         Ok(match &self.batch {
             Some(batch) => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
@@ -725,7 +852,7 @@ impl Inner {
                     Err(_) => return Err(StoreError::Timeout),
                 }
             }
-            None => self.run(&[&part], self.now_us()).await?.0,
+            None => self.run(&[&part], self.now_us()).await?,
         })
     }
 
@@ -766,6 +893,13 @@ impl Inner {
     /// The script called on `parts`, EVALSHA and EVAL as needed; bounded by the
     /// timeout.
     async fn call(&self, parts: &[&Part], at: Time) -> Result<Vec<i64>, StoreError> {
+        self.count(match at {
+            // The script run for no request: the breaker's probe.
+            _ if parts.is_empty() => CallKind::Probe,
+            Time::Server | Time::At(_) => CallKind::Decide,
+            Time::Refund(_) => CallKind::Refund,
+            Time::Anyway(_) => CallKind::Charge,
+        });
         let command = |verb: &str, script: &str| script_call(verb, script, parts, at);
         // EVALSHA; on NOSCRIPT (flushed, restarted, failed over) EVAL with the body,
         // which runs and caches it in one step. (SCRIPT LOAD, then EVALSHA again, fails
@@ -802,6 +936,9 @@ struct Part {
     buf: String,
     /// Where each key ends in `buf`, then where its two arguments end.
     ends: Vec<usize>,
+    /// Its limits take units in advance (`reserve`): the script answers one more
+    /// integer per limit, the units taken.
+    taking: bool,
 }
 
 impl Part {
@@ -810,6 +947,17 @@ impl Part {
             plan.limits.iter().map(|l| (tag, l)),
             plan.max_delay_us(),
             uid,
+            None,
+        )
+    }
+
+    /// `new`, taking `wants[i]` units beyond the cost for limit i (`reserve`).
+    fn taking(tag: &str, plan: &Plan, uid: &str, wants: &[u64]) -> Part {
+        Part::of(
+            plan.limits.iter().map(|l| (tag, l)),
+            plan.max_delay_us(),
+            uid,
+            Some(wants),
         )
     }
 
@@ -818,6 +966,7 @@ impl Part {
         limits: impl Iterator<Item = (&'a str, &'a LimitDef)> + Clone,
         max_delay_us: u64,
         uid: &str,
+        wants: Option<&[u64]>,
     ) -> Part {
         let n = limits.clone().count();
         let tags: usize = limits.clone().map(|(t, _)| t.len()).sum();
@@ -833,7 +982,7 @@ impl Part {
         // same for every request of a route, so the script parses it once per call.
         let mut num = itoa::Buffer::new();
         buf.push_str(num.format(max_delay_us));
-        for (_, l) in limits {
+        for (i, (_, l)) in limits.enumerate() {
             let (code, a, b, c) = params(&l.algorithm);
             buf.push(' ');
             // A limit charged from the response after a `~`, one on trial by its
@@ -846,7 +995,14 @@ impl Part {
             } else {
                 code
             });
-            for v in [l.cost, a, b, c] {
+            buf.push(' ');
+            buf.push_str(num.format(l.cost));
+            // The units to take beyond the cost (`reserve`).
+            if let Some(wants) = wants {
+                buf.push('+');
+                buf.push_str(num.format(wants.get(i).copied().unwrap_or(0)));
+            }
+            for v in [a, b, c] {
                 buf.push(' ');
                 buf.push_str(num.format(v));
             }
@@ -854,7 +1010,11 @@ impl Part {
         ends.push(buf.len());
         buf.push_str(uid);
         ends.push(buf.len());
-        Part { buf, ends }
+        Part {
+            buf,
+            ends,
+            taking: wants.is_some(),
+        }
     }
 
     /// The keys, then the arguments.
@@ -874,14 +1034,15 @@ impl Part {
 
     /// How many integers the script answers for this request.
     fn reply_len(&self) -> usize {
-        REPLY_PER_LIMIT * self.keys()
+        (REPLY_PER_LIMIT + usize::from(self.taking)) * self.keys()
     }
 }
 
 /// A request waiting for a script call, and where its reply goes.
 struct Queued {
     part: Part,
-    reply: tokio::sync::oneshot::Sender<Result<Vec<i64>, StoreError>>,
+    /// Its integers, and the time the call decided at.
+    reply: tokio::sync::oneshot::Sender<Result<(Vec<i64>, u64), StoreError>>,
 }
 
 /// The requests waiting for a script call. While a call is out, those that arrive
@@ -963,11 +1124,11 @@ async fn dispatch(store: Weak<Inner>, batch: Arc<Batch>) {
         drop(parts);
         drop(inner);
         match result {
-            Ok((reply, _)) => {
+            Ok((reply, now)) => {
                 let mut at = 0;
                 for q in sending.drain(..) {
                     let n = q.part.reply_len();
-                    let _ = q.reply.send(Ok(reply[at..at + n].to_vec()));
+                    let _ = q.reply.send(Ok((reply[at..at + n].to_vec(), now)));
                     at += n;
                 }
             }
@@ -1226,6 +1387,7 @@ async fn keep(
             let micros = u64::try_from(lease.as_micros()).unwrap_or(u64::MAX);
             let mut cmd = redis::cmd("EVAL");
             cmd.arg(RENEW).arg(1).arg(key).arg(&uid).arg(micros);
+            inner.count(CallKind::Renew);
             match tokio::time::timeout(inner.timeout, inner.query::<i64>(&cmd)).await {
                 Ok(Ok(_)) => *at = now,
                 Ok(Err(e)) => {
@@ -1264,6 +1426,7 @@ async fn release(first: Arc<Inner>, mut keys: Vec<(String, Instant)>, uid: Strin
             for (key, until) in keys {
                 let mut cmd = redis::cmd("ZREM");
                 cmd.arg(&key).arg(&uid);
+                inner.count(CallKind::Release);
                 match tokio::time::timeout(inner.timeout, inner.query::<i64>(&cmd)).await {
                     Ok(Ok(_)) => {}
                     Ok(Err(e)) => {
@@ -1323,6 +1486,31 @@ impl Drop for Retrying {
 /// reset_us, and the limit's decision, `wait_us` (>= 0) if it admits, else
 /// `-(retry_after_us + 1)`. The request is admitted if every limit admits, after the
 /// longest wait.
+/// The script's reply for a request that took units (`Part::taking`): four integers
+/// per limit, `verdict`'s three and the units taken beyond the cost. Nothing is taken
+/// when the request is refused (the script writes nothing then).
+fn verdict_taking(plan: &Plan, reply: &[i64]) -> Result<(Verdict, Vec<u64>), StoreError> {
+    const PER: usize = REPLY_PER_LIMIT + 1;
+    if reply.len() != PER * plan.limits.len() {
+        return Err(StoreError::Unavailable(format!(
+            "limiter script answered {} numbers for {} limits taking units",
+            reply.len(),
+            plan.limits.len()
+        )));
+    }
+    let mut three = Vec::with_capacity(REPLY_PER_LIMIT * plan.limits.len());
+    let mut taken = Vec::with_capacity(plan.limits.len());
+    for o in reply.chunks_exact(PER) {
+        three.extend_from_slice(&o[..REPLY_PER_LIMIT]);
+        taken.push(u64::try_from(o[REPLY_PER_LIMIT]).unwrap_or(0));
+    }
+    let v = verdict(plan, &three)?;
+    if !v.allowed {
+        taken.iter_mut().for_each(|t| *t = 0);
+    }
+    Ok((v, taken))
+}
+
 fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError> {
     if reply.len() != REPLY_PER_LIMIT * plan.limits.len() {
         return Err(StoreError::Unavailable(format!(

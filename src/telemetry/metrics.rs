@@ -47,6 +47,11 @@ pub struct Metrics {
     upstream_responses: IntCounterVec,
     /// `sluice_limit_refusals_total{route,limit}`: refusals by the limit reported.
     pub limit_refusals: IntCounterVec,
+    /// `sluice_reserve_unused_total{route,limit}`: units taken in advance (`reserve`)
+    /// and never spent.
+    pub reserve_unused: IntCounterVec,
+    /// `sluice_store_calls_total{store,kind}`, its children resolved once.
+    pub store_calls: Arc<StoreCalls>,
     /// Dynamic deny entries evicted by a newer one at `deny.max_entries`.
     pub deny_evictions: IntCounter,
     pub build_info: IntGaugeVec,
@@ -169,6 +174,23 @@ impl Metrics {
             &["route", "limit", "from"],
         )
         .expect("metric definition");
+        let reserve_unused = IntCounterVec::new(
+            Opts::new(
+                "sluice_reserve_unused_total",
+                "Units of a limit with reserve that this instance took from the shared count and never spent (their window ended, they faded, a reload changed the limit, or the key was dropped), by route and limit.",
+            ),
+            &["route", "limit"],
+        )
+        .expect("metric definition");
+        let store_calls_vec = IntCounterVec::new(
+            Opts::new(
+                "sluice_store_calls_total",
+                "Calls to the Redis store by kind: decide (a script call deciding requests, several at once under load, taking units for reserve), refund, charge (costs from responses), renew and release (concurrency leases), probe (while the breaker is open, and the idle check), other (deny list, fleet view); local counts requests admitted from units held (reserve), which make no call.",
+            ),
+            &["store", "kind"],
+        )
+        .expect("metric definition");
+        let store_calls = Arc::new(StoreCalls::new(&store_calls_vec));
         let deny_evictions = IntCounter::new(
             "sluice_deny_evictions_total",
             "Dynamic deny-list entries evicted at deny.max_entries by a newer entry.",
@@ -205,6 +227,8 @@ impl Metrics {
             Box::new(response_costs.clone()),
             Box::new(upstream_responses.clone()),
             Box::new(limit_refusals.clone()),
+            Box::new(reserve_unused.clone()),
+            Box::new(store_calls_vec),
             Box::new(deny_evictions.clone()),
             Box::new(build_info.clone()),
             Box::new(refusal_logs_dropped.clone()),
@@ -248,6 +272,8 @@ impl Metrics {
             response_costs,
             upstream_responses,
             limit_refusals,
+            reserve_unused,
+            store_calls,
             deny_evictions,
             build_info,
             refusal_logs_dropped,
@@ -495,5 +521,76 @@ mod tests {
         for (i, d) in Decision::ALL.into_iter().enumerate() {
             assert_eq!(d.index(), i, "{}", d.as_str());
         }
+    }
+}
+
+/// The kinds of Redis call the store makes (`sluice_store_calls_total{kind}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    Decide,
+    Refund,
+    Charge,
+    Renew,
+    Release,
+    Probe,
+    Other,
+    /// Not a call: a request admitted from units held (`reserve`).
+    Local,
+}
+
+impl CallKind {
+    pub const ALL: [CallKind; 8] = [
+        CallKind::Decide,
+        CallKind::Refund,
+        CallKind::Charge,
+        CallKind::Renew,
+        CallKind::Release,
+        CallKind::Probe,
+        CallKind::Other,
+        CallKind::Local,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            CallKind::Decide => "decide",
+            CallKind::Refund => "refund",
+            CallKind::Charge => "charge",
+            CallKind::Renew => "renew",
+            CallKind::Release => "release",
+            CallKind::Probe => "probe",
+            CallKind::Other => "other",
+            CallKind::Local => "local",
+        }
+    }
+}
+
+/// `sluice_store_calls_total`'s children for the Redis store, created at 0 and
+/// resolved once. A store not given one (tests) counts into counters of its own.
+#[derive(Debug)]
+pub struct StoreCalls {
+    by_kind: [IntCounter; 8],
+}
+
+impl StoreCalls {
+    fn new(vec: &IntCounterVec) -> StoreCalls {
+        StoreCalls {
+            by_kind: CallKind::ALL.map(|k| vec.with_label_values(&["redis", k.label()])),
+        }
+    }
+
+    /// Counters registered nowhere.
+    pub fn detached() -> StoreCalls {
+        StoreCalls {
+            by_kind: CallKind::ALL
+                .map(|k| IntCounter::new(k.label(), "detached").expect("metric definition")),
+        }
+    }
+
+    pub fn count(&self, kind: CallKind) {
+        self.by_kind[kind as usize].inc();
+    }
+
+    pub fn get(&self, kind: CallKind) -> u64 {
+        self.by_kind[kind as usize].get()
     }
 }

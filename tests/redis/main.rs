@@ -12,4 +12,5 @@ mod redis_gateway;
 mod redis_live_ops;
 mod redis_store;
 mod redis_tls;
+mod reserve;
 mod store_faults;

@@ -62,6 +62,31 @@ fn run_table(store: &RedisStore, rt: &tokio::runtime::Runtime) -> usize {
     steps
 }
 
+/// Every case of taking units in advance (`reserve`), each on a fresh key, held to
+/// the same numbers as the pure functions (`the_take_cases_pass_in_pure_rust`).
+/// `lose` empties the Redis behind `store`.
+fn run_takes(store: &RedisStore, rt: &tokio::runtime::Runtime, lose: impl Fn()) -> usize {
+    let mut failures = Vec::new();
+    let mut steps = 0;
+    for (i, case) in cases::takes().into_iter().enumerate() {
+        let key = format!("take-{i}");
+        steps += case.steps.len();
+        let result = cases::run_takes(
+            &case,
+            |plan, now, wants| {
+                rt.block_on(store.take_at("cases", &key, plan, now, wants))
+                    .unwrap_or_else(|e| panic!("take case {:?}: {e}", case.name))
+            },
+            &lose,
+        );
+        if let Err(e) = result {
+            failures.push(e);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    steps
+}
+
 /// A store on `target` with a refusal cache of `refusal_cache` entries (0: none).
 fn connect(rt: &tokio::runtime::Runtime, target: RedisTarget, refusal_cache: usize) -> RedisStore {
     rt.block_on(RedisStore::connect(options(target, refusal_cache)))
@@ -86,6 +111,28 @@ fn the_table_of_cases_passes_on_one_redis() {
     let steps = run_table(&store, &rt);
     assert!(cases::all().len() >= 15);
     assert!(steps > 100, "{steps}");
+}
+
+#[test]
+fn the_take_cases_pass_on_one_redis_and_on_a_cluster() {
+    let rt = runtime();
+    let redis = RedisServer::start();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+    let steps = run_takes(&store, &rt, || {
+        let _: () = redis.cmd(&["FLUSHALL"]);
+    });
+    assert_eq!(
+        steps,
+        cases::takes().iter().map(|c| c.steps.len()).sum::<usize>()
+    );
+    assert!(steps >= 25, "{steps}");
+    let cluster = RedisCluster::start();
+    let store = connect(&rt, RedisTarget::Cluster(cluster.urls()), 0);
+    run_takes(&store, &rt, || {
+        for node in &cluster.nodes {
+            let _: () = node.cmd(&["FLUSHALL"]);
+        }
+    });
 }
 
 #[test]
