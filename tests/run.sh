@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of sluice. On a fresh machine it first installs what cargo
 # cannot: redis-server and redis-cli (the Redis store's tests start their own
-# servers), faketime (clock-skew tests), promtool (the prometheus package:
+# servers, and sentinels as `redis-server --sentinel`: no other package), faketime (clock-skew tests), promtool (the prometheus package:
 # tests lint /metrics and check docker/'s Prometheus configuration and alert rules
 # with it), chromium with chromium-driver (the dashboard's test drives a
 # headless browser) and python3-grpcio (the gRPC tests' client and server), from

@@ -17,14 +17,14 @@ use super::schema::{
     self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit, UpstreamProtocol,
 };
 use super::validate::{status_pattern, StatusPattern};
-use super::value::Window;
+use super::value::{Text, Window};
 use super::Loaded;
 use crate::deny::{Source, StaticDeny};
 use crate::identity::{KeyPart, KeySpec, TrustedProxies};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{
-    Algorithm, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, Rate, RedisOptions,
-    RedisTarget, Reserve, ResponseCost, StatusSet, StoreError,
+    Algorithm, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, PrimaryUrl, Rate,
+    RedisOptions, RedisTarget, Reserve, ResponseCost, SentinelTarget, StatusSet, StoreError,
 };
 use crate::pipeline::refusal::{policy_header, RateHeaders};
 use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
@@ -151,16 +151,18 @@ pub fn compile(
     })
 }
 
-/// How to reach the Redis store: one server or a cluster.
+/// How to reach the Redis store: one server, a cluster, or the primary Redis Sentinel
+/// names.
 pub fn redis_options(c: &schema::RedisStore) -> Result<RedisOptions, StoreError> {
-    let target = match (&c.cluster, &c.url) {
-        (Some(nodes), _) if !nodes.is_empty() => {
+    let target = match (&c.cluster, &c.url, &c.sentinel) {
+        (Some(nodes), _, _) if !nodes.is_empty() => {
             RedisTarget::Cluster(nodes.iter().map(|n| n.0.clone()).collect())
         }
-        (_, Some(url)) => RedisTarget::Url(url.0.clone()),
+        (_, Some(url), _) => RedisTarget::Url(url.0.clone()),
+        (_, _, Some(s)) => RedisTarget::Sentinel(sentinel_target(s)?),
         _ => {
             return Err(StoreError::Config(
-                "store.redis needs url or cluster".into(),
+                "store.redis needs url, cluster or sentinel".into(),
             ))
         }
     };
@@ -169,6 +171,38 @@ pub fn redis_options(c: &schema::RedisStore) -> Result<RedisOptions, StoreError>
         timeout: c.timeout.get(),
         key_prefix: c.key_prefix.0.clone(),
         refusal_cache: REFUSAL_CACHE_ENTRIES,
+    })
+}
+
+/// The sentinels, and how to reach the primary they name: the way the sentinels are
+/// reached (TLS and `?protocol=`, from the first node: validation makes
+/// them agree), with the primary's own credentials and database.
+fn sentinel_target(s: &schema::RedisSentinel) -> Result<SentinelTarget, StoreError> {
+    let first = s
+        .nodes
+        .first()
+        .ok_or_else(|| StoreError::Config("store.redis.sentinel.nodes lists no sentinel".into()))?;
+    let (scheme, rest) = first
+        .split_once("://")
+        .ok_or_else(|| StoreError::Config("store.redis.sentinel.nodes: not a URL".into()))?;
+    let tail = rest.find(['?', '#']).map_or("", |i| &rest[i..]);
+    let encode = |t: &Text| {
+        percent_encoding::utf8_percent_encode(t, percent_encoding::NON_ALPHANUMERIC).to_string()
+    };
+    let userinfo = match (&s.username, &s.password) {
+        (Some(u), Some(p)) => format!("{}:{}@", encode(u), encode(p)),
+        (None, Some(p)) => format!(":{}@", encode(p)),
+        (_, None) => String::new(),
+    };
+    Ok(SentinelTarget {
+        master: s.master.0.clone(),
+        nodes: s.nodes.iter().map(|n| n.0.clone()).collect(),
+        primary: PrimaryUrl {
+            scheme: scheme.to_string(),
+            userinfo,
+            db: s.db.get(),
+            tail: tail.to_string(),
+        },
     })
 }
 

@@ -195,7 +195,7 @@ pub struct Store {
     pub backend: Backend,
     /// The memory store (also the fallback of `on_error: local`).
     pub memory: MemoryStore,
-    /// The Redis store; needs `url` or `cluster`.
+    /// The Redis store; needs `url`, `cluster` or `sentinel`.
     pub redis: Option<RedisStore>,
     /// While the store fails: `local` (this instance's memory), `allow`, or `deny` (503).
     pub on_error: OnError,
@@ -223,6 +223,9 @@ pub struct RedisStore {
     pub url: Option<Text>,
     /// Seed nodes of a Redis Cluster (instead of `url`).
     pub cluster: Option<Vec<Text>>,
+    /// The primary that Redis Sentinel names, followed through failovers (instead of
+    /// `url`).
+    pub sentinel: Option<RedisSentinel>,
     /// Per limiter call; slower counts as a store error.
     pub timeout: Dur,
     /// Prefix of every key sluice writes.
@@ -234,10 +237,30 @@ impl Default for RedisStore {
         RedisStore {
             url: None,
             cluster: None,
+            sentinel: None,
             timeout: Dur::millis(50),
             key_prefix: Text::literal("sluice:"),
         }
     }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSentinel {
+    /// The name the sentinels monitor the primary under (`sentinel monitor <name>`).
+    pub master: Text,
+    /// The sentinels: redis://host:26379, or rediss:// for TLS (then the primary too);
+    /// credentials in these URLs are the sentinels' own.
+    pub nodes: Vec<Text>,
+    /// The primary's user (ACL), if it needs one.
+    #[serde(default)]
+    pub username: Option<Text>,
+    /// The primary's password (`requirepass` or the user's).
+    #[serde(default)]
+    pub password: Option<Text>,
+    /// The primary's database number.
+    #[serde(default)]
+    pub db: Num<u16>,
 }
 
 // === client_ip, headers, upstreams, deny ===

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use super::schema::{
     AlgorithmName, Backend, Cost, KeySpec, Limit, OnError, OnLimit, Route, UpstreamProtocol,
 };
-use super::value::{fmt_dur, fmt_rate, redact_url, Window};
+use super::value::{fmt_dur, fmt_rate, redact_url, Text, Window};
 use super::Loaded;
 
 /// The summary of a loaded file, one line per `\n`, ending with a newline.
@@ -45,17 +45,24 @@ pub fn summary(loaded: &Loaded) -> String {
     let max_keys = f.store.memory.max_keys.get();
     let store = match (f.store.backend, &f.store.redis) {
         (Backend::Redis, Some(r)) => {
-            let target = match (&r.url, &r.cluster) {
-                (Some(url), _) => redact_url(url),
-                (None, Some(nodes)) => format!(
-                    "cluster {}",
-                    nodes
-                        .iter()
-                        .map(|n| redact_url(n))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-                (None, None) => "(no url)".to_string(),
+            let list = |nodes: &[Text]| {
+                nodes
+                    .iter()
+                    .map(|n| redact_url(n))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let target = match (&r.url, &r.cluster, &r.sentinel) {
+                (Some(url), _, _) => redact_url(url),
+                (None, Some(nodes), _) => format!("cluster {}", list(nodes)),
+                (None, None, Some(s)) => {
+                    format!(
+                        "sentinel master {:?} via {}",
+                        s.master.as_str(),
+                        list(&s.nodes)
+                    )
+                }
+                (None, None, None) => "(no url)".to_string(),
             };
             format!(
                 "redis {target}, timeout {}, key_prefix {:?}, on_error {on_error} (local: memory, max_keys {max_keys})",
@@ -324,6 +331,9 @@ fn describe_limit(l: &Limit, j: usize) -> String {
     if let Some(key) = &l.key {
         let _ = write!(s, " by {}", key_text(key));
     }
+    if let Some(n) = l.reserve {
+        let _ = write!(s, " reserving {} at a time", n.get());
+    }
     s
 }
 
@@ -471,6 +481,17 @@ deny    2 ips, 1 key -> 403
         let text = summary(&loaded);
         assert!(
             text.contains("per_ip: fixed_window 5 per 1m; (shadow) strict: fixed_window 1 per 1m"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_limit_says_how_many_units_it_reserves() {
+        let yaml = "store: {backend: redis, redis: {url: \"redis://127.0.0.1:6379\"}}\nroutes:\n  - name: a\n    limits:\n      - {name: hot, algorithm: token_bucket, rate: 50/s, burst: 100, reserve: 20}\n    respond: {}\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        assert!(
+            text.contains("hot: token_bucket 50/s burst 100 reserving 20 at a time"),
             "{text}"
         );
     }

@@ -579,62 +579,199 @@ impl Checker<'_> {
         let Some(redis) = &store.redis else {
             self.at(
                 "store.backend",
-                "store.backend: redis needs a store.redis section with url (or cluster)",
+                "store.backend: redis needs a store.redis section with url (or cluster, or sentinel)",
             );
             return;
         };
-        match (&redis.url, &redis.cluster) {
-            (Some(_), Some(_)) => self.at_key(
-                "store.redis.cluster",
-                "store.redis needs exactly one of url and cluster, found both",
-            ),
-            (None, None) => self.at(
+        let given: Vec<&str> = [
+            ("url", redis.url.is_some()),
+            ("cluster", redis.cluster.is_some()),
+            ("sentinel", redis.sentinel.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect();
+        match given[..] {
+            [] => self.at(
                 "store.redis",
-                "store.redis needs exactly one of url (one server) and cluster (a list of nodes)",
+                "store.redis needs exactly one of url (one server), cluster (a list of nodes) and \
+                 sentinel (the primary Redis Sentinel names)",
             ),
-            (Some(url), None) => self.redis_url("store.redis.url", url),
-            (None, Some(nodes)) => {
-                if nodes.is_empty() {
-                    self.at(
-                        "store.redis.cluster",
-                        "store.redis.cluster must list at least one node, like [redis://10.0.0.1:7000]",
-                    );
-                }
-                for (i, node) in nodes.iter().enumerate() {
-                    self.redis_url(&item("store.redis.cluster", i), node);
-                }
+            [_] => {}
+            [.., last] => self.at_key(
+                &format!("store.redis.{last}"),
+                format!(
+                    "store.redis needs exactly one of url, cluster and sentinel, found {}",
+                    given.join(" and ")
+                ),
+            ),
+        }
+        if let Some(url) = &redis.url {
+            self.redis_url("store.redis.url", url, UrlOf::Server);
+        }
+        if let Some(nodes) = &redis.cluster {
+            if nodes.is_empty() {
+                self.at(
+                    "store.redis.cluster",
+                    "store.redis.cluster must list at least one node, like [redis://10.0.0.1:7000]",
+                );
             }
+            for (i, node) in nodes.iter().enumerate() {
+                self.redis_url(&item("store.redis.cluster", i), node, UrlOf::ClusterNode);
+            }
+        }
+        if let Some(sentinel) = &redis.sentinel {
+            self.sentinel(sentinel);
         }
         self.timeout("store.redis.timeout", "timeout", redis.timeout);
     }
 
-    fn redis_url(&mut self, path: &str, url: &str) {
-        let rest = url
-            .strip_prefix("redis://")
-            .or_else(|| url.strip_prefix("rediss://"));
-        match rest {
-            None => self.at(
-                path,
-                format!(
-                    "expected a redis URL starting with redis:// or rediss://, found {:?}",
-                    super::value::redact_url(url)
-                ),
-            ),
-            Some(rest) => {
-                // The host is what follows any `user:password@` and precedes `:port`/`/db`.
-                let authority = rest.split(['/', '?']).next().unwrap_or("");
-                let host = authority.rsplit('@').next().unwrap_or("");
-                if host.is_empty() || host.starts_with(':') {
-                    self.at(
-                        path,
-                        format!(
-                            "redis URL {:?} has no host, expected like redis://127.0.0.1:6379/0",
-                            super::value::redact_url(url)
-                        ),
-                    );
-                }
+    fn sentinel(&mut self, s: &super::schema::RedisSentinel) {
+        if s.master.trim().is_empty() {
+            self.at(
+                "store.redis.sentinel.master",
+                "store.redis.sentinel.master must name the master the sentinels monitor \
+                 (sentinel monitor <name> ...), like mymaster",
+            );
+        }
+        let nodes = "store.redis.sentinel.nodes";
+        if s.nodes.is_empty() {
+            self.at(
+                nodes,
+                "store.redis.sentinel.nodes must list at least one sentinel, like \
+                 [redis://10.0.0.1:26379]",
+            );
+        }
+        let mut ways = Vec::new();
+        for (i, node) in s.nodes.iter().enumerate() {
+            if let Some(way) = self.redis_url(&item(nodes, i), node, UrlOf::Sentinel) {
+                ways.push((i, way));
             }
         }
+        // The primary is reached the way the sentinels are (TLS, ?protocol): they
+        // must agree on it.
+        if let Some(((_, first), rest)) = ways.split_first() {
+            if let Some((i, _)) = rest.iter().find(|(_, w)| w != first) {
+                self.at(
+                    &item(nodes, *i),
+                    "store.redis.sentinel.nodes must all be reached the same way (redis:// or \
+                     rediss://, the same ?protocol): the primary is reached that way too",
+                );
+            }
+        }
+        if s.username.is_some() && s.password.is_none() {
+            self.at_key(
+                "store.redis.sentinel.username",
+                "store.redis.sentinel.username needs a password too (AUTH takes both)",
+            );
+        }
+    }
+
+    /// Checks a Redis URL as the Redis client reads it, which ignores what it does not
+    /// know: a query parameter, a fragment or a database it would silently drop
+    /// would leave the store not what the file says. Returns how the URL reaches its
+    /// server (scheme and query) if it is valid.
+    fn redis_url(&mut self, path: &str, url: &str, of: UrlOf) -> Option<String> {
+        let shown = super::value::redact_url(url);
+        let Some((scheme, rest)) = url
+            .split_once("://")
+            .filter(|(s, _)| *s == "redis" || *s == "rediss")
+        else {
+            self.at(
+                path,
+                format!(
+                    "expected a redis URL starting with redis:// or rediss://, found {shown:?}"
+                ),
+            );
+            return None;
+        };
+        let (rest, fragment) = match rest.split_once('#') {
+            Some((r, f)) => (r, Some(f)),
+            None => (rest, None),
+        };
+        let (rest, query) = match rest.split_once('?') {
+            Some((r, q)) => (r, Some(q)),
+            None => (rest, None),
+        };
+        let (authority, db) = rest.split_once('/').unwrap_or((rest, ""));
+        // As the client reads it: slashes around the number do not count.
+        let db = db.trim_matches('/');
+        // The host is what follows any `user:password@` and precedes `:port`.
+        let host = authority.rsplit('@').next().unwrap_or("");
+        if host.is_empty() || host.starts_with(':') {
+            self.at(
+                path,
+                format!("redis URL {shown:?} has no host, expected like redis://127.0.0.1:6379/0"),
+            );
+            return None;
+        }
+        let mut ok = true;
+        let mut fail = |me: &mut Self, message: String| {
+            me.at(path, message);
+            ok = false;
+        };
+        match (of, db) {
+            (_, "") => {}
+            (UrlOf::Server, db) if db.parse::<u16>().is_ok() => {}
+            (UrlOf::ClusterNode, "0") => {}
+            (UrlOf::Server, db) => fail(
+                self,
+                format!("redis URL {shown:?}: expected a database number after the host, like /0, found /{db}"),
+            ),
+            (UrlOf::ClusterNode, db) => fail(
+                self,
+                format!("redis URL {shown:?}: Redis Cluster has only database 0, found /{db}"),
+            ),
+            (UrlOf::Sentinel, db) => fail(
+                self,
+                format!("redis URL {shown:?}: a sentinel has no database (found /{db}); the primary's is store.redis.sentinel.db"),
+            ),
+        }
+        for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            match &*k {
+                "protocol" if ["2", "3", "resp2", "resp3"].contains(&&*v) => {}
+                "protocol" => fail(
+                    self,
+                    format!(
+                        "redis URL {shown:?}: protocol must be 2, 3, resp2 or resp3, found {v:?}"
+                    ),
+                ),
+                "sentinel" => fail(
+                    self,
+                    format!(
+                        "redis URL {shown:?}: the Redis client does not read ?sentinel=; to reach \
+                         the primary that Redis Sentinel names, use store.redis.sentinel: \
+                         {{master: {}, nodes: [redis://<sentinel host>:26379]}} instead of a url",
+                        if v.is_empty() { "mymaster" } else { &v }
+                    ),
+                ),
+                _ => fail(
+                    self,
+                    format!(
+                        "redis URL {shown:?}: the Redis client does not read the query parameter \
+                         {k:?} (it would be ignored); the only one it reads is protocol"
+                    ),
+                ),
+            }
+        }
+        // The client reads one fragment, `#insecure` on rediss://, and only to fail
+        // every connection: sluice's build has no way to skip the certificate check.
+        match (scheme, fragment) {
+            (_, None) => {}
+            ("rediss", Some("insecure")) => fail(
+                self,
+                format!(
+                    "redis URL {shown:?}: #insecure is not supported: the server's certificate \
+                     is always checked; trust its CA in the system's store, or name it with \
+                     SSL_CERT_FILE"
+                ),
+            ),
+            (_, Some(f)) => fail(
+                self,
+                format!("redis URL {shown:?}: the Redis client reads no #fragment, found #{f}"),
+            ),
+        }
+        ok.then(|| format!("{scheme}?{}", query.unwrap_or("")))
     }
 
     fn upstreams(&mut self, file: &File) {
@@ -1575,6 +1712,17 @@ fn regex_problem(e: &regex::Error) -> String {
         .find_map(|l| l.trim().strip_prefix("error: "))
         .map(str::to_string)
         .unwrap_or_else(|| text.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// What a Redis URL names: what may follow its host.
+#[derive(Clone, Copy)]
+enum UrlOf {
+    /// One server (`store.redis.url`): any database.
+    Server,
+    /// A Redis Cluster node: database 0 only.
+    ClusterNode,
+    /// A sentinel: no database.
+    Sentinel,
 }
 
 #[cfg(test)]

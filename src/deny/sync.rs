@@ -606,11 +606,13 @@ impl DenySync {
         let unavailable = |e: redis::RedisError| StoreError::Unavailable(e.to_string());
         let mut pubsub = None;
         let mut last_err = None;
+        let mut subscribed = String::new();
         for url in self.urls() {
             match redis::Client::open(url.as_str()) {
                 Ok(client) => match tokio::time::timeout(POLL, client.get_async_pubsub()).await {
                     Ok(Ok(p)) => {
                         pubsub = Some(p);
+                        subscribed = url;
                         break;
                     }
                     Ok(Err(e)) => last_err = Some(unavailable(e)),
@@ -620,7 +622,10 @@ impl DenySync {
             }
         }
         let Some(mut pubsub) = pubsub else {
-            return Err(last_err.unwrap_or(StoreError::Timeout));
+            // None tried: Redis Sentinel names no primary yet.
+            return Err(last_err.unwrap_or_else(|| {
+                StoreError::Unavailable("Redis Sentinel names no primary yet".into())
+            }));
         };
         tokio::time::timeout(POLL, pubsub.subscribe(&self.channel))
             .await
@@ -675,6 +680,15 @@ impl DenySync {
                     }
                 }
                 _ = poll.tick() => {
+                    // Redis Sentinel moved the store to another server: subscribe there.
+                    // (A primary that died closed this subscription already; one that was
+                    // demoted would go on relaying what its new primary publishes, but
+                    // only while it replicates from it.)
+                    if let RedisTarget::Sentinel(_) = &self.target {
+                        if self.store.primary_url().as_ref() != Some(&subscribed) {
+                            return Err(StoreError::Unavailable("the Redis Sentinel primary moved".into()));
+                        }
+                    }
                     polls = polls.wrapping_add(1);
                     if polls.is_multiple_of(KEEP_EVERY) {
                         self.keep().await?;
@@ -690,11 +704,13 @@ impl DenySync {
         }
     }
 
-    /// Where to subscribe: the server, or each cluster seed in turn.
+    /// Where to subscribe: the server, each cluster seed in turn, or the primary Redis
+    /// Sentinel names now (none while it names none).
     fn urls(&self) -> Vec<String> {
         match &self.target {
             RedisTarget::Url(u) => vec![u.clone()],
             RedisTarget::Cluster(nodes) => nodes.clone(),
+            RedisTarget::Sentinel(_) => self.store.primary_url().into_iter().collect(),
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod per_ip;
 pub mod redis;
 pub mod reserve;
 pub mod response;
+pub mod sentinel;
 pub mod store;
 
 use std::time::Duration;
@@ -21,6 +22,7 @@ pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
 pub use response::{Charge, CostFrom, FromResponse, ResponseCost, StatusSet};
+pub use sentinel::{PrimaryUrl, SentinelTarget};
 pub use store::{OnError, Store, StoreError};
 
 /// One configured limit, compiled.

@@ -18,6 +18,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
 use super::reserve::{Reserves, RESERVE_ENTRIES};
+use super::sentinel::{Primary, SentinelTarget};
 use super::{
     Algorithm, Checked, Clock, LimitDef, Outcome, Permit, Plan, Share, StoreError, Verdict,
 };
@@ -86,6 +87,8 @@ pub enum RedisTarget {
     Url(String),
     /// Redis Cluster seed nodes.
     Cluster(Vec<String>),
+    /// One server, the primary Redis Sentinel names, followed through failovers.
+    Sentinel(SentinelTarget),
 }
 
 #[derive(Clone)]
@@ -94,7 +97,7 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    conn: Connection,
+    conn: Link,
     script: Script,
     timeout: Duration,
     prefix: String,
@@ -125,6 +128,35 @@ enum Connection {
     Cluster(ClusterConnection),
 }
 
+/// Where the connection comes from: fixed at startup, or the one to the primary Redis
+/// Sentinel names at the time of the call.
+enum Link {
+    Fixed(Connection),
+    Sentinel(Arc<Primary>),
+}
+
+impl Link {
+    fn get(&self) -> RedisResult<Connection> {
+        match self {
+            Link::Fixed(c) => Ok(c.clone()),
+            Link::Sentinel(p) => p.connection().map(Connection::Single),
+        }
+    }
+
+    fn is_cluster(&self) -> bool {
+        matches!(self, Link::Fixed(Connection::Cluster(_)))
+    }
+
+    /// Notified when calls go to another server from now on (Sentinel named a new
+    /// primary).
+    fn moved(&self) -> Option<Arc<tokio::sync::Notify>> {
+        match self {
+            Link::Fixed(_) => None,
+            Link::Sentinel(p) => Some(p.moved()),
+        }
+    }
+}
+
 // === impl RedisStore ===
 
 impl RedisStore {
@@ -147,22 +179,25 @@ impl RedisStore {
         // handshake may take longer than one call without failing for good.
         let connect_timeout = timeout.max(Duration::from_secs(1));
         let config = |e: redis::RedisError| StoreError::Config(e.to_string());
+        // No response timeout of the client's own: every command is sent under a
+        // deadline of ours (`timeout` for a limiter call), and a second timer per call
+        // would only cost.
+        let single = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(connect_timeout))
+            .set_response_timeout(None)
+            // A reconnect is retried once, soon; the breaker does the rest.
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(timeout);
         let conn = match &opts.target {
             RedisTarget::Url(url) => {
                 let client = redis::Client::open(url.as_str()).map_err(config)?;
-                // No response timeout of the client's own: every command is sent under a
-                // deadline of ours (`timeout` for a limiter call), and a second timer
-                // per call would only cost.
-                let cfg = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(connect_timeout))
-                    .set_response_timeout(None)
-                    // A reconnect is retried once, soon; the breaker does the rest.
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(10))
-                    .set_max_delay(timeout);
-                Connection::Single(
-                    ConnectionManager::new_lazy_with_config(client, cfg).map_err(config)?,
-                )
+                Link::Fixed(Connection::Single(
+                    ConnectionManager::new_lazy_with_config(client, single).map_err(config)?,
+                ))
+            }
+            RedisTarget::Sentinel(target) => {
+                Link::Sentinel(Primary::start(target.clone(), single, connect_timeout).await)
             }
             RedisTarget::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.iter().map(String::as_str))
@@ -177,7 +212,9 @@ impl RedisStore {
                 let cfg = ClusterConfig::new()
                     .set_connection_timeout(connect_timeout)
                     .set_response_timeout(timeout);
-                Connection::Cluster(client.get_pending_async_connection_with_config(cfg))
+                Link::Fixed(Connection::Cluster(
+                    client.get_pending_async_connection_with_config(cfg),
+                ))
             }
         };
         let inner = Arc::new(Inner {
@@ -198,7 +235,7 @@ impl RedisStore {
             },
             retrying: Arc::new(AtomicUsize::new(0)),
             batch: match opts.target {
-                RedisTarget::Url(_) => Some(Arc::new(Batch::default())),
+                RedisTarget::Url(_) | RedisTarget::Sentinel(_) => Some(Arc::new(Batch::default())),
                 RedisTarget::Cluster(_) => None,
             },
             clock,
@@ -339,7 +376,10 @@ impl RedisStore {
         let deadline = tokio::time::Instant::now() + inner.timeout;
         let mut counted = false;
         let taking = loop {
-            match inner.reserves.find(cache_key.0.clone(), plan, counted) {
+            match inner
+                .reserves
+                .find(cache_key.0.clone(), cache_key.1, plan, counted)
+            {
                 Found::Admitted(verdict) => {
                     inner.count(CallKind::Local);
                     return Ok(Checked {
@@ -722,6 +762,15 @@ impl RedisStore {
         let _ = self.inner.calls.set(calls);
     }
 
+    /// The URL of the server in use when Redis Sentinel names it (it changes with a
+    /// failover); None before one is named, and for a fixed server or a cluster.
+    pub fn primary_url(&self) -> Option<String> {
+        match &self.inner.conn {
+            Link::Sentinel(p) => p.url(),
+            Link::Fixed(_) => None,
+        }
+    }
+
     /// The key prefix (`store.redis.key_prefix`).
     pub fn prefix(&self) -> &str {
         &self.inner.prefix
@@ -764,7 +813,7 @@ impl Inner {
 
     async fn load(&self) -> RedisResult<()> {
         let script = self.script.prepare_invoke();
-        match self.conn.clone() {
+        match self.conn.get()? {
             Connection::Single(mut c) => script.load_async(&mut c).await.map(drop),
             Connection::Cluster(mut c) => script.load_async(&mut c).await.map(drop),
         }
@@ -783,7 +832,7 @@ impl Inner {
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
-        match self.conn.clone() {
+        let r = match self.conn.get()? {
             Connection::Single(mut c) => match attempt(cmd.query_async(&mut c)).await {
                 Sent::Done(r) => r,
                 Sent::Unsent(e) => {
@@ -793,7 +842,15 @@ impl Inner {
                 }
             },
             Connection::Cluster(mut c) => cmd.query_async(&mut c).await,
+        };
+        // A primary that went away, or was demoted (READONLY), may have been replaced:
+        // the sentinels are asked at once rather than at their next round.
+        if let (Err(e), Link::Sentinel(p)) = (&r, &self.conn) {
+            if e.kind() != ErrorKind::Server(ServerErrorKind::NoScript) {
+                p.suspect();
+            }
         }
+        r
     }
 
     /// Runs the script for no limits: answers only if Redis is up and can run it
@@ -1626,20 +1683,29 @@ impl Breaker {
 /// count like failed calls, so an idle instance notices a Redis that went away (and
 /// `/readyz` says so) within `TRIP_AFTER` probes. The PINGs are also the keepalive: no
 /// connection is ever idle for longer than `PROBE_EVERY`, far below the smallest
-/// server `timeout` (1 s), so Redis never closes one as idle. Ends when the store is
-/// dropped.
+/// server `timeout` (1 s), so Redis never closes one as idle. A store that moved to
+/// another primary (Sentinel) is probed at once. Ends when the store is dropped.
 fn spawn_prober(store: Weak<Inner>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(PROBE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let moved = store.upgrade().and_then(|inner| inner.conn.moved());
         loop {
-            tick.tick().await;
+            match &moved {
+                Some(moved) => tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = moved.notified() => {}
+                },
+                None => {
+                    tick.tick().await;
+                }
+            }
             let Some(inner) = store.upgrade() else { return };
             let open = inner.breaker.is_open();
             // A call that just answered kept the one connection busy; on a cluster it
             // reached one node, and the PING (sent to every node) keeps the others'
             // connections from being closed as idle.
-            let cluster = matches!(inner.conn, Connection::Cluster(_));
+            let cluster = inner.conn.is_cluster();
             if !open && !cluster && inner.breaker.answered_within(PROBE_EVERY) {
                 continue;
             }

@@ -265,10 +265,12 @@ fn count_unused(limit: Option<&LimitDef>, units: u64) {
 /// that changes them is seen, and what was held counted, at the key's next request.
 type Key = String;
 
-/// What a key's entry remembers beside its units: the limits it was kept for, so
-/// units dropped with it are counted against the right ones.
+/// What a key's entry remembers beside its units: the limits they were taken for
+/// (their fingerprint, and the limits themselves once units are held, so units
+/// dropped are counted against the right ones).
 struct Entry {
     held: Held,
+    fingerprint: u64,
     limits: Vec<LimitDef>,
 }
 
@@ -294,6 +296,8 @@ pub enum Found {
 pub struct Taking {
     reserves: Arc<Reserves>,
     key: Key,
+    /// The limits the take is for.
+    fingerprint: u64,
     notify: Arc<tokio::sync::Notify>,
 }
 
@@ -316,9 +320,21 @@ impl Taking {
     /// Keeps what the call took (`Held::keep`).
     pub fn keep(&self, plan: &Plan, verdict: &Verdict, taken: &[u64], sent_us: u64, now_us: u64) {
         let mut shard = self.reserves.shard(&self.key);
-        if let Some(e) = shard.get_mut(&self.key) {
-            e.held.keep(plan, verdict, taken, sent_us, now_us);
-            e.limits.clone_from(&plan.limits);
+        match shard.get_mut(&self.key) {
+            // The key's limits are still those the units were taken for.
+            Some(e) if e.fingerprint == self.fingerprint => {
+                e.held.keep(plan, verdict, taken, sent_us, now_us);
+                if taken.iter().any(|&t| t > 0) && e.limits != plan.limits {
+                    e.limits.clone_from(&plan.limits);
+                }
+            }
+            // A reload changed them meanwhile (or the key was dropped): the units are
+            // not spent under other limits.
+            _ => {
+                for (l, &t) in plan.limits.iter().zip(taken) {
+                    count_unused(Some(l), t);
+                }
+            }
         }
     }
 }
@@ -347,9 +363,10 @@ impl Reserves {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Looks at the key's units for a request of `plan` (`counted`: whether this
-    /// request was already counted towards the key's rate, on an earlier look).
-    pub fn find(self: &Arc<Self>, key: Key, plan: &Plan, counted: bool) -> Found {
+    /// Looks at the key's units for a request of `plan`, whose limits and mode
+    /// `fingerprint` identifies (`counted`: whether this request was already counted
+    /// towards the key's rate, on an earlier look).
+    pub fn find(self: &Arc<Self>, key: Key, fingerprint: u64, plan: &Plan, counted: bool) -> Found {
         let now = self.now_us();
         let mut shard = self.shard(&key);
         if !shard.contains(&key) {
@@ -357,7 +374,8 @@ impl Reserves {
                 key.clone(),
                 Entry {
                     held: Held::default(),
-                    limits: plan.limits.clone(),
+                    fingerprint,
+                    limits: Vec::new(),
                 },
             ) {
                 // A least recently used key made room.
@@ -370,10 +388,11 @@ impl Reserves {
         if !counted {
             e.held.note(now);
         }
-        if e.limits != plan.limits {
+        if e.fingerprint != fingerprint {
             // A reload changed the limits: the units held were taken under the old
             // ones (the shared count holds them), and are not spent under the new.
-            let old = std::mem::replace(&mut e.limits, plan.limits.clone());
+            e.fingerprint = fingerprint;
+            let old = std::mem::take(&mut e.limits);
             e.held.drop_all(&old);
         }
         if let Some(v) = e.held.admit(plan, now) {
@@ -391,6 +410,7 @@ impl Reserves {
             Taking {
                 reserves: self.clone(),
                 key,
+                fingerprint,
                 notify,
             },
         )

@@ -79,7 +79,7 @@ impl Store {
         fallback_max_keys: usize,
         metrics: &crate::telemetry::metrics::Metrics,
     ) -> Store {
-        store.count_calls_in(metrics.store_calls.clone());
+        store.count_calls_in(metrics.store_calls());
         Store {
             backend: Backend::Redis {
                 redis: store,

@@ -904,11 +904,15 @@ fn effective(f: &schema::File) -> serde_json::Value {
     if let Some(url) = v.pointer_mut("/store/redis/url") {
         redact(url);
     }
-    if let Some(nodes) = v
-        .pointer_mut("/store/redis/cluster")
-        .and_then(|c| c.as_array_mut())
-    {
-        nodes.iter_mut().for_each(redact);
+    for list in ["/store/redis/cluster", "/store/redis/sentinel/nodes"] {
+        if let Some(nodes) = v.pointer_mut(list).and_then(|c| c.as_array_mut()) {
+            nodes.iter_mut().for_each(redact);
+        }
+    }
+    if let Some(password) = v.pointer_mut("/store/redis/sentinel/password") {
+        if !password.is_null() {
+            *password = "***".into();
+        }
     }
     if let Some(ups) = v.pointer_mut("/upstreams").and_then(|u| u.as_object_mut()) {
         for up in ups.values_mut() {
@@ -1043,6 +1047,27 @@ mod tests {
                 "server.send_timeout",
                 "server.max_header_bytes"
             ]
+        );
+    }
+
+    #[test]
+    fn sentinel_secrets_are_redacted() {
+        let f = file(
+            "store: {backend: redis, redis: {sentinel: {master: m, nodes: [\"redis://:spw@10.0.0.1:26379\", redis://10.0.0.2:26379], password: pw}}}\nroutes: []\n",
+        );
+        let s = &effective(&f)["store"]["redis"]["sentinel"];
+        assert_eq!(
+            s["nodes"],
+            serde_json::json!(["redis://***@10.0.0.1:26379", "redis://10.0.0.2:26379"])
+        );
+        assert_eq!(s["password"], "***");
+        assert_eq!(s["master"], "m");
+        let none = file(
+            "store: {backend: redis, redis: {sentinel: {master: m, nodes: []}}}\nroutes: []\n",
+        );
+        assert_eq!(
+            effective(&none)["store"]["redis"]["sentinel"]["password"],
+            serde_json::Value::Null
         );
     }
 }

@@ -50,8 +50,9 @@ pub struct Metrics {
     /// `sluice_reserve_unused_total{route,limit}`: units taken in advance (`reserve`)
     /// and never spent.
     pub reserve_unused: IntCounterVec,
-    /// `sluice_store_calls_total{store,kind}`, its children resolved once.
-    pub store_calls: Arc<StoreCalls>,
+    /// `sluice_store_calls_total{store,kind}`: its children are created (at 0) only
+    /// for a Redis store (`store_calls`).
+    store_calls: IntCounterVec,
     /// Dynamic deny entries evicted by a newer one at `deny.max_entries`.
     pub deny_evictions: IntCounter,
     pub build_info: IntGaugeVec,
@@ -190,7 +191,6 @@ impl Metrics {
             &["store", "kind"],
         )
         .expect("metric definition");
-        let store_calls = Arc::new(StoreCalls::new(&store_calls_vec));
         let deny_evictions = IntCounter::new(
             "sluice_deny_evictions_total",
             "Dynamic deny-list entries evicted at deny.max_entries by a newer entry.",
@@ -228,7 +228,7 @@ impl Metrics {
             Box::new(upstream_responses.clone()),
             Box::new(limit_refusals.clone()),
             Box::new(reserve_unused.clone()),
-            Box::new(store_calls_vec),
+            Box::new(store_calls_vec.clone()),
             Box::new(deny_evictions.clone()),
             Box::new(build_info.clone()),
             Box::new(refusal_logs_dropped.clone()),
@@ -273,12 +273,17 @@ impl Metrics {
             upstream_responses,
             limit_refusals,
             reserve_unused,
-            store_calls,
+            store_calls: store_calls_vec,
             deny_evictions,
             build_info,
             refusal_logs_dropped,
             access_logs_dropped,
         }
+    }
+
+    /// The children of `sluice_store_calls_total` for the Redis store, created at 0.
+    pub fn store_calls(&self) -> Arc<StoreCalls> {
+        Arc::new(StoreCalls::new(&self.store_calls))
     }
 
     /// The Prometheus text exposition of every metric.

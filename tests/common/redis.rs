@@ -26,6 +26,10 @@ pub struct RedisServer {
     /// nothing: no persistence).
     dir: Option<tempfile::TempDir>,
     cluster: bool,
+    /// More arguments for redis-server (a replica's `--replicaof`).
+    extra: Vec<String>,
+    /// Its `requirepass` (also its `masterauth`), which `url` carries.
+    password: Option<String>,
 }
 
 impl RedisServer {
@@ -42,6 +46,34 @@ impl RedisServer {
     /// On `port`, or (when `port` is taken by the time the server binds it, as by a
     /// cluster node's bus port) on another free port.
     fn start_on(port: u16, cluster: bool) -> RedisServer {
+        Self::start_with(port, cluster, Vec::new(), None)
+    }
+
+    /// A fresh server of a replicated set: a replica of `primary` if given, with
+    /// `password` for clients and for the replica's link to its primary (which it
+    /// may become after a failover).
+    pub fn in_set(primary: Option<u16>, password: Option<&str>) -> RedisServer {
+        let mut extra: Vec<String> = Vec::new();
+        if let Some(p) = primary {
+            extra.extend(["--replicaof".into(), "127.0.0.1".into(), p.to_string()]);
+        }
+        if let Some(pw) = password {
+            extra.extend([
+                "--requirepass".into(),
+                pw.into(),
+                "--masterauth".into(),
+                pw.into(),
+            ]);
+        }
+        Self::start_with(free_port(), false, extra, password)
+    }
+
+    fn start_with(
+        port: u16,
+        cluster: bool,
+        extra: Vec<String>,
+        password: Option<&str>,
+    ) -> RedisServer {
         let mut port = port;
         for _ in 0..5 {
             let dir = cluster.then(|| tempfile::tempdir().expect("temp dir"));
@@ -50,6 +82,8 @@ impl RedisServer {
                 child: None,
                 dir,
                 cluster,
+                extra: extra.clone(),
+                password: password.map(str::to_string),
             };
             if s.try_spawn() {
                 return s;
@@ -77,6 +111,7 @@ impl RedisServer {
                 Some(dir) => dir.path().to_path_buf(),
                 None => std::env::temp_dir(),
             })
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         if let Some(dir) = &self.dir {
@@ -111,7 +146,10 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match &self.password {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
     }
 
     pub fn connection(&self) -> redis::RedisResult<redis::Connection> {
@@ -227,6 +265,302 @@ impl RedisCluster {
     pub fn keys(&self) -> Vec<String> {
         self.nodes.iter().flat_map(|n| n.keys("*")).collect()
     }
+}
+
+// === Redis Sentinel ===
+
+/// The master name the sentinels monitor.
+pub const MASTER: &str = "mymaster";
+
+/// A primary with one replica, watched by three sentinels (quorum 2) that call the
+/// primary down after 500 ms and fail over at once.
+pub struct SentinelSet {
+    pub primary: RedisServer,
+    pub replica: RedisServer,
+    pub sentinels: Vec<Sentinel>,
+}
+
+pub struct Sentinel {
+    pub port: u16,
+    /// Its own `requirepass`.
+    password: Option<String>,
+    _child: Spawned,
+    /// Its configuration file, which a sentinel rewrites as it learns.
+    _dir: tempfile::TempDir,
+}
+
+impl SentinelSet {
+    /// Everything started, and each sentinel knowing the replica and the two other
+    /// sentinels (so a failover can be agreed), the replica in sync.
+    pub fn start() -> SentinelSet {
+        Self::start_auth(None)
+    }
+
+    /// `start`, with `(password, sentinel password)`: the servers' `requirepass`
+    /// (which the sentinels are told), and the sentinels' own.
+    pub fn start_auth(auth: Option<(&str, &str)>) -> SentinelSet {
+        let password = auth.map(|a| a.0);
+        let primary = RedisServer::in_set(None, password);
+        let replica = RedisServer::in_set(Some(primary.port), password);
+        let sentinels: Vec<Sentinel> = (0..3)
+            .map(|_| Sentinel::start(primary.port, auth))
+            .collect();
+        let set = SentinelSet {
+            primary,
+            replica,
+            sentinels,
+        };
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let synced = set
+                .replica
+                .cmd::<String>(&["INFO", "replication"])
+                .contains("master_link_status:up");
+            let known = set.sentinels.iter().all(|s| {
+                let m = s.master();
+                m.get("num-slaves").map(String::as_str) == Some("1")
+                    && m.get("num-other-sentinels").map(String::as_str) == Some("2")
+            });
+            if synced && known {
+                return set;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sentinels never agreed on the set: {:?}",
+                set.sentinels.iter().map(|s| s.master()).collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(|s| s.url()).collect()
+    }
+
+    /// The primary's port as the first sentinel names it now.
+    pub fn named(&self) -> u16 {
+        let (_, port): (String, u16) = self.sentinels[0].cmd(&["get-master-addr-by-name", MASTER]);
+        port
+    }
+}
+
+impl Sentinel {
+    fn start(primary: u16, auth: Option<(&str, &str)>) -> Sentinel {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        let mut text = format!(
+            "port {port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
+             sentinel down-after-milliseconds {MASTER} 500\n\
+             sentinel failover-timeout {MASTER} 2000\n",
+            dir.path().display()
+        );
+        if let Some((pw, own)) = auth {
+            // The servers' password, its own, and the one it gives other sentinels.
+            text.push_str(&format!(
+                "sentinel auth-pass {MASTER} {pw}\nrequirepass {own}\nsentinel sentinel-pass {own}\n"
+            ));
+        }
+        std::fs::write(&conf, text).expect("write sentinel.conf");
+        let mut cmd = Command::new("redis-server");
+        cmd.arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = spawn_grouped(&mut cmd).expect("redis-server --sentinel runs");
+        let s = Sentinel {
+            port,
+            password: auth.map(|a| a.1.to_string()),
+            _child: child,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + BOUND;
+        while s.ping().is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "sentinel on {port} does not answer PING"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    pub fn url(&self) -> String {
+        match &self.password {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
+    }
+
+    fn ping(&self) -> redis::RedisResult<String> {
+        let mut c =
+            redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))?;
+        redis::cmd("PING").query(&mut c)
+    }
+
+    /// `SENTINEL <args>`.
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = redis::Client::open(self.url())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+            .expect("connect to the sentinel");
+        redis::cmd("SENTINEL")
+            .arg(args)
+            .query(&mut c)
+            .unwrap_or_else(|e| panic!("SENTINEL {args:?}: {e}"))
+    }
+
+    /// What it knows of the master (`SENTINEL MASTER`), field by field.
+    pub fn master(&self) -> std::collections::HashMap<String, String> {
+        self.cmd(&["MASTER", MASTER])
+    }
+}
+
+/// `SentinelSet` over TLS only: servers and sentinels on TLS ports (replication and
+/// the sentinels' own links too), with a self-signed certificate for 127.0.0.1 in
+/// `cert`. Driven with `redis-cli --tls`, so the test process needs no trust store.
+pub struct TlsSentinelSet {
+    pub primary: (u16, Spawned),
+    pub replica: (u16, Spawned),
+    pub sentinels: Vec<(u16, Spawned)>,
+    pub cert: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsSentinelSet {
+    pub fn start() -> TlsSentinelSet {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cert =
+            rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).expect("certificate");
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).expect("write cert");
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).expect("write key");
+        let tls = format!(
+            "port 0\nbind 127.0.0.1\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\ntls-replication yes\n",
+            cert_file.display(),
+            key_file.display(),
+            cert_file.display()
+        );
+        let start = |name: &str, extra: String, sentinel: bool| {
+            let port = free_port();
+            let conf = dir.path().join(format!("{name}.conf"));
+            std::fs::write(
+                &conf,
+                format!(
+                    "{tls}tls-port {port}\ndir {}\n{extra}",
+                    dir.path().display()
+                ),
+            )
+            .expect("write conf");
+            let mut cmd = Command::new("redis-server");
+            cmd.arg(&conf).stdout(Stdio::null()).stderr(Stdio::null());
+            if sentinel {
+                cmd.arg("--sentinel");
+            }
+            let child = spawn_grouped(&mut cmd).expect("redis-server runs");
+            let deadline = Instant::now() + BOUND;
+            while tls_cli(&cert_file, port, &["PING"]).trim() != "PONG" {
+                assert!(
+                    Instant::now() < deadline,
+                    "{name} on {port} does not answer PING"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (port, child)
+        };
+        let server = "save \"\"\nappendonly no\n".to_string();
+        let primary = start("primary", server.clone(), false);
+        let replica = start(
+            "replica",
+            format!("{server}replicaof 127.0.0.1 {}\n", primary.0),
+            false,
+        );
+        let sentinels = (0..3)
+            .map(|i| {
+                let watch = format!(
+                    "sentinel monitor {MASTER} 127.0.0.1 {} 2\n\
+                     sentinel down-after-milliseconds {MASTER} 500\n\
+                     sentinel failover-timeout {MASTER} 2000\n",
+                    primary.0
+                );
+                start(&format!("sentinel{i}"), watch, true)
+            })
+            .collect();
+        let set = TlsSentinelSet {
+            primary,
+            replica,
+            sentinels,
+            cert: cert_file,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let synced = set
+                .cli(set.replica.0, &["INFO", "replication"])
+                .contains("master_link_status:up");
+            let known = set.sentinels.iter().all(|(port, _)| {
+                let m = set.cli(*port, &["SENTINEL", "MASTER", MASTER]);
+                let lines: Vec<&str> = m.lines().collect();
+                let field = |name: &str| {
+                    lines
+                        .iter()
+                        .position(|l| *l == name)
+                        .and_then(|i| lines.get(i + 1).copied())
+                };
+                field("num-slaves") == Some("1") && field("num-other-sentinels") == Some("2")
+            });
+            if synced && known {
+                return set;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "TLS sentinels never agreed on the set"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis-cli --tls` on `port`: its output.
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        tls_cli(&self.cert, port, args)
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|(port, _)| format!("rediss://127.0.0.1:{port}"))
+            .collect()
+    }
+
+    /// The keys matching `pattern` on the server on `port` but the fleet view's.
+    pub fn keys(&self, port: u16, pattern: &str) -> Vec<String> {
+        self.cli(port, &["KEYS", pattern])
+            .lines()
+            .filter(|k| !k.is_empty() && !k.contains("{fleet}:"))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+fn tls_cli(cert: &std::path::Path, port: u16, args: &[&str]) -> String {
+    let out = run_grouped(
+        Command::new("redis-cli")
+            .args(["--tls", "--cacert"])
+            .arg(cert)
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(args),
+    )
+    .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn sentinel_target(set: &SentinelSet) -> String {
+    let list: Vec<String> = set.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    format!(
+        "sentinel: {{master: {MASTER}, nodes: [{}]}}",
+        list.join(", ")
+    )
 }
 
 // === gateways ===

@@ -151,7 +151,7 @@ fn typo_in_a_limit_is_located() {
     assert_eq!(
         error(&yaml),
         "rules.yaml:8:9: routes[0].limits[0]: unknown field `brust`, expected one of `name`, \
-         `algorithm`, `limit`, `window`, `rate`, `burst`, `cost`, `count`, `lease`, `shadow`, `key`"
+         `algorithm`, `limit`, `window`, `rate`, `burst`, `cost`, `count`, `lease`, `shadow`, `key`, `reserve`"
     );
 }
 
@@ -1305,12 +1305,13 @@ fn memory_store_max_keys() {
 fn redis_store_needs_its_section() {
     assert_eq!(
         error("store:\n  backend: redis\nroutes: []\n"),
-        "rules.yaml:2:12: store.backend: redis needs a store.redis section with url (or cluster)"
+        "rules.yaml:2:12: store.backend: redis needs a store.redis section with url (or cluster, \
+         or sentinel)"
     );
     assert_eq!(
         error("store:\n  backend: redis\n  redis: {timeout: 10ms}\nroutes: []\n"),
-        "rules.yaml:3:10: store.redis needs exactly one of url (one server) and cluster (a list \
-         of nodes)"
+        "rules.yaml:3:10: store.redis needs exactly one of url (one server), cluster (a list of \
+         nodes) and sentinel (the primary Redis Sentinel names)"
     );
     let yaml = "\
 store:
@@ -1322,8 +1323,178 @@ routes: []
 ";
     assert_eq!(
         error(yaml),
-        "rules.yaml:5:5: store.redis needs exactly one of url and cluster, found both"
+        "rules.yaml:5:5: store.redis needs exactly one of url, cluster and sentinel, found url \
+         and cluster"
     );
+    let yaml = "\
+store:
+  backend: redis
+  redis:
+    url: redis://127.0.0.1:6379
+    sentinel: {master: mymaster, nodes: [redis://127.0.0.1:26379]}
+routes: []
+";
+    assert_eq!(
+        error(yaml),
+        "rules.yaml:5:5: store.redis needs exactly one of url, cluster and sentinel, found url \
+         and sentinel"
+    );
+}
+
+/// A query parameter, fragment or database the Redis client would silently ignore
+/// is refused: the store would not be what the file says.
+#[test]
+fn redis_urls_say_only_what_the_client_reads() {
+    let yaml = "\
+store:
+  backend: redis
+  redis:
+    url: redis://10.0.0.1:26379/?sentinel=mymaster
+routes: []
+";
+    assert_eq!(
+        error(yaml),
+        "rules.yaml:4:10: redis URL \"redis://10.0.0.1:26379/?sentinel=mymaster\": the Redis \
+         client does not read ?sentinel=; to reach the primary that Redis Sentinel names, use \
+         store.redis.sentinel: {master: mymaster, nodes: [redis://<sentinel host>:26379]} \
+         instead of a url"
+    );
+    let yaml = "\
+store:
+  backend: redis
+  redis:
+    cluster:
+      - redis://:s3cret@10.0.0.1:7000/?timeout=1s
+      - redis://10.0.0.2:7000/1
+      - redis://10.0.0.3:7000#insecure
+      - rediss://10.0.0.4:7000/0?protocol=4#nocheck
+      - rediss://10.0.0.5:7000/0?protocol=resp3#insecure
+      - rediss://10.0.0.6:7000/0?protocol=resp3
+routes: []
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:5:9: redis URL \"redis://***@10.0.0.1:7000/?timeout=1s\": the Redis \
+             client does not read the query parameter \"timeout\" (it would be ignored); the \
+             only one it reads is protocol",
+            "rules.yaml:6:9: redis URL \"redis://10.0.0.2:7000/1\": Redis Cluster has only \
+             database 0, found /1",
+            "rules.yaml:7:9: redis URL \"redis://10.0.0.3:7000#insecure\": the Redis client \
+             reads no #fragment, found #insecure",
+            "rules.yaml:8:9: redis URL \"rediss://10.0.0.4:7000/0?protocol=4#nocheck\": \
+             protocol must be 2, 3, resp2 or resp3, found \"4\"",
+            "rules.yaml:8:9: redis URL \"rediss://10.0.0.4:7000/0?protocol=4#nocheck\": the \
+             Redis client reads no #fragment, found #nocheck",
+            "rules.yaml:9:9: redis URL \"rediss://10.0.0.5:7000/0?protocol=resp3#insecure\": \
+             #insecure is not supported: the server's certificate is always checked; trust its \
+             CA in the system's store, or name it with SSL_CERT_FILE",
+        ]
+    );
+    assert_eq!(
+        error("store:\n  backend: redis\n  redis: {url: \"redis://h:6379/zero\"}\nroutes: []\n"),
+        "rules.yaml:3:16: redis URL \"redis://h:6379/zero\": expected a database number after \
+         the host, like /0, found /zero"
+    );
+    // What the client reads passes.
+    for url in [
+        "redis://:pw@h:6379/3/?protocol=resp3",
+        "rediss://user:pw@h:6380?protocol=2",
+        "redis://h",
+    ] {
+        loads(&format!(
+            "store:\n  backend: redis\n  redis: {{url: \"{url}\"}}\nroutes: []\n"
+        ));
+    }
+}
+
+#[test]
+fn redis_sentinel_section() {
+    let yaml = "\
+store:
+  backend: redis
+  redis:
+    sentinel:
+      master: mymaster
+      nodes: [rediss://10.0.0.1:26379, \"rediss://:pw@10.0.0.2:26379\"]
+      password: ${REDIS_PASSWORD:-}
+routes: []
+";
+    let loaded = loads(yaml);
+    assert!(
+        summary(&loaded).contains(
+            "store   redis sentinel master \"mymaster\" via rediss://10.0.0.1:26379, \
+             rediss://***@10.0.0.2:26379, timeout 50ms"
+        ),
+        "{}",
+        summary(&loaded)
+    );
+    let yaml = "\
+store:
+  backend: redis
+  redis:
+    sentinel:
+      master: \"\"
+      nodes: [rediss://10.0.0.1:26379, redis://10.0.0.2:26379/0]
+      username: app
+routes: []
+";
+    assert_eq!(
+        errors(yaml),
+        [
+            "rules.yaml:5:15: store.redis.sentinel.master must name the master the sentinels \
+             monitor (sentinel monitor <name> ...), like mymaster",
+            "rules.yaml:6:40: redis URL \"redis://10.0.0.2:26379/0\": a sentinel has no database \
+             (found /0); the primary's is store.redis.sentinel.db",
+            "rules.yaml:7:7: store.redis.sentinel.username needs a password too (AUTH takes both)",
+        ]
+    );
+    let yaml = "\
+store:
+  backend: redis
+  redis:
+    sentinel: {master: m, nodes: [rediss://10.0.0.1:26379, redis://10.0.0.2:26379]}
+routes: []
+";
+    assert_eq!(
+        error(yaml),
+        "rules.yaml:4:60: store.redis.sentinel.nodes must all be reached the same way (redis:// \
+         or rediss://, the same ?protocol): the primary is reached that way too"
+    );
+    assert_eq!(
+        error(
+            "store:\n  backend: redis\n  redis: {sentinel: {master: m, nodes: []}}\nroutes: []\n"
+        ),
+        "rules.yaml:3:40: store.redis.sentinel.nodes must list at least one sentinel, like \
+         [redis://10.0.0.1:26379]"
+    );
+}
+
+/// What a newcomer wrote: `sluice check` exits 1 and says where to go instead.
+#[test]
+fn check_refuses_a_sentinel_query_in_a_url() {
+    let file = crate::common::config_file(
+        "store:\n  backend: redis\n  redis: {url: \"redis://10.0.0.1:26379/?sentinel=mymaster\"}\nroutes: []\n",
+    );
+    let out = crate::common::run_grouped(
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["check", "-c"])
+            .arg(file.path())
+            .env_remove("SLUICE_CONFIG"),
+    )
+    .expect("sluice runs");
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!(
+            "{}:3:16: redis URL \"redis://10.0.0.1:26379/?sentinel=mymaster\": the Redis client \
+             does not read ?sentinel=; to reach the primary that Redis Sentinel names, use \
+             store.redis.sentinel: {{master: mymaster, nodes: [redis://<sentinel host>:26379]}} \
+             instead of a url\n",
+            file.path().display()
+        )
+    );
+    assert!(out.stdout.is_empty());
 }
 
 #[test]

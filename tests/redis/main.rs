@@ -1,6 +1,6 @@
 //! Everything on real `redis-server` processes: the Redis store and its table of
 //! cases, gateways sharing a Redis (or a cluster), the deny list shared through it,
-//! store faults, `rediss://`, and the fleet view.
+//! store faults, `rediss://`, Redis Sentinel failovers, and the fleet view.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -13,4 +13,5 @@ mod redis_live_ops;
 mod redis_store;
 mod redis_tls;
 mod reserve;
+mod sentinel;
 mod store_faults;
