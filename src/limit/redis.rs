@@ -425,6 +425,8 @@ impl RedisStore {
         // request's timeout: a call that Redis answers late (stalled by a fork or a
         // long script) still brings its units to the key, instead of leaving them
         // counted in Redis and spent by no one. The request waits only its timeout.
+        // On one server it shares a script call with the requests waiting then, as
+        // any request does.
         let (tx, rx) = tokio::sync::oneshot::channel();
         let part = Part::taking(&cache_key.0, plan, &uid, &wants);
         let (task, plan_of_take, tag) = (inner.clone(), plan.clone(), cache_key.clone());
@@ -433,7 +435,7 @@ impl RedisStore {
         tokio::spawn(async move {
             let mut taking = taking;
             let result = task
-                .run_within(&[&part], task.now_us(), within)
+                .ask_within(part, within)
                 .await
                 .and_then(|(reply, now)| Ok((verdict_taking(&plan_of_take, &reply)?, now)));
             match &result {
@@ -954,17 +956,26 @@ impl Inner {
     /// The reply to one request (`part`), sent as `decide` says, and the time the
     /// store decided it at.
     async fn ask(&self, part: Part) -> Result<(Vec<i64>, u64), StoreError> {
+        self.ask_within(part, self.timeout).await
+    }
+
+    /// `ask`, bounded by `within` (a take's: `TAKE_WITHIN`).
+    async fn ask_within(
+        &self,
+        part: Part,
+        within: Duration,
+    ) -> Result<(Vec<i64>, u64), StoreError> {
         Ok(match &self.batch {
             Some(batch) => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 batch.push(Queued { part, reply: tx });
-                match tokio::time::timeout(self.timeout, rx).await {
+                match tokio::time::timeout(within, rx).await {
                     Ok(Ok(reply)) => reply?,
                     Ok(Err(_)) => return Err(StoreError::Unavailable("store closed".into())),
                     Err(_) => return Err(StoreError::Timeout),
                 }
             }
-            None => self.run(&[&part], self.now_us()).await?,
+            None => self.run_within(&[&part], self.now_us(), within).await?,
         })
     }
 
@@ -1252,7 +1263,15 @@ async fn dispatch(store: Weak<Inner>, batch: Arc<Batch>) {
             return;
         };
         let parts: Vec<&Part> = sending.iter().map(|q| &q.part).collect();
-        let result = inner.run(&parts, inner.now_us()).await;
+        // A call that carries a take (`reserve`) waits for its answer as long as the
+        // take does, so a late answer still brings its units; the requests of the
+        // call stop waiting at their own timeouts.
+        let within = if parts.iter().any(|p| p.taking) {
+            inner.timeout.max(TAKE_WITHIN)
+        } else {
+            inner.timeout
+        };
+        let result = inner.run_within(&parts, inner.now_us(), within).await;
         drop(parts);
         drop(inner);
         match result {
