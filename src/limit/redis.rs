@@ -289,17 +289,8 @@ impl RedisStore {
             return self.acquire_reserving(cache_key, plan).await;
         }
         let sent = Instant::now();
-        if let Some(cache) = &inner.refusals {
-            if let Some(v) = cache.get(&cache_key, sent) {
-                return Ok(Checked {
-                    verdict: v,
-                    permit: Permit::None,
-                });
-            }
-        }
-        if inner.breaker.is_open() {
-            inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
-            return Err(StoreError::Open);
+        if let Some(answer) = inner.answer_without_call(&cache_key, sent) {
+            return answer;
         }
         let uid = inner.uid_for(plan);
         // Built before the call: whatever becomes of the call, the leases it may take
@@ -401,17 +392,8 @@ impl RedisStore {
         };
         // (A refusal or an open breaker ends the take at once: `taking` is dropped.)
         let sent = Instant::now();
-        if let Some(cache) = &inner.refusals {
-            if let Some(v) = cache.get(&cache_key, sent) {
-                return Ok(Checked {
-                    verdict: v,
-                    permit: Permit::None,
-                });
-            }
-        }
-        if inner.breaker.is_open() {
-            inner.breaker.skipped.fetch_add(1, Ordering::Relaxed);
-            return Err(StoreError::Open);
+        if let Some(answer) = inner.answer_without_call(&cache_key, sent) {
+            return answer;
         }
         let uid = inner.uid_for(plan);
         let Some(taking) = taking else {
@@ -879,6 +861,26 @@ impl Inner {
                 cache.insert(key.clone(), sent, sent + hold, verdict);
             }
         }
+    }
+
+    /// The answer for a request of the key `key` that needs no call: a refusal
+    /// remembered until its retry time, or the open breaker's error.
+    fn answer_without_call(
+        &self,
+        key: &(String, u64),
+        now: Instant,
+    ) -> Option<Result<Checked, StoreError>> {
+        if let Some(verdict) = self.refusals.as_ref().and_then(|c| c.get(key, now)) {
+            return Some(Ok(Checked {
+                verdict,
+                permit: Permit::None,
+            }));
+        }
+        if self.breaker.is_open() {
+            self.breaker.skipped.fetch_add(1, Ordering::Relaxed);
+            return Some(Err(StoreError::Open));
+        }
+        None
     }
 
     /// Counts a call of `kind` (or a local admission).

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::common::redis::*;
 
 /// One route answered by sluice itself, keyed by `x-key`, with `limits`.
-fn route(limits: &str) -> String {
+pub(crate) fn route(limits: &str) -> String {
     format!(
         "routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    limits: {limits}\n"
     )
@@ -23,7 +23,7 @@ fn route(limits: &str) -> String {
 const HUNDRED: &str = "[{name: hourly, algorithm: sliding_log, limit: 100, window: 1h}, {name: bucket, algorithm: token_bucket, rate: 1000/h, burst: 150}]";
 
 /// Fires `n` requests at once, spread round robin over `addrs`; statuses counted.
-async fn burst(addrs: &[SocketAddr], n: usize, key: &str) -> BTreeMap<u16, usize> {
+pub(crate) async fn burst(addrs: &[SocketAddr], n: usize, key: &str) -> BTreeMap<u16, usize> {
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..n {
         let addr = addrs[i % addrs.len()];
@@ -38,7 +38,7 @@ async fn burst(addrs: &[SocketAddr], n: usize, key: &str) -> BTreeMap<u16, usize
 }
 
 /// Sum of a metric over several gateways.
-async fn total(gateways: &[Running], name: &str, labels: &[(&str, &str)]) -> f64 {
+pub(crate) async fn total(gateways: &[Running], name: &str, labels: &[(&str, &str)]) -> f64 {
     let mut sum = 0.0;
     for g in gateways {
         sum += metric(g.admin_addr, name, labels).await;
@@ -569,7 +569,7 @@ async fn a_redis_slower_than_the_timeout_is_cut_off_and_recovers() {
 // === f: skewed clocks ===
 
 /// Microseconds until the end of the current `window_us` window on Redis' clock.
-fn until_window_end(redis: &RedisServer, window_us: u64) -> u64 {
+pub(crate) fn until_window_end(redis: &RedisServer, window_us: u64) -> u64 {
     let t: Vec<u64> = redis.cmd(&["TIME"]);
     let now = t[0] * 1_000_000 + t[1];
     window_us - now % window_us

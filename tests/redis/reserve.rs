@@ -9,38 +9,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::common::redis::*;
+use crate::redis_gateway::{burst, route, total, until_window_end};
 
 const GATEWAYS: usize = 3;
-
-/// One route answered by sluice itself, keyed by `x-key`, with `limits`.
-fn route(limits: &str) -> String {
-    format!(
-        "routes:\n  - name: api\n    match: {{path_prefix: /}}\n    respond: {{status: 200, body: \"ok\\n\"}}\n    key: header:x-key\n    limits: {limits}\n"
-    )
-}
-
-/// Fires `n` requests at once, spread round robin over `addrs`; statuses counted.
-async fn burst(addrs: &[SocketAddr], n: usize, key: &str) -> BTreeMap<u16, usize> {
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..n {
-        let addr = addrs[i % addrs.len()];
-        let key = key.to_string();
-        tasks.spawn(async move { get(addr, "/", &[("x-key", &key)]).await.status });
-    }
-    let mut statuses = BTreeMap::new();
-    while let Some(s) = tasks.join_next().await {
-        *statuses.entry(s.expect("request task")).or_insert(0) += 1;
-    }
-    statuses
-}
-
-async fn total(gateways: &[Running], name: &str, labels: &[(&str, &str)]) -> f64 {
-    let mut sum = 0.0;
-    for g in gateways {
-        sum += metric(g.admin_addr, name, labels).await;
-    }
-    sum
-}
 
 async fn start(yaml: &str) -> Vec<Running> {
     let mut gateways = Vec::new();
@@ -163,13 +134,6 @@ async fn three_gateways_on_a_cluster_never_admit_more_than_a_reserved_limit() {
         200
     );
     assert_eq!(owner.calls("evalsha") as f64, hot.decide_calls);
-}
-
-/// Microseconds until the end of the current `window_us` window on Redis' clock.
-fn until_window_end(redis: &RedisServer, window_us: u64) -> u64 {
-    let t: Vec<u64> = redis.cmd(&["TIME"]);
-    let now = t[0] * 1_000_000 + t[1];
-    window_us - now % window_us
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
