@@ -383,8 +383,11 @@ impl RedisStore {
                 }
                 Found::Wait(notified) => {
                     waited = true;
+                    // A take that outlasts the timeout (a chain of them at a burst's
+                    // start, a slow Redis) does not fail the request: it makes a call
+                    // of its own, taking nothing, as without `reserve`.
                     if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                        return Err(StoreError::Timeout);
+                        break (vec![0; plan.limits.len()], None);
                     }
                 }
                 Found::Call(wants, taking) => break (wants, taking),
@@ -432,7 +435,7 @@ impl RedisStore {
             drop(taking);
             let _ = tx.send(result.map(|((verdict, _), _)| verdict));
         });
-        let result = match tokio::time::timeout_at(deadline, rx).await {
+        let result = match tokio::time::timeout(inner.timeout, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(StoreError::Unavailable("store closed".into())),
             Err(_) => Err(StoreError::Timeout),
