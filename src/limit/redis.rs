@@ -370,10 +370,7 @@ impl RedisStore {
         let deadline = tokio::time::Instant::now() + inner.timeout;
         let mut waited = false;
         let (wants, taking) = loop {
-            match inner
-                .reserves
-                .find(cache_key.0.clone(), cache_key.1, plan, waited)
-            {
+            match inner.reserves.find(&cache_key.0, cache_key.1, plan, waited) {
                 Found::Admitted(verdict) => {
                     inner.count(CallKind::Local);
                     return Ok(Checked {

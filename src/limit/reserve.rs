@@ -375,7 +375,7 @@ impl Reserves {
         u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    fn shard(&self, key: &Key) -> MutexGuard<'_, LruCache<Key, Entry>> {
+    fn shard(&self, key: &str) -> MutexGuard<'_, LruCache<Key, Entry>> {
         let i = (self.hasher.hash_one(key) % SHARDS as u64) as usize;
         self.shards[i]
             .lock()
@@ -387,12 +387,12 @@ impl Reserves {
     /// was counted towards the key's rate then); it waits for another only while takes
     /// bring units, so requests that find nothing held (a bucket in debt, delay mode)
     /// never queue behind one another's calls.
-    pub fn find(self: &Arc<Self>, key: Key, fingerprint: u64, plan: &Plan, waited: bool) -> Found {
+    pub fn find(self: &Arc<Self>, key: &str, fingerprint: u64, plan: &Plan, waited: bool) -> Found {
         let now = self.now_us();
-        let mut shard = self.shard(&key);
-        if !shard.contains(&key) {
+        let mut shard = self.shard(key);
+        if !shard.contains(key) {
             if let Some((_, mut old)) = shard.push(
-                key.clone(),
+                key.to_string(),
                 Entry {
                     held: Held::default(),
                     fingerprint,
@@ -403,7 +403,7 @@ impl Reserves {
                 old.held.drop_all(&old.limits);
             }
         }
-        let Some(e) = shard.get_mut(&key) else {
+        let Some(e) = shard.get_mut(key) else {
             unreachable!("inserted above")
         };
         if !waited {
@@ -437,7 +437,7 @@ impl Reserves {
             wants,
             Some(Taking {
                 reserves: self.clone(),
-                key,
+                key: key.to_string(),
                 fingerprint,
                 notify,
                 kept: false,
