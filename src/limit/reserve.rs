@@ -220,12 +220,9 @@ impl Held {
         server_now_us: u64,
     ) {
         if self.lots.len() != plan.limits.len() {
-            // First call for the key, or the plan changed (a reload): what was held
-            // belongs to other limits.
-            for (i, q) in self.lots.drain(..).enumerate() {
-                let unspent: u64 = q.iter().map(|l| l.left).sum();
-                count_unused(plan.limits.get(i), unspent);
-            }
+            // First call for the key (a reload's change of limits has already
+            // dropped what was held: `Reserves::find`).
+            self.drop_all(&plan.limits);
             self.lots = vec![VecDeque::new(); plan.limits.len()];
         }
         self.dry = taken.iter().all(|&t| t == 0);

@@ -570,7 +570,8 @@ impl CallKind {
 }
 
 /// `sluice_store_calls_total`'s children for the Redis store, created at 0 and
-/// resolved once. A store not given one (tests) counts into counters of its own.
+/// resolved once. A store not given them (`RedisStore::count_calls_in`) counts
+/// nothing.
 #[derive(Debug)]
 pub struct StoreCalls {
     by_kind: [IntCounter; 8],
@@ -583,19 +584,7 @@ impl StoreCalls {
         }
     }
 
-    /// Counters registered nowhere.
-    pub fn detached() -> StoreCalls {
-        StoreCalls {
-            by_kind: CallKind::ALL
-                .map(|k| IntCounter::new(k.label(), "detached").expect("metric definition")),
-        }
-    }
-
     pub fn count(&self, kind: CallKind) {
         self.by_kind[kind as usize].inc();
-    }
-
-    pub fn get(&self, kind: CallKind) -> u64 {
-        self.by_kind[kind as usize].get()
     }
 }
