@@ -214,7 +214,9 @@ pub fn client_ip(data: &[u8]) {
     }
 }
 
-/// Key extraction over arbitrary headers, query and cookies.
+/// Key extraction over arbitrary headers, query and cookies; or, for an input
+/// `spellings NORMALIZE VALUE`, over the bodies an upstream reads as one field
+/// (`key_spellings`).
 ///
 /// Input lines: the key's parts separated by spaces (`ip header:x-api-key cookie:s
 /// query:k global`); the request target (`/path?query`); then one `name: value`
@@ -227,13 +229,16 @@ pub fn client_ip(data: &[u8]) {
 ///   one key).
 /// - The stored form is short and never holds a Redis hash tag.
 pub fn key(data: &[u8]) {
+    if let Some(rest) = data.strip_prefix(b"spellings ") {
+        return key_spellings(rest);
+    }
     let mut lines = data.split(|b| *b == b'\n');
     let spec_line = String::from_utf8_lossy(lines.next().unwrap_or_default());
     let mut parts: Vec<KeyPart> = spec_line.split(' ').filter_map(KeyPart::parse).collect();
     if parts.is_empty() {
         parts.push(KeyPart::Header(HeaderName::from_static("x-api-key")));
     }
-    let spec = KeySpec { parts };
+    let spec = KeySpec::new(parts);
     let uri = lines.next().unwrap_or_default();
     let mut req = Request::builder().uri(uri);
     if req.uri_ref().is_none() {
@@ -260,7 +265,7 @@ pub fn key(data: &[u8]) {
     let key = match spec.extract(&req, ip) {
         Ok(key) => key,
         Err(missing) => {
-            assert!(spec.parts.contains(missing));
+            assert!(spec.parts.contains(missing.part()));
             return;
         }
     };
@@ -274,7 +279,7 @@ pub fn key(data: &[u8]) {
         assert!(!value.is_empty(), "{part:?} is empty");
         if !matches!(part, KeyPart::Ip | KeyPart::Global) {
             assert!(
-                spec.any_value(&req, |v| v == *value),
+                spec.any_value(&req, ip, |v| v == *value),
                 "the deny list does not see {value:?} of {part:?}"
             );
         }
@@ -286,6 +291,102 @@ pub fn key(data: &[u8]) {
     let stored = stored.stored();
     assert!(stored.len() <= crate::identity::MAX_STORED_KEY.max(41));
     assert!(!stored.contains(['{', '}']));
+}
+
+/// One value `v` of the field `user`, spelled every way PHP, Go or Python read as
+/// that field with that value: a form (its name cut at a NUL, escaped, an array), a
+/// multipart part, JSON (member names in other cases, `ſ` for `s`, a byte order
+/// mark), and the value composed, decomposed and (on a normalising key) in other
+/// cases. Input: `none|casefold|email`, a space, the value.
+///
+/// - Every spelling that gives a key gives the same key: no spelling buys a fresh
+///   budget.
+/// - For every spelling, the deny list sees that key (`any_value`): no spelling
+///   passes a deny entry of it, even where the key is missing (a repeat).
+pub fn key_spellings(data: &[u8]) {
+    use crate::identity::Normalize;
+    use unicode_normalization::UnicodeNormalization;
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let (form, v) = text.split_once(' ').unwrap_or(("none", text));
+    // Line breaks would frame a multipart body otherwise; no key holds a control
+    // character anyway.
+    if v.chars().any(char::is_control) {
+        return;
+    }
+    let normalize = match form {
+        "casefold" => Normalize::Casefold,
+        "email" => Normalize::Email,
+        _ => Normalize::None,
+    };
+    let mut values: Vec<String> = vec![v.to_string(), v.nfc().collect(), v.nfd().collect()];
+    if normalize != Normalize::None {
+        values.extend([v.to_uppercase(), v.to_lowercase()]);
+    }
+    let pct = |s: &str| {
+        percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+    };
+    let json = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let mut bodies: Vec<(&str, &str, Vec<u8>)> = Vec::new();
+    const MP: &str = "multipart/form-data; boundary=XyZ";
+    for v in &values {
+        for name in ["user", "user%00", "us%65r", "user[]", "user%00x"] {
+            let body = format!("{name}={}", pct(v));
+            bodies.push((
+                "form:user",
+                "application/x-www-form-urlencoded",
+                body.into_bytes(),
+            ));
+        }
+        for name in ["\"user\"", "user", "\"user\0\""] {
+            let body = format!(
+                "--XyZ\r\nContent-Disposition: form-data; name={name}\r\n\r\n{v}\r\n--XyZ--\r\n"
+            );
+            bodies.push(("form:user", MP, body.into_bytes()));
+        }
+        for name in ["user", "USER", "uſer", "\\u0075ser"] {
+            let body = format!("{{\"{name}\": {}}}", json(v));
+            bodies.push(("json:/user", "application/json", body.clone().into_bytes()));
+            bodies.push((
+                "json:/user",
+                "application/json",
+                format!("\u{FEFF}{body}").into_bytes(),
+            ));
+        }
+    }
+    let ip = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+    for spec_text in ["form:user", "json:/user"] {
+        let mut spec = KeySpec::new(vec![KeyPart::parse(spec_text).expect("a key part")]);
+        spec.normalize = normalize;
+        let requests: Vec<(http::request::Parts, &[u8])> = bodies
+            .iter()
+            .filter(|(s, _, _)| *s == spec_text)
+            .filter_map(|(_, ct, body)| {
+                let req = Request::post("/")
+                    .header("content-type", *ct)
+                    .body(())
+                    .ok()?;
+                Some((req.into_parts().0, body.as_slice()))
+            })
+            .collect();
+        let keys: std::collections::BTreeSet<String> = requests
+            .iter()
+            .filter_map(|(p, body)| spec.extract_with_body(p, ip, Some(body)).ok())
+            .map(|k| k.value.into_owned())
+            .collect();
+        assert!(keys.len() <= 1, "{spec_text} ({form}): one value, {keys:?}");
+        let Some(key) = keys.first() else {
+            continue;
+        };
+        for (p, body) in &requests {
+            assert!(
+                spec.any_value_with_body(p, ip, Some(body), |x| x == key),
+                "{spec_text} ({form}): the deny list does not see {key:?} in {:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
 }
 
 /// A request path through `path::normalize` and `route_view`.

@@ -20,7 +20,7 @@ use super::validate::{status_pattern, StatusPattern};
 use super::value::{Text, Window};
 use super::Loaded;
 use crate::deny::{Source, StaticDeny};
-use crate::identity::{KeyPart, KeySpec, TrustedProxies};
+use crate::identity::{KeyPart, KeySpec, Normalize, TrustedProxies};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{
     Algorithm, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, PrimaryUrl, Rate,
@@ -244,7 +244,7 @@ fn compile_route(
         (None, None) => return Err(route_err(&name, "needs upstream or respond")),
     };
 
-    let key = key_spec(&name, &r.key)?;
+    let key = key_spec(&name, &r.key, r.normalize_key)?;
     let mut keys = Keys {
         route: &name,
         key: &key,
@@ -266,7 +266,9 @@ fn compile_route(
         for o in &r.overrides {
             let t = Arc::new(tier(&mut keys, &o.limits, mode, metrics)?);
             for k in &o.keys {
-                overrides.insert(k.0.clone(), t.clone());
+                // Matched against the key as it is counted: in its normal form.
+                let k = key.normalize.apply(k.0.as_str().into());
+                overrides.insert(k.into_owned(), t.clone());
             }
         }
         Some(Limits { default, overrides })
@@ -368,7 +370,7 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
     })
 }
 
-fn key_spec(route: &str, raw: &RawKey) -> Result<KeySpec, CompileError> {
+fn key_spec(route: &str, raw: &RawKey, normalize: Normalize) -> Result<KeySpec, CompileError> {
     let parts = match raw {
         RawKey::One(k) => vec![k],
         RawKey::Composite(ks) => ks.iter().collect(),
@@ -378,6 +380,7 @@ fn key_spec(route: &str, raw: &RawKey) -> Result<KeySpec, CompileError> {
             .into_iter()
             .map(|p| KeyPart::parse(p).ok_or_else(|| route_err(route, format!("bad key {p}"))))
             .collect::<Result<_, _>>()?,
+        normalize,
     })
 }
 
@@ -391,11 +394,15 @@ struct Keys<'a> {
 
 impl Keys<'_> {
     /// The number of the key `raw` names (None: the route's key).
-    fn number(&mut self, raw: Option<&RawKey>) -> Result<usize, CompileError> {
+    fn number(
+        &mut self,
+        raw: Option<&RawKey>,
+        normalize: Option<Normalize>,
+    ) -> Result<usize, CompileError> {
         let Some(raw) = raw else {
             return Ok(0);
         };
-        let spec = key_spec(self.route, raw)?;
+        let spec = key_spec(self.route, raw, normalize.unwrap_or_default())?;
         if spec == *self.key {
             return Ok(0);
         }
@@ -404,7 +411,10 @@ impl Keys<'_> {
         }
         // Named by the key itself, not its place: a reload that adds, removes or
         // reorders limits keeps every key's state where it was.
-        let ns = format!("{}/key={}", self.route, spec.describe_grammar());
+        let mut ns = format!("{}/key={}", self.route, spec.describe_grammar());
+        if spec.normalize != Normalize::None {
+            ns = format!("{ns}/{}", spec.normalize);
+        }
         self.others.push(LimitKey {
             fallback_ns: format!("{ns}/ip"),
             ns,
@@ -427,7 +437,7 @@ fn tier(
         .collect::<Result<Vec<_>, _>>()?;
     let numbers = limits
         .iter()
-        .map(|l| keys.number(l.key.as_ref()))
+        .map(|l| keys.number(l.key.as_ref(), l.normalize_key))
         .collect::<Result<Vec<_>, _>>()?;
     // One share per key, in the order the keys first appear.
     let mut shares: Vec<ShareDef> = Vec::new();

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text, Window};
 // Enums the runtime reads as they are written.
-pub use crate::identity::MissingKey;
+pub use crate::identity::{MissingKey, Normalize};
 pub use crate::limit::OnError;
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
@@ -401,6 +401,11 @@ pub struct Route {
     /// A request without its key: `reject` (400) or `ip` (count it by address).
     #[serde(default)]
     pub missing_key: MissingKey,
+    /// How the key is compared: `none` (as sent), `casefold` (Unicode NFKC case
+    /// folding: Carl and CARL are one key) or `email` (casefold, and a +tag dropped
+    /// from the local part). Deny-list keys are matched in the same form.
+    #[serde(default)]
+    pub normalize_key: Normalize,
     /// Every limit must admit a request; it is then charged to all of them.
     #[serde(default)]
     pub limits: Vec<Limit>,
@@ -554,6 +559,10 @@ pub struct Limit {
     /// route's key): a login route limits per address and per account at once.
     #[serde(default)]
     pub key: Option<KeySpec>,
+    /// How this limit's own `key` is compared (as the route's `normalize_key`);
+    /// only with `key`.
+    #[serde(default)]
+    pub normalize_key: Option<Normalize>,
     /// Redis store: units an instance takes from the shared count in one call and
     /// spends locally, at most this many (fixed_window, sliding_window, token_bucket,
     /// gcra; every limit of the list needs it). A hot key then costs one Redis call

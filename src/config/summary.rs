@@ -5,7 +5,8 @@
 use std::fmt::Write as _;
 
 use super::schema::{
-    AlgorithmName, Backend, Cost, KeySpec, Limit, OnError, OnLimit, Route, UpstreamProtocol,
+    AlgorithmName, Backend, Cost, KeySpec, Limit, Normalize, OnError, OnLimit, Route,
+    UpstreamProtocol,
 };
 use super::value::{fmt_dur, fmt_rate, redact_url, Text, Window};
 use super::Loaded;
@@ -155,6 +156,9 @@ fn route(out: &mut String, r: &Route, width: usize, indent: &str, http2: bool) {
     );
     if !r.limits.is_empty() {
         let _ = write!(head, "   key {}", key_text(&r.key));
+        if r.normalize_key != Normalize::None {
+            let _ = write!(head, " ({})", r.normalize_key);
+        }
     }
     if r.shadow {
         head.push_str("   (shadow)");
@@ -330,6 +334,9 @@ fn describe_limit(l: &Limit, j: usize) -> String {
     }
     if let Some(key) = &l.key {
         let _ = write!(s, " by {}", key_text(key));
+        if let Some(n) = l.normalize_key.filter(|n| *n != Normalize::None) {
+            let _ = write!(s, " ({n})");
+        }
     }
     if let Some(n) = l.reserve {
         let _ = write!(s, " reserving {} at a time", n.get());

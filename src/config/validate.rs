@@ -10,7 +10,8 @@ use http::{HeaderName, HeaderValue, Method, Uri};
 
 use super::locate::{field, item, Index, Pos};
 use super::schema::{
-    AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, OnLimit, Route, UpstreamProtocol,
+    AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, MissingKey, OnLimit, Route,
+    UpstreamProtocol,
 };
 use super::value::{interpolate, Dur, Text, Window};
 use super::{ConfigError, ConfigWarning};
@@ -75,6 +76,12 @@ pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
                     keys.push((format!("{}.key", item(&lp, j)), k));
                 }
             }
+        }
+        if route.missing_key == MissingKey::Ip && keys.iter().any(|(_, k)| reads_body(k)) {
+            c.at(
+                &format!("{base}.missing_key"),
+                "a key read from the body (form:, json:) with missing_key: ip: a request whose body is not read (another type, larger than server.max_key_body, malformed) is counted by its address, and the deny list's entries for the key never see it",
+            );
         }
         for (kp, key) in keys {
             match key {
@@ -182,7 +189,7 @@ fn covers(a: &Match, b: &Match) -> bool {
 }
 
 /// A key that no request can carry: the request path refuses it with 400.
-const UNPRINTABLE_KEY: &str = "a key with a character outside printable ASCII (0x20-0x7E) never matches: requests carrying one get 400";
+const UNPRINTABLE_KEY: &str = "a key with a control, format, private-use or unassigned character never matches: requests carrying one get 400";
 
 /// Headers any client can write, whatever sluice does with them on the way.
 const CLIENT_WRITTEN: [&str; 3] = ["x-forwarded-for", "forwarded", "x-real-ip"];
@@ -247,6 +254,15 @@ impl Checker<'_> {
                 format!("key {:?} is read from a header any client can write: each request can bring a fresh key (count by address with key: ip and client_ip.trusted_proxies)", part.as_str()),
             );
         }
+    }
+}
+
+/// Whether a part of `key` is read from the request body.
+fn reads_body(key: &KeySpec) -> bool {
+    let body = |p: &Text| p.starts_with("form:") || p.starts_with("json:");
+    match key {
+        KeySpec::One(p) => body(p),
+        KeySpec::Composite(ps) => ps.iter().any(body),
     }
 }
 
@@ -838,7 +854,7 @@ impl Checker<'_> {
         for (i, k) in deny.keys.iter().enumerate() {
             if k.is_empty() {
                 self.at(&item("deny.keys", i), "deny.keys entries must not be empty");
-            } else if !crate::identity::printable_key(k) {
+            } else if !crate::identity::is_text_key(k) {
                 self.at(&item("deny.keys", i), UNPRINTABLE_KEY);
             }
         }
@@ -1120,7 +1136,7 @@ impl Checker<'_> {
                         &item(&format!("{op}.keys"), k),
                         "override keys must not be empty",
                     );
-                } else if !crate::identity::printable_key(key) {
+                } else if !crate::identity::is_text_key(key) {
                     self.at(&item(&format!("{op}.keys"), k), UNPRINTABLE_KEY);
                 }
             }
@@ -1291,6 +1307,12 @@ impl Checker<'_> {
         for (j, l) in limits.iter().enumerate() {
             let lp = item(path, j);
             self.limit(&lp, l, j);
+            if l.normalize_key.is_some() && l.key.is_none() {
+                self.at(
+                    &format!("{lp}.normalize_key"),
+                    "a limit's normalize_key applies to its own key: set key on the limit, or normalize_key on the route for the route's key",
+                );
+            }
             if l.shadow && j >= 64 {
                 self.at(
                     &format!("{lp}.shadow"),

@@ -11,6 +11,7 @@
 
 pub mod sync;
 
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::net::IpAddr;
@@ -21,7 +22,7 @@ use ipnet::IpNet;
 use prefix_trie::joint::JointPrefixMap;
 use serde::{Deserialize, Serialize};
 
-use crate::identity::{canonical, canonical_net, kept_hashed, KeyDigest};
+use crate::identity::{canonical, canonical_net, kept_hashed, nfc, KeyDigest, Normalize};
 use crate::telemetry::metrics::DENY_SOURCES;
 
 // === entries ===
@@ -66,7 +67,9 @@ impl Target {
         if crate::identity::is_digest(k) {
             Target::Key(k.to_string())
         } else {
-            Target::client_key(k)
+            // In NFC, as the request path reads a body key (`José` typed with a
+            // combining accent is the key the form sends composed).
+            Target::client_key(&nfc(Cow::Borrowed(k)))
         }
     }
 
@@ -236,6 +239,56 @@ pub fn stored_key<'a>(k: &'a str, digest: &'a mut Option<KeyDigest>) -> &'a str 
     }
 }
 
+/// Key entries by the forms a normalising route compares keys in (`normalize_key`):
+/// under `casefold`, `carl` lists `Carl` and `CARL`. Only entries whose form is not
+/// themselves are listed (one in its form is found by the exact lookup), and no
+/// hashed one. A lookup checks that each entry it finds is still live, so a list
+/// may keep an entry a little longer than the table does.
+#[derive(Debug, Clone, Default)]
+struct Folds([HashMap<Box<str>, Vec<Arc<str>>>; 2]);
+
+impl Folds {
+    /// Each form of `k` that is not `k` itself, with its index.
+    fn forms(k: &str) -> impl Iterator<Item = (usize, Cow<'_, str>)> + '_ {
+        Normalize::FOLDED
+            .into_iter()
+            .enumerate()
+            .filter(move |_| !k.starts_with('#'))
+            .map(move |(i, form)| (i, form.apply(Cow::Borrowed(k))))
+            .filter(move |(_, f)| *f != k)
+    }
+
+    fn add(&mut self, k: &Arc<str>) {
+        for (i, f) in Folds::forms(k) {
+            let list = self.0[i].entry(f.into()).or_default();
+            if !list.contains(k) {
+                list.push(k.clone());
+            }
+        }
+    }
+
+    fn remove(&mut self, k: &str) {
+        for (i, f) in Folds::forms(k) {
+            if let Some(list) = self.0[i].get_mut(&*f) {
+                list.retain(|x| **x != *k);
+                if list.is_empty() {
+                    self.0[i].remove(&*f);
+                }
+            }
+        }
+    }
+
+    /// The entries whose `form` is `folded`.
+    fn get(&self, form: Normalize, folded: &str) -> &[Arc<str>] {
+        let i = match form {
+            Normalize::None => return &[],
+            Normalize::Casefold => 0,
+            Normalize::Email => 1,
+        };
+        self.0[i].get(folded).map_or(&[], Vec::as_slice)
+    }
+}
+
 /// An entry in the table, with the order it came in (which breaks ties between
 /// entries that expire in the same millisecond: the older one is evicted first).
 #[derive(Debug, Clone)]
@@ -252,6 +305,7 @@ pub struct DenyTable {
     ips: JointPrefixMap<IpNet, Slot>,
     /// Shared with the request path's `Base`, not copied.
     keys: HashMap<Arc<str>, Slot>,
+    folds: Folds,
     /// The entries that expire, by (expiry, seq), one index per `eviction_rank`:
     /// bans are evicted before any admin entry.
     expiries: [BTreeSet<(u64, u64, Target)>; 2],
@@ -305,6 +359,16 @@ impl DenyTable {
             .is_some_and(|s| Clock::new(now).live(s.meta.expires_at_ms))
     }
 
+    /// Whether a live key entry's `form` is `folded` (a request's key on a route
+    /// that normalises it, in that form), the entry itself not in it: `Carl` for
+    /// `carl` under `casefold`.
+    pub fn folded_key(&self, form: Normalize, folded: &str) -> bool {
+        self.folds
+            .get(form, folded)
+            .iter()
+            .any(|k| self.stored_key(k))
+    }
+
     pub fn has_keys(&self) -> bool {
         !self.keys.is_empty()
     }
@@ -323,7 +387,11 @@ impl DenyTable {
         };
         let old = match &e.target {
             Target::Ip(n) => self.ips.insert(*n, slot),
-            Target::Key(k) => self.keys.insert(Arc::from(k.as_str()), slot),
+            Target::Key(k) => {
+                let k: Arc<str> = Arc::from(k.as_str());
+                self.folds.add(&k);
+                self.keys.insert(k, slot)
+            }
         };
         // The old entry leaves the index first: it may expire at the same time.
         if let Some(old) = &old {
@@ -369,7 +437,13 @@ impl DenyTable {
     pub fn remove(&mut self, t: &Target) -> Option<Entry> {
         let slot = match t {
             Target::Ip(n) => self.ips.remove(n),
-            Target::Key(k) => self.keys.remove(k.as_str()),
+            Target::Key(k) => {
+                let slot = self.keys.remove(k.as_str());
+                if slot.is_some() {
+                    self.folds.remove(k);
+                }
+                slot
+            }
         }?;
         self.forget(t, &slot);
         Some(Entry {
@@ -555,6 +629,7 @@ pub struct DenyView {
 struct Base {
     ips: JointPrefixMap<IpNet, Option<u64>>,
     keys: HashMap<Arc<str>, Option<u64>>,
+    folds: Folds,
 }
 
 /// Targets changed since the base was built, with what they are now.
@@ -562,6 +637,8 @@ struct Base {
 struct Overlay {
     ips: JointPrefixMap<IpNet, Change>,
     keys: HashMap<Arc<str>, Change>,
+    /// Of the keys put since the base was built.
+    folds: Folds,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -635,6 +712,18 @@ impl DenyView {
         Clock::new(now).live(*at)
     }
 
+    /// As `DenyTable::folded_key`.
+    pub fn folded_key(&self, form: Normalize, folded: &str) -> bool {
+        self.has_keys
+            && self
+                .base
+                .folds
+                .get(form, folded)
+                .iter()
+                .chain(self.overlay.folds.get(form, folded))
+                .any(|k| self.stored_key(k))
+    }
+
     pub fn has_keys(&self) -> bool {
         self.has_keys
     }
@@ -705,8 +794,14 @@ impl DynamicTable {
         }
         for (k, change) in &self.overlay.keys {
             match change {
-                Change::Put(at) => base.keys.insert(k.clone(), *at),
-                Change::Gone => base.keys.remove(k),
+                Change::Put(at) => {
+                    base.folds.add(k);
+                    base.keys.insert(k.clone(), *at)
+                }
+                Change::Gone => {
+                    base.folds.remove(k);
+                    base.keys.remove(k)
+                }
             };
         }
         self.base = Arc::new(base);
@@ -727,6 +822,7 @@ impl DynamicTable {
                 .iter()
                 .map(|(k, s)| (k.clone(), s.meta.expires_at_ms))
                 .collect(),
+            folds: t.folds.clone(),
         });
         self.overlay = Overlay::default();
     }
@@ -793,6 +889,7 @@ impl DynamicTable {
             },
             Target::Key(k) => match self.table.keys.get_key_value(k.as_str()) {
                 Some((k, s)) => {
+                    self.overlay.folds.add(k);
                     self.overlay
                         .keys
                         .insert(k.clone(), Change::Put(s.meta.expires_at_ms));
@@ -917,6 +1014,47 @@ mod tests {
         assert!(d.key("leaked"));
         assert!(!d.key("leaked2"));
         assert_eq!((d.count(Source::Static), d.len()), (4, 4));
+    }
+
+    /// On a route that normalises its key, an entry matches when its own form is
+    /// the request's key in that form, in the table and in every view of it, until
+    /// it is removed.
+    #[test]
+    fn key_entries_match_in_the_routes_form() {
+        use Normalize::{Casefold, Email};
+        let mut d = DynamicTable::new(DenyTable::new());
+        d.insert(entry("Carl", Source::Api, None));
+        d.insert(entry("Dora+spam@Example.com", Source::Api, None));
+        let long = "K".repeat(300);
+        d.insert(entry(&Target::client_key(&long).value(), Source::Api, None));
+        let view = d.view();
+        for (form, key, denied) in [
+            (Casefold, "carl", true),
+            (Casefold, "karl", false),
+            (Email, "carl", true),
+            (Email, "dora@example.com", true),
+            (Casefold, "dora+spam@example.com", true),
+            (Casefold, "dora@example.com", false),
+            (Normalize::None, "carl", false),
+        ] {
+            assert_eq!(view.folded_key(form, key), denied, "{form} {key}");
+            assert_eq!(d.folded_key(form, key), denied, "{form} {key} (table)");
+        }
+        // A hashed entry is only ever matched exactly.
+        assert!(!view.folded_key(Casefold, &"k".repeat(300)));
+        // Removed: gone from the overlay, then from a rebuilt base.
+        d.remove(&Target::Key("Carl".into()));
+        assert!(!d.view().folded_key(Casefold, "carl"));
+        assert!(!d.folded_key(Casefold, "carl"));
+        d.rebuild();
+        assert!(!d.view().folded_key(Casefold, "carl"));
+        assert!(d.view().folded_key(Email, "dora@example.com"));
+        d.insert(entry("CARL", Source::Api, None));
+        d.rebuild();
+        assert!(d.view().folded_key(Casefold, "carl"));
+        assert!(d.view().folded_key(Email, "carl"));
+        // Admin keys are kept in NFC, as body keys are read.
+        assert_eq!(Target::key("Jose\u{301}"), Target::Key("José".into()));
     }
 
     #[test]

@@ -8,6 +8,11 @@ use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, COOKIE};
 use http::request::Parts;
 use ipnet::IpNet;
 
+mod multipart;
+mod text;
+
+pub use text::{casefold, is_text_key, nfc, Normalize};
+
 // === client IP ===
 
 /// The proxies whose `X-Forwarded-For` (or `Forwarded`) we believe.
@@ -185,10 +190,29 @@ pub enum MissingKey {
     Ip,
 }
 
-/// How a route finds the key of a request: one part, or several joined.
+/// How a route finds the key of a request: one part, or several joined, each
+/// part's value compared in the form `normalize` says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeySpec {
     pub parts: Vec<KeyPart>,
+    pub normalize: Normalize,
+}
+
+/// Why a request has no key for a `KeySpec`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoKey<'a> {
+    /// The part is absent, empty, sent more than once, or not readable.
+    Missing(&'a KeyPart),
+    /// The part's value holds a character no key of its kind may hold (`unprintable`).
+    Unprintable(&'a KeyPart),
+}
+
+impl<'a> NoKey<'a> {
+    pub fn part(self) -> &'a KeyPart {
+        match self {
+            NoKey::Missing(p) | NoKey::Unprintable(p) => p,
+        }
+    }
 }
 
 /// The key a request is counted against, as the client sent it (borrowed from the
@@ -271,30 +295,44 @@ impl KeyDigest {
 }
 
 impl KeySpec {
-    /// The request's key, or the part that is missing, for a request whose body is
-    /// not read: a body part (`form:`, `json:`) is then missing.
-    pub fn extract<'a>(&'a self, req: &'a Parts, ip: IpAddr) -> Result<ClientKey<'a>, &'a KeyPart> {
+    /// A key of these parts, compared as sent.
+    pub fn new(parts: Vec<KeyPart>) -> KeySpec {
+        KeySpec {
+            parts,
+            normalize: Normalize::None,
+        }
+    }
+
+    /// The request's key, or why it has none, for a request whose body is not read:
+    /// a body part (`form:`, `json:`) is then missing.
+    pub fn extract<'a>(&'a self, req: &'a Parts, ip: IpAddr) -> Result<ClientKey<'a>, NoKey<'a>> {
         self.extract_with_body(req, ip, None)
     }
 
-    /// The request's key, or the part that is missing. `body` is the request body
-    /// when it was read whole (`pipeline::body_key`); None (not read, or larger than
-    /// `server.max_key_body`) makes a body part missing.
+    /// The request's key, or why it has none. `body` is the request body when it was
+    /// read whole (`pipeline::body_key`); None (not read, or larger than
+    /// `server.max_key_body`) makes a body part missing. Each part's value is checked
+    /// (`unprintable`), put in its canonical form (`canonical`) and normalised.
     pub fn extract_with_body<'a>(
         &'a self,
         req: &'a Parts,
         ip: IpAddr,
         body: Option<&'a [u8]>,
-    ) -> Result<ClientKey<'a>, &'a KeyPart> {
+    ) -> Result<ClientKey<'a>, NoKey<'a>> {
+        let value = |part: &'a KeyPart| {
+            let v = part_value(part, req, ip, body).ok_or(NoKey::Missing(part))?;
+            if !part.holds(&v) {
+                return Err(NoKey::Unprintable(part));
+            }
+            Ok(self.canonical(part, v))
+        };
         if let [one] = self.parts.as_slice() {
-            return part_value(one, req, ip, body)
-                .map(ClientKey::new)
-                .ok_or(one);
+            return value(one).map(ClientKey::new);
         }
         let mut key = String::new();
         let mut parts = Vec::with_capacity(self.parts.len());
         for (i, part) in self.parts.iter().enumerate() {
-            let v = part_value(part, req, ip, body).ok_or(part)?;
+            let v = value(part)?;
             if i > 0 {
                 key.push('|');
             }
@@ -321,6 +359,16 @@ impl KeySpec {
         parts.join("+")
     }
 
+    /// A part's value as it is counted and looked up in the deny list: a body value
+    /// in NFC, then in the key's `normalize` form. Addresses are kept as they are.
+    pub fn canonical<'v>(&self, part: &KeyPart, v: Cow<'v, str>) -> Cow<'v, str> {
+        let v = if part.reads_body() { nfc(v) } else { v };
+        match part {
+            KeyPart::Ip => v,
+            _ => self.normalize.apply(v),
+        }
+    }
+
     /// Whether the key is the client IP alone.
     pub fn is_ip(&self) -> bool {
         self.parts == [KeyPart::Ip]
@@ -338,43 +386,53 @@ impl KeySpec {
     /// body of another type is never read, as nothing in it could be the key.
     pub fn body_wanted(&self, headers: &HeaderMap) -> bool {
         self.parts.iter().any(|part| match part {
-            KeyPart::Form(_) => any_body_type(headers, BodyType::Form),
+            KeyPart::Form(_) => {
+                any_body_type(headers, BodyType::Form)
+                    || any_body_type(headers, BodyType::Multipart)
+            }
             KeyPart::Json(_) => any_body_type(headers, BodyType::Json),
             _ => false,
         })
     }
 
     /// `any_value` for a request whose body is not read: its body parts see nothing.
-    pub fn any_value(&self, req: &Parts, f: impl FnMut(&str) -> bool) -> bool {
-        self.any_value_with_body(req, None, f)
+    pub fn any_value(&self, req: &Parts, ip: IpAddr, f: impl FnMut(&str) -> bool) -> bool {
+        self.any_value_with_body(req, ip, None, f)
     }
 
     /// Whether `f` holds for any value of any part as sent, every copy of a repeated
     /// header, parameter, cookie, form field or JSON member included: the deny list
     /// must catch a denied key however it is sent, even where `extract` calls it
     /// missing. A body part is looked for under every `Content-Type` the request
-    /// names, since an upstream given two may read either.
+    /// names, since an upstream given two may read either. Each value is given in
+    /// its canonical form (`canonical`), as the key would hold it; the address of an
+    /// `ip` part and `global` too, so the key `/admin/top` shows can be denied.
     pub fn any_value_with_body(
         &self,
         req: &Parts,
+        ip: IpAddr,
         body: Option<&[u8]>,
         mut f: impl FnMut(&str) -> bool,
     ) -> bool {
-        self.parts.iter().any(|part| match part {
-            // The address is checked against the deny list's IP entries already.
-            KeyPart::Ip | KeyPart::Global => false,
-            // A comma list is the same as several header lines (RFC 9110 §5.3), which
-            // an upstream may read either way: each element is checked as well.
-            KeyPart::Header(h) => req.headers.get_all(h).iter().any(|v| {
-                let text = header_text(v);
-                f(&text) || (text.contains(',') && text.split(',').any(|e| f(e.trim())))
-            }),
-            KeyPart::Query(name) => req
-                .uri
-                .query()
-                .is_some_and(|q| query_pairs(q).any(|(k, v)| same_name(&k, name) && f(&v))),
-            KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| f(&v)),
-            KeyPart::Form(_) | KeyPart::Json(_) => any_body_value(part, req, body, &mut f),
+        self.parts.iter().any(|part| {
+            let mut f = |v: &str| f(&self.canonical(part, Cow::Borrowed(v)));
+            match part {
+                KeyPart::Ip => f(IpText::of(ip).as_str()),
+                KeyPart::Global => f("global"),
+                // A comma list is the same as several header lines (RFC 9110 §5.3),
+                // which an upstream may read either way: each element is checked as
+                // well.
+                KeyPart::Header(h) => req.headers.get_all(h).iter().any(|v| {
+                    let text = header_text(v);
+                    f(&text) || (text.contains(',') && text.split(',').any(|e| f(e.trim())))
+                }),
+                KeyPart::Query(name) => req
+                    .uri
+                    .query()
+                    .is_some_and(|q| query_pairs(q).any(|(k, v)| same_name(&k, name) && f(&v))),
+                KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| f(&v)),
+                KeyPart::Form(_) | KeyPart::Json(_) => any_body_value(part, req, body, &mut f),
+            }
         })
     }
 
@@ -383,8 +441,8 @@ impl KeySpec {
         self.unprintable_with_body(req, None)
     }
 
-    /// The first part with a value, any copy of it, holding a byte outside
-    /// printable ASCII (0x20-0x7E), as the upstream would read it (a header
+    /// The first part with a value, any copy of it, holding a character its kind of
+    /// key may not (`KeyPart::holds`), as the upstream would read it (a header
     /// without the spaces and tabs around it, a parameter or cookie decoded, a body
     /// value trimmed of white space): Node trims an NBSP off a header, PHP and
     /// others trim Unicode white space, so `k` followed by one would be `k` to the
@@ -403,9 +461,45 @@ impl KeySpec {
             }),
             KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| bad(v.as_bytes())),
             KeyPart::Form(_) | KeyPart::Json(_) => {
-                any_body_value(part, req, body, &mut |v: &str| bad(v.as_bytes()))
+                any_body_value(part, req, body, &mut |v: &str| !is_text_key(v))
             }
         })
+    }
+}
+
+impl KeyPart {
+    /// Whether `v` is a value this kind of part may hold: printable ASCII for a
+    /// header, parameter or cookie (0x20-0x7E: the NBSP tricks), text of any script
+    /// for a body value (`is_text_key`).
+    pub fn holds(&self, v: &str) -> bool {
+        match self {
+            KeyPart::Ip | KeyPart::Global => true,
+            KeyPart::Form(_) | KeyPart::Json(_) => is_text_key(v),
+            _ => printable_key(v),
+        }
+    }
+}
+
+/// An address as text, on the stack: the deny list looks up an `ip` key with no
+/// allocation.
+struct IpText {
+    buf: [u8; 48],
+    len: usize,
+}
+
+impl IpText {
+    fn of(ip: IpAddr) -> IpText {
+        use std::io::Write;
+        let mut buf = [0u8; 48];
+        let mut w = &mut buf[..];
+        // An IPv6 address is at most 45 characters.
+        let _ = write!(w, "{ip}");
+        let len = 48 - w.len();
+        IpText { buf, len }
+    }
+
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
     }
 }
 
@@ -420,12 +514,13 @@ fn printable_bytes(v: &[u8]) -> bool {
 }
 
 /// Whether a parameter or cookie sent as `sent` is the one named `name` to PHP,
-/// which drops leading spaces from a name, reads `.`, ` ` and a `[` that no `]`
-/// follows as `_` (`api.key` is `api_key`, and the last value wins), and reads
-/// `api_key[]` or `api_key[0]` as the array `api_key` (whose `['bad']` equals
-/// `'bad'` to loose comparisons): a key must not be one parameter here and
-/// another to the upstream.
+/// which reads a name up to its first NUL byte (`api_key%00x` is `api_key`), drops
+/// leading spaces from it, reads `.`, ` ` and a `[` that no `]` follows as `_`
+/// (`api.key` is `api_key`, and the last value wins), and reads `api_key[]` or
+/// `api_key[0]` as the array `api_key` (whose `['bad']` equals `'bad'` to loose
+/// comparisons): a key must not be one parameter here and another to the upstream.
 fn same_name(sent: &str, name: &str) -> bool {
+    let sent = sent.split('\0').next().unwrap_or(sent);
     let fold = |b: u8| match b {
         b'.' | b' ' | b'[' => b'_',
         b => b,
@@ -463,34 +558,49 @@ fn trim_ows(b: &[u8]) -> &[u8] {
 /// A body part is read only from a body of its type, named by one `Content-Type`
 /// (a second one, which an upstream may read instead, makes it missing), and a
 /// JSON member sent twice on the pointer's way is missing too: serde_json keeps the
-/// last, other parsers the first.
+/// last, other parsers the first. A member whose name equals the pointer's token
+/// when case is ignored (`USER` for `user`) is a copy of it, as Go reads it; in
+/// forms, a name is read up to a NUL byte (`same_name`), as PHP reads it.
 fn part_value<'a>(
     part: &'a KeyPart,
     req: &'a Parts,
     ip: IpAddr,
     body: Option<&'a [u8]>,
 ) -> Option<Cow<'a, str>> {
-    let v: Cow<'a, str> = match part {
-        KeyPart::Form(name) if key_body_type(&req.headers) == Some(BodyType::Form) => {
-            single(form_fields(body?, name))?
+    let v: Cow<'a, str> = match (part, key_body(&req.headers)) {
+        (KeyPart::Form(name), Some((BodyType::Form, _))) => single(form_fields(body?, name))?,
+        (KeyPart::Form(name), Some((BodyType::Multipart, ct))) => {
+            // The strict reading's field; a part the lenient reading finds otherwise
+            // makes the key missing, as a repeat does.
+            let boundary = multipart::boundary(ct.as_bytes())?;
+            let strict = multipart::fields(body?, boundary, false, |n| same_name(n, name))?;
+            let lenient = multipart::fields(body?, boundary, true, |n| same_name(n, name));
+            if lenient.as_ref() != Some(&strict) {
+                return None;
+            }
+            let field = single(strict.into_iter())?;
+            if !field.plain {
+                return None;
+            }
+            trim_white(field.value)
         }
-        KeyPart::Json(pointer) if key_body_type(&req.headers) == Some(BodyType::Json) => {
+        (KeyPart::Json(pointer), Some((BodyType::Json, _))) => {
             let found = json_values(body?, pointer)?;
             if found.repeated {
                 return None;
             }
             Cow::Owned(json_text(single(found.values.iter())?)?)
         }
-        KeyPart::Form(_) | KeyPart::Json(_) => return None,
-        KeyPart::Ip => Cow::Owned(ip.to_string()),
-        KeyPart::Global => Cow::Borrowed("global"),
-        KeyPart::Header(h) => header_text(single(req.headers.get_all(h).iter())?),
-        KeyPart::Query(name) => single(
+        (KeyPart::Form(_) | KeyPart::Json(_), _) => return None,
+        (KeyPart::Ip, _) => Cow::Owned(ip.to_string()),
+        (KeyPart::Global, _) => Cow::Borrowed("global"),
+        (KeyPart::Header(h), _) => header_text(single(req.headers.get_all(h).iter())?),
+        (KeyPart::Query(name), _) => single(
             query_pairs(req.uri.query()?)
                 .filter(|(k, _)| same_name(k, name))
                 .map(|(_, v)| v),
         )?,
-        KeyPart::Cookie(name) => single(cookies(&req.headers, name))?,
+        (KeyPart::Cookie(name), _) => single(cookies(&req.headers, name))?,
     };
     if v.is_empty() {
         None
@@ -505,6 +615,8 @@ fn part_value<'a>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BodyType {
     Form,
+    /// `multipart/form-data`, read by `form:` keys too.
+    Multipart,
     Json,
 }
 
@@ -523,13 +635,18 @@ fn body_type(v: &HeaderValue) -> Option<BodyType> {
     if media == "application/x-www-form-urlencoded" {
         return Some(BodyType::Form);
     }
+    if media == "multipart/form-data" {
+        return Some(BodyType::Multipart);
+    }
     let (_, subtype) = media.split_once('/')?;
     (subtype == "json" || subtype.ends_with("+json")).then_some(BodyType::Json)
 }
 
-/// The body's type as a key reads it: one `Content-Type`, of a type a part reads.
-fn key_body_type(headers: &HeaderMap) -> Option<BodyType> {
-    body_type(single(headers.get_all(CONTENT_TYPE).iter())?)
+/// The body's type as a key reads it: one `Content-Type`, of a type a part reads,
+/// and that field.
+fn key_body(headers: &HeaderMap) -> Option<(BodyType, &HeaderValue)> {
+    let ct = single(headers.get_all(CONTENT_TYPE).iter())?;
+    Some((body_type(ct)?, ct))
 }
 
 /// Whether any `Content-Type` of the request names `t`.
@@ -552,8 +669,21 @@ fn any_body_value(
         return false;
     };
     match part {
-        KeyPart::Form(name) if any_body_type(&req.headers, BodyType::Form) => {
-            form_fields(body, name).any(|v| f(&v))
+        KeyPart::Form(name) => {
+            let form = any_body_type(&req.headers, BodyType::Form)
+                && form_fields(body, name).any(|v| f(&v));
+            // Every multipart part of that name, file or field, under either reading
+            // and every boundary the request names.
+            form || req.headers.get_all(CONTENT_TYPE).iter().any(|ct| {
+                body_type(ct) == Some(BodyType::Multipart)
+                    && multipart::boundary(ct.as_bytes()).is_some_and(|b| {
+                        [false, true].into_iter().any(|lenient| {
+                            multipart::fields(body, b, lenient, |n| same_name(n, name)).is_some_and(
+                                |fs| fs.iter().any(|p| f(&trim_white(p.value.clone()))),
+                            )
+                        })
+                    })
+            })
         }
         // Every member on the pointer's way, each copy of a repeated one, and the
         // items of an array at its end: `["bad"] == "bad"` in JavaScript, as
@@ -610,6 +740,8 @@ fn json_values(body: &[u8], pointer: &str) -> Option<JsonFound> {
     // serde_json skips the text of strings it ignores without looking at their
     // bytes: the body is checked whole first.
     let text = std::str::from_utf8(body).ok()?;
+    // A byte order mark before the document, as Python and .NET read it.
+    let text = text.strip_prefix('\u{FEFF}').unwrap_or(text);
     let mut found = JsonFound {
         values: Vec::new(),
         repeated: false,
@@ -703,7 +835,7 @@ impl<'de> serde::de::Visitor<'de> for JsonAt<'_, '_> {
         };
         let mut seen = 0;
         while let Some(name) = map.next_key::<Cow<'de, str>>()? {
-            if name == token {
+            if text::same_member(&name, &token) {
                 seen += 1;
                 map.next_value_seed(JsonAt {
                     pointer: rest,
@@ -995,9 +1127,7 @@ mod tests {
     }
 
     fn spec(parts: &[&str]) -> KeySpec {
-        KeySpec {
-            parts: parts.iter().map(|p| KeyPart::parse(p).unwrap()).collect(),
-        }
+        KeySpec::new(parts.iter().map(|p| KeyPart::parse(p).unwrap()).collect())
     }
 
     #[test]
@@ -1030,13 +1160,14 @@ mod tests {
         );
         let missing = spec(&["ip", "header:x-tenant"]);
         assert_eq!(
-            missing.extract(&p, a).unwrap_err().describe(),
+            missing.extract(&p, a).unwrap_err().part().describe(),
             "header x-tenant"
         );
         assert_eq!(
             spec(&["cookie:nope"])
                 .extract(&p, a)
                 .unwrap_err()
+                .part()
                 .describe(),
             "cookie nope"
         );
@@ -1069,8 +1200,8 @@ mod tests {
             "k2"
         );
         assert_eq!(spec(&["cookie:a"]).extract(&p, a).unwrap().value, "q");
-        assert!(spec(&["cookie:session"]).any_value(&p, |v| v == "k2"));
-        assert!(spec(&["header:x-api-key"]).any_value(&p, |v| v == "k1"));
+        assert!(spec(&["cookie:session"]).any_value(&p, ip("1.2.3.4"), |v| v == "k2"));
+        assert!(spec(&["header:x-api-key"]).any_value(&p, ip("1.2.3.4"), |v| v == "k1"));
     }
 
     #[test]
@@ -1080,7 +1211,7 @@ mod tests {
             spec(spec_)
                 .extract(&parts(uri, headers), a)
                 .map(|k| k.value.into_owned())
-                .map_err(|p| p.describe())
+                .map_err(|p| p.part().describe())
         };
         // Cookie values are read with their escapes decoded, as PHP and Express do.
         for cookie in [
@@ -1110,7 +1241,7 @@ mod tests {
         // The deny list sees the decoded values, and each element of a comma list.
         let seen = |spec_: &[&str], uri: &str, headers: &[(&str, &str)]| {
             let mut v = Vec::new();
-            spec(spec_).any_value(&parts(uri, headers), |x| {
+            spec(spec_).any_value(&parts(uri, headers), ip("1.2.3.4"), |x| {
                 v.push(x.to_string());
                 false
             });
@@ -1171,6 +1302,228 @@ mod tests {
         );
     }
 
+    /// PHP reads a field name up to a NUL byte: `username%00` is `username`, so a
+    /// second copy of the key (a repeat: missing), and the deny list sees it.
+    #[test]
+    fn names_end_at_a_nul_byte() {
+        for sent in ["api_key\0", "api_key\0x", "api.key\0[", " api_key\0\0"] {
+            assert!(same_name(sent, "api_key"), "{sent:?}");
+        }
+        assert!(!same_name("api\0_key", "api_key"));
+        let u = ["form:username"];
+        for body in [
+            "username=fresh1&username%00=victim",
+            "username%00=victim&username=fresh1",
+            "username=fresh1&username%00x=victim",
+        ] {
+            assert_eq!(
+                body_key(&u, FORM, body),
+                Err("form field username".into()),
+                "{body}"
+            );
+            assert!(
+                body_seen(&u, FORM, body).contains(&"victim".to_string()),
+                "{body}"
+            );
+        }
+        assert_eq!(
+            body_key(&u, FORM, "username%00=victim"),
+            Ok("victim".into())
+        );
+        let a = ip("1.2.3.4");
+        let p = parts("/?api_key=fresh&api_key%00=victim", &[]);
+        let q = spec(&["query:api_key"]);
+        assert!(q.extract(&p, a).is_err(), "a repeat");
+        assert!(q.any_value(&p, a, |v| v == "victim"));
+        let p = parts("/", &[("cookie", "sid=fresh; sid%00=victim")]);
+        assert!(spec(&["cookie:sid"]).extract(&p, a).is_err(), "a repeat");
+    }
+
+    /// Go's `encoding/json` and ASP.NET match member names ignoring case: a member
+    /// whose name folds to the pointer's token is a copy of it.
+    #[test]
+    fn json_members_as_case_blind_upstreams_read_them() {
+        let u = ["json:/user"];
+        for body in [
+            r#"{"user":"fresh","USER":"victim"}"#,
+            r#"{"USER":"victim","user":"fresh"}"#,
+            r#"{"user":"f9","u\u017fer":"victim"}"#,
+            r#"{"user":"f9","uſer":"victim"}"#,
+            r#"{"User":"a","uSER":"victim"}"#,
+        ] {
+            assert_eq!(
+                body_key(&u, JSON, body),
+                Err("JSON value /user".into()),
+                "{body}"
+            );
+            assert!(
+                body_seen(&u, JSON, body).contains(&"victim".to_string()),
+                "{body}"
+            );
+        }
+        // One copy, however it is spelled, is the key.
+        assert_eq!(
+            body_key(&u, JSON, r#"{"USER":"victim"}"#),
+            Ok("victim".into())
+        );
+        assert_eq!(
+            body_key(&u, JSON, r#"{"uſer":"victim"}"#),
+            Ok("victim".into())
+        );
+        // On the way too.
+        let n = ["json:/user/name"];
+        assert_eq!(
+            body_key(&n, JSON, r#"{"user":{"name":"a"},"USER":{"NAME":"b"}}"#),
+            Err("JSON value /user/name".into())
+        );
+        assert_eq!(
+            body_key(&n, JSON, r#"{"User":{"Name":"b"}}"#),
+            Ok("b".into())
+        );
+        // Other names stay other members.
+        assert_eq!(
+            body_key(&u, JSON, r#"{"user":"a","users":"b","ｕｓｅｒ":"c"}"#),
+            Ok("a".into())
+        );
+    }
+
+    /// Body keys are text of any script, in NFC; a JSON body may start with a byte
+    /// order mark.
+    #[test]
+    fn international_body_keys() {
+        let u = ["json:/username"];
+        assert_eq!(
+            body_key(&u, JSON, r#"{"username":"José"}"#),
+            Ok("José".into())
+        );
+        assert_eq!(
+            body_key(&u, JSON, r#"{"username":"Jose\u0301"}"#),
+            Ok("José".into()),
+            "decomposed is composed"
+        );
+        assert_eq!(
+            body_key(&u, JSON, r#"{"username":"李小龍"}"#),
+            Ok("李小龍".into())
+        );
+        for bad in [
+            r#""car\u200bl""#,
+            r#""\u202elrac""#,
+            r#""carl\ue000""#,
+            r#""carl\u0000""#,
+        ] {
+            assert_eq!(
+                body_key(&u, JSON, &format!(r#"{{"username":{bad}}}"#)),
+                Err("unprintable JSON value /username".into()),
+                "{bad}"
+            );
+        }
+        let f = ["form:username"];
+        assert_eq!(body_key(&f, FORM, "username=Jos%C3%A9"), Ok("José".into()));
+        assert_eq!(body_key(&f, FORM, "username=Jose%CC%81"), Ok("José".into()));
+        assert_eq!(
+            body_key(&f, FORM, "username=%FF"),
+            Err("unprintable form field username".into())
+        );
+        // A byte order mark before the document.
+        assert_eq!(
+            body_key(&u, JSON, "\u{FEFF}{\"username\":\"carl\"}"),
+            Ok("carl".into())
+        );
+        assert_eq!(
+            body_key(&u, JSON, "\u{FEFF}\u{FEFF}{\"username\":\"carl\"}"),
+            Err("JSON value /username".into())
+        );
+        // Header keys keep printable ASCII.
+        let p = parts("/", &[("x-user", "José")]);
+        assert!(matches!(
+            spec(&["header:x-user"]).extract(&p, ip("1.2.3.4")),
+            Err(NoKey::Unprintable(_))
+        ));
+    }
+
+    /// `form:` keys from `multipart/form-data`: a part of that name with no file
+    /// name; two, a file, or a part only a lenient reader finds make it missing, and
+    /// the deny list sees every one.
+    #[test]
+    fn multipart_form_keys() {
+        let ct = "multipart/form-data; boundary=b0undary";
+        let f = ["form:user"];
+        let part = |name: &str, v: &str| {
+            format!("--b0undary\r\nContent-Disposition: form-data; {name}\r\n\r\n{v}\r\n")
+        };
+        let body = |parts: &[String]| format!("{}--b0undary--\r\n", parts.concat());
+        let one = body(&[part("name=\"pass\"", "x"), part("name=\"user\"", "victim")]);
+        assert_eq!(body_key(&f, ct, &one), Ok("victim".into()));
+        assert_eq!(body_seen(&f, ct, &one), ["victim", "victim"]);
+        let two = body(&[
+            part("name=\"user\"", "fresh"),
+            part("name=\"user\x00\"", "victim"),
+        ]);
+        assert_eq!(body_key(&f, ct, &two), Err("form field user".into()));
+        assert!(body_seen(&f, ct, &two).contains(&"victim".to_string()));
+        let file = body(&[part("name=\"user\"; filename=\"a\"", "victim")]);
+        assert_eq!(body_key(&f, ct, &file), Err("form field user".into()));
+        assert!(body_seen(&f, ct, &file).contains(&"victim".to_string()));
+        // A part framed with bare LFs, which Go and PHP read and the strict reading
+        // does not.
+        let lf = format!(
+            "{}--b0undary\nContent-Disposition: form-data; name=user\n\nvictim\n--b0undary--\r\n",
+            part("name=\"user\"", "fresh")
+        );
+        assert_eq!(body_key(&f, ct, &lf), Err("form field user".into()));
+        assert!(body_seen(&f, ct, &lf).contains(&"victim".to_string()));
+        // Names as PHP reads them; values trimmed and in NFC.
+        let php = body(&[part("name=\"user[]\"", " Jose\u{301} ")]);
+        assert_eq!(body_key(&f, ct, &php), Ok("José".into()));
+        // A body read only under its type.
+        assert!(spec(&f).body_wanted(&parts("/", &[("content-type", ct)]).headers));
+        assert_eq!(
+            body_key(&f, "multipart/form-data", &one),
+            Err("form field user".into()),
+            "no boundary"
+        );
+    }
+
+    /// A key in its `normalize_key` form: the key counted and the values the deny
+    /// list sees.
+    #[test]
+    fn normalized_keys() {
+        let mut s = spec(&["json:/username"]);
+        s.normalize = Normalize::Casefold;
+        let key = |body: &str| {
+            let p = parts("/", &[("content-type", JSON)]);
+            s.extract_with_body(&p, ip("1.2.3.4"), Some(body.as_bytes()))
+                .map(|k| k.value.into_owned())
+                .ok()
+        };
+        for sent in ["carl", "Carl", "CARL", "cArl", "ｃａｒｌ", " CARL "] {
+            assert_eq!(
+                key(&format!(r#"{{"username":"{sent}"}}"#)),
+                Some("carl".into())
+            );
+        }
+        let p = parts("/", &[("content-type", JSON)]);
+        let mut seen = Vec::new();
+        s.any_value_with_body(&p, ip("1.2.3.4"), Some(br#"{"username":"CARL"}"#), |v| {
+            seen.push(v.to_string());
+            false
+        });
+        assert_eq!(seen, ["carl"]);
+        // Composite keys: each part in its form.
+        let mut c = spec(&["header:x-tenant", "query:user"]);
+        c.normalize = Normalize::Email;
+        let p = parts("/?user=Carl%2Bnews@Example.com", &[("x-tenant", "ACME")]);
+        let k = c.extract(&p, ip("1.2.3.4")).unwrap();
+        assert_eq!(k.value, "acme|carl@example.com");
+        assert_eq!(k.parts, ["acme", "carl@example.com"]);
+        // The address is never folded.
+        let mut a = spec(&["ip"]);
+        a.normalize = Normalize::Casefold;
+        let p = parts("/", &[]);
+        let v6: IpAddr = "2001:DB8::1".parse().unwrap();
+        assert_eq!(a.extract(&p, v6).unwrap().value, "2001:db8::1");
+    }
+
     /// Which part holds a byte outside printable ASCII, any copy of it, as the
     /// upstream reads it (spaces and tabs around a header value are not in it).
     #[test]
@@ -1223,14 +1576,17 @@ mod tests {
         let p = parts("/login", headers);
         let s = spec(spec_);
         let key = s.extract_with_body(&p, ip("1.2.3.4"), body);
-        key.map(|k| k.value.into_owned()).map_err(|p| p.describe())
+        key.map(|k| k.value.into_owned()).map_err(|p| match p {
+            NoKey::Missing(p) => p.describe(),
+            NoKey::Unprintable(p) => format!("unprintable {}", p.describe()),
+        })
     }
 
     /// Every value of the body parts the deny list sees.
     fn body_seen(spec_: &[&str], content_type: &str, body: &str) -> Vec<String> {
         let p = parts("/login", &[("content-type", content_type)]);
         let mut v = Vec::new();
-        spec(spec_).any_value_with_body(&p, Some(body.as_bytes()), |x| {
+        spec(spec_).any_value_with_body(&p, ip("1.2.3.4"), Some(body.as_bytes()), |x| {
             v.push(x.to_string());
             false
         });
@@ -1474,22 +1830,29 @@ mod tests {
             "/",
             &[("content-type", "text/plain"), ("content-type", FORM)],
         );
-        assert!(spec(&u).any_value_with_body(&p, Some(b"username=bad"), |v| v == "bad"));
+        assert!(
+            spec(&u).any_value_with_body(&p, ip("1.2.3.4"), Some(b"username=bad"), |v| v == "bad")
+        );
         // Not under another type, and not when the body was not read.
         assert_eq!(
             body_seen(&u, "text/plain", "username=bad"),
             Vec::<String>::new()
         );
         let p = parts("/", &[("content-type", FORM)]);
-        assert!(!spec(&u).any_value_with_body(&p, None, |_| true));
-        assert!(!spec(&u).any_value(&p, |_| true));
+        assert!(!spec(&u).any_value_with_body(&p, ip("1.2.3.4"), None, |_| true));
+        assert!(!spec(&u).any_value(&p, ip("1.2.3.4"), |_| true));
         // Next to other parts.
         let p = parts("/?k=q", &[("content-type", JSON)]);
         let mut seen = Vec::new();
-        spec(&["query:k", "json:/u"]).any_value_with_body(&p, Some(br#"{"u": "b"}"#), |v| {
-            seen.push(v.to_string());
-            false
-        });
+        spec(&["query:k", "json:/u"]).any_value_with_body(
+            &p,
+            ip("1.2.3.4"),
+            Some(br#"{"u": "b"}"#),
+            |v| {
+                seen.push(v.to_string());
+                false
+            },
+        );
         assert_eq!(seen, ["q", "b"]);
     }
 
@@ -1509,7 +1872,9 @@ mod tests {
         assert!(!wanted(&["header:x", "query:u"], &[FORM]));
     }
 
-    /// Body values with a byte outside printable ASCII, any copy, after trimming.
+    /// Body values with a control, format, private-use or unassigned character (or
+    /// bytes that are not UTF-8), any copy, after trimming; text of any script is a
+    /// key.
     #[test]
     fn unprintable_body_values() {
         let which = |spec_: &[&str], ct: &str, body: &[u8]| {
@@ -1519,9 +1884,14 @@ mod tests {
         };
         let f = ["ip", "form:u"];
         assert_eq!(which(&f, FORM, b"u=%C2%A0k%09&x=%00"), None);
-        assert_eq!(which(&f, FORM, b"u=k%C2%A0k"), Some("form field u".into()));
+        assert_eq!(which(&f, FORM, b"u=k%C2%A0k"), None);
+        assert_eq!(which(&f, FORM, b"u=caf%C3%A9"), None);
         assert_eq!(which(&f, FORM, b"u=k&u=k%00"), Some("form field u".into()));
-        assert_eq!(which(&f, FORM, b"u=caf%C3%A9"), Some("form field u".into()));
+        assert_eq!(
+            which(&f, FORM, b"u=k%E2%80%8Bk"),
+            Some("form field u".into())
+        );
+        assert_eq!(which(&f, FORM, b"u=%EE%80%80"), Some("form field u".into()));
         // Bytes that are not UTF-8 are replaced, so refused.
         assert_eq!(which(&f, FORM, b"u=%FF"), Some("form field u".into()));
         let j = ["json:/u"];
@@ -1561,7 +1931,7 @@ mod tests {
         );
         let seen = |spec: &KeySpec| {
             let mut v = Vec::new();
-            spec.any_value(&p, |x| {
+            spec.any_value(&p, ip("1.2.3.4"), |x| {
                 v.push(x.to_string());
                 false
             });
@@ -1569,8 +1939,10 @@ mod tests {
         };
         assert_eq!(seen(&spec(&["header:x-api-key"])), ["one", "two"]);
         assert_eq!(seen(&spec(&["query:k"])), ["a", "b"]);
-        assert_eq!(seen(&spec(&["cookie:s", "ip"])), ["c1", "c2"]);
-        assert!(spec(&["header:x-api-key"]).any_value(&p, |x| x == "two"));
+        // The address too: a key entry denies what `/admin/top` shows of an ip key.
+        assert_eq!(seen(&spec(&["cookie:s", "ip"])), ["c1", "c2", "1.2.3.4"]);
+        assert_eq!(seen(&spec(&["global"])), ["global"]);
+        assert!(spec(&["header:x-api-key"]).any_value(&p, ip("1.2.3.4"), |x| x == "two"));
         assert!(spec(&["ip"]).is_ip());
         assert!(!spec(&["ip", "global"]).is_ip());
     }

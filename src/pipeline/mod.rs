@@ -35,7 +35,7 @@ use crate::http::h1::framing::{announces_body, content_length};
 use crate::http::h1::server::{ClientBody, Lent, Site};
 use crate::http::wake::Deadline;
 
-use crate::identity::{ClientKey, KeySpec, MissingKey, TrustedProxies};
+use crate::identity::{ClientKey, KeyPart, KeySpec, MissingKey, NoKey, Normalize, TrustedProxies};
 use crate::limit::{Charge, Checked, MemoryStore, OnError, Permit, Plan, Share, Store, Verdict};
 use crate::telemetry::access_log::{self, AccessLog};
 use crate::telemetry::metrics::{Decision, Metrics, RouteMetrics};
@@ -482,30 +482,43 @@ fn client_key<'a, 'r>(
     if denied_key(
         rt,
         shared,
-        |d| spec.any_value_with_body(parts, body, d),
+        spec.normalize,
+        |d| spec.any_value_with_body(parts, ctx.ip, body, d),
         &mut log,
     ) {
         return Err(Refusal::Denied(status));
     }
-    // A value with a byte outside printable ASCII is refused whatever `missing_key`
-    // says: the upstream may trim it into another key (a denied one, or one with a
-    // budget of its own). A found key is one copy of each part, so its own bytes
-    // tell; a missing one (absent, or sent twice) has every copy looked at.
-    let unprintable = || {
-        let part = spec.unprintable_with_body(parts, body);
+    // A value with a character its kind of key may not hold is refused whatever
+    // `missing_key` says: the upstream may trim or drop it into another key (a
+    // denied one, or one with a budget of its own). A found key is one copy of each
+    // part, so its own value tells; a missing one (absent, or sent twice) has every
+    // copy looked at.
+    let unprintable = |part: Option<&KeyPart>| {
         Refusal::UnprintableKey(part.map_or_else(|| "the key".into(), |p| p.describe()))
     };
     let (ns, key) = match spec.extract_with_body(parts, ctx.ip, body) {
-        Ok(k) if !crate::identity::printable_key(&k.value) => return Err(unprintable()),
         Ok(k) => (ns, k),
-        Err(_) if spec.unprintable_with_body(parts, body).is_some() => return Err(unprintable()),
-        Err(part) => match route.missing_key {
-            MissingKey::Ip => (fallback_ns, ClientKey::new(ctx.ip.to_string())),
-            MissingKey::Reject => return Err(Refusal::MissingKey(part.describe())),
-        },
+        Err(NoKey::Unprintable(part)) => return Err(unprintable(Some(part))),
+        Err(NoKey::Missing(part)) => {
+            if let Some(part) = spec.unprintable_with_body(parts, body) {
+                return Err(unprintable(Some(part)));
+            }
+            match route.missing_key {
+                MissingKey::Ip => {
+                    let key = ClientKey::new(ctx.ip.to_string());
+                    // The address it falls back to is the key `/admin/top` shows.
+                    if denied_key(rt, shared, Normalize::None, |d| d(&key.value), &mut log) {
+                        return Err(Refusal::Denied(status));
+                    }
+                    (fallback_ns, key)
+                }
+                MissingKey::Reject => return Err(Refusal::MissingKey(part.describe())),
+            }
+        }
     };
     // A composite key as a whole (bans deny the joined form).
-    if !key.parts.is_empty() && denied_key(rt, shared, |d| d(&key.value), &mut log) {
+    if !key.parts.is_empty() && denied_key(rt, shared, spec.normalize, |d| d(&key.value), &mut log)
+    {
         return Err(Refusal::Denied(status));
     }
     Ok((ns, key))
@@ -880,11 +893,14 @@ impl Drop for Tally {
 }
 
 /// Whether `values` offers a key on the static or the dynamic deny list; `hit` is
-/// told the first one (for the log). The dynamic list's guard is dropped before the
-/// request goes on (it must not be held across an await).
+/// told the first one (for the log). On a route that normalises its key, the
+/// values are in that form already, and an entry matches when its own form is the
+/// value (`Carl` denies `carl` on a `casefold` route). The dynamic list's guard is
+/// dropped before the request goes on (it must not be held across an await).
 fn denied_key(
     rt: &Runtime,
     shared: &Shared,
+    form: Normalize,
     values: impl FnOnce(&mut dyn FnMut(&str) -> bool) -> bool,
     hit: &mut dyn FnMut(&str),
 ) -> bool {
@@ -896,7 +912,10 @@ fn denied_key(
         // A long key is looked up as it is kept: hashed once, on the stack.
         let mut digest = None;
         let stored = crate::deny::stored_key(k, &mut digest);
-        let denied = rt.deny.table.stored_key(stored) || dynamic.stored_key(stored);
+        let denied = rt.deny.table.stored_key(stored)
+            || dynamic.stored_key(stored)
+            || (form != Normalize::None
+                && (rt.deny.table.folded_key(form, k) || dynamic.folded_key(form, k)));
         if denied {
             hit(k);
         }

@@ -12,3 +12,4 @@ mod gateway;
 mod refusal_logs;
 mod reload_state;
 mod upstream_metrics;
+mod upstream_readers;
