@@ -4,8 +4,8 @@
 # servers, and sentinels as `redis-server --sentinel`: no other package), faketime (clock-skew tests), promtool (the prometheus package:
 # tests lint /metrics and check docker/'s Prometheus configuration and alert rules
 # with it), chromium with chromium-driver (the dashboard's test drives a
-# headless browser) and python3-grpcio (the gRPC tests' client and server), from
-# Debian's packages; and cargo-deny,
+# headless browser), python3-grpcio (the gRPC tests' client and server), php-cli and
+# golang-go (real upstream readers of keys), from Debian's packages; and cargo-deny,
 # which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,10 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 # A real gRPC client and server, which tests/http/grpc.rs runs with Debian's Python.
 /usr/bin/python3 -c 'import grpc' >/dev/null 2>&1 || need+=(python3-grpcio)
+# Real upstream readers for tests/pipeline/upstream_readers.rs: PHP's built-in
+# server and Go's standard library (a key must be what the upstream reads).
+command -v php >/dev/null 2>&1 || need+=(php-cli)
+command -v go >/dev/null 2>&1 || need+=(golang-go)
 [ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories

@@ -1771,6 +1771,28 @@ mod tests {
             .collect()
     }
 
+    /// `normalize_key` on a limit applies to its own key; a body key with
+    /// `missing_key: ip` is warned about (the fallback skips the key's deny entries).
+    #[test]
+    fn normalize_key_and_body_keys_with_an_address_fallback() {
+        let route = |extra: &str, limit: &str| {
+            format!(
+                "{UP}routes:\n  - name: login\n    upstream: api\n    key: ip\n{extra}    limits:\n      - {{algorithm: fixed_window, limit: 5, window: 1m{limit}}}\n"
+            )
+        };
+        assert_eq!(
+            errors(&route("", ", normalize_key: casefold")),
+            ["7:72: a limit's normalize_key applies to its own key: set key on the limit, or normalize_key on the route for the route's key"]
+        );
+        assert!(errors(&route("    normalize_key: email\n", ", key: \"form:user\", normalize_key: casefold")).is_empty());
+        let body = route("    missing_key: ip\n", ", key: \"json:/user\"");
+        assert_eq!(
+            warned(&body),
+            ["6:18: a key read from the body (form:, json:) with missing_key: ip: a request whose body is not read (another type, larger than server.max_key_body, malformed) is counted by its address, and the deny list's entries for the key never see it"]
+        );
+        assert!(warned(&route("    missing_key: ip\n", ", key: \"header:x-user\"")).is_empty());
+    }
+
     /// A route that an earlier route matches every request of is never reached (the
     /// first route that matches takes a request): warned about at its `match`,
     /// naming the earlier one. Only what is surely covered is: a regular expression
