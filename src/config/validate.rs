@@ -189,7 +189,7 @@ fn covers(a: &Match, b: &Match) -> bool {
 }
 
 /// A key that no request can carry: the request path refuses it with 400.
-const UNPRINTABLE_KEY: &str = "a key with a control, format, private-use or unassigned character never matches: requests carrying one get 400";
+const UNPRINTABLE_KEY: &str = "a key with a control, format, private-use or unassigned character, or white space around it, never matches: no request has such a key";
 
 /// Headers any client can write, whatever sluice does with them on the way.
 const CLIENT_WRITTEN: [&str; 3] = ["x-forwarded-for", "forwarded", "x-real-ip"];
@@ -854,7 +854,7 @@ impl Checker<'_> {
         for (i, k) in deny.keys.iter().enumerate() {
             if k.is_empty() {
                 self.at(&item("deny.keys", i), "deny.keys entries must not be empty");
-            } else if !crate::identity::is_text_key(k) {
+            } else if !crate::identity::can_be_a_key(k) {
                 self.at(&item("deny.keys", i), UNPRINTABLE_KEY);
             }
         }
@@ -1136,7 +1136,7 @@ impl Checker<'_> {
                         &item(&format!("{op}.keys"), k),
                         "override keys must not be empty",
                     );
-                } else if !crate::identity::is_text_key(key) {
+                } else if !crate::identity::can_be_a_key(key) {
                     self.at(&item(&format!("{op}.keys"), k), UNPRINTABLE_KEY);
                 }
             }
@@ -1784,7 +1784,11 @@ mod tests {
             errors(&route("", ", normalize_key: casefold")),
             ["7:72: a limit's normalize_key applies to its own key: set key on the limit, or normalize_key on the route for the route's key"]
         );
-        assert!(errors(&route("    normalize_key: email\n", ", key: \"form:user\", normalize_key: casefold")).is_empty());
+        assert!(errors(&route(
+            "    normalize_key: email\n",
+            ", key: \"form:user\", normalize_key: casefold"
+        ))
+        .is_empty());
         let body = route("    missing_key: ip\n", ", key: \"json:/user\"");
         assert_eq!(
             warned(&body),

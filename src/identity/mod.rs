@@ -11,7 +11,7 @@ use ipnet::IpNet;
 mod multipart;
 mod text;
 
-pub use text::{casefold, is_text_key, nfc, Normalize};
+pub use text::{can_be_a_key, casefold, is_text_key, nfc, Normalize};
 
 // === client IP ===
 

@@ -136,16 +136,27 @@ pub fn nfc(key: Cow<'_, str>) -> Cow<'_, str> {
 pub fn is_text_key(key: &str) -> bool {
     key.is_ascii() && key.bytes().all(|b| (0x20..=0x7e).contains(&b))
         || key.chars().all(|c| {
-            c != '\u{FFFD}'
-                && !matches!(
-                    c.general_category(),
-                    GeneralCategory::Control
-                        | GeneralCategory::Format
-                        | GeneralCategory::PrivateUse
-                        | GeneralCategory::Surrogate
-                        | GeneralCategory::Unassigned
-                )
+            // Bytes that were not UTF-8; Hangul fillers, letters by category but
+            // invisible (default ignorable), as the format characters are.
+            !matches!(
+                c,
+                '\u{FFFD}' | '\u{115F}' | '\u{1160}' | '\u{3164}' | '\u{FFA0}'
+            ) && !matches!(
+                c.general_category(),
+                GeneralCategory::Control
+                    | GeneralCategory::Format
+                    | GeneralCategory::PrivateUse
+                    | GeneralCategory::Surrogate
+                    | GeneralCategory::Unassigned
+            )
         })
+}
+
+/// Whether `key` can be some request's key, as a deny-list entry or an override
+/// names it: text a key may hold (`is_text_key`) with no white space around it
+/// (every key is read trimmed).
+pub fn can_be_a_key(key: &str) -> bool {
+    is_text_key(key) && key.trim() == key
 }
 
 /// Whether a JSON member `name` is the member `token` to an upstream that matches
@@ -285,6 +296,7 @@ mod tests {
             "carl\u{FEFF}",  // byte order mark (Cf)
             "carl\u{7F}",    // DEL
             "carl\u{85}",    // NEL (Cc)
+            "bad\u{3164}",   // Hangul filler
         ] {
             assert!(!is_text_key(bad), "{bad:?}");
         }

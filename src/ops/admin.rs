@@ -377,10 +377,10 @@ impl Admin {
         // The request path answers 400 to such a key before any deny list sees it.
         if r.key
             .as_deref()
-            .is_some_and(|k| !crate::identity::is_text_key(k))
+            .is_some_and(|k| !crate::identity::can_be_a_key(k))
         {
             return bad_request(
-                "key holds a control, format, private-use or unassigned character: requests carrying such a key get 400 before the deny list is read, so it could never match",
+                "key holds a control, format, private-use or unassigned character, or white space around it: no request has such a key, so it could never match",
             );
         }
         let ttl = match r.ttl.as_deref().map(|t| (t, parse_duration(t.trim()))) {

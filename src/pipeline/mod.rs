@@ -494,7 +494,10 @@ fn client_key<'a, 'r>(
     // part, so its own value tells; a missing one (absent, or sent twice) has every
     // copy looked at.
     let unprintable = |part: Option<&KeyPart>| {
-        Refusal::UnprintableKey(part.map_or_else(|| "the key".into(), |p| p.describe()))
+        Refusal::UnprintableKey(
+            part.map_or_else(|| "the key".into(), |p| p.describe()),
+            part.is_some_and(KeyPart::reads_body),
+        )
     };
     let (ns, key) = match spec.extract_with_body(parts, ctx.ip, body) {
         Ok(k) => (ns, k),

@@ -57,8 +57,10 @@ pub enum Refusal<'a> {
     Unmatched,
     /// The key the route needs is absent, empty or repeated; says which part.
     MissingKey(String),
-    /// A key value with a byte outside printable ASCII; says which part.
-    UnprintableKey(String),
+    /// A key value with a character its kind of key may not hold; says which part,
+    /// and whether it is read from the body (text of any script) or not
+    /// (printable ASCII).
+    UnprintableKey(String, bool),
     /// `Content-Length` over `max_request_body`.
     TooLarge(u64),
     Limited(Box<Limited<'a>>),
@@ -98,7 +100,7 @@ impl Refusal<'_> {
             Refusal::Client(ClientFault::Timeout) => StatusCode::REQUEST_TIMEOUT,
             Refusal::BadHead(_)
             | Refusal::MissingKey(_)
-            | Refusal::UnprintableKey(_)
+            | Refusal::UnprintableKey(..)
             | Refusal::Client(_) => StatusCode::BAD_REQUEST,
             Refusal::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -116,7 +118,7 @@ impl Refusal<'_> {
             Refusal::BadHead(_)
             | Refusal::Connect
             | Refusal::MissingKey(_)
-            | Refusal::UnprintableKey(_)
+            | Refusal::UnprintableKey(..)
             | Refusal::TooLarge(_)
             | Refusal::Client(_) => Decision::BadRequest,
             Refusal::Limited(_) => Decision::Limited,
@@ -153,7 +155,7 @@ impl Refusal<'_> {
             Refusal::Denied(_) => grpc::PERMISSION_DENIED,
             // The client is not identified.
             Refusal::MissingKey(_) => grpc::UNAUTHENTICATED,
-            Refusal::UnprintableKey(_) => grpc::INVALID_ARGUMENT,
+            Refusal::UnprintableKey(..) => grpc::INVALID_ARGUMENT,
             // As gRPC answers a message over its size limit.
             Refusal::TooLarge(_) | Refusal::Upstream(ProxyError::TooLarge) => {
                 grpc::RESOURCE_EXHAUSTED
@@ -194,8 +196,11 @@ impl Refusal<'_> {
             Refusal::MissingKey(part) => format!(
                 "missing {part} (absent, empty or sent more than once): this route needs it to identify the client"
             ),
-            Refusal::UnprintableKey(part) => format!(
+            Refusal::UnprintableKey(part, false) => format!(
                 "{part} holds a byte outside printable ASCII (0x20-0x7E), which an upstream may read as another key"
+            ),
+            Refusal::UnprintableKey(part, true) => format!(
+                "{part} holds a control, format, private-use or unassigned character, which an upstream may drop and read as another key"
             ),
             Refusal::TooLarge(max) => format!("request body larger than {max} bytes"),
             Refusal::Limited(l) => {

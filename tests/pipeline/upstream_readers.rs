@@ -381,7 +381,7 @@ async fn international_usernames_log_in() {
         .await;
     assert_eq!((r.status, r.text()), (200, "José"));
     let mut got = Vec::new();
-    for body in [&composed[..], decomposed] {
+    for body in [composed, decomposed] {
         got.push(post(&c, &gw, "/login", JSON, body).await);
     }
     assert_eq!(got, [200, 429]);
