@@ -504,6 +504,25 @@ deny    2 ips, 1 key -> 403
     }
 
     #[test]
+    fn a_normalised_key_says_its_form() {
+        let yaml = "routes:\n  - name: login\n    key: \"json:/email\"\n    normalize_key: email\n    limits:\n      - {name: per_ip, algorithm: fixed_window, limit: 5, window: 1m}\n      - {name: per_user, algorithm: fixed_window, limit: 3, window: 1m, key: \"form:user\", normalize_key: casefold}\n    respond: {}\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("login") || l.contains("per_"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "  login    any -> respond 200   key json:/email (email)",
+                "           per_ip: fixed_window 5 per 1m; per_user: fixed_window 3 per 1m by form:user (casefold)"
+            ],
+            "{text}"
+        );
+    }
+
+    #[test]
     fn a_limit_says_which_key_it_counts() {
         let yaml = "routes:
   - name: login
