@@ -150,6 +150,14 @@ async fn gateway(up: &Reader, routes: &str) -> SluiceProcess {
     SluiceProcess::start(&[], &[], &yaml).await
 }
 
+/// A route `name` at `/name` to the reader, counting `key` (`extra`: more of its
+/// fields, each a line), `limit` an hour.
+fn route(name: &str, key: &str, extra: &str, limit: u32) -> String {
+    format!(
+        "  - name: {name}\n    match: {{path: /{name}}}\n    upstream: up\n    key: \"{key}\"\n{extra}    limits: [{{algorithm: fixed_window, limit: {limit}, window: 1h}}]\n"
+    )
+}
+
 async fn post(c: &HttpClient, gw: &SluiceProcess, path: &str, ct: &str, body: &[u8]) -> u16 {
     c.send(
         Method::POST,
@@ -180,13 +188,13 @@ async fn spellings_of_one_account_share_one_budget() {
     let go = Reader::go().await;
     let gw = gateway(
         &go,
-        r#"  - name: login
-    match: {path: /login}
-    upstream: up
-    key: "json:/username"
-    normalize_key: casefold
-    limits: [{algorithm: fixed_window, limit: 2, window: 1m}]
-"#,
+        &route(
+            "login",
+            "json:/username",
+            "    normalize_key: casefold
+",
+            2,
+        ),
     )
     .await;
     let c = http1();
@@ -213,17 +221,7 @@ async fn php_reads_a_name_up_to_a_nul_byte() {
     let php = Reader::php().await;
     let gw = gateway(
         &php,
-        r#"  - name: form
-    match: {path: /form}
-    upstream: up
-    key: "form:user"
-    limits: [{algorithm: fixed_window, limit: 2, window: 1h}]
-  - name: query
-    match: {path: /query}
-    upstream: up
-    key: "query:api_key"
-    limits: [{algorithm: fixed_window, limit: 2, window: 1h}]
-"#,
+        &(route("form", "form:user", "", 2) + &route("query", "query:api_key", "", 2)),
     )
     .await;
     let split = b"user=fresh1&user%00=victim";
@@ -270,16 +268,7 @@ async fn php_reads_a_name_up_to_a_nul_byte() {
 #[tokio::test]
 async fn go_reads_member_names_ignoring_case() {
     let go = Reader::go().await;
-    let gw = gateway(
-        &go,
-        r#"  - name: login
-    match: {path: /login}
-    upstream: up
-    key: "json:/user"
-    limits: [{algorithm: fixed_window, limit: 2, window: 1h}]
-"#,
-    )
-    .await;
+    let gw = gateway(&go, &route("login", "json:/user", "", 2)).await;
     let c = http1();
     let two = br#"{"user":"fresh","USER":"victim"}"#;
     assert_eq!(go.reads("/login", "user", JSON, two).await, "victim");
@@ -312,19 +301,9 @@ async fn bodies_the_upstream_reads_are_read_for_the_key() {
         Reader::go().await,
         Reader::python().await,
     );
-    let routes = r#"  - name: form
-    match: {path: /form}
-    upstream: up
-    key: "form:user"
-    missing_key: ip
-    limits: [{algorithm: fixed_window, limit: 2, window: 1h}]
-  - name: json
-    match: {path: /json}
-    upstream: up
-    key: "json:/user"
-    missing_key: ip
-    limits: [{algorithm: fixed_window, limit: 2, window: 1h}]
-"#;
+    let ip = "    missing_key: ip
+";
+    let routes = &(route("form", "form:user", ip, 2) + &route("json", "json:/user", ip, 2));
     let c = http1();
     let denied = multipart("user", "victim-denied");
     assert_eq!(
@@ -357,16 +336,7 @@ async fn bodies_the_upstream_reads_are_read_for_the_key() {
 #[tokio::test]
 async fn international_usernames_log_in() {
     let go = Reader::go().await;
-    let gw = gateway(
-        &go,
-        r#"  - name: login
-    match: {path: /login}
-    upstream: up
-    key: "json:/username"
-    limits: [{algorithm: fixed_window, limit: 2, window: 1h}]
-"#,
-    )
-    .await;
+    let gw = gateway(&go, &route("login", "json:/username", "", 2)).await;
     let c = http1();
     let composed = r#"{"username":"José"}"#.as_bytes();
     let decomposed = br#"{"username":"Jose\u0301"}"#;
@@ -412,18 +382,14 @@ async fn a_key_entry_denies_an_address_key() {
     let go = Reader::go().await;
     let gw = gateway(
         &go,
-        r#"  - name: by_ip
-    match: {path: /ip}
-    upstream: up
-    key: ip
-    limits: [{algorithm: fixed_window, limit: 1, window: 1h}]
-  - name: by_header
-    match: {path: /h}
-    upstream: up
-    key: "header:x-api-key"
-    missing_key: ip
-    limits: [{algorithm: fixed_window, limit: 100, window: 1h}]
-"#,
+        &(route("ip", "ip", "", 1)
+            + &route(
+                "h",
+                "header:x-api-key",
+                "    missing_key: ip
+",
+                100,
+            )),
     )
     .await;
     let c = http1();
@@ -439,7 +405,7 @@ async fn a_key_entry_denies_an_address_key() {
     };
     assert_eq!(statuses("/ip").await, [200, 429]);
     assert_eq!(statuses("/h").await, [200, 200]);
-    let top = c.get(&url(gw.admin, "/admin/top?route=by_ip"), &[]).await;
+    let top = c.get(&url(gw.admin, "/admin/top?route=ip"), &[]).await;
     assert!(top.text().contains("\"127.0.0.1\""), "{}", top.text());
     let added = c
         .send(
