@@ -271,6 +271,9 @@ async fn process(
     // delayed, while the upstream works, or mid-body), with the decision made for it.
     let mut tally = Tally::new(rt.clone(), route);
     let unread_body = parts.version < Version::HTTP_2 && announces_body(&parts.headers);
+    // What the client spoke, for the access log: forwarding rewrites `parts.version`
+    // to the upstream's.
+    let version = parts.version;
 
     let ctx = Ctx {
         shared,
@@ -306,7 +309,7 @@ async fn process(
             let mut entry = access.entry(
                 &p.method,
                 p.uri.path(),
-                p.version,
+                version,
                 client_fields,
                 ip,
                 status,

@@ -369,3 +369,45 @@ async fn an_absent_upstream_is_a_warning_at_startup_after_a_reload_and_on_every_
     );
     s.stop().await;
 }
+
+#[tokio::test]
+async fn the_protocol_is_the_one_the_client_spoke_for_forwarded_requests_too() {
+    let up = upstream().await;
+    let s = Sluice::start_yaml(true, |port, admin| {
+        yaml(port, admin, &up.url(), "{format: json}")
+    })
+    .await;
+    assert_eq!(h2c().get(&s.url("/open/h2"), &[]).await.status, 200);
+    assert_eq!(http1().get(&s.url("/open/h11"), &[]).await.status, 200);
+    let addr = format!("127.0.0.1:{}", s.port).parse().unwrap();
+    let answer = exchange(addr, b"GET /open/h10 HTTP/1.0\r\nhost: h\r\n\r\n").await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200"),
+        "{answer}"
+    );
+    // And a refusal over h2 (sluice's own answer): the same field.
+    assert_eq!(h2c().get(&s.url("/nowhere"), &[]).await.status, 404);
+    let mut got: Vec<(String, String)> = wait_access(&s, 4)
+        .await
+        .iter()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (
+                v["path"].as_str().unwrap().to_string(),
+                v["protocol"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    got.sort();
+    let want = [
+        ("/nowhere", "HTTP/2.0"),
+        ("/open/h10", "HTTP/1.0"),
+        ("/open/h11", "HTTP/1.1"),
+        ("/open/h2", "HTTP/2.0"),
+    ];
+    assert_eq!(
+        got,
+        want.map(|(p, v)| (p.to_string(), v.to_string())).to_vec()
+    );
+    s.stop().await;
+}
