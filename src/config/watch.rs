@@ -67,7 +67,11 @@ pub fn watch(path: &Path, changed: impl Fn() + Send + 'static) -> Result<Watch, 
     rewatch(&mut watcher, &mut watched, &paths);
     if watched.is_empty() {
         // Not one directory could be watched: say why.
-        let dirs = paths.lock().unwrap_or_else(PoisonError::into_inner).dirs.clone();
+        let dirs = paths
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .dirs
+            .clone();
         for dir in dirs {
             watcher.watch(&dir, RecursiveMode::NonRecursive)?;
         }
@@ -97,7 +101,11 @@ pub fn watch(path: &Path, changed: impl Fn() + Send + 'static) -> Result<Watch, 
 /// Watches the directories of `paths` that are not watched yet and stops watching
 /// those it no longer has.
 fn rewatch(watcher: &mut RecommendedWatcher, watched: &mut Vec<PathBuf>, paths: &Mutex<Paths>) {
-    let dirs = paths.lock().unwrap_or_else(PoisonError::into_inner).dirs.clone();
+    let dirs = paths
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .dirs
+        .clone();
     watched.retain(|d| {
         let keep = dirs.contains(d);
         if !keep {
