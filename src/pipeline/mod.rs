@@ -866,18 +866,21 @@ impl Drop for Tally {
         metrics.count(self.decision);
         let elapsed = self.started.elapsed();
         metrics.duration.observe(elapsed.as_secs_f64());
-        if let Some(entry) = &self.access {
+        if let (Some(entry), Some(log)) = (&self.access, &self.rt.access) {
             let route = self.route.map(|i| &self.rt.routes[i]);
             let limit = self.limit.as_deref();
-            entry.write(&access_log::End {
-                at_ms: crate::deny::now_ms(),
-                route: route.map_or("unmatched", |r| r.name.as_str()),
-                decision: self.decision.as_str(),
-                limit,
-                upstream: self.upstream().map(|(up, t)| up.target_addr(t)),
-                duration: elapsed,
-                bytes: self.bytes,
-            });
+            log.write(
+                entry,
+                &access_log::End {
+                    at_ms: crate::deny::now_ms(),
+                    route: route.map_or("unmatched", |r| r.name.as_str()),
+                    decision: self.decision.as_str(),
+                    limit,
+                    upstream: self.upstream().map(|(up, t)| up.target_addr(t)),
+                    duration: elapsed,
+                    bytes: self.bytes,
+                },
+            );
         }
     }
 }
