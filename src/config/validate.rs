@@ -443,7 +443,7 @@ impl Checker<'_> {
                 if b.0 > MAX_ACCESS_BUFFER {
                     self.at(
                         "access_log.buffer",
-                        format!("buffer must be at most 16MiB, found {}", b.0),
+                        format!("buffer must be at most 16MiB, found {} bytes", b.0),
                     );
                 }
             }

@@ -138,7 +138,9 @@ impl AccessFile {
             return;
         }
         if let Err(e) = out.file.write_all(buf) {
-            let now = crate::deny::now_ms() / 1000;
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
             if warned_at.swap(now, Relaxed) != now {
                 tracing::warn!(path = %path.display(), error = %e, bytes = buf.len(), "access log lines lost: cannot write the file");
             }
