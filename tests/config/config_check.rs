@@ -159,10 +159,15 @@ fn an_access_log_file_is_in_a_directory_that_exists_and_buffered_only_with_a_pat
             format!("access_log: {{path: {d}/a.log, buffer: ").len() + 1
         )]
     );
-    let on = loads("access_log: {path: access.log, buffer: 0, flush: 250ms}\nroutes: []\n")
-        .file
-        .access_log
-        .unwrap();
+    let loaded = loads("access_log: {path: access.log, buffer: 0, flush: 250ms}\nroutes: []\n");
+    assert!(
+        summary(&loaded).contains(
+            "access  json to access.log (buffer 0, flush 250ms; reopened on SIGUSR1), 100% of forwarded requests, every refusal\n"
+        ),
+        "{}",
+        summary(&loaded)
+    );
+    let on = loaded.file.access_log.unwrap();
     assert_eq!(
         (
             on.path.unwrap().as_str(),

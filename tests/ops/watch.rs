@@ -46,7 +46,7 @@ impl Gateway {
                 .arg("-c")
                 .arg(path)
                 .env_remove("SLUICE_CONFIG")
-                .env("SLUICE_LOG", "info")
+                .env("SLUICE_LOG", "info,sluice::config::watch=debug")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null()),
         );
@@ -183,6 +183,15 @@ async fn an_edit_applies_within_a_second_while_a_file_beside_it_is_written_conti
 
     let written = busy.stop();
     assert!(written > 100, "the busy file got only {written} lines");
+    // Why the busy file's events changed nothing is at debug level.
+    let ignored = gw
+        .lines
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.contains("event ignored") && l.contains("access.log"))
+        .count();
+    assert!(ignored > 0, "no debug line about access.log's events");
     assert_eq!(
         (gw.reloads("success").await, gw.reloads("failure").await),
         (2.0, 0.0)
