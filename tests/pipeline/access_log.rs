@@ -542,3 +542,62 @@ async fn a_file_renamed_under_traffic_and_reopened_on_sigusr1_loses_no_line() {
     );
     assert_eq!(logged, sent);
 }
+
+#[tokio::test]
+async fn a_reload_keeps_the_file_or_opens_it_anew_and_loses_no_line_either_way() {
+    let up = upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let access = |flush: &str| {
+        format!(
+            "{{format: json, path: \"{}\", flush: {flush}}}",
+            log.display()
+        )
+    };
+    let s = Sluice::start_yaml(true, |port, admin| {
+        yaml(port, admin, &up.url(), &access("10s"))
+    })
+    .await;
+    let c = http1();
+    let mut sent = Vec::new();
+    let mut send = async |sent: &mut Vec<String>| {
+        for _ in 0..10 {
+            let path = format!("/open/{}", sent.len());
+            assert_eq!(c.get(&s.url(&path), &[]).await.status, 200);
+            sent.push(path);
+        }
+    };
+    let reloaded = |n: f64| {
+        let s = &s;
+        async move {
+            eventually(Duration::from_secs(2), || async {
+                let m = s.metrics().await;
+                metric(&m, r#"sluice_config_reloads_total{result="success"}"#) == Some(n)
+            })
+            .await
+            .is_some()
+        }
+    };
+    send(&mut sent).await;
+    // The same file settings, another limit: the file is kept as it is.
+    let text = yaml(s.port, s.admin, &up.url(), &access("10s"));
+    std::fs::write(s.file.path(), text.replace("limit: 2,", "limit: 3,")).unwrap();
+    assert!(reloaded(1.0).await, "no reload");
+    send(&mut sent).await;
+    // Another flush: the file is opened anew; the old one's lines still get out.
+    let text = yaml(s.port, s.admin, &up.url(), &access("100ms"));
+    std::fs::write(s.file.path(), text).unwrap();
+    assert!(reloaded(2.0).await, "no second reload");
+    send(&mut sent).await;
+    s.stop().await;
+    let mut logged: Vec<String> = file_lines(&log)
+        .iter()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            v["path"].as_str().unwrap().to_string()
+        })
+        .collect();
+    logged.sort();
+    sent.sort();
+    assert_eq!(logged, sent);
+}
