@@ -560,7 +560,7 @@ async fn a_reload_keeps_the_file_or_opens_it_anew_and_loses_no_line_either_way()
     .await;
     let c = http1();
     let mut sent = Vec::new();
-    let mut send = async |sent: &mut Vec<String>| {
+    let send = async |sent: &mut Vec<String>| {
         for _ in 0..10 {
             let path = format!("/open/{}", sent.len());
             assert_eq!(c.get(&s.url(&path), &[]).await.status, 200);
