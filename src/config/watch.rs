@@ -74,6 +74,7 @@ pub fn watch(path: &Path, changed: impl Fn() + Send + 'static) -> Result<Watch, 
             .clone();
         for dir in dirs {
             watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+            watched.push(dir);
         }
     }
     let task = tokio::spawn(async move {
