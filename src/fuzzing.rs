@@ -92,6 +92,10 @@ pub fn config(data: &[u8]) {
     for u in loaded.file.upstreams.values_mut() {
         u.tls_ca = None;
     }
+    // Nor write them: no access log file.
+    if let Some(a) = &mut loaded.file.access_log {
+        a.path = None;
+    }
     let runtime = match compile(&loaded, &Metrics::new(), None) {
         Ok(r) => r,
         Err(CompileError::Upstream(BuildError::Ca { .. })) => return,

@@ -498,11 +498,12 @@ fn raise_open_files() {
     );
 }
 
-/// SIGTERM, SIGINT and SIGHUP, caught from `install` on.
+/// SIGTERM, SIGINT, SIGHUP and SIGUSR1, caught from `install` on.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
+    usr1: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -512,16 +513,19 @@ impl Signals {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
             hup: signal(SignalKind::hangup())?,
+            usr1: signal(SignalKind::user_defined1())?,
         })
     }
 
-    /// Reload on SIGHUP; return on SIGTERM or SIGINT.
+    /// Reload on SIGHUP, reopen the access log file on SIGUSR1; return on SIGTERM
+    /// or SIGINT.
     async fn wait(mut self, running: &sluice::server::Running) {
         loop {
             tokio::select! {
                 _ = self.term.recv() => return,
                 _ = self.int.recv() => return,
                 _ = self.hup.recv() => { let _ = running.reload().await; }
+                _ = self.usr1.recv() => running.reopen_logs().await,
             }
         }
     }

@@ -5,8 +5,9 @@
 //! here are about the outside world (files, certificates).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -31,6 +32,7 @@ use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
 use crate::pipeline::{
     Action, BanRule, LaterLimit, LimitKey, Limits, Route, Runtime, ShareDef, Tier,
 };
+use crate::telemetry::access_file::{AccessFile, FileOptions};
 use crate::telemetry::access_log::{AccessLog, Format};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::{BuildError, Protocol, Upstream, UpstreamOpts};
@@ -41,6 +43,8 @@ pub enum CompileError {
     Upstream(#[from] BuildError),
     #[error("route {route}: {message}")]
     Route { route: String, message: String },
+    #[error("access_log.path {path}: {error}")]
+    AccessLog { path: String, error: std::io::Error },
 }
 
 fn route_err(route: &str, message: impl Into<String>) -> CompileError {
@@ -49,6 +53,40 @@ fn route_err(route: &str, message: impl Into<String>) -> CompileError {
         message: message.into(),
     }
 }
+
+/// The access log's file, if it has one: the previous configuration's when it has
+/// the same path and settings (so a reload neither reopens it nor reorders its
+/// lines), else opened now.
+fn access_file(
+    a: &schema::AccessLogConfig,
+    previous: Option<&Runtime>,
+) -> Result<Option<Arc<AccessFile>>, CompileError> {
+    let Some(path) = &a.path else {
+        return Ok(None);
+    };
+    let options = FileOptions {
+        path: PathBuf::from(path.as_str()),
+        buffer: a.buffer.map_or(DEFAULT_ACCESS_BUFFER, |b| b.0 as usize),
+        flush: a.flush.map_or(DEFAULT_ACCESS_FLUSH, |d| d.get()),
+    };
+    let kept = previous
+        .and_then(|p| p.access.as_ref()?.file())
+        .filter(|f| *f.options() == options);
+    if let Some(f) = kept {
+        return Ok(Some(f.clone()));
+    }
+    AccessFile::open(options)
+        .map(Some)
+        .map_err(|error| CompileError::AccessLog {
+            path: path.as_str().to_string(),
+            error,
+        })
+}
+
+/// `access_log.buffer` and `access_log.flush` when not given (nginx's `buffer=64k`,
+/// `flush=1s` in its examples).
+pub const DEFAULT_ACCESS_BUFFER: usize = 64 * 1024;
+pub const DEFAULT_ACCESS_FLUSH: Duration = Duration::from_secs(1);
 
 /// Compiles a loaded file into the runtime that serves it. An upstream whose
 /// settings (and CA file) are those of one in `previous` is taken over as it is, with
@@ -132,13 +170,22 @@ pub fn compile(
         max_key_body: f.server.max_key_body.0,
         request_body_timeout: f.server.request_body_timeout.get(),
         on_error: f.store.on_error,
-        access: f.access_log.as_ref().map(|a| {
-            let format = match a.format {
-                schema::AccessFormat::Json => Format::Json,
-                schema::AccessFormat::Combined => Format::Combined,
-            };
-            AccessLog::new(format, a.sample, metrics.access_logs_dropped.clone())
-        }),
+        access: match &f.access_log {
+            Some(a) => {
+                let format = match a.format {
+                    schema::AccessFormat::Json => Format::Json,
+                    schema::AccessFormat::Combined => Format::Combined,
+                };
+                let file = access_file(a, previous)?;
+                Some(AccessLog::new(
+                    format,
+                    a.sample,
+                    metrics.access_logs_dropped.clone(),
+                    file,
+                ))
+            }
+            None => None,
+        },
         unmatched: metrics.unmatched(),
         hash: loaded.hash.clone(),
         // An empty token (`${VAR:-}`) is no token; validation allows that only on loopback.

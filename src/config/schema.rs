@@ -37,7 +37,8 @@ pub struct File {
     /// Keys and addresses refused on every route.
     #[serde(default)]
     pub deny: Deny,
-    /// One line per request on stderr (target `sluice::access`); off when absent.
+    /// One line per request, on stderr (target `sluice::access`) or to a file; off
+    /// when absent.
     #[serde(default)]
     pub access_log: Option<AccessLogConfig>,
     /// Routes in order; the first that matches a request takes it.
@@ -52,9 +53,20 @@ pub struct AccessLogConfig {
     #[serde(default)]
     pub format: AccessFormat,
     /// The share of forwarded requests logged, 0 to 1; refused requests are always
-    /// logged (within a budget of lines a second).
+    /// logged (on stderr within a budget of lines a second, to a file every one).
     #[serde(default = "one")]
     pub sample: f64,
+    /// Write the lines to this file (appended to, created if absent) instead of
+    /// stderr; SIGUSR1 opens it again, for log rotation.
+    #[serde(default)]
+    pub path: Option<Text>,
+    /// With `path`: bytes of lines gathered before a write (default 64KiB; 0 writes
+    /// each line at once).
+    #[serde(default)]
+    pub buffer: Option<Size>,
+    /// With `path`: the longest a line waits in the buffer (default 1s).
+    #[serde(default)]
+    pub flush: Option<Dur>,
 }
 
 fn one() -> f64 {

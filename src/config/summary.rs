@@ -82,13 +82,26 @@ pub fn summary(loaded: &Loaded) -> String {
             super::schema::AccessFormat::Json => "json",
             super::schema::AccessFormat::Combined => "combined",
         };
-        line(
-            &mut out,
-            format!(
-                "access  {format} on stderr, {}% of forwarded requests, every refusal (10 lines/s)",
-                a.sample * 100.0
+        let share = a.sample * 100.0;
+        let text = match &a.path {
+            Some(path) => {
+                let buffer = a
+                    .buffer
+                    .map_or(super::compile::DEFAULT_ACCESS_BUFFER as u64, |b| b.0);
+                let flush = a
+                    .flush
+                    .map_or(super::compile::DEFAULT_ACCESS_FLUSH, |d| d.get());
+                format!(
+                    "access  {format} to {path} (buffer {}, flush {}; reopened on SIGUSR1), {share}% of forwarded requests, every refusal",
+                    super::value::fmt_size(buffer),
+                    super::value::fmt_dur(flush)
+                )
+            }
+            None => format!(
+                "access  {format} on stderr, {share}% of forwarded requests, every refusal (10 lines/s)"
             ),
-        );
+        };
+        line(&mut out, text);
     }
 
     for (name, up) in &f.upstreams {

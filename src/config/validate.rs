@@ -297,6 +297,8 @@ const RESPOND_REFUSED: [&str; 8] = [
 /// Timeouts above this are refused: a typo (`100d` for `100s`) that would hold a
 /// connection, a request or a shutdown all but forever.
 const MAX_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(86_400);
+/// The largest access log buffer (`access_log.buffer`): lines waiting in memory.
+const MAX_ACCESS_BUFFER: u64 = 16 * 1024 * 1024;
 
 /// A character of an HTTP token (RFC 9110 §5.6.2).
 fn is_tchar(b: u8) -> bool {
@@ -438,6 +440,54 @@ impl Checker<'_> {
                     ),
                 );
             }
+            match &a.path {
+                Some(path) => self.access_log_path(path.as_str()),
+                None => {
+                    for (field, given) in
+                        [("buffer", a.buffer.is_some()), ("flush", a.flush.is_some())]
+                    {
+                        if given {
+                            self.at_key(
+                                &format!("access_log.{field}"),
+                                format!("{field} applies only with path: on stderr each line is written at once"),
+                            );
+                        }
+                    }
+                }
+            }
+            if let Some(b) = a.buffer {
+                if b.0 > MAX_ACCESS_BUFFER {
+                    self.at(
+                        "access_log.buffer",
+                        format!("buffer must be at most 16MiB, found {} bytes", b.0),
+                    );
+                }
+            }
+            if let Some(f) = a.flush {
+                self.timeout("access_log.flush", "flush", f);
+            }
+        }
+    }
+
+    /// The access log's file: a name in a directory that exists (the file itself
+    /// is created when absent, as nginx does; the directory is not).
+    fn access_log_path(&mut self, path: &str) {
+        let p = std::path::Path::new(path);
+        if path.is_empty() || path.ends_with('/') {
+            self.at("access_log.path", "path must name a file");
+            return;
+        }
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        if !dir.is_dir() {
+            self.at(
+                "access_log.path",
+                format!("the directory of {path:?} does not exist"),
+            );
+        } else if p.is_dir() {
+            self.at("access_log.path", format!("{path:?} is a directory"));
         }
     }
 

@@ -539,6 +539,16 @@ pub fn fmt_dur(d: Duration) -> String {
         .unwrap_or_else(|| format!("{us}us"))
 }
 
+/// A byte size in the largest binary unit that divides it: `64KiB`, `1MiB`, `100`.
+pub fn fmt_size(n: u64) -> String {
+    const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    UNITS
+        .iter()
+        .find(|(u, _)| n > 0 && n.is_multiple_of(*u))
+        .map(|(u, unit)| format!("{}{unit}", n / u))
+        .unwrap_or_else(|| n.to_string())
+}
+
 /// A rate as written: `10/s`, `100/m`, `5/10s`.
 pub fn fmt_rate(r: RateSpec) -> String {
     let per = fmt_dur(r.per);

@@ -34,6 +34,8 @@ pub enum Command {
     Ban(BanRequest),
     /// Drop expired entries and write the state file if anything changed.
     Tick,
+    /// Write out the access log file's buffer and open its path again (SIGUSR1).
+    ReopenLogs,
 }
 
 /// What asked for a reload.
@@ -228,6 +230,15 @@ impl Control {
             }
             Command::Tick => {
                 self.tick().await;
+                Ok(Reply::Done)
+            }
+            Command::ReopenLogs => {
+                let rt = self.shared.runtime.load_full();
+                if let Some(file) = rt.access.as_ref().and_then(|a| a.file()) {
+                    let file = file.clone();
+                    // A write and an open: off the runtime's threads.
+                    let _ = tokio::task::spawn_blocking(move || file.reopen()).await;
+                }
                 Ok(Reply::Done)
             }
         }

@@ -271,6 +271,9 @@ async fn process(
     // delayed, while the upstream works, or mid-body), with the decision made for it.
     let mut tally = Tally::new(rt.clone(), route);
     let unread_body = parts.version < Version::HTTP_2 && announces_body(&parts.headers);
+    // What the client spoke, for the access log: forwarding rewrites `parts.version`
+    // to the upstream's.
+    let version = parts.version;
 
     let ctx = Ctx {
         shared,
@@ -306,7 +309,7 @@ async fn process(
             let mut entry = access.entry(
                 &p.method,
                 p.uri.path(),
-                p.version,
+                version,
                 client_fields,
                 ip,
                 status,
@@ -879,18 +882,21 @@ impl Drop for Tally {
         metrics.count(self.decision);
         let elapsed = self.started.elapsed();
         metrics.duration.observe(elapsed.as_secs_f64());
-        if let Some(entry) = &self.access {
+        if let (Some(entry), Some(log)) = (&self.access, &self.rt.access) {
             let route = self.route.map(|i| &self.rt.routes[i]);
             let limit = self.limit.as_deref();
-            entry.write(&access_log::End {
-                at_ms: crate::deny::now_ms(),
-                route: route.map_or("unmatched", |r| r.name.as_str()),
-                decision: self.decision.as_str(),
-                limit,
-                upstream: self.upstream().map(|(up, t)| up.target_addr(t)),
-                duration: elapsed,
-                bytes: self.bytes,
-            });
+            log.write(
+                entry,
+                &access_log::End {
+                    at_ms: crate::deny::now_ms(),
+                    route: route.map_or("unmatched", |r| r.name.as_str()),
+                    decision: self.decision.as_str(),
+                    limit,
+                    upstream: self.upstream().map(|(up, t)| up.target_addr(t)),
+                    duration: elapsed,
+                    bytes: self.bytes,
+                },
+            );
         }
     }
 }

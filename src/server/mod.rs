@@ -432,14 +432,29 @@ impl Running {
         }
     }
 
+    /// Write out the access log file's buffer and open the file again (SIGUSR1).
+    pub async fn reopen_logs(&self) {
+        let _ = self.control.apply(Command::ReopenLogs).await;
+    }
+
     /// Stop accepting, let requests in flight finish (bounded by
-    /// `server.shutdown_grace`), then return.
+    /// `server.shutdown_grace`), then return, the access log file written out.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         for t in self.tasks {
             let _ = t.await;
         }
         self.publisher.abort();
+        if let Some(file) = self
+            .shared
+            .runtime
+            .load()
+            .access
+            .as_ref()
+            .and_then(|a| a.file())
+        {
+            file.flush();
+        }
     }
 }
 

@@ -1,23 +1,26 @@
-//! The access log (`access_log:`, off by default): one line per request, written to
-//! stderr under the target `sluice::access` (so `SLUICE_LOG` turns it off like any
-//! other), as one JSON object or as nginx's `combined` line with sluice's fields
-//! after it. The line is the whole output: no timestamp or level is put before it,
+//! The access log (`access_log:`, off by default): one line per request, as one JSON
+//! object or as nginx's `combined` line with sluice's fields after it. With `path`
+//! the lines go to that file, through a buffer (`access_file`); without, to stderr
+//! under the target `sluice::access` (so `SLUICE_LOG` turns them off like any
+//! other). The line is the whole output: no timestamp or level is put before it,
 //! whatever `--log-format` says (`AccessLayer` writes it as it is).
 //!
 //! Forwarded requests (allowed, delayed, shadow, store_error_allowed, and those the
 //! upstream then failed) are kept by `sample`, deterministically: with 0.1 exactly
 //! one request in ten. Every other request (refused: limited, denied, store down,
-//! unmatched, malformed) is always logged, within a budget of `LINES_PER_SECOND` a
-//! second, as the refusal log is: the rest are counted in
-//! `sluice_access_logs_dropped_total` and in the `dropped` field of the next
-//! refusal's line.
+//! unmatched, malformed) is always logged. On stderr, where the lines share the
+//! application log, within a budget of `LINES_PER_SECOND` a second, as the refusal
+//! log is: the rest are counted in `sluice_access_logs_dropped_total` and in the
+//! `dropped` field of the next refusal's line. A file gets every one.
 //!
 //! Never written: the query string (only the path is), cookies, `Authorization`,
 //! and the referer's query.
 
+use std::cell::RefCell;
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, Method, Version};
@@ -25,6 +28,7 @@ use prometheus::IntCounter;
 use serde::Serialize;
 use tracing_subscriber::layer::Context;
 
+use super::access_file::AccessFile;
 use super::refusal_log::{Budget, LINES_PER_SECOND};
 use super::Civil;
 
@@ -42,10 +46,12 @@ pub enum Format {
     Combined,
 }
 
-/// The access log of one configuration: its format, its sample and the budget of
-/// refusal lines.
+/// The access log of one configuration: its format, its sample, the budget of
+/// refusal lines on stderr, or the file.
 pub struct AccessLog {
     format: Format,
+    /// Where the lines go; stderr when `None`.
+    file: Option<Arc<AccessFile>>,
     /// Forwarded requests kept per million.
     per_million: u64,
     /// Forwarded requests seen, for the sample.
@@ -56,9 +62,15 @@ pub struct AccessLog {
 
 impl AccessLog {
     /// `sample` is clamped to 0..=1 (validation refuses anything else).
-    pub fn new(format: Format, sample: f64, dropped_total: IntCounter) -> AccessLog {
+    pub fn new(
+        format: Format,
+        sample: f64,
+        dropped_total: IntCounter,
+        file: Option<Arc<AccessFile>>,
+    ) -> AccessLog {
         AccessLog {
             format,
+            file,
             per_million: (sample.clamp(0.0, 1.0) * 1e6).round() as u64,
             seen: AtomicU64::new(0),
             refusals: Budget::new(LINES_PER_SECOND),
@@ -70,6 +82,34 @@ impl AccessLog {
         self.format
     }
 
+    /// The file the lines go to, if not stderr.
+    pub fn file(&self) -> Option<&Arc<AccessFile>> {
+        self.file.as_ref()
+    }
+
+    /// Writes a finished line: to the file's buffer, or to stderr.
+    pub fn write(&self, entry: &Entry, end: &End<'_>) {
+        match &self.file {
+            Some(file) => {
+                thread_local! {
+                    static LINE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+                }
+                LINE.with(|line| {
+                    let Ok(mut line) = line.try_borrow_mut() else {
+                        return file.append(entry.line(end).as_bytes());
+                    };
+                    line.clear();
+                    entry.line_into(end, &mut line);
+                    file.append(&line);
+                });
+            }
+            None => {
+                let line = entry.line(end);
+                tracing::info!(target: TARGET, line = line.as_str());
+            }
+        }
+    }
+
     /// Whether this request gets a line: a forwarded one by the sample, a refused
     /// one within this second's budget (counted when not). `Some` holds the refusal
     /// lines dropped since the last one written (0 for forwarded requests).
@@ -78,6 +118,9 @@ impl AccessLog {
         // `enabled!` that no event follows leaves the next event of the formatted log
         // filtered out. `SLUICE_LOG` still drops the line when it is written.)
         if refused {
+            if self.file.is_some() {
+                return Some(0);
+            }
             let kept = self.refusals.admit(now_ms / 1000);
             if kept.is_none() {
                 self.dropped_total.inc();
@@ -198,6 +241,13 @@ struct JsonLine<'a> {
 impl Entry {
     /// The line, without its newline.
     pub fn line(&self, end: &End<'_>) -> String {
+        let mut out = Vec::new();
+        self.line_into(end, &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    /// Appends the line, without its newline, to `out`.
+    pub fn line_into(&self, end: &End<'_>, out: &mut Vec<u8>) {
         let duration_ms = end.duration.as_micros() as f64 / 1000.0;
         let protocol = protocol(self.version);
         match self.format {
@@ -219,7 +269,8 @@ impl Entry {
                     bytes: end.bytes,
                     dropped: self.dropped,
                 };
-                serde_json::to_string(&line).unwrap_or_default()
+                // Writing to a Vec fails only for a value serde cannot write: none here.
+                let _ = serde_json::to_writer(&mut *out, &line);
             }
             Format::Combined => {
                 // nginx: $remote_addr - $remote_user [$time_local] "$request" $status
@@ -258,15 +309,9 @@ impl Entry {
                     duration_ms,
                     self.dropped
                 );
-                s
+                out.extend_from_slice(s.as_bytes());
             }
         }
-    }
-
-    /// Writes the line (through `AccessLayer`).
-    pub fn write(&self, end: &End<'_>) {
-        let line = self.line(end);
-        tracing::info!(target: TARGET, line = line.as_str());
     }
 }
 
@@ -350,7 +395,7 @@ mod tests {
     use super::*;
 
     fn entry(format: Format) -> Box<Entry> {
-        let log = AccessLog::new(format, 1.0, IntCounter::new("x", "x").unwrap());
+        let log = AccessLog::new(format, 1.0, IntCounter::new("x", "x").unwrap(), None);
         let mut h = HeaderMap::new();
         h.insert("referer", "https://ex.com/p?token=secret".parse().unwrap());
         h.insert("user-agent", "curl/8 \"evil\"".parse().unwrap());
@@ -407,13 +452,13 @@ mod tests {
     fn a_sample_keeps_exactly_its_share_of_forwarded_requests() {
         let c = || IntCounter::new("x", "x").unwrap();
         for (sample, kept) in [(0.0, 0), (0.1, 100), (0.25, 250), (1.0, 1000)] {
-            let log = AccessLog::new(Format::Json, sample, c());
+            let log = AccessLog::new(Format::Json, sample, c(), None);
             let n = (0..1000).filter(|_| log.keep(false, 0).is_some()).count();
             assert_eq!(n, kept, "sample {sample}");
         }
         // Refusals: the second's budget, the rest counted and reported next.
         let dropped = c();
-        let log = AccessLog::new(Format::Json, 0.0, dropped.clone());
+        let log = AccessLog::new(Format::Json, 0.0, dropped.clone(), None);
         let kept: Vec<_> = (0..LINES_PER_SECOND + 2)
             .map(|_| log.keep(true, 5_000))
             .collect();

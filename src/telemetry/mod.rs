@@ -2,6 +2,7 @@
 //! log, the heaviest refused clients of each route (`top`), and the UTC times they
 //! write.
 
+pub mod access_file;
 pub mod access_log;
 pub mod metrics;
 pub mod refusal_log;

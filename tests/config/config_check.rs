@@ -122,6 +122,63 @@ fn access_log_sample_is_a_share_and_its_format_one_of_two() {
 }
 
 #[test]
+fn an_access_log_file_is_in_a_directory_that_exists_and_buffered_only_with_a_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    assert_eq!(
+        errors_in(
+            dir.path(),
+            &format!("access_log:\n  path: {d}/nowhere/access.log\nroutes: []\n")
+        ),
+        [format!(
+            "rules.yaml:2:9: the directory of \"{d}/nowhere/access.log\" does not exist"
+        )]
+    );
+    assert_eq!(
+        errors_in(
+            dir.path(),
+            &format!("access_log:\n  path: {d}\nroutes: []\n")
+        ),
+        [format!("rules.yaml:2:9: \"{d}\" is a directory")]
+    );
+    assert_eq!(
+        errors("access_log:\n  buffer: 4KiB\n  flush: 0s\nroutes: []\n"),
+        [
+            "rules.yaml:2:3: buffer applies only with path: on stderr each line is written at once",
+            "rules.yaml:3:3: flush applies only with path: on stderr each line is written at once",
+            "rules.yaml:3:10: flush must be greater than 0",
+        ]
+    );
+    assert_eq!(
+        errors_in(
+            dir.path(),
+            &format!("access_log: {{path: {d}/a.log, buffer: 32MiB}}\nroutes: []\n")
+        ),
+        [format!(
+            "rules.yaml:1:{}: buffer must be at most 16MiB, found 33554432 bytes",
+            format!("access_log: {{path: {d}/a.log, buffer: ").len() + 1
+        )]
+    );
+    let loaded = loads("access_log: {path: access.log, buffer: 0, flush: 250ms}\nroutes: []\n");
+    assert!(
+        summary(&loaded).contains(
+            "access  json to access.log (buffer 0, flush 250ms; reopened on SIGUSR1), 100% of forwarded requests, every refusal\n"
+        ),
+        "{}",
+        summary(&loaded)
+    );
+    let on = loaded.file.access_log.unwrap();
+    assert_eq!(
+        (
+            on.path.unwrap().as_str(),
+            on.buffer.unwrap().0,
+            on.flush.unwrap().get()
+        ),
+        ("access.log", 0, std::time::Duration::from_millis(250))
+    );
+}
+
+#[test]
 fn typo_in_store_is_located() {
     assert_eq!(
         error("store:\n  backend: memory\n  memroy: {max_keys: 5}\nroutes: []\n"),

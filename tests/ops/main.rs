@@ -1,6 +1,6 @@
-//! Running sluice: live operations (reload, the admin API, bans), the admin port
-//! against browsers, the `sluice` binary's commands, the dashboard, and `/metrics`
-//! under promtool.
+//! Running sluice: live operations (reload, the admin API, bans), the watcher in a
+//! busy folder, the admin port against browsers, the `sluice` binary's commands,
+//! the dashboard, and `/metrics` under promtool.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -13,3 +13,4 @@ mod dashboard;
 mod live_ops;
 mod metrics_lint;
 mod top;
+mod watch;

@@ -1,6 +1,8 @@
 //! The access log of the `sluice` binary (`access_log:`): one line per request with
 //! every field, JSON or nginx's combined format, forwarded requests sampled exactly,
-//! refusals within a budget of lines a second (the rest counted), and never a query
+//! the protocol the client spoke, refusals within a budget of lines a second on
+//! stderr (the rest counted) and every one in a file, a file renamed under traffic
+//! and reopened on SIGUSR1 with no line lost or doubled, and never a query
 //! string, a cookie or an `Authorization` value. Beside it, the lines an operator
 //! needs when the upstream fails: one WARN per target that takes no connection at
 //! startup and after a reload, and WARN lines of failed forwards naming the route and
@@ -368,4 +370,234 @@ async fn an_absent_upstream_is_a_warning_at_startup_after_a_reload_and_on_every_
         Vec::<String>::new()
     );
     s.stop().await;
+}
+
+#[tokio::test]
+async fn the_protocol_is_the_one_the_client_spoke_for_forwarded_requests_too() {
+    let up = upstream().await;
+    let s = Sluice::start_yaml(true, |port, admin| {
+        yaml(port, admin, &up.url(), "{format: json}")
+    })
+    .await;
+    assert_eq!(h2c().get(&s.url("/open/h2"), &[]).await.status, 200);
+    assert_eq!(http1().get(&s.url("/open/h11"), &[]).await.status, 200);
+    let addr = format!("127.0.0.1:{}", s.port).parse().unwrap();
+    let answer = exchange(addr, b"GET /open/h10 HTTP/1.0\r\nhost: h\r\n\r\n").await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200"),
+        "{answer}"
+    );
+    // And a refusal over h2 (sluice's own answer): the same field.
+    assert_eq!(h2c().get(&s.url("/nowhere"), &[]).await.status, 404);
+    let mut got: Vec<(String, String)> = wait_access(&s, 4)
+        .await
+        .iter()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (
+                v["path"].as_str().unwrap().to_string(),
+                v["protocol"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    got.sort();
+    let want = [
+        ("/nowhere", "HTTP/2.0"),
+        ("/open/h10", "HTTP/1.0"),
+        ("/open/h11", "HTTP/1.1"),
+        ("/open/h2", "HTTP/2.0"),
+    ];
+    assert_eq!(
+        got,
+        want.map(|(p, v)| (p.to_string(), v.to_string())).to_vec()
+    );
+    s.stop().await;
+}
+
+// === to a file ===
+
+fn file_lines(path: &std::path::Path) -> Vec<String> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => text.lines().map(str::to_string).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => panic!("{}: {e}", path.display()),
+    }
+}
+
+#[tokio::test]
+async fn a_file_gets_every_refusal_beyond_the_stderr_budget_and_nothing_goes_to_stderr() {
+    let up = upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let access = format!(
+        "{{format: json, path: \"{}\", flush: 100ms}}",
+        log.display()
+    );
+    let s = Sluice::start_yaml(true, |port, admin| yaml(port, admin, &up.url(), &access)).await;
+    let c = http1();
+    assert_eq!(c.get(&s.url("/flood"), &[]).await.status, 200);
+    const REFUSED: usize = 50;
+    for _ in 0..REFUSED {
+        assert_eq!(c.get(&s.url("/flood"), &[]).await.status, 429);
+    }
+    // Flushed within `flush`, while the gateway runs.
+    let whole = eventually(Duration::from_secs(2), || async {
+        file_lines(&log).len() > REFUSED
+    })
+    .await;
+    assert!(
+        whole.is_some(),
+        "{} lines in the file",
+        file_lines(&log).len()
+    );
+    let lines = file_lines(&log);
+    let decisions: Vec<String> = lines
+        .iter()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            assert_eq!(v["dropped"], 0, "{l}");
+            v["decision"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let mut want = vec!["allowed".to_string()];
+    want.extend(std::iter::repeat_n("limited".to_string(), REFUSED));
+    assert_eq!(decisions, want);
+    let m = s.metrics().await;
+    assert_eq!(metric(&m, "sluice_access_logs_dropped_total"), Some(0.0));
+    assert_eq!(access_lines(&s), Vec::<String>::new());
+    s.stop().await;
+    assert_eq!(file_lines(&log).len(), REFUSED + 1);
+}
+
+#[tokio::test]
+async fn a_file_renamed_under_traffic_and_reopened_on_sigusr1_loses_no_line() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let up = upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let rotated = dir.path().join("access.log.1");
+    // A small buffer, so lines are written while the traffic goes on, and a long
+    // flush: the lines still buffered at the reopen are the old file's.
+    let access = format!(
+        "{{format: combined, path: \"{}\", buffer: 2KiB, flush: 10s}}",
+        log.display()
+    );
+    let s = Sluice::start_yaml(false, |port, admin| yaml(port, admin, &up.url(), &access)).await;
+
+    // Four clients send requests, each to a path of its own, until told to stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|client| {
+            let (stop, base) = (stop.clone(), s.url("/open/"));
+            tokio::spawn(async move {
+                let c = http1();
+                let mut sent = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let path = format!("/open/{client}-{}", sent.len());
+                    let r = c.get(&format!("{base}{client}-{}", sent.len()), &[]).await;
+                    assert_eq!(r.status, 200);
+                    sent.push(path);
+                }
+                sent
+            })
+        })
+        .collect();
+    let lines_in = |p: &std::path::Path| file_lines(p).len();
+    // Traffic until some lines are in the file, then logrotate's move.
+    let before = eventually(Duration::from_secs(2), || async { lines_in(&log) > 0 }).await;
+    assert!(before.is_some(), "nothing written before the rename");
+    std::fs::rename(&log, &rotated).unwrap();
+    s.signal(libc::SIGUSR1);
+    // The reopen creates the file again; the traffic goes on into it.
+    let reopened = eventually(Duration::from_secs(2), || async { log.exists() }).await;
+    assert!(reopened.is_some(), "access.log not reopened");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut sent = Vec::new();
+    for c in clients {
+        sent.extend(c.await.unwrap());
+    }
+    // The rest is written at the latest when the gateway stops.
+    s.stop().await;
+    let path_of = |l: &String| {
+        let request = l.split('"').nth(1).unwrap_or_else(|| panic!("{l}"));
+        request.split(' ').nth(1).unwrap().to_string()
+    };
+    let (old, new) = (file_lines(&rotated), file_lines(&log));
+    assert!(
+        !old.is_empty() && !new.is_empty(),
+        "{} and {} lines",
+        old.len(),
+        new.len()
+    );
+    let mut logged: Vec<String> = old.iter().chain(&new).map(path_of).collect();
+    logged.sort();
+    sent.sort();
+    assert_eq!(
+        logged.len(),
+        sent.len(),
+        "lines for {} requests",
+        sent.len()
+    );
+    assert_eq!(logged, sent);
+}
+
+#[tokio::test]
+async fn a_reload_keeps_the_file_or_opens_it_anew_and_loses_no_line_either_way() {
+    let up = upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let access = |flush: &str| {
+        format!(
+            "{{format: json, path: \"{}\", flush: {flush}}}",
+            log.display()
+        )
+    };
+    let s = Sluice::start_yaml(true, |port, admin| {
+        yaml(port, admin, &up.url(), &access("10s"))
+    })
+    .await;
+    let c = http1();
+    let mut sent = Vec::new();
+    let send = async |sent: &mut Vec<String>| {
+        for _ in 0..10 {
+            let path = format!("/open/{}", sent.len());
+            assert_eq!(c.get(&s.url(&path), &[]).await.status, 200);
+            sent.push(path);
+        }
+    };
+    let reloaded = |n: f64| {
+        let s = &s;
+        async move {
+            eventually(Duration::from_secs(2), || async {
+                let m = s.metrics().await;
+                metric(&m, r#"sluice_config_reloads_total{result="success"}"#) == Some(n)
+            })
+            .await
+            .is_some()
+        }
+    };
+    send(&mut sent).await;
+    // The same file settings, another limit: the file is kept as it is.
+    let text = yaml(s.port, s.admin, &up.url(), &access("10s"));
+    std::fs::write(s.file.path(), text.replace("limit: 2,", "limit: 3,")).unwrap();
+    assert!(reloaded(1.0).await, "no reload");
+    send(&mut sent).await;
+    // Another flush: the file is opened anew; the old one's lines still get out.
+    let text = yaml(s.port, s.admin, &up.url(), &access("100ms"));
+    std::fs::write(s.file.path(), text).unwrap();
+    assert!(reloaded(2.0).await, "no second reload");
+    send(&mut sent).await;
+    s.stop().await;
+    let mut logged: Vec<String> = file_lines(&log)
+        .iter()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            v["path"].as_str().unwrap().to_string()
+        })
+        .collect();
+    logged.sort();
+    sent.sort();
+    assert_eq!(logged, sent);
 }

@@ -143,6 +143,11 @@ impl Sluice {
         panic!("{refused} refusals never accounted for");
     }
 
+    /// Sends `signal` (e.g. `libc::SIGUSR1`) to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        self.process.signal(signal);
+    }
+
     /// Stop it (SIGTERM, exit 0) and return everything it wrote.
     pub async fn stop(mut self) -> String {
         self.process.signal(libc::SIGTERM);

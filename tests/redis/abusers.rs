@@ -4,7 +4,8 @@
 //! upstream; then the access log, `sluice_upstream_responses_total`, `sluice top`
 //! (key and address first), a deny through the admin API's command (the
 //! dashboard's), refused by the other instance too, and the fleet view with both
-//! instances, one configuration hash and the summed counts.
+//! instances, one configuration hash and the summed counts; then a third instance
+//! from an edited copy, which the fleet view shows with a second hash.
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
@@ -315,4 +316,31 @@ async fn the_walkthrough_finds_the_scraper_denies_it_and_sums_the_fleet() {
         (login["allowed"].as_u64(), login["limited"].as_u64()),
         (Some(5), Some(3))
     );
+
+    // The page's way to see a fleet that disagrees: a third instance from an
+    // edited copy (the page's `sed`), listed with a hash of its own.
+    assert!(example.contains("limit: 20, window: 1m"));
+    let edited = config_file(
+        &example
+            .replace("limit: 20, window: 1m", "limit: 30, window: 1m")
+            .replace("http://127.0.0.1:3000", &up.url()),
+    );
+    let third = Instance::start(edited.path(), &redis).await;
+    let mut fleet = Value::Null;
+    for _ in 0..(BOUND.as_millis() / 50) {
+        fleet = a.admin_json("/admin/fleet").await;
+        if fleet["instances"].as_array().map_or(0, Vec::len) == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let instances = fleet["instances"].as_array().unwrap();
+    assert_eq!(instances.len(), 3, "{fleet:#}");
+    assert_eq!(fleet["consistent"], false, "{fleet:#}");
+    let hashes: std::collections::BTreeSet<&str> = instances
+        .iter()
+        .map(|i| i["config_hash"].as_str().unwrap())
+        .collect();
+    assert_eq!(hashes.len(), 2, "{fleet:#}");
+    drop(third);
 }
