@@ -33,6 +33,7 @@ use crate::pipeline::{
 };
 use crate::telemetry::access_log::{AccessLog, Format};
 use crate::telemetry::metrics::Metrics;
+use crate::upstream::health::{Check, Passive};
 use crate::upstream::{BuildError, Protocol, Upstream, UpstreamOpts};
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +86,19 @@ pub fn compile(
                 UpstreamProtocol::H2 => Protocol::H2,
                 UpstreamProtocol::Auto => Protocol::Auto,
             },
+            passive: Passive {
+                max_fails: u.max_fails.get(),
+                fail_timeout: u.fail_timeout.get(),
+            },
+            check: u.health_check.as_ref().and_then(|c| {
+                Some(Check {
+                    // Validation keeps it a path.
+                    path: c.path.as_str().parse().ok()?,
+                    interval: c.interval.get(),
+                    timeout: c.timeout.get(),
+                })
+            }),
+            healthy: Some(&metrics.upstream_target_healthy),
         };
         let spec = opts.spec(name, &targets);
         let up = match previous.and_then(|p| p.upstreams.get(name)) {

@@ -763,11 +763,27 @@ async fn act<'a>(
                 trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,
             };
-            let t = up.pick();
+            let mut t = up.pick();
             *target = Some(t);
-            up.forward(t, parts, body, &origin, ctx.rt.max_request_body, timer, raw)
-                .await
-                .map_err(|e| forward_failed(ctx.shared, route, (up, t), e))
+            // A target no connection could be made to, left for the next: counted
+            // and logged as any failed forward.
+            let passed_over = |past: usize, e: &ProxyError| {
+                upstream_failed(route, (up, past), e);
+            };
+            let answered = up
+                .forward(
+                    &mut t,
+                    parts,
+                    body,
+                    &origin,
+                    ctx.rt.max_request_body,
+                    timer,
+                    raw,
+                    passed_over,
+                )
+                .await;
+            *target = Some(t);
+            answered.map_err(|e| forward_failed(ctx.shared, route, (up, t), e))
         }
     }
 }
@@ -951,9 +967,7 @@ fn forward_failed<'a>(
     e: ProxyError,
 ) -> Refusal<'a> {
     let upstream_fault = match &e {
-        ProxyError::Connect(_) => Some(&route.metrics.upstream_connect),
-        ProxyError::Timeout => Some(&route.metrics.upstream_timeout),
-        ProxyError::Reset(_) => Some(&route.metrics.upstream_reset),
+        ProxyError::Connect(_) | ProxyError::Timeout | ProxyError::Reset(_) => Some(()),
         ProxyError::Busy => {
             route.metrics.upstream_busy.inc();
             None
@@ -965,14 +979,24 @@ fn forward_failed<'a>(
         }
     };
     match upstream_fault {
-        Some(counter) => {
-            counter.inc();
-            if let Some(dropped) = up.failure_line(t) {
-                let target = up.target_addr(t);
-                tracing::warn!(route = %route.name, upstream = %up.name, target, dropped, error = %e, "forwarding failed");
-            }
-        }
+        Some(_) => upstream_failed(route, (up, t), &e),
         None => tracing::debug!(route = %route.name, error = %e, "forwarding failed"),
     }
     Refusal::from(e)
+}
+
+/// Counts the upstream's failure (connect, timeout or reset) and logs it at WARN
+/// with the target, a few lines a second per target.
+fn upstream_failed(route: &Route, (up, t): (&Upstream, usize), e: &ProxyError) {
+    let counter = match e {
+        ProxyError::Connect(_) => &route.metrics.upstream_connect,
+        ProxyError::Timeout => &route.metrics.upstream_timeout,
+        ProxyError::Reset(_) => &route.metrics.upstream_reset,
+        _ => return,
+    };
+    counter.inc();
+    if let Some(dropped) = up.failure_line(t) {
+        let target = up.target_addr(t);
+        tracing::warn!(route = %route.name, upstream = %up.name, target, dropped, error = %e, "forwarding failed");
+    }
 }
