@@ -270,6 +270,7 @@ async fn process(
     // Counted when the response body ends, or when the client goes away first (while
     // delayed, while the upstream works, or mid-body), with the decision made for it.
     let mut tally = Tally::new(rt.clone(), route);
+    tally.client_h1 = parts.version < Version::HTTP_2;
     let unread_body = parts.version < Version::HTTP_2 && announces_body(&parts.headers);
 
     let ctx = Ctx {
@@ -810,6 +811,8 @@ struct Tally {
     access: Option<Box<access_log::Entry>>,
     /// Body bytes sent to the client (counted only when `access` is kept).
     bytes: u64,
+    /// The client speaks HTTP/1 (sluice's own server writes the answer).
+    client_h1: bool,
 }
 
 impl Tally {
@@ -826,6 +829,7 @@ impl Tally {
             limit: None,
             access: None,
             bytes: 0,
+            client_h1: true,
         }
     }
 
@@ -843,7 +847,13 @@ impl body::OnFail for Tally {
     /// A response body the upstream failed after its head had gone (silent for
     /// `read_timeout`, cut, malformed) is counted as the upstream's failure, as one
     /// before the head is (`forward_failed`).
-    fn failed(&mut self, e: &body::BoxError) {
+    fn failed(&mut self, e: &body::BoxError, at_first: bool) {
+        // Sluice's HTTP/1 server answered 502 instead of the head.
+        if at_first && self.client_h1 {
+            if let Some(entry) = &mut self.access {
+                entry.status = StatusCode::BAD_GATEWAY.as_u16();
+            }
+        }
         let Some(route) = self.route.map(|i| &self.rt.routes[i]) else {
             return;
         };

@@ -134,3 +134,70 @@ async fn a_request_written_to_a_target_that_closed_is_never_sent_again() {
     );
     gw.shutdown().await;
 }
+
+/// Active checks: a target whose check path fails twice in a row is left out
+/// (no request needed to find it so), and back after two good checks.
+#[tokio::test]
+async fn a_target_failing_its_health_checks_is_left_out_until_they_pass() {
+    let live = upstream().await;
+    // Answers its check path with the status in `status`.
+    let status = std::sync::Arc::new(std::sync::atomic::AtomicU16::new(503));
+    let answer = status.clone();
+    let (sick, _) = raw_upstream(move |mut s| {
+        let answer = answer.clone();
+        async move {
+            use tokio::io::AsyncWriteExt;
+            while let Some(head) = read_head(&mut s).await {
+                let code = if head.starts_with("GET /healthz ") {
+                    answer.load(std::sync::atomic::Ordering::SeqCst)
+                } else {
+                    200
+                };
+                let reply = format!("HTTP/1.1 {code} X\r\ncontent-length: 0\r\n\r\n");
+                if s.write_all(reply.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let sick = format!("http://{sick}");
+    let gw = start_gateway(&two_targets(
+        &live.url(),
+        &sick,
+        ", health_check: {path: /healthz, interval: 100ms, timeout: 1s}",
+    ))
+    .await;
+    let gauge = healthy("app", &sick);
+    let is = |want: f64| {
+        let gauge = gauge.clone();
+        let admin = gw.admin_addr;
+        move || {
+            let gauge = gauge.clone();
+            async move { metric(&metrics(admin).await, &gauge) == Some(want) }
+        }
+    };
+    assert!(
+        eventually(Duration::from_secs(2), is(0.0)).await.is_some(),
+        "never left out"
+    );
+    // Every request goes to the live target.
+    let before = live.hits();
+    assert_eq!(
+        statuses(&http1(), 10, &url(gw.addr, "/x"), &[]).await,
+        vec![200; 10]
+    );
+    assert_eq!(live.hits() - before, 10);
+    status.store(200, std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        eventually(Duration::from_secs(2), is(1.0)).await.is_some(),
+        "never back"
+    );
+    let before = live.hits();
+    assert_eq!(
+        statuses(&http1(), 10, &url(gw.addr, "/x"), &[]).await,
+        vec![200; 10]
+    );
+    assert_eq!(live.hits() - before, 5);
+    gw.shutdown().await;
+}
