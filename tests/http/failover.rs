@@ -201,3 +201,29 @@ async fn a_target_failing_its_health_checks_is_left_out_until_they_pass() {
     assert_eq!(live.hits() - before, 5);
     gw.shutdown().await;
 }
+
+/// A reload that replaces a target: its series goes, the new target's is there
+/// (at 1) before any request, and the target kept keeps its state.
+#[tokio::test]
+async fn a_reload_drops_the_series_of_a_target_it_drops() {
+    let live = upstream().await;
+    let (a, b) = (refusing(), refusing());
+    let (gw, file) = start_gateway_file(&two_targets(&live.url(), &a, "")).await;
+    assert_eq!(
+        statuses(&http1(), 4, &url(gw.addr, "/x"), &[]).await,
+        vec![200; 4]
+    );
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(metric(&m, &healthy("app", &a)), Some(0.0), "{m}");
+    std::fs::write(
+        file.path(),
+        with_listeners(&two_targets(&live.url(), &b, "")),
+    )
+    .unwrap();
+    gw.reload().await.expect("reload");
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(metric(&m, &healthy("app", &a)), None, "{m}");
+    assert_eq!(metric(&m, &healthy("app", &b)), Some(1.0), "{m}");
+    assert_eq!(metric(&m, &healthy("app", &live.url())), Some(1.0), "{m}");
+    gw.shutdown().await;
+}
