@@ -98,7 +98,6 @@ pub fn compile(
                     timeout: c.timeout.get(),
                 })
             }),
-            healthy: Some(&metrics.upstream_target_healthy),
         };
         let spec = opts.spec(name, &targets);
         let up = match previous.and_then(|p| p.upstreams.get(name)) {

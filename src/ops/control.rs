@@ -386,7 +386,7 @@ impl Control {
         }
         drop(old);
         self.shared.runtime.store(Arc::new(rt));
-        crate::upstream::health::start_checks(&built);
+        crate::upstream::health::start(&built, &m.upstream_target_healthy);
         crate::upstream::warn_absent(built);
         m.config_reloads.with_label_values(&["success"]).inc();
         m.config_last_reload_success.set(1);

@@ -124,7 +124,7 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
     let metrics = Arc::new(Metrics::new());
     let runtime = compile(&loaded, &metrics, None)?;
     let upstreams: Vec<_> = runtime.upstreams.values().cloned().collect();
-    crate::upstream::health::start_checks(&upstreams);
+    crate::upstream::health::start(&upstreams, &metrics.upstream_target_healthy);
     crate::upstream::warn_absent(upstreams);
     let f = &loaded.file;
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;

@@ -46,7 +46,8 @@ pub struct Metrics {
     pub response_costs: IntCounterVec,
     upstream_responses: IntCounterVec,
     /// `sluice_upstream_target_healthy{upstream,target}`: each child is resolved
-    /// when its upstream is built, and removed when a reload drops the target.
+    /// when its upstream starts serving (`upstream::health::start`), and removed
+    /// when a reload drops the target.
     pub upstream_target_healthy: IntGaugeVec,
     /// `sluice_limit_refusals_total{route,limit}`: refusals by the limit reported.
     pub limit_refusals: IntCounterVec,

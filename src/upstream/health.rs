@@ -7,11 +7,11 @@
 //! else runs only when a connection fails or a target is out.
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use http::{Request, StatusCode};
-use prometheus::IntGauge;
+use prometheus::{IntGauge, IntGaugeVec};
 
 use crate::http::conn::coarse_ms;
 use crate::upstream::h2::H2Error;
@@ -41,7 +41,8 @@ pub struct Check {
     pub timeout: Duration,
 }
 
-/// One target's state.
+/// One target's state: in use, at first.
+#[derive(Default)]
 pub struct Health {
     /// Left out until then (`coarse_ms`); 0: in use; `CHECKED_OUT`: left out by the
     /// active checks.
@@ -57,8 +58,9 @@ pub struct Health {
     streak: AtomicI32,
     /// A check is running.
     checking: AtomicBool,
-    /// `sluice_upstream_target_healthy{upstream,target}`.
-    gauge: IntGauge,
+    /// `sluice_upstream_target_healthy{upstream,target}`: resolved once the
+    /// upstream serves (`start`), so a reload that fails leaves no series behind.
+    gauge: OnceLock<IntGauge>,
 }
 
 /// What `Health` says of a target at a moment.
@@ -86,16 +88,10 @@ impl State {
 }
 
 impl Health {
-    pub fn new(gauge: IntGauge) -> Health {
-        gauge.set(1);
-        Health {
-            out_until_ms: AtomicU64::new(0),
-            fails: AtomicU32::new(0),
-            window_ms: AtomicU64::new(0),
-            trial_ms: AtomicU64::new(0),
-            streak: AtomicI32::new(0),
-            checking: AtomicBool::new(false),
-            gauge,
+    /// The gauge, once resolved, set to `v` (a change of state: never per request).
+    fn show(&self, v: i64) {
+        if let Some(g) = self.gauge.get() {
+            g.set(v);
         }
     }
 
@@ -158,7 +154,7 @@ impl Health {
         {
             self.fails.store(0, Ordering::Relaxed);
             self.trial_ms.store(0, Ordering::Relaxed);
-            self.gauge.set(1);
+            self.show(1);
             tracing::info!(upstream, target = ?target, "upstream target back in use");
         }
     }
@@ -208,7 +204,7 @@ impl Health {
             )
             .is_ok()
         {
-            self.gauge.set(0);
+            self.show(0);
             tracing::warn!(
                 upstream,
                 target = ?target,
@@ -233,12 +229,12 @@ impl Health {
         let until = self.out_until_ms.load(Ordering::Relaxed);
         if streak == -CHECKS_IN_A_ROW && until != CHECKED_OUT {
             self.out_until_ms.store(CHECKED_OUT, Ordering::Relaxed);
-            self.gauge.set(0);
+            self.show(0);
             tracing::warn!(upstream, target = ?target, why, "upstream target left out: its health checks failed");
         } else if streak == CHECKS_IN_A_ROW && until == CHECKED_OUT {
             self.out_until_ms.store(0, Ordering::Relaxed);
             self.fails.store(0, Ordering::Relaxed);
-            self.gauge.set(1);
+            self.show(1);
             tracing::info!(upstream, target = ?target, "upstream target back in use: its health checks pass");
         }
     }
@@ -248,9 +244,18 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Starts the active checks of each of `upstreams` that has them, each in a task
-/// that ends when its upstream is dropped (a reload replaced it).
-pub fn start_checks(upstreams: &[Arc<Upstream>]) {
+/// Upstreams that now serve (at startup, and those a reload built anew): each
+/// target's `sluice_upstream_target_healthy` child is resolved, set to its state,
+/// and the active checks of each upstream that has them start, in a task that ends
+/// when the upstream is dropped (a reload replaced it).
+pub fn start(upstreams: &[Arc<Upstream>], healthy: &IntGaugeVec) {
+    for up in upstreams {
+        for t in &up.targets {
+            let gauge = healthy.with_label_values(&[up.name.as_str(), t.label().as_str()]);
+            gauge.set(i64::from(t.health.in_use()));
+            let _ = t.health.gauge.set(gauge);
+        }
+    }
     for up in upstreams {
         let Some(check) = up.check.clone() else {
             continue;

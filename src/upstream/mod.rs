@@ -331,9 +331,6 @@ pub struct UpstreamOpts<'a> {
     pub passive: Passive,
     /// `health_check`.
     pub check: Option<Check>,
-    /// `sluice_upstream_target_healthy`: each target's child is resolved once,
-    /// when the upstream is built (none in unit tests).
-    pub healthy: Option<&'a prometheus::IntGaugeVec>,
 }
 
 impl UpstreamOpts<'_> {
@@ -478,18 +475,12 @@ impl Upstream {
                         Via::Auto(h1(h1_connector), h2(h2_connector, true))
                     }
                 };
-                let label = format!("{scheme}://{authority}");
-                let gauge = match o.healthy {
-                    Some(vec) => vec.with_label_values(&[name, label.as_str()]),
-                    None => prometheus::IntGauge::new("sluice_detached", "not exported")
-                        .expect("metric definition"),
-                };
                 Ok(Target {
                     scheme,
                     authority,
                     via,
                     failures: Budget::new(FAILURE_LINES),
-                    health: Health::new(gauge),
+                    health: Health::default(),
                 })
             })
             .collect::<Result<Vec<_>, BuildError>>()?;
