@@ -35,6 +35,7 @@ use crate::pipeline::{
 use crate::telemetry::access_file::{AccessFile, FileOptions};
 use crate::telemetry::access_log::{AccessLog, Format};
 use crate::telemetry::metrics::Metrics;
+use crate::upstream::health::{Check, Passive};
 use crate::upstream::{BuildError, Protocol, Upstream, UpstreamOpts};
 
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +124,18 @@ pub fn compile(
                 UpstreamProtocol::H2 => Protocol::H2,
                 UpstreamProtocol::Auto => Protocol::Auto,
             },
+            passive: Passive {
+                max_fails: u.max_fails.get(),
+                fail_timeout: u.fail_timeout.get(),
+            },
+            check: u.health_check.as_ref().and_then(|c| {
+                Some(Check {
+                    // Validation keeps it a path.
+                    path: c.path.as_str().parse().ok()?,
+                    interval: c.interval.get(),
+                    timeout: c.timeout.get(),
+                })
+            }),
         };
         let spec = opts.spec(name, &targets);
         let up = match previous.and_then(|p| p.upstreams.get(name)) {

@@ -324,6 +324,49 @@ pub struct Upstream {
     /// What the upstream is spoken to in, whatever the client speaks.
     #[serde(default)]
     pub protocol: UpstreamProtocol,
+    /// Connections to a target that fail (refused, connect timeout, TLS) this many
+    /// times within `fail_timeout` leave it out for `fail_timeout` (nginx's
+    /// `max_fails`); 0 never leaves a target out.
+    #[serde(default = "default_max_fails")]
+    pub max_fails: Num<u32>,
+    /// The window `max_fails` are counted in, and how long a target is then left
+    /// out before one request tries it again (nginx's `fail_timeout`).
+    #[serde(default = "default_fail_timeout")]
+    pub fail_timeout: Dur,
+    /// Active checks: a GET of `path` on each target every `interval`; two failed
+    /// in a row leave it out, two good ones bring it back.
+    #[serde(default)]
+    pub health_check: Option<HealthCheck>,
+}
+
+/// `upstreams.*.health_check`.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheck {
+    /// The path asked for (GET); a 2xx or 3xx answer is good.
+    pub path: Text,
+    /// How often each target is asked.
+    #[serde(default = "default_check_interval")]
+    pub interval: Dur,
+    /// An answer later than this is a failed check.
+    #[serde(default = "default_check_timeout")]
+    pub timeout: Dur,
+}
+
+fn default_max_fails() -> Num<u32> {
+    Num(1)
+}
+
+fn default_fail_timeout() -> Dur {
+    Dur::secs(10)
+}
+
+fn default_check_interval() -> Dur {
+    Dur::secs(5)
+}
+
+fn default_check_timeout() -> Dur {
+    Dur::secs(1)
 }
 
 /// `upstreams.*.protocol`.

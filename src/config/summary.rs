@@ -121,6 +121,9 @@ pub fn summary(loaded: &Loaded) -> String {
                 fmt_dur(up.timeout.get())
             ),
         );
+        if let Some(failover) = failover(up) {
+            line(&mut out, format!("         {failover}"));
+        }
     }
 
     line(&mut out, format!("routes  {}", f.routes.len()));
@@ -382,6 +385,37 @@ fn line(out: &mut String, s: String) {
     out.push('\n');
 }
 
+/// How an upstream's targets are left out and tried again, when that can matter:
+/// with several targets, or active checks, or `max_fails` set to other than 1.
+fn failover(up: &crate::config::schema::Upstream) -> Option<String> {
+    let fails = up.max_fails.get();
+    let timeout = fmt_dur(up.fail_timeout.get());
+    let mut parts = Vec::new();
+    if up.targets.len() > 1 {
+        parts.push(
+            "a target no connection can be made to passes the request to the next".to_string(),
+        );
+    }
+    if up.targets.len() > 1 || fails != 1 || up.health_check.is_some() {
+        parts.push(match fails {
+            0 => "no target is ever left out after failed connections".to_string(),
+            1 => format!("a target is left out {timeout} after a failed connection"),
+            n => format!(
+                "a target is left out {timeout} after {n} failed connections within {timeout}"
+            ),
+        });
+    }
+    if let Some(c) = &up.health_check {
+        parts.push(format!(
+            "health check GET {} every {} (timeout {}): out after 2 failed, back after 2 good",
+            c.path.as_str(),
+            fmt_dur(c.interval.get()),
+            fmt_dur(c.timeout.get())
+        ));
+    }
+    (!parts.is_empty()).then(|| format!("failover: {}", parts.join("; ")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -476,6 +510,29 @@ deny    2 ips, 1 key -> 403
         );
         assert_eq!(summary(&loaded), expected);
         assert!(!summary(&loaded).contains("premium-key-1"));
+    }
+
+    /// An upstream with two targets says how they fail over, and its health check.
+    #[test]
+    fn an_upstream_of_several_targets_says_how_they_fail_over() {
+        let yaml = "upstreams:\n  api:\n    targets: [http://127.0.0.1:3000, http://127.0.0.1:3001]\n    max_fails: 3\n    fail_timeout: 30s\n    health_check: {path: /healthz, interval: 2s}\n  one: {targets: [http://127.0.0.1:4000]}\nroutes: []\n";
+        let loaded = parse(yaml, Path::new("r.yaml")).unwrap();
+        let text = summary(&loaded);
+        let lines: Vec<&str> = text.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.starts_with("upstream api -> "))
+            .expect("the upstream's line");
+        assert_eq!(
+            lines[at + 1],
+            "         failover: a target no connection can be made to passes the request to the next; a target is left out 30s after 3 failed connections within 30s; health check GET /healthz every 2s (timeout 1s): out after 2 failed, back after 2 good"
+        );
+        // One target with the defaults: nothing more to say.
+        let one = lines
+            .iter()
+            .position(|l| l.starts_with("upstream one -> "))
+            .expect("the other upstream's line");
+        assert!(!lines[one + 1].contains("failover"), "{text}");
     }
 
     /// The summary says what routing does: a route for GET takes HEAD too.

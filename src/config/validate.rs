@@ -873,6 +873,33 @@ impl Checker<'_> {
             if let Some(ca) = &up.tls_ca {
                 self.readable_file(&format!("{base}.tls_ca"), "CA file", ca);
             }
+            self.timeout(
+                &format!("{base}.fail_timeout"),
+                "fail_timeout",
+                up.fail_timeout,
+            );
+            if let Some(hc) = &up.health_check {
+                let hc_base = format!("{base}.health_check");
+                if !hc.path.as_str().starts_with('/') {
+                    self.at(
+                        &format!("{hc_base}.path"),
+                        format!(
+                            "health_check.path must start with '/', like /healthz, found {:?}",
+                            hc.path.as_str()
+                        ),
+                    );
+                } else if hc.path.as_str().parse::<http::uri::PathAndQuery>().is_err() {
+                    self.at(
+                        &format!("{hc_base}.path"),
+                        format!(
+                            "health_check.path {:?} is not a valid path",
+                            hc.path.as_str()
+                        ),
+                    );
+                }
+                self.timeout(&format!("{hc_base}.interval"), "interval", hc.interval);
+                self.timeout(&format!("{hc_base}.timeout"), "timeout", hc.timeout);
+            }
             let cap = up.max_connections.get();
             if cap == 0 {
                 self.at(

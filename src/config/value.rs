@@ -513,6 +513,7 @@ macro_rules! count_schema_for {
     };
 }
 count_schema_for!(u16, "Count16");
+count_schema_for!(u32, "Count32");
 count_schema_for!(u64, "Count");
 count_schema_for!(usize, "CountSize");
 

@@ -116,10 +116,13 @@ pub fn connect_refused() -> Response<Body> {
 
 // === the end of a response ===
 
-/// What the end of a request does when its response body fails part-way (its head
-/// has gone to the client), before the guard is dropped.
+/// What the end of a request does when its response body fails, before the guard
+/// is dropped.
 pub trait OnFail {
-    fn failed(&mut self, e: &BoxError);
+    /// `at_first`: the body failed when first asked for a frame. Then sluice's
+    /// HTTP/1 server has written nothing of the answer, and answers 502 instead
+    /// (`h1::server::NothingSent`); on HTTP/2 the head has gone.
+    fn failed(&mut self, e: &BoxError, at_first: bool);
 
     /// `bytes` of the body went out (told only while `counts_bytes`).
     fn sent(&mut self, _bytes: usize) {}
@@ -138,6 +141,7 @@ pub fn guarded<G: OnFail + Send + Sync + Unpin + 'static>(body: Body, guard: G) 
     Guarded {
         body,
         guard: Some(guard),
+        polled: false,
     }
     .boxed()
 }
@@ -145,6 +149,8 @@ pub fn guarded<G: OnFail + Send + Sync + Unpin + 'static>(body: Body, guard: G) 
 struct Guarded<G> {
     body: Body,
     guard: Option<G>,
+    /// A frame has been asked for.
+    polled: bool,
 }
 
 impl<G: OnFail + Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
@@ -157,11 +163,12 @@ impl<G: OnFail + Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         // Both fields are Unpin (a boxed body and an Option).
         let this = &mut *self;
+        let at_first = !std::mem::replace(&mut this.polled, true);
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Err(e))) => {
                 if let Some(mut guard) = this.guard.take() {
-                    guard.failed(e);
+                    guard.failed(e, at_first);
                 }
             }
             Poll::Ready(None) => this.guard = None,

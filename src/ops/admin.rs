@@ -22,7 +22,7 @@ use crate::http::body::Body;
 use crate::http::h1::server::Lent;
 use crate::http::h1::server::{ClientBody, Site};
 use crate::ops::control::{Command, Control, ControlError, Reply, Status, Trigger};
-use crate::ops::stats::{History, Sample, Totals};
+use crate::ops::stats::{totals_of, History, Sample, Totals, COLUMNS, UPSTREAM_COLUMNS};
 use crate::pipeline::{Peer, Shared};
 use crate::telemetry::metrics::Decision;
 
@@ -208,15 +208,32 @@ impl Admin {
             .map(|r| {
                 let [c1, c2, c3, c4, c5] = r.metrics.upstream_totals();
                 let [connect, timeout, reset, busy] = r.metrics.upstream_error_totals();
-                serde_json::json!({
+                let recent = self.history.route(&r.name);
+                let now = totals_of(&r.metrics);
+                let mut route = serde_json::json!({
                     "name": r.name,
                     "totals": totals_json(&r.metrics.totals(), Decision::of_route()),
-                    "history": history_json(&self.history.route(&r.name), Decision::of_route()),
-                    "long_history": history_json(&self.history.route_long(&r.name), Decision::of_route()),
+                    "history": history_json(&recent, Decision::of_route(), true),
+                    "long_history": history_json(&self.history.route_long(&r.name), Decision::of_route(), true),
                     "upstream": {"1xx": c1, "2xx": c2, "3xx": c3, "4xx": c4, "5xx": c5},
                     "upstream_errors": {"connect": connect, "timeout": timeout, "reset": reset, "busy": busy},
+                    "upstream_recent": upstream_recent(&recent, &now),
                     "refused_by_limit": refused_by_limit(r),
-                })
+                });
+                if let crate::pipeline::Action::Upstream(up) = &r.action {
+                    route["upstream_targets"] = up
+                        .target_states()
+                        .into_iter()
+                        .map(|(target, state)| {
+                            serde_json::json!({
+                                "target": target,
+                                "healthy": state == crate::upstream::health::State::Up,
+                                "state": state.as_str(),
+                            })
+                        })
+                        .collect();
+                }
+                route
             })
             .collect();
         let store = self.shared.store.redis_store().map_or(("memory", 0), |_| {
@@ -249,7 +266,7 @@ impl Admin {
             "routes": routes,
             "unmatched": {
                 "totals": totals_json(&rt.unmatched.totals(), UNMATCHED_DECISIONS),
-                "history": history_json(&self.history.unmatched(), UNMATCHED_DECISIONS),
+                "history": history_json(&self.history.unmatched(), UNMATCHED_DECISIONS, false),
             },
             "store": {
                 "backend": store.0,
@@ -296,12 +313,26 @@ impl Admin {
             }
         }
         let now = now_ms();
+        let dynamic = self.shared.deny.load();
+        // What the deny list refuses of a row now: its key, else its address.
+        let denied = |key: &str, ip: std::net::IpAddr| {
+            let mut digest = None;
+            let stored = crate::deny::stored_key(key, &mut digest);
+            if rt.deny.table.stored_key(stored) || dynamic.stored_key(stored) {
+                Some("key".to_string())
+            } else if rt.deny.table.ip(ip) || dynamic.ip(ip) {
+                Some("ip".to_string())
+            } else {
+                None
+            }
+        };
         let mut rows: Vec<TopRow> = rt
             .routes
             .iter()
             .filter(|r| route.is_none_or(|only| std::ptr::eq(only, *r)))
             .flat_map(|r| {
                 r.top.list(now).into_iter().map(|o| TopRow {
+                    denied: denied(&o.key, o.ip),
                     route: r.name.clone(),
                     key: o.key,
                     ip: crate::identity::canonical(o.ip).to_string(),
@@ -478,6 +509,10 @@ pub struct TopRow {
     /// Its last request counted, refused or allowed (RFC 3339, UTC).
     pub last_seen: String,
     pub last_seen_ms: u64,
+    /// What the deny list refuses of it now: `key` (its key), `ip` (its address);
+    /// absent when neither.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied: Option<String>,
 }
 
 /// The body of `POST` and `DELETE /admin/deny`.
@@ -539,11 +574,25 @@ fn reload_view(s: &Status) -> serde_json::Value {
     last.unwrap_or(serde_json::Value::Null)
 }
 
+/// What the upstream answered over the recent history (`stats::KEEP`): the counts
+/// now less those of the oldest sample kept (a fresh process: since it started).
+/// `{"2xx": n, "3xx": n, "4xx": n, "5xx": n, "failed": n}`.
+fn upstream_recent(samples: &[Sample], now: &Totals) -> serde_json::Value {
+    let from = Decision::ALL.len();
+    let oldest = samples.first().map_or([0; COLUMNS], |(_, t)| *t);
+    UPSTREAM_COLUMNS
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let n = now[from + i].saturating_sub(oldest[from + i]);
+            (name.trim_start_matches("upstream_").to_string(), n.into())
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
 /// `{"allowed": 3, "limited": 2, ...}`: the counters of `decisions`.
-fn totals_json(
-    totals: &Totals,
-    decisions: impl IntoIterator<Item = Decision>,
-) -> serde_json::Value {
+fn totals_json(totals: &[u64], decisions: impl IntoIterator<Item = Decision>) -> serde_json::Value {
     decisions
         .into_iter()
         .map(|d| (d.as_str().to_string(), totals[d.index()].into()))
@@ -569,9 +618,11 @@ fn refused_by_limit(r: &crate::pipeline::Route) -> serde_json::Value {
     m.into()
 }
 
+/// `upstream`: with the upstream's columns too (`stats::UPSTREAM_COLUMNS`).
 fn history_json(
     samples: &[Sample],
     decisions: impl IntoIterator<Item = Decision>,
+    upstream: bool,
 ) -> serde_json::Value {
     let mut m = serde_json::Map::new();
     let at: Vec<u64> = samples.iter().map(|(at, _)| *at).collect();
@@ -579,6 +630,13 @@ fn history_json(
     for d in decisions {
         let col: Vec<u64> = samples.iter().map(|(_, t)| t[d.index()]).collect();
         m.insert(d.as_str().into(), col.into());
+    }
+    if upstream {
+        for (i, name) in UPSTREAM_COLUMNS.iter().enumerate() {
+            let at = Decision::ALL.len() + i;
+            let col: Vec<u64> = samples.iter().map(|(_, t)| t[at]).collect();
+            m.insert((*name).into(), col.into());
+        }
     }
     m.into()
 }
@@ -893,16 +951,36 @@ mod tests {
 
     #[test]
     fn history_json_has_one_column_per_decision_as_long_as_the_times() {
-        let mut a = [0; Decision::ALL.len()];
+        let mut a = [0; COLUMNS];
         a[Decision::Limited.index()] = 2;
         let mut b = a;
         b[Decision::Allowed.index()] = 3;
-        let v = history_json(&[(1000, a), (3000, b)], UNMATCHED_DECISIONS);
+        let v = history_json(&[(1000, a), (3000, b)], UNMATCHED_DECISIONS, false);
         assert_eq!(
             v,
             serde_json::json!({"at_ms": [1000, 3000], "denied": [0, 0], "unmatched": [0, 0], "bad_request": [0, 0]})
         );
         let v = totals_json(&b, [Decision::Allowed, Decision::Limited]);
         assert_eq!(v, serde_json::json!({"allowed": 3, "limited": 2}));
+    }
+
+    /// The upstream's answers shown are those of the recent history: 5xx answers
+    /// older than its oldest sample are gone from them, though the totals keep them.
+    #[test]
+    fn recent_upstream_answers_leave_out_those_before_the_oldest_sample() {
+        let at = |i: usize| Decision::ALL.len() + i;
+        let mut old = [0; COLUMNS];
+        old[at(3)] = 30; // 30 answers 5xx, long ago
+        old[at(4)] = 4; // 4 not answered
+        let mut now = old;
+        now[at(0)] = 7; // 7 answers 2xx since
+        let v = upstream_recent(&[(1000, old), (3000, old)], &now);
+        assert_eq!(
+            v,
+            serde_json::json!({"2xx": 7, "3xx": 0, "4xx": 0, "5xx": 0, "failed": 0})
+        );
+        // A fresh process: since it started.
+        let v = upstream_recent(&[], &now);
+        assert_eq!(v["5xx"], 30);
     }
 }

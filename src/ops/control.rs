@@ -381,8 +381,23 @@ impl Control {
             .filter(|up| !old.upstreams.values().any(|o| Arc::ptr_eq(o, up)))
             .cloned()
             .collect();
+        // The health gauges of targets no upstream has any more go.
+        for up in old.upstreams.values() {
+            for target in up.target_labels() {
+                let kept = rt
+                    .upstreams
+                    .get(&up.name)
+                    .is_some_and(|new| new.target_labels().any(|t| t == target));
+                if !kept {
+                    let _ = m
+                        .upstream_target_healthy
+                        .remove_label_values(&[up.name.as_str(), target.as_str()]);
+                }
+            }
+        }
         drop(old);
         self.shared.runtime.store(Arc::new(rt));
+        crate::upstream::health::start(&built, &m.upstream_target_healthy);
         crate::upstream::warn_absent(built);
         m.config_reloads.with_label_values(&["success"]).inc();
         m.config_last_reload_success.set(1);

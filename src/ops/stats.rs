@@ -1,5 +1,7 @@
 //! The recent past, for the dashboard: every few seconds a sampler copies each
-//! route's `sluice_requests_total` counters (kept by the request path anyway) into a
+//! route's `sluice_requests_total` counters, and what its upstream answered
+//! (`sluice_upstream_responses_total` 2xx to 5xx, and the requests it did not
+//! answer: `sluice_upstream_errors_total`), kept by the request path anyway, into a
 //! bounded ring per route name, so a page opened now already shows the last minutes
 //! and a reload that keeps a route keeps its history; the first sample of each
 //! minute also goes into a second ring that reaches back two hours. Nothing here
@@ -24,8 +26,33 @@ pub const LONG_EVERY: Duration = Duration::from_secs(60);
 /// How far back the long history reaches.
 pub const LONG_KEEP: Duration = Duration::from_secs(2 * 60 * 60);
 
-/// One route's counters at one moment, in the order of `Decision::ALL`.
-pub type Totals = [u64; Decision::ALL.len()];
+/// One route's counters at one moment: in the order of `Decision::ALL`, then the
+/// upstream's answers by class (`UPSTREAM_COLUMNS`).
+pub type Totals = [u64; COLUMNS];
+
+/// The upstream's columns of `Totals`, after the decisions: its answers by status
+/// class, and the requests it did not answer (connect, timeout, reset, busy).
+pub const UPSTREAM_COLUMNS: [&str; 5] = [
+    "upstream_2xx",
+    "upstream_3xx",
+    "upstream_4xx",
+    "upstream_5xx",
+    "upstream_failed",
+];
+
+/// Columns of `Totals`.
+pub const COLUMNS: usize = Decision::ALL.len() + UPSTREAM_COLUMNS.len();
+
+/// A route's counters now, as a sample holds them.
+pub fn totals_of(m: &crate::telemetry::metrics::RouteMetrics) -> Totals {
+    let mut t = [0; COLUMNS];
+    let decisions = Decision::ALL.len();
+    t[..decisions].copy_from_slice(&m.totals());
+    let [_, c2, c3, c4, c5] = m.upstream_totals();
+    let failed: u64 = m.upstream_error_totals().iter().sum();
+    t[decisions..].copy_from_slice(&[c2, c3, c4, c5, failed]);
+    t
+}
 
 /// One sample: wall-clock milliseconds since the epoch, and the counters then.
 pub type Sample = (u64, Totals);
@@ -153,8 +180,8 @@ pub fn sample(shared: &Shared, history: &History) {
         now_ms(),
         rt.routes
             .iter()
-            .map(|r| (r.name.as_str(), r.metrics.totals())),
-        rt.unmatched.totals(),
+            .map(|r| (r.name.as_str(), totals_of(&r.metrics))),
+        totals_of(&rt.unmatched),
     );
 }
 
@@ -177,7 +204,7 @@ mod tests {
     use super::*;
 
     fn t(allowed: u64, limited: u64) -> Totals {
-        let mut t = [0; Decision::ALL.len()];
+        let mut t = [0; COLUMNS];
         t[0] = allowed;
         t[2] = limited;
         t

@@ -270,6 +270,7 @@ async fn process(
     // Counted when the response body ends, or when the client goes away first (while
     // delayed, while the upstream works, or mid-body), with the decision made for it.
     let mut tally = Tally::new(rt.clone(), route);
+    tally.client_h1 = parts.version < Version::HTTP_2;
     let unread_body = parts.version < Version::HTTP_2 && announces_body(&parts.headers);
     // What the client spoke, for the access log: forwarding rewrites `parts.version`
     // to the upstream's.
@@ -782,11 +783,27 @@ async fn act<'a>(
                 trusted: ctx.rt.trusted.contains(ctx.peer.addr.ip()),
                 proto: ctx.shared.proto,
             };
-            let t = up.pick();
+            let mut t = up.pick();
             *target = Some(t);
-            up.forward(t, parts, body, &origin, ctx.rt.max_request_body, timer, raw)
-                .await
-                .map_err(|e| forward_failed(ctx.shared, route, (up, t), e))
+            // A target no connection could be made to, left for the next: counted
+            // and logged as any failed forward.
+            let passed_over = |past: usize, e: &ProxyError| {
+                upstream_failed(route, (up, past), e);
+            };
+            let answered = up
+                .forward(
+                    &mut t,
+                    parts,
+                    body,
+                    &origin,
+                    ctx.rt.max_request_body,
+                    timer,
+                    raw,
+                    passed_over,
+                )
+                .await;
+            *target = Some(t);
+            answered.map_err(|e| forward_failed(ctx.shared, route, (up, t), e))
         }
     }
 }
@@ -813,6 +830,8 @@ struct Tally {
     access: Option<Box<access_log::Entry>>,
     /// Body bytes sent to the client (counted only when `access` is kept).
     bytes: u64,
+    /// The client speaks HTTP/1 (sluice's own server writes the answer).
+    client_h1: bool,
 }
 
 impl Tally {
@@ -829,6 +848,7 @@ impl Tally {
             limit: None,
             access: None,
             bytes: 0,
+            client_h1: true,
         }
     }
 
@@ -846,7 +866,13 @@ impl body::OnFail for Tally {
     /// A response body the upstream failed after its head had gone (silent for
     /// `read_timeout`, cut, malformed) is counted as the upstream's failure, as one
     /// before the head is (`forward_failed`).
-    fn failed(&mut self, e: &body::BoxError) {
+    fn failed(&mut self, e: &body::BoxError, at_first: bool) {
+        // Sluice's HTTP/1 server answered 502 instead of the head.
+        if at_first && self.client_h1 {
+            if let Some(entry) = &mut self.access {
+                entry.status = StatusCode::BAD_GATEWAY.as_u16();
+            }
+        }
         let Some(route) = self.route.map(|i| &self.rt.routes[i]) else {
             return;
         };
@@ -979,9 +1005,7 @@ fn forward_failed<'a>(
     e: ProxyError,
 ) -> Refusal<'a> {
     let upstream_fault = match &e {
-        ProxyError::Connect(_) => Some(&route.metrics.upstream_connect),
-        ProxyError::Timeout => Some(&route.metrics.upstream_timeout),
-        ProxyError::Reset(_) => Some(&route.metrics.upstream_reset),
+        ProxyError::Connect(_) | ProxyError::Timeout | ProxyError::Reset(_) => Some(()),
         ProxyError::Busy => {
             route.metrics.upstream_busy.inc();
             None
@@ -993,14 +1017,24 @@ fn forward_failed<'a>(
         }
     };
     match upstream_fault {
-        Some(counter) => {
-            counter.inc();
-            if let Some(dropped) = up.failure_line(t) {
-                let target = up.target_addr(t);
-                tracing::warn!(route = %route.name, upstream = %up.name, target, dropped, error = %e, "forwarding failed");
-            }
-        }
+        Some(_) => upstream_failed(route, (up, t), &e),
         None => tracing::debug!(route = %route.name, error = %e, "forwarding failed"),
     }
     Refusal::from(e)
+}
+
+/// Counts the upstream's failure (connect, timeout or reset) and logs it at WARN
+/// with the target, a few lines a second per target.
+fn upstream_failed(route: &Route, (up, t): (&Upstream, usize), e: &ProxyError) {
+    let counter = match e {
+        ProxyError::Connect(_) => &route.metrics.upstream_connect,
+        ProxyError::Timeout => &route.metrics.upstream_timeout,
+        ProxyError::Reset(_) => &route.metrics.upstream_reset,
+        _ => return,
+    };
+    counter.inc();
+    if let Some(dropped) = up.failure_line(t) {
+        let target = up.target_addr(t);
+        tracing::warn!(route = %route.name, upstream = %up.name, target, dropped, error = %e, "forwarding failed");
+    }
 }

@@ -123,7 +123,9 @@ pub async fn start_at(loaded: Loaded, clock: Arc<dyn Clock>) -> Result<Running, 
 async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let runtime = compile(&loaded, &metrics, None)?;
-    crate::upstream::warn_absent(runtime.upstreams.values().cloned().collect());
+    let upstreams: Vec<_> = runtime.upstreams.values().cloned().collect();
+    crate::upstream::health::start(&upstreams, &metrics.upstream_target_healthy);
+    crate::upstream::warn_absent(upstreams);
     let f = &loaded.file;
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let max_keys = f.store.memory.max_keys.get();

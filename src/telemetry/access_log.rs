@@ -199,7 +199,9 @@ pub struct Entry {
     path: String,
     version: Version,
     ip: IpAddr,
-    status: u16,
+    /// The status the client got (a 502 instead of a head whose body failed at
+    /// once: `OnFail`).
+    pub status: u16,
     /// The upstream's status, when the answer is the upstream's.
     pub upstream_status: Option<u16>,
     client: Option<Box<ClientFields>>,

@@ -45,6 +45,10 @@ pub struct Metrics {
     /// found (`limit::CostFrom`).
     pub response_costs: IntCounterVec,
     upstream_responses: IntCounterVec,
+    /// `sluice_upstream_target_healthy{upstream,target}`: each child is resolved
+    /// when its upstream starts serving (`upstream::health::start`), and removed
+    /// when a reload drops the target.
+    pub upstream_target_healthy: IntGaugeVec,
     /// `sluice_limit_refusals_total{route,limit}`: refusals by the limit reported.
     pub limit_refusals: IntCounterVec,
     /// `sluice_reserve_unused_total{route,limit}`: units taken in advance (`reserve`)
@@ -159,6 +163,14 @@ impl Metrics {
             &["route", "code"],
         )
         .expect("metric definition");
+        let upstream_target_healthy = IntGaugeVec::new(
+            Opts::new(
+                "sluice_upstream_target_healthy",
+                "1 while an upstream target is in use, 0 while it is left out (max_fails connections failed within fail_timeout, or two health checks in a row).",
+            ),
+            &["upstream", "target"],
+        )
+        .expect("metric definition");
         let limit_refusals = IntCounterVec::new(
             Opts::new(
                 "sluice_limit_refusals_total",
@@ -226,6 +238,7 @@ impl Metrics {
             Box::new(bans.clone()),
             Box::new(response_costs.clone()),
             Box::new(upstream_responses.clone()),
+            Box::new(upstream_target_healthy.clone()),
             Box::new(limit_refusals.clone()),
             Box::new(reserve_unused.clone()),
             Box::new(store_calls_vec.clone()),
@@ -271,6 +284,7 @@ impl Metrics {
             bans,
             response_costs,
             upstream_responses,
+            upstream_target_healthy,
             limit_refusals,
             reserve_unused,
             store_calls: store_calls_vec,

@@ -97,6 +97,9 @@ pub enum H2Error {
     /// `auto`: the target picked HTTP/1.1 on this connection; the request was not
     /// sent and goes back with it.
     Http1(Box<Request<Body>>, Conn),
+    /// No connection could be opened and the request was not sent: it goes back
+    /// whole, for another target.
+    Unsent(Box<Request<Body>>, BoxError),
 }
 
 impl From<SendError> for H2Error {
@@ -153,9 +156,15 @@ impl H2Pool {
         for attempt in 1..=ATTEMPTS {
             let slot = match self.take() {
                 Some(slot) => slot,
-                None => match self.open().await? {
-                    Opened::Slot(slot) => slot,
-                    Opened::Http1(conn) => return Err(H2Error::Http1(Box::new(req), conn)),
+                None => match self.open().await {
+                    Ok(Opened::Slot(slot)) => slot,
+                    Ok(Opened::Http1(conn)) => return Err(H2Error::Http1(Box::new(req), conn)),
+                    // (A body wrapped for a connection that then closed stays here:
+                    // its failures are told to this call.)
+                    Err(SendError::Connect(e)) if !wrapped || again.is_some() => {
+                        return Err(H2Error::Unsent(Box::new(req), e));
+                    }
+                    Err(e) => return Err(e.into()),
                 },
             };
             if !wrapped {

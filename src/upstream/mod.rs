@@ -5,6 +5,7 @@
 //! reset / busy for a 502, 504 or 503.
 
 pub mod h2;
+pub mod health;
 pub mod pool;
 
 use std::future::Future;
@@ -24,6 +25,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
 use crate::http::body::{Body, BoxError};
+use crate::http::conn::coarse_ms;
 use crate::http::conn::{ConnectionHeld, LastActive};
 use crate::http::fields::HOP_BY_HOP;
 use crate::http::h1::client::{
@@ -34,6 +36,7 @@ use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
 use crate::telemetry::refusal_log::Budget;
 use crate::upstream::h2::{H2Error, H2Pool};
+use crate::upstream::health::{Check, Health, Passive, State};
 use crate::upstream::pool::{Exchanged, Pool, ReadTimeout, SendError};
 
 /// A kept upstream connection idle longer than this is closed.
@@ -250,11 +253,20 @@ struct Target {
     via: Via,
     /// Failure lines written about this target, at most `FAILURE_LINES` a second.
     failures: Budget,
+    /// In use or left out (`max_fails`, `health_check`).
+    health: Health,
 }
 
 /// Lines a second, at most, about one target's failures (the rest are counted in
 /// the next line's `dropped`, and all of them in `sluice_upstream_errors_total`).
 pub const FAILURE_LINES: u64 = 3;
+
+impl Target {
+    /// `scheme://host:port`: its `target` label.
+    fn label(&self) -> String {
+        format!("{}://{}", self.scheme, self.authority)
+    }
+}
 
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -285,6 +297,10 @@ pub struct Upstream {
     share: usize,
     /// `upstreams.*.probe`: whether `warn_absent` connects to its targets.
     probe: bool,
+    /// `max_fails` and `fail_timeout`.
+    passive: Passive,
+    /// `health_check`, when the targets are checked actively.
+    check: Option<Check>,
 }
 
 /// How an upstream is reached, beyond its targets.
@@ -311,6 +327,10 @@ pub struct UpstreamOpts<'a> {
     pub probe: bool,
     /// `upstreams.*.protocol`.
     pub protocol: Protocol,
+    /// `max_fails`, `fail_timeout`.
+    pub passive: Passive,
+    /// `health_check`.
+    pub check: Option<Check>,
 }
 
 impl UpstreamOpts<'_> {
@@ -326,7 +346,7 @@ impl UpstreamOpts<'_> {
             )
         });
         format!(
-            "{name}|{targets:?}|{:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}",
+            "{name}|{targets:?}|{:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}|{:?}|{:?}",
             self.protocol,
             self.connect_timeout,
             self.timeout,
@@ -335,7 +355,9 @@ impl UpstreamOpts<'_> {
             self.upgrades,
             self.body_timeout,
             self.request_buffer,
-            self.tunnel_idle
+            self.tunnel_idle,
+            self.passive,
+            self.check
         )
     }
 }
@@ -458,6 +480,7 @@ impl Upstream {
                     authority,
                     via,
                     failures: Budget::new(FAILURE_LINES),
+                    health: Health::default(),
                 })
             })
             .collect::<Result<Vec<_>, BuildError>>()?;
@@ -474,6 +497,8 @@ impl Upstream {
             held: Arc::default(),
             share: client_share(o.max_connections),
             probe: o.probe,
+            passive: o.passive,
+            check: o.check,
         })
     }
 
@@ -497,9 +522,64 @@ impl Upstream {
         HeaderValue::from_str(&offered.join(", ")).ok()
     }
 
-    /// The next target in turn (round robin): its number, for `forward`.
+    /// The next target in turn (round robin) that is in use: its number, for
+    /// `forward`. A target left out is passed over, unless its time out is over and
+    /// no other request is trying it; when every target is out, the next in turn.
+    #[inline]
     pub fn pick(&self) -> usize {
-        self.next.fetch_add(1, Ordering::Relaxed) % self.targets.len()
+        let n = self.targets.len();
+        let t = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        if n == 1 || self.targets[t].health.in_use() {
+            return t;
+        }
+        self.pick_past(t)
+    }
+
+    #[cold]
+    fn pick_past(&self, first: usize) -> usize {
+        let n = self.targets.len();
+        let now = coarse_ms();
+        (0..n)
+            .map(|k| (first + k) % n)
+            .find(|&t| self.targets[t].health.claim(now, &self.passive))
+            .unwrap_or(first)
+    }
+
+    /// The targets a request tries after target `from` could not be reached, each
+    /// once, in turn: those in use (or due a try) first, then those left out.
+    #[cold]
+    fn failover_order(&self, from: usize) -> std::vec::IntoIter<usize> {
+        let n = self.targets.len();
+        let now = coarse_ms();
+        let (mut usable, out): (Vec<usize>, Vec<usize>) = (1..n)
+            .map(|k| (from + k) % n)
+            .partition(|&t| self.targets[t].health.usable(now));
+        usable.extend(out);
+        usable.into_iter()
+    }
+
+    /// Each target as `scheme://host:port` (its `target` label) and its state now.
+    pub fn target_states(&self) -> Vec<(String, State)> {
+        let now = coarse_ms();
+        self.targets
+            .iter()
+            .map(|t| (t.label(), t.health.state(now)))
+            .collect()
+    }
+
+    /// Each target's `target` label.
+    pub fn target_labels(&self) -> impl Iterator<Item = String> + '_ {
+        self.targets.iter().map(Target::label)
+    }
+
+    /// The HTTP/2 pool of target `t`, when it speaks HTTP/2 (`auto`: until it
+    /// picked HTTP/1.1).
+    fn h2_of(t: &Target) -> Option<&Arc<H2Pool>> {
+        match &t.via {
+            Via::H1(_) => None,
+            Via::H2(h2) => Some(h2),
+            Via::Auto(_, h2) => (!h2.picked_http1()).then_some(h2),
+        }
     }
 
     /// Target number `t`'s address as written (`host:port`), as logs name it.
@@ -581,25 +661,29 @@ impl Upstream {
         }
     }
 
+    /// Forward `req` to target number `*at` (`pick`), or, when no connection to it
+    /// can be made, to the next (`failover_order`), each target once: `*at` is the
+    /// target that answered or failed last, and `passed_over` is told of each
+    /// target left behind and why. A request is sent to another target only when
+    /// nothing of it was written.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn forward(
         &self,
-        target: usize,
+        at: &mut usize,
         parts: &mut http::request::Parts,
         body: ClientBody,
         origin: &Origin<'_>,
         max_body: u64,
         timer: Option<Pin<&mut Deadline>>,
         raw: Option<&mut Option<RawFields>>,
+        mut passed_over: impl FnMut(usize, &ProxyError),
     ) -> Result<Response<Body>, ProxyError> {
-        let target = &self.targets[target % self.targets.len()];
+        *at %= self.targets.len();
+        let mut target = &self.targets[*at];
         // The HTTP/2 pool, when the target speaks HTTP/2 (`auto`: until it picked
         // HTTP/1.1).
-        let h2 = match &target.via {
-            Via::H1(_) => None,
-            Via::H2(h2) => Some(h2),
-            Via::Auto(_, h2) => (!h2.picked_http1()).then_some(h2),
-        };
+        let mut h2 = Self::h2_of(target);
+        let speaks_h2 = h2.is_some();
         // Only listed protocols are spliced: any other `Upgrade` (h2c above all,
         // whose tunnel would carry requests past every route and limit) is dropped
         // with the hop-by-hop headers and the request forwarded as a plain one. An
@@ -732,54 +816,117 @@ impl Upstream {
             .boxed();
         }
         let mut timer = timer;
-        let pool = match (&target.via, h2) {
-            (_, Some(h2)) => {
-                fwd.put_in_map(&mut parts.headers);
-                let req = h2_request(parts, target, body);
-                // Boxed: its state would otherwise grow every request's future,
-                // HTTP/1.1 ones too.
-                let answer = Box::pin(async {
-                    let sent = std::pin::pin!(h2.send(req));
-                    let timer = timer.as_mut().map(|t| t.as_mut());
-                    self.answer(sent, sending.clone(), timer, timeout).await
-                });
-                match answer.await {
-                    Err(_) => return Err(ProxyError::Timeout),
-                    Ok(Ok(resp)) => return Ok(resp),
-                    Ok(Err(H2Error::Send(SendError::Connect(e)))) => return Err(classify(e, true)),
-                    Ok(Err(H2Error::Send(SendError::Send(e)))) => return Err(classify(e, false)),
-                    // `auto`, and the target picked HTTP/1.1: the request goes on the
-                    // connection it picked it on, in the HTTP/1.1 pool.
-                    Ok(Err(H2Error::Http1(req, conn))) => {
-                        let Via::Auto(pool, _) = &target.via else {
-                            return Err(ProxyError::Reset(
-                                "the upstream refused HTTP/2 by ALPN".into(),
-                            ));
-                        };
-                        let (back, b) = req.into_parts();
-                        parts.headers = back.headers;
-                        // (`h2_request` took it for `:authority`.)
-                        if let Some(h) = back_host(&host, target) {
-                            parts.headers.insert(header::HOST, h);
+        // (An upgrade's answer is spliced, never written from its fields.)
+        let mut raw = raw.filter(|_| !upgrading);
+        // The targets still to try, made at the first that cannot be reached.
+        let mut rest: Option<std::vec::IntoIter<usize>> = None;
+        let resp = loop {
+            let unsent = match (&target.via, h2) {
+                (_, Some(h2)) => {
+                    fwd.put_in_map(&mut parts.headers);
+                    let req = h2_request(parts, target, body);
+                    // Boxed: its state would otherwise grow every request's future,
+                    // HTTP/1.1 ones too.
+                    let answer = Box::pin(async {
+                        let sent = std::pin::pin!(h2.send(req));
+                        let timer = timer.as_mut().map(|t| t.as_mut());
+                        self.answer(sent, sending.clone(), timer, timeout).await
+                    });
+                    match answer.await {
+                        Err(_) => return Err(ProxyError::Timeout),
+                        Ok(Ok(resp)) => {
+                            target.health.connected(&self.name, target);
+                            return Ok(resp);
                         }
-                        body = b;
-                        pool.adopt(conn);
-                        pool
+                        Ok(Err(H2Error::Unsent(req, e))) => {
+                            let (back, b) = req.into_parts();
+                            parts.headers = back.headers;
+                            body = b;
+                            e
+                        }
+                        Ok(Err(H2Error::Send(SendError::Connect(e) | SendError::Unsent(e, _)))) => {
+                            return Err(classify(e, true))
+                        }
+                        Ok(Err(H2Error::Send(SendError::Send(e)))) => {
+                            target.health.connected(&self.name, target);
+                            return Err(classify(e, false));
+                        }
+                        // `auto`, and the target picked HTTP/1.1: the request goes on
+                        // the connection it picked it on, in the HTTP/1.1 pool.
+                        Ok(Err(H2Error::Http1(req, conn))) => {
+                            let Via::Auto(pool, _) = &target.via else {
+                                return Err(ProxyError::Reset(
+                                    "the upstream refused HTTP/2 by ALPN".into(),
+                                ));
+                            };
+                            let (back, b) = req.into_parts();
+                            parts.headers = back.headers;
+                            // (`h2_request` took it for `:authority`.)
+                            if let Some(h) = back_host(&host, target) {
+                                parts.headers.insert(header::HOST, h);
+                            }
+                            body = b;
+                            pool.adopt(conn);
+                            match self
+                                .send_h1(
+                                    pool, parts, body, fwd, &mut raw, &sending, &mut timer, timeout,
+                                )
+                                .await
+                            {
+                                Ok(sent) => break sent,
+                                Err(Unsent(e, b)) => {
+                                    body = b;
+                                    e
+                                }
+                            }
+                        }
                     }
                 }
+                (Via::H1(pool) | Via::Auto(pool, _), None) => {
+                    match self
+                        .send_h1(
+                            pool, parts, body, fwd, &mut raw, &sending, &mut timer, timeout,
+                        )
+                        .await
+                    {
+                        Ok(sent) => break sent,
+                        Err(Unsent(e, b)) => {
+                            body = b;
+                            e
+                        }
+                    }
+                }
+                (Via::H2(_), None) => unreachable!("an HTTP/2 target always has its pool"),
+            };
+            // No connection could be made: the request, not written, may go to the
+            // next target (in the same protocol: its fields were made for it).
+            let error = classify(unsent, true);
+            if !matches!(error, ProxyError::Connect(_) | ProxyError::Timeout) {
+                return Err(error);
             }
-            (Via::H1(pool) | Via::Auto(pool, _), None) => pool,
-            (Via::H2(_), None) => unreachable!("an HTTP/2 target always has its pool"),
+            target.health.failed(&self.name, target, &self.passive);
+            let next = rest
+                .get_or_insert_with(|| self.failover_order(*at))
+                .find(|&t| Self::h2_of(&self.targets[t]).is_some() == speaks_h2);
+            let Some(next) = next else {
+                return Err(error);
+            };
+            passed_over(*at, &error);
+            *at = next;
+            target = &self.targets[next];
+            h2 = Self::h2_of(target);
+            if let Some(h) = back_host(&host, target) {
+                parts.headers.insert(header::HOST, h);
+            }
         };
-        // (An upgrade's answer is spliced, never written from its fields.)
-        let raw = raw.filter(|_| !upgrading);
-        let sent = std::pin::pin!(pool.send(parts, body, fwd, raw));
-        let resp = match self.answer(sent, sending, timer, timeout).await {
-            Err(_) => return Err(ProxyError::Timeout),
-            Ok(Err(SendError::Connect(e))) => return Err(classify(e, true)),
-            Ok(Err(SendError::Send(e))) => return Err(classify(e, false)),
-            Ok(Ok(Exchanged::Response(r))) => r,
-            Ok(Ok(Exchanged::Switched(parts, conn))) => {
+        // A connection was made (what failed on it is no reason to leave it out).
+        if matches!(resp, Ok(_) | Err(ProxyError::Reset(_))) {
+            target.health.connected(&self.name, target);
+        }
+        let resp = match resp {
+            Err(e) => return Err(e),
+            Ok(Exchanged::Response(r)) => r,
+            Ok(Exchanged::Switched(parts, conn)) => {
                 return match client_upgrade {
                     Some(client_upgrade) => Ok(splice(
                         parts,
@@ -802,6 +949,38 @@ impl Upstream {
             strip_hop_by_hop(&mut parts.headers);
         }
         Ok(Response::from_parts(parts, body.boxed()))
+    }
+}
+
+/// A request that no connection could be made for, given back: why, and its body.
+struct Unsent(BoxError, Body);
+
+impl Upstream {
+    /// `forward` on an HTTP/1.1 pool: the answer, or an error sorted as the
+    /// client gets it, or the request given back when no connection could be made.
+    #[allow(clippy::too_many_arguments)]
+    async fn send_h1(
+        &self,
+        pool: &Arc<Pool>,
+        parts: &mut http::request::Parts,
+        body: Body,
+        fwd: Forwarded<'_>,
+        raw: &mut Option<&mut Option<RawFields>>,
+        sending: &Option<tokio::sync::watch::Receiver<bool>>,
+        timer: &mut Option<Pin<&mut Deadline>>,
+        timeout: Duration,
+    ) -> Result<Result<Exchanged, ProxyError>, Unsent> {
+        let sent = std::pin::pin!(pool.send(parts, body, fwd, raw.as_deref_mut()));
+        let timer = timer.as_mut().map(|t| t.as_mut());
+        Ok(
+            match self.answer(sent, sending.clone(), timer, timeout).await {
+                Err(_) => Err(ProxyError::Timeout),
+                Ok(Err(SendError::Unsent(e, body))) => return Err(Unsent(e, body)),
+                Ok(Err(SendError::Connect(e))) => Err(classify(e, true)),
+                Ok(Err(SendError::Send(e))) => Err(classify(e, false)),
+                Ok(Ok(exchanged)) => Ok(exchanged),
+            },
+        )
     }
 }
 

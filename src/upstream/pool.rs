@@ -50,6 +50,19 @@ pub enum SendError {
     /// The connection failed while the request was sent or its answer awaited, or
     /// the request body failed.
     Send(BoxError),
+    /// No connection could be opened, and nothing of the request was written: its
+    /// body is given back (its fields are back in the request's map), for another
+    /// target.
+    Unsent(BoxError, Body),
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            SendError::Connect(e) | SendError::Unsent(e, _) => write!(f, "connecting: {e}"),
+            SendError::Send(e) => e.fmt(f),
+        }
+    }
 }
 
 /// The upstream sent nothing more of a response body for `upstreams.*.read_timeout`.
@@ -121,7 +134,18 @@ impl Pool {
         loop {
             let (mut conn, kept) = match self.checkout() {
                 Some(conn) => (conn, true),
-                None => self.connect_or_wait().await?,
+                None => match self.connect_or_wait().await {
+                    Ok(opened) => opened,
+                    // Nothing written yet: the request goes back whole.
+                    Err(SendError::Connect(e)) => match (map.take(), body.take()) {
+                        (Some(headers), Some(body)) => {
+                            parts.headers = headers;
+                            return Err(SendError::Unsent(e, body));
+                        }
+                        _ => return Err(SendError::Connect(e)),
+                    },
+                    Err(e) => return Err(e),
+                },
             };
             if let Some(map) = map.take() {
                 conn.keep_map(map);

@@ -151,6 +151,23 @@ pub async fn upstream_with(opts: UpstreamOpts) -> Upstream {
     Upstream { addr, hits }
 }
 
+/// An echo upstream answering 200 at once on 127.0.0.1:`port` (a target that
+/// comes back where it was).
+pub async fn upstream_at(port: u16) -> Upstream {
+    let listener = TcpListener::bind(("127.0.0.1", port))
+        .await
+        .expect("bind the port again");
+    let addr = listener.local_addr().expect("local addr");
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(serve_echo(stream, UpstreamOpts::default(), counter.clone()));
+        }
+    });
+    Upstream { addr, hits }
+}
+
 /// An upstream that accepts, reads the request head and closes without answering.
 pub async fn closing_upstream() -> Upstream {
     let listener = bind().await;

@@ -412,3 +412,40 @@ async fn a_reload_changes_the_protocol() {
     let r = http1().get(&url(gw.addr, "/b"), &[]).await;
     assert_eq!(r.header("x-version"), Some("HTTP/2.0"));
 }
+
+/// An h2c upstream with a target that refuses connections: each request it would
+/// have had goes to the live one; the dead one is left out after its first failure.
+#[tokio::test]
+async fn an_h2c_target_refusing_connections_costs_no_request_its_answer() {
+    let live = h2_upstream(H2Opts::default()).await;
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let gw = start_gateway(&format!(
+        "upstreams:\n  app: {{targets: [\"http://{}\", \"{dead}\"], protocol: h2c, probe: false}}\n\
+         routes:\n  - name: all\n    match: {{path_prefix: /}}\n    upstream: app\n",
+        live.addr
+    ))
+    .await;
+    for client in [http1(), h2c()] {
+        let got = statuses(&client, 20, &url(gw.addr, "/x"), &[]).await;
+        assert_eq!(got, vec![200; 20]);
+    }
+    assert_eq!(live.seen().len(), 40);
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            "sluice_upstream_errors_total{kind=\"connect\",route=\"all\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            &format!("sluice_upstream_target_healthy{{target=\"{dead}\",upstream=\"app\"}}")
+        ),
+        Some(0.0),
+        "{m}"
+    );
+    gw.shutdown().await;
+}

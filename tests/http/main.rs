@@ -7,6 +7,7 @@ mod common;
 
 mod client_faults;
 mod connections;
+mod failover;
 mod forwarded_order;
 mod forwarding;
 mod grpc;

@@ -815,15 +815,11 @@ async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
         save_named(&target, "dashboard-abusers.png", &shot).display()
     );
 
-    // One click denies the scraper, for the TTL and with the reason shown; the entry
-    // is shared, so b refuses it too.
-    browser
-        .click(
-            &browser
-                .find(".route[data-route=\"api\"] tr[data-key=\"scraper-7\"] button.remove")
-                .await,
-        )
-        .await;
+    // A click and its confirmation deny the scraper, for the TTL and with the reason
+    // shown; the entry is shared, so b refuses it too.
+    let deny_scraper = ".route[data-route=\"api\"] tr[data-key=\"scraper-7\"] button.remove";
+    browser.click(&browser.find(deny_scraper).await).await;
+    browser.click(&browser.find(deny_scraper).await).await;
     browser
         .wait_for(
             "the deny's message",
@@ -906,5 +902,166 @@ async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
             json!(true),
         )
         .await;
+    browser.quit().await;
+}
+
+/// The page in Chromium on what a first week in production showed wrong: a cost
+/// from the response written out (not `[object Object]`); a route whose every
+/// request got 502 shows its upstream errors (a counter, a line on the chart, the
+/// recent chips) and its target left out; an offender already denied is marked,
+/// not offered again; and a deny click asks once more before it acts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_in_chromium_shows_upstream_errors_target_states_and_denied_offenders() {
+    let up = upstream().await;
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let yaml = format!(
+        r#"
+upstreams:
+  app: {{targets: ["{}"]}}
+  gone: {{targets: ["{dead}"], probe: false}}
+routes:
+  - name: api
+    match: {{path_prefix: /api/}}
+    upstream: app
+    key: header:x-api-key
+    limits:
+      - {{name: burst, algorithm: token_bucket, rate: 1/h, burst: 1}}
+      - {{name: tokens, algorithm: fixed_window, limit: 1000, window: 1h, cost: {{response_header: x-cost, default: 2}}}}
+  - name: broken
+    match: {{path_prefix: /broken/}}
+    upstream: gone
+"#,
+        up.url()
+    );
+    let sluice = SluiceProcess::start(&[], &[], &yaml).await;
+    let c = http1();
+    let broken = statuses(&c, 30, &url(sluice.addr, "/broken/x"), &[]).await;
+    assert_eq!(broken, vec![502; 30]);
+    // Two offenders: each allowed once, then refused twice.
+    for key in ["eve", "mallory"] {
+        let got = statuses(&c, 3, &url(sluice.addr, "/api/x"), &[("x-api-key", key)]).await;
+        assert_eq!(got, ok_then_limited(1, 2));
+    }
+    // eve is denied already (through the API, as another operator would).
+    let r = c
+        .send(
+            Method::POST,
+            &url(sluice.admin, "/admin/deny"),
+            &[("content-type", "application/json")],
+            r#"{"key": "eve", "ttl": "1h"}"#,
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+
+    let browser = webdriver::Browser::start().await;
+    browser.open(&url(sluice.admin, "/")).await;
+    let route_text = |route: &str, css: &str| {
+        format!(
+            "const e = document.querySelector('.route[data-route=\"{route}\"] {css}'); return e ? e.textContent : null"
+        )
+    };
+    // The limits: the cost from the response in words.
+    browser
+        .wait_for(
+            "api's limits",
+            "return [...document.querySelectorAll('.route[data-route=\"api\"] .limits li')].map(e => e.textContent)",
+            json!([
+                "burst token_bucket rate 1/h, burst 1",
+                "tokens fixed_window limit 1000, per 1h, cost from response header x-cost (default 2)"
+            ]),
+        )
+        .await;
+    // The broken route: its 30 requests allowed, and 30 upstream errors beside them.
+    browser
+        .wait_for(
+            "broken's upstream errors",
+            &route_text("broken", ".counter[data-decision=\"upstream_errors\"] .n"),
+            json!("30"),
+        )
+        .await;
+    assert_eq!(
+        browser
+            .eval(&route_text("broken", ".status[data-code=\"failed\"]"))
+            .await,
+        json!("not answered 30")
+    );
+    assert_eq!(
+        browser
+            .eval(&route_text("broken", ".status[data-code=\"failed\"].bad"))
+            .await,
+        json!("not answered 30")
+    );
+    // Its target is left out; api's is in use.
+    assert_eq!(
+        browser
+            .eval(&route_text(
+                "broken",
+                &format!(".target[data-target=\"{dead}\"]")
+            ))
+            .await,
+        json!(format!("{dead} out"))
+    );
+    assert_eq!(
+        browser.eval(&route_text("api", ".target")).await,
+        json!(format!("{} up", up.url()))
+    );
+    // On the chart: the errors line leaves the baseline.
+    browser
+        .wait_for(
+            "broken's errors line",
+            "const l = document.querySelector('.route[data-route=\"broken\"] svg.chart polyline.line.errors'); return l ? l.getAttribute('points').trim().split(/\\s+/).some(p => Number(p.split(',')[1]) < 76) : null",
+            json!(true),
+        )
+        .await;
+
+    // Offenders: eve marked as denied, with no button; mallory offered.
+    let offender = |key: &str| {
+        format!(
+            "const r = document.querySelector('.route[data-route=\"api\"] table.top tr[data-key=\"{key}\"]'); return r ? [r.dataset.denied, [...r.querySelectorAll('button')].map(b => b.textContent), r.querySelector('td.actions').textContent] : null"
+        )
+    };
+    browser
+        .wait_for(
+            "eve marked denied",
+            &offender("eve"),
+            json!(["key", [], "key denied"]),
+        )
+        .await;
+    browser
+        .wait_for(
+            "mallory offered",
+            &offender("mallory"),
+            json!(["", ["Deny key", "Deny IP"], "Deny key Deny IP"]),
+        )
+        .await;
+    // One click asks; nothing is denied yet.
+    let deny_mallory = ".route[data-route=\"api\"] tr[data-key=\"mallory\"] button.remove";
+    browser.click(&browser.find(deny_mallory).await).await;
+    assert_eq!(
+        browser
+            .eval(&format!(
+                "return document.querySelector('{deny_mallory}').textContent"
+            ))
+            .await,
+        json!("Confirm deny key?")
+    );
+    let listed: Value =
+        serde_json::from_slice(&get(&url(sluice.admin, "/admin/deny"), &[]).await.body).unwrap();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    // The second denies it, and the row is marked.
+    browser.click(&browser.find(deny_mallory).await).await;
+    browser
+        .wait_for(
+            "mallory marked denied",
+            &offender("mallory"),
+            json!(["key", [], "key denied"]),
+        )
+        .await;
+    assert_eq!(
+        c.get(&url(sluice.addr, "/api/x"), &[("x-api-key", "mallory")])
+            .await
+            .status,
+        403
+    );
     browser.quit().await;
 }

@@ -11,5 +11,6 @@ mod concurrency_faults;
 mod gateway;
 mod refusal_logs;
 mod reload_state;
+mod upstream_body_failure;
 mod upstream_metrics;
 mod upstream_readers;

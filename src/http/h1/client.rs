@@ -525,7 +525,7 @@ pub enum Framing {
 /// `X-Forwarded-*` fields a request gets that its map does not have: written after
 /// the map's fields, as if appended to it in this order, with no map insert (see
 /// `upstream::set_forwarded`).
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 pub struct Forwarded<'a> {
     pub for_: Option<&'a HeaderValue>,
     pub proto: Option<&'static str>,

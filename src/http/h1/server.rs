@@ -479,7 +479,15 @@ where
             activity.linger();
         }
         drop(in_flight);
-        sent?;
+        if let Err(e) = sent {
+            if e.is::<NothingSent>() {
+                tracing::debug!(error = %e, "answered 502");
+                let _ =
+                    refuse_with(&mut io, StatusCode::BAD_GATEWAY, b"upstream unavailable\n").await;
+                return Ok(());
+            }
+            return Err(e);
+        }
         if last || unread || *stop.borrow() {
             let _ = io.shutdown().await;
             return Ok(());
@@ -521,6 +529,29 @@ where
         },
         Poll::Ready(Ok(_)) => Poll::Pending,
     }
+}
+
+/// Answer `status` with a short text `body` and close.
+async fn refuse_with<IO>(io: &mut IO, status: StatusCode, body: &[u8]) -> Result<(), BoxError>
+where
+    IO: AsyncWrite + Unpin,
+{
+    let mut out = Vec::with_capacity(160 + body.len());
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
+    out.extend_from_slice(
+        b"\r\nconnection: close\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: ",
+    );
+    out.extend_from_slice(body.len().to_string().as_bytes());
+    out.extend_from_slice(b"\r\ndate: ");
+    date::extend(&mut out);
+    out.extend_from_slice(b"\r\n\r\n");
+    out.extend_from_slice(body);
+    io.write_all(&out).await?;
+    let _ = io.shutdown().await;
+    Ok(())
 }
 
 /// Answer a head that cannot be served (as hyper's `Server::on_error`) and close.
@@ -1250,8 +1281,16 @@ fn encode_head(
 #[derive(Clone, Copy, Debug)]
 pub struct UnannouncedTrailers;
 
+/// A response body that failed when first asked for a frame: nothing of the
+/// answer was written (its head was still in the buffer), so the client gets a 502
+/// instead of a connection closed on nothing.
+#[derive(Debug, thiserror::Error)]
+#[error("the response body failed before its head was sent: {0}")]
+struct NothingSent(BoxError);
+
 /// Send the head in `out` and the body in its framing. A body frame that is ready
-/// at once goes in the same write as what precedes it. A request body still being
+/// at once goes in the same write as what precedes it; the first is always asked
+/// for before anything is written (`NothingSent`). A request body still being
 /// read (`inflow`) is fed meanwhile: the upstream may answer while it reads.
 async fn send_body<IO>(
     io: &mut IO,
@@ -1278,8 +1317,22 @@ where
         Framing::Close => (None, Trailers::None, false),
     };
     let mut ended = body.is_end_stream();
+    // The first frame, if it is ready at once: asked for before the head is written.
+    let mut first = None;
+    if !ended {
+        let now = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)));
+        match now.await {
+            Poll::Ready(Some(Err(e))) => return Err(NothingSent(e).into()),
+            Poll::Ready(f) => first = Some(f.transpose()?),
+            Poll::Pending => {}
+        }
+    }
     while !ended {
-        let Some(frame) = next_frame(io, buf, out, &mut body, inflow).await? else {
+        let next = match first.take() {
+            Some(f) => f,
+            None => next_frame(io, buf, out, &mut body, inflow).await?,
+        };
+        let Some(frame) = next else {
             break;
         };
         let frame = match frame.into_data() {

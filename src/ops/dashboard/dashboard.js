@@ -16,7 +16,11 @@
     ["limited", "limited"],
     ["denied", "denied"],
     ["other", "other"],
+    ["errors", "upstream errors"],
   ];
+  // The upstream's columns of a route's history: its answers by class, and the
+  // requests it did not answer. Never counted in "other" (they are not decisions).
+  const UPSTREAM = ["upstream_2xx", "upstream_3xx", "upstream_4xx", "upstream_5xx", "upstream_failed"];
   // Always shown; the other decisions only once they happened, in this order.
   const MAIN = ["allowed", "limited", "denied"];
   const ORDER = [...MAIN, "delayed", "shadow", "store_error_allowed", "store_error_denied", "bad_request"];
@@ -298,7 +302,8 @@
     if (l.rate) parts.push(`rate ${l.rate}`);
     if (l.burst !== null && l.burst !== undefined) parts.push(`burst ${l.burst}`);
     if (l.lease) parts.push(`lease ${l.lease}`);
-    if (l.cost !== null && l.cost !== undefined) parts.push(`cost ${l.cost}`);
+    if (l.cost !== null && l.cost !== undefined) parts.push(costText(l.cost));
+    if (l.count && Array.isArray(l.count.status)) parts.push(`counts answers ${l.count.status.join(", ")}`);
     return el(
       "li",
       { dataset: { limit: name } },
@@ -307,6 +312,16 @@
       el("span", { class: "algo" }, l.algorithm),
       ` ${parts.join(", ")}`
     );
+  }
+
+  // A cost is units, or what a response header says (`{response_header, default}`).
+  function costText(c) {
+    if (typeof c !== "object") return `cost ${c}`;
+    if (c.response_header) {
+      const d = c.default !== null && c.default !== undefined ? c.default : 1;
+      return `cost from response header ${c.response_header} (default ${d})`;
+    }
+    return `cost ${JSON.stringify(c)}`;
   }
 
   function matchText(m) {
@@ -388,7 +403,7 @@
     for (const r of stats.routes) {
       const v = routeViews.get(r.name);
       if (!v) continue;
-      const samples = series(r.history, r.totals, stats.now_ms);
+      const samples = series(r.history, withUpstream(r), stats.now_ms);
       const rates = lastRates(samples);
       for (const d of ORDER.filter((d) => d in r.totals)) {
         const n = r.totals[d];
@@ -404,11 +419,27 @@
         cell.num.textContent = String(n);
         cell.per.textContent = `${rate(rates[d] || 0)}/s`;
       }
+      // Beside the decisions: the requests the upstream failed (answered 5xx or not
+      // at all), which "allowed" counts too.
+      if (v.isUpstream && r.upstream) {
+        const n = upstreamErrors(r);
+        let cell = v.cells.get("upstream_errors");
+        if (!cell) {
+          const num = el("div", { class: "n" });
+          const per = el("div", { class: "rate" });
+          cell = { box: el("div", { class: "counter errors", dataset: { decision: "upstream_errors" } }, num, el("div", { class: "label" }, "upstream errors"), per), num, per };
+          v.cells.set("upstream_errors", cell);
+          v.counters.append(cell.box);
+        }
+        cell.box.hidden = n === 0;
+        cell.num.textContent = String(n);
+        cell.per.textContent = `${rate((rates.upstream_5xx || 0) + (rates.upstream_failed || 0))}/s`;
+      }
       v.top.textContent = `${drawChart(v.chart, samples, stats.now_ms, stats.keep_ms)}/s · last 5 minutes`;
       v.startTick.textContent = utcTime(stats.now_ms - stats.keep_ms);
       v.endTick.textContent = `${utcTime(stats.now_ms)} (now)`;
       if (r.long_history) {
-        const long = series(r.long_history, r.totals, stats.now_ms);
+        const long = series(r.long_history, withUpstream(r), stats.now_ms);
         v.longTop.textContent = `${drawChart(v.longChart, long, stats.now_ms, stats.long_keep_ms)}/s · last 2 hours, a point a minute`;
         v.longStart.textContent = utcTime(stats.now_ms - stats.long_keep_ms);
         v.longEnd.textContent = `${utcTime(stats.now_ms)} (now)`;
@@ -418,28 +449,67 @@
     }
   }
 
+  // A route's totals with its upstream's columns (`UPSTREAM`), for its charts.
+  function withUpstream(r) {
+    const t = { ...r.totals };
+    if (r.upstream && r.history && "upstream_5xx" in r.history) {
+      t.upstream_2xx = r.upstream["2xx"];
+      t.upstream_3xx = r.upstream["3xx"];
+      t.upstream_4xx = r.upstream["4xx"];
+      t.upstream_5xx = r.upstream["5xx"];
+      const e = r.upstream_errors;
+      t.upstream_failed = e.connect + e.timeout + e.reset + e.busy;
+    }
+    return t;
+  }
+
+  // Since start: answered 5xx, or not answered.
+  function upstreamErrors(r) {
+    const e = r.upstream_errors;
+    return r.upstream["5xx"] + e.connect + e.timeout + e.reset + e.busy;
+  }
+
   function renderUpstream(v, r) {
     clear(v.upstream);
     if (!v.isUpstream || !r.upstream) return;
+    // The chips count the last minutes (the history kept), so an incident's red
+    // goes once it is over; the totals since start are in their titles.
+    const recent = r.upstream_recent || {};
     const u = r.upstream;
     const e = r.upstream_errors;
-    v.upstream.append(el("span", { class: "muted" }, "upstream answered "));
+    v.upstream.append(el("span", { class: "muted" }, "upstream answered, last 5 min "));
     for (const c of ["2xx", "3xx", "4xx", "5xx"]) {
-      const bad = c === "5xx" && u[c] > 0;
-      v.upstream.append(el("span", { class: `status s${c[0]}${bad ? " bad" : ""}`, dataset: { code: c } }, `${c} ${u[c]}`));
+      const n = recent[c] || 0;
+      const bad = c === "5xx" && n > 0;
+      v.upstream.append(
+        el("span", { class: `status s${c[0]}${bad ? " bad" : ""}`, dataset: { code: c }, title: `${u[c]} since start` }, `${c} ${n}`)
+      );
     }
-    const failed = e.connect + e.timeout + e.reset + e.busy;
+    const failed = recent.failed || 0;
+    const total = e.connect + e.timeout + e.reset + e.busy;
     v.upstream.append(
       el(
         "span",
-        { class: `status failed${failed > 0 ? " bad" : ""}`, dataset: { code: "failed" } },
+        { class: `status failed${failed > 0 ? " bad" : ""}`, dataset: { code: "failed" }, title: `${total} since start` },
         `not answered ${failed}`
       )
     );
-    if (failed > 0) {
+    if (total > 0) {
       v.upstream.append(
-        el("span", { class: "muted" }, ` (connect ${e.connect}, timeout ${e.timeout}, reset ${e.reset}, busy ${e.busy})`)
+        el("span", { class: "muted" }, ` (since start: connect ${e.connect}, timeout ${e.timeout}, reset ${e.reset}, busy ${e.busy})`)
       );
+    }
+    // Each target, in use or left out (`max_fails`, `health_check`).
+    const targets = r.upstream_targets || [];
+    if (targets.length) {
+      const list = el("div", { class: "targets" }, el("span", { class: "muted" }, "targets "));
+      for (const t of targets) {
+        list.append(
+          el("span", { class: `target${t.healthy ? "" : " bad"}`, dataset: { target: t.target, state: t.state } }, `${t.target} ${t.state}`),
+          " "
+        );
+      }
+      v.upstream.append(list);
     }
   }
 
@@ -466,7 +536,7 @@
     for (const [name, v] of routeViews) {
       if (!v.hasLimits) continue;
       const mine = (byRoute.get(name) || []).slice(0, 10);
-      const text = JSON.stringify(mine.map((r) => [r.key, r.ip, r.refused, r.allowed]));
+      const text = JSON.stringify(mine.map((r) => [r.key, r.ip, r.refused, r.allowed, r.denied || null]));
       if (text === v.topShown) continue;
       v.topShown = text;
       drawOffenders(name, v, mine);
@@ -494,21 +564,48 @@
       return;
     }
     for (const r of rows) {
-      const denyKey = el("button", { type: "button", class: "remove" }, "Deny key");
-      const denyIp = el("button", { type: "button", class: "remove" }, "Deny IP");
-      denyKey.addEventListener("click", () => denyFromTop(v, { key: r.key }, `key ${r.key}`));
-      denyIp.addEventListener("click", () => denyFromTop(v, { ip: r.ip }, `ip ${r.ip}`));
       const refused = r.error > 0 ? `${r.refused} (±${r.error})` : String(r.refused);
+      // One already denied says so, instead of offering to deny it again.
+      const actions = r.denied
+        ? el("td", { class: "actions" }, el("span", { class: "badge bad denied-mark" }, `${r.denied} denied`))
+        : el("td", { class: "actions" },
+          confirmButton("Deny key", () => denyFromTop(v, { key: r.key }, `key ${r.key}`)), " ",
+          confirmButton("Deny IP", () => denyFromTop(v, { ip: r.ip }, `ip ${r.ip}`)));
       v.topBody.append(
-        el("tr", { dataset: { key: r.key, ip: r.ip } },
+        el("tr", { class: r.denied ? "denied" : "", dataset: { key: r.key, ip: r.ip, denied: r.denied || "" } },
           el("td", { class: "value" }, el("code", null, r.key)),
           el("td", { class: "value" }, el("code", null, r.ip)),
           el("td", { class: "num" }, refused),
           el("td", { class: "num" }, String(r.allowed)),
           el("td", null, utcTime(r.last_seen)),
-          el("td", { class: "actions" }, denyKey, " ", denyIp))
+          actions)
       );
     }
+  }
+
+  // A button that asks once more before it acts: the first click turns it into
+  // "Confirm …" (for 5 seconds), the second acts.
+  function confirmButton(label, act) {
+    const b = el("button", { type: "button", class: "remove" }, label);
+    let armed = null;
+    b.addEventListener("click", () => {
+      if (armed) {
+        clearTimeout(armed);
+        armed = null;
+        b.textContent = label;
+        b.classList.remove("confirm");
+        act();
+        return;
+      }
+      b.textContent = `Confirm ${label.toLowerCase()}?`;
+      b.classList.add("confirm");
+      armed = setTimeout(() => {
+        armed = null;
+        b.textContent = label;
+        b.classList.remove("confirm");
+      }, 5000);
+    });
+    return b;
   }
 
   // The same command as `sluice deny add`: POST /admin/deny.
@@ -584,8 +681,9 @@
 
   function group(totals) {
     let other = 0;
-    for (const [d, n] of Object.entries(totals)) if (!MAIN.includes(d)) other += n;
-    return { allowed: totals.allowed || 0, limited: totals.limited || 0, denied: totals.denied || 0, other };
+    for (const [d, n] of Object.entries(totals)) if (!MAIN.includes(d) && !UPSTREAM.includes(d)) other += n;
+    const errors = (totals.upstream_5xx || 0) + (totals.upstream_failed || 0);
+    return { allowed: totals.allowed || 0, limited: totals.limited || 0, denied: totals.denied || 0, other, errors };
   }
 
   function ratesBetween(a, b) {
@@ -607,7 +705,7 @@
     clear(chart);
     const W = 320, top = 16, bottom = 76;
     const start = now - keep;
-    const points = { allowed: [], limited: [], denied: [], other: [] };
+    const points = { allowed: [], limited: [], denied: [], other: [], errors: [] };
     let max = 0;
     for (let i = 1; i < samples.length; i++) {
       if (samples[i].at < start) continue;
