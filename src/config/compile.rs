@@ -326,9 +326,19 @@ fn compile_route(
         for o in &r.overrides {
             let t = Arc::new(tier(&mut keys, &o.limits, mode, metrics)?);
             for k in &o.keys {
-                // Matched against the key as it is counted: in its normal form.
-                let k = key.normalize.apply(k.0.as_str().into());
-                overrides.insert(k.into_owned(), t.clone());
+                // Matched against the key as it is counted: a body key in NFC, in
+                // its normal form (each part of a composite key).
+                let k = if key.reads_body() {
+                    crate::identity::nfc(k.0.as_str().into())
+                } else {
+                    k.0.as_str().into()
+                };
+                let k = if key.parts.len() > 1 {
+                    crate::identity::normalize_joined(key.normalize, &k).into_owned()
+                } else {
+                    key.normalize.apply(k).into_owned()
+                };
+                overrides.insert(k, t.clone());
             }
         }
         Some(Limits { default, overrides })

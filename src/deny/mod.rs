@@ -22,7 +22,9 @@ use ipnet::IpNet;
 use prefix_trie::joint::JointPrefixMap;
 use serde::{Deserialize, Serialize};
 
-use crate::identity::{canonical, canonical_net, kept_hashed, nfc, KeyDigest, Normalize};
+use crate::identity::{
+    canonical, canonical_net, kept_hashed, nfc, normalize_joined, KeyDigest, Normalize,
+};
 use crate::telemetry::metrics::DENY_SOURCES;
 
 // === entries ===
@@ -248,13 +250,20 @@ pub fn stored_key<'a>(k: &'a str, digest: &'a mut Option<KeyDigest>) -> &'a str 
 struct Folds([HashMap<Box<str>, Vec<Arc<str>>>; 2]);
 
 impl Folds {
-    /// Each form of `k` that is not `k` itself, with its index.
+    /// Each form of `k` that is not `k` itself, with its index: of the whole text,
+    /// and of each part when it is a composite key's joined form (`a|b`), since
+    /// the table does not know which it is.
     fn forms(k: &str) -> impl Iterator<Item = (usize, Cow<'_, str>)> + '_ {
         Normalize::FOLDED
             .into_iter()
             .enumerate()
             .filter(move |_| !k.starts_with('#'))
-            .map(move |(i, form)| (i, form.apply(Cow::Borrowed(k))))
+            .flat_map(move |(i, form)| {
+                let whole = form.apply(Cow::Borrowed(k));
+                let parts = normalize_joined(form, k);
+                let parts = (parts != whole).then_some((i, parts));
+                std::iter::once((i, whole)).chain(parts)
+            })
             .filter(move |(_, f)| *f != k)
     }
 
@@ -1053,6 +1062,13 @@ mod tests {
         d.rebuild();
         assert!(d.view().folded_key(Casefold, "carl"));
         assert!(d.view().folded_key(Email, "carl"));
+        // A composite key's entry: each part in its form (`email` leaves `a+b`
+        // alone, the tenant has no `@`).
+        d.insert(entry("A+B|Eve+x@Example.com", Source::Api, None));
+        let view = d.view();
+        assert!(view.folded_key(Email, "a+b|eve@example.com"));
+        assert!(view.folded_key(Casefold, "a+b|eve+x@example.com"));
+        assert!(!view.folded_key(Email, "a+b|eve+x@example.com"));
         // Admin keys are kept in NFC, as body keys are read.
         assert_eq!(Target::key("Jose\u{301}"), Target::Key("José".into()));
     }

@@ -11,7 +11,7 @@ use ipnet::IpNet;
 mod multipart;
 mod text;
 
-pub use text::{can_be_a_key, casefold, is_text_key, nfc, Normalize};
+pub use text::{can_be_a_key, casefold, is_text_key, nfc, normalize_joined, Normalize};
 
 // === client IP ===
 
@@ -415,7 +415,12 @@ impl KeySpec {
         mut f: impl FnMut(&str) -> bool,
     ) -> bool {
         self.parts.iter().any(|part| {
-            let mut f = |v: &str| f(&self.canonical(part, Cow::Borrowed(v)));
+            // In the key's form, and as sent: an entry kept hashed (long, or with
+            // `{`, `}`) is matched only as the client sent it.
+            let mut f = |v: &str| {
+                let c = self.canonical(part, Cow::Borrowed(v));
+                f(&c) || (c != v && f(v))
+            };
             match part {
                 KeyPart::Ip => f(IpText::of(ip).as_str()),
                 KeyPart::Global => f("global"),
@@ -431,7 +436,9 @@ impl KeySpec {
                     .query()
                     .is_some_and(|q| query_pairs(q).any(|(k, v)| same_name(&k, name) && f(&v))),
                 KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| f(&v)),
-                KeyPart::Form(_) | KeyPart::Json(_) => any_body_value(part, req, body, &mut f),
+                KeyPart::Form(_) | KeyPart::Json(_) => {
+                    any_body_value(part, req, body, true, &mut f)
+                }
             }
         })
     }
@@ -461,7 +468,7 @@ impl KeySpec {
             }),
             KeyPart::Cookie(name) => cookies(&req.headers, name).any(|v| bad(v.as_bytes())),
             KeyPart::Form(_) | KeyPart::Json(_) => {
-                any_body_value(part, req, body, &mut |v: &str| !is_text_key(v))
+                any_body_value(part, req, body, false, &mut |v: &str| !is_text_key(v))
             }
         })
     }
@@ -568,14 +575,20 @@ fn part_value<'a>(
     body: Option<&'a [u8]>,
 ) -> Option<Cow<'a, str>> {
     let v: Cow<'a, str> = match (part, key_body(&req.headers)) {
+        // Go's `FormValue` reads the query's parameter first: one there is a copy.
+        (KeyPart::Form(name), _) if in_query(req, name) => return None,
         (KeyPart::Form(name), Some((BodyType::Form, _))) => single(form_fields(body?, name))?,
         (KeyPart::Form(name), Some((BodyType::Multipart, ct))) => {
-            // The strict reading's field; a part the lenient reading finds otherwise
-            // makes the key missing, as a repeat does.
+            // The strict reading's field, when every reading finds just what it
+            // finds, with the one boundary every upstream reads.
+            let body = body?;
+            let same = |n: &str| same_name(n, name);
             let boundary = multipart::boundary(ct.as_bytes())?;
-            let strict = multipart::fields(body?, boundary, false, |n| same_name(n, name))?;
-            let lenient = multipart::fields(body?, boundary, true, |n| same_name(n, name));
-            if lenient.as_ref() != Some(&strict) {
+            if multipart_boundaries(&req.headers).len() != 1 {
+                return None;
+            }
+            let strict = multipart::strict(body, boundary, same)?;
+            if multipart::every_field(body, boundary, same) != strict {
                 return None;
             }
             let field = single(strict.into_iter())?;
@@ -607,6 +620,13 @@ fn part_value<'a>(
     } else {
         Some(v)
     }
+}
+
+/// Whether the query has a parameter named `name` (`same_name`).
+fn in_query(req: &Parts, name: &str) -> bool {
+    req.uri
+        .query()
+        .is_some_and(|q| query_pairs(q).any(|(k, _)| same_name(&k, name)))
 }
 
 // === body keys ===
@@ -658,48 +678,196 @@ fn any_body_type(headers: &HeaderMap, t: BodyType) -> bool {
 }
 
 /// Whether `f` holds for any value of a body part, every copy of it, under any
-/// `Content-Type` the request names (`any_value`).
+/// `Content-Type` the request names (`any_value`). `wide`: also the values only
+/// a lenient reader finds (a JSON body that is not valid UTF-8 or not valid JSON,
+/// scanned for members of the pointer's last name), for the deny list.
 fn any_body_value(
     part: &KeyPart,
     req: &Parts,
     body: Option<&[u8]>,
+    wide: bool,
     f: &mut impl FnMut(&str) -> bool,
 ) -> bool {
-    let Some(body) = body else {
-        return false;
-    };
     match part {
         KeyPart::Form(name) => {
-            let form = any_body_type(&req.headers, BodyType::Form)
-                && form_fields(body, name).any(|v| f(&v));
-            // Every multipart part of that name, file or field, under either reading
-            // and every boundary the request names.
-            form || req.headers.get_all(CONTENT_TYPE).iter().any(|ct| {
-                body_type(ct) == Some(BodyType::Multipart)
-                    && multipart::boundary(ct.as_bytes()).is_some_and(|b| {
-                        [false, true].into_iter().any(|lenient| {
-                            multipart::fields(body, b, lenient, |n| same_name(n, name)).is_some_and(
-                                |fs| fs.iter().any(|p| f(&trim_white(p.value.clone()))),
-                            )
-                        })
-                    })
+            // Go's `FormValue` reads the query's parameter before the body's field.
+            let query = req
+                .uri
+                .query()
+                .is_some_and(|q| query_pairs(q).any(|(k, v)| same_name(&k, name) && f(&v)));
+            let Some(body) = body else {
+                return query;
+            };
+            if query {
+                return true;
+            }
+            if any_body_type(&req.headers, BodyType::Form) && form_fields(body, name).any(|v| f(&v))
+            {
+                return true;
+            }
+            // Every part of that name, file or field, that any reader finds, with
+            // every boundary the request's `Content-Type` fields name.
+            multipart_boundaries(&req.headers).iter().any(|b| {
+                multipart::every_field(body, b, |n| same_name(n, name))
+                    .into_iter()
+                    .any(|p| f(&trim_white(p.value)))
             })
         }
         // Every member on the pointer's way, each copy of a repeated one, and the
         // items of an array at its end: `["bad"] == "bad"` in JavaScript, as
         // `k[]=bad` is `bad` to PHP's loose comparisons.
         KeyPart::Json(pointer) if any_body_type(&req.headers, BodyType::Json) => {
-            json_values(body, pointer).is_some_and(|found| {
-                found.values.iter().any(|v| match v {
-                    serde_json::Value::Array(items) => {
-                        items.iter().filter_map(json_text).any(|t| f(&t))
-                    }
-                    v => json_text(v).is_some_and(|t| f(&t)),
+            let Some(body) = body else {
+                return false;
+            };
+            let mut structural = || {
+                json_values(body, pointer).is_some_and(|found| {
+                    found.values.iter().any(|v| match v {
+                        serde_json::Value::Array(items) => {
+                            items.iter().filter_map(json_text).any(|t| f(&t))
+                        }
+                        v => json_text(v).is_some_and(|t| f(&t)),
+                    })
                 })
-            })
+            };
+            structural() || (wide && json_lexical(body, pointer, &mut *f))
         }
         _ => false,
     }
+}
+
+/// The distinct boundaries of every `multipart/form-data` `Content-Type` of the
+/// request, as any upstream may read them (`multipart::boundaries`), at most
+/// `multipart::MAX_BOUNDARIES`.
+fn multipart_boundaries(headers: &HeaderMap) -> Vec<Vec<u8>> {
+    let mut all = Vec::new();
+    for ct in headers.get_all(CONTENT_TYPE) {
+        if body_type(ct) == Some(BodyType::Multipart) {
+            multipart::boundaries(ct.as_bytes(), &mut all);
+        }
+    }
+    all.truncate(multipart::MAX_BOUNDARIES);
+    all
+}
+
+/// A JSON body as text for a lenient reader: UTF-16 or UTF-32 by their byte order
+/// marks, or by the zero bytes of an ASCII start, as Python's `json.loads`
+/// detects them; else UTF-8 without its byte order mark, bad bytes replaced as Go
+/// reads strings.
+fn lenient_json_text(body: &[u8]) -> Cow<'_, str> {
+    let units32 = |be: bool| -> String {
+        body.chunks_exact(4)
+            .map(|c| {
+                let w = [c[0], c[1], c[2], c[3]];
+                let u = if be {
+                    u32::from_be_bytes(w)
+                } else {
+                    u32::from_le_bytes(w)
+                };
+                char::from_u32(u).unwrap_or('\u{FFFD}')
+            })
+            .collect()
+    };
+    let units16 = |be: bool| -> String {
+        let units = body.chunks_exact(2).map(|c| {
+            let w = [c[0], c[1]];
+            if be {
+                u16::from_be_bytes(w)
+            } else {
+                u16::from_le_bytes(w)
+            }
+        });
+        char::decode_utf16(units)
+            .map(|c| c.unwrap_or('\u{FFFD}'))
+            .collect()
+    };
+    let text = match body {
+        [0xFF, 0xFE, 0, 0, ..] => units32(false),
+        [0, 0, 0xFE, 0xFF, ..] => units32(true),
+        [0xFF, 0xFE, ..] => units16(false),
+        [0xFE, 0xFF, ..] => units16(true),
+        [0, 0, _, _, ..] => units32(true),
+        [0, _, ..] => units16(true),
+        [_, 0, 0, 0, ..] => units32(false),
+        [_, 0, ..] => units16(false),
+        _ => {
+            return match std::str::from_utf8(body) {
+                Ok(t) => Cow::Borrowed(t.strip_prefix('\u{FEFF}').unwrap_or(t)),
+                Err(_) => String::from_utf8_lossy(body),
+            }
+        }
+    };
+    Cow::Owned(text.trim_start_matches('\u{FEFF}').to_string())
+}
+
+/// Whether `f` holds for the value of any member, at any depth, whose name is the
+/// pointer's last name (as Go compares names), found by scanning the body's text
+/// as a lenient reader would read it (`lenient_json_text`), valid JSON or not
+/// (`NaN`, a stray byte): the deny list's reading of what a parser may accept.
+/// A pointer ending in an array index has no name to look for.
+fn json_lexical(body: &[u8], pointer: &str, f: &mut impl FnMut(&str) -> bool) -> bool {
+    let Some(last) = pointer.rsplit('/').next() else {
+        return false;
+    };
+    if last.is_empty() || last.bytes().all(|b| b.is_ascii_digit()) {
+        return false;
+    }
+    let token = last.replace("~1", "/").replace("~0", "~");
+    let text = lenient_json_text(body);
+    let b = text.as_bytes();
+    let skip_ws = |mut i: usize| {
+        while b.get(i).is_some_and(|c| c.is_ascii_whitespace()) {
+            i += 1;
+        }
+        i
+    };
+    // The end (past the closing quote) of the string starting at `i`, and its text.
+    let string_at = |i: usize| -> (usize, Cow<'_, str>) {
+        let mut j = i + 1;
+        while j < b.len() && b[j] != b'"' {
+            j += if b[j] == b'\\' { 2 } else { 1 };
+        }
+        let end = (j + 1).min(b.len());
+        let raw = text.get(i..end).unwrap_or("");
+        match serde_json::from_str::<String>(raw) {
+            Ok(s) => (end, Cow::Owned(s)),
+            Err(_) => (end, Cow::Borrowed(raw.trim_matches('"'))),
+        }
+    };
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] != b'"' {
+            i += 1;
+            continue;
+        }
+        let (end, name) = string_at(i);
+        i = end;
+        let colon = skip_ws(end);
+        if b.get(colon) != Some(&b':') || !text::same_member(&name, &token) {
+            continue;
+        }
+        let at = skip_ws(colon + 1);
+        let value = match b.get(at) {
+            Some(b'"') => string_at(at).1.trim().to_string(),
+            // An array or object: the structural reading's, when there is one.
+            Some(b'[' | b'{') | None => continue,
+            Some(_) => {
+                let stop = b[at..]
+                    .iter()
+                    .position(|c| matches!(c, b',' | b'}' | b']') || c.is_ascii_whitespace())
+                    .map_or(b.len(), |n| at + n);
+                let scalar = text.get(at..stop).unwrap_or("");
+                match serde_json::from_str::<serde_json::Value>(scalar) {
+                    Ok(v) => json_text(&v).unwrap_or_default(),
+                    Err(_) => scalar.to_string(),
+                }
+            }
+        };
+        if !value.is_empty() && f(&value) {
+            return true;
+        }
+    }
+    false
 }
 
 /// The values of form field `name` in a form body, every copy: split and decoded as
@@ -1454,7 +1622,7 @@ mod tests {
         let body = |parts: &[String]| format!("{}--b0undary--\r\n", parts.concat());
         let one = body(&[part("name=\"pass\"", "x"), part("name=\"user\"", "victim")]);
         assert_eq!(body_key(&f, ct, &one), Ok("victim".into()));
-        assert_eq!(body_seen(&f, ct, &one), ["victim", "victim"]);
+        assert_eq!(body_seen(&f, ct, &one), ["victim"]);
         let two = body(&[
             part("name=\"user\"", "fresh"),
             part("name=\"user\x00\"", "victim"),
@@ -1484,6 +1652,112 @@ mod tests {
         );
     }
 
+    /// Go's `FormValue` reads a query parameter before the body's field: on a
+    /// `form:` key, one in the query is a copy (the key is missing) and the deny
+    /// list sees it, body or none.
+    #[test]
+    fn a_form_key_in_the_query_is_a_copy() {
+        let f = ["form:user"];
+        let with = |uri: &str, body: Option<&[u8]>| {
+            let p = parts(uri, &[("content-type", FORM)]);
+            let s = spec(&f);
+            let key = s
+                .extract_with_body(&p, ip("1.2.3.4"), body)
+                .ok()
+                .map(|k| k.value.into_owned());
+            let mut seen = Vec::new();
+            s.any_value_with_body(&p, ip("1.2.3.4"), body, |v| {
+                seen.push(v.to_string());
+                false
+            });
+            (key, seen)
+        };
+        assert_eq!(
+            with("/", Some(b"user=carl")),
+            (Some("carl".into()), vec!["carl".into()])
+        );
+        assert_eq!(
+            with("/?user=victim", Some(b"user=carl")),
+            (None, vec!["victim".into(), "carl".into()])
+        );
+        assert_eq!(
+            with("/?user%00=victim", None),
+            (None, vec!["victim".into()])
+        );
+        assert_eq!(with("/?other=x", Some(b"user=carl")).0, Some("carl".into()));
+    }
+
+    /// The deny list reads a JSON body as lenient parsers do: UTF-16 and UTF-32
+    /// (Python), `NaN` (Python), a stray byte elsewhere (Go), never a key.
+    #[test]
+    fn the_deny_list_reads_json_as_lenient_parsers_do() {
+        let u = ["json:/user"];
+        let seen = |body: &[u8]| {
+            let p = parts("/", &[("content-type", JSON)]);
+            let mut v = Vec::new();
+            spec(&u).any_value_with_body(&p, ip("1.2.3.4"), Some(body), |x| {
+                v.push(x.to_string());
+                false
+            });
+            let key = spec(&u)
+                .extract_with_body(&p, ip("1.2.3.4"), Some(body))
+                .is_ok();
+            (v, key)
+        };
+        let json = r#"{"user": "victim-denied"}"#;
+        let utf16le: Vec<u8> = json.encode_utf16().flat_map(u16::to_le_bytes).collect();
+        let utf16be_bom: Vec<u8> = "\u{FEFF}{\"USER\":\"victim-denied\"}"
+            .encode_utf16()
+            .flat_map(u16::to_be_bytes)
+            .collect();
+        let utf32le: Vec<u8> = json
+            .chars()
+            .flat_map(|c| (c as u32).to_le_bytes())
+            .collect();
+        for (what, body) in [
+            ("UTF-16LE", utf16le),
+            ("UTF-16BE with a BOM", utf16be_bom),
+            ("UTF-32LE", utf32le),
+            ("NaN", br#"{"user":"victim-denied","x":NaN}"#.to_vec()),
+            (
+                "a stray byte",
+                b"{\"x\":\"\xff\",\"user\":\"victim-denied\"}".to_vec(),
+            ),
+            ("cut short", br#"{"user": "victim-denied", "x": ["#.to_vec()),
+        ] {
+            let (v, key) = seen(&body);
+            assert!(v.contains(&"victim-denied".to_string()), "{what}: {v:?}");
+            assert!(!key, "{what}: no key");
+        }
+        // Numbers in one spelling; other names and arrays are not the member.
+        assert_eq!(seen(br#"{"user": 1.0, "x": NaN}"#).0, ["1"]);
+        assert_eq!(
+            seen(br#"{"users": "a", "user": ["b"], x}"#).0,
+            Vec::<String>::new()
+        );
+    }
+
+    /// More than `MAX_BOUNDARIES` boundaries are not all read: such a request has
+    /// no key, and duplicates are read once.
+    #[test]
+    fn boundaries_are_read_once_and_bounded() {
+        let mut h = HeaderMap::new();
+        for _ in 0..90 {
+            h.append(
+                CONTENT_TYPE,
+                HeaderValue::from_static("multipart/form-data; boundary=a"),
+            );
+        }
+        assert_eq!(multipart_boundaries(&h), [b"a".to_vec()]);
+        for i in 0..9 {
+            h.append(
+                CONTENT_TYPE,
+                HeaderValue::from_str(&format!("multipart/form-data; boundary=b{i}")).unwrap(),
+            );
+        }
+        assert_eq!(multipart_boundaries(&h).len(), multipart::MAX_BOUNDARIES);
+    }
+
     /// A key in its `normalize_key` form: the key counted and the values the deny
     /// list sees.
     #[test]
@@ -1505,10 +1779,13 @@ mod tests {
         let p = parts("/", &[("content-type", JSON)]);
         let mut seen = Vec::new();
         s.any_value_with_body(&p, ip("1.2.3.4"), Some(br#"{"username":"CARL"}"#), |v| {
-            seen.push(v.to_string());
+            if !seen.iter().any(|s| s == v) {
+                seen.push(v.to_string());
+            }
             false
         });
-        assert_eq!(seen, ["carl"]);
+        // In the key's form, and as sent (for entries kept hashed).
+        assert_eq!(seen, ["carl", "CARL"]);
         // Composite keys: each part in its form.
         let mut c = spec(&["header:x-tenant", "query:user"]);
         c.normalize = Normalize::Email;
@@ -1587,7 +1864,9 @@ mod tests {
         let p = parts("/login", &[("content-type", content_type)]);
         let mut v = Vec::new();
         spec(spec_).any_value_with_body(&p, ip("1.2.3.4"), Some(body.as_bytes()), |x| {
-            v.push(x.to_string());
+            if !v.iter().any(|s| s == x) {
+                v.push(x.to_string());
+            }
             false
         });
         v
@@ -1849,7 +2128,9 @@ mod tests {
             ip("1.2.3.4"),
             Some(br#"{"u": "b"}"#),
             |v| {
-                seen.push(v.to_string());
+                if !seen.iter().any(|s| s == v) {
+                    seen.push(v.to_string());
+                }
                 false
             },
         );

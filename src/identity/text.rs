@@ -76,7 +76,9 @@ fn casefold_cow(key: Cow<'_, str>) -> Cow<'_, str> {
     }
 }
 
-/// Unicode NFKC case folding (`toNFKC_Casefold`): compatibility forms composed
+/// Unicode NFKC case folding (`toNFKC_Casefold`, but for its removal of
+/// default-ignorable characters, which no body key may hold: `is_text_key`;
+/// header, query and cookie keys are ASCII): compatibility forms composed
 /// (fullwidth `ｃ` is `c`), cases folded in full (`ß` is `ss`, final `ς` is `σ`,
 /// `K` the Kelvin sign is `k`), and composed again. ASCII costs a lower-casing.
 pub fn casefold(key: &str) -> Cow<'_, str> {
@@ -114,6 +116,38 @@ fn untagged(key: &str) -> Option<String> {
     Some(format!("{}{}", &key[..plus], &key[at..]))
 }
 
+/// `key` in form `n` when it is a whole key as stored, a composite one's parts
+/// joined by `|` (with `\\` escapes, as `KeySpec` joins them): each part in its
+/// form, joined again.
+pub fn normalize_joined(n: Normalize, key: &str) -> Cow<'_, str> {
+    if n == Normalize::None || !key.contains('|') {
+        return n.apply(Cow::Borrowed(key));
+    }
+    let mut parts = vec![String::new()];
+    let mut chars = key.chars();
+    while let Some(c) = chars.next() {
+        let part = parts.last_mut().expect("one part at least");
+        match c {
+            '\\' => part.extend(chars.next()),
+            '|' => parts.push(String::new()),
+            c => part.push(c),
+        }
+    }
+    let mut joined = String::with_capacity(key.len());
+    for (i, p) in parts.into_iter().enumerate() {
+        if i > 0 {
+            joined.push('|');
+        }
+        for c in n.apply(Cow::Owned(p)).chars() {
+            if c == '|' || c == '\\' {
+                joined.push('\\');
+            }
+            joined.push(c);
+        }
+    }
+    Cow::Owned(joined)
+}
+
 /// A body key's text in NFC, so composed and decomposed spellings (`José` with
 /// `é` or with `e` and U+0301) are one key; borrowed when it is NFC already.
 pub fn nfc(key: Cow<'_, str>) -> Cow<'_, str> {
@@ -136,11 +170,26 @@ pub fn nfc(key: Cow<'_, str>) -> Cow<'_, str> {
 pub fn is_text_key(key: &str) -> bool {
     key.is_ascii() && key.bytes().all(|b| (0x20..=0x7e).contains(&b))
         || key.chars().all(|c| {
-            // Bytes that were not UTF-8; Hangul fillers, letters by category but
-            // invisible (default ignorable), as the format characters are.
+            // Bytes that were not UTF-8, and the default-ignorable characters
+            // that are not format characters (DerivedCoreProperties.txt): the
+            // grapheme joiner, variation selectors, Mongolian free variation
+            // selectors, Khmer inherent vowels and Hangul fillers. They are
+            // invisible, and a folding reader drops them (`toNFKC_Casefold`,
+            // MySQL's collations): `mallory` with one is `mallory` to it.
             !matches!(
                 c,
-                '\u{FFFD}' | '\u{115F}' | '\u{1160}' | '\u{3164}' | '\u{FFA0}'
+                '\u{FFFD}'
+                    | '\u{034F}'
+                    | '\u{115F}'
+                    | '\u{1160}'
+                    | '\u{17B4}'
+                    | '\u{17B5}'
+                    | '\u{180B}'..='\u{180D}'
+                    | '\u{180F}'
+                    | '\u{3164}'
+                    | '\u{FE00}'..='\u{FE0F}'
+                    | '\u{FFA0}'
+                    | '\u{E0100}'..='\u{E01EF}'
             ) && !matches!(
                 c.general_category(),
                 GeneralCategory::Control
@@ -285,18 +334,22 @@ mod tests {
         for bad in [
             "carl\u{0}",
             "carl\u{7}",
-            "car\u{200B}l",  // zero-width space (Cf)
-            "car\u{200D}l",  // zero-width joiner
-            "\u{202E}lrac",  // right-to-left override
-            "car\u{AD}l",    // soft hyphen
-            "carl\u{E000}",  // private use
-            "carl\u{F0000}", // private use plane 15
-            "carl\u{0378}",  // unassigned
-            "carl\u{FFFD}",  // replaced bytes
-            "carl\u{FEFF}",  // byte order mark (Cf)
-            "carl\u{7F}",    // DEL
-            "carl\u{85}",    // NEL (Cc)
-            "bad\u{3164}",   // Hangul filler
+            "car\u{200B}l",     // zero-width space (Cf)
+            "car\u{200D}l",     // zero-width joiner
+            "\u{202E}lrac",     // right-to-left override
+            "car\u{AD}l",       // soft hyphen
+            "carl\u{E000}",     // private use
+            "carl\u{F0000}",    // private use plane 15
+            "carl\u{0378}",     // unassigned
+            "carl\u{FFFD}",     // replaced bytes
+            "carl\u{FEFF}",     // byte order mark (Cf)
+            "carl\u{7F}",       // DEL
+            "carl\u{85}",       // NEL (Cc)
+            "bad\u{3164}",      // Hangul filler
+            "mallory\u{34F}",   // combining grapheme joiner
+            "mal\u{FE00}lory",  // variation selector
+            "mallory\u{180B}",  // Mongolian free variation selector
+            "mallory\u{E0100}", // variation selector 17
         ] {
             assert!(!is_text_key(bad), "{bad:?}");
         }
