@@ -426,3 +426,108 @@ async fn a_key_entry_denies_an_address_key() {
     let r = c.get(&url(gw.addr, "/h"), &[("x-api-key", "k1")]).await;
     assert_eq!(r.status, 200);
 }
+
+/// Multipart bodies framed for one reader: a part after the closing delimiter
+/// (PHP), a head ending in LF CRLF (PHP and Go), PHP's reading of a second
+/// `boundary` (`xboundary=`), RFC 2231 name pieces (Go), and a query parameter
+/// that Go's `FormValue` reads before the body. Each reader reads the denied
+/// value: sluice denies it, and a varying decoy never buys a budget.
+#[tokio::test]
+async fn multipart_bodies_framed_for_one_reader() {
+    let (php, go) = (Reader::php().await, Reader::go().await);
+    let routes = route("form", "form:user", "", 2);
+    let part = |head: &str, value: &str| {
+        format!("--AAA\r\nContent-Disposition: form-data; {head}\r\n\r\n{value}\r\n")
+    };
+    let decoy = |n: usize| part("name=\"user\"", &format!("decoy{n}"));
+    const AAA: &str = "multipart/form-data; boundary=AAA";
+    // (reader, content type, body with the decoy `n`, path)
+    let cases: Vec<(&Reader, &str, Box<dyn Fn(usize) -> String>, &str)> = vec![
+        (
+            &php,
+            AAA,
+            Box::new(move |n| {
+                format!(
+                    "{}--AAA--\r\n{}--AAA--\r\n",
+                    decoy(n),
+                    part("name=\"user\"", "victim-denied")
+                )
+            }),
+            "/form",
+        ),
+        (
+            &go,
+            AAA,
+            Box::new(move |n| {
+                format!(
+                    "--AAA\r\nContent-Disposition: form-data; name=\"user\"\n\r\nvictim-denied\r\n{}--AAA--\r\n",
+                    decoy(n)
+                )
+            }),
+            "/form",
+        ),
+        (
+            &php,
+            "multipart/form-data; xboundary=AAA; boundary=BBB",
+            Box::new(move |n| {
+                format!(
+                    "--BBB\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\ndecoy{n}\r\n--BBB--\r\n{}--AAA--\r\n",
+                    part("name=\"user\"", "victim-denied")
+                )
+            }),
+            "/form",
+        ),
+        (
+            &go,
+            AAA,
+            Box::new(move |n| {
+                format!(
+                    "{}{}--AAA--\r\n",
+                    part("name*0=\"us\"; name*1=\"er\"", "victim-denied"),
+                    decoy(n)
+                )
+            }),
+            "/form",
+        ),
+        (
+            &go,
+            AAA,
+            Box::new(move |n| format!("{}--AAA--\r\n", decoy(n))),
+            "/form?user=victim-denied",
+        ),
+    ];
+    let c = http1();
+    for (i, (reader, ct, body, path)) in cases.iter().enumerate() {
+        let read = reader.reads(path, "user", ct, body(0).as_bytes()).await;
+        assert_eq!(read, "victim-denied", "case {i}: what the reader reads");
+        let gw = gateway(reader, &routes).await;
+        let mut got = Vec::new();
+        for n in 0..3 {
+            got.push(post(&c, &gw, path, ct, body(n).as_bytes()).await);
+        }
+        assert_eq!(got, [403, 403, 403], "case {i}");
+    }
+}
+
+/// A JSON body Python reads and serde_json does not (UTF-16, `NaN`), on a route
+/// with `missing_key: ip`: counted by address, but its denied key is denied.
+#[tokio::test]
+async fn json_a_lenient_parser_reads_is_seen_by_the_deny_list() {
+    let py = Reader::python().await;
+    let gw = gateway(
+        &py,
+        &route("json", "json:/user", "    missing_key: ip\n", 100),
+    )
+    .await;
+    let c = http1();
+    let utf16: Vec<u8> =
+        r#"{"user": "victim-denied"}"#.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    let nan = br#"{"user": "victim-denied", "x": NaN}"#.to_vec();
+    for body in [utf16, nan] {
+        assert_eq!(
+            py.reads("/json", "user", JSON, &body).await,
+            "victim-denied"
+        );
+        assert_eq!(post(&c, &gw, "/json", JSON, &body).await, 403);
+    }
+}
