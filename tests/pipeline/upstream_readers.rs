@@ -442,7 +442,8 @@ async fn multipart_bodies_framed_for_one_reader() {
     let decoy = |n: usize| part("name=\"user\"", &format!("decoy{n}"));
     const AAA: &str = "multipart/form-data; boundary=AAA";
     // (reader, content type, body with the decoy `n`, path)
-    let cases: Vec<(&Reader, &str, Box<dyn Fn(usize) -> String>, &str)> = vec![
+    type Body<'a> = Box<dyn Fn(usize) -> String + 'a>;
+    let cases: Vec<(&Reader, &str, Body<'_>, &str)> = vec![
         (
             &php,
             AAA,
