@@ -129,8 +129,8 @@ pub fn load_admin(path: &Path) -> Result<schema::Admin, ConfigErrors> {
             message,
         }])
     };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| errors(0, 0, format!("cannot read: {e}")))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| errors(0, 0, format!("cannot read: {e}")))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     match serde_yaml::from_str::<AdminOnly>(text) {
         Ok(file) => Ok(file.admin.unwrap_or_default()),
@@ -157,17 +157,11 @@ pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let index = locate::Index::parse(text);
     let file: schema::File = serde_yaml::from_str(text).map_err(|e| {
-        let (mut line, mut col) = e
+        let (line, col) = e
             .location()
             .map(|l| (l.line(), l.column()))
             .unwrap_or((0, 0));
-        let mut message = serde_message(&e, line, col);
-        let key_error = message
-            .strip_suffix(": data did not match any variant of untagged enum KeySpec")
-            .and_then(|route| validate::explain_key_error(text, &index, route));
-        if let Some(((l, c), m)) = key_error {
-            (line, col, message) = (l, c, m);
-        }
+        let message = serde_message(&e, line, col);
         ConfigErrors(vec![ConfigError {
             file: path.to_path_buf(),
             line,

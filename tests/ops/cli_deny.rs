@@ -543,9 +543,9 @@ async fn a_bad_config_file_needs_admin_and_then_counts_for_nothing() {
     let out = deny(&["list", "-c", &path], &[]).await;
     assert_eq!((out.code, out.stdout.as_str()), (Some(1), ""));
     assert!(
-        out.stderr
-            .starts_with(&format!("sluice deny: {path}:3:{col}: admin: unknown field `tokn`"))
-            && out.stderr.ends_with(hint),
+        out.stderr.starts_with(&format!(
+            "sluice deny: {path}:3:{col}: admin: unknown field `tokn`"
+        )) && out.stderr.ends_with(hint),
         "{}",
         out.stderr
     );
