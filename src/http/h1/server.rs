@@ -669,6 +669,9 @@ fn parse(
     let mut saw_length = false;
     let mut te = false;
     let mut chunked = false;
+    // Transfer codings named, over every line: more than a lone `chunked` is a
+    // coding sluice does not implement (501, as nginx answers).
+    let mut codings = 0usize;
     let mut expect = false;
     let mut upgrade = method == Method::CONNECT;
     let n = req.headers.len();
@@ -692,6 +695,7 @@ fn parse(
             }
             te = true;
             length = None;
+            codings += value.iter().filter(|&&b| b == b',').count() + 1;
             chunked = std::str::from_utf8(value).is_ok_and(|v| {
                 v.rsplit(',')
                     .next()
@@ -719,6 +723,11 @@ fn parse(
     if te && !chunked {
         return BAD;
     }
+    // Framed by its final `chunked`, but coded by something else too (`gzip,
+    // chunked`): forwarded as plain `chunked`, the coding would be lost.
+    if te && codings > 1 {
+        return Parsed::Bad(StatusCode::NOT_IMPLEMENTED);
+    }
     // Both: the length is dropped, and the connection closes after the answer.
     if te && saw_length {
         keep_alive = false;
@@ -729,8 +738,13 @@ fn parse(
         _ => Framed::None,
     };
     let head = buf.split_to(len).freeze();
-    let Ok(uri) = Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) else {
-        return BAD;
+    let target = head.slice(path_span.0..path_span.1);
+    let uri = match Uri::from_maybe_shared(target.clone()) {
+        Ok(uri) => uri,
+        Err(_) => match encoded_target(&target) {
+            Some(uri) => uri,
+            None => return BAD,
+        },
     };
     let mut headers = std::mem::take(fields);
     if headers.capacity() == 0 {
@@ -763,6 +777,36 @@ fn parse(
         expect: expect && http11 && body != Framed::None,
         upgrade,
     })
+}
+
+/// A request target the URI type refuses only for bytes that nginx forwards and
+/// browsers percent-encode (`"`, `<`, `>` in a query; `<`, `>`, `` ` `` in a
+/// path), with those bytes percent-encoded: the same value to an application that
+/// decodes them, and a target every upstream parser takes. Off the hot path: only
+/// a target that failed to parse comes here.
+fn encoded_target(target: &[u8]) -> Option<Uri> {
+    // What the URI type refuses in each part (it takes `"` in a path, `` ` `` in a
+    // query).
+    const IN_PATH: &[u8] = b"<>`";
+    const IN_QUERY: &[u8] = b"\"<>";
+    let mut out = Vec::with_capacity(target.len() + 16);
+    let mut refused = IN_PATH;
+    let mut changed = false;
+    for &b in target {
+        if refused.contains(&b) {
+            out.extend_from_slice(format!("%{b:02X}").as_bytes());
+            changed = true;
+        } else {
+            out.push(b);
+        }
+        if b == b'?' {
+            refused = IN_QUERY;
+        }
+    }
+    if !changed {
+        return None;
+    }
+    Uri::from_maybe_shared(Bytes::from(out)).ok()
 }
 
 /// One request as `read_requests` read it.
