@@ -104,6 +104,9 @@ pub struct Server {
     /// taken for it (a body that fits, whole), so a slow upload holds none meanwhile;
     /// at most 1MiB, 0 to take the connection at once.
     pub request_buffer: Size,
+    /// The most request body bytes read ahead (`request_buffer`) held at once in
+    /// the whole process; a request whose read-ahead would pass it is answered 503.
+    pub max_buffered_bytes: Size,
     /// A spliced tunnel with no byte either way this long is closed.
     pub tunnel_idle_timeout: Dur,
     /// Largest request head; larger gets 431.
@@ -131,6 +134,7 @@ impl Default for Server {
             send_timeout: Dur::secs(60),
             request_body_timeout: Dur::secs(60),
             request_buffer: Size(64 * 1024),
+            max_buffered_bytes: Size(16 * 1024 * 1024),
             tunnel_idle_timeout: Dur::secs(60),
             max_header_bytes: Size(32 * 1024),
             upgrades: vec![Text::literal("websocket")],

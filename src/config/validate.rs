@@ -531,6 +531,15 @@ impl Checker<'_> {
                 ),
             );
         }
+        if s.max_buffered_bytes.0 < s.request_buffer.0 {
+            self.at(
+                "server.max_buffered_bytes",
+                format!(
+                    "max_buffered_bytes must be at least request_buffer ({} bytes), so that one request can be read ahead, found {} bytes",
+                    s.request_buffer.0, s.max_buffered_bytes.0
+                ),
+            );
+        }
         let head = s.max_header_bytes.0;
         if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&head) {
             self.at(

@@ -958,7 +958,7 @@ fn forward_failed<'a>(
             route.metrics.upstream_busy.inc();
             None
         }
-        ProxyError::TooLarge => None,
+        ProxyError::TooLarge | ProxyError::BuffersFull => None,
         ProxyError::Client(fault) => {
             count_client_fault(shared, fault);
             None

@@ -32,6 +32,7 @@ use crate::http::h1::client::{
 use crate::http::h1::framing::{items, lists, te_lists_trailers};
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
+use crate::telemetry::metrics::ReadAheadBytes;
 use crate::telemetry::refusal_log::Budget;
 use crate::upstream::h2::{H2Error, H2Pool};
 use crate::upstream::pool::{Exchanged, Pool, ReadTimeout, SendError};
@@ -66,6 +67,10 @@ pub enum ProxyError {
     TooLarge,
     #[error("no free connection to the upstream in time")]
     Busy,
+    /// Reading the body ahead would have held more than `server.max_buffered_bytes`
+    /// in the whole process.
+    #[error("request buffers full (server.max_buffered_bytes)")]
+    BuffersFull,
     /// The client's own request body failed: not the upstream's fault.
     #[error("client request body: {0}")]
     Client(ClientFault),
@@ -216,7 +221,7 @@ impl ProxyError {
             ProxyError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Client(ClientFault::Timeout) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Client(_) => StatusCode::BAD_REQUEST,
-            ProxyError::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Busy | ProxyError::BuffersFull => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }
@@ -276,6 +281,9 @@ pub struct Upstream {
     body_timeout: Duration,
     /// `server.request_buffer`.
     request_buffer: usize,
+    /// `server.max_buffered_bytes`, and the bytes read ahead in the whole process.
+    max_buffered: usize,
+    buffered: Arc<ReadAheadBytes>,
     /// `server.tunnel_idle_timeout`.
     tunnel_idle: Duration,
     /// Connections held at the client's pace (uploads still streaming, upgraded
@@ -304,6 +312,11 @@ pub struct UpstreamOpts<'a> {
     /// `server.request_buffer`: how much of a request body is read before an
     /// upstream connection is taken for it.
     pub request_buffer: usize,
+    /// `server.max_buffered_bytes`: the most request body bytes read ahead in the
+    /// whole process, counted in `buffered` (one for the process, kept across
+    /// reloads).
+    pub max_buffered: usize,
+    pub buffered: Arc<ReadAheadBytes>,
     /// `server.tunnel_idle_timeout`: a tunnel with no bytes either way this long
     /// is closed.
     pub tunnel_idle: Duration,
@@ -326,7 +339,7 @@ impl UpstreamOpts<'_> {
             )
         });
         format!(
-            "{name}|{targets:?}|{:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}",
+            "{name}|{targets:?}|{:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{}|{:?}",
             self.protocol,
             self.connect_timeout,
             self.timeout,
@@ -335,6 +348,7 @@ impl UpstreamOpts<'_> {
             self.upgrades,
             self.body_timeout,
             self.request_buffer,
+            self.max_buffered,
             self.tunnel_idle
         )
     }
@@ -470,6 +484,8 @@ impl Upstream {
             upgrades: o.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
             body_timeout: o.body_timeout,
             request_buffer: o.request_buffer,
+            max_buffered: o.max_buffered,
+            buffered: o.buffered,
             tunnel_idle: o.tunnel_idle,
             held: Arc::default(),
             share: client_share(o.max_connections),
@@ -700,9 +716,8 @@ impl Upstream {
         if streaming && self.request_buffer > 0 && !grpc {
             // Boxed: its state would otherwise grow every request's future, bodiless
             // ones too.
-            let ahead = Box::pin(read_ahead(body, self.request_buffer))
-                .await
-                .map_err(|e| classify(e, false))?;
+            let budget = (&self.buffered, self.max_buffered);
+            let ahead = Box::pin(read_ahead(body, self.request_buffer, budget)).await?;
             (body, streaming) = (ahead.body, ahead.streaming);
         }
         // An upload that still streams (past `request_buffer`, a gRPC call, or with
@@ -922,15 +937,44 @@ struct Ahead {
 
 /// Read `body` until it ends or `limit` bytes of it have come; the body to send,
 /// which gives those frames, then the rest as it comes.
-async fn read_ahead(mut body: Body, limit: usize) -> Result<Ahead, BoxError> {
+async fn read_ahead(
+    mut body: Body,
+    limit: usize,
+    (buffered, max): (&Arc<ReadAheadBytes>, usize),
+) -> Result<Ahead, ProxyError> {
     let hint = http_body::Body::size_hint(&body);
     let mut frames = std::collections::VecDeque::new();
     let mut read = 0;
+    // What this request holds of the process's budget, given back as its frames go
+    // on (or when it is dropped).
+    let mut held = Held {
+        buffered: buffered.clone(),
+        bytes: 0,
+    };
     let rest = loop {
-        let Some(frame) = body.frame().await.transpose()? else {
+        let Some(frame) = body
+            .frame()
+            .await
+            .transpose()
+            .map_err(|e| classify(e, false))?
+        else {
             break None;
         };
-        read += frame.data_ref().map_or(0, |d| d.len());
+        let len = frame.data_ref().map_or(0, |d| d.len());
+        // Past the bound, the request is answered 503 and its bytes are let go at
+        // once (an HTTP/2 stream's buffered data with it), rather than waiting:
+        // a wait would keep them, and the client's unread bytes, in memory.
+        if !buffered.take(len, max) {
+            buffered.refused.inc();
+            tracing::debug!(
+                held = buffered.held(),
+                max,
+                "refused: read-ahead over server.max_buffered_bytes"
+            );
+            return Err(ProxyError::BuffersFull);
+        }
+        held.bytes += len;
+        read += len;
         frames.push_back(frame);
         if http_body::Body::is_end_stream(&body) {
             break None;
@@ -942,6 +986,7 @@ async fn read_ahead(mut body: Body, limit: usize) -> Result<Ahead, BoxError> {
     let streaming = rest.is_some();
     let body = ReadAhead {
         frames,
+        held,
         rest,
         hint,
         started: false,
@@ -987,6 +1032,8 @@ impl http_body::Body for Uploading {
 /// chunked) is the client's; its trailers are among the frames.
 struct ReadAhead {
     frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
+    /// The bytes of `frames`, in the process's count.
+    held: Held,
     rest: Option<Body>,
     hint: http_body::SizeHint,
     /// A frame has been asked for.
@@ -1004,6 +1051,9 @@ impl http_body::Body for ReadAhead {
         let this = &mut *self;
         this.started = true;
         if let Some(frame) = this.frames.pop_front() {
+            let len = frame.data_ref().map_or(0, |d| d.len());
+            this.held.bytes -= len;
+            this.held.buffered.give(len);
             return Poll::Ready(Some(Ok(frame)));
         }
         match &mut this.rest {
@@ -1038,6 +1088,19 @@ impl http_body::Body for ReadAhead {
             hint.set_upper(upper.saturating_add(ahead));
         }
         hint
+    }
+}
+
+/// Bytes a read-ahead holds of the process's count (`ReadAheadBytes`), given back
+/// when it is dropped.
+struct Held {
+    buffered: Arc<ReadAheadBytes>,
+    bytes: usize,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.buffered.give(self.bytes);
     }
 }
 

@@ -100,6 +100,25 @@ fn max_key_body_is_above_0_and_at_most_1mib() {
 }
 
 #[test]
+fn max_buffered_bytes_holds_at_least_one_read_ahead() {
+    assert_eq!(
+        errors("server:\n  max_buffered_bytes: 32KiB\nroutes: []\n"),
+        ["rules.yaml:2:23: max_buffered_bytes must be at least request_buffer (65536 bytes), so that one request can be read ahead, found 32768 bytes"]
+    );
+    let server = loads("server:\n  max_buffered_bytes: 1MiB\n  request_buffer: 1MiB\nroutes: []\n")
+        .file
+        .server;
+    assert_eq!(
+        (server.max_buffered_bytes.0, server.request_buffer.0),
+        (1 << 20, 1 << 20)
+    );
+    assert_eq!(
+        loads("routes: []\n").file.server.max_buffered_bytes.0,
+        16 << 20
+    );
+}
+
+#[test]
 fn access_log_sample_is_a_share_and_its_format_one_of_two() {
     assert_eq!(
         errors("access_log:\n  sample: 1.5\nroutes: []\n"),
