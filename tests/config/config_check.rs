@@ -75,7 +75,7 @@ fn typo_in_server_is_located() {
         "rules.yaml:3:3: server: unknown field `max_conections`, expected one of `listen`, \
          `request_header_timeout`, `max_request_body`, `max_key_body`, `shutdown_grace`, \
          `max_connections`, `max_connections_per_ip`, `idle_timeout`, `send_timeout`, `request_body_timeout`, \
-         `request_buffer`, `tunnel_idle_timeout`, `max_header_bytes`, `upgrades`, `tls`, `workers`"
+         `request_buffer`, `max_buffered_bytes`, `tunnel_idle_timeout`, `max_header_bytes`, `upgrades`, `tls`, `workers`"
     );
 }
 
