@@ -199,6 +199,11 @@ pub(crate) trait Site: Send + Sync + 'static {
         peer: &'a Self::Peer,
         conn: Lent<'a>,
     ) -> impl Future<Output = http::Response<Body>> + Send + 'a;
+
+    /// The server answered `status` itself and closes: the head it refused
+    /// starts `head` (as the client sent it, maybe cut or malformed). For the
+    /// site's log; nothing by default.
+    fn refused_head(&self, _status: StatusCode, _peer: &Self::Peer, _head: &[u8]) {}
 }
 
 /// What sluice's HTTP/1 server lends each of its requests.
@@ -256,8 +261,10 @@ enum Parsed {
     Plain(Plain),
     Partial,
     /// Answered with this status, and the connection closed (hyper's
-    /// `Server::on_error`).
+    /// `Server::on_error`). The head is still at the start of the buffer.
     Bad(StatusCode),
+    /// Answered 400 as `Bad`; the head was split off the buffer: here it is.
+    BadHead(Bytes),
 }
 
 /// Serve HTTP/1 requests on `io` until it closes; `buf` holds what was read of it
@@ -318,11 +325,23 @@ where
                         break p;
                     }
                     Parsed::Partial => scan.partial(&buf),
-                    Parsed::Bad(status) => return refuse(&mut io, status).await,
+                    // Answered by the server itself, and logged as the site logs
+                    // its answers (an access line).
+                    Parsed::Bad(status) => {
+                        fast.site.refused_head(status, &fast.peer, &buf);
+                        return refuse(&mut io, status).await;
+                    }
+                    Parsed::BadHead(head) => {
+                        let status = StatusCode::BAD_REQUEST;
+                        fast.site.refused_head(status, &fast.peer, &head);
+                        return refuse(&mut io, status).await;
+                    }
                 }
             } else if buf.len() >= fast.max_head {
                 // No end in sight within the limit.
-                return refuse(&mut io, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE).await;
+                let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+                fast.site.refused_head(status, &fast.peer, &buf);
+                return refuse(&mut io, status).await;
             }
             buf.reserve(2048);
             tokio::select! {
@@ -743,7 +762,7 @@ fn parse(
         Ok(uri) => uri,
         Err(_) => match encoded_target(&target) {
             Some(uri) => uri,
-            None => return BAD,
+            None => return Parsed::BadHead(head),
         },
     };
     let mut headers = std::mem::take(fields);
@@ -755,7 +774,7 @@ fn parse(
     for (i, &[a, b, c, d]) in spans.iter().enumerate() {
         let (Ok(name), Ok(value)) = (names.name(i, &head[a..b]), parsed_value(head.slice(c..d)))
         else {
-            return BAD;
+            return Parsed::BadHead(head);
         };
         headers.append(name, value);
     }
@@ -863,6 +882,10 @@ pub(crate) fn read_requests(input: &[u8], max_head: usize) -> Vec<Read> {
             }
             Parsed::Bad(status) => {
                 out.push(Read::Refused(status));
+                return out;
+            }
+            Parsed::BadHead(_) => {
+                out.push(Read::Refused(StatusCode::BAD_REQUEST));
                 return out;
             }
         };
