@@ -1494,6 +1494,8 @@ mod tests {
     /// trailers included, whether it was read whole or in part.
     #[tokio::test]
     async fn a_body_read_ahead_is_the_same_body() {
+        let bytes = crate::telemetry::metrics::Metrics::new().read_ahead.clone();
+        let unbounded = (&bytes, usize::MAX);
         let mut trailers = HeaderMap::new();
         trailers.insert("x-sum", HeaderValue::from_static("7"));
         for limit in [1, 4, 1024] {
@@ -1502,7 +1504,7 @@ mod tests {
                 data("cde"),
                 http_body::Frame::trailers(trailers.clone()),
             ];
-            let Ahead { body, streaming } = read_ahead(frames(chunked, None), limit)
+            let Ahead { body, streaming } = read_ahead(frames(chunked, None), limit, unbounded)
                 .await
                 .expect("read");
             // Read whole (trailers too) only when the limit is above its 5 bytes.
@@ -1513,10 +1515,14 @@ mod tests {
             assert_eq!(got.trailers(), Some(&trailers));
             assert_eq!(&got.to_bytes()[..], b"abcde");
 
-            let sized = read_ahead(frames(vec![data("ab"), data("cde")], Some(5)), limit)
-                .await
-                .expect("read")
-                .body;
+            let sized = read_ahead(
+                frames(vec![data("ab"), data("cde")], Some(5)),
+                limit,
+                unbounded,
+            )
+            .await
+            .expect("read")
+            .body;
             assert!(!sized.is_end_stream());
             assert_eq!(sized.size_hint().exact(), Some(5));
             assert_eq!(
@@ -1525,11 +1531,41 @@ mod tests {
             );
         }
         // An empty chunked body stays one (not over until asked).
-        let empty = read_ahead(frames(Vec::new(), None), 1024)
+        let empty = read_ahead(frames(Vec::new(), None), 1024, unbounded)
             .await
             .expect("read")
             .body;
         assert!(!empty.is_end_stream());
+        drop(empty);
+        assert_eq!(bytes.held(), 0);
+    }
+
+    /// The bytes read ahead count in the process's total until they are sent on
+    /// (or dropped); one that would take the total past the bound is refused and
+    /// holds nothing.
+    #[tokio::test]
+    async fn bytes_read_ahead_are_counted_until_sent_on_and_bounded() {
+        let bytes = crate::telemetry::metrics::Metrics::new().read_ahead.clone();
+        let ahead = read_ahead(
+            frames(vec![data("ab"), data("cde")], None),
+            1024,
+            (&bytes, 5),
+        )
+        .await
+        .expect("read");
+        assert_eq!(bytes.held(), 5);
+        let over = read_ahead(frames(vec![data("x")], None), 1024, (&bytes, 5)).await;
+        assert!(matches!(over, Err(ProxyError::BuffersFull)));
+        assert_eq!((bytes.held(), bytes.refused.get()), (5, 1));
+        let got = ahead.body.collect().await.expect("collected");
+        assert_eq!(&got.to_bytes()[..], b"abcde");
+        assert_eq!(bytes.held(), 0);
+        let ahead = read_ahead(frames(vec![data("ab")], None), 1024, (&bytes, 5))
+            .await
+            .expect("read");
+        assert_eq!(bytes.held(), 2);
+        drop(ahead);
+        assert_eq!(bytes.held(), 0);
     }
 
     #[test]

@@ -757,10 +757,9 @@ fn parse(
         _ => Framed::None,
     };
     let head = buf.split_to(len).freeze();
-    let target = head.slice(path_span.0..path_span.1);
-    let uri = match Uri::from_maybe_shared(target.clone()) {
+    let uri = match Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) {
         Ok(uri) => uri,
-        Err(_) => match encoded_target(&target) {
+        Err(_) => match encoded_target(&head[path_span.0..path_span.1]) {
             Some(uri) => uri,
             None => return Parsed::BadHead(head),
         },
