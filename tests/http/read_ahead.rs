@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::Request;
+use tokio::io::AsyncWriteExt;
 
 use crate::common::redis::SluiceProcess;
 use crate::common::*;
@@ -129,4 +130,72 @@ fn conn_task(conn: tokio::task::JoinHandle<Result<(), h2::Error>>) -> tokio::tas
     tokio::spawn(async move {
         let _ = conn.await;
     })
+}
+
+/// Over HTTP/1.1: with the bound at one `request_buffer`, a stalled upload holds
+/// it, and the next upload's read-ahead is answered 503 with the connection
+/// closed (its body was not read); once the first goes, an upload is read ahead
+/// and forwarded again.
+#[tokio::test]
+async fn an_http1_upload_past_the_bound_gets_503_and_a_close() {
+    let up = upstream().await;
+    let gw = start_gateway(&format!(
+        r#"server: {{listen: "127.0.0.1:0", request_buffer: 64KiB, max_buffered_bytes: 64KiB}}
+upstreams:
+  app: {{targets: ["{}"], probe: false}}
+routes:
+  - {{name: up, match: {{path_prefix: /}}, upstream: app}}
+"#,
+        up.url()
+    ))
+    .await;
+    let head = "POST /upload HTTP/1.1\r\nhost: h\r\ncontent-length: 1000000\r\n\r\n";
+    let mut stalled = connect(gw.addr).await;
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    stalled.write_all(&[b'x'; SENT]).await.unwrap();
+    until(gw.admin_addr, Duration::from_secs(2), |(held, _)| {
+        held == SENT
+    })
+    .await;
+
+    let mut next = connect(gw.addr).await;
+    next.write_all(head.as_bytes()).await.unwrap();
+    next.write_all(&[b'y'; 1000]).await.unwrap();
+    // The answer is read whole once the server closes; the lingering close that
+    // waits for the rest of the body ends at the client's end of it.
+    let (head, body) = read_response(&mut next).await.expect("an answer");
+    next.shutdown().await.unwrap();
+    let rest = read_to_close(&mut next).await;
+    assert_eq!(rest, "");
+    let answer = format!("{head}{body}");
+    assert!(
+        answer.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+        "{answer}"
+    );
+    assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+    assert!(
+        answer.ends_with("\r\n\r\nserver busy: request buffers full\n"),
+        "{answer}"
+    );
+    assert_eq!(
+        until(
+            gw.admin_addr,
+            Duration::from_secs(2),
+            |(_, refused)| refused == 1
+        )
+        .await,
+        (SENT, 1)
+    );
+
+    // The stalled upload goes: its bytes are given back, and a body is read
+    // ahead and forwarded again.
+    drop(stalled);
+    until(gw.admin_addr, Duration::from_secs(2), |(held, _)| held == 0).await;
+    let small =
+        "POST /upload HTTP/1.1\r\nhost: h\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello";
+    let answer = exchange(gw.addr, small.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+    assert!(answer.contains("\"body\":\"hello\""), "{answer}");
+    assert_eq!(up.hits(), 1);
+    gw.shutdown().await;
 }
