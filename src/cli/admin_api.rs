@@ -161,21 +161,23 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// `--admin` wins over the configuration's `admin.listen`; `env_token` (from
-    /// `SLUICE_ADMIN_TOKEN`) wins over `admin.token`. With `--admin` the file is
-    /// optional: one that is missing or invalid contributes nothing.
+    /// `SLUICE_ADMIN_TOKEN`) wins over `admin.token`. Only the file's `admin`
+    /// section is read. With `--admin` the file is optional: one that is missing or
+    /// whose admin section is invalid contributes nothing.
     pub fn resolve(
         admin: Option<&str>,
         config_path: &Path,
         env_token: Option<String>,
     ) -> Result<Endpoint, ClientError> {
         let env_token = env_token.filter(|t| !t.is_empty());
-        let loaded = config::load(config_path);
+        // Only the admin section: the rest of the file is the gateway's business.
+        let loaded = config::load_admin(config_path);
         let (base, file_token) = match (admin, loaded) {
             (Some(url), loaded) => {
-                let token = loaded.ok().and_then(|l| l.file.admin.token);
+                let token = loaded.ok().and_then(|a| a.token);
                 (url.to_string(), token)
             }
-            (None, Ok(l)) => (listen_url(l.file.admin.listen.0), l.file.admin.token),
+            (None, Ok(a)) => (listen_url(a.listen.0), a.token),
             (None, Err(errors)) => return Err(ClientError::Config(errors)),
         };
         let token = env_token.or(file_token.map(|t| t.0).filter(|t| !t.is_empty()));

@@ -116,6 +116,8 @@ pub fn compile(
             body_timeout: f.server.request_body_timeout.get(),
             // Validation keeps it at most 1MiB.
             request_buffer: usize::try_from(f.server.request_buffer.0).unwrap_or(usize::MAX),
+            max_buffered: usize::try_from(f.server.max_buffered_bytes.0).unwrap_or(usize::MAX),
+            buffered: metrics.read_ahead.clone(),
             tunnel_idle: f.server.tunnel_idle_timeout.get(),
             probe: u.probe,
             protocol: match u.protocol {

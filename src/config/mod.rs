@@ -111,6 +111,39 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
     parse(&text, path)
 }
 
+/// Only the `admin` section of a configuration file, for the admin clients (`deny`,
+/// `top`, `fleet`): the rest of the file is not read, so a variable unset there (a
+/// gateway's `server.listen` given only where it runs) is no error for them.
+pub fn load_admin(path: &Path) -> Result<schema::Admin, ConfigErrors> {
+    /// The file with every section but `admin` ignored.
+    #[derive(serde::Deserialize)]
+    struct AdminOnly {
+        #[serde(default)]
+        admin: Option<schema::Admin>,
+    }
+    let errors = |line, col, message| {
+        ConfigErrors(vec![ConfigError {
+            file: path.to_path_buf(),
+            line,
+            col,
+            message,
+        }])
+    };
+    let text =
+        std::fs::read_to_string(path).map_err(|e| errors(0, 0, format!("cannot read: {e}")))?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    match serde_yaml::from_str::<AdminOnly>(text) {
+        Ok(file) => Ok(file.admin.unwrap_or_default()),
+        Err(e) => {
+            let (line, col) = e
+                .location()
+                .map(|l| (l.line(), l.column()))
+                .unwrap_or((0, 0));
+            Err(errors(line, col, serde_message(&e, line, col)))
+        }
+    }
+}
+
 /// Hex SHA-1 of a configuration file's text: names a version of it.
 pub fn hash(text: &str) -> String {
     sha1_smol::Sha1::from(text.as_bytes()).digest().to_string()
@@ -124,17 +157,11 @@ pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let index = locate::Index::parse(text);
     let file: schema::File = serde_yaml::from_str(text).map_err(|e| {
-        let (mut line, mut col) = e
+        let (line, col) = e
             .location()
             .map(|l| (l.line(), l.column()))
             .unwrap_or((0, 0));
-        let mut message = serde_message(&e, line, col);
-        let key_error = message
-            .strip_suffix(": data did not match any variant of untagged enum KeySpec")
-            .and_then(|route| validate::explain_key_error(text, &index, route));
-        if let Some(((l, c), m)) = key_error {
-            (line, col, message) = (l, c, m);
-        }
+        let message = serde_message(&e, line, col);
         ConfigErrors(vec![ConfigError {
             file: path.to_path_buf(),
             line,

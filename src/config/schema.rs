@@ -116,6 +116,9 @@ pub struct Server {
     /// taken for it (a body that fits, whole), so a slow upload holds none meanwhile;
     /// at most 1MiB, 0 to take the connection at once.
     pub request_buffer: Size,
+    /// The most request body bytes read ahead (`request_buffer`) held at once in
+    /// the whole process; a request whose read-ahead would pass it is answered 503.
+    pub max_buffered_bytes: Size,
     /// A spliced tunnel with no byte either way this long is closed.
     pub tunnel_idle_timeout: Dur,
     /// Largest request head; larger gets 431.
@@ -143,6 +146,7 @@ impl Default for Server {
             send_timeout: Dur::secs(60),
             request_body_timeout: Dur::secs(60),
             request_buffer: Size(64 * 1024),
+            max_buffered_bytes: Size(16 * 1024 * 1024),
             tunnel_idle_timeout: Dur::secs(60),
             max_header_bytes: Size(32 * 1024),
             upgrades: vec![Text::literal("websocket")],
@@ -527,7 +531,7 @@ fn default_respond_status() -> Num<u16> {
 
 /// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `form:NAME`, `json:/POINTER`,
 /// `global`, or a list of these.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(Debug, Clone, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum KeySpec {
     One(Text),
@@ -627,7 +631,7 @@ pub struct Limit {
 }
 
 /// A limit's `cost`.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(Debug, Clone, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum Cost {
     /// Units every request takes.
@@ -707,4 +711,149 @@ pub struct Ban {
     /// How long the ban lasts.
     #[serde(rename = "for")]
     pub duration: Dur,
+}
+
+// === values of several forms ===
+//
+// serde's `untagged` says only "data did not match any variant" when a value is
+// none of its forms, at the enclosing mapping. These say which forms there are, at
+// the value itself, and leave a form's own errors (an unset `${VAR}`, an unknown
+// field of the mapping form) to that form.
+
+/// What a value that matched no form was, in the operator's words.
+fn found_scalar(v: impl std::fmt::Display) -> String {
+    format!("found {:?}", v.to_string())
+}
+
+const KEY_FORMS: &str = "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these";
+
+impl<'de> Deserialize<'de> for KeySpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{self, value::SeqAccessDeserializer, IntoDeserializer};
+        struct Forms;
+        impl<'de> de::Visitor<'de> for Forms {
+            type Value = KeySpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(KEY_FORMS)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeySpec, E> {
+                Text::deserialize(v.into_deserializer()).map(KeySpec::One)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<KeySpec, E> {
+                Ok(KeySpec::One(Text(v.to_string())))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<KeySpec, E> {
+                Ok(KeySpec::One(Text(v.to_string())))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<KeySpec, E> {
+                Ok(KeySpec::One(Text(v.to_string())))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<KeySpec, E> {
+                Ok(KeySpec::One(Text(v.to_string())))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<KeySpec, A::Error> {
+                Vec::<KeyPart>::deserialize(SeqAccessDeserializer::new(seq))
+                    .map(|parts| KeySpec::Composite(parts.into_iter().map(|p| p.0).collect()))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, _: A) -> Result<KeySpec, A::Error> {
+                Err(de::Error::custom(format!("{KEY_FORMS}, found a mapping")))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<KeySpec, E> {
+                Err(E::custom(format!("{KEY_FORMS}, found nothing")))
+            }
+        }
+        d.deserialize_any(Forms)
+    }
+}
+
+/// One part of a composite key: a scalar, never a list or a mapping.
+struct KeyPart(Text);
+
+impl<'de> Deserialize<'de> for KeyPart {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{self, IntoDeserializer};
+        const PART: &str = "expected a key part like ip or header:NAME";
+        struct Part;
+        impl<'de> de::Visitor<'de> for Part {
+            type Value = KeyPart;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(PART)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyPart, E> {
+                Text::deserialize(v.into_deserializer()).map(KeyPart)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<KeyPart, E> {
+                Ok(KeyPart(Text(v.to_string())))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<KeyPart, E> {
+                Ok(KeyPart(Text(v.to_string())))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<KeyPart, E> {
+                Ok(KeyPart(Text(v.to_string())))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<KeyPart, E> {
+                Ok(KeyPart(Text(v.to_string())))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, _: A) -> Result<KeyPart, A::Error> {
+                Err(de::Error::custom(format!("{PART}, found a list")))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, _: A) -> Result<KeyPart, A::Error> {
+                Err(de::Error::custom(format!("{PART}, found a mapping")))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<KeyPart, E> {
+                Err(E::custom(format!("{PART}, found nothing")))
+            }
+        }
+        d.deserialize_any(Part)
+    }
+}
+
+const COST_FORMS: &str =
+    "expected a cost: a whole number of units (cost: 3) or {response_header: NAME, default: N}";
+
+impl<'de> Deserialize<'de> for Cost {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{self, value::MapAccessDeserializer};
+        struct Forms;
+        impl Forms {
+            fn units<E: de::Error>(text: &str) -> Result<Cost, E> {
+                let text = super::value::interpolate(text).map_err(E::custom)?;
+                match text.trim().parse::<u64>() {
+                    Ok(n) => Ok(Cost::Units(Num(n))),
+                    Err(_) => Err(E::custom(format!("{COST_FORMS}, {}", found_scalar(text)))),
+                }
+            }
+        }
+        impl<'de> de::Visitor<'de> for Forms {
+            type Value = Cost;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(COST_FORMS)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Cost, E> {
+                Forms::units(v)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Cost, E> {
+                Ok(Cost::Units(Num(v)))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Cost, E> {
+                Forms::units(&v.to_string())
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Cost, E> {
+                Forms::units(&v.to_string())
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Cost, E> {
+                Forms::units(&v.to_string())
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, _: A) -> Result<Cost, A::Error> {
+                Err(de::Error::custom(format!("{COST_FORMS}, found a list")))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Cost, A::Error> {
+                ResponseCost::deserialize(MapAccessDeserializer::new(map)).map(Cost::Response)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Cost, E> {
+                Err(E::custom(format!("{COST_FORMS}, found nothing")))
+            }
+        }
+        d.deserialize_any(Forms)
+    }
 }

@@ -8,12 +8,12 @@ use std::path::Path;
 
 use http::{HeaderName, HeaderValue, Method, Uri};
 
-use super::locate::{field, item, Index, Pos};
+use super::locate::{field, item, Index};
 use super::schema::{
     AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, MissingKey, OnLimit, Route,
     UpstreamProtocol,
 };
-use super::value::{interpolate, Dur, Text, Window};
+use super::value::{Dur, Text, Window};
 use super::{ConfigError, ConfigWarning};
 
 /// Above this a limit's count could not be kept exactly by the Redis store's Lua,
@@ -71,9 +71,17 @@ pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
             }),
         );
         for (lp, list) in lists {
+            c.counted_in_flight(&lp, list, &route.key);
             for (j, l) in list.iter().enumerate() {
                 if let Some(k) = &l.key {
                     keys.push((format!("{}.key", item(&lp, j)), k));
+                }
+                if file.store.backend == Backend::Memory && matches!(l.window, Some(Window::Month))
+                {
+                    c.at(
+                        &format!("{}.window", item(&lp, j)),
+                        "window: month on the memory store starts afresh when sluice restarts or the key is evicted (store.memory.max_keys); a month that must hold needs backend: redis",
+                    );
                 }
             }
         }
@@ -244,6 +252,30 @@ impl Checker<'_> {
         }
     }
 
+    /// A limit of `list` (at `lp`) that counts by status is charged when the answer
+    /// arrives: the requests in flight meanwhile all pass its check, unless a
+    /// concurrency limit of the same list holds them on the same key.
+    fn counted_in_flight<'f>(&mut self, lp: &str, list: &'f [Limit], route_key: &'f KeySpec) {
+        fn key_of<'f>(l: &'f Limit, route_key: &'f KeySpec) -> Vec<&'f str> {
+            key_parts(l.key.as_ref().unwrap_or(route_key))
+        }
+        let key_of = |l: &'f Limit| key_of(l, route_key);
+        let held: Vec<Vec<&str>> = list
+            .iter()
+            .filter(|l| l.algorithm == AlgorithmName::Concurrency)
+            .map(key_of)
+            .collect();
+        for (j, l) in list.iter().enumerate() {
+            if l.count.is_none() || held.contains(&key_of(l)) {
+                continue;
+            }
+            self.at(
+                &format!("{}.count", item(lp, j)),
+                format!("limit {} counts by status, charged when the answer arrives: without a concurrency limit on the same key, up to limit + requests in flight - 1 are admitted", l.name_at(j)),
+            );
+        }
+    }
+
     fn client_written_key(&mut self, path: &str, part: &Text) {
         let Some(name) = part.strip_prefix("header:") else {
             return;
@@ -263,6 +295,14 @@ fn reads_body(key: &KeySpec) -> bool {
     match key {
         KeySpec::One(p) => body(p),
         KeySpec::Composite(ps) => ps.iter().any(body),
+    }
+}
+
+/// A key's parts as written, to compare two keys.
+fn key_parts(key: &KeySpec) -> Vec<&str> {
+    match key {
+        KeySpec::One(part) => vec![part.trim()],
+        KeySpec::Composite(parts) => parts.iter().map(|p| p.trim()).collect(),
     }
 }
 
@@ -554,6 +594,15 @@ impl Checker<'_> {
                 format!(
                     "request_buffer must be at most 1MiB, found {} bytes",
                     s.request_buffer.0
+                ),
+            );
+        }
+        if s.max_buffered_bytes.0 < s.request_buffer.0 {
+            self.at(
+                "server.max_buffered_bytes",
+                format!(
+                    "max_buffered_bytes must be at least request_buffer ({} bytes), so that one request can be read ahead, found {} bytes",
+                    s.request_buffer.0, s.max_buffered_bytes.0
                 ),
             );
         }
@@ -1501,11 +1550,16 @@ impl Checker<'_> {
                 );
             }
             for (i, st) in count.status.iter().enumerate() {
-                if status_pattern(st).is_none() {
-                    self.at(
+                match status_pattern(st) {
+                    None => self.at(
                         &item(&cp, i),
                         format!("{:?} is not a status: write a code from 100 to 599 (401) or a class (\"5xx\")", st.as_str()),
-                    );
+                    ),
+                    Some(StatusPattern::Code(100..=199) | StatusPattern::Class(1)) => self.at(
+                        &item(&cp, i),
+                        format!("{:?} can never count: a limit counts final answers, 200 to 599 (a 1xx is an interim answer, never the response)", st.as_str()),
+                    ),
+                    Some(_) => {}
                 }
             }
         }
@@ -1702,50 +1756,6 @@ pub fn check_key_part(part: &str) -> Result<(), String> {
             _ => Err(format!("unknown key {part:?}, expected {EXPECTED}")),
         },
     }
-}
-
-/// serde reports any problem inside a route's `key` (an untagged enum: a string or
-/// a list) as "data did not match any variant of untagged enum KeySpec" at the
-/// route. Find the real one, e.g. an unset `${VAR}`, and where it is. `route` is the
-/// path serde named, like `routes[2]`.
-pub fn explain_key_error(text: &str, index: &Index, route: &str) -> Option<(Pos, String)> {
-    use serde_yaml::Value;
-    const EXPECTED: &str =
-        "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these";
-    fn kind(v: &Value) -> &'static str {
-        match v {
-            Value::Null => "nothing",
-            Value::Mapping(_) => "a mapping",
-            Value::Sequence(_) => "a list",
-            Value::Tagged(_) => "a tagged value",
-            _ => "a scalar",
-        }
-    }
-    let n: usize = route
-        .strip_prefix("routes[")?
-        .strip_suffix(']')?
-        .parse()
-        .ok()?;
-    let doc: Value = serde_yaml::from_str(text).ok()?;
-    let key = doc.get("routes")?.get(n)?.get("key")?;
-    let path = field(route, "key");
-    let (path, message) = match key {
-        Value::String(s) => (path, interpolate(s).err()?),
-        Value::Sequence(parts) => parts.iter().enumerate().find_map(|(i, part)| {
-            let message = match part {
-                Value::String(s) => interpolate(s).err()?,
-                Value::Number(_) | Value::Bool(_) => return None,
-                other => format!(
-                    "expected a key part like ip or header:NAME, found {}",
-                    kind(other)
-                ),
-            };
-            Some((item(&path, i), message))
-        })?,
-        other => (path, format!("{EXPECTED}, found {}", kind(other))),
-    };
-    // Worded like the serde errors it stands in for: prefixed with the path.
-    Some((index.nearest(&path), format!("{path}: {message}")))
 }
 
 /// An upstream target: `http://host[:port]` or `https://host[:port]`, nothing more.

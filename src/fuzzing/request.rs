@@ -131,7 +131,33 @@ pub fn rfc_request(input: &[u8], limits: &RequestLimits) -> RfcRequest {
     // (`pipeline::admit`), as hyper leaves them to its service; the codec checks only
     // that the target is a URI (as `http::Uri` reads it, and writes it: a fragment
     // dropped, an absolute-form path of `/` made explicit).
-    let Ok(target) = target.parse::<http::Uri>().map(|u| u.to_string()) else {
+    // EXCEPTION: bytes nginx forwards but `http::Uri` refuses (`<`, `>` and a
+    // backtick in the path; `"`, `<` and `>` in the query) are percent-encoded, as
+    // browsers send them.
+    let target = target.parse::<http::Uri>().or_else(|e| {
+        let (path, query) = match target.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (target.as_str(), None),
+        };
+        let encode = |part: &str, refused: &str| -> String {
+            part.chars()
+                .map(|c| match refused.contains(c) {
+                    true => format!("%{:02X}", c as u32),
+                    false => c.to_string(),
+                })
+                .collect()
+        };
+        let mut encoded = encode(path, "<>`");
+        if let Some(q) = query {
+            encoded.push('?');
+            encoded.push_str(&encode(q, "\"<>"));
+        }
+        if encoded == target {
+            return Err(e);
+        }
+        encoded.parse::<http::Uri>()
+    });
+    let Ok(target) = target.map(|u| u.to_string()) else {
         return refused(400, "request target not a URI");
     };
     // EXCEPTION: framing as hyper's server reads it. A `Content-Length` is one number
@@ -143,6 +169,8 @@ pub fn rfc_request(input: &[u8], limits: &RequestLimits) -> RfcRequest {
     let mut length: Option<u64> = None;
     let mut transfer_encoding = false;
     let mut chunked = false;
+    // Items of every `Transfer-Encoding` line.
+    let mut codings = 0;
     let mut saw_length = false;
     for (name, value) in &fields {
         if name == "content-length" {
@@ -165,6 +193,7 @@ pub fn rfc_request(input: &[u8], limits: &RequestLimits) -> RfcRequest {
                 return refused(400, "Transfer-Encoding in HTTP/1.0");
             }
             transfer_encoding = true;
+            codings += value.split(|&b| b == b',').count();
             let last = value.rsplit(|&b| b == b',').next().unwrap_or_default();
             chunked = std::str::from_utf8(value).is_ok()
                 && last.trim_ascii().eq_ignore_ascii_case(b"chunked");
@@ -174,6 +203,11 @@ pub fn rfc_request(input: &[u8], limits: &RequestLimits) -> RfcRequest {
         // §6.3 rule 4: unless chunked is the last coding, the length cannot be known.
         if !chunked {
             return refused(400, "chunked is not the last transfer coding");
+        }
+        // §6.1: a coding the server does not understand (anything but the one
+        // final `chunked`) is answered 501, as nginx does.
+        if codings > 1 {
+            return refused(501, "a transfer coding other than chunked");
         }
         fields.retain(|(n, _)| n != "content-length");
         Framing::Chunked
@@ -533,11 +567,12 @@ mod tests {
             ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 6\r\n\r\nhello", "400"),
             ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\nhello", "400"),
             ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhel", "Length(5) incomplete \"hel\""),
-            // §6.3 rule 4: chunked must be the last coding.
+            // §6.3 rule 4: chunked must be the last coding; §6.1: any other coding
+            // is one sluice does not implement (501, as nginx).
             ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", "400"),
-            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", "Chunked \"\""),
-            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", "Chunked \"\""),
-            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "Chunked \"\""),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", "501"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", "501"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "501"),
             ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: \r\n\r\n", "400"),
             // §6.1: Transfer-Encoding in HTTP/1.0 is refused; beside Content-Length it
             // wins (EXCEPTION), unless a length before it is invalid.

@@ -234,6 +234,57 @@ impl Site for Shared {
     ) -> impl Future<Output = http::Response<Body>> + Send + 'a {
         handle(self, parts, body, peer, Some(conn))
     }
+
+    /// A head the HTTP/1.1 server refused before it was a request (400, 431, 501)
+    /// gets an access line too, as nginx logs its 400s: the method and path of its
+    /// request line as far as they can be read (`-` where not), never its query;
+    /// route `unmatched`, decision `bad_request`.
+    fn refused_head(&self, status: http::StatusCode, peer: &Peer, head: &[u8]) {
+        let rt = self.runtime.load();
+        let Some(access) = &rt.access else {
+            return;
+        };
+        let now = crate::deny::now_ms();
+        let Some(dropped) = access.keep(true, now) else {
+            return;
+        };
+        let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+        let mut words = line
+            .split(|&b| b == b' ')
+            .filter(|w| !w.is_empty())
+            .map(|w| w.strip_suffix(b"\r").unwrap_or(w));
+        let method = words
+            .next()
+            .and_then(|m| http::Method::from_bytes(m).ok())
+            .unwrap_or_else(|| http::Method::from_bytes(b"-").unwrap_or_default());
+        let target = words.next().unwrap_or(b"-");
+        let path = target.split(|&b| b == b'?').next().unwrap_or_default();
+        let version = match words.next() {
+            Some(b"HTTP/1.0") => Version::HTTP_10,
+            _ => Version::HTTP_11,
+        };
+        let entry = access.entry(
+            &method,
+            &String::from_utf8_lossy(path),
+            version,
+            None,
+            peer.addr.ip(),
+            status.as_u16(),
+            dropped,
+        );
+        access.write(
+            &entry,
+            &access_log::End {
+                at_ms: now,
+                route: "unmatched",
+                decision: "bad_request",
+                limit: None,
+                upstream: None,
+                duration: std::time::Duration::ZERO,
+                bytes: 0,
+            },
+        );
+    }
 }
 
 /// The request path's one entry, whichever server carried the request (sluice's
@@ -1010,7 +1061,7 @@ fn forward_failed<'a>(
             route.metrics.upstream_busy.inc();
             None
         }
-        ProxyError::TooLarge => None,
+        ProxyError::TooLarge | ProxyError::BuffersFull => None,
         ProxyError::Client(fault) => {
             count_client_fault(shared, fault);
             None

@@ -138,7 +138,7 @@ impl Refusal<'_> {
             // The head itself is not to be trusted, nor where its body ends.
             Refusal::BadHead(_) | Refusal::Client(_) => true,
             // The rest of the body was not read.
-            Refusal::Upstream(ProxyError::TooLarge) => true,
+            Refusal::Upstream(ProxyError::TooLarge | ProxyError::BuffersFull) => true,
             // The body may be partly read, or partly sent and dropped (busy after
             // the read-ahead, an upstream that failed mid-upload): the connection
             // closes, with a lingering close, so the client reads this answer.
@@ -212,6 +212,7 @@ impl Refusal<'_> {
                 ProxyError::Timeout => "upstream did not answer in time",
                 ProxyError::TooLarge => "request body too large",
                 ProxyError::Busy => "upstream busy",
+                ProxyError::BuffersFull => "server busy: request buffers full",
                 _ => "upstream unavailable",
             }
             .into(),

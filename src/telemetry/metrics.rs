@@ -3,6 +3,7 @@
 //! configuration is compiled (`RouteMetrics`), and a client key is never a label.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use prometheus::{
@@ -64,6 +65,45 @@ pub struct Metrics {
     pub refusal_logs_dropped: IntCounter,
     /// Access log lines of refused requests not written, over the per-second budget.
     pub access_logs_dropped: IntCounter,
+    /// Request body bytes held by read-aheads in the whole process, and the
+    /// read-aheads refused at `server.max_buffered_bytes`.
+    pub read_ahead: Arc<ReadAheadBytes>,
+}
+
+/// Request body bytes read ahead (`server.request_buffer`) and held until an
+/// upstream connection takes them, counted across every upstream and connection,
+/// so that `server.max_buffered_bytes` bounds them all. Only requests that read
+/// ahead touch it: one compare-and-swap per frame read, one subtraction per frame
+/// sent on.
+pub struct ReadAheadBytes {
+    held: AtomicUsize,
+    /// `sluice_read_ahead_refused_total`: read-aheads answered 503 at the bound.
+    pub refused: IntCounter,
+    /// `sluice_read_ahead_bytes`, set from `held` when the metrics are rendered.
+    gauge: IntGauge,
+}
+
+impl ReadAheadBytes {
+    /// Take `n` more bytes if the process then holds at most `max`.
+    pub fn take(&self, n: usize, max: usize) -> bool {
+        self.held
+            .fetch_update(Relaxed, Relaxed, |held| {
+                held.checked_add(n).filter(|&total| total <= max)
+            })
+            .is_ok()
+    }
+
+    /// Give back `n` bytes taken before.
+    pub fn give(&self, n: usize) {
+        if n > 0 {
+            self.held.fetch_sub(n, Relaxed);
+        }
+    }
+
+    /// The bytes held now.
+    pub fn held(&self) -> usize {
+        self.held.load(Relaxed)
+    }
 }
 
 impl Metrics {
@@ -223,8 +263,20 @@ impl Metrics {
             "Access log lines of refused requests not written because a second's budget was spent.",
         )
         .expect("metric definition");
+        let read_ahead_refused = IntCounter::new(
+            "sluice_read_ahead_refused_total",
+            "Requests answered 503 because reading their body ahead would have held more than server.max_buffered_bytes in the whole process.",
+        )
+        .expect("metric definition");
+        let read_ahead_bytes = IntGauge::new(
+            "sluice_read_ahead_bytes",
+            "Request body bytes read ahead (server.request_buffer) and held until an upstream connection takes them, in the whole process.",
+        )
+        .expect("metric definition");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(read_ahead_refused.clone()),
+            Box::new(read_ahead_bytes.clone()),
             Box::new(request_duration.clone()),
             Box::new(limiter_duration.clone()),
             Box::new(store_errors.clone()),
@@ -292,6 +344,11 @@ impl Metrics {
             build_info,
             refusal_logs_dropped,
             access_logs_dropped,
+            read_ahead: Arc::new(ReadAheadBytes {
+                held: AtomicUsize::new(0),
+                refused: read_ahead_refused,
+                gauge: read_ahead_bytes,
+            }),
         }
     }
 
@@ -303,6 +360,10 @@ impl Metrics {
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> Vec<u8> {
         let mut buf = Vec::with_capacity(8 * 1024);
+        let read_ahead = &self.read_ahead;
+        read_ahead
+            .gauge
+            .set(i64::try_from(read_ahead.held()).unwrap_or(i64::MAX));
         // Encoding into a Vec cannot fail for the text format.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         buf

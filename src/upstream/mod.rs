@@ -34,6 +34,7 @@ use crate::http::h1::client::{
 use crate::http::h1::framing::{items, lists, te_lists_trailers};
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
+use crate::telemetry::metrics::ReadAheadBytes;
 use crate::telemetry::refusal_log::Budget;
 use crate::upstream::h2::{H2Error, H2Pool};
 use crate::upstream::health::{Check, Health, Passive, State};
@@ -69,6 +70,10 @@ pub enum ProxyError {
     TooLarge,
     #[error("no free connection to the upstream in time")]
     Busy,
+    /// Reading the body ahead would have held more than `server.max_buffered_bytes`
+    /// in the whole process.
+    #[error("request buffers full (server.max_buffered_bytes)")]
+    BuffersFull,
     /// The client's own request body failed: not the upstream's fault.
     #[error("client request body: {0}")]
     Client(ClientFault),
@@ -219,7 +224,7 @@ impl ProxyError {
             ProxyError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Client(ClientFault::Timeout) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Client(_) => StatusCode::BAD_REQUEST,
-            ProxyError::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Busy | ProxyError::BuffersFull => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }
@@ -288,6 +293,9 @@ pub struct Upstream {
     body_timeout: Duration,
     /// `server.request_buffer`.
     request_buffer: usize,
+    /// `server.max_buffered_bytes`, and the bytes read ahead in the whole process.
+    max_buffered: usize,
+    buffered: Arc<ReadAheadBytes>,
     /// `server.tunnel_idle_timeout`.
     tunnel_idle: Duration,
     /// Connections held at the client's pace (uploads still streaming, upgraded
@@ -320,6 +328,11 @@ pub struct UpstreamOpts<'a> {
     /// `server.request_buffer`: how much of a request body is read before an
     /// upstream connection is taken for it.
     pub request_buffer: usize,
+    /// `server.max_buffered_bytes`: the most request body bytes read ahead in the
+    /// whole process, counted in `buffered` (one for the process, kept across
+    /// reloads).
+    pub max_buffered: usize,
+    pub buffered: Arc<ReadAheadBytes>,
     /// `server.tunnel_idle_timeout`: a tunnel with no bytes either way this long
     /// is closed.
     pub tunnel_idle: Duration,
@@ -346,7 +359,7 @@ impl UpstreamOpts<'_> {
             )
         });
         format!(
-            "{name}|{targets:?}|{:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{:?}|{:?}|{:?}",
+            "{name}|{targets:?}|{:?}|{:?}|{:?}|{:?}|{ca:?}|{}|{:?}|{:?}|{}|{}|{:?}|{:?}|{:?}",
             self.protocol,
             self.connect_timeout,
             self.timeout,
@@ -355,6 +368,7 @@ impl UpstreamOpts<'_> {
             self.upgrades,
             self.body_timeout,
             self.request_buffer,
+            self.max_buffered,
             self.tunnel_idle,
             self.passive,
             self.check
@@ -493,6 +507,8 @@ impl Upstream {
             upgrades: o.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
             body_timeout: o.body_timeout,
             request_buffer: o.request_buffer,
+            max_buffered: o.max_buffered,
+            buffered: o.buffered,
             tunnel_idle: o.tunnel_idle,
             held: Arc::default(),
             share: client_share(o.max_connections),
@@ -784,9 +800,8 @@ impl Upstream {
         if streaming && self.request_buffer > 0 && !grpc {
             // Boxed: its state would otherwise grow every request's future, bodiless
             // ones too.
-            let ahead = Box::pin(read_ahead(body, self.request_buffer))
-                .await
-                .map_err(|e| classify(e, false))?;
+            let budget = (&self.buffered, self.max_buffered);
+            let ahead = Box::pin(read_ahead(body, self.request_buffer, budget)).await?;
             (body, streaming) = (ahead.body, ahead.streaming);
         }
         // An upload that still streams (past `request_buffer`, a gRPC call, or with
@@ -1101,15 +1116,44 @@ struct Ahead {
 
 /// Read `body` until it ends or `limit` bytes of it have come; the body to send,
 /// which gives those frames, then the rest as it comes.
-async fn read_ahead(mut body: Body, limit: usize) -> Result<Ahead, BoxError> {
+async fn read_ahead(
+    mut body: Body,
+    limit: usize,
+    (buffered, max): (&Arc<ReadAheadBytes>, usize),
+) -> Result<Ahead, ProxyError> {
     let hint = http_body::Body::size_hint(&body);
     let mut frames = std::collections::VecDeque::new();
     let mut read = 0;
+    // What this request holds of the process's budget, given back as its frames go
+    // on (or when it is dropped).
+    let mut held = Held {
+        buffered: buffered.clone(),
+        bytes: 0,
+    };
     let rest = loop {
-        let Some(frame) = body.frame().await.transpose()? else {
+        let Some(frame) = body
+            .frame()
+            .await
+            .transpose()
+            .map_err(|e| classify(e, false))?
+        else {
             break None;
         };
-        read += frame.data_ref().map_or(0, |d| d.len());
+        let len = frame.data_ref().map_or(0, |d| d.len());
+        // Past the bound, the request is answered 503 and its bytes are let go at
+        // once (an HTTP/2 stream's buffered data with it), rather than waiting:
+        // a wait would keep them, and the client's unread bytes, in memory.
+        if !buffered.take(len, max) {
+            buffered.refused.inc();
+            tracing::debug!(
+                held = buffered.held(),
+                max,
+                "refused: read-ahead over server.max_buffered_bytes"
+            );
+            return Err(ProxyError::BuffersFull);
+        }
+        held.bytes += len;
+        read += len;
         frames.push_back(frame);
         if http_body::Body::is_end_stream(&body) {
             break None;
@@ -1121,6 +1165,7 @@ async fn read_ahead(mut body: Body, limit: usize) -> Result<Ahead, BoxError> {
     let streaming = rest.is_some();
     let body = ReadAhead {
         frames,
+        held,
         rest,
         hint,
         started: false,
@@ -1166,6 +1211,8 @@ impl http_body::Body for Uploading {
 /// chunked) is the client's; its trailers are among the frames.
 struct ReadAhead {
     frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
+    /// The bytes of `frames`, in the process's count.
+    held: Held,
     rest: Option<Body>,
     hint: http_body::SizeHint,
     /// A frame has been asked for.
@@ -1183,6 +1230,9 @@ impl http_body::Body for ReadAhead {
         let this = &mut *self;
         this.started = true;
         if let Some(frame) = this.frames.pop_front() {
+            let len = frame.data_ref().map_or(0, |d| d.len());
+            this.held.bytes -= len;
+            this.held.buffered.give(len);
             return Poll::Ready(Some(Ok(frame)));
         }
         match &mut this.rest {
@@ -1217,6 +1267,19 @@ impl http_body::Body for ReadAhead {
             hint.set_upper(upper.saturating_add(ahead));
         }
         hint
+    }
+}
+
+/// Bytes a read-ahead holds of the process's count (`ReadAheadBytes`), given back
+/// when it is dropped.
+struct Held {
+    buffered: Arc<ReadAheadBytes>,
+    bytes: usize,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.buffered.give(self.bytes);
     }
 }
 
@@ -1610,6 +1673,8 @@ mod tests {
     /// trailers included, whether it was read whole or in part.
     #[tokio::test]
     async fn a_body_read_ahead_is_the_same_body() {
+        let bytes = crate::telemetry::metrics::Metrics::new().read_ahead.clone();
+        let unbounded = (&bytes, usize::MAX);
         let mut trailers = HeaderMap::new();
         trailers.insert("x-sum", HeaderValue::from_static("7"));
         for limit in [1, 4, 1024] {
@@ -1618,7 +1683,7 @@ mod tests {
                 data("cde"),
                 http_body::Frame::trailers(trailers.clone()),
             ];
-            let Ahead { body, streaming } = read_ahead(frames(chunked, None), limit)
+            let Ahead { body, streaming } = read_ahead(frames(chunked, None), limit, unbounded)
                 .await
                 .expect("read");
             // Read whole (trailers too) only when the limit is above its 5 bytes.
@@ -1629,10 +1694,14 @@ mod tests {
             assert_eq!(got.trailers(), Some(&trailers));
             assert_eq!(&got.to_bytes()[..], b"abcde");
 
-            let sized = read_ahead(frames(vec![data("ab"), data("cde")], Some(5)), limit)
-                .await
-                .expect("read")
-                .body;
+            let sized = read_ahead(
+                frames(vec![data("ab"), data("cde")], Some(5)),
+                limit,
+                unbounded,
+            )
+            .await
+            .expect("read")
+            .body;
             assert!(!sized.is_end_stream());
             assert_eq!(sized.size_hint().exact(), Some(5));
             assert_eq!(
@@ -1641,11 +1710,41 @@ mod tests {
             );
         }
         // An empty chunked body stays one (not over until asked).
-        let empty = read_ahead(frames(Vec::new(), None), 1024)
+        let empty = read_ahead(frames(Vec::new(), None), 1024, unbounded)
             .await
             .expect("read")
             .body;
         assert!(!empty.is_end_stream());
+        drop(empty);
+        assert_eq!(bytes.held(), 0);
+    }
+
+    /// The bytes read ahead count in the process's total until they are sent on
+    /// (or dropped); one that would take the total past the bound is refused and
+    /// holds nothing.
+    #[tokio::test]
+    async fn bytes_read_ahead_are_counted_until_sent_on_and_bounded() {
+        let bytes = crate::telemetry::metrics::Metrics::new().read_ahead.clone();
+        let ahead = read_ahead(
+            frames(vec![data("ab"), data("cde")], None),
+            1024,
+            (&bytes, 5),
+        )
+        .await
+        .expect("read");
+        assert_eq!(bytes.held(), 5);
+        let over = read_ahead(frames(vec![data("x")], None), 1024, (&bytes, 5)).await;
+        assert!(matches!(over, Err(ProxyError::BuffersFull)));
+        assert_eq!((bytes.held(), bytes.refused.get()), (5, 1));
+        let got = ahead.body.collect().await.expect("collected");
+        assert_eq!(&got.to_bytes()[..], b"abcde");
+        assert_eq!(bytes.held(), 0);
+        let ahead = read_ahead(frames(vec![data("ab")], None), 1024, (&bytes, 5))
+            .await
+            .expect("read");
+        assert_eq!(bytes.held(), 2);
+        drop(ahead);
+        assert_eq!(bytes.held(), 0);
     }
 
     #[test]

@@ -75,7 +75,7 @@ fn typo_in_server_is_located() {
         "rules.yaml:3:3: server: unknown field `max_conections`, expected one of `listen`, \
          `request_header_timeout`, `max_request_body`, `max_key_body`, `shutdown_grace`, \
          `max_connections`, `max_connections_per_ip`, `idle_timeout`, `send_timeout`, `request_body_timeout`, \
-         `request_buffer`, `tunnel_idle_timeout`, `max_header_bytes`, `upgrades`, `tls`, `workers`"
+         `request_buffer`, `max_buffered_bytes`, `tunnel_idle_timeout`, `max_header_bytes`, `upgrades`, `tls`, `workers`"
     );
 }
 
@@ -96,6 +96,25 @@ fn max_key_body_is_above_0_and_at_most_1mib() {
             .max_key_body
             .0,
         1024 * 1024
+    );
+}
+
+#[test]
+fn max_buffered_bytes_holds_at_least_one_read_ahead() {
+    assert_eq!(
+        errors("server:\n  max_buffered_bytes: 32KiB\nroutes: []\n"),
+        ["rules.yaml:2:23: max_buffered_bytes must be at least request_buffer (65536 bytes), so that one request can be read ahead, found 32768 bytes"]
+    );
+    let server = loads("server:\n  max_buffered_bytes: 1MiB\n  request_buffer: 1MiB\nroutes: []\n")
+        .file
+        .server;
+    assert_eq!(
+        (server.max_buffered_bytes.0, server.request_buffer.0),
+        (1 << 20, 1 << 20)
+    );
+    assert_eq!(
+        loads("routes: []\n").file.server.max_buffered_bytes.0,
+        16 << 20
     );
 }
 
@@ -282,6 +301,68 @@ routes:
         "rules.yaml:4:10: routes[0].key: expected a key (ip, global, header:NAME, query:NAME, \
          cookie:NAME, form:NAME or json:/POINTER) or a list of these, found a mapping"
     );
+}
+
+/// A value that takes one of several forms (`cost`, `key`) says which forms those
+/// are when it is none of them, at the value, never serde's "data did not match
+/// any variant of untagged enum".
+#[test]
+fn values_of_several_forms_say_which_forms_they_take() {
+    let cost = |value: &str| {
+        error(&with_limit(&format!(
+            "      - algorithm: token_bucket\n        rate: 10/s\n        cost: {value}\n"
+        )))
+    };
+    let forms = "expected a cost: a whole number of units (cost: 3) or \
+                 {response_header: NAME, default: N}";
+    assert_eq!(
+        cost("lots"),
+        format!("rules.yaml:8:15: routes[0].limits[0].cost: {forms}, found \"lots\"")
+    );
+    assert_eq!(
+        cost("[1, 2]"),
+        format!("rules.yaml:8:15: routes[0].limits[0].cost: {forms}, found a list")
+    );
+    assert_eq!(
+        cost("-1"),
+        format!("rules.yaml:8:15: routes[0].limits[0].cost: {forms}, found \"-1\"")
+    );
+    // A mapping is the response form: its own fields are named.
+    assert_eq!(
+        cost("{header: x-tokens}"),
+        "rules.yaml:8:16: routes[0].limits[0].cost: unknown field `header`, expected \
+         `response_header` or `default`"
+    );
+    assert_eq!(
+        cost("${SLUICE_TEST_UNSET_COST}"),
+        "rules.yaml:8:15: routes[0].limits[0].cost: environment variable \
+         SLUICE_TEST_UNSET_COST is not set (write ${SLUICE_TEST_UNSET_COST:-default} for a \
+         fallback)"
+    );
+    // A limit's key, like the route's.
+    let yaml = with_limit(
+        "      - algorithm: fixed_window\n        limit: 1\n        window: 1m\n        key: {cookie: sid}\n",
+    );
+    assert_eq!(
+        error(&yaml),
+        "rules.yaml:9:14: routes[0].limits[0].key: expected a key (ip, global, header:NAME, \
+         query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these, found a mapping"
+    );
+    let yaml = with_limit(
+        "      - algorithm: fixed_window\n        limit: 1\n        window: 1m\n        key: [ip, [header:x]]\n",
+    );
+    assert_eq!(
+        error(&yaml),
+        "rules.yaml:9:19: routes[0].limits[0].key[1]: expected a key part like ip or \
+         header:NAME, found a list"
+    );
+    // Both forms still load.
+    loads(&with_limit(
+        "      - algorithm: token_bucket\n        rate: 10/s\n        cost: 2\n        key: [ip, \"header:x-k\"]\n",
+    ));
+    loads(&with_limit(
+        "      - algorithm: token_bucket\n        rate: 10/s\n        cost: {response_header: x-t}\n        key: ip\n",
+    ));
 }
 
 #[test]
@@ -1077,6 +1158,105 @@ routes:
             "rules.yaml:14:71: \"x tokens\" is not a valid HTTP header name".to_string(),
         ]
     );
+}
+
+/// An interim answer (1xx) is never a request's response: a limit counting one
+/// would never be charged.
+#[test]
+fn count_statuses_are_final_statuses() {
+    let yaml = "\
+upstreams: {api: {targets: [http://127.0.0.1:3000]}}
+routes:
+  - name: a
+    upstream: api
+    limits:
+      - {algorithm: fixed_window, limit: 5, window: 1m, count: {status: [103, 1xx, 199, 200, 2xx]}}
+";
+    let never = |s: &str| {
+        format!("{s:?} can never count: a limit counts final answers, 200 to 599 (a 1xx is an interim answer, never the response)")
+    };
+    assert_eq!(
+        errors(yaml),
+        [
+            format!("rules.yaml:6:74: {}", never("103")),
+            format!("rules.yaml:6:79: {}", never("1xx")),
+            format!("rules.yaml:6:84: {}", never("199")),
+        ]
+    );
+}
+
+/// The warnings a file that loads gets, as `check` prints them.
+fn warnings(yaml: &str) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rules.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let loaded = match load(&path) {
+        Ok(loaded) => loaded,
+        Err(e) => panic!("expected a clean load, got:\n{e}"),
+    };
+    let prefix = format!("{}/", dir.path().display());
+    loaded
+        .warnings
+        .iter()
+        .map(|w| w.to_string().strip_prefix(&prefix).unwrap().to_string())
+        .collect()
+}
+
+/// `count` by status charges a request when its answer arrives, so the requests in
+/// flight meanwhile all pass the check: without a `concurrency` limit on the same
+/// key, up to limit + requests in flight − 1 are admitted. `check` warns, and is
+/// quiet when such a limit is there (in the same list, on the same key).
+#[test]
+fn count_by_status_without_concurrency_is_warned_about() {
+    let flight = |name: &str| {
+        format!("warning: limit {name} counts by status, charged when the answer arrives: without a concurrency limit on the same key, up to limit + requests in flight - 1 are admitted")
+    };
+    let yaml = "\
+upstreams: {api: {targets: [http://127.0.0.1:3000]}}
+routes:
+  - name: login
+    upstream: api
+    key: ip
+    limits:
+      - {name: failures, algorithm: fixed_window, limit: 5, window: 1m, count: {status: [401]}}
+      - {name: per_user, key: \"form:user\", algorithm: fixed_window, limit: 5, window: 1m, count: {status: [401]}}
+      - {algorithm: concurrency, limit: 2, key: \"form:user\"}
+    overrides:
+      - keys: [10.0.0.1]
+        limits:
+          - {name: failures, algorithm: sliding_window, limit: 50, window: 1m, count: {status: [\"4xx\"]}}
+";
+    assert_eq!(
+        warnings(yaml),
+        [
+            format!("rules.yaml:7:80: {}", flight("failures")),
+            format!("rules.yaml:13:87: {}", flight("failures")),
+        ]
+    );
+    // With a concurrency limit on the route's key: no warning.
+    let quiet = yaml.replace("key: \"form:user\"}", "key: ip}");
+    assert!(quiet.contains("limit: 2, key: ip}"), "{quiet}");
+    assert_eq!(
+        warnings(&quiet),
+        [
+            format!("rules.yaml:8:98: {}", flight("per_user")),
+            format!("rules.yaml:13:87: {}", flight("failures")),
+        ]
+    );
+}
+
+/// The memory store keeps a key's month in this process: a restart, or the key's
+/// eviction, starts it afresh.
+#[test]
+fn a_month_on_the_memory_store_is_warned_about() {
+    let month = "warning: window: month on the memory store starts afresh when sluice restarts or the key is evicted (store.memory.max_keys); a month that must hold needs backend: redis";
+    let yaml = with_limit(
+        "      - {name: monthly, algorithm: fixed_window, limit: 100000, window: month}\n",
+    );
+    assert_eq!(warnings(&yaml), [format!("rules.yaml:6:73: {month}")]);
+    let redis =
+        format!("store: {{backend: redis, redis: {{url: redis://127.0.0.1:6379}}}}\n{yaml}");
+    assert_eq!(warnings(&redis), Vec::<String>::new());
 }
 
 #[test]

@@ -408,3 +408,66 @@ routes:
     assert_eq!(decisions(&m, "one"), [("allowed", 1.0), ("limited", 4.0)]);
     gw.shutdown().await;
 }
+
+/// A transfer coding other than a final `chunked` (`gzip, chunked`, in one line or
+/// two, or `chunked` twice) is one sluice does not implement: 501 and a close, as
+/// nginx answers, and the upstream sees nothing. Forwarding the body as plain
+/// `chunked` would lose the coding.
+#[tokio::test]
+async fn transfer_codings_other_than_chunked_get_501() {
+    let up = upstream().await;
+    let gw = plain_gateway(&up.url()).await;
+    let body = "5\r\nhello\r\n0\r\n\r\n";
+    let not_implemented = "HTTP/1.1 501 Not Implemented\r\nconnection: close\r\ncontent-length: 0";
+    for te in [
+        "transfer-encoding: gzip, chunked\r\n",
+        "transfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n",
+        "transfer-encoding: chunked, chunked\r\n",
+        "transfer-encoding: identity, chunked\r\n",
+    ] {
+        let probe = format!("POST /a HTTP/1.1\r\nhost: h\r\n{te}\r\n{body}{CLOSE}");
+        let (fast, slow) = both(gw.addr, probe.as_bytes()).await;
+        assert_eq!(fast, format!("{not_implemented}\r\n\r\n"), "{te:?}");
+        assert_eq!(fast, slow, "{te:?}");
+    }
+    // Only the request each `hyper_connection` makes first.
+    assert_eq!(up.hits(), 4);
+    // `chunked` alone, in any case, still goes through.
+    let probe =
+        format!("POST /a HTTP/1.1\r\nhost: h\r\ntransfer-encoding: Chunked\r\n\r\n{body}{CLOSE}");
+    let all = exchange(gw.addr, probe.as_bytes()).await;
+    assert_eq!(
+        statuses(&all),
+        ["HTTP/1.1 200 OK", "HTTP/1.1 200 OK"],
+        "{all}"
+    );
+    assert!(all.contains("\"body\":\"hello\""), "{all}");
+    gw.shutdown().await;
+}
+
+/// Request-target bytes nginx forwards but the URI type refuses (`"`, `<`, `>` in
+/// a query; `<`, `>` and `` ` `` in a path) are forwarded percent-encoded, as a
+/// browser sends them: the same value to any application that decodes them.
+#[tokio::test]
+async fn targets_with_quotes_and_angle_brackets_are_forwarded_encoded() {
+    let up = upstream().await;
+    let gw = plain_gateway(&up.url()).await;
+    for (target, forwarded) in [
+        ("/q?a=\"b\"", "/q?a=%22b%22"),
+        ("/q?a=<b>&c=`d`{e}|\\^", "/q?a=%3Cb%3E&c=`d`{e}|\\\\^"),
+        ("/p<a>/`b`/\"c\"", "/p%3Ca%3E/%60b%60/\\\"c\\\""),
+    ] {
+        let probe = format!("GET {target} HTTP/1.1\r\nhost: h\r\n\r\n{CLOSE}");
+        let all = exchange(gw.addr, probe.as_bytes()).await;
+        assert_eq!(
+            statuses(&all),
+            ["HTTP/1.1 200 OK", "HTTP/1.1 200 OK"],
+            "{target}: {all}"
+        );
+        assert!(
+            all.contains(&format!("\"uri\":\"{forwarded}\"")),
+            "{target}: {all}"
+        );
+    }
+    gw.shutdown().await;
+}

@@ -18,6 +18,7 @@ mod h2_hostile;
 mod h2_upstream;
 mod hostile_requests;
 mod pool;
+mod read_ahead;
 mod stalls;
 mod upstream_fields;
 mod upstream_heads;

@@ -80,8 +80,14 @@ fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
 /// gateway in this process keeps answering, and for at most twice `BOUND` (the
 /// client bounds each call by 10 s itself).
 async fn deny(args: &[&str], env: &[(&str, &str)]) -> Out {
+    client("deny", args, env).await
+}
+
+/// Run `sluice COMMAND ARGS` (an admin client: `deny`, `top`, `fleet`) as `deny`
+/// does.
+async fn client(command: &str, args: &[&str], env: &[(&str, &str)]) -> Out {
     let mut cmd = Command::new(SLUICE);
-    cmd.arg("deny")
+    cmd.arg(command)
         .args(args)
         .env_remove("SLUICE_CONFIG")
         .env_remove("SLUICE_ADMIN_TOKEN")
@@ -102,7 +108,7 @@ async fn deny(args: &[&str], env: &[(&str, &str)]) -> Out {
         }
         assert!(
             waited < limit,
-            "sluice deny {args:?} still running after {limit:?}"
+            "sluice {command} {args:?} still running after {limit:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
         waited += Duration::from_millis(20);
@@ -481,6 +487,37 @@ async fn address_and_token_come_from_the_config_file() {
     gw.shutdown().await;
 }
 
+/// The admin clients read only the `admin` section of `-c FILE`: a variable unset
+/// elsewhere (the gateway's own listener, a route's key) is no error for them.
+#[tokio::test]
+async fn the_clients_read_only_the_admin_section() {
+    let (gw, _file) = gateway().await;
+    let listen = format!("127.0.0.1:{}", gw.admin_addr.port());
+    let text = config(&listen, TOKEN)
+        .replace("127.0.0.1:0", "${DENY_TEST_UNSET_LISTEN}")
+        .replace("header:x-api-key", "header:${DENY_TEST_UNSET_HEADER}");
+    assert!(text.contains("${DENY_TEST_UNSET_LISTEN}"), "{text}");
+    let own = config_file(&text);
+    let path = own.path().display().to_string();
+    let out = deny(&["list", "-c", &path], &[]).await;
+    assert_eq!(
+        out,
+        Out::ok(
+            "KIND  VALUE       SOURCE  EXPIRES  REASON\n\
+             key   static-key  static  never    -\n"
+        )
+    );
+    for command in ["top", "fleet"] {
+        let out = client(command, &["--json", "-c", &path], &[]).await;
+        assert_eq!(
+            (out.code, out.stderr.as_str()),
+            (Some(0), ""),
+            "sluice {command}"
+        );
+    }
+    gw.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_bad_config_file_needs_admin_and_then_counts_for_nothing() {
     let (gw, _file) = gateway().await;
@@ -497,17 +534,18 @@ async fn a_bad_config_file_needs_admin_and_then_counts_for_nothing() {
         ))
     );
 
-    // An invalid file: its errors with line and column, then the hint.
+    // An invalid admin section: its error with line and column, then the hint.
     let typo =
-        config(&format!("127.0.0.1:{}", gw.admin_addr.port()), TOKEN).replace("routes:", "routs:");
+        config(&format!("127.0.0.1:{}", gw.admin_addr.port()), TOKEN).replace("token:", "tokn:");
+    let col = typo.lines().nth(2).and_then(|l| l.find("tokn")).unwrap() + 1;
     let typo = config_file(&typo);
     let path = typo.path().display().to_string();
     let out = deny(&["list", "-c", &path], &[]).await;
     assert_eq!((out.code, out.stdout.as_str()), (Some(1), ""));
     assert!(
-        out.stderr
-            .starts_with(&format!("sluice deny: {path}:6:1: "))
-            && out.stderr.ends_with(hint),
+        out.stderr.starts_with(&format!(
+            "sluice deny: {path}:3:{col}: admin: unknown field `tokn`"
+        )) && out.stderr.ends_with(hint),
         "{}",
         out.stderr
     );

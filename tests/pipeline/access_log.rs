@@ -601,3 +601,77 @@ async fn a_reload_keeps_the_file_or_opens_it_anew_and_loses_no_line_either_way()
     sent.sort();
     assert_eq!(logged, sent);
 }
+
+/// A head sluice's HTTP/1.1 server refuses itself, before a request exists (400,
+/// 501), still gets its access line, as nginx logs its 400s: the method and path
+/// of its request line (never the query), route `unmatched`, decision
+/// `bad_request`. A target nginx forwards (`"` in the query) is forwarded, with its
+/// line as any request's.
+#[tokio::test]
+async fn heads_refused_by_the_http_server_get_their_access_line() {
+    let up = upstream().await;
+    let s = Sluice::start_yaml(true, |port, admin| {
+        yaml(port, admin, &up.url(), "{format: json}")
+    })
+    .await;
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], s.port).into();
+    let probes: [&[u8]; 3] = [
+        b"GET /open/x?q=in-the-query HTTP/1.1\r\nhost: h\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+        b"GET /open/q?a=\"b\" HTTP/1.1\r\nhost: h\r\nconnection: close\r\n\r\n",
+        b"POST /open/up HTTP/1.0\r\nhost: h\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+    ];
+    let mut statuses = Vec::new();
+    for probe in probes {
+        let answer = exchange(addr, probe).await;
+        statuses.push(answer.get(..12).unwrap_or_default().to_string());
+    }
+    assert_eq!(
+        statuses,
+        ["HTTP/1.1 400", "HTTP/1.1 200", "HTTP/1.1 400"],
+        "HTTP/1.0 with Transfer-Encoding is a 400 before its codings are read"
+    );
+    let probe = b"POST /open/up HTTP/1.1\r\nhost: h\r\ntransfer-encoding: gzip, chunked\r\n\r\n";
+    let answer = exchange(addr, probe).await;
+    assert!(answer.starts_with("HTTP/1.1 501 "), "{answer}");
+    let lines = wait_access(&s, 4).await;
+    let line = |method: &str, path: &str, protocol: &str, status: u16, decision: &str| {
+        let upstream = (status == 200).then(|| up.addr.to_string());
+        serde_json::json!({
+            "ip": "127.0.0.1",
+            "method": method,
+            "path": path,
+            "protocol": protocol,
+            "status": status,
+            "route": if status == 200 { "open" } else { "unmatched" },
+            "decision": decision,
+            "limit": null,
+            "upstream": upstream,
+            "upstream_status": (status == 200).then_some(200),
+            "bytes": lines_bytes(status),
+            "dropped": 0,
+        })
+    };
+    let mut got: Vec<Value> = lines.iter().map(|l| fixed(l)).collect();
+    // The forwarded answer's body is the echo's: its length as sent.
+    let echoed = got[1]["bytes"].as_u64().unwrap();
+    assert!(echoed > 0);
+    got[1]["bytes"] = 1.into();
+    assert_eq!(
+        got,
+        [
+            line("GET", "/open/x", "HTTP/1.1", 400, "bad_request"),
+            line("GET", "/open/q", "HTTP/1.1", 200, "allowed"),
+            line("POST", "/open/up", "HTTP/1.0", 400, "bad_request"),
+            line("POST", "/open/up", "HTTP/1.1", 501, "bad_request"),
+        ]
+    );
+    let all = s.stop().await;
+    assert!(!all.contains("in-the-query"), "the query in the log: {all}");
+}
+
+/// The bytes of a line in `heads_refused_by_the_http_server_get_their_access_line`:
+/// none for the server's own refusals (their body is empty), 1 standing for the
+/// forwarded answer's.
+fn lines_bytes(status: u16) -> u64 {
+    u64::from(status == 200)
+}

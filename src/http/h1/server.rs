@@ -199,6 +199,11 @@ pub(crate) trait Site: Send + Sync + 'static {
         peer: &'a Self::Peer,
         conn: Lent<'a>,
     ) -> impl Future<Output = http::Response<Body>> + Send + 'a;
+
+    /// The server answered `status` itself and closes: the head it refused
+    /// starts `head` (as the client sent it, maybe cut or malformed). For the
+    /// site's log; nothing by default.
+    fn refused_head(&self, _status: StatusCode, _peer: &Self::Peer, _head: &[u8]) {}
 }
 
 /// What sluice's HTTP/1 server lends each of its requests.
@@ -256,8 +261,10 @@ enum Parsed {
     Plain(Plain),
     Partial,
     /// Answered with this status, and the connection closed (hyper's
-    /// `Server::on_error`).
+    /// `Server::on_error`). The head is still at the start of the buffer.
     Bad(StatusCode),
+    /// Answered 400 as `Bad`; the head was split off the buffer: here it is.
+    BadHead(Bytes),
 }
 
 /// Serve HTTP/1 requests on `io` until it closes; `buf` holds what was read of it
@@ -318,11 +325,23 @@ where
                         break p;
                     }
                     Parsed::Partial => scan.partial(&buf),
-                    Parsed::Bad(status) => return refuse(&mut io, status).await,
+                    // Answered by the server itself, and logged as the site logs
+                    // its answers (an access line).
+                    Parsed::Bad(status) => {
+                        fast.site.refused_head(status, &fast.peer, &buf);
+                        return refuse(&mut io, status).await;
+                    }
+                    Parsed::BadHead(head) => {
+                        let status = StatusCode::BAD_REQUEST;
+                        fast.site.refused_head(status, &fast.peer, &head);
+                        return refuse(&mut io, status).await;
+                    }
                 }
             } else if buf.len() >= fast.max_head {
                 // No end in sight within the limit.
-                return refuse(&mut io, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE).await;
+                let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+                fast.site.refused_head(status, &fast.peer, &buf);
+                return refuse(&mut io, status).await;
             }
             buf.reserve(2048);
             tokio::select! {
@@ -700,6 +719,9 @@ fn parse(
     let mut saw_length = false;
     let mut te = false;
     let mut chunked = false;
+    // Transfer codings named, over every line: more than a lone `chunked` is a
+    // coding sluice does not implement (501, as nginx answers).
+    let mut codings = 0usize;
     let mut expect = false;
     let mut upgrade = method == Method::CONNECT;
     let n = req.headers.len();
@@ -723,6 +745,7 @@ fn parse(
             }
             te = true;
             length = None;
+            codings += value.iter().filter(|&&b| b == b',').count() + 1;
             chunked = std::str::from_utf8(value).is_ok_and(|v| {
                 v.rsplit(',')
                     .next()
@@ -750,6 +773,11 @@ fn parse(
     if te && !chunked {
         return BAD;
     }
+    // Framed by its final `chunked`, but coded by something else too (`gzip,
+    // chunked`): forwarded as plain `chunked`, the coding would be lost.
+    if te && codings > 1 {
+        return Parsed::Bad(StatusCode::NOT_IMPLEMENTED);
+    }
     // Both: the length is dropped, and the connection closes after the answer.
     if te && saw_length {
         keep_alive = false;
@@ -760,8 +788,12 @@ fn parse(
         _ => Framed::None,
     };
     let head = buf.split_to(len).freeze();
-    let Ok(uri) = Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) else {
-        return BAD;
+    let uri = match Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) {
+        Ok(uri) => uri,
+        Err(_) => match encoded_target(&head[path_span.0..path_span.1]) {
+            Some(uri) => uri,
+            None => return Parsed::BadHead(head),
+        },
     };
     let mut headers = std::mem::take(fields);
     if headers.capacity() == 0 {
@@ -772,7 +804,7 @@ fn parse(
     for (i, &[a, b, c, d]) in spans.iter().enumerate() {
         let (Ok(name), Ok(value)) = (names.name(i, &head[a..b]), parsed_value(head.slice(c..d)))
         else {
-            return BAD;
+            return Parsed::BadHead(head);
         };
         headers.append(name, value);
     }
@@ -794,6 +826,36 @@ fn parse(
         expect: expect && http11 && body != Framed::None,
         upgrade,
     })
+}
+
+/// A request target the URI type refuses only for bytes that nginx forwards and
+/// browsers percent-encode (`"`, `<`, `>` in a query; `<`, `>`, `` ` `` in a
+/// path), with those bytes percent-encoded: the same value to an application that
+/// decodes them, and a target every upstream parser takes. Off the hot path: only
+/// a target that failed to parse comes here.
+fn encoded_target(target: &[u8]) -> Option<Uri> {
+    // What the URI type refuses in each part (it takes `"` in a path, `` ` `` in a
+    // query).
+    const IN_PATH: &[u8] = b"<>`";
+    const IN_QUERY: &[u8] = b"\"<>";
+    let mut out = Vec::with_capacity(target.len() + 16);
+    let mut refused = IN_PATH;
+    let mut changed = false;
+    for &b in target {
+        if refused.contains(&b) {
+            out.extend_from_slice(format!("%{b:02X}").as_bytes());
+            changed = true;
+        } else {
+            out.push(b);
+        }
+        if b == b'?' {
+            refused = IN_QUERY;
+        }
+    }
+    if !changed {
+        return None;
+    }
+    Uri::from_maybe_shared(Bytes::from(out)).ok()
 }
 
 /// One request as `read_requests` read it.
@@ -850,6 +912,10 @@ pub(crate) fn read_requests(input: &[u8], max_head: usize) -> Vec<Read> {
             }
             Parsed::Bad(status) => {
                 out.push(Read::Refused(status));
+                return out;
+            }
+            Parsed::BadHead(_) => {
+                out.push(Read::Refused(StatusCode::BAD_REQUEST));
                 return out;
             }
         };
