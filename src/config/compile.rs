@@ -14,11 +14,9 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
 use regex::RegexBuilder;
 
-use super::schema::{
-    self, AlgorithmName, HeaderFamily, KeySpec as RawKey, OnLimit, UpstreamProtocol,
-};
+use super::schema::{self, AlgorithmName, HeaderFamily, KeyText, OnLimit, UpstreamProtocol};
 use super::validate::{status_pattern, StatusPattern};
-use super::value::{Text, Window};
+use super::value::{Text, WindowSpec};
 use super::Loaded;
 use crate::deny::{Source, StaticDeny};
 use crate::identity::{KeyPart, KeySpec, Normalize, TrustedProxies};
@@ -215,7 +213,7 @@ pub fn compile(
 
 /// How to reach the Redis store: one server, a cluster, or the primary Redis Sentinel
 /// names.
-pub fn redis_options(c: &schema::RedisStore) -> Result<RedisOptions, StoreError> {
+pub fn redis_options(c: &schema::RedisStoreSpec) -> Result<RedisOptions, StoreError> {
     let target = match (&c.cluster, &c.url, &c.sentinel) {
         (Some(nodes), _, _) if !nodes.is_empty() => {
             RedisTarget::Cluster(nodes.iter().map(|n| n.0.clone()).collect())
@@ -269,7 +267,7 @@ fn sentinel_target(s: &schema::RedisSentinel) -> Result<SentinelTarget, StoreErr
 }
 
 fn compile_route(
-    r: &schema::Route,
+    r: &schema::RouteSpec,
     upstreams: &HashMap<String, Arc<Upstream>>,
     metrics: &Metrics,
 ) -> Result<Route, CompileError> {
@@ -442,10 +440,10 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
     })
 }
 
-fn key_spec(route: &str, raw: &RawKey, normalize: Normalize) -> Result<KeySpec, CompileError> {
+fn key_spec(route: &str, raw: &KeyText, normalize: Normalize) -> Result<KeySpec, CompileError> {
     let parts = match raw {
-        RawKey::One(k) => vec![k],
-        RawKey::Composite(ks) => ks.iter().collect(),
+        KeyText::One(k) => vec![k],
+        KeyText::Composite(ks) => ks.iter().collect(),
     };
     Ok(KeySpec {
         parts: parts
@@ -468,7 +466,7 @@ impl Keys<'_> {
     /// The number of the key `raw` names (None: the route's key).
     fn number(
         &mut self,
-        raw: Option<&RawKey>,
+        raw: Option<&KeyText>,
         normalize: Option<Normalize>,
     ) -> Result<usize, CompileError> {
         let Some(raw) = raw else {
@@ -593,8 +591,8 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     // `month` on them).
     let windowed = || -> Result<(u64, u64), CompileError> {
         match l.window.ok_or_else(|| missing("window"))? {
-            Window::Length(d) => Ok((limit()?, us(d))),
-            Window::Month => Err(route_err(
+            WindowSpec::Length(d) => Ok((limit()?, us(d))),
+            WindowSpec::Month => Err(route_err(
                 route,
                 format!("limit {name}: window: month is for fixed_window only"),
             )),
@@ -607,11 +605,11 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     };
     let algorithm = match l.algorithm {
         AlgorithmName::FixedWindow => match l.window.ok_or_else(|| missing("window"))? {
-            Window::Length(d) => Algorithm::FixedWindow {
+            WindowSpec::Length(d) => Algorithm::FixedWindow {
                 limit: limit()?,
                 window_us: us(d),
             },
-            Window::Month => Algorithm::CalendarMonth { limit: limit()? },
+            WindowSpec::Month => Algorithm::CalendarMonth { limit: limit()? },
         },
         AlgorithmName::SlidingWindow => {
             windowed().map(|(limit, window_us)| Algorithm::SlidingWindow { limit, window_us })?

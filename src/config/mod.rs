@@ -114,12 +114,12 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
 /// Only the `admin` section of a configuration file, for the admin clients (`deny`,
 /// `top`, `fleet`): the rest of the file is not read, so a variable unset there (a
 /// gateway's `server.listen` given only where it runs) is no error for them.
-pub fn load_admin(path: &Path) -> Result<schema::Admin, ConfigErrors> {
+pub fn load_admin(path: &Path) -> Result<schema::AdminSpec, ConfigErrors> {
     /// The file with every section but `admin` ignored.
     #[derive(serde::Deserialize)]
     struct AdminOnly {
         #[serde(default)]
-        admin: Option<schema::Admin>,
+        admin: Option<schema::AdminSpec>,
     }
     let errors = |line, col, message| {
         ConfigErrors(vec![ConfigError {

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::compile::{compile, redis_options, CompileError};
-use crate::config::schema::Backend;
+use crate::config::schema::BackendSpec;
 use crate::config::{ConfigErrors, Loaded};
 use crate::deny::sync::DenySync;
 use crate::deny::DenyView;
@@ -130,7 +130,7 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let max_keys = f.store.memory.max_keys.get();
     let store = match (f.store.backend, &f.store.redis) {
-        (Backend::Memory, _) => {
+        (BackendSpec::Memory, _) => {
             let clock: Arc<dyn Clock> = match clock {
                 Some(c) => c,
                 None => SystemClock::new(),
@@ -139,12 +139,12 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
                 MemoryStore::new(max_keys, clock).with_evictions(metrics.eviction_counters.clone());
             Store::memory(m, &metrics)
         }
-        (Backend::Redis, Some(redis)) => {
+        (BackendSpec::Redis, Some(redis)) => {
             let opts = crate::config::compile::redis_options(redis)?;
             let redis = RedisStore::open(opts, clock).await?;
             Store::redis(redis, max_keys, &metrics)
         }
-        (Backend::Redis, None) => {
+        (BackendSpec::Redis, None) => {
             return Err(StoreError::Config(
                 "store.backend: redis needs a store.redis section".into(),
             )
@@ -412,12 +412,12 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
 /// Settings in the file that this configuration does not use: say so rather than
 /// let an operator believe they do something.
 fn warn_unused(f: &crate::config::schema::File) {
-    if f.store.backend == Backend::Memory && f.store.redis.is_some() {
+    if f.store.backend == BackendSpec::Memory && f.store.redis.is_some() {
         tracing::warn!(
             "store.redis is ignored with store.backend: memory: every instance limits on its own"
         );
     }
-    if f.store.backend == Backend::Redis && f.deny.state_file.is_some() {
+    if f.store.backend == BackendSpec::Redis && f.deny.state_file.is_some() {
         tracing::warn!(
             "deny.state_file is ignored with store.backend: redis: dynamic entries live in Redis"
         );
