@@ -601,7 +601,7 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     let bucket = || -> Result<(Rate, u64), CompileError> {
         let r = l.rate.ok_or_else(|| missing("rate"))?;
         let burst = l.burst.map_or(r.count, |b| b.get());
-        Ok((reduced(r.count, us(r.per)), burst))
+        Ok((Rate::reduced(r.count, us(r.per)), burst))
     };
     let algorithm = match l.algorithm {
         AlgorithmName::FixedWindow => match l.window.ok_or_else(|| missing("window"))? {
@@ -674,47 +674,3 @@ fn from_response(
 /// How long a concurrency slot stays taken when the instance holding it dies without
 /// giving it back (Redis store): `lease` of a concurrency limit, by default.
 pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// `count` per `per_us` with their common factor divided out: the same rate, with
-/// smaller numbers for the integer arithmetic (`100000/d` is `1` per 864ms).
-pub fn reduced(count: u64, per_us: u64) -> Rate {
-    let (mut a, mut b) = (count, per_us);
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    let g = a.max(1);
-    Rate {
-        count: count / g,
-        per_us: per_us / g,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rates_are_reduced() {
-        assert_eq!(
-            reduced(10, 1_000_000),
-            Rate {
-                count: 1,
-                per_us: 100_000
-            }
-        );
-        assert_eq!(
-            reduced(3, 1_000_000),
-            Rate {
-                count: 3,
-                per_us: 1_000_000
-            }
-        );
-        assert_eq!(
-            reduced(100_000, 86_400_000_000),
-            Rate {
-                count: 1,
-                per_us: 864_000
-            }
-        );
-    }
-}

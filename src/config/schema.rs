@@ -7,6 +7,7 @@
 //! (`RouteSpec` becomes a `pipeline::Route`); `serde(rename)` keeps its old name
 //! in `rules.schema.json` and in serde's messages. The `key` field as written is a
 //! `KeyText` (it becomes an `identity::KeySpec`).
+
 use std::collections::BTreeMap;
 
 use schemars::JsonSchema;

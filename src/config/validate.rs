@@ -1602,8 +1602,7 @@ impl Checker<'_> {
                         "the rate's period must be greater than 0, like 10/s or 5/10s",
                     );
                 }
-                let reduced =
-                    crate::config::compile::reduced(rate.count, rate.per.as_micros() as u64);
+                let reduced = crate::limit::Rate::reduced(rate.count, rate.per.as_micros() as u64);
                 if rate.count > 0 && !rate.per.is_zero() && reduced.count > reduced.per_us {
                     self.at(
                         &rp,
@@ -1625,7 +1624,7 @@ impl Checker<'_> {
                 }
                 // The stores work on the rate reduced by its common factor.
                 let period_us = u128::from(
-                    crate::config::compile::reduced(rate.count, rate.per.as_micros() as u64).per_us,
+                    crate::limit::Rate::reduced(rate.count, rate.per.as_micros() as u64).per_us,
                 );
                 if u128::from(burst) * period_us > MAX_BURST_TIMES_PERIOD_US {
                     self.at(
