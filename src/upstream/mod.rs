@@ -628,8 +628,6 @@ impl Upstream {
         failed
     }
 
-    /// Forward `req` to target number `target` (`pick`) and return its answer with a
-    /// streaming body.
     /// The upstream's answer to `sent`, within `timeout`: counted from the end of the
     /// request body (`sending` reports its progress), and while the body is being sent,
     /// from its last progress. A slow but steady upload is no upstream timeout; an
@@ -681,7 +679,7 @@ impl Upstream {
     /// can be made, to the next (`failover_order`), each target once: `*at` is the
     /// target that answered or failed last, and `passed_over` is told of each
     /// target left behind and why. A request is sent to another target only when
-    /// nothing of it was written.
+    /// nothing of it was written. The answer comes with a streaming body.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn forward(
         &self,
