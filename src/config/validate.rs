@@ -8,13 +8,13 @@ use std::path::Path;
 
 use http::{HeaderName, HeaderValue, Method, Uri};
 
+use super::error::{ConfigError, ConfigWarning};
 use super::locate::{field, item, Index};
 use super::schema::{
     AlgorithmName, BackendSpec, Cost, File, KeyText, Limit, Match, MissingKey, OnLimit, RouteSpec,
     UpstreamProtocol,
 };
 use super::value::{Dur, Text, WindowSpec};
-use super::{ConfigError, ConfigWarning};
 
 /// Above this a limit's count could not be kept exactly by the Redis store's Lua,
 /// whose numbers are doubles (exact up to 2^53); the margin leaves room for sums.
