@@ -1124,7 +1124,7 @@ async fn read_ahead(
     let mut read = 0;
     // What this request holds of the process's budget, given back as its frames go
     // on (or when it is dropped).
-    let mut held = Held {
+    let mut held = HeldBytes {
         buffered: buffered.clone(),
         bytes: 0,
     };
@@ -1210,7 +1210,7 @@ impl http_body::Body for Uploading {
 struct ReadAhead {
     frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
     /// The bytes of `frames`, in the process's count.
-    held: Held,
+    held: HeldBytes,
     rest: Option<Body>,
     hint: http_body::SizeHint,
     /// A frame has been asked for.
@@ -1270,12 +1270,12 @@ impl http_body::Body for ReadAhead {
 
 /// Bytes a read-ahead holds of the process's count (`ReadAheadBytes`), given back
 /// when it is dropped.
-struct Held {
+struct HeldBytes {
     buffered: Arc<ReadAheadBytes>,
     bytes: usize,
 }
 
-impl Drop for Held {
+impl Drop for HeldBytes {
     fn drop(&mut self) {
         self.buffered.give(self.bytes);
     }
