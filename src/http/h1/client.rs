@@ -26,8 +26,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::framing::{
-    check_buffered_chunks, content_length, items, may_trail, size_line, trailers, FramingError,
-    Length, MAX_FIELDS, MAX_HEAD,
+    check_buffered_chunks, content_length, items, may_trail, size_line, trailers, Connection,
+    FramingError, Length, MAX_FIELDS, MAX_HEAD,
 };
 use crate::http::body::{Body, BoxError};
 
@@ -981,8 +981,7 @@ fn parse_one_head(
         return Ok(None);
     }
 
-    let mut keep_alive = version == Version::HTTP_11;
-    let mut close = false;
+    let mut connection = Connection::default();
     let mut hop_by_hop = false;
     // What framing needs, gathered on the way (no lookups in the map after).
     let mut seen = Framed::default();
@@ -1007,17 +1006,7 @@ fn parse_one_head(
             .map_err(|_| WireError::Malformed("field name"))?;
         let value = &head[v0..v1];
         if name == header::CONNECTION {
-            let mut others = false;
-            for t in items(value) {
-                if t.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                    others = true;
-                } else if t.eq_ignore_ascii_case(b"keep-alive") {
-                    keep_alive = true;
-                } else if !t.is_empty() {
-                    others = true;
-                }
-            }
+            let others = connection.add_items(value);
             if i == last && !others && code != 101 && !seen.connection {
                 dropped = Some(i);
                 names.push(name);
@@ -1104,7 +1093,9 @@ fn parse_one_head(
         body => body,
     };
     parts.headers = headers;
-    let reusable = keep_alive && !close && !matches!(body, Decoder::Eof) && code != 101;
+    let reusable = connection.persists(version == Version::HTTP_11)
+        && !matches!(body, Decoder::Eof)
+        && code != 101;
     Ok(Some(Head {
         parts,
         body,

@@ -26,7 +26,8 @@ use crate::http::conn::Activity;
 use crate::http::conn::ConnectionHeld;
 use crate::http::h1::client::{parsed_value, Names, RawFields};
 use crate::http::h1::framing::{
-    digits, has_token, last_is_chunked, may_trail, parse_length, MAX_FIELDS,
+    connection, decimal, has_token, last_is_chunked, may_trail, value_length, Connection,
+    MAX_FIELDS,
 };
 use crate::http::h1::request_body::{poll_read_buf, Decode, Inflow, RequestBody, Settled};
 use crate::http::wake::{Deadline, OnWake};
@@ -709,8 +710,7 @@ fn parse(
     let offset = |s: &[u8]| s.as_ptr() as usize - base;
     let path_at = offset(path.as_bytes());
     let path_span = (path_at, path_at + path.len());
-    let mut keep_alive = http11;
-    let mut saw_close = false;
+    let mut connection = Connection::default();
     let mut trailers = false;
     // Framing as RFC 9112 §6.3 and hyper have it: chunked if the last
     // `Transfer-Encoding` ends so (anything else is refused), else the length,
@@ -731,7 +731,8 @@ fn parse(
         if name.eq_ignore_ascii_case(b"content-length") {
             saw_length = true;
             if !te {
-                let Some(len) = digits(value) else {
+                // One number a line, as hyper's server reads it (no list).
+                let Some(len) = decimal(value) else {
                     return BAD;
                 };
                 if length.is_some_and(|l| l != len) || len > u64::MAX - 2 {
@@ -752,13 +753,7 @@ fn parse(
                     .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked"))
             });
         } else if name.eq_ignore_ascii_case(b"connection") {
-            // As hyper: once any line asks to close, a later keep-alive does not undo it.
-            if saw_close || has_token(value, b"close") {
-                saw_close = true;
-                keep_alive = false;
-            } else if !keep_alive {
-                keep_alive = has_token(value, b"keep-alive");
-            }
+            connection.add(value);
         } else if name.eq_ignore_ascii_case(b"te") && has_token(value, b"trailers") {
             trailers = true;
         } else if name.eq_ignore_ascii_case(b"expect") {
@@ -770,6 +765,8 @@ fn parse(
         let v = offset(value);
         spans.push([at, at + name.len(), v, v + value.len()]);
     }
+    // As hyper: once any line asks to close, a later keep-alive does not undo it.
+    let mut keep_alive = connection.persists(http11);
     if te && !chunked {
         return BAD;
     }
@@ -1088,12 +1085,7 @@ fn encode_head(
     };
     // hyper's `enforce_version`.
     if meta.version == Version::HTTP_10 {
-        let outgoing_keep_alive = parts
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| has_token(v.as_bytes(), b"keep-alive"));
-        if !outgoing_keep_alive {
+        if !connection(&parts.headers).keep_alive {
             match parts.version {
                 Version::HTTP_10 => keep_alive = false,
                 Version::HTTP_11 if keep_alive => add_connection(&mut parts.headers, "keep-alive"),
@@ -1101,13 +1093,7 @@ fn encode_head(
             }
         }
         parts.version = Version::HTTP_10;
-    } else if !keep_alive
-        && !parts
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| has_token(v.as_bytes(), b"close"))
-    {
+    } else if !keep_alive && !connection(&parts.headers).close {
         add_connection(&mut parts.headers, "close");
     }
     if status.is_informational() {
@@ -1193,7 +1179,7 @@ fn encode_head(
                         continue;
                     }
                     Some(None) => {
-                        let Some(len) = parse_length(value) else {
+                        let Some(len) = value_length(value.as_bytes()) else {
                             return Err("a response with an invalid content-length".into());
                         };
                         if let Some(prev) = prev_len {
@@ -1238,8 +1224,10 @@ fn encode_head(
                 continue;
             }
             header::CONNECTION => {
-                if !last && has_token(value.as_bytes(), b"close") {
-                    last = true;
+                if !last {
+                    let mut line = Connection::default();
+                    line.add(value.as_bytes());
+                    last = line.close;
                 }
                 if !continuing {
                     out.extend_from_slice(b"connection: ");
