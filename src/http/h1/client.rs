@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
 use http_body::{Body as _, Frame};
@@ -25,9 +25,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::decode::DecodeError;
+pub(crate) use super::decode::Source;
+pub use super::decode::{Chunk, Decoder};
 use super::framing::{
-    check_buffered_chunks, content_length, items, may_trail, size_line, trailers, Connection,
-    FramingError, Length, MAX_FIELDS, MAX_HEAD,
+    check_buffered_chunks, content_length, items, may_trail, Connection, FramingError, Length,
+    MAX_FIELDS, MAX_HEAD,
 };
 use crate::http::body::{Body, BoxError};
 
@@ -161,6 +164,8 @@ pub(crate) struct Kept {
     /// The names of the head being read, in order.
     fields: Vec<HeaderName>,
     map: Option<HeaderMap>,
+    /// The chunk extension bytes of the body being read (`decode::EXTENSIONS_LIMIT`).
+    pub(crate) extensions: u64,
 }
 
 /// At most this many fields go to the client as they came (`RawFields`); a head
@@ -313,18 +318,9 @@ impl Conn {
     }
 }
 
-/// Where a response body is read from: a connection (its buffer, filled from its
-/// socket), or bytes in memory for the fuzz target (`fuzzing::response`).
-pub(crate) trait Source {
-    /// What has been read and not yet used.
-    fn buf(&mut self) -> &mut BytesMut;
-    /// Reads more into `buf`: `Ok(0)` is the end of the stream.
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>>;
-}
-
 impl Source for Conn {
-    fn buf(&mut self) -> &mut BytesMut {
-        &mut self.buf
+    fn unread(&mut self) -> (&mut BytesMut, &mut u64) {
+        (&mut self.buf, &mut self.kept.extensions)
     }
 
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
@@ -1088,7 +1084,9 @@ fn parse_one_head(
         // comes later cuts the body: the head has gone by then.)
         Decoder::Chunked(Chunk::Size) => {
             check_buffered_chunks(buf)?;
-            Decoder::Chunked(chunk_size(buf)?.unwrap_or(Chunk::Size))
+            kept.extensions = 0;
+            let first = super::decode::chunk_size(buf, &mut kept.extensions)?;
+            Decoder::Chunked(first.unwrap_or(Chunk::Size))
         }
         body => body,
     };
@@ -1193,41 +1191,8 @@ impl Codings {
     }
 }
 
-/// Where a response body is.
-#[derive(Debug)]
-pub enum Decoder {
-    /// This many bytes to go.
-    Length(u64),
-    Chunked(Chunk),
-    /// Until the connection closes.
-    Eof,
-    Done,
-}
-
-#[derive(Debug)]
-pub enum Chunk {
-    Size,
-    Data(u64),
-    /// The CRLF after a chunk's data.
-    DataEnd,
-    /// After the last chunk: trailer fields, then an empty line.
-    Trailers,
-}
-
+/// The next frame of a response body, read from its connection.
 impl Decoder {
-    pub fn is_end(&self) -> bool {
-        matches!(self, Decoder::Done | Decoder::Length(0))
-    }
-
-    pub fn size_hint(&self) -> http_body::SizeHint {
-        match self {
-            Decoder::Length(n) => http_body::SizeHint::with_exact(*n),
-            Decoder::Done => http_body::SizeHint::with_exact(0),
-            _ => http_body::SizeHint::default(),
-        }
-    }
-
-    /// The next frame of the body from `conn`.
     pub fn poll_frame(
         &mut self,
         conn: &mut Conn,
@@ -1236,105 +1201,33 @@ impl Decoder {
         self.poll_frame_from(conn, cx)
     }
 
-    /// The next frame of the body from `conn`, whatever it reads from.
+    /// The next frame of the body from `src`, whatever it reads from.
     pub(crate) fn poll_frame_from<S: Source>(
         &mut self,
-        conn: &mut S,
+        src: &mut S,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        loop {
-            let buf = conn.buf();
-            match self {
-                Decoder::Done | Decoder::Length(0) => {
-                    *self = Decoder::Done;
-                    return Poll::Ready(None);
-                }
-                Decoder::Length(left) | Decoder::Chunked(Chunk::Data(left)) => {
-                    if buf.is_empty() {
-                        match ready!(conn.poll_fill(cx)) {
-                            Ok(0) => {
-                                return Poll::Ready(Some(Err(WireError::IncompleteBody.into())))
-                            }
-                            Ok(_) => continue,
-                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        }
-                    }
-                    let n = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
-                    *left -= n as u64;
-                    let data = buf.split_to(n).freeze();
-                    if let Decoder::Chunked(c @ Chunk::Data(0)) = self {
-                        *c = Chunk::DataEnd;
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Decoder::Eof => {
-                    if buf.is_empty() {
-                        match ready!(conn.poll_fill(cx)) {
-                            Ok(0) => {
-                                *self = Decoder::Done;
-                                return Poll::Ready(None);
-                            }
-                            Ok(_) => {}
-                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        }
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(conn.buf().split().freeze()))));
-                }
-                Decoder::Chunked(chunk) => {
-                    let step = match chunk {
-                        Chunk::Size => chunk_size(buf),
-                        Chunk::DataEnd => match buf.get(..2) {
-                            None if buf.len() < 2 => Ok(None),
-                            Some(b"\r\n") => {
-                                buf.advance(2);
-                                Ok(Some(Chunk::Size))
-                            }
-                            _ => Err(WireError::Malformed("chunk not followed by CRLF")),
-                        },
-                        Chunk::Trailers => match trailers(buf).map_err(WireError::from) {
-                            Ok(Some(t)) => {
-                                *self = Decoder::Done;
-                                return Poll::Ready(t.map(|t| Ok(Frame::trailers(t))));
-                            }
-                            Ok(None) => Ok(None),
-                            Err(e) => Err(e),
-                        },
-                        Chunk::Data(_) => unreachable!("handled above"),
-                    };
-                    match step {
-                        Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        Ok(Some(next)) => *chunk = next,
-                        Ok(None) => match ready!(conn.poll_fill(cx)) {
-                            Ok(0) => {
-                                return Poll::Ready(Some(Err(WireError::IncompleteBody.into())))
-                            }
-                            Ok(_) => {}
-                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        },
-                    }
-                }
-            }
-        }
+        self.poll_from(src, cx).map(|frame| {
+            frame.map(|f| {
+                f.map_err(|e| match e {
+                    DecodeError::Framing(e) => WireError::from(e).into(),
+                    DecodeError::Incomplete => WireError::IncompleteBody.into(),
+                    DecodeError::Io(e) => e.into(),
+                })
+            })
+        })
     }
 }
 
-/// A chunk-size line (`hex[;extensions]CRLF`) at the front of `buf`, taken out:
-/// the state after it, or `None` until the whole line is there.
-fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
-    let Some((taken, size)) = size_line(buf)? else {
-        return Ok(None);
-    };
-    buf.advance(taken);
-    Ok(Some(if size == 0 {
-        Chunk::Trailers
-    } else {
-        Chunk::Data(size)
-    }))
+/// A chunk-size line alone, its extensions counted from none.
+#[cfg(test)]
+fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, FramingError> {
+    super::decode::chunk_size(buf, &mut 0)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::framing::MAX_CHUNK_LINE;
+    use super::super::framing::{trailers, MAX_CHUNK_LINE};
     use super::*;
 
     /// Which answers keep their fields as they came (`RawFields`), and what those

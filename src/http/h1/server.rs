@@ -25,11 +25,12 @@ use crate::http::body::{Body, BoxError};
 use crate::http::conn::Activity;
 use crate::http::conn::ConnectionHeld;
 use crate::http::h1::client::{parsed_value, Names, RawFields};
+use crate::http::h1::decode::Decoder;
 use crate::http::h1::framing::{
     connection, decimal, has_token, last_is_chunked, may_trail, value_length, Connection,
     MAX_FIELDS,
 };
-use crate::http::h1::request_body::{poll_read_buf, Decode, Inflow, RequestBody, Settled};
+use crate::http::h1::request_body::{poll_read_buf, Inflow, RequestBody, Settled};
 use crate::http::wake::{Deadline, OnWake};
 
 /// A client's request body: none, read by sluice's HTTP/1 server, hyper's
@@ -377,11 +378,11 @@ where
         let (inflow, body) = match body {
             Framed::None => (None, ClientBody::Empty),
             Framed::Length(n) => {
-                let (i, b) = Inflow::new(Decode::Length(n), expect);
+                let (i, b) = Inflow::new(Decoder::Length(n), expect);
                 (Some(i), ClientBody::Own(b))
             }
             Framed::Chunked => {
-                let (i, b) = Inflow::new(Decode::chunked(), expect);
+                let (i, b) = Inflow::new(Decoder::chunked(), expect);
                 (Some(i), ClientBody::Own(b))
             }
         };
@@ -918,8 +919,8 @@ pub(crate) fn read_requests(input: &[u8], max_head: usize) -> Vec<Read> {
         };
         let decode = match plain.body {
             Framed::None => None,
-            Framed::Length(n) => Some(Decode::Length(n)),
-            Framed::Chunked => Some(Decode::chunked()),
+            Framed::Length(n) => Some(Decoder::Length(n)),
+            Framed::Chunked => Some(Decoder::chunked()),
         };
         let (mut data, mut trailers, mut end) = (Vec::new(), None, BodyEnd::Whole);
         if let Some(decode) = decode {
