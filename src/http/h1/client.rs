@@ -509,9 +509,9 @@ impl Connector {
 
 // === the request ===
 
-/// How a request body goes on the wire.
+/// How a request body goes up to the upstream on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Framing {
+pub enum UploadFraming {
     /// No body is sent.
     Empty,
     Length(u64),
@@ -584,19 +584,19 @@ pub fn request_head(
     parts: &mut http::request::Parts,
     body: &Body,
     mut fwd: Forwarded<'_>,
-) -> (Bytes, Framing) {
+) -> (Bytes, UploadFraming) {
     let framing = if body.is_end_stream() {
-        Framing::Empty
+        UploadFraming::Empty
     } else if let Some(n) = content_length(&parts.headers) {
-        Framing::Length(n)
+        UploadFraming::Length(n)
     } else if let Some(n) = body.size_hint().exact() {
         fwd.put_in_map(&mut parts.headers);
         parts
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
-        Framing::Length(n)
+        UploadFraming::Length(n)
     } else if matches!(parts.method, Method::GET | Method::HEAD | Method::CONNECT) {
-        Framing::Empty
+        UploadFraming::Empty
     } else {
         fwd.put_in_map(&mut parts.headers);
         parts.headers.remove(header::CONTENT_LENGTH);
@@ -604,7 +604,7 @@ pub fn request_head(
             header::TRANSFER_ENCODING,
             HeaderValue::from_static("chunked"),
         );
-        Framing::Chunked
+        UploadFraming::Chunked
     };
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let fields: usize = parts
@@ -642,7 +642,7 @@ pub struct Upload {
     pending: Bytes,
     at: usize,
     body: Option<Body>,
-    framing: Framing,
+    framing: UploadFraming,
     sent: u64,
     /// Bytes written so far (head and framing too): whether the upload moved.
     written: u64,
@@ -695,11 +695,11 @@ impl Upload {
                 None => {
                     self.body = None;
                     match self.framing {
-                        Framing::Chunked => {
+                        UploadFraming::Chunked => {
                             self.pending = Bytes::from_static(b"0\r\n\r\n");
                             self.at = 0;
                         }
-                        Framing::Length(n) if n != self.sent => {
+                        UploadFraming::Length(n) if n != self.sent => {
                             return Poll::Ready(Err(UploadError::Body(
                                 WireError::BodyLength.into(),
                             )))
@@ -714,14 +714,14 @@ impl Upload {
                         self.sent += data.len() as u64;
                         self.at = 0;
                         self.pending = match self.framing {
-                            Framing::Chunked => {
+                            UploadFraming::Chunked => {
                                 let mut c = BytesMut::with_capacity(data.len() + 20);
                                 let _ = write!(c, "{:x}\r\n", data.len());
                                 c.extend_from_slice(&data);
                                 c.extend_from_slice(b"\r\n");
                                 c.freeze()
                             }
-                            Framing::Length(n) if self.sent > n => {
+                            UploadFraming::Length(n) if self.sent > n => {
                                 return Poll::Ready(Err(UploadError::Body(
                                     WireError::BodyLength.into(),
                                 )))
@@ -734,7 +734,7 @@ impl Upload {
                         // cannot carry them (hyper drops them too). As hyper's
                         // client: only those `Trailer` announced (none with `_`),
                         // and none that must not be a trailer.
-                        if let (Ok(mut trailers), Framing::Chunked) =
+                        if let (Ok(mut trailers), UploadFraming::Chunked) =
                             (frame.into_trailers(), self.framing)
                         {
                             let names: Vec<HeaderName> = trailers.keys().cloned().collect();
@@ -793,7 +793,7 @@ pub async fn exchange(
     conn: &mut Conn,
     head: Bytes,
     body: Body,
-    framing: Framing,
+    framing: UploadFraming,
     trailers: Vec<HeaderName>,
     method: &Method,
     raw_ok: bool,
@@ -801,7 +801,7 @@ pub async fn exchange(
     let mut upload = Some(Upload {
         pending: head,
         at: 0,
-        body: (framing != Framing::Empty).then_some(body),
+        body: (framing != UploadFraming::Empty).then_some(body),
         framing,
         sent: 0,
         written: 0,
@@ -815,7 +815,7 @@ pub async fn exchange(
     let again = |upload: &mut Option<Upload>, received: bool| {
         let up = upload
             .take()
-            .filter(|_| !received && framing == Framing::Empty);
+            .filter(|_| !received && framing == UploadFraming::Empty);
         up.map(|up| up.pending)
     };
     std::future::poll_fn(|cx| {
@@ -980,7 +980,7 @@ fn parse_one_head(
     let mut connection = Connection::default();
     let mut hop_by_hop = false;
     // What framing needs, gathered on the way (no lookups in the map after).
-    let mut seen = Framed::default();
+    let mut seen = FramingFields::default();
     let last = spans.len().wrapping_sub(1);
     // The last field, when it is a `Connection` naming no field: all the forwarding
     // does with it is take it out again (the last: nothing moves into its place), so
@@ -1111,7 +1111,7 @@ fn parse_one_head(
 /// `gzip` under it would reach the client decoded of its chunks only, with
 /// nothing saying it is gzip; a last coding other than `chunked` would make the
 /// body run to the close, RFC 9112 §6.3, which no upstream means).
-fn refuse_framing(seen: &Framed) -> Result<(), WireError> {
+fn refuse_framing(seen: &FramingFields) -> Result<(), WireError> {
     if !seen.transfer_encoding {
         return Ok(());
     }
@@ -1131,7 +1131,7 @@ fn refuse_framing(seen: &Framed) -> Result<(), WireError> {
 /// How the body of a response is delimited (RFC 9112 §6.3, as hyper's client;
 /// `refuse_framing` has let only a lone `chunked` coding through).
 fn decoder(
-    seen: &Framed,
+    seen: &FramingFields,
     status: StatusCode,
     version: Version,
     method: &Method,
@@ -1158,7 +1158,7 @@ fn decoder(
 /// The fields of a response head that its framing depends on, as they were put in
 /// its map.
 #[derive(Default)]
-struct Framed {
+struct FramingFields {
     connection: bool,
     transfer_encoding: bool,
     codings: Codings,
@@ -1815,7 +1815,7 @@ mod tests {
             BodyExt::boxed(http_body_util::StreamBody::new(frames))
         };
         let head = Bytes::from_static(b"POST / HTTP/1.1\r\nhost: a\r\n\r\n");
-        let framing = Framing::Length(PART as u64 + 5);
+        let framing = UploadFraming::Length(PART as u64 + 5);
         let sending = exchange(
             &mut conn,
             head,
@@ -1884,7 +1884,7 @@ mod tests {
             framing(Method::GET, &[("host", "a")], empty()),
             (
                 "GET /p?q HTTP/1.1\r\nhost: a\r\n\r\n".into(),
-                Framing::Empty
+                UploadFraming::Empty
             )
         );
         assert_eq!(
@@ -1895,7 +1895,7 @@ mod tests {
             ),
             (
                 "POST /p?q HTTP/1.1\r\ncontent-length: 3\r\n\r\n".into(),
-                Framing::Length(3)
+                UploadFraming::Length(3)
             )
         );
         let unknown = || {
@@ -1903,11 +1903,14 @@ mod tests {
             let frames = futures_util::stream::pending::<Result<Frame<Bytes>, BoxError>>();
             http_body_util::StreamBody::new(frames).boxed()
         };
-        assert_eq!(framing(Method::PUT, &[], unknown()).1, Framing::Chunked);
-        assert_eq!(framing(Method::GET, &[], unknown()).1, Framing::Empty);
+        assert_eq!(
+            framing(Method::PUT, &[], unknown()).1,
+            UploadFraming::Chunked
+        );
+        assert_eq!(framing(Method::GET, &[], unknown()).1, UploadFraming::Empty);
         assert_eq!(
             framing(Method::PUT, &[("content-length", "7")], unknown()).1,
-            Framing::Length(7)
+            UploadFraming::Length(7)
         );
     }
 }
