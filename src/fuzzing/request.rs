@@ -309,7 +309,7 @@ pub fn rfc_requests(input: &[u8], limits: &RequestLimits) -> Vec<RfcRequest> {
 /// (`h1::server::read_requests`, with the gateway's default limits) and held, request
 /// by request, to `rfc_requests`.
 pub fn request(data: &[u8]) {
-    use crate::http::h1::server::{read_requests, BodyEnd, Framed, Read};
+    use crate::http::h1::server::{read_requests, BodyEnd, Read, RequestFraming};
     let limits = RequestLimits::default();
     let fields = |map: &http::HeaderMap| -> Fields {
         map.iter()
@@ -333,9 +333,9 @@ pub fn request(data: &[u8]) {
                 minor: u8::from(parts.version == http::Version::HTTP_11),
                 fields: fields(&parts.headers),
                 framing: match framed {
-                    Framed::None => Framing::None,
-                    Framed::Length(n) => Framing::Length(n),
-                    Framed::Chunked => Framing::Chunked,
+                    RequestFraming::None => Framing::None,
+                    RequestFraming::Length(n) => Framing::Length(n),
+                    RequestFraming::Chunked => Framing::Chunked,
                 },
                 body: match end {
                     BodyEnd::Whole => CodecBody::Complete {

@@ -124,6 +124,7 @@ fn sluice_response(
         rest: stream,
         piece,
         seen: 0,
+        extensions: 0,
     };
     let mut cx = Context::from_waker(Waker::noop());
     let refused = |why: String, seen| CodecResponse {
@@ -145,6 +146,7 @@ fn sluice_response(
         }
     };
     let seen = mem.seen;
+    mem.extensions = kept.extensions;
 
     let mut fields = head.parts.headers.clone();
     if let Some(raw) = &head.raw {
@@ -213,11 +215,13 @@ struct Memory<'a> {
     piece: usize,
     /// How many have arrived.
     seen: usize,
+    /// The body's chunk extension bytes (as `Kept` counts them on a connection).
+    extensions: u64,
 }
 
 impl Source for Memory<'_> {
-    fn buf(&mut self) -> &mut BytesMut {
-        &mut self.buf
+    fn unread(&mut self) -> (&mut BytesMut, &mut u64) {
+        (&mut self.buf, &mut self.extensions)
     }
 
     fn poll_fill(&mut self, _: &mut Context<'_>) -> Poll<io::Result<usize>> {

@@ -59,7 +59,7 @@ pub fn own_length(r: &mut Response<Body>, head: bool) {
     if stated.peek().is_none() {
         return;
     }
-    let same = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.parse().ok()) == Some(n);
+    let same = |v: &HeaderValue| crate::http::h1::framing::decimal(v.as_bytes()) == Some(n);
     if !stated.all(same) {
         r.headers_mut().insert(CONTENT_LENGTH, HeaderValue::from(n));
     }

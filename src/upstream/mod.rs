@@ -31,7 +31,7 @@ use crate::http::fields::HOP_BY_HOP;
 use crate::http::h1::client::{
     Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP,
 };
-use crate::http::h1::framing::{items, lists, te_lists_trailers};
+use crate::http::h1::framing::{connection, items, lists, te_lists_trailers};
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
 use crate::telemetry::metrics::ReadAheadBytes;
@@ -1373,8 +1373,7 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Active<T> {
 }
 
 fn wants_upgrade(h: &HeaderMap) -> bool {
-    any_of(h, std::slice::from_ref(&header::UPGRADE))
-        && lists(h.get_all(header::CONNECTION), b"upgrade")
+    any_of(h, std::slice::from_ref(&header::UPGRADE)) && connection(h).upgrade
 }
 
 /// What the chain of an error says it was, beyond a failed connection.

@@ -23,7 +23,9 @@ use tokio::sync::oneshot;
 
 use crate::http::body::{Body, BoxError};
 use crate::http::conn::coarse_ms;
-use crate::http::h1::client::{self as h1, Conn, Connector, Decoder, Framing, Upload, UploadError};
+use crate::http::h1::client::{
+    self as h1, Conn, Connector, Decoder, Upload, UploadError, UploadFraming,
+};
 use crate::http::wake::Deadline;
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
@@ -123,9 +125,9 @@ impl Pool {
     ) -> Result<Exchanged, SendError> {
         // Taken by each attempt; given back by one that may be repeated.
         let (mut head, framing) = h1::request_head(parts, &body, fwd);
-        let repeatable = framing == Framing::Empty && parts.method.is_idempotent();
+        let repeatable = framing == UploadFraming::Empty && parts.method.is_idempotent();
         let trailers = match framing {
-            Framing::Chunked => crate::http::h1::framing::announced_trailers(&parts.headers),
+            UploadFraming::Chunked => crate::http::h1::framing::announced_trailers(&parts.headers),
             _ => Vec::new(),
         };
         let mut body = Some(body);

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
 use http_body::{Body as _, Frame};
@@ -25,9 +25,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::decode::DecodeError;
+pub(crate) use super::decode::Source;
+pub use super::decode::{Chunk, Decoder};
 use super::framing::{
-    check_buffered_chunks, content_length, items, may_trail, size_line, trailers, FramingError,
-    Length, MAX_FIELDS, MAX_HEAD,
+    check_buffered_chunks, content_length, items, may_trail, Connection, FramingError, Length,
+    MAX_FIELDS, MAX_HEAD,
 };
 use crate::http::body::{Body, BoxError};
 
@@ -161,6 +164,8 @@ pub(crate) struct Kept {
     /// The names of the head being read, in order.
     fields: Vec<HeaderName>,
     map: Option<HeaderMap>,
+    /// The chunk extension bytes of the body being read (`decode::EXTENSIONS_LIMIT`).
+    pub(crate) extensions: u64,
 }
 
 /// At most this many fields go to the client as they came (`RawFields`); a head
@@ -313,18 +318,9 @@ impl Conn {
     }
 }
 
-/// Where a response body is read from: a connection (its buffer, filled from its
-/// socket), or bytes in memory for the fuzz target (`fuzzing::response`).
-pub(crate) trait Source {
-    /// What has been read and not yet used.
-    fn buf(&mut self) -> &mut BytesMut;
-    /// Reads more into `buf`: `Ok(0)` is the end of the stream.
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>>;
-}
-
 impl Source for Conn {
-    fn buf(&mut self) -> &mut BytesMut {
-        &mut self.buf
+    fn unread(&mut self) -> (&mut BytesMut, &mut u64) {
+        (&mut self.buf, &mut self.kept.extensions)
     }
 
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
@@ -513,9 +509,9 @@ impl Connector {
 
 // === the request ===
 
-/// How a request body goes on the wire.
+/// How a request body goes up to the upstream on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Framing {
+pub enum UploadFraming {
     /// No body is sent.
     Empty,
     Length(u64),
@@ -588,19 +584,19 @@ pub fn request_head(
     parts: &mut http::request::Parts,
     body: &Body,
     mut fwd: Forwarded<'_>,
-) -> (Bytes, Framing) {
+) -> (Bytes, UploadFraming) {
     let framing = if body.is_end_stream() {
-        Framing::Empty
+        UploadFraming::Empty
     } else if let Some(n) = content_length(&parts.headers) {
-        Framing::Length(n)
+        UploadFraming::Length(n)
     } else if let Some(n) = body.size_hint().exact() {
         fwd.put_in_map(&mut parts.headers);
         parts
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
-        Framing::Length(n)
+        UploadFraming::Length(n)
     } else if matches!(parts.method, Method::GET | Method::HEAD | Method::CONNECT) {
-        Framing::Empty
+        UploadFraming::Empty
     } else {
         fwd.put_in_map(&mut parts.headers);
         parts.headers.remove(header::CONTENT_LENGTH);
@@ -608,7 +604,7 @@ pub fn request_head(
             header::TRANSFER_ENCODING,
             HeaderValue::from_static("chunked"),
         );
-        Framing::Chunked
+        UploadFraming::Chunked
     };
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let fields: usize = parts
@@ -646,7 +642,7 @@ pub struct Upload {
     pending: Bytes,
     at: usize,
     body: Option<Body>,
-    framing: Framing,
+    framing: UploadFraming,
     sent: u64,
     /// Bytes written so far (head and framing too): whether the upload moved.
     written: u64,
@@ -699,11 +695,11 @@ impl Upload {
                 None => {
                     self.body = None;
                     match self.framing {
-                        Framing::Chunked => {
+                        UploadFraming::Chunked => {
                             self.pending = Bytes::from_static(b"0\r\n\r\n");
                             self.at = 0;
                         }
-                        Framing::Length(n) if n != self.sent => {
+                        UploadFraming::Length(n) if n != self.sent => {
                             return Poll::Ready(Err(UploadError::Body(
                                 WireError::BodyLength.into(),
                             )))
@@ -718,14 +714,14 @@ impl Upload {
                         self.sent += data.len() as u64;
                         self.at = 0;
                         self.pending = match self.framing {
-                            Framing::Chunked => {
+                            UploadFraming::Chunked => {
                                 let mut c = BytesMut::with_capacity(data.len() + 20);
                                 let _ = write!(c, "{:x}\r\n", data.len());
                                 c.extend_from_slice(&data);
                                 c.extend_from_slice(b"\r\n");
                                 c.freeze()
                             }
-                            Framing::Length(n) if self.sent > n => {
+                            UploadFraming::Length(n) if self.sent > n => {
                                 return Poll::Ready(Err(UploadError::Body(
                                     WireError::BodyLength.into(),
                                 )))
@@ -738,7 +734,7 @@ impl Upload {
                         // cannot carry them (hyper drops them too). As hyper's
                         // client: only those `Trailer` announced (none with `_`),
                         // and none that must not be a trailer.
-                        if let (Ok(mut trailers), Framing::Chunked) =
+                        if let (Ok(mut trailers), UploadFraming::Chunked) =
                             (frame.into_trailers(), self.framing)
                         {
                             let names: Vec<HeaderName> = trailers.keys().cloned().collect();
@@ -797,7 +793,7 @@ pub async fn exchange(
     conn: &mut Conn,
     head: Bytes,
     body: Body,
-    framing: Framing,
+    framing: UploadFraming,
     trailers: Vec<HeaderName>,
     method: &Method,
     raw_ok: bool,
@@ -805,7 +801,7 @@ pub async fn exchange(
     let mut upload = Some(Upload {
         pending: head,
         at: 0,
-        body: (framing != Framing::Empty).then_some(body),
+        body: (framing != UploadFraming::Empty).then_some(body),
         framing,
         sent: 0,
         written: 0,
@@ -819,7 +815,7 @@ pub async fn exchange(
     let again = |upload: &mut Option<Upload>, received: bool| {
         let up = upload
             .take()
-            .filter(|_| !received && framing == Framing::Empty);
+            .filter(|_| !received && framing == UploadFraming::Empty);
         up.map(|up| up.pending)
     };
     std::future::poll_fn(|cx| {
@@ -981,11 +977,10 @@ fn parse_one_head(
         return Ok(None);
     }
 
-    let mut keep_alive = version == Version::HTTP_11;
-    let mut close = false;
+    let mut connection = Connection::default();
     let mut hop_by_hop = false;
     // What framing needs, gathered on the way (no lookups in the map after).
-    let mut seen = Framed::default();
+    let mut seen = FramingFields::default();
     let last = spans.len().wrapping_sub(1);
     // The last field, when it is a `Connection` naming no field: all the forwarding
     // does with it is take it out again (the last: nothing moves into its place), so
@@ -1007,17 +1002,7 @@ fn parse_one_head(
             .map_err(|_| WireError::Malformed("field name"))?;
         let value = &head[v0..v1];
         if name == header::CONNECTION {
-            let mut others = false;
-            for t in items(value) {
-                if t.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                    others = true;
-                } else if t.eq_ignore_ascii_case(b"keep-alive") {
-                    keep_alive = true;
-                } else if !t.is_empty() {
-                    others = true;
-                }
-            }
+            let others = connection.add_items(value);
             if i == last && !others && code != 101 && !seen.connection {
                 dropped = Some(i);
                 names.push(name);
@@ -1099,12 +1084,16 @@ fn parse_one_head(
         // comes later cuts the body: the head has gone by then.)
         Decoder::Chunked(Chunk::Size) => {
             check_buffered_chunks(buf)?;
-            Decoder::Chunked(chunk_size(buf)?.unwrap_or(Chunk::Size))
+            kept.extensions = 0;
+            let first = super::decode::chunk_size(buf, &mut kept.extensions)?;
+            Decoder::Chunked(first.unwrap_or(Chunk::Size))
         }
         body => body,
     };
     parts.headers = headers;
-    let reusable = keep_alive && !close && !matches!(body, Decoder::Eof) && code != 101;
+    let reusable = connection.persists(version == Version::HTTP_11)
+        && !matches!(body, Decoder::Eof)
+        && code != 101;
     Ok(Some(Head {
         parts,
         body,
@@ -1122,7 +1111,7 @@ fn parse_one_head(
 /// `gzip` under it would reach the client decoded of its chunks only, with
 /// nothing saying it is gzip; a last coding other than `chunked` would make the
 /// body run to the close, RFC 9112 §6.3, which no upstream means).
-fn refuse_framing(seen: &Framed) -> Result<(), WireError> {
+fn refuse_framing(seen: &FramingFields) -> Result<(), WireError> {
     if !seen.transfer_encoding {
         return Ok(());
     }
@@ -1142,7 +1131,7 @@ fn refuse_framing(seen: &Framed) -> Result<(), WireError> {
 /// How the body of a response is delimited (RFC 9112 §6.3, as hyper's client;
 /// `refuse_framing` has let only a lone `chunked` coding through).
 fn decoder(
-    seen: &Framed,
+    seen: &FramingFields,
     status: StatusCode,
     version: Version,
     method: &Method,
@@ -1169,7 +1158,7 @@ fn decoder(
 /// The fields of a response head that its framing depends on, as they were put in
 /// its map.
 #[derive(Default)]
-struct Framed {
+struct FramingFields {
     connection: bool,
     transfer_encoding: bool,
     codings: Codings,
@@ -1202,41 +1191,8 @@ impl Codings {
     }
 }
 
-/// Where a response body is.
-#[derive(Debug)]
-pub enum Decoder {
-    /// This many bytes to go.
-    Length(u64),
-    Chunked(Chunk),
-    /// Until the connection closes.
-    Eof,
-    Done,
-}
-
-#[derive(Debug)]
-pub enum Chunk {
-    Size,
-    Data(u64),
-    /// The CRLF after a chunk's data.
-    DataEnd,
-    /// After the last chunk: trailer fields, then an empty line.
-    Trailers,
-}
-
+/// The next frame of a response body, read from its connection.
 impl Decoder {
-    pub fn is_end(&self) -> bool {
-        matches!(self, Decoder::Done | Decoder::Length(0))
-    }
-
-    pub fn size_hint(&self) -> http_body::SizeHint {
-        match self {
-            Decoder::Length(n) => http_body::SizeHint::with_exact(*n),
-            Decoder::Done => http_body::SizeHint::with_exact(0),
-            _ => http_body::SizeHint::default(),
-        }
-    }
-
-    /// The next frame of the body from `conn`.
     pub fn poll_frame(
         &mut self,
         conn: &mut Conn,
@@ -1245,105 +1201,33 @@ impl Decoder {
         self.poll_frame_from(conn, cx)
     }
 
-    /// The next frame of the body from `conn`, whatever it reads from.
+    /// The next frame of the body from `src`, whatever it reads from.
     pub(crate) fn poll_frame_from<S: Source>(
         &mut self,
-        conn: &mut S,
+        src: &mut S,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        loop {
-            let buf = conn.buf();
-            match self {
-                Decoder::Done | Decoder::Length(0) => {
-                    *self = Decoder::Done;
-                    return Poll::Ready(None);
-                }
-                Decoder::Length(left) | Decoder::Chunked(Chunk::Data(left)) => {
-                    if buf.is_empty() {
-                        match ready!(conn.poll_fill(cx)) {
-                            Ok(0) => {
-                                return Poll::Ready(Some(Err(WireError::IncompleteBody.into())))
-                            }
-                            Ok(_) => continue,
-                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        }
-                    }
-                    let n = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
-                    *left -= n as u64;
-                    let data = buf.split_to(n).freeze();
-                    if let Decoder::Chunked(c @ Chunk::Data(0)) = self {
-                        *c = Chunk::DataEnd;
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Decoder::Eof => {
-                    if buf.is_empty() {
-                        match ready!(conn.poll_fill(cx)) {
-                            Ok(0) => {
-                                *self = Decoder::Done;
-                                return Poll::Ready(None);
-                            }
-                            Ok(_) => {}
-                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        }
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(conn.buf().split().freeze()))));
-                }
-                Decoder::Chunked(chunk) => {
-                    let step = match chunk {
-                        Chunk::Size => chunk_size(buf),
-                        Chunk::DataEnd => match buf.get(..2) {
-                            None if buf.len() < 2 => Ok(None),
-                            Some(b"\r\n") => {
-                                buf.advance(2);
-                                Ok(Some(Chunk::Size))
-                            }
-                            _ => Err(WireError::Malformed("chunk not followed by CRLF")),
-                        },
-                        Chunk::Trailers => match trailers(buf).map_err(WireError::from) {
-                            Ok(Some(t)) => {
-                                *self = Decoder::Done;
-                                return Poll::Ready(t.map(|t| Ok(Frame::trailers(t))));
-                            }
-                            Ok(None) => Ok(None),
-                            Err(e) => Err(e),
-                        },
-                        Chunk::Data(_) => unreachable!("handled above"),
-                    };
-                    match step {
-                        Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        Ok(Some(next)) => *chunk = next,
-                        Ok(None) => match ready!(conn.poll_fill(cx)) {
-                            Ok(0) => {
-                                return Poll::Ready(Some(Err(WireError::IncompleteBody.into())))
-                            }
-                            Ok(_) => {}
-                            Err(e) => return Poll::Ready(Some(Err(e.into()))),
-                        },
-                    }
-                }
-            }
-        }
+        self.poll_from(src, cx).map(|frame| {
+            frame.map(|f| {
+                f.map_err(|e| match e {
+                    DecodeError::Framing(e) => WireError::from(e).into(),
+                    DecodeError::Incomplete => WireError::IncompleteBody.into(),
+                    DecodeError::Io(e) => e.into(),
+                })
+            })
+        })
     }
 }
 
-/// A chunk-size line (`hex[;extensions]CRLF`) at the front of `buf`, taken out:
-/// the state after it, or `None` until the whole line is there.
-fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, WireError> {
-    let Some((taken, size)) = size_line(buf)? else {
-        return Ok(None);
-    };
-    buf.advance(taken);
-    Ok(Some(if size == 0 {
-        Chunk::Trailers
-    } else {
-        Chunk::Data(size)
-    }))
+/// A chunk-size line alone, its extensions counted from none.
+#[cfg(test)]
+fn chunk_size(buf: &mut BytesMut) -> Result<Option<Chunk>, FramingError> {
+    super::decode::chunk_size(buf, &mut 0)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::framing::MAX_CHUNK_LINE;
+    use super::super::framing::{trailers, MAX_CHUNK_LINE};
     use super::*;
 
     /// Which answers keep their fields as they came (`RawFields`), and what those
@@ -1931,7 +1815,7 @@ mod tests {
             BodyExt::boxed(http_body_util::StreamBody::new(frames))
         };
         let head = Bytes::from_static(b"POST / HTTP/1.1\r\nhost: a\r\n\r\n");
-        let framing = Framing::Length(PART as u64 + 5);
+        let framing = UploadFraming::Length(PART as u64 + 5);
         let sending = exchange(
             &mut conn,
             head,
@@ -2000,7 +1884,7 @@ mod tests {
             framing(Method::GET, &[("host", "a")], empty()),
             (
                 "GET /p?q HTTP/1.1\r\nhost: a\r\n\r\n".into(),
-                Framing::Empty
+                UploadFraming::Empty
             )
         );
         assert_eq!(
@@ -2011,7 +1895,7 @@ mod tests {
             ),
             (
                 "POST /p?q HTTP/1.1\r\ncontent-length: 3\r\n\r\n".into(),
-                Framing::Length(3)
+                UploadFraming::Length(3)
             )
         );
         let unknown = || {
@@ -2019,11 +1903,14 @@ mod tests {
             let frames = futures_util::stream::pending::<Result<Frame<Bytes>, BoxError>>();
             http_body_util::StreamBody::new(frames).boxed()
         };
-        assert_eq!(framing(Method::PUT, &[], unknown()).1, Framing::Chunked);
-        assert_eq!(framing(Method::GET, &[], unknown()).1, Framing::Empty);
+        assert_eq!(
+            framing(Method::PUT, &[], unknown()).1,
+            UploadFraming::Chunked
+        );
+        assert_eq!(framing(Method::GET, &[], unknown()).1, UploadFraming::Empty);
         assert_eq!(
             framing(Method::PUT, &[("content-length", "7")], unknown()).1,
-            Framing::Length(7)
+            UploadFraming::Length(7)
         );
     }
 }

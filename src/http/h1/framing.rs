@@ -48,14 +48,35 @@ pub fn content_length(h: &HeaderMap) -> Option<u64> {
     }
 }
 
-/// Digits only (no sign, no space), at most 19 of them (no overflow).
+/// The most digits a `Content-Length` item may have in a list (`Length`): a `u64`
+/// holds any 19.
+pub(crate) const MAX_LENGTH_DIGITS: usize = 19;
+
+/// The one grammar of a `Content-Length` number (RFC 9110 §8.6, `1*DIGIT`): digits
+/// only (no sign, no space, no list), `None` when it does not fit a `u64` (as
+/// hyper's `from_digits`). Lists are `Length`'s.
 pub(crate) fn decimal(b: &[u8]) -> Option<u64> {
-    if b.is_empty() || b.len() > 19 {
+    if b.is_empty() {
         return None;
     }
     b.iter().try_fold(0u64, |n, &d| {
-        d.is_ascii_digit().then(|| n * 10 + u64::from(d - b'0'))
+        if d.is_ascii_digit() {
+            n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+        } else {
+            None
+        }
     })
+}
+
+/// The number one `Content-Length` value states: a number, or a list of one number
+/// repeated (RFC 9112 §6.3), as `Length` reads it.
+pub(crate) fn value_length(value: &[u8]) -> Option<u64> {
+    let mut length = Length::None;
+    length.add(value);
+    match length {
+        Length::One(n) => Some(n),
+        Length::None | Length::Invalid => None,
+    }
 }
 
 /// The trailer fields a request's `Trailer` header announces: on a chunked body,
@@ -92,7 +113,9 @@ pub fn may_trail(name: &HeaderName) -> bool {
     )
 }
 
-/// The `Content-Length` values of a head so far (`content_length` of a whole map).
+/// The `Content-Length` values of a head so far (`content_length` of a whole map):
+/// each item of each value `decimal`, at most `MAX_LENGTH_DIGITS` digits, white
+/// space around it; all the same number.
 #[derive(Default, Debug, PartialEq)]
 pub(crate) enum Length {
     #[default]
@@ -106,7 +129,11 @@ pub(crate) enum Length {
 impl Length {
     pub(crate) fn add(&mut self, value: &[u8]) {
         for part in value.split(|&b| b == b',') {
-            *self = match (decimal(part.trim_ascii()), &*self) {
+            let part = part.trim_ascii();
+            let n = Some(part)
+                .filter(|p| p.len() <= MAX_LENGTH_DIGITS)
+                .and_then(decimal);
+            *self = match (n, &*self) {
                 (Some(n), Length::None) => Length::One(n),
                 (Some(n), Length::One(f)) if *f == n => Length::One(n),
                 _ => Length::Invalid,
@@ -235,14 +262,75 @@ pub fn items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// Whether a comma-separated list has `token` (any case); as hyper, only in a
 /// value of visible ASCII (what `HeaderValue::to_str` takes).
 pub fn has_token(value: &[u8], token: &[u8]) -> bool {
-    value.iter().all(|&b| b == b'\t' || (32..127).contains(&b))
-        && items(value).any(|t| t.eq_ignore_ascii_case(token))
+    visible(value) && items(value).any(|t| t.eq_ignore_ascii_case(token))
 }
 
 /// Whether any of a field's values lists `token` (`Connection: upgrade`, a field
 /// `Connection` names).
 pub fn lists<'a>(values: impl IntoIterator<Item = &'a HeaderValue>, token: &[u8]) -> bool {
     values.into_iter().any(|v| has_token(v.as_bytes(), token))
+}
+
+/// What a message's `Connection` options say (RFC 9112 §9.3, RFC 9110 §7.6.1): the
+/// one reading of its tokens, for both codecs and for the forwarding.
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connection {
+    /// `close`: the connection ends after this message.
+    pub close: bool,
+    /// `keep-alive`: an HTTP/1.0 connection persists.
+    pub keep_alive: bool,
+    /// `upgrade`: the `Upgrade` field is meant for this hop.
+    pub upgrade: bool,
+}
+
+/// A message's `Connection` options, over all its lines (`Connection::add`).
+pub fn connection(h: &HeaderMap) -> Connection {
+    let mut c = Connection::default();
+    for v in h.get_all(header::CONNECTION) {
+        c.add(v.as_bytes());
+    }
+    c
+}
+
+impl Connection {
+    /// The options one line lists; as hyper, only in a value of visible ASCII
+    /// (what `HeaderValue::to_str` takes: `has_token`).
+    pub fn add(&mut self, value: &[u8]) {
+        if visible(value) {
+            self.add_items(value);
+        }
+    }
+
+    /// The options one line lists, whatever other bytes it has (an upstream's answer,
+    /// read as RFC 9110 §5.6.1 lists are); whether it lists any token but
+    /// `keep-alive` (`close`, `upgrade`, or a field's name).
+    pub(crate) fn add_items(&mut self, value: &[u8]) -> bool {
+        let mut others = false;
+        for t in items(value) {
+            if t.eq_ignore_ascii_case(b"keep-alive") {
+                self.keep_alive = true;
+                continue;
+            }
+            if t.eq_ignore_ascii_case(b"close") {
+                self.close = true;
+            } else if t.eq_ignore_ascii_case(b"upgrade") {
+                self.upgrade = true;
+            }
+            others |= !t.is_empty();
+        }
+        others
+    }
+
+    /// Whether the connection persists after the message (RFC 9112 §9.3): HTTP/1.1
+    /// unless `close`; HTTP/1.0 with `keep-alive` and no `close`.
+    pub fn persists(&self, http11: bool) -> bool {
+        !self.close && (http11 || self.keep_alive)
+    }
+}
+
+/// Visible ASCII and tabs only (`HeaderValue::to_str`'s bytes, spaces included).
+fn visible(value: &[u8]) -> bool {
+    value.iter().all(|&b| b == b'\t' || (32..127).contains(&b))
 }
 
 /// Whether `TE` values accept trailers (`trailers`, parameters aside).
@@ -258,30 +346,8 @@ pub fn te_lists_trailers<'a>(values: impl IntoIterator<Item = &'a HeaderValue>) 
         })
 }
 
-/// A `Content-Length` value: digits only (no sign, no list), as hyper reads one.
-pub(crate) fn digits(v: &[u8]) -> Option<u64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.iter().try_fold(0u64, |n, &b| {
-        if b.is_ascii_digit() {
-            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-        } else {
-            None
-        }
-    })
-}
-
-pub(crate) fn parse_length(v: &HeaderValue) -> Option<u64> {
-    let s = v.to_str().ok()?;
-    let mut it = s.split(',').map(str::trim);
-    let first: u64 = it.next()?.parse().ok()?;
-    it.all(|n| n.parse::<u64>().ok() == Some(first))
-        .then_some(first)
-}
-
 /// Whether an HTTP/1 request head announces a body: `Transfer-Encoding`, or a
-/// first `Content-Length` other than `0`. (One pass over the few fields of most
+/// first `Content-Length` that is not the number 0. (One pass over the few fields of most
 /// requests, cheaper than two hashed lookups.)
 pub fn announces_body(h: &HeaderMap) -> bool {
     let mut length_seen = false;
@@ -290,11 +356,38 @@ pub fn announces_body(h: &HeaderMap) -> bool {
             return true;
         }
         if *k == header::CONTENT_LENGTH && !length_seen {
-            if v != "0" {
+            if decimal(v.as_bytes()) != Some(0) {
                 return true;
             }
             length_seen = true;
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One grammar for a `Content-Length` number wherever it is read: digits only,
+    /// no sign, no space inside; a list only of one number repeated, and only where
+    /// a value may be a list (`value_length`, `Length`).
+    #[test]
+    fn a_content_length_is_digits_and_a_list_only_of_one_number() {
+        for (v, n) in [("0", Some(0)), ("5", Some(5)), ("05", Some(5))] {
+            assert_eq!(decimal(v.as_bytes()), n, "{v:?}");
+            assert_eq!(value_length(v.as_bytes()), n, "{v:?}");
+        }
+        for v in ["", "+5", "-5", " 5", "5 ", "5 5", "5,5", "0x5", "5.0", "５"] {
+            assert_eq!(decimal(v.as_bytes()), None, "{v:?}");
+        }
+        assert_eq!(decimal(b"18446744073709551615"), Some(u64::MAX));
+        assert_eq!(decimal(b"18446744073709551616"), None);
+        for (v, n) in [("5, 5", Some(5)), (" 5 ,5", Some(5)), ("5,6", None)] {
+            assert_eq!(value_length(v.as_bytes()), n, "{v:?}");
+        }
+        for v in ["+5", "5,+5", "5 5", "5,", ",", "", "18446744073709551615"] {
+            assert_eq!(value_length(v.as_bytes()), None, "{v:?}");
+        }
+    }
 }

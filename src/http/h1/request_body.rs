@@ -8,118 +8,15 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::http::body::BoxError;
-use crate::http::h1::framing;
+use crate::http::h1::decode::{Decoder, Step};
 
-/// hyper's limit on the chunk extensions of one body, in bytes.
-const EXTENSIONS_LIMIT: u64 = 16 * 1024;
 /// Room made for a read of body bytes.
 const READ_SIZE: usize = 16 * 1024;
-
-/// Where a request body is.
-#[derive(Debug)]
-pub(crate) enum Decode {
-    /// This many bytes to go.
-    Length(u64),
-    Chunked(Chunk),
-    Done,
-}
-
-#[derive(Debug)]
-pub(crate) enum Chunk {
-    Size,
-    Data(u64),
-    /// The CRLF after a chunk's data.
-    DataEnd,
-    /// After the last chunk: trailer fields, then an empty line.
-    Trailers,
-}
-
-/// What `Decode::step` found in the buffer.
-enum Step {
-    Frame(Frame<Bytes>),
-    /// The body is over (no trailers).
-    End,
-    More,
-}
-
-impl Decode {
-    pub(crate) fn chunked() -> Decode {
-        Decode::Chunked(Chunk::Size)
-    }
-
-    /// The next frame at the front of `buf`, taken out.
-    fn step(&mut self, buf: &mut BytesMut, extensions: &mut u64) -> std::io::Result<Step> {
-        loop {
-            match self {
-                Decode::Done | Decode::Length(0) => {
-                    *self = Decode::Done;
-                    return Ok(Step::End);
-                }
-                Decode::Length(left) | Decode::Chunked(Chunk::Data(left)) => {
-                    if buf.is_empty() {
-                        return Ok(Step::More);
-                    }
-                    let n = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
-                    *left -= n as u64;
-                    let data = buf.split_to(n).freeze();
-                    match self {
-                        Decode::Chunked(c @ Chunk::Data(0)) => *c = Chunk::DataEnd,
-                        Decode::Length(0) => *self = Decode::Done,
-                        _ => {}
-                    }
-                    return Ok(Step::Frame(Frame::data(data)));
-                }
-                Decode::Chunked(chunk) => {
-                    let next = match chunk {
-                        Chunk::Size => {
-                            let Some((taken, size)) = framing::size_line(buf).map_err(malformed)?
-                            else {
-                                return Ok(Step::More);
-                            };
-                            let line = &buf[..taken];
-                            if let Some(at) = line.iter().position(|&b| b == b';') {
-                                *extensions += (taken - at) as u64;
-                                if *extensions >= EXTENSIONS_LIMIT {
-                                    return Err(malformed("chunk extensions over limit"));
-                                }
-                            }
-                            buf.advance(taken);
-                            if size == 0 {
-                                Chunk::Trailers
-                            } else {
-                                Chunk::Data(size)
-                            }
-                        }
-                        Chunk::DataEnd => match buf.get(..2) {
-                            None if b"\r\n".starts_with(&buf[..]) => return Ok(Step::More),
-                            Some(b"\r\n") => {
-                                buf.advance(2);
-                                Chunk::Size
-                            }
-                            _ => return Err(malformed("chunk not followed by CRLF")),
-                        },
-                        Chunk::Trailers => {
-                            return match framing::trailers(buf).map_err(malformed)? {
-                                None => Ok(Step::More),
-                                Some(t) => {
-                                    *self = Decode::Done;
-                                    Ok(t.map_or(Step::End, |t| Step::Frame(Frame::trailers(t))))
-                                }
-                            };
-                        }
-                        Chunk::Data(_) => unreachable!("handled above"),
-                    };
-                    *chunk = next;
-                }
-            }
-        }
-    }
-}
 
 /// A body that breaks its framing: the client's fault (`ClientFault::Malformed`).
 fn malformed(e: impl Into<BoxError>) -> std::io::Error {
@@ -128,7 +25,7 @@ fn malformed(e: impl Into<BoxError>) -> std::io::Error {
 
 /// What the connection and its request's body share.
 struct State {
-    decode: Decode,
+    decode: Decoder,
     /// Chunk extension bytes so far.
     extensions: u64,
     /// A frame decoded, not yet taken.
@@ -168,9 +65,9 @@ const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 impl Inflow {
     /// A body decoded by `decode`; `expect_continue` sends `100 Continue` when it
     /// is first asked for.
-    pub(crate) fn new(decode: Decode, expect_continue: bool) -> (Inflow, RequestBody) {
+    pub(crate) fn new(decode: Decoder, expect_continue: bool) -> (Inflow, RequestBody) {
         let hint = match decode {
-            Decode::Length(n) => SizeHint::with_exact(n),
+            Decoder::Length(n) => SizeHint::with_exact(n),
             _ => SizeHint::default(),
         };
         let state = Arc::new(Mutex::new(State {
@@ -241,9 +138,9 @@ impl Inflow {
                 continue;
             }
             let st = &mut *st;
-            match st.decode.step(buf, &mut st.extensions) {
+            match st.decode.step(buf, &mut st.extensions).map_err(malformed) {
                 Ok(Step::Frame(f)) => st.ready = Some(f),
-                Ok(Step::End) => st.decode = Decode::Done,
+                Ok(Step::End) => st.decode = Decoder::Done,
                 Err(e) => st.error = Some(e),
                 Ok(Step::More) => match poll_read_buf(io, cx, buf) {
                     Poll::Pending => return Poll::Pending,
@@ -272,10 +169,10 @@ impl Inflow {
         let st = &mut *st;
         if st.error.is_none() && !st.failed {
             loop {
-                match st.decode.step(buf, &mut st.extensions) {
+                match st.decode.step(buf, &mut st.extensions).map_err(malformed) {
                     Ok(Step::Frame(_)) => {}
                     Ok(Step::End) => {
-                        st.decode = Decode::Done;
+                        st.decode = Decoder::Done;
                         break;
                     }
                     Ok(Step::More) => break,
@@ -310,7 +207,7 @@ impl State {
     fn settled(&self) -> Option<Settled> {
         if self.failed || self.error.is_some() {
             Some(Settled::Failed)
-        } else if matches!(self.decode, Decode::Done) {
+        } else if matches!(self.decode, Decoder::Done) {
             Some(Settled::Done)
         } else if self.gone {
             Some(Settled::Dropped)
@@ -371,7 +268,7 @@ impl http_body::Body for RequestBody {
             st.failed = true;
             return Poll::Ready(Some(Err(e.into())));
         }
-        if st.failed || matches!(st.decode, Decode::Done) {
+        if st.failed || matches!(st.decode, Decoder::Done) {
             return Poll::Ready(None);
         }
         st.want = true;
@@ -384,7 +281,7 @@ impl http_body::Body for RequestBody {
 
     fn is_end_stream(&self) -> bool {
         let st = lock(&self.state);
-        st.ready.is_none() && st.error.is_none() && matches!(st.decode, Decode::Done)
+        st.ready.is_none() && st.error.is_none() && matches!(st.decode, Decoder::Done)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -392,8 +289,8 @@ impl http_body::Body for RequestBody {
             return self.hint;
         }
         match lock(&self.state).decode {
-            Decode::Length(n) => SizeHint::with_exact(n),
-            Decode::Done => SizeHint::with_exact(0),
+            Decoder::Length(n) => SizeHint::with_exact(n),
+            Decoder::Done => SizeHint::with_exact(0),
             _ => SizeHint::default(),
         }
     }
@@ -415,7 +312,10 @@ mod tests {
     use super::*;
 
     /// Every frame of `wire` decoded at once, and what is left.
-    fn decode_all(mut d: Decode, wire: &str) -> Result<(Vec<String>, String), std::io::Error> {
+    fn decode_all(
+        mut d: Decoder,
+        wire: &str,
+    ) -> Result<(Vec<String>, String), crate::http::h1::framing::FramingError> {
         let mut buf = BytesMut::from(wire.as_bytes());
         let mut ext = 0;
         let mut out = Vec::new();
@@ -427,7 +327,7 @@ mod tests {
                 },
                 Step::End | Step::More => break,
             }
-            if matches!(d, Decode::Done) {
+            if matches!(d, Decoder::Done) {
                 break;
             }
         }
@@ -436,21 +336,21 @@ mod tests {
 
     #[test]
     fn lengths_and_chunks_are_decoded_to_their_end() {
-        let (frames, rest) = decode_all(Decode::Length(5), "helloGET").unwrap();
+        let (frames, rest) = decode_all(Decoder::Length(5), "helloGET").unwrap();
         assert_eq!((frames, rest.as_str()), (vec!["hello".to_owned()], "GET"));
         let (frames, rest) = decode_all(
-            Decode::chunked(),
+            Decoder::chunked(),
             "5;ext=1\r\nhello\r\n1\r\n!\r\n0\r\nx-sum: 8\r\n\r\nGET",
         )
         .unwrap();
         assert_eq!(frames[..2], ["hello".to_owned(), "!".to_owned()]);
         assert!(frames[2].contains("x-sum"), "{frames:?}");
         assert_eq!(rest, "GET");
-        let (frames, rest) = decode_all(Decode::chunked(), "0\r\n\r\nGET").unwrap();
+        let (frames, rest) = decode_all(Decoder::chunked(), "0\r\n\r\nGET").unwrap();
         assert!(frames.is_empty());
         assert_eq!(rest, "GET");
         for bad in ["x\r\n", "5\r\nhelloXX", "1\nA\r\n", "-1\r\n"] {
-            assert!(decode_all(Decode::chunked(), bad).is_err(), "{bad:?}");
+            assert!(decode_all(Decoder::chunked(), bad).is_err(), "{bad:?}");
         }
     }
 }

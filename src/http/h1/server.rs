@@ -25,10 +25,12 @@ use crate::http::body::{Body, BoxError};
 use crate::http::conn::Activity;
 use crate::http::conn::ConnectionHeld;
 use crate::http::h1::client::{parsed_value, Names, RawFields};
+use crate::http::h1::decode::Decoder;
 use crate::http::h1::framing::{
-    digits, has_token, last_is_chunked, may_trail, parse_length, MAX_FIELDS,
+    connection, decimal, has_token, last_is_chunked, may_trail, value_length, Connection,
+    MAX_FIELDS,
 };
-use crate::http::h1::request_body::{poll_read_buf, Decode, Inflow, RequestBody, Settled};
+use crate::http::h1::request_body::{poll_read_buf, Inflow, RequestBody, Settled};
 use crate::http::wake::{Deadline, OnWake};
 
 /// A client's request body: none, read by sluice's HTTP/1 server, hyper's
@@ -233,7 +235,7 @@ pub(crate) struct Fast<S: Site> {
 
 /// How a request's body is framed (RFC 9112 §6.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Framed {
+pub(crate) enum RequestFraming {
     None,
     Length(u64),
     Chunked,
@@ -248,7 +250,7 @@ struct Plain {
     head: bool,
     /// `TE: trailers`.
     trailers: bool,
-    body: Framed,
+    body: RequestFraming,
     /// `Expect: 100-continue` (HTTP/1.1).
     expect: bool,
     /// `Upgrade` (HTTP/1.1) or `CONNECT`.
@@ -374,13 +376,13 @@ where
         let in_flight = activity.start();
         rate_lines.clear();
         let (inflow, body) = match body {
-            Framed::None => (None, ClientBody::Empty),
-            Framed::Length(n) => {
-                let (i, b) = Inflow::new(Decode::Length(n), expect);
+            RequestFraming::None => (None, ClientBody::Empty),
+            RequestFraming::Length(n) => {
+                let (i, b) = Inflow::new(Decoder::Length(n), expect);
                 (Some(i), ClientBody::Own(b))
             }
-            Framed::Chunked => {
-                let (i, b) = Inflow::new(Decode::chunked(), expect);
+            RequestFraming::Chunked => {
+                let (i, b) = Inflow::new(Decoder::chunked(), expect);
                 (Some(i), ClientBody::Own(b))
             }
         };
@@ -709,8 +711,7 @@ fn parse(
     let offset = |s: &[u8]| s.as_ptr() as usize - base;
     let path_at = offset(path.as_bytes());
     let path_span = (path_at, path_at + path.len());
-    let mut keep_alive = http11;
-    let mut saw_close = false;
+    let mut connection = Connection::default();
     let mut trailers = false;
     // Framing as RFC 9112 §6.3 and hyper have it: chunked if the last
     // `Transfer-Encoding` ends so (anything else is refused), else the length,
@@ -731,7 +732,8 @@ fn parse(
         if name.eq_ignore_ascii_case(b"content-length") {
             saw_length = true;
             if !te {
-                let Some(len) = digits(value) else {
+                // One number a line, as hyper's server reads it (no list).
+                let Some(len) = decimal(value) else {
                     return BAD;
                 };
                 if length.is_some_and(|l| l != len) || len > u64::MAX - 2 {
@@ -752,13 +754,7 @@ fn parse(
                     .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked"))
             });
         } else if name.eq_ignore_ascii_case(b"connection") {
-            // As hyper: once any line asks to close, a later keep-alive does not undo it.
-            if saw_close || has_token(value, b"close") {
-                saw_close = true;
-                keep_alive = false;
-            } else if !keep_alive {
-                keep_alive = has_token(value, b"keep-alive");
-            }
+            connection.add(value);
         } else if name.eq_ignore_ascii_case(b"te") && has_token(value, b"trailers") {
             trailers = true;
         } else if name.eq_ignore_ascii_case(b"expect") {
@@ -770,6 +766,8 @@ fn parse(
         let v = offset(value);
         spans.push([at, at + name.len(), v, v + value.len()]);
     }
+    // As hyper: once any line asks to close, a later keep-alive does not undo it.
+    let mut keep_alive = connection.persists(http11);
     if te && !chunked {
         return BAD;
     }
@@ -783,9 +781,9 @@ fn parse(
         keep_alive = false;
     }
     let body = match (te, length) {
-        (true, _) => Framed::Chunked,
-        (false, Some(n)) if n > 0 => Framed::Length(n),
-        _ => Framed::None,
+        (true, _) => RequestFraming::Chunked,
+        (false, Some(n)) if n > 0 => RequestFraming::Length(n),
+        _ => RequestFraming::None,
     };
     let head = buf.split_to(len).freeze();
     let uri = match Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) {
@@ -823,7 +821,7 @@ fn parse(
         head: is_head,
         trailers,
         body,
-        expect: expect && http11 && body != Framed::None,
+        expect: expect && http11 && body != RequestFraming::None,
         upgrade,
     })
 }
@@ -868,7 +866,7 @@ pub(crate) enum Read {
     Request {
         /// As the request path gets it.
         parts: Box<http::request::Parts>,
-        framed: Framed,
+        framed: RequestFraming,
         data: Vec<u8>,
         trailers: Option<HeaderMap>,
         end: BodyEnd,
@@ -920,9 +918,9 @@ pub(crate) fn read_requests(input: &[u8], max_head: usize) -> Vec<Read> {
             }
         };
         let decode = match plain.body {
-            Framed::None => None,
-            Framed::Length(n) => Some(Decode::Length(n)),
-            Framed::Chunked => Some(Decode::chunked()),
+            RequestFraming::None => None,
+            RequestFraming::Length(n) => Some(Decoder::Length(n)),
+            RequestFraming::Chunked => Some(Decoder::chunked()),
         };
         let (mut data, mut trailers, mut end) = (Vec::new(), None, BodyEnd::Whole);
         if let Some(decode) = decode {
@@ -991,7 +989,7 @@ struct Meta {
 }
 
 /// How the response body goes on the wire.
-enum Framing {
+enum ResponseFraming {
     Length(u64),
     Chunked(Trailers),
     /// Until the connection closes (HTTP/1.0 without a length).
@@ -1009,7 +1007,7 @@ enum Trailers {
 }
 
 struct Encoding {
-    framing: Framing,
+    framing: ResponseFraming,
     /// Close the connection after this response.
     last: bool,
 }
@@ -1071,7 +1069,7 @@ fn encode_head(
         }
         out.extend_from_slice(b"\r\n");
         return Ok(Encoding {
-            framing: Framing::Length(0),
+            framing: ResponseFraming::Length(0),
             last: true,
         });
     }
@@ -1088,12 +1086,7 @@ fn encode_head(
     };
     // hyper's `enforce_version`.
     if meta.version == Version::HTTP_10 {
-        let outgoing_keep_alive = parts
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| has_token(v.as_bytes(), b"keep-alive"));
-        if !outgoing_keep_alive {
+        if !connection(&parts.headers).keep_alive {
             match parts.version {
                 Version::HTTP_10 => keep_alive = false,
                 Version::HTTP_11 if keep_alive => add_connection(&mut parts.headers, "keep-alive"),
@@ -1101,13 +1094,7 @@ fn encode_head(
             }
         }
         parts.version = Version::HTTP_10;
-    } else if !keep_alive
-        && !parts
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| has_token(v.as_bytes(), b"close"))
-    {
+    } else if !keep_alive && !connection(&parts.headers).close {
         add_connection(&mut parts.headers, "close");
     }
     if status.is_informational() {
@@ -1116,7 +1103,7 @@ fn encode_head(
         date::extend(out);
         out.extend_from_slice(b"\r\n\r\n");
         return Ok(Encoding {
-            framing: Framing::Length(0),
+            framing: ResponseFraming::Length(0),
             last: true,
         });
     }
@@ -1142,7 +1129,7 @@ fn encode_head(
     let can_chunk =
         !meta.head && !matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
     let can_length = !matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
-    let mut framing = Framing::Length(0);
+    let mut framing = ResponseFraming::Length(0);
     let mut wrote_len = false;
     let mut wrote_date = false;
     let mut allowed_trailers: Option<Vec<HeaderName>> = None;
@@ -1164,7 +1151,7 @@ fn encode_head(
         // Each line as the loop below writes it: `content-length` as it came, the
         // body's length its framing.
         out.extend_from_slice(&raw.lines);
-        framing = Framing::Length(raw.length);
+        framing = ResponseFraming::Length(raw.length);
         wrote_len = true;
         wrote_date = raw.date;
     }
@@ -1181,7 +1168,7 @@ fn encode_head(
                 match body {
                     Some(Some(known)) => {
                         if !continuing {
-                            framing = Framing::Length(known);
+                            framing = ResponseFraming::Length(known);
                             // The body's own length, never the map's (hyper writes
                             // the map's): a length other than the one the body is
                             // framed by would desync the client.
@@ -1193,7 +1180,7 @@ fn encode_head(
                         continue;
                     }
                     Some(None) => {
-                        let Some(len) = parse_length(value) else {
+                        let Some(len) = value_length(value.as_bytes()) else {
                             return Err("a response with an invalid content-length".into());
                         };
                         if let Some(prev) = prev_len {
@@ -1202,7 +1189,7 @@ fn encode_head(
                             }
                             continue;
                         }
-                        framing = Framing::Length(len);
+                        framing = ResponseFraming::Length(len);
                         out.extend_from_slice(b"content-length: ");
                         out.extend_from_slice(value.as_bytes());
                         wrote_len = true;
@@ -1228,7 +1215,7 @@ fn encode_head(
                 wrote_len = true;
                 chunked_missing = !last_is_chunked(value);
                 if !continuing {
-                    framing = Framing::Chunked(Trailers::None);
+                    framing = ResponseFraming::Chunked(Trailers::None);
                     out.extend_from_slice(b"transfer-encoding: ");
                     open = Some(header::TRANSFER_ENCODING);
                 } else {
@@ -1238,8 +1225,10 @@ fn encode_head(
                 continue;
             }
             header::CONNECTION => {
-                if !last && has_token(value.as_bytes(), b"close") {
-                    last = true;
+                if !last {
+                    let mut line = Connection::default();
+                    line.add(value.as_bytes());
+                    last = line.close;
                 }
                 if !continuing {
                     out.extend_from_slice(b"connection: ");
@@ -1294,32 +1283,32 @@ fn encode_head(
         framing = match body {
             Some(None) => {
                 if http10 || !can_chunk {
-                    Framing::Close
+                    ResponseFraming::Close
                 } else {
                     out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-                    Framing::Chunked(Trailers::None)
+                    ResponseFraming::Chunked(Trailers::None)
                 }
             }
             None | Some(Some(0)) => {
                 if can_length && !meta.head {
                     out.extend_from_slice(b"content-length: 0\r\n");
                 }
-                Framing::Length(0)
+                ResponseFraming::Length(0)
             }
             Some(Some(len)) => {
                 if can_length {
                     out.extend_from_slice(b"content-length: ");
                     out.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
                     out.extend_from_slice(b"\r\n");
-                    Framing::Length(len)
+                    ResponseFraming::Length(len)
                 } else {
-                    Framing::Length(0)
+                    ResponseFraming::Length(0)
                 }
             }
         };
     }
     if !can_chunk {
-        framing = Framing::Length(0);
+        framing = ResponseFraming::Length(0);
     }
     if wrote_date {
         out.extend_from_slice(b"\r\n");
@@ -1328,14 +1317,14 @@ fn encode_head(
         date::extend(out);
         out.extend_from_slice(b"\r\n\r\n");
     }
-    if let Framing::Chunked(t) = &mut framing {
+    if let ResponseFraming::Chunked(t) = &mut framing {
         *t = match allowed_trailers {
             Some(named) => Trailers::Named(named),
             None if parts.extensions.get::<UnannouncedTrailers>().is_some() => Trailers::Any,
             None => Trailers::None,
         };
     }
-    if matches!(framing, Framing::Close) {
+    if matches!(framing, ResponseFraming::Close) {
         last = true;
     }
     Ok(Encoding { framing, last })
@@ -1363,7 +1352,7 @@ async fn send_body<IO>(
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     mut body: Body,
-    framing: Framing,
+    framing: ResponseFraming,
     trailers_allowed: bool,
     inflow: Option<&Inflow>,
 ) -> Result<(), BoxError>
@@ -1373,14 +1362,14 @@ where
     // `remaining`: what a length still needs (`None`: chunked or until close).
     let (mut remaining, allowed, mut chunked) = match framing {
         // Nothing to send: the body is dropped unread, as hyper does.
-        Framing::Length(0) => {
+        ResponseFraming::Length(0) => {
             drop(body);
             write_out(io, buf, out, inflow).await?;
             return Ok(());
         }
-        Framing::Length(n) => (Some(n), Trailers::None, false),
-        Framing::Chunked(t) => (None, t, true),
-        Framing::Close => (None, Trailers::None, false),
+        ResponseFraming::Length(n) => (Some(n), Trailers::None, false),
+        ResponseFraming::Chunked(t) => (None, t, true),
+        ResponseFraming::Close => (None, Trailers::None, false),
     };
     let mut ended = body.is_end_stream();
     // The first frame, if it is ready at once: asked for before the head is written.
@@ -1720,7 +1709,7 @@ mod tests {
             String::from_utf8(out).unwrap(),
             format!("HTTP/1.1 200 OK\r\n{lines}ratelimit-policy: 5;w=10\r\n\r\n")
         );
-        assert!(matches!(enc.framing, Framing::Length(3)));
+        assert!(matches!(enc.framing, ResponseFraming::Length(3)));
         assert!(!enc.last);
         assert!(parts.headers.is_empty());
     }
@@ -1753,7 +1742,10 @@ mod tests {
                 .filter(|l| l.starts_with("content-length"))
                 .collect();
             assert_eq!(lengths, ["content-length: 3"], "{stated:?}");
-            assert!(matches!(enc.framing, Framing::Length(3)), "{stated:?}");
+            assert!(
+                matches!(enc.framing, ResponseFraming::Length(3)),
+                "{stated:?}"
+            );
         }
     }
 
