@@ -12,6 +12,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,13 +27,14 @@ use tokio::task::JoinHandle;
 use crate::config::compile::{compile, redis_options, CompileError};
 use crate::config::schema::Backend;
 use crate::config::{ConfigErrors, Loaded};
+use crate::deny::list::DenyList;
 use crate::deny::sync::DenySync;
 use crate::deny::DenyView;
 use crate::http::body::Body;
 use crate::http::h1::server::{ClientBody, Site};
 use crate::limit::{Clock, MemoryStore, RedisStore, Store, StoreError, SystemClock};
 use crate::ops::admin::Admin;
-use crate::ops::control::{Command, Control, Reply, Trigger, TICK};
+use crate::ops::control::{Command, Control, Reply, Trigger};
 use crate::pipeline::{self, Shared};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::refusal_log::RefusalLog;
@@ -151,7 +153,7 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
             .into())
         }
     };
-    let (bans, mut ban_rx) = tokio::sync::mpsc::channel(BAN_QUEUE);
+    let (bans, ban_rx) = tokio::sync::mpsc::channel(BAN_QUEUE);
     let shared = Arc::new(Shared {
         runtime: ArcSwap::from_pointee(runtime),
         deny: ArcSwap::from_pointee(DenyView::default()),
@@ -166,7 +168,13 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         (Some(r), Some(c)) => Some(Arc::new(DenySync::new(r.clone(), redis_options(c)?.target))),
         _ => None,
     };
-    let control = Arc::new(Control::new(shared.clone(), &loaded, sync.clone()));
+    let state_file = f
+        .deny
+        .state_file
+        .as_ref()
+        .map(|p| PathBuf::from(p.as_str()));
+    let deny = Arc::new(DenyList::new(shared.clone(), sync.clone(), state_file));
+    let control = Arc::new(Control::new(shared.clone(), &loaded, deny.clone()));
 
     let listen = |addr: SocketAddr| async move {
         TcpListener::bind(addr)
@@ -345,13 +353,13 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
     };
     // The control loop: everything that changes the running gateway from inside
     // (bans, the shared deny list, expiry, the file watcher) goes through it.
-    let (commands, mut command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
+    let (commands, command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
     if let Some(sync) = sync {
-        let c = control.clone();
-        sync.read_once(move |r, at| c.remote(r, at), STARTUP_READ)
+        let d = deny.clone();
+        sync.read_once(move |r, at| d.remote(r, at), STARTUP_READ)
             .await;
-        let c = control.clone();
-        sync.follow(move |r, at| c.remote(r, at));
+        let d = deny.clone();
+        sync.follow(move |r, at| d.remote(r, at));
     }
     // A configuration that was not read from a file (tests) has nothing to watch.
     let watch = if !loaded.path.is_file() {
@@ -368,27 +376,9 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
             }
         }
     };
-    let publisher = tokio::spawn(control.clone().run_publisher());
+    let publisher = tokio::spawn(deny.clone().run_publisher());
     let heartbeat = tokio::spawn(fleet.run(stop_rx.clone()));
-    let control_loop = {
-        let control = control.clone();
-        let mut stop_rx = stop_rx.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(TICK);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                let cmd = tokio::select! {
-                    Some(c) = command_rx.recv() => c,
-                    Some(b) = ban_rx.recv() => Command::Ban(b),
-                    _ = tick.tick() => Command::Tick,
-                    _ = stop_rx.changed() => break,
-                };
-                // Errors are logged and counted where they happen.
-                let _ = control.apply(cmd).await;
-            }
-            let _ = control.apply(Command::Tick).await;
-        })
-    };
+    let control_loop = tokio::spawn(control.clone().run(command_rx, ban_rx, stop_rx.clone()));
     warn_unused(f);
     for w in &loaded.warnings {
         tracing::warn!("{w}");
