@@ -1,7 +1,8 @@
 //! This instance's dynamic deny entries and their policy: the table (published to
 //! the request path as one swapped view), eviction at `deny.max_entries`, bans, the
 //! shared list's changes applied in version order with this instance's own, the
-//! write-back of what Redis lost, expiry, and the state file of the memory store.
+//! write-back of what Redis lost, expiry, and (through `state_file`) the memory
+//! store's state file.
 //! The control loop and the admin API call in; the entries survive reloads.
 
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use crate::deny::state_file;
 use crate::deny::sync::{DenySync, Position, Remote, Written};
 use crate::deny::{
     now_ms, BanRequest, Cursor, DenyTable, DenyView, DynamicTable, Entry, EntryJson, Full, Meta,
@@ -88,32 +90,10 @@ impl DenyList {
             None => state_file,
             Some(_) => None,
         };
-        let mut table = DenyTable::new();
-        if let Some(p) = &state_file {
-            match read_state(p) {
-                Ok(entries) => {
-                    let now = now_ms();
-                    let live: Vec<Entry> = entries
-                        .into_iter()
-                        .filter(|e| e.meta.expires_at_ms.is_none_or(|t| t > now))
-                        .collect();
-                    tracing::info!(file = %p.display(), entries = live.len(), "dynamic deny entries loaded");
-                    for e in live {
-                        table.insert(e);
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                    // Kept for a person to look at: the next change overwrites the file.
-                    let mut aside = p.as_os_str().to_owned();
-                    aside.push(".corrupt");
-                    let moved = std::fs::rename(p, &aside).is_ok();
-                    tracing::error!(file = %p.display(), error = %e, moved_to = ?moved.then_some(&aside), "deny.state_file not loaded; starting with no dynamic entries")
-                }
-                Err(e) => {
-                    tracing::error!(file = %p.display(), error = %e, "deny.state_file cannot be read; starting with no dynamic entries")
-                }
-            }
-        }
+        let table = match &state_file {
+            Some(p) => state_file::load(p),
+            None => DenyTable::new(),
+        };
         let list = DenyList {
             host,
             pending: Arc::new(Mutex::new(Vec::new())),
@@ -556,7 +536,7 @@ impl DenyList {
         if let Some((p, list)) = save {
             let written = tokio::task::spawn_blocking({
                 let p = p.clone();
-                move || write_state(&p, &list)
+                move || state_file::write(&p, &list)
             })
             .await;
             if let Err(e) = written.map_err(std::io::Error::other).and_then(|r| r) {
@@ -664,35 +644,6 @@ fn tidy(pending: &mut Vec<Entry>, now: u64) {
 
 fn store_error(e: crate::limit::StoreError) -> ChangeError {
     ChangeError::Store(e.to_string())
-}
-
-fn read_state(p: &std::path::Path) -> std::io::Result<Vec<Entry>> {
-    let bytes = match std::fs::read(p) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    let text = String::from_utf8(bytes)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let list: Vec<EntryJson> = serde_json::from_str(&text)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    Ok(list.into_iter().filter_map(Entry::from_json).collect())
-}
-
-/// Temp file in the same directory, fsync, rename: a crash leaves the old file or the
-/// new one, never half of one.
-fn write_state(p: &std::path::Path, list: &[EntryJson]) -> std::io::Result<()> {
-    use std::io::Write;
-    let body = serde_json::to_vec_pretty(list).map_err(std::io::Error::other)?;
-    let mut tmp = p.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&body)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, p)
 }
 
 /// How often expired entries are dropped and the state file written.
