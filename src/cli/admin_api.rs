@@ -481,7 +481,7 @@ fn raw_admin_listen(path: &Path) -> Option<SocketAddr> {
     let text = std::fs::read_to_string(path).ok()?;
     let doc: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
     let listen = match doc.get("admin").and_then(|a| a.get("listen")) {
-        None => return Some(config::schema::Admin::default().listen.0),
+        None => return Some(config::schema::AdminSpec::default().listen.0),
         Some(v) => v.as_str()?,
     };
     config::value::interpolate(listen).ok()?.trim().parse().ok()

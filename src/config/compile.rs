@@ -15,10 +15,10 @@ use http::{Method, StatusCode};
 use regex::RegexBuilder;
 
 use super::schema::{
-    self, AlgorithmName, Backend, HeaderFamily, KeySpec as RawKey, OnLimit, UpstreamProtocol,
+    self, AlgorithmName, BackendSpec, HeaderFamily, KeyText, OnLimit, UpstreamProtocol,
 };
 use super::validate::{status_pattern, StatusPattern};
-use super::value::{Text, Window};
+use super::value::{Text, WindowSpec};
 use super::Loaded;
 use crate::deny::{Source, StaticDeny};
 use crate::identity::{KeyPart, KeySpec, Normalize, TrustedProxies};
@@ -224,7 +224,7 @@ pub async fn store(
 ) -> Result<Store, StoreError> {
     let max_keys = f.store.memory.max_keys.get();
     match (f.store.backend, &f.store.redis) {
-        (Backend::Memory, _) => {
+        (BackendSpec::Memory, _) => {
             let clock: Arc<dyn Clock> = match clock {
                 Some(c) => c,
                 None => SystemClock::new(),
@@ -233,12 +233,12 @@ pub async fn store(
                 MemoryStore::new(max_keys, clock).with_evictions(metrics.eviction_counters.clone());
             Ok(Store::memory(m, metrics))
         }
-        (Backend::Redis, Some(redis)) => {
+        (BackendSpec::Redis, Some(redis)) => {
             let opts = redis_options(redis)?;
             let redis = RedisStore::open(opts, clock).await?;
             Ok(Store::redis(redis, max_keys, metrics))
         }
-        (Backend::Redis, None) => Err(StoreError::Config(
+        (BackendSpec::Redis, None) => Err(StoreError::Config(
             "store.backend: redis needs a store.redis section".into(),
         )),
     }
@@ -246,7 +246,7 @@ pub async fn store(
 
 /// How to reach the Redis store: one server, a cluster, or the primary Redis Sentinel
 /// names.
-pub fn redis_options(c: &schema::RedisStore) -> Result<RedisOptions, StoreError> {
+pub fn redis_options(c: &schema::RedisStoreSpec) -> Result<RedisOptions, StoreError> {
     let target = match (&c.cluster, &c.url, &c.sentinel) {
         (Some(nodes), _, _) if !nodes.is_empty() => {
             RedisTarget::Cluster(nodes.iter().map(|n| n.0.clone()).collect())
@@ -300,7 +300,7 @@ fn sentinel_target(s: &schema::RedisSentinel) -> Result<SentinelTarget, StoreErr
 }
 
 fn compile_route(
-    r: &schema::Route,
+    r: &schema::RouteSpec,
     upstreams: &HashMap<String, Arc<Upstream>>,
     metrics: &Metrics,
 ) -> Result<Route, CompileError> {
@@ -473,10 +473,10 @@ fn matcher(route: &str, m: &schema::Match) -> Result<Matcher, CompileError> {
     })
 }
 
-fn key_spec(route: &str, raw: &RawKey, normalize: Normalize) -> Result<KeySpec, CompileError> {
+fn key_spec(route: &str, raw: &KeyText, normalize: Normalize) -> Result<KeySpec, CompileError> {
     let parts = match raw {
-        RawKey::One(k) => vec![k],
-        RawKey::Composite(ks) => ks.iter().collect(),
+        KeyText::One(k) => vec![k],
+        KeyText::Composite(ks) => ks.iter().collect(),
     };
     Ok(KeySpec {
         parts: parts
@@ -499,7 +499,7 @@ impl Keys<'_> {
     /// The number of the key `raw` names (None: the route's key).
     fn number(
         &mut self,
-        raw: Option<&RawKey>,
+        raw: Option<&KeyText>,
         normalize: Option<Normalize>,
     ) -> Result<usize, CompileError> {
         let Some(raw) = raw else {
@@ -624,8 +624,8 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     // `month` on them).
     let windowed = || -> Result<(u64, u64), CompileError> {
         match l.window.ok_or_else(|| missing("window"))? {
-            Window::Length(d) => Ok((limit()?, us(d))),
-            Window::Month => Err(route_err(
+            WindowSpec::Length(d) => Ok((limit()?, us(d))),
+            WindowSpec::Month => Err(route_err(
                 route,
                 format!("limit {name}: window: month is for fixed_window only"),
             )),
@@ -634,15 +634,15 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     let bucket = || -> Result<(Rate, u64), CompileError> {
         let r = l.rate.ok_or_else(|| missing("rate"))?;
         let burst = l.burst.map_or(r.count, |b| b.get());
-        Ok((reduced(r.count, us(r.per)), burst))
+        Ok((Rate::reduced(r.count, us(r.per)), burst))
     };
     let algorithm = match l.algorithm {
         AlgorithmName::FixedWindow => match l.window.ok_or_else(|| missing("window"))? {
-            Window::Length(d) => Algorithm::FixedWindow {
+            WindowSpec::Length(d) => Algorithm::FixedWindow {
                 limit: limit()?,
                 window_us: us(d),
             },
-            Window::Month => Algorithm::CalendarMonth { limit: limit()? },
+            WindowSpec::Month => Algorithm::CalendarMonth { limit: limit()? },
         },
         AlgorithmName::SlidingWindow => {
             windowed().map(|(limit, window_us)| Algorithm::SlidingWindow { limit, window_us })?
@@ -707,47 +707,3 @@ fn from_response(
 /// How long a concurrency slot stays taken when the instance holding it dies without
 /// giving it back (Redis store): `lease` of a concurrency limit, by default.
 pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// `count` per `per_us` with their common factor divided out: the same rate, with
-/// smaller numbers for the integer arithmetic (`100000/d` is `1` per 864ms).
-pub fn reduced(count: u64, per_us: u64) -> Rate {
-    let (mut a, mut b) = (count, per_us);
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    let g = a.max(1);
-    Rate {
-        count: count / g,
-        per_us: per_us / g,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rates_are_reduced() {
-        assert_eq!(
-            reduced(10, 1_000_000),
-            Rate {
-                count: 1,
-                per_us: 100_000
-            }
-        );
-        assert_eq!(
-            reduced(3, 1_000_000),
-            Rate {
-                count: 3,
-                per_us: 1_000_000
-            }
-        );
-        assert_eq!(
-            reduced(100_000, 86_400_000_000),
-            Rate {
-                count: 1,
-                per_us: 864_000
-            }
-        );
-    }
-}

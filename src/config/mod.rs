@@ -3,6 +3,7 @@
 //! the runtime structures the request path reads through one `Arc`.
 
 pub mod compile;
+mod error;
 pub mod locate;
 pub mod schema;
 pub mod summary;
@@ -10,75 +11,9 @@ pub mod validate;
 pub mod value;
 pub mod watch;
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 
-/// One problem in a configuration file, located at the node that causes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    pub file: PathBuf,
-    /// 1-based; 0 when the problem has no place in the file (e.g. it cannot be read).
-    pub line: usize,
-    /// 1-based.
-    pub col: usize,
-    pub message: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        if self.line == 0 {
-            write!(f, "{}: {}", self.file.display(), self.message)
-        } else {
-            write!(
-                f,
-                "{}:{}:{}: {}",
-                self.file.display(),
-                self.line,
-                self.col,
-                self.message
-            )
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
-/// A setting that is valid but that any client can defeat: `check` prints it and
-/// still exits 0; `run` and every reload log it at WARN.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigWarning(pub ConfigError);
-
-impl fmt::Display for ConfigWarning {
-    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        let e = &self.0;
-        write!(
-            f,
-            "{}:{}:{}: warning: {}",
-            e.file.display(),
-            e.line,
-            e.col,
-            e.message
-        )
-    }
-}
-
-/// All problems found in one file, in file order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigErrors(pub Vec<ConfigError>);
-
-impl fmt::Display for ConfigErrors {
-    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        for (i, e) in self.0.iter().enumerate() {
-            if i > 0 {
-                writeln!(f)?;
-            }
-            write!(f, "{e}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for ConfigErrors {}
+pub use error::{ConfigError, ConfigErrors, ConfigWarning};
 
 /// A parsed and validated configuration file.
 #[derive(Debug, Clone)]
@@ -114,12 +49,12 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigErrors> {
 /// Only the `admin` section of a configuration file, for the admin clients (`deny`,
 /// `top`, `fleet`): the rest of the file is not read, so a variable unset there (a
 /// gateway's `server.listen` given only where it runs) is no error for them.
-pub fn load_admin(path: &Path) -> Result<schema::Admin, ConfigErrors> {
+pub fn load_admin(path: &Path) -> Result<schema::AdminSpec, ConfigErrors> {
     /// The file with every section but `admin` ignored.
     #[derive(serde::Deserialize)]
     struct AdminOnly {
         #[serde(default)]
-        admin: Option<schema::Admin>,
+        admin: Option<schema::AdminSpec>,
     }
     let errors = |line, col, message| {
         ConfigErrors(vec![ConfigError {

@@ -2,13 +2,18 @@
 //! field. Unknown fields are errors. Values are checked for form here (durations,
 //! rates, addresses); cross-field rules live in `validate`, and `compile` turns the
 //! result into the runtime structures the request path reads.
+//!
+//! A type named like the runtime type it compiles into has a `Spec` suffix here
+//! (`RouteSpec` becomes a `pipeline::Route`); `serde(rename)` keeps its old name
+//! in `rules.schema.json` and in serde's messages. The `key` field as written is a
+//! `KeyText` (it becomes an `identity::KeySpec`).
 
 use std::collections::BTreeMap;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text, Window};
+use super::value::{Addr, Dur, Net, Num, RateSpec, Size, Text, WindowSpec};
 // Enums the runtime reads as they are written.
 pub use crate::identity::{MissingKey, Normalize};
 pub use crate::limit::OnError;
@@ -21,10 +26,10 @@ pub struct File {
     pub server: Server,
     /// The admin listener: /metrics, /healthz, /readyz, the dashboard and /admin/*.
     #[serde(default)]
-    pub admin: Admin,
+    pub admin: AdminSpec,
     /// Where limiter state lives: in this process, or shared through Redis.
     #[serde(default)]
-    pub store: Store,
+    pub store: StoreSpec,
     /// How the client address is found behind proxies.
     #[serde(default)]
     pub client_ip: ClientIp,
@@ -33,7 +38,7 @@ pub struct File {
     pub response_headers: Vec<HeaderFamily>,
     /// Upstreams by name, used by routes' `upstream`.
     #[serde(default)]
-    pub upstreams: BTreeMap<String, Upstream>,
+    pub upstreams: BTreeMap<String, UpstreamSpec>,
     /// Keys and addresses refused on every route.
     #[serde(default)]
     pub deny: Deny,
@@ -42,7 +47,7 @@ pub struct File {
     #[serde(default)]
     pub access_log: Option<AccessLogConfig>,
     /// Routes in order; the first that matches a request takes it.
-    pub routes: Vec<Route>,
+    pub routes: Vec<RouteSpec>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
@@ -166,8 +171,8 @@ pub struct Tls {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct Admin {
+#[serde(rename = "Admin", deny_unknown_fields, default)]
+pub struct AdminSpec {
     /// Address of the admin listener; off loopback it needs `token`.
     pub listen: Addr,
     /// Bearer token for /admin/*; required when `listen` is not loopback.
@@ -182,9 +187,9 @@ pub struct Admin {
     pub idle_timeout: Dur,
 }
 
-impl Default for Admin {
+impl Default for AdminSpec {
     fn default() -> Self {
-        Admin {
+        AdminSpec {
             listen: Addr::literal("127.0.0.1:9091"),
             token: None,
             max_connections_per_ip: Num(16),
@@ -197,44 +202,44 @@ impl Default for Admin {
 // === store ===
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Backend {
+#[serde(rename = "Backend", rename_all = "snake_case")]
+pub enum BackendSpec {
     #[default]
     Memory,
     Redis,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, Default)]
-#[serde(deny_unknown_fields, default)]
-pub struct Store {
+#[serde(rename = "Store", deny_unknown_fields, default)]
+pub struct StoreSpec {
     /// `memory` (this process) or `redis` (shared by every instance).
-    pub backend: Backend,
+    pub backend: BackendSpec,
     /// The memory store (also the fallback of `on_error: local`).
-    pub memory: MemoryStore,
+    pub memory: MemoryStoreSpec,
     /// The Redis store; needs `url`, `cluster` or `sentinel`.
-    pub redis: Option<RedisStore>,
+    pub redis: Option<RedisStoreSpec>,
     /// While the store fails: `local` (this instance's memory), `allow`, or `deny` (503).
     pub on_error: OnError,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct MemoryStore {
+#[serde(rename = "MemoryStore", deny_unknown_fields, default)]
+pub struct MemoryStoreSpec {
     /// Keys kept; the least recently used are evicted beyond this.
     pub max_keys: Num<usize>,
 }
 
-impl Default for MemoryStore {
+impl Default for MemoryStoreSpec {
     fn default() -> Self {
-        MemoryStore {
+        MemoryStoreSpec {
             max_keys: Num(1_000_000),
         }
     }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields, default)]
-pub struct RedisStore {
+#[serde(rename = "RedisStore", deny_unknown_fields, default)]
+pub struct RedisStoreSpec {
     /// A single Redis: redis://host:port/db or rediss:// for TLS.
     pub url: Option<Text>,
     /// Seed nodes of a Redis Cluster (instead of `url`).
@@ -248,9 +253,9 @@ pub struct RedisStore {
     pub key_prefix: Text,
 }
 
-impl Default for RedisStore {
+impl Default for RedisStoreSpec {
     fn default() -> Self {
-        RedisStore {
+        RedisStoreSpec {
             url: None,
             cluster: None,
             sentinel: None,
@@ -297,8 +302,8 @@ pub enum HeaderFamily {
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Upstream {
+#[serde(rename = "Upstream", deny_unknown_fields)]
+pub struct UpstreamSpec {
     /// http:// or https:// base URLs, taken in turn.
     pub targets: Vec<Text>,
     /// Connecting to a target takes at most this, else 502.
@@ -440,8 +445,8 @@ impl Default for Deny {
 // === routes ===
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Route {
+#[serde(rename = "Route", deny_unknown_fields)]
+pub struct RouteSpec {
     /// Unique name, used in metrics, headers and logs.
     pub name: Text,
     /// What requests the route takes; every given field must hold.
@@ -456,7 +461,7 @@ pub struct Route {
     /// The client key: ip, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER,
     /// global, or a list of these.
     #[serde(default)]
-    pub key: KeySpec,
+    pub key: KeyText,
     /// A request without its key: `reject` (400) or `ip` (count it by address).
     #[serde(default)]
     pub missing_key: MissingKey,
@@ -532,15 +537,15 @@ fn default_respond_status() -> Num<u16> {
 /// `ip`, `header:NAME`, `query:NAME`, `cookie:NAME`, `form:NAME`, `json:/POINTER`,
 /// `global`, or a list of these.
 #[derive(Debug, Clone, Serialize, JsonSchema)]
-#[serde(untagged)]
-pub enum KeySpec {
+#[serde(rename = "KeySpec", untagged)]
+pub enum KeyText {
     One(Text),
     Composite(Vec<Text>),
 }
 
-impl Default for KeySpec {
+impl Default for KeyText {
     fn default() -> Self {
-        KeySpec::One(Text::literal("ip"))
+        KeyText::One(Text::literal("ip"))
     }
 }
 
@@ -591,7 +596,7 @@ pub struct Limit {
     /// also `month`: calendar months, UTC, each ending at 00:00 UTC on the first of the
     /// next.
     #[serde(default)]
-    pub window: Option<Window>,
+    pub window: Option<WindowSpec>,
     /// token_bucket, gcra: the refill rate, e.g. 10/s.
     #[serde(default)]
     pub rate: Option<RateSpec>,
@@ -617,7 +622,7 @@ pub struct Limit {
     /// The key this limit counts, in the grammar of the route's `key` (default the
     /// route's key): a login route limits per address and per account at once.
     #[serde(default)]
-    pub key: Option<KeySpec>,
+    pub key: Option<KeyText>,
     /// How this limit's own `key` is compared (as the route's `normalize_key`);
     /// only with `key`.
     #[serde(default)]
@@ -637,12 +642,12 @@ pub enum Cost {
     /// Units every request takes.
     Units(Num<u64>),
     /// What the upstream's response says the request cost.
-    Response(ResponseCost),
+    Response(ResponseCostSpec),
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ResponseCost {
+#[serde(rename = "ResponseCost", deny_unknown_fields)]
+pub struct ResponseCostSpec {
     /// The response header holding the units the request cost, e.g. x-usage-tokens.
     pub response_header: Text,
     /// The units charged when the header is missing or not a whole number
@@ -727,38 +732,38 @@ fn found_scalar(v: impl std::fmt::Display) -> String {
 
 const KEY_FORMS: &str = "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these";
 
-impl<'de> Deserialize<'de> for KeySpec {
+impl<'de> Deserialize<'de> for KeyText {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         use serde::de::{self, value::SeqAccessDeserializer, IntoDeserializer};
         struct Forms;
         impl<'de> de::Visitor<'de> for Forms {
-            type Value = KeySpec;
+            type Value = KeyText;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str(KEY_FORMS)
             }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeySpec, E> {
-                Text::deserialize(v.into_deserializer()).map(KeySpec::One)
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyText, E> {
+                Text::deserialize(v.into_deserializer()).map(KeyText::One)
             }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<KeySpec, E> {
-                Ok(KeySpec::One(Text(v.to_string())))
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<KeyText, E> {
+                Ok(KeyText::One(Text(v.to_string())))
             }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<KeySpec, E> {
-                Ok(KeySpec::One(Text(v.to_string())))
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<KeyText, E> {
+                Ok(KeyText::One(Text(v.to_string())))
             }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<KeySpec, E> {
-                Ok(KeySpec::One(Text(v.to_string())))
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<KeyText, E> {
+                Ok(KeyText::One(Text(v.to_string())))
             }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<KeySpec, E> {
-                Ok(KeySpec::One(Text(v.to_string())))
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<KeyText, E> {
+                Ok(KeyText::One(Text(v.to_string())))
             }
-            fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<KeySpec, A::Error> {
+            fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<KeyText, A::Error> {
                 Vec::<KeyPart>::deserialize(SeqAccessDeserializer::new(seq))
-                    .map(|parts| KeySpec::Composite(parts.into_iter().map(|p| p.0).collect()))
+                    .map(|parts| KeyText::Composite(parts.into_iter().map(|p| p.0).collect()))
             }
-            fn visit_map<A: de::MapAccess<'de>>(self, _: A) -> Result<KeySpec, A::Error> {
+            fn visit_map<A: de::MapAccess<'de>>(self, _: A) -> Result<KeyText, A::Error> {
                 Err(de::Error::custom(format!("{KEY_FORMS}, found a mapping")))
             }
-            fn visit_unit<E: de::Error>(self) -> Result<KeySpec, E> {
+            fn visit_unit<E: de::Error>(self) -> Result<KeyText, E> {
                 Err(E::custom(format!("{KEY_FORMS}, found nothing")))
             }
         }
@@ -848,7 +853,7 @@ impl<'de> Deserialize<'de> for Cost {
                 Err(de::Error::custom(format!("{COST_FORMS}, found a list")))
             }
             fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Cost, A::Error> {
-                ResponseCost::deserialize(MapAccessDeserializer::new(map)).map(Cost::Response)
+                ResponseCostSpec::deserialize(MapAccessDeserializer::new(map)).map(Cost::Response)
             }
             fn visit_unit<E: de::Error>(self) -> Result<Cost, E> {
                 Err(E::custom(format!("{COST_FORMS}, found nothing")))

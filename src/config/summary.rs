@@ -5,10 +5,10 @@
 use std::fmt::Write as _;
 
 use super::schema::{
-    AlgorithmName, Backend, Cost, KeySpec, Limit, Normalize, OnError, OnLimit, Route,
+    AlgorithmName, BackendSpec, Cost, KeyText, Limit, Normalize, OnError, OnLimit, RouteSpec,
     UpstreamProtocol,
 };
-use super::value::{fmt_dur, fmt_rate, redact_url, Text, Window};
+use super::value::{fmt_dur, fmt_rate, redact_url, Text, WindowSpec};
 use super::Loaded;
 
 /// The summary of a loaded file, one line per `\n`, ending with a newline.
@@ -45,7 +45,7 @@ pub fn summary(loaded: &Loaded) -> String {
     };
     let max_keys = f.store.memory.max_keys.get();
     let store = match (f.store.backend, &f.store.redis) {
-        (Backend::Redis, Some(r)) => {
+        (BackendSpec::Redis, Some(r)) => {
             let list = |nodes: &[Text]| {
                 nodes
                     .iter()
@@ -159,7 +159,7 @@ pub fn summary(loaded: &Loaded) -> String {
 }
 
 /// `http2`: the route's upstream speaks HTTP/2, so its paths may be gRPC methods.
-fn route(out: &mut String, r: &Route, width: usize, indent: &str, http2: bool) {
+fn route(out: &mut String, r: &RouteSpec, width: usize, indent: &str, http2: bool) {
     let target = match (&r.upstream, &r.respond) {
         (Some(up), _) => format!("upstream {up}"),
         (None, Some(resp)) => format!("respond {}", resp.status.get()),
@@ -233,7 +233,7 @@ fn grpc_name(path: &str, prefix: bool) -> Option<String> {
     }
 }
 
-fn describe_match(r: &Route, http2: bool) -> String {
+fn describe_match(r: &RouteSpec, http2: bool) -> String {
     let m = &r.matcher;
     let mut parts = Vec::new();
     if let Some(h) = &m.host {
@@ -322,10 +322,10 @@ fn describe_limit(l: &Limit, j: usize) -> String {
                 let _ = write!(s, " {}", n.get());
             }
             match l.window {
-                Some(Window::Length(d)) => {
+                Some(WindowSpec::Length(d)) => {
                     let _ = write!(s, " per {}", fmt_dur(d));
                 }
-                Some(Window::Month) => s.push_str(" per calendar month (UTC)"),
+                Some(WindowSpec::Month) => s.push_str(" per calendar month (UTC)"),
                 None => {}
             }
         }
@@ -361,10 +361,10 @@ fn describe_limit(l: &Limit, j: usize) -> String {
 }
 
 /// A key as the configuration writes it, a composite one's parts joined by `+`.
-fn key_text(key: &KeySpec) -> String {
+fn key_text(key: &KeyText) -> String {
     match key {
-        KeySpec::One(k) => k.to_string(),
-        KeySpec::Composite(parts) => parts
+        KeyText::One(k) => k.to_string(),
+        KeyText::Composite(parts) => parts
             .iter()
             .map(|p| p.as_str())
             .collect::<Vec<_>>()
@@ -387,7 +387,7 @@ fn line(out: &mut String, s: String) {
 
 /// How an upstream's targets are left out and tried again, when that can matter:
 /// with several targets, or active checks, or `max_fails` set to other than 1.
-fn failover(up: &crate::config::schema::Upstream) -> Option<String> {
+fn failover(up: &crate::config::schema::UpstreamSpec) -> Option<String> {
     let fails = up.max_fails.get();
     let timeout = fmt_dur(up.fail_timeout.get());
     let mut parts = Vec::new();

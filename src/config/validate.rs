@@ -8,13 +8,13 @@ use std::path::Path;
 
 use http::{HeaderName, HeaderValue, Method, Uri};
 
+use super::error::{ConfigError, ConfigWarning};
 use super::locate::{field, item, Index};
 use super::schema::{
-    AlgorithmName, Backend, Cost, File, KeySpec, Limit, Match, MissingKey, OnLimit, Route,
+    AlgorithmName, BackendSpec, Cost, File, KeyText, Limit, Match, MissingKey, OnLimit, RouteSpec,
     UpstreamProtocol,
 };
-use super::value::{Dur, Text, Window};
-use super::{ConfigError, ConfigWarning};
+use super::value::{Dur, Text, WindowSpec};
 
 /// Above this a limit's count could not be kept exactly by the Redis store's Lua,
 /// whose numbers are doubles (exact up to 2^53); the margin leaves room for sums.
@@ -76,7 +76,8 @@ pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
                 if let Some(k) = &l.key {
                     keys.push((format!("{}.key", item(&lp, j)), k));
                 }
-                if file.store.backend == Backend::Memory && matches!(l.window, Some(Window::Month))
+                if file.store.backend == BackendSpec::Memory
+                    && matches!(l.window, Some(WindowSpec::Month))
                 {
                     c.at(
                         &format!("{}.window", item(&lp, j)),
@@ -93,8 +94,8 @@ pub fn warnings(file: &File, index: &Index, path: &Path) -> Vec<ConfigWarning> {
         }
         for (kp, key) in keys {
             match key {
-                KeySpec::One(part) => c.client_written_key(&kp, part),
-                KeySpec::Composite(parts) => {
+                KeyText::One(part) => c.client_written_key(&kp, part),
+                KeyText::Composite(parts) => {
                     for (j, part) in parts.iter().enumerate() {
                         c.client_written_key(&item(&kp, j), part);
                     }
@@ -255,8 +256,8 @@ impl Checker<'_> {
     /// A limit of `list` (at `lp`) that counts by status is charged when the answer
     /// arrives: the requests in flight meanwhile all pass its check, unless a
     /// concurrency limit of the same list holds them on the same key.
-    fn counted_in_flight<'f>(&mut self, lp: &str, list: &'f [Limit], route_key: &'f KeySpec) {
-        fn key_of<'f>(l: &'f Limit, route_key: &'f KeySpec) -> Vec<&'f str> {
+    fn counted_in_flight<'f>(&mut self, lp: &str, list: &'f [Limit], route_key: &'f KeyText) {
+        fn key_of<'f>(l: &'f Limit, route_key: &'f KeyText) -> Vec<&'f str> {
             key_parts(l.key.as_ref().unwrap_or(route_key))
         }
         let key_of = |l: &'f Limit| key_of(l, route_key);
@@ -290,19 +291,19 @@ impl Checker<'_> {
 }
 
 /// Whether a part of `key` is read from the request body.
-fn reads_body(key: &KeySpec) -> bool {
+fn reads_body(key: &KeyText) -> bool {
     let body = |p: &Text| p.starts_with("form:") || p.starts_with("json:");
     match key {
-        KeySpec::One(p) => body(p),
-        KeySpec::Composite(ps) => ps.iter().any(body),
+        KeyText::One(p) => body(p),
+        KeyText::Composite(ps) => ps.iter().any(body),
     }
 }
 
 /// A key's parts as written, to compare two keys.
-fn key_parts(key: &KeySpec) -> Vec<&str> {
+fn key_parts(key: &KeyText) -> Vec<&str> {
     match key {
-        KeySpec::One(part) => vec![part.trim()],
-        KeySpec::Composite(parts) => parts.iter().map(|p| p.trim()).collect(),
+        KeyText::One(part) => vec![part.trim()],
+        KeyText::Composite(parts) => parts.iter().map(|p| p.trim()).collect(),
     }
 }
 
@@ -688,7 +689,7 @@ impl Checker<'_> {
         );
         // A redis section under backend memory is allowed (SPEC's example has one);
         // startup and `check` say that it is not used.
-        if store.backend != Backend::Redis {
+        if store.backend != BackendSpec::Redis {
             return;
         }
         let Some(redis) = &store.redis else {
@@ -1025,7 +1026,7 @@ impl Checker<'_> {
     }
 
     /// Where the route sends requests: exactly one of an upstream and a response.
-    fn target(&mut self, file: &File, route: &Route, base: &str) {
+    fn target(&mut self, file: &File, route: &RouteSpec, base: &str) {
         match (&route.upstream, &route.respond) {
             (None, None) => self.at(
                 base,
@@ -1099,7 +1100,7 @@ impl Checker<'_> {
         }
     }
 
-    fn matcher(&mut self, route: &Route, base: &str) {
+    fn matcher(&mut self, route: &RouteSpec, base: &str) {
         let m = &route.matcher;
         let mp = format!("{base}.match");
         if let Some(host) = &m.host {
@@ -1197,16 +1198,16 @@ impl Checker<'_> {
         }
     }
 
-    fn key(&mut self, route: &Route, base: &str) {
+    fn key(&mut self, route: &RouteSpec, base: &str) {
         self.key_spec(&route.key, &format!("{base}.key"));
     }
 
     /// A key, the route's or a limit's, at `path`.
-    fn key_spec(&mut self, key: &KeySpec, path: &str) {
+    fn key_spec(&mut self, key: &KeyText, path: &str) {
         let path = path.to_string();
         match key {
-            KeySpec::One(part) => self.key_part(&path, part),
-            KeySpec::Composite(parts) => {
+            KeyText::One(part) => self.key_part(&path, part),
+            KeyText::Composite(parts) => {
                 if parts.is_empty() {
                     self.at(&path, "the key list must not be empty: expected one or more of ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER");
                 }
@@ -1223,7 +1224,7 @@ impl Checker<'_> {
         }
     }
 
-    fn route_limits(&mut self, route: &Route, base: &str) {
+    fn route_limits(&mut self, route: &RouteSpec, base: &str) {
         self.limit_list(&format!("{base}.limits"), &route.limits);
         if route.respond.is_some() {
             let lists = std::iter::once((format!("{base}.limits"), &route.limits)).chain(
@@ -1329,8 +1330,8 @@ impl Checker<'_> {
             }
             let global = |k: &Text| k.as_str() == "global";
             let only_global = match &route.key {
-                KeySpec::One(k) => global(k),
-                KeySpec::Composite(ks) => ks.iter().all(global),
+                KeyText::One(k) => global(k),
+                KeyText::Composite(ks) => ks.iter().all(global),
             };
             if only_global {
                 self.at_key(
@@ -1386,7 +1387,7 @@ impl Checker<'_> {
                     "reserve must be at least 2: with 1 nothing is taken in advance",
                 );
             }
-            if file.store.backend != Backend::Redis {
+            if file.store.backend != BackendSpec::Redis {
                 self.at_key(
                     &rp,
                     "reserve needs the Redis store (store.backend: redis): on the memory store every decision is already local",
@@ -1601,8 +1602,7 @@ impl Checker<'_> {
                         "the rate's period must be greater than 0, like 10/s or 5/10s",
                     );
                 }
-                let reduced =
-                    crate::config::compile::reduced(rate.count, rate.per.as_micros() as u64);
+                let reduced = crate::limit::Rate::reduced(rate.count, rate.per.as_micros() as u64);
                 if rate.count > 0 && !rate.per.is_zero() && reduced.count > reduced.per_us {
                     self.at(
                         &rp,
@@ -1624,7 +1624,7 @@ impl Checker<'_> {
                 }
                 // The stores work on the rate reduced by its common factor.
                 let period_us = u128::from(
-                    crate::config::compile::reduced(rate.count, rate.per.as_micros() as u64).per_us,
+                    crate::limit::Rate::reduced(rate.count, rate.per.as_micros() as u64).per_us,
                 );
                 if u128::from(burst) * period_us > MAX_BURST_TIMES_PERIOD_US {
                     self.at(
@@ -1651,12 +1651,12 @@ impl Checker<'_> {
                 self.limit_in_range(lp, limit);
                 let wp = format!("{lp}.window");
                 match window {
-                    Window::Length(d) => self.positive_dur(&wp, "window", Dur(d)),
-                    Window::Month if l.algorithm != AlgorithmName::FixedWindow => self.at(
+                    WindowSpec::Length(d) => self.positive_dur(&wp, "window", Dur(d)),
+                    WindowSpec::Month if l.algorithm != AlgorithmName::FixedWindow => self.at(
                         &wp,
                         format!("{alg} does not take window: month (calendar months are for fixed_window only); give a duration like 30d"),
                     ),
-                    Window::Month => {}
+                    WindowSpec::Month => {}
                 }
                 if limit > 0 && cost > limit {
                     self.at(

@@ -225,19 +225,19 @@ impl<'de> Deserialize<'de> for Dur {
 
 /// A limit's window: a duration, or `month` (calendar months, UTC; fixed_window only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Window {
+pub enum WindowSpec {
     Length(Duration),
     Month,
 }
 
-pub fn parse_window(s: &str) -> Option<Window> {
+pub fn parse_window(s: &str) -> Option<WindowSpec> {
     if s == "month" {
-        return Some(Window::Month);
+        return Some(WindowSpec::Month);
     }
-    parse_duration(s).map(Window::Length)
+    parse_duration(s).map(WindowSpec::Length)
 }
 
-impl<'de> Deserialize<'de> for Window {
+impl<'de> Deserialize<'de> for WindowSpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         parsed(
             d,
@@ -248,10 +248,10 @@ impl<'de> Deserialize<'de> for Window {
 }
 
 /// A window as written: `1d`, `90s`, `month`.
-pub fn fmt_window(w: Window) -> String {
+pub fn fmt_window(w: WindowSpec) -> String {
     match w {
-        Window::Length(d) => fmt_dur(d),
-        Window::Month => "month".to_string(),
+        WindowSpec::Length(d) => fmt_dur(d),
+        WindowSpec::Month => "month".to_string(),
     }
 }
 
@@ -369,7 +369,7 @@ macro_rules! serialize_as {
 serialize_as!(Text, |v, s| s.serialize_str(&v.0.replace("${", "$${")));
 serialize_as!(Dur, |v, s| s.serialize_str(&fmt_dur(v.0)));
 serialize_as!(RateSpec, |v, s| s.serialize_str(&fmt_rate(*v)));
-serialize_as!(Window, |v, s| s.serialize_str(&fmt_window(*v)));
+serialize_as!(WindowSpec, |v, s| s.serialize_str(&fmt_window(*v)));
 serialize_as!(Size, |v, s| s.serialize_u64(v.0));
 serialize_as!(Addr, |v, s| s.collect_str(&v.0));
 serialize_as!(Net, |v, s| {
@@ -458,7 +458,7 @@ json_schema_as!(
     )
 );
 json_schema_as!(
-    Window,
+    WindowSpec,
     "Window",
     string_schema(
         "A duration: 10s, 1m, 1h, 1d (also ms, us); or month: calendar months, UTC (fixed_window only).",

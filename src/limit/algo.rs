@@ -19,6 +19,22 @@ pub struct Rate {
     pub per_us: u64,
 }
 
+impl Rate {
+    /// `count` per `per_us` with their common factor divided out: the same rate, with
+    /// smaller numbers for the integer arithmetic (`100000/d` is `1` per 864ms).
+    pub fn reduced(count: u64, per_us: u64) -> Rate {
+        let (mut a, mut b) = (count, per_us);
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        let g = a.max(1);
+        Rate {
+            count: count / g,
+            per_us: per_us / g,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     FixedWindow {
@@ -1267,6 +1283,31 @@ mod tests {
     use crate::limit::{LimitDef, Mode};
 
     const S: u64 = 1_000_000;
+
+    #[test]
+    fn rates_are_reduced() {
+        assert_eq!(
+            Rate::reduced(10, 1_000_000),
+            Rate {
+                count: 1,
+                per_us: 100_000
+            }
+        );
+        assert_eq!(
+            Rate::reduced(3, 1_000_000),
+            Rate {
+                count: 3,
+                per_us: 1_000_000
+            }
+        );
+        assert_eq!(
+            Rate::reduced(100_000, 86_400_000_000),
+            Rate {
+                count: 1,
+                per_us: 864_000
+            }
+        );
+    }
     const T0: u64 = 20_834 * 86_400 * S;
 
     use crate::limit::cases::Rng;

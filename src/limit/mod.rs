@@ -288,7 +288,7 @@ pub enum Permit {
     #[default]
     None,
     Memory(memory::Slots),
-    Redis(redis::Held),
+    Redis(redis::LeaseGuard),
     /// The slots of a request whose limits count several keys.
     Many(Vec<Permit>),
 }

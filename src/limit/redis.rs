@@ -844,11 +844,6 @@ impl Inner {
         }
     }
 
-    /// One command. A command the connection refused unsent, because it was found
-    /// already closed (Redis closed it while idle: `timeout`, `CLIENT KILL`, a proxy's
-    /// idle timeout), is sent again at once, on the new connection. A command that was
-    /// written and then lost its connection is not: Redis may have run it, and a
-    /// script run twice charges a request twice.
     /// A refusal answered from the cache (`RefusalCache`) until its retry time, counted
     /// from `sent`, no later than the server's now. In delay mode a wait of max_delay
     /// would be admitted, so only until retry - max_delay. Only the limits that use
@@ -890,6 +885,11 @@ impl Inner {
         }
     }
 
+    /// One command. A command the connection refused unsent, because it was found
+    /// already closed (Redis closed it while idle: `timeout`, `CLIENT KILL`, a proxy's
+    /// idle timeout), is sent again at once, on the new connection. A command that was
+    /// written and then lost its connection is not: Redis may have run it, and a
+    /// script run twice charges a request twice.
     async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
         let r = match self.conn.get()? {
             Connection::Single(mut c) => match attempt(cmd.query_async(&mut c)).await {
@@ -1489,18 +1489,18 @@ impl Leases {
     /// The leases of an admitted request, held while it runs: a task of their own
     /// renews them every third of the shortest `lease` (so a response that streams
     /// longer than its lease keeps its slot, as in memory) and removes them when the
-    /// returned `Held` is dropped.
-    fn hold(mut self) -> Held {
+    /// returned `LeaseGuard` is dropped.
+    fn hold(mut self) -> LeaseGuard {
         let (done, until) = tokio::sync::oneshot::channel();
         let keys = std::mem::take(&mut self.keys);
         let uid = std::mem::take(&mut self.uid);
         tokio::spawn(keep(self.inner.clone(), keys, uid, until));
-        Held(done)
+        LeaseGuard(done)
     }
 }
 
 /// An admitted request's concurrency leases; dropping it gives them back.
-pub struct Held(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>);
+pub struct LeaseGuard(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>);
 
 /// Moves a lease's expiry to the server's now + `lease` (µs) if the lease is still
 /// there, and keeps its key alive at least that long. A lease that already expired,

@@ -38,23 +38,10 @@ pub struct KeyBody {
 /// `ClientFault` to answer (408 or 400, as `Refusal::Client`), and nothing is
 /// forwarded.
 ///
-/// How the request path calls it, in `client_key`, after the deny by IP, the route
+/// The request path calls it in `pipeline::pass`, after the deny by IP, the route
 /// and the `Content-Length` check against `max_request_body` (so that a body too
-/// large to forward is refused before it is read):
-///
-/// ```text
-/// let (read, body) = if route.key.body_wanted(&parts.headers) {
-///     let k = body_key::read(body, rt.max_key_body, rt.request_body_timeout).await?;
-///     (k.bytes, k.body)
-/// } else {
-///     (None, body)
-/// };
-/// let bytes = read.as_deref();
-/// route.key.any_value_with_body(parts, bytes, deny);
-/// route.key.unprintable_with_body(parts, bytes);
-/// route.key.extract_with_body(parts, ip, bytes);
-/// // ... and `body` is what `act` forwards.
-/// ```
+/// large to forward is refused before it is read), and hands the bytes to
+/// `client_key` for each key the route counts; the body is what `act` forwards.
 pub async fn read(
     mut body: ClientBody,
     max_key_body: u64,

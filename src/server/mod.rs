@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::compile::{compile, redis_options, CompileError};
-use crate::config::schema::Backend;
+use crate::config::schema::BackendSpec;
 use crate::config::{ConfigErrors, Loaded};
 use crate::deny::list::DenyList;
 use crate::deny::sync::DenySync;
@@ -461,12 +461,12 @@ fn watch_file(
 /// Settings in the file that this configuration does not use: say so rather than
 /// let an operator believe they do something.
 fn warn_unused(f: &crate::config::schema::File) {
-    if f.store.backend == Backend::Memory && f.store.redis.is_some() {
+    if f.store.backend == BackendSpec::Memory && f.store.redis.is_some() {
         tracing::warn!(
             "store.redis is ignored with store.backend: memory: every instance limits on its own"
         );
     }
-    if f.store.backend == Backend::Redis && f.deny.state_file.is_some() {
+    if f.store.backend == BackendSpec::Redis && f.deny.state_file.is_some() {
         tracing::warn!(
             "deny.state_file is ignored with store.backend: redis: dynamic entries live in Redis"
         );

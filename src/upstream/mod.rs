@@ -628,8 +628,6 @@ impl Upstream {
         failed
     }
 
-    /// Forward `req` to target number `target` (`pick`) and return its answer with a
-    /// streaming body.
     /// The upstream's answer to `sent`, within `timeout`: counted from the end of the
     /// request body (`sending` reports its progress), and while the body is being sent,
     /// from its last progress. A slow but steady upload is no upstream timeout; an
@@ -681,7 +679,7 @@ impl Upstream {
     /// can be made, to the next (`failover_order`), each target once: `*at` is the
     /// target that answered or failed last, and `passed_over` is told of each
     /// target left behind and why. A request is sent to another target only when
-    /// nothing of it was written.
+    /// nothing of it was written. The answer comes with a streaming body.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn forward(
         &self,
@@ -1126,7 +1124,7 @@ async fn read_ahead(
     let mut read = 0;
     // What this request holds of the process's budget, given back as its frames go
     // on (or when it is dropped).
-    let mut held = Held {
+    let mut held = HeldBytes {
         buffered: buffered.clone(),
         bytes: 0,
     };
@@ -1212,7 +1210,7 @@ impl http_body::Body for Uploading {
 struct ReadAhead {
     frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
     /// The bytes of `frames`, in the process's count.
-    held: Held,
+    held: HeldBytes,
     rest: Option<Body>,
     hint: http_body::SizeHint,
     /// A frame has been asked for.
@@ -1272,12 +1270,12 @@ impl http_body::Body for ReadAhead {
 
 /// Bytes a read-ahead holds of the process's count (`ReadAheadBytes`), given back
 /// when it is dropped.
-struct Held {
+struct HeldBytes {
     buffered: Arc<ReadAheadBytes>,
     bytes: usize,
 }
 
-impl Drop for Held {
+impl Drop for HeldBytes {
     fn drop(&mut self) {
         self.buffered.give(self.bytes);
     }
