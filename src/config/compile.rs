@@ -14,7 +14,9 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
 use regex::RegexBuilder;
 
-use super::schema::{self, AlgorithmName, HeaderFamily, KeyText, OnLimit, UpstreamProtocol};
+use super::schema::{
+    self, AlgorithmName, BackendSpec, HeaderFamily, KeyText, OnLimit, UpstreamProtocol,
+};
 use super::validate::{status_pattern, StatusPattern};
 use super::value::{Text, WindowSpec};
 use super::Loaded;
@@ -22,8 +24,9 @@ use crate::deny::{Source, StaticDeny};
 use crate::identity::{KeyPart, KeySpec, Normalize, TrustedProxies};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{
-    Algorithm, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, PrimaryUrl, Rate,
-    RedisOptions, RedisTarget, Reserve, ResponseCost, SentinelTarget, StatusSet, StoreError,
+    Algorithm, Charge, Clock, CostFrom, FromResponse, LimitDef, MemoryStore, Mode, Plan,
+    PrimaryUrl, Rate, RedisOptions, RedisStore, RedisTarget, Reserve, ResponseCost, SentinelTarget,
+    StatusSet, Store, StoreError, SystemClock,
 };
 use crate::pipeline::refusal::{policy_header, RateHeaders};
 use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
@@ -209,6 +212,36 @@ pub fn compile(
             .filter(|t| !t.is_empty())
             .map(|t| t.0.clone()),
     })
+}
+
+/// The limiter's store of `store:`: in memory (`clock` its clock), or on Redis,
+/// connected (`clock`, if any, the time sent with every limiter call instead of
+/// Redis' own).
+pub async fn store(
+    f: &schema::File,
+    metrics: &Metrics,
+    clock: Option<Arc<dyn Clock>>,
+) -> Result<Store, StoreError> {
+    let max_keys = f.store.memory.max_keys.get();
+    match (f.store.backend, &f.store.redis) {
+        (BackendSpec::Memory, _) => {
+            let clock: Arc<dyn Clock> = match clock {
+                Some(c) => c,
+                None => SystemClock::new(),
+            };
+            let m =
+                MemoryStore::new(max_keys, clock).with_evictions(metrics.eviction_counters.clone());
+            Ok(Store::memory(m, metrics))
+        }
+        (BackendSpec::Redis, Some(redis)) => {
+            let opts = redis_options(redis)?;
+            let redis = RedisStore::open(opts, clock).await?;
+            Ok(Store::redis(redis, max_keys, metrics))
+        }
+        (BackendSpec::Redis, None) => Err(StoreError::Config(
+            "store.backend: redis needs a store.redis section".into(),
+        )),
+    }
 }
 
 /// How to reach the Redis store: one server, a cluster, or the primary Redis Sentinel

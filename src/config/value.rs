@@ -519,26 +519,7 @@ count_schema_for!(usize, "CountSize");
 
 // === formatting, for summaries, messages and /admin/config ===
 
-/// A duration in the largest unit that divides it: `1d`, `90s`, `250ms`.
-pub fn fmt_dur(d: Duration) -> String {
-    let us = d.as_micros();
-    if us == 0 {
-        return "0s".to_string();
-    }
-    const UNITS: [(u128, &str); 6] = [
-        (86_400_000_000, "d"),
-        (3_600_000_000, "h"),
-        (60_000_000, "m"),
-        (1_000_000, "s"),
-        (1_000, "ms"),
-        (1, "us"),
-    ];
-    UNITS
-        .iter()
-        .find(|(n, _)| us.is_multiple_of(*n))
-        .map(|(n, unit)| format!("{}{unit}", us / n))
-        .unwrap_or_else(|| format!("{us}us"))
-}
+pub use crate::telemetry::fmt_dur;
 
 /// A byte size in the largest binary unit that divides it: `64KiB`, `1MiB`, `100`.
 pub fn fmt_size(n: u64) -> String {

@@ -7,8 +7,12 @@
 //! and then, and the changes since), so that publishing a change does not copy it.
 //! Client keys are kept as the limiter stores them (long ones, and any that could
 //! spell a hash, as their hash), and the dynamic part holds at most
-//! `deny.max_entries`.
+//! `deny.max_entries`. `list` holds the dynamic entries' policy (eviction, bans,
+//! publishing), `state_file` their file with the memory store, `sync` their sharing
+//! through Redis.
 
+pub mod list;
+pub mod state_file;
 pub mod sync;
 
 use std::borrow::Cow;

@@ -12,6 +12,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,13 +27,14 @@ use tokio::task::JoinHandle;
 use crate::config::compile::{compile, redis_options, CompileError};
 use crate::config::schema::BackendSpec;
 use crate::config::{ConfigErrors, Loaded};
+use crate::deny::list::DenyList;
 use crate::deny::sync::DenySync;
-use crate::deny::DenyView;
+use crate::deny::{BanRequest, DenyView};
 use crate::http::body::Body;
 use crate::http::h1::server::{ClientBody, Site};
-use crate::limit::{Clock, MemoryStore, RedisStore, Store, StoreError, SystemClock};
+use crate::limit::{Clock, MemoryStore, StoreError, SystemClock};
 use crate::ops::admin::Admin;
-use crate::ops::control::{Command, Control, Reply, Trigger, TICK};
+use crate::ops::control::{Command, Control, Reply, Trigger};
 use crate::pipeline::{self, Shared};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::refusal_log::RefusalLog;
@@ -120,148 +122,19 @@ pub async fn start_at(loaded: Loaded, clock: Arc<dyn Clock>) -> Result<Running, 
     start_with(loaded, Some(clock)).await
 }
 
+/// Startup, step by step: the state connections share, the deny list and the control
+/// object, the listeners, then everything that runs until shutdown.
 async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Running, StartError> {
-    let metrics = Arc::new(Metrics::new());
-    let runtime = compile(&loaded, &metrics, None)?;
-    let upstreams: Vec<_> = runtime.upstreams.values().cloned().collect();
-    crate::upstream::health::start(&upstreams, &metrics.upstream_target_healthy);
-    crate::upstream::warn_absent(upstreams);
     let f = &loaded.file;
-    let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
-    let max_keys = f.store.memory.max_keys.get();
-    let store = match (f.store.backend, &f.store.redis) {
-        (BackendSpec::Memory, _) => {
-            let clock: Arc<dyn Clock> = match clock {
-                Some(c) => c,
-                None => SystemClock::new(),
-            };
-            let m =
-                MemoryStore::new(max_keys, clock).with_evictions(metrics.eviction_counters.clone());
-            Store::memory(m, &metrics)
-        }
-        (BackendSpec::Redis, Some(redis)) => {
-            let opts = crate::config::compile::redis_options(redis)?;
-            let redis = RedisStore::open(opts, clock).await?;
-            Store::redis(redis, max_keys, &metrics)
-        }
-        (BackendSpec::Redis, None) => {
-            return Err(StoreError::Config(
-                "store.backend: redis needs a store.redis section".into(),
-            )
-            .into())
-        }
-    };
-    let (bans, mut ban_rx) = tokio::sync::mpsc::channel(BAN_QUEUE);
-    let shared = Arc::new(Shared {
-        runtime: ArcSwap::from_pointee(runtime),
-        deny: ArcSwap::from_pointee(DenyView::default()),
-        strikes: MemoryStore::new(max_keys, SystemClock::new()),
-        bans,
-        store,
-        refusals: RefusalLog::new(metrics.refusal_logs_dropped.clone()),
-        metrics,
-        proto: if tls.is_some() { "https" } else { "http" },
-    });
-    let sync = match (shared.store.redis_store(), &f.store.redis) {
-        (Some(r), Some(c)) => Some(Arc::new(DenySync::new(r.clone(), redis_options(c)?.target))),
-        _ => None,
-    };
-    let control = Arc::new(Control::new(shared.clone(), &loaded, sync.clone()));
-
-    let listen = |addr: SocketAddr| async move {
-        TcpListener::bind(addr)
-            .await
-            .map_err(|source| StartError::Listen { addr, source })
-    };
-    let listener = listen(f.server.listen.0).await?;
-    let admin_listener = listen(f.admin.listen.0).await?;
-    let addr = listener.local_addr().map_err(|source| StartError::Listen {
-        addr: f.server.listen.0,
-        source,
-    })?;
-    let admin_addr = admin_listener
-        .local_addr()
-        .map_err(|source| StartError::Listen {
-            addr: f.admin.listen.0,
-            source,
-        })?;
-
-    let header_timeout = f.server.request_header_timeout.get();
+    let (shared, tls, ban_rx) = share(&loaded, clock).await?;
+    let (deny, sync) = deny_list(&shared, f)?;
+    let control = Arc::new(Control::new(shared.clone(), &loaded, deny.clone()));
+    let bound = bind(f).await?;
+    let (addr, admin_addr) = (bound.addr, bound.admin_addr);
     // Validation keeps it between 8KiB and 1MiB.
     let max_head = usize::try_from(f.server.max_header_bytes.0).unwrap_or(usize::MAX);
     let (stop, stop_rx) = watch::channel(false);
-    let grace = f.server.shutdown_grace.get();
-
-    let gw = {
-        let refused = shared
-            .metrics
-            .connections_refused
-            .with_label_values(&["per_ip"]);
-        let shared_for_exempt = shared.clone();
-        let builder = http_builder(shared.clone(), max_head);
-        let shared = shared.clone();
-        let service = move |peer: Arc<pipeline::Peer>| {
-            let shared = shared.clone();
-            // HTTP/2 only: sluice's own server takes every HTTP/1 request.
-            service_fn(move |req: Request<Incoming>| -> H2Future {
-                let (shared, peer) = (shared.clone(), peer.clone());
-                let (mut parts, body) = req.into_parts();
-                Box::pin(async move {
-                    let body = ClientBody::Hyper(body);
-                    let mut resp = pipeline::handle(&shared, &mut parts, body, &peer, None).await;
-                    crate::http::body::own_length(&mut resp, parts.method == http::Method::HEAD);
-                    Ok(resp)
-                })
-            })
-        };
-        // A load balancer in front carries many clients' connections.
-        let exempt: Exempt = {
-            let shared = shared_for_exempt;
-            Arc::new(move |ip| shared.runtime.load().trusted.contains(ip))
-        };
-        let limits = Limits {
-            max_head,
-            tls,
-            header_timeout,
-            idle_timeout: f.server.idle_timeout.get(),
-            send_timeout: f.server.send_timeout.get(),
-            max_connections: f.server.max_connections.get(),
-            per_ip: f.server.max_connections_per_ip.get(),
-            per_v6_64: false,
-            exempt,
-            linger: LINGER_TIME,
-            refused: Some(refused),
-            grace,
-            caps: Caps::new(f.server.max_connections.get()),
-        };
-        let builder = Arc::new(builder);
-        // Worker 0 is this runtime; each other worker is a thread with a runtime of
-        // its own, accepting on its own handle of the same socket.
-        let mut handles = Vec::new();
-        for i in 1..workers(f) {
-            let dup = std::os::fd::AsFd::as_fd(&listener)
-                .try_clone_to_owned()
-                .map(std::net::TcpListener::from)
-                .map_err(|source| StartError::Listen { addr, source })?;
-            handles.push(spawn_worker(
-                i,
-                addr,
-                dup,
-                limits.clone(),
-                builder.clone(),
-                service.clone(),
-                stop_rx.clone(),
-            )?);
-        }
-        handles.push(tokio::spawn(serve(
-            listener,
-            limits,
-            builder,
-            service,
-            stop_rx.clone(),
-        )));
-        handles
-    };
+    let gw = serve_gateway(&shared, bound.listener, addr, tls, f, max_head, &stop_rx)?;
     // The dashboard's history: the counters of every route, sampled.
     let history = Arc::new(crate::ops::stats::History::standard());
     crate::ops::stats::sample(&shared, &history);
@@ -276,119 +149,25 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         control.clone(),
         addr,
     ));
-    let admin = {
-        let admin = Arc::new(Admin {
-            shared: shared.clone(),
-            control: control.clone(),
-            history,
-            fleet: fleet.clone(),
-            body_timeout: f.admin.request_header_timeout.get(),
-        });
-        let builder = Arc::new(http_builder(admin.clone(), max_head));
-        // HTTP/2 only (h2c): sluice's own server takes every HTTP/1 request.
-        let service = move |_peer: Arc<pipeline::Peer>| {
-            let admin = admin.clone();
-            service_fn(move |req: Request<Incoming>| -> H2Future {
-                let admin = admin.clone();
-                let req = req.map(ClientBody::Hyper);
-                Box::pin(async move { Ok(admin.handle(req).await) })
-            })
-        };
-        // Small caps and short timeouts: one client holding idle or half-sent
-        // connections must not keep /healthz and /metrics from answering (a health
-        // check gives up after a few seconds). No address is exempt: a proxy in
-        // front of the admin port is not expected.
-        let header_timeout = f.admin.request_header_timeout.get();
-        let limits = Limits {
-            max_head,
-            tls: None,
-            header_timeout,
-            idle_timeout: f.admin.idle_timeout.get(),
-            send_timeout: f.server.send_timeout.get(),
-            max_connections: ADMIN_CONNECTIONS,
-            per_ip: f.admin.max_connections_per_ip.get(),
-            // One host usually holds a whole /64: per address, it could open as
-            // many admin connections as it likes.
-            per_v6_64: true,
-            exempt: Arc::new(|_| false),
-            // An admin request has seconds to come whole: its lingering close, too
-            // (held 30 s, it would let a few addresses fill the listener's total).
-            linger: header_timeout,
-            refused: None,
-            grace: Duration::from_secs(1),
-            caps: Caps::new(ADMIN_CONNECTIONS),
-        };
-        tokio::spawn(serve(
-            admin_listener,
-            limits,
-            builder,
-            service,
-            stop_rx.clone(),
-        ))
-    };
-    let sweeper = {
-        let shared = shared.clone();
-        let mut stop_rx = stop_rx.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = stop_rx.changed() => return,
-                }
-                if let Some(m) = shared.store.memory_store() {
-                    m.sweep();
-                }
-                shared.strikes.sweep();
-            }
-        })
-    };
+    let admin = Arc::new(Admin {
+        shared: shared.clone(),
+        control: control.clone(),
+        history,
+        fleet: fleet.clone(),
+        body_timeout: f.admin.request_header_timeout.get(),
+    });
+    let admin = serve_admin(admin, bound.admin_listener, f, max_head, &stop_rx);
+    let sweeper = sweep(shared.clone(), stop_rx.clone());
     // The control loop: everything that changes the running gateway from inside
     // (bans, the shared deny list, expiry, the file watcher) goes through it.
-    let (commands, mut command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
+    let (commands, command_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
     if let Some(sync) = sync {
-        let c = control.clone();
-        sync.read_once(move |r, at| c.remote(r, at), STARTUP_READ)
-            .await;
-        let c = control.clone();
-        sync.follow(move |r, at| c.remote(r, at));
+        follow(&sync, &deny).await;
     }
-    // A configuration that was not read from a file (tests) has nothing to watch.
-    let watch = if !loaded.path.is_file() {
-        None
-    } else {
-        let commands = commands.clone();
-        match crate::config::watch::watch(&loaded.path, move || {
-            let _ = commands.send(Command::Reload(Trigger::File));
-        }) {
-            Ok(w) => Some(w),
-            Err(e) => {
-                tracing::warn!(error = %e, config = %loaded.path.display(), "cannot watch the configuration file; reload with SIGHUP or POST /admin/reload");
-                None
-            }
-        }
-    };
-    let publisher = tokio::spawn(control.clone().run_publisher());
+    let watch = watch_file(&loaded, commands);
+    let publisher = tokio::spawn(deny.clone().run_publisher());
     let heartbeat = tokio::spawn(fleet.run(stop_rx.clone()));
-    let control_loop = {
-        let control = control.clone();
-        let mut stop_rx = stop_rx.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(TICK);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                let cmd = tokio::select! {
-                    Some(c) = command_rx.recv() => c,
-                    Some(b) = ban_rx.recv() => Command::Ban(b),
-                    _ = tick.tick() => Command::Tick,
-                    _ = stop_rx.changed() => break,
-                };
-                // Errors are logged and counted where they happen.
-                let _ = control.apply(cmd).await;
-            }
-            let _ = control.apply(Command::Tick).await;
-        })
-    };
+    let control_loop = tokio::spawn(control.clone().run(command_rx, ban_rx, stop_rx.clone()));
     warn_unused(f);
     for w in &loaded.warnings {
         tracing::warn!("{w}");
@@ -407,6 +186,276 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         publisher,
         _watch: watch,
     })
+}
+
+/// What every connection shares: the compiled configuration (its upstreams' health
+/// checks started), the store, the metrics; with the TLS acceptor of `server.tls`,
+/// and where the request path's bans arrive.
+async fn share(
+    loaded: &Loaded,
+    clock: Option<Arc<dyn Clock>>,
+) -> Result<
+    (
+        Arc<Shared>,
+        Option<tokio_rustls::TlsAcceptor>,
+        tokio::sync::mpsc::Receiver<BanRequest>,
+    ),
+    StartError,
+> {
+    let metrics = Arc::new(Metrics::new());
+    let runtime = compile(loaded, &metrics, None)?;
+    let upstreams: Vec<_> = runtime.upstreams.values().cloned().collect();
+    crate::upstream::health::start(&upstreams, &metrics.upstream_target_healthy);
+    crate::upstream::warn_absent(upstreams);
+    let f = &loaded.file;
+    let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
+    let store = crate::config::compile::store(f, &metrics, clock).await?;
+    let (bans, ban_rx) = tokio::sync::mpsc::channel(BAN_QUEUE);
+    let shared = Arc::new(Shared {
+        runtime: ArcSwap::from_pointee(runtime),
+        deny: ArcSwap::from_pointee(DenyView::default()),
+        strikes: MemoryStore::new(f.store.memory.max_keys.get(), SystemClock::new()),
+        bans,
+        store,
+        refusals: RefusalLog::new(metrics.refusal_logs_dropped.clone()),
+        metrics,
+        proto: if tls.is_some() { "https" } else { "http" },
+    });
+    Ok((shared, tls, ban_rx))
+}
+
+/// The dynamic deny entries: shared through Redis with the Redis store (the
+/// follower not started yet), else kept in `deny.state_file`, if any.
+fn deny_list(
+    shared: &Arc<Shared>,
+    f: &crate::config::schema::File,
+) -> Result<(Arc<DenyList>, Option<Arc<DenySync>>), StartError> {
+    let sync = match (shared.store.redis_store(), &f.store.redis) {
+        (Some(r), Some(c)) => Some(Arc::new(DenySync::new(r.clone(), redis_options(c)?.target))),
+        _ => None,
+    };
+    let state_file = f
+        .deny
+        .state_file
+        .as_ref()
+        .map(|p| PathBuf::from(p.as_str()));
+    let deny = Arc::new(DenyList::new(shared.clone(), sync.clone(), state_file));
+    Ok((deny, sync))
+}
+
+/// The gateway's and the admin API's listeners, bound.
+struct Bound {
+    listener: TcpListener,
+    admin_listener: TcpListener,
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+}
+
+async fn bind(f: &crate::config::schema::File) -> Result<Bound, StartError> {
+    let listen = |addr: SocketAddr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Listen { addr, source })
+    };
+    let listener = listen(f.server.listen.0).await?;
+    let admin_listener = listen(f.admin.listen.0).await?;
+    let addr = listener.local_addr().map_err(|source| StartError::Listen {
+        addr: f.server.listen.0,
+        source,
+    })?;
+    let admin_addr = admin_listener
+        .local_addr()
+        .map_err(|source| StartError::Listen {
+            addr: f.admin.listen.0,
+            source,
+        })?;
+    Ok(Bound {
+        listener,
+        admin_listener,
+        addr,
+        admin_addr,
+    })
+}
+
+/// The gateway port at work: one task per worker, each ending when it has drained.
+fn serve_gateway(
+    shared: &Arc<Shared>,
+    listener: TcpListener,
+    addr: SocketAddr,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    f: &crate::config::schema::File,
+    max_head: usize,
+    stop_rx: &watch::Receiver<bool>,
+) -> Result<Vec<JoinHandle<()>>, StartError> {
+    let header_timeout = f.server.request_header_timeout.get();
+    let grace = f.server.shutdown_grace.get();
+    let refused = shared
+        .metrics
+        .connections_refused
+        .with_label_values(&["per_ip"]);
+    let shared_for_exempt = shared.clone();
+    let builder = http_builder(shared.clone(), max_head);
+    let shared = shared.clone();
+    let service = move |peer: Arc<pipeline::Peer>| {
+        let shared = shared.clone();
+        // HTTP/2 only: sluice's own server takes every HTTP/1 request.
+        service_fn(move |req: Request<Incoming>| -> H2Future {
+            let (shared, peer) = (shared.clone(), peer.clone());
+            let (mut parts, body) = req.into_parts();
+            Box::pin(async move {
+                let body = ClientBody::Hyper(body);
+                let mut resp = pipeline::handle(&shared, &mut parts, body, &peer, None).await;
+                crate::http::body::own_length(&mut resp, parts.method == http::Method::HEAD);
+                Ok(resp)
+            })
+        })
+    };
+    // A load balancer in front carries many clients' connections.
+    let exempt: Exempt = {
+        let shared = shared_for_exempt;
+        Arc::new(move |ip| shared.runtime.load().trusted.contains(ip))
+    };
+    let limits = Limits {
+        max_head,
+        tls,
+        header_timeout,
+        idle_timeout: f.server.idle_timeout.get(),
+        send_timeout: f.server.send_timeout.get(),
+        max_connections: f.server.max_connections.get(),
+        per_ip: f.server.max_connections_per_ip.get(),
+        per_v6_64: false,
+        exempt,
+        linger: LINGER_TIME,
+        refused: Some(refused),
+        grace,
+        caps: Caps::new(f.server.max_connections.get()),
+    };
+    let builder = Arc::new(builder);
+    // Worker 0 is this runtime; each other worker is a thread with a runtime of
+    // its own, accepting on its own handle of the same socket.
+    let mut handles = Vec::new();
+    for i in 1..workers(f) {
+        let dup = std::os::fd::AsFd::as_fd(&listener)
+            .try_clone_to_owned()
+            .map(std::net::TcpListener::from)
+            .map_err(|source| StartError::Listen { addr, source })?;
+        handles.push(spawn_worker(
+            i,
+            addr,
+            dup,
+            limits.clone(),
+            builder.clone(),
+            service.clone(),
+            stop_rx.clone(),
+        )?);
+    }
+    handles.push(tokio::spawn(serve(
+        listener,
+        limits,
+        builder,
+        service,
+        stop_rx.clone(),
+    )));
+    Ok(handles)
+}
+
+/// The admin port at work.
+fn serve_admin(
+    admin: Arc<Admin>,
+    admin_listener: TcpListener,
+    f: &crate::config::schema::File,
+    max_head: usize,
+    stop_rx: &watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    let builder = Arc::new(http_builder(admin.clone(), max_head));
+    // HTTP/2 only (h2c): sluice's own server takes every HTTP/1 request.
+    let service = move |_peer: Arc<pipeline::Peer>| {
+        let admin = admin.clone();
+        service_fn(move |req: Request<Incoming>| -> H2Future {
+            let admin = admin.clone();
+            let req = req.map(ClientBody::Hyper);
+            Box::pin(async move { Ok(admin.handle(req).await) })
+        })
+    };
+    // Small caps and short timeouts: one client holding idle or half-sent
+    // connections must not keep /healthz and /metrics from answering (a health
+    // check gives up after a few seconds). No address is exempt: a proxy in
+    // front of the admin port is not expected.
+    let header_timeout = f.admin.request_header_timeout.get();
+    let limits = Limits {
+        max_head,
+        tls: None,
+        header_timeout,
+        idle_timeout: f.admin.idle_timeout.get(),
+        send_timeout: f.server.send_timeout.get(),
+        max_connections: ADMIN_CONNECTIONS,
+        per_ip: f.admin.max_connections_per_ip.get(),
+        // One host usually holds a whole /64: per address, it could open as
+        // many admin connections as it likes.
+        per_v6_64: true,
+        exempt: Arc::new(|_| false),
+        // An admin request has seconds to come whole: its lingering close, too
+        // (held 30 s, it would let a few addresses fill the listener's total).
+        linger: header_timeout,
+        refused: None,
+        grace: Duration::from_secs(1),
+        caps: Caps::new(ADMIN_CONNECTIONS),
+    };
+    tokio::spawn(serve(
+        admin_listener,
+        limits,
+        builder,
+        service,
+        stop_rx.clone(),
+    ))
+}
+
+/// Every 5 s, until `stop_rx` changes: the memory store's and the ban strikes' stale
+/// entries go.
+fn sweep(shared: Arc<Shared>, mut stop_rx: watch::Receiver<bool>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop_rx.changed() => return,
+            }
+            if let Some(m) = shared.store.memory_store() {
+                m.sweep();
+            }
+            shared.strikes.sweep();
+        }
+    })
+}
+
+/// Reads the shared deny list (waiting at most `STARTUP_READ`), then follows it:
+/// its changes go straight to the deny list.
+async fn follow(sync: &Arc<DenySync>, deny: &Arc<DenyList>) {
+    let d = deny.clone();
+    sync.read_once(move |r, at| d.remote(r, at), STARTUP_READ)
+        .await;
+    let d = deny.clone();
+    sync.clone().follow(move |r, at| d.remote(r, at));
+}
+
+/// The configuration file's watcher, which asks the control loop for reloads. A
+/// configuration that was not read from a file (tests) has nothing to watch.
+fn watch_file(
+    loaded: &Loaded,
+    commands: tokio::sync::mpsc::UnboundedSender<Command>,
+) -> Option<crate::config::watch::Watch> {
+    if !loaded.path.is_file() {
+        return None;
+    }
+    match crate::config::watch::watch(&loaded.path, move || {
+        let _ = commands.send(Command::Reload(Trigger::File));
+    }) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(error = %e, config = %loaded.path.display(), "cannot watch the configuration file; reload with SIGHUP or POST /admin/reload");
+            None
+        }
+    }
 }
 
 /// Settings in the file that this configuration does not use: say so rather than

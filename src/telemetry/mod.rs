@@ -1,6 +1,6 @@
 //! What sluice tells operators: Prometheus metrics, the refusal log, the access
-//! log, the heaviest refused clients of each route (`top`), and the UTC times they
-//! write.
+//! log, the heaviest refused clients of each route (`top`), and the UTC times and
+//! durations they write.
 
 pub mod access_file;
 pub mod access_log;
@@ -58,4 +58,25 @@ pub fn rfc3339(ms: u64) -> String {
         "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}{frac}Z",
         c.year, c.month, c.day, c.hour, c.minute, c.second
     )
+}
+
+/// A duration in the largest unit that divides it: `1d`, `90s`, `250ms`.
+pub fn fmt_dur(d: std::time::Duration) -> String {
+    let us = d.as_micros();
+    if us == 0 {
+        return "0s".to_string();
+    }
+    const UNITS: [(u128, &str); 6] = [
+        (86_400_000_000, "d"),
+        (3_600_000_000, "h"),
+        (60_000_000, "m"),
+        (1_000_000, "s"),
+        (1_000, "ms"),
+        (1, "us"),
+    ];
+    UNITS
+        .iter()
+        .find(|(n, _)| us.is_multiple_of(*n))
+        .map(|(n, unit)| format!("{}{unit}", us / n))
+        .unwrap_or_else(|| format!("{us}us"))
 }
