@@ -574,14 +574,36 @@ fn part_value<'a>(
     ip: IpAddr,
     body: Option<&'a [u8]>,
 ) -> Option<Cow<'a, str>> {
-    let v: Cow<'a, str> = match (part, key_body(&req.headers)) {
+    let v: Cow<'a, str> = match part {
+        KeyPart::Form(_) | KeyPart::Json(_) => body_part_value(part, req, body?)?,
+        KeyPart::Ip => Cow::Owned(ip.to_string()),
+        KeyPart::Global => Cow::Borrowed("global"),
+        KeyPart::Header(h) => header_text(single(req.headers.get_all(h).iter())?),
+        KeyPart::Query(name) => single(
+            query_pairs(req.uri.query()?)
+                .filter(|(k, _)| same_name(k, name))
+                .map(|(_, v)| v),
+        )?,
+        KeyPart::Cookie(name) => single(cookies(&req.headers, name))?,
+    };
+    if v.is_empty() {
+        None
+    } else {
+        Some(v)
+    }
+}
+
+/// The value of a body part (`form:`, `json:`) in a body read whole, as
+/// `part_value` says; the request's `Content-Type` is looked at only here, so a
+/// route whose key is not in the body never reads it.
+fn body_part_value<'a>(part: &'a KeyPart, req: &'a Parts, body: &'a [u8]) -> Option<Cow<'a, str>> {
+    Some(match (part, key_body(&req.headers)) {
         // Go's `FormValue` reads the query's parameter first: one there is a copy.
         (KeyPart::Form(name), _) if in_query(req, name) => return None,
-        (KeyPart::Form(name), Some((BodyType::Form, _))) => single(form_fields(body?, name))?,
+        (KeyPart::Form(name), Some((BodyType::Form, _))) => single(form_fields(body, name))?,
         (KeyPart::Form(name), Some((BodyType::Multipart, ct))) => {
             // The strict reading's field, when every reading finds just what it
             // finds, with the one boundary every upstream reads.
-            let body = body?;
             let same = |n: &str| same_name(n, name);
             let boundary = multipart::boundary(ct.as_bytes())?;
             if multipart_boundaries(&req.headers).len() != 1 {
@@ -598,28 +620,14 @@ fn part_value<'a>(
             trim_white(field.value)
         }
         (KeyPart::Json(pointer), Some((BodyType::Json, _))) => {
-            let found = json_values(body?, pointer)?;
+            let found = json_values(body, pointer)?;
             if found.repeated {
                 return None;
             }
             Cow::Owned(json_text(single(found.values.iter())?)?)
         }
-        (KeyPart::Form(_) | KeyPart::Json(_), _) => return None,
-        (KeyPart::Ip, _) => Cow::Owned(ip.to_string()),
-        (KeyPart::Global, _) => Cow::Borrowed("global"),
-        (KeyPart::Header(h), _) => header_text(single(req.headers.get_all(h).iter())?),
-        (KeyPart::Query(name), _) => single(
-            query_pairs(req.uri.query()?)
-                .filter(|(k, _)| same_name(k, name))
-                .map(|(_, v)| v),
-        )?,
-        (KeyPart::Cookie(name), _) => single(cookies(&req.headers, name))?,
-    };
-    if v.is_empty() {
-        None
-    } else {
-        Some(v)
-    }
+        _ => return None,
+    })
 }
 
 /// Whether the query has a parameter named `name` (`same_name`).
