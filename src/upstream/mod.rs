@@ -834,7 +834,8 @@ impl Upstream {
         // The targets still to try, made at the first that cannot be reached.
         let mut rest: Option<std::vec::IntoIter<usize>> = None;
         let resp = loop {
-            let unsent = match (&target.via, h2) {
+            // The HTTP/1.1 pool to send on, or why the request went nowhere.
+            let pool = match (&target.via, h2) {
                 (_, Some(h2)) => {
                     fwd.put_in_map(&mut parts.headers);
                     let req = h2_request(parts, target, body);
@@ -855,7 +856,7 @@ impl Upstream {
                             let (back, b) = req.into_parts();
                             parts.headers = back.headers;
                             body = b;
-                            e
+                            Err(e)
                         }
                         Ok(Err(H2Error::Send(SendError::Connect(e) | SendError::Unsent(e, _)))) => {
                             return Err(classify(e, true))
@@ -880,28 +881,20 @@ impl Upstream {
                             }
                             body = b;
                             pool.adopt(conn);
-                            match self
-                                .send_h1(
-                                    pool, parts, body, fwd, &mut raw, &sending, &mut timer, timeout,
-                                )
-                                .await
-                            {
-                                Ok(sent) => break sent,
-                                Err(Unsent(e, b)) => {
-                                    body = b;
-                                    e
-                                }
-                            }
+                            Ok(pool)
                         }
                     }
                 }
-                (Via::H1(pool) | Via::Auto(pool, _), None) => {
-                    match self
-                        .send_h1(
-                            pool, parts, body, fwd, &mut raw, &sending, &mut timer, timeout,
-                        )
-                        .await
-                    {
+                (Via::H1(pool) | Via::Auto(pool, _), None) => Ok(pool),
+                (Via::H2(_), None) => unreachable!("an HTTP/2 target always has its pool"),
+            };
+            let unsent = match pool {
+                Err(e) => e,
+                Ok(pool) => {
+                    let sent = self.send_h1(
+                        pool, parts, body, fwd, &mut raw, &sending, &mut timer, timeout,
+                    );
+                    match sent.await {
                         Ok(sent) => break sent,
                         Err(Unsent(e, b)) => {
                             body = b;
@@ -909,7 +902,6 @@ impl Upstream {
                         }
                     }
                 }
-                (Via::H2(_), None) => unreachable!("an HTTP/2 target always has its pool"),
             };
             // No connection could be made: the request, not written, may go to the
             // next target (in the same protocol: its fields were made for it).
