@@ -880,8 +880,15 @@ async fn a_client_stream_over_max_request_body_is_resource_exhausted() {
         (c.code.as_str(), c.details.as_str(), c.received),
         ("RESOURCE_EXHAUSTED", "request body too large", 0)
     );
-    // The server never took the whole stream.
-    assert!(server.events("call", "ClientStream").is_empty());
+    // The server never took the whole stream: sluice resets the upstream's stream
+    // at the limit. grpcio may still record the call: its request iterator ends
+    // quietly when a receive finds the stream gone before it has seen the reset
+    // (`_receive_message` marks the client closed, not cancelled), so the
+    // handler returns with what came before it, never more than the limit.
+    for seen in server.events("call", "ClientStream") {
+        assert!(seen["bytes"].as_u64().unwrap() < 64 * 1024, "{seen}");
+        assert!(seen["count"].as_u64().unwrap() < 4, "{seen}");
+    }
     let m = metrics(gw.admin_addr).await;
     assert_eq!(decisions(&m, "echo"), [("bad_request", 1.0)]);
 }
