@@ -691,7 +691,7 @@ pub async fn connect_from_other(addr: SocketAddr) -> TcpStream {
 }
 
 /// Read up to the end of a response (or request) head; `None` on EOF before it.
-pub async fn read_head(stream: &mut TcpStream) -> Option<String> {
+pub async fn read_head(stream: &mut (impl AsyncRead + Unpin)) -> Option<String> {
     let mut buf = Vec::new();
     let mut byte = [0u8; 1];
     while !buf.ends_with(b"\r\n\r\n") {
@@ -703,9 +703,9 @@ pub async fn read_head(stream: &mut TcpStream) -> Option<String> {
     Some(String::from_utf8_lossy(&buf).into_owned())
 }
 
-/// Read one response: its head and its body (by `content-length` or chunked);
-/// `None` when the connection ends before a head.
-pub async fn read_response(stream: &mut TcpStream) -> Option<(String, String)> {
+/// Read one response: its head and its body (by `content-length` or chunked),
+/// from a plain or a TLS stream; `None` when the connection ends before a head.
+pub async fn read_response(stream: &mut (impl AsyncRead + Unpin)) -> Option<(String, String)> {
     let head = read_head(stream).await?;
     let lower = head.to_ascii_lowercase();
     let mut body = Vec::new();
@@ -734,7 +734,7 @@ pub async fn read_response(stream: &mut TcpStream) -> Option<(String, String)> {
     Some((head, String::from_utf8_lossy(&body).into_owned()))
 }
 
-async fn read_line(stream: &mut TcpStream) -> Option<String> {
+async fn read_line(stream: &mut (impl AsyncRead + Unpin)) -> Option<String> {
     let mut line = Vec::new();
     let mut byte = [0u8; 1];
     while !line.ends_with(b"\r\n") {
