@@ -9,6 +9,8 @@ pub mod cases;
 pub mod clock;
 pub mod memory;
 pub mod per_ip;
+#[cfg(test)]
+mod proptests;
 pub mod redis;
 pub mod reserve;
 pub mod response;
