@@ -136,37 +136,14 @@ pub static EMPTY: State = State::Empty;
 
 /// What a decision would store if the request is charged. Kept free of heap data so
 /// a store can evaluate every limit first and write only when all of them admit.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 enum Next {
     /// Refused: nothing changes.
     Keep,
-    Window {
-        idx: u64,
-        count: u64,
-    },
-    Sliding {
-        idx: u64,
-        prev: u64,
-        curr: u64,
-    },
+    /// The state to store: any but a sliding log (which is on the heap).
+    Set(State),
     /// sliding_log: drop the entries that left the window, append `(now, cost)`.
     LogPush,
-    Bucket {
-        tokens: i64,
-        ts: u64,
-        rate: Rate,
-        burst: u64,
-    },
-    Gcra {
-        tat: u64,
-        ts: u64,
-        rate: Rate,
-        burst: u64,
-    },
-    /// concurrency: one more request in flight.
-    Acquire {
-        count: u64,
-    },
 }
 
 // === impl Algorithm ===
@@ -185,48 +162,8 @@ impl Algorithm {
         max_delay_us: u64,
     ) -> (Outcome, State) {
         let (outcome, next) = self.eval(state, now_us, cost, max_delay_us);
-        let new = match next {
-            Next::Keep => state.clone(),
-            Next::Window { idx, count } => State::Window { idx, count },
-            Next::Sliding { idx, prev, curr } => State::Sliding { idx, prev, curr },
-            Next::Bucket {
-                tokens,
-                ts,
-                rate,
-                burst,
-            } => State::Bucket {
-                tokens,
-                ts,
-                rate,
-                burst,
-            },
-            Next::Gcra {
-                tat,
-                ts,
-                rate,
-                burst,
-            } => State::Gcra {
-                tat,
-                ts,
-                rate,
-                burst,
-            },
-            Next::Acquire { count } => State::InFlight(count),
-            Next::LogPush => {
-                let mut log = match state {
-                    State::Log(log) => {
-                        let w = self.window_us();
-                        log.iter()
-                            .copied()
-                            .filter(|&(ts, _)| log_live(ts, w, now_us))
-                            .collect()
-                    }
-                    _ => VecDeque::with_capacity(1),
-                };
-                log.push_back((now_us, cost));
-                State::Log(log)
-            }
-        };
+        let mut new = state.clone();
+        self.commit(&mut new, next, now_us, cost);
         (outcome, new)
     }
 
@@ -234,37 +171,15 @@ impl Algorithm {
     /// every limit of the request has admitted, to avoid copying a sliding log.
     pub fn charge(&self, state: &mut State, now_us: u64, cost: u64, max_delay_us: u64) -> Outcome {
         let (outcome, next) = self.eval(state, now_us, cost, max_delay_us);
+        self.commit(state, next, now_us, cost);
+        outcome
+    }
+
+    /// Writes what a decision at `now_us` of a request of `cost` said to store.
+    fn commit(&self, state: &mut State, next: Next, now_us: u64, cost: u64) {
         match next {
             Next::Keep => {}
-            Next::Window { idx, count } => *state = State::Window { idx, count },
-            Next::Sliding { idx, prev, curr } => *state = State::Sliding { idx, prev, curr },
-            Next::Bucket {
-                tokens,
-                ts,
-                rate,
-                burst,
-            } => {
-                *state = State::Bucket {
-                    tokens,
-                    ts,
-                    rate,
-                    burst,
-                }
-            }
-            Next::Gcra {
-                tat,
-                ts,
-                rate,
-                burst,
-            } => {
-                *state = State::Gcra {
-                    tat,
-                    ts,
-                    rate,
-                    burst,
-                }
-            }
-            Next::Acquire { count } => *state = State::InFlight(count),
+            Next::Set(new) => *state = new,
             Next::LogPush => {
                 if let State::Log(log) = state {
                     let w = self.window_us();
@@ -275,7 +190,6 @@ impl Algorithm {
                 }
             }
         }
-        outcome
     }
 
     /// The time (µs since the epoch) from which `state` can no longer influence any
@@ -623,28 +537,42 @@ fn fixed_window(
         State::Window { idx: s, count } if s == idx => count,
         _ => 0,
     };
-    // Time to the window's end.
+    // Time to the window's end: its reset, and a refused request's wait.
     let until_end = end.saturating_sub(now);
-    // Admit iff count + cost <= limit.
+    let (outcome, after) = count_up(limit, count, cost, until_end, until_end);
+    let next = after.map_or(Next::Keep, |count| Next::Set(State::Window { idx, count }));
+    (outcome, next)
+}
+
+/// A count under a limit (fixed_window, concurrency): admit iff count + cost <=
+/// limit; remaining = limit - count after this one. Reset is `reset_us` when
+/// admitted; a refusal waits `wait_us` (its reset too). The count to store when
+/// admitted.
+fn count_up(
+    limit: u64,
+    count: u64,
+    cost: u64,
+    reset_us: u64,
+    wait_us: u64,
+) -> (Outcome, Option<u64>) {
     let after = count.saturating_add(cost);
     if after <= limit {
         let outcome = Outcome {
             allowed: true,
             remaining: limit - after,
-            reset_us: until_end,
+            reset_us,
             ..Outcome::default()
         };
-        (outcome, Next::Window { idx, count: after })
-    } else {
-        let outcome = Outcome {
-            allowed: false,
-            remaining: limit.saturating_sub(count),
-            reset_us: until_end,
-            retry_after_us: until_end,
-            ..Outcome::default()
-        };
-        (outcome, Next::Keep)
+        return (outcome, Some(after));
     }
+    let outcome = Outcome {
+        allowed: false,
+        remaining: limit.saturating_sub(count),
+        reset_us: wait_us,
+        retry_after_us: wait_us,
+        ..Outcome::default()
+    };
+    (outcome, None)
 }
 
 /// sliding_window: the previous window's count weighted by the share of it still inside
@@ -688,11 +616,11 @@ fn sliding_window(limit: u64, w: u64, state: &State, now: u64, cost: u64) -> (Ou
         };
         return (
             outcome,
-            Next::Sliding {
+            Next::Set(State::Sliding {
                 idx,
                 prev,
                 curr: curr_after,
-            },
+            }),
         );
     }
     let retry_after_us = if curr.saturating_add(cost) <= limit {
@@ -735,23 +663,11 @@ fn concurrency(limit: u64, state: &State, cost: u64) -> (Outcome, Next) {
         State::InFlight(n) => n,
         _ => 0,
     };
-    let after = count.saturating_add(cost);
-    if after <= limit {
-        let outcome = Outcome {
-            allowed: true,
-            remaining: limit - after,
-            ..Outcome::default()
-        };
-        return (outcome, Next::Acquire { count: after });
-    }
-    let outcome = Outcome {
-        allowed: false,
-        remaining: limit.saturating_sub(count),
-        reset_us: CONCURRENCY_RETRY_US,
-        retry_after_us: CONCURRENCY_RETRY_US,
-        ..Outcome::default()
-    };
-    (outcome, Next::Keep)
+    let (outcome, after) = count_up(limit, count, cost, 0, CONCURRENCY_RETRY_US);
+    (
+        outcome,
+        after.map_or(Next::Keep, |n| Next::Set(State::InFlight(n))),
+    )
 }
 
 /// Whether a log entry made at `ts` is still inside the window ending at `now`:
@@ -853,31 +769,16 @@ fn token_bucket(
     // state is full, and it passes, by `until` at the latest.
     let level = if allowed { after } else { tokens };
     let reset_us = to_u64(ceil_div(cap - level, n));
-    let outcome = if allowed {
-        Outcome {
-            allowed,
-            remaining: to_u64(level.max(0) / p),
-            reset_us,
-            delay_us,
-            ..Outcome::default()
-        }
-    } else {
-        Outcome {
-            allowed,
-            remaining: to_u64(level.max(0) / p),
-            reset_us: reset_us.min(until - now),
-            retry_after_us: wait.min(until - now),
-            ..Outcome::default()
-        }
-    };
+    let remaining = to_u64(level.max(0) / p);
+    let outcome = bucket_outcome(allowed, remaining, reset_us, delay_us, wait, until - now);
     let next = if allowed {
         let tokens = i64::try_from(after).unwrap_or(i64::MIN);
-        Next::Bucket {
+        Next::Set(State::Bucket {
             tokens,
             ts: now,
             rate,
             burst,
-        }
+        })
     } else {
         Next::Keep
     };
@@ -922,11 +823,36 @@ fn gcra(
     let t = if allowed { new_tat } else { base };
     let used = u128::from(t - now) * n_u;
     let remaining = u128_to_u64(span.saturating_sub(used) / p_u);
-    let outcome = if allowed {
+    let outcome = bucket_outcome(allowed, remaining, t - now, delay_us, wait, until - now);
+    let next = if allowed {
+        Next::Set(State::Gcra {
+            tat: new_tat,
+            ts: now,
+            rate,
+            burst,
+        })
+    } else {
+        Next::Keep
+    };
+    (outcome, next)
+}
+
+/// The outcome of token_bucket or gcra: admitted after `delay_us`, or refused for
+/// `wait_us`. A refused request's state is as good as empty in `empty_in_us` (one
+/// written under other parameters): its reset and its wait end then at the latest.
+fn bucket_outcome(
+    allowed: bool,
+    remaining: u64,
+    reset_us: u64,
+    delay_us: u64,
+    wait_us: u64,
+    empty_in_us: u64,
+) -> Outcome {
+    if allowed {
         Outcome {
             allowed,
             remaining,
-            reset_us: t - now,
+            reset_us,
             delay_us,
             ..Outcome::default()
         }
@@ -934,22 +860,11 @@ fn gcra(
         Outcome {
             allowed,
             remaining,
-            reset_us: (t - now).min(until - now),
-            retry_after_us: wait.min(until - now),
+            reset_us: reset_us.min(empty_in_us),
+            retry_after_us: wait_us.min(empty_in_us),
             ..Outcome::default()
         }
-    };
-    let next = if allowed {
-        Next::Gcra {
-            tat: new_tat,
-            ts: now,
-            rate,
-            burst,
-        }
-    } else {
-        Next::Keep
-    };
-    (outcome, next)
+    }
 }
 
 // === reading state written under other parameters ===
