@@ -438,44 +438,22 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
             changed.push(name);
         }
     };
-    check("server.listen", o.listen != n.listen);
+    // `section.field` for each field named, compared as values.
+    macro_rules! fields {
+        ($section:literal, $o:ident, $n:ident: $($field:ident),+) => {
+            $(check(concat!($section, ".", stringify!($field)), $o.$field != $n.$field);)+
+        };
+    }
+    fields!("server", o, n: listen);
     check("server.tls", json(&o.tls) != json(&n.tls));
-    check(
-        "server.max_connections",
-        o.max_connections != n.max_connections,
-    );
-    check(
-        "server.request_header_timeout",
-        o.request_header_timeout != n.request_header_timeout,
-    );
-    check(
-        "server.shutdown_grace",
-        o.shutdown_grace != n.shutdown_grace,
-    );
-    check(
-        "server.max_connections_per_ip",
-        o.max_connections_per_ip != n.max_connections_per_ip,
-    );
-    check("server.idle_timeout", o.idle_timeout != n.idle_timeout);
-    check("server.workers", o.workers != n.workers);
+    fields!("server", o, n: max_connections, request_header_timeout, shutdown_grace,
+        max_connections_per_ip, idle_timeout, workers);
     // Held by each connection's socket; request_body_timeout and
     // tunnel_idle_timeout go with the upstreams and apply to the next request.
-    check("server.send_timeout", o.send_timeout != n.send_timeout);
-    check(
-        "server.max_header_bytes",
-        o.max_header_bytes != n.max_header_bytes,
-    );
-    check("admin.listen", old.admin.listen != new.admin.listen);
+    fields!("server", o, n: send_timeout, max_header_bytes);
     let (oa, na) = (&old.admin, &new.admin);
-    check(
-        "admin.max_connections_per_ip",
-        oa.max_connections_per_ip != na.max_connections_per_ip,
-    );
-    check(
-        "admin.request_header_timeout",
-        oa.request_header_timeout != na.request_header_timeout,
-    );
-    check("admin.idle_timeout", oa.idle_timeout != na.idle_timeout);
+    fields!("admin", oa, na: listen, max_connections_per_ip, request_header_timeout,
+        idle_timeout);
     // on_error is read per request from the swapped configuration.
     let store = |f: &schema::File| {
         let mut v = json(&f.store);
