@@ -227,4 +227,10 @@ impl Store {
             Backend::Redis { redis, .. } => Some(redis),
         }
     }
+
+    /// The Redis store's connection, if that is the backend: for the other users of
+    /// the same Redis (the shared deny list, the fleet view).
+    pub fn redis_connection(&self) -> Option<&crate::redis::Shared> {
+        self.redis_store().map(RedisStore::redis)
+    }
 }

@@ -76,8 +76,8 @@ impl Fleet {
     /// This instance, listening for the proxy on `listen`; on the Redis store, with
     /// its keys under the store's prefix.
     pub fn new(shared: Arc<Shared>, control: Arc<Control>, listen: SocketAddr) -> Fleet {
-        let redis = shared.store.redis_store().map(|store| {
-            let redis = store.redis().clone();
+        let redis = shared.store.redis_connection().map(|redis| {
+            let redis = redis.clone();
             let p = redis.prefix();
             Keys {
                 ids: format!("{p}{{fleet}}:ids"),

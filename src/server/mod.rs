@@ -230,8 +230,8 @@ fn deny_list(
     shared: &Arc<Shared>,
     f: &crate::config::schema::File,
 ) -> Result<(Arc<DenyList>, Option<Arc<DenySync>>), StartError> {
-    let sync = match (shared.store.redis_store(), &f.store.redis) {
-        (Some(r), Some(_)) => Some(Arc::new(DenySync::new(r.redis().clone()))),
+    let sync = match (shared.store.redis_connection(), &f.store.redis) {
+        (Some(r), Some(_)) => Some(Arc::new(DenySync::new(r.clone()))),
         _ => None,
     };
     let state_file = f
