@@ -1,8 +1,9 @@
 //! sluice: a rate-limiting reverse proxy. The layers, lowest first (each imports
 //! only those before it): `http` (the wire), `identity` (who the client is),
-//! `telemetry`, `limit`, `deny`, `upstream`, `pipeline` (the request path:
-//! `pipeline::handle`), `config`, `ops` (control loop, admin API, stats), `server`
-//! (listeners, connections) and `cli`. ARCHITECTURE.md draws them.
+//! `telemetry`, `redis` (sluice's one connection to Redis), `limit`, `deny`,
+//! `upstream`, `pipeline` (the request path: `pipeline::handle`), `config`, `ops`
+//! (control loop, admin API, stats), `server` (listeners, connections) and `cli`.
+//! ARCHITECTURE.md draws them.
 
 pub mod cli;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod identity;
 pub mod limit;
 pub mod ops;
 pub mod pipeline;
+pub mod redis;
 pub mod server;
 pub mod telemetry;
 pub mod upstream;

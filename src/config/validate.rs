@@ -783,7 +783,7 @@ impl Checker<'_> {
         }
     }
 
-    /// Checks a Redis URL as the Redis client reads it, which ignores what it does not
+    /// Checks a Redis URL as sluice's Redis connection reads it, which ignores what it does not
     /// know: a query parameter, a fragment or a database it would silently drop
     /// would leave the store not what the file says. Returns how the URL reaches its
     /// server (scheme and query) if it is valid.
@@ -855,7 +855,7 @@ impl Checker<'_> {
                 "sentinel" => fail(
                     self,
                     format!(
-                        "redis URL {shown:?}: the Redis client does not read ?sentinel=; to reach \
+                        "redis URL {shown:?}: sluice's Redis connection does not read ?sentinel=; to reach \
                          the primary that Redis Sentinel names, use store.redis.sentinel: \
                          {{master: {}, nodes: [redis://<sentinel host>:26379]}} instead of a url",
                         if v.is_empty() { "mymaster" } else { &v }
@@ -864,7 +864,7 @@ impl Checker<'_> {
                 _ => fail(
                     self,
                     format!(
-                        "redis URL {shown:?}: the Redis client does not read the query parameter \
+                        "redis URL {shown:?}: sluice's Redis connection does not read the query parameter \
                          {k:?} (it would be ignored); the only one it reads is protocol"
                     ),
                 ),
@@ -884,7 +884,9 @@ impl Checker<'_> {
             ),
             (_, Some(f)) => fail(
                 self,
-                format!("redis URL {shown:?}: the Redis client reads no #fragment, found #{f}"),
+                format!(
+                    "redis URL {shown:?}: sluice's Redis connection reads no #fragment, found #{f}"
+                ),
             ),
         }
         ok.then(|| format!("{scheme}?{}", query.unwrap_or("")))

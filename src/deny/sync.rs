@@ -4,14 +4,15 @@
 //! protocol in full: ARCHITECTURE.md, "The shared deny list".
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::deny::{Entry, EntryJson, Target};
-use crate::limit::{RedisStore, RedisTarget, StoreError};
+use crate::redis::{Error as StoreError, Script, Shared};
+use crate::telemetry::metrics::CallKind;
 
 /// A change to the local copy, from the shared list.
 #[derive(Debug)]
@@ -241,9 +242,26 @@ return v
 "#;
 
 /// A script with the helpers it uses.
-fn script(body: &str) -> String {
-    format!("{EXPIRY}{body}")
+fn script(body: &str) -> Script {
+    Script::new(&format!("{EXPIRY}{body}"))
 }
+
+/// The list's scripts, each sent by its hash (`crate::redis::scripts`).
+struct Scripts {
+    write: Script,
+    keep: Script,
+    expire: Script,
+    restore: Script,
+    announce: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    write: script(WRITE),
+    keep: script(KEEP),
+    expire: script(EXPIRE),
+    restore: script(RESTORE),
+    announce: script(ANNOUNCE),
+});
 
 /// How long a deletion's tombstone keeps write-backs from bringing an entry back.
 const TOMBSTONE_MS: u64 = 10 * 60 * 1000;
@@ -282,8 +300,7 @@ struct Message {
 }
 
 pub struct DenySync {
-    store: RedisStore,
-    target: RedisTarget,
+    redis: Shared,
     entries: String,
     version: String,
     /// The id of the last change: with the version, names where the list stands, so
@@ -307,8 +324,8 @@ pub struct DenySync {
 }
 
 impl DenySync {
-    pub fn new(store: RedisStore, target: RedisTarget) -> DenySync {
-        let p = store.prefix().to_string();
+    pub fn new(redis: Shared) -> DenySync {
+        let p = redis.prefix().to_string();
         DenySync {
             entries: format!("{p}{{deny}}:entries"),
             version: format!("{p}{{deny}}:version"),
@@ -316,8 +333,7 @@ impl DenySync {
             deleted: format!("{p}{{deny}}:deleted"),
             expiring: format!("{p}{{deny}}:expiring"),
             channel: format!("{p}deny"),
-            store,
-            target,
+            redis,
             position: std::sync::Mutex::new(Position::default()),
             read: AtomicBool::new(false),
             following: AtomicBool::new(false),
@@ -390,16 +406,18 @@ impl DenySync {
 
     /// Renews the TTL of every key of the list but the tombstones (see `KEY_TTL`).
     pub async fn keep(&self) -> Result<(), StoreError> {
-        let mut cmd = redis::cmd("EVAL");
         // Not the tombstones: they last `TOMBSTONE_MS` from the deletion.
-        cmd.arg(script(KEEP))
-            .arg(4)
-            .arg(&self.entries)
+        let mut call = SCRIPTS.keep.call(4);
+        call.arg(&self.entries)
             .arg(&self.version)
             .arg(&self.last)
             .arg(&self.expiring)
             .arg(KEY_TTL.as_millis() as u64);
-        self.store.query::<i64>(&cmd).await.map(drop)
+        let within = self.redis.timeout();
+        self.redis
+            .call::<i64, _>(CallKind::Other, &call, within)
+            .await
+            .map(drop)
     }
 
     async fn write(
@@ -410,10 +428,8 @@ impl DenySync {
         max: usize,
     ) -> Result<Written, StoreError> {
         let id = new_id();
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(script(WRITE))
-            .arg(5)
-            .arg(&self.entries)
+        let mut call = SCRIPTS.write.call(5);
+        call.arg(&self.entries)
             .arg(&self.version)
             .arg(&self.last)
             .arg(&self.deleted)
@@ -427,7 +443,8 @@ impl DenySync {
             .arg(TOMBSTONE_MS)
             .arg(max)
             .arg(KEY_TTL.as_millis() as u64);
-        let reply: Vec<String> = self.store.query(&cmd).await?;
+        let within = self.redis.timeout();
+        let reply: Vec<String> = self.redis.call(CallKind::Other, &call, within).await?;
         Ok(match reply.as_slice() {
             [changed, v, e, evicted @ ..] if changed == "1" => Written::Changed(
                 Position {
@@ -445,15 +462,15 @@ impl DenySync {
     /// Removes those of `targets` whose entries have expired in Redis.
     pub async fn expire(&self, targets: &[Target]) -> Result<(), StoreError> {
         for batch in targets.chunks(BATCH) {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(script(EXPIRE))
-                .arg(2)
-                .arg(&self.entries)
-                .arg(&self.expiring);
+            let mut call = SCRIPTS.expire.call(2);
+            call.arg(&self.entries).arg(&self.expiring);
             for t in batch {
-                cmd.arg(field(t));
+                call.arg(field(t));
             }
-            let _: u64 = self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
+            let _: u64 = self
+                .redis
+                .call(CallKind::Other, &call, PAGE_TIMEOUT)
+                .await?;
         }
         Ok(())
     }
@@ -465,23 +482,21 @@ impl DenySync {
     pub async fn restore(&self, entries: &[Entry], max: usize) -> (bool, Result<(), StoreError>) {
         let mut changed = false;
         for batch in entries.chunks(BATCH) {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(script(RESTORE))
-                .arg(3)
-                .arg(&self.entries)
+            let mut call = SCRIPTS.restore.call(3);
+            call.arg(&self.entries)
                 .arg(&self.deleted)
                 .arg(&self.expiring)
                 .arg(max)
                 .arg(KEY_TTL.as_millis() as u64);
             for e in batch {
                 match serde_json::to_string(&e.to_json()) {
-                    Ok(json) => cmd.arg(field(&e.target)).arg(json),
+                    Ok(json) => call.arg(field(&e.target)).arg(json),
                     Err(err) => return (changed, Err(StoreError::Unavailable(err.to_string()))),
                 };
             }
             match self
-                .store
-                .query_within::<(u64, u64)>(&cmd, PAGE_TIMEOUT)
+                .redis
+                .call::<(u64, u64), _>(CallKind::Other, &call, PAGE_TIMEOUT)
                 .await
             {
                 Ok((added, deleted)) => changed |= added + deleted > 0,
@@ -493,17 +508,19 @@ impl DenySync {
 
     /// Makes every follower read the list again (after a write-back).
     pub async fn announce(&self) -> Result<(), StoreError> {
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(script(ANNOUNCE))
-            .arg(3)
-            .arg(&self.version)
+        let mut call = SCRIPTS.announce.call(3);
+        call.arg(&self.version)
             .arg(&self.entries)
             .arg(&self.last)
             .arg(&self.channel)
             .arg(new_id())
             .arg(new_id())
             .arg(KEY_TTL.as_millis() as u64);
-        self.store.query::<u64>(&cmd).await.map(drop)
+        let within = self.redis.timeout();
+        self.redis
+            .call::<u64, _>(CallKind::Other, &call, within)
+            .await
+            .map(drop)
     }
 
     /// The whole list, and the version read before it. Read page by page (HSCAN), so
@@ -517,7 +534,7 @@ impl DenySync {
             let mut cmd = redis::cmd("HSCAN");
             cmd.arg(&self.entries).arg(cursor).arg("COUNT").arg(PAGE);
             let (next, page): (u64, Vec<String>) =
-                self.store.query_within(&cmd, PAGE_TIMEOUT).await?;
+                self.redis.call(CallKind::Other, &cmd, PAGE_TIMEOUT).await?;
             entries.extend(
                 page.chunks_exact(2)
                     .filter(|kv| kv[0] != "epoch")
@@ -536,10 +553,12 @@ impl DenySync {
     async fn remote_position(&self) -> Result<Position, StoreError> {
         let mut cmd = redis::cmd("MGET");
         cmd.arg(&self.version).arg(&self.last);
-        let (version, last): (Option<u64>, Option<String>) = self.store.query(&cmd).await?;
+        let within = self.redis.timeout();
+        let (version, last): (Option<u64>, Option<String>) =
+            self.redis.call(CallKind::Other, &cmd, within).await?;
         let mut cmd = redis::cmd("HGET");
         cmd.arg(&self.entries).arg("epoch");
-        let epoch: Option<String> = self.store.query(&cmd).await?;
+        let epoch: Option<String> = self.redis.call(CallKind::Other, &cmd, within).await?;
         Ok(Position {
             version: version.unwrap_or(0),
             epoch,
@@ -603,34 +622,11 @@ impl DenySync {
 
     /// Follows until something fails; returns why.
     async fn follow_once(&self, apply: &Apply) -> Result<std::convert::Infallible, StoreError> {
-        let unavailable = |e: redis::RedisError| StoreError::Unavailable(e.to_string());
-        let mut pubsub = None;
-        let mut last_err = None;
-        let mut subscribed = String::new();
-        for url in self.urls() {
-            match redis::Client::open(url.as_str()) {
-                Ok(client) => match tokio::time::timeout(POLL, client.get_async_pubsub()).await {
-                    Ok(Ok(p)) => {
-                        pubsub = Some(p);
-                        subscribed = url;
-                        break;
-                    }
-                    Ok(Err(e)) => last_err = Some(unavailable(e)),
-                    Err(_) => last_err = Some(StoreError::Timeout),
-                },
-                Err(e) => last_err = Some(unavailable(e)),
-            }
-        }
-        let Some(mut pubsub) = pubsub else {
-            // None tried: Redis Sentinel names no primary yet.
-            return Err(last_err.unwrap_or_else(|| {
-                StoreError::Unavailable("Redis Sentinel names no primary yet".into())
-            }));
-        };
+        let (mut pubsub, subscribed) = self.redis.pubsub(POLL).await?;
         tokio::time::timeout(POLL, pubsub.subscribe(&self.channel))
             .await
             .map_err(|_| StoreError::Timeout)?
-            .map_err(unavailable)?;
+            .map_err(StoreError::of)?;
         // Subscribed first, then read: no change can fall between the two.
         self.resync(apply).await?;
         self.following.store(true, Ordering::Relaxed);
@@ -684,10 +680,8 @@ impl DenySync {
                     // (A primary that died closed this subscription already; one that was
                     // demoted would go on relaying what its new primary publishes, but
                     // only while it replicates from it.)
-                    if let RedisTarget::Sentinel(_) = &self.target {
-                        if self.store.primary_url().as_ref() != Some(&subscribed) {
-                            return Err(StoreError::Unavailable("the Redis Sentinel primary moved".into()));
-                        }
+                    if self.redis.moved_from(&subscribed) {
+                        return Err(StoreError::Unavailable("the Redis Sentinel primary moved".into()));
                     }
                     polls = polls.wrapping_add(1);
                     if polls.is_multiple_of(KEEP_EVERY) {
@@ -701,16 +695,6 @@ impl DenySync {
                     }
                 }
             }
-        }
-    }
-
-    /// Where to subscribe: the server, each cluster seed in turn, or the primary Redis
-    /// Sentinel names now (none while it names none).
-    fn urls(&self) -> Vec<String> {
-        match &self.target {
-            RedisTarget::Url(u) => vec![u.clone()],
-            RedisTarget::Cluster(nodes) => nodes.clone(),
-            RedisTarget::Sentinel(_) => self.store.primary_url().into_iter().collect(),
         }
     }
 }

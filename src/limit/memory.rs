@@ -295,14 +295,7 @@ impl MemoryStore {
                 }
             })
             .collect();
-        let verdict = Verdict::of_shares(
-            n,
-            trial,
-            shares
-                .iter()
-                .zip(&verdicts)
-                .map(|(s, v)| (s.at, v.outcomes.clone())),
-        );
+        let verdict = Verdict::of_share_verdicts(n, trial, shares, &verdicts);
         if !verdict.allowed {
             return Checked {
                 verdict,

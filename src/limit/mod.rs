@@ -14,17 +14,17 @@ mod proptests;
 pub mod redis;
 pub mod reserve;
 pub mod response;
-pub mod sentinel;
 pub mod store;
 
 use std::time::Duration;
 
-pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
+pub use self::redis::{RedisOptions, RedisStore};
+pub use crate::redis::Target as RedisTarget;
+pub use crate::redis::{PrimaryUrl, SentinelTarget};
 pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
 pub use response::{Charge, CostFrom, FromResponse, ResponseCost, StatusSet};
-pub use sentinel::{PrimaryUrl, SentinelTarget};
 pub use store::{OnError, Store, StoreError};
 
 /// One configured limit, compiled.
@@ -271,6 +271,17 @@ impl Verdict {
             }
         }
         Verdict::on_trial(outcomes, trial)
+    }
+
+    /// `of_shares` from each share's own verdict, in the order of `shares`.
+    pub fn of_share_verdicts(
+        n: usize,
+        trial: u64,
+        shares: &[Share<'_>],
+        verdicts: &[Verdict],
+    ) -> Verdict {
+        let parts = shares.iter().zip(verdicts);
+        Verdict::of_shares(n, trial, parts.map(|(s, v)| (s.at, v.outcomes.clone())))
     }
 }
 

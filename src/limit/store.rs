@@ -10,18 +10,8 @@ use prometheus::{Histogram, IntCounter};
 use super::{Checked, MemoryStore, Plan, RedisStore, Share, SystemClock};
 use crate::telemetry::metrics::EvictionCounters;
 
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum StoreError {
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
-    #[error("store did not answer in time")]
-    Timeout,
-    /// Not called: the store failed repeatedly and has not answered a probe since.
-    #[error("store unavailable (breaker open)")]
-    Open,
-    #[error("store configuration: {0}")]
-    Config(String),
-}
+/// A store's error: the Redis layer's (the memory store cannot fail).
+pub use crate::redis::Error as StoreError;
 
 /// What the gateway does while the shared store is unreachable: decide in this
 /// instance's memory, forward unchecked, or answer 503.
@@ -236,5 +226,11 @@ impl Store {
             Backend::Memory(_) => None,
             Backend::Redis { redis, .. } => Some(redis),
         }
+    }
+
+    /// The Redis store's connection, if that is the backend: for the other users of
+    /// the same Redis (the shared deny list, the fleet view).
+    pub fn redis_connection(&self) -> Option<&crate::redis::Shared> {
+        self.redis_store().map(RedisStore::redis)
     }
 }

@@ -14,9 +14,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::deny::{now_ms, rfc3339};
-use crate::limit::{RedisStore, StoreError};
 use crate::ops::control::Control;
 use crate::pipeline::Shared;
+use crate::redis::Error as StoreError;
+use crate::telemetry::metrics::CallKind;
 use crate::telemetry::metrics::Decision;
 
 /// How often an instance publishes its heartbeat.
@@ -52,7 +53,7 @@ pub struct Heartbeat {
 
 /// The keys of the view, which share the `{fleet}` hash tag (one slot on a cluster).
 struct Keys {
-    store: RedisStore,
+    redis: crate::redis::Shared,
     /// A sorted set of instance ids, scored by their last heartbeat.
     ids: String,
     /// An instance's heartbeat is `<instance><id>`.
@@ -75,12 +76,13 @@ impl Fleet {
     /// This instance, listening for the proxy on `listen`; on the Redis store, with
     /// its keys under the store's prefix.
     pub fn new(shared: Arc<Shared>, control: Arc<Control>, listen: SocketAddr) -> Fleet {
-        let redis = shared.store.redis_store().map(|store| {
-            let p = store.prefix();
+        let redis = shared.store.redis_connection().map(|redis| {
+            let redis = redis.clone();
+            let p = redis.prefix();
             Keys {
                 ids: format!("{p}{{fleet}}:ids"),
                 instance: format!("{p}{{fleet}}:i:"),
-                store: store.clone(),
+                redis,
             }
         });
         let host = hostname();
@@ -141,19 +143,27 @@ impl Fleet {
             .arg(json)
             .arg("PX")
             .arg(ttl);
-        k.store.query::<()>(&cmd).await?;
+        k.redis
+            .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
+            .await?;
         let mut cmd = redis::cmd("ZADD");
         cmd.arg(&k.ids).arg(hb.last_seen_ms).arg(&self.id);
-        k.store.query::<()>(&cmd).await?;
+        k.redis
+            .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
+            .await?;
         let mut cmd = redis::cmd("PEXPIRE");
         cmd.arg(&k.ids).arg(ttl);
-        k.store.query::<()>(&cmd).await?;
+        k.redis
+            .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
+            .await?;
         let forget = hb
             .last_seen_ms
             .saturating_sub(FORGET_AFTER.as_millis() as u64);
         let mut cmd = redis::cmd("ZREMRANGEBYSCORE");
         cmd.arg(&k.ids).arg("-inf").arg(format!("({forget}"));
-        k.store.query::<()>(&cmd).await
+        k.redis
+            .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
+            .await
     }
 
     /// Removes this instance from the view (at graceful shutdown).
@@ -163,10 +173,14 @@ impl Fleet {
         };
         let mut cmd = redis::cmd("DEL");
         cmd.arg(format!("{}{}", k.instance, self.id));
-        k.store.query::<()>(&cmd).await?;
+        k.redis
+            .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
+            .await?;
         let mut cmd = redis::cmd("ZREM");
         cmd.arg(&k.ids).arg(&self.id);
-        k.store.query::<()>(&cmd).await
+        k.redis
+            .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
+            .await
     }
 
     /// The heartbeats in Redis now: the index, then every key in one MGET. Ids whose
@@ -177,7 +191,10 @@ impl Fleet {
         };
         let mut cmd = redis::cmd("ZRANGE");
         cmd.arg(&k.ids).arg(0).arg(-1);
-        let ids: Vec<String> = k.store.query(&cmd).await?;
+        let ids: Vec<String> = k
+            .redis
+            .call(CallKind::Other, &cmd, k.redis.timeout())
+            .await?;
         if ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -185,7 +202,10 @@ impl Fleet {
         for id in &ids {
             cmd.arg(format!("{}{id}", k.instance));
         }
-        let values: Vec<Option<String>> = k.store.query(&cmd).await?;
+        let values: Vec<Option<String>> = k
+            .redis
+            .call(CallKind::Other, &cmd, k.redis.timeout())
+            .await?;
         let mut live = Vec::with_capacity(ids.len());
         let mut gone = Vec::new();
         for (id, v) in ids.iter().zip(values) {
@@ -198,7 +218,10 @@ impl Fleet {
             let mut cmd = redis::cmd("ZREM");
             cmd.arg(&k.ids).arg(gone);
             // Cleaning only: the next reader or publisher tries again.
-            let _ = k.store.query::<()>(&cmd).await;
+            let _ = k
+                .redis
+                .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
+                .await;
         }
         Ok(live)
     }

@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::compile::{compile, redis_options, CompileError};
+use crate::config::compile::{compile, CompileError};
 use crate::config::schema::BackendSpec;
 use crate::config::{ConfigErrors, Loaded};
 use crate::deny::list::DenyList;
@@ -230,8 +230,8 @@ fn deny_list(
     shared: &Arc<Shared>,
     f: &crate::config::schema::File,
 ) -> Result<(Arc<DenyList>, Option<Arc<DenySync>>), StartError> {
-    let sync = match (shared.store.redis_store(), &f.store.redis) {
-        (Some(r), Some(c)) => Some(Arc::new(DenySync::new(r.clone(), redis_options(c)?.target))),
+    let sync = match (shared.store.redis_connection(), &f.store.redis) {
+        (Some(r), Some(_)) => Some(Arc::new(DenySync::new(r.clone()))),
         _ => None,
     };
     let state_file = f

@@ -1578,7 +1578,7 @@ routes: []
     );
 }
 
-/// A query parameter, fragment or database the Redis client would silently ignore
+/// A query parameter, fragment or database sluice's Redis connection would silently ignore
 /// is refused: the store would not be what the file says.
 #[test]
 fn redis_urls_say_only_what_the_client_reads() {
@@ -1591,8 +1591,8 @@ routes: []
 ";
     assert_eq!(
         error(yaml),
-        "rules.yaml:4:10: redis URL \"redis://10.0.0.1:26379/?sentinel=mymaster\": the Redis \
-         client does not read ?sentinel=; to reach the primary that Redis Sentinel names, use \
+        "rules.yaml:4:10: redis URL \"redis://10.0.0.1:26379/?sentinel=mymaster\": sluice's \
+         Redis connection does not read ?sentinel=; to reach the primary that Redis Sentinel names, use \
          store.redis.sentinel: {master: mymaster, nodes: [redis://<sentinel host>:26379]} \
          instead of a url"
     );
@@ -1612,17 +1612,17 @@ routes: []
     assert_eq!(
         errors(yaml),
         [
-            "rules.yaml:5:9: redis URL \"redis://***@10.0.0.1:7000/?timeout=1s\": the Redis \
-             client does not read the query parameter \"timeout\" (it would be ignored); the \
+            "rules.yaml:5:9: redis URL \"redis://***@10.0.0.1:7000/?timeout=1s\": sluice's \
+             Redis connection does not read the query parameter \"timeout\" (it would be ignored); the \
              only one it reads is protocol",
             "rules.yaml:6:9: redis URL \"redis://10.0.0.2:7000/1\": Redis Cluster has only \
              database 0, found /1",
-            "rules.yaml:7:9: redis URL \"redis://10.0.0.3:7000#insecure\": the Redis client \
-             reads no #fragment, found #insecure",
+            "rules.yaml:7:9: redis URL \"redis://10.0.0.3:7000#insecure\": sluice's Redis \
+             connection reads no #fragment, found #insecure",
             "rules.yaml:8:9: redis URL \"rediss://10.0.0.4:7000/0?protocol=4#nocheck\": \
              protocol must be 2, 3, resp2 or resp3, found \"4\"",
-            "rules.yaml:8:9: redis URL \"rediss://10.0.0.4:7000/0?protocol=4#nocheck\": the \
-             Redis client reads no #fragment, found #nocheck",
+            "rules.yaml:8:9: redis URL \"rediss://10.0.0.4:7000/0?protocol=4#nocheck\": sluice's \
+             Redis connection reads no #fragment, found #nocheck",
             "rules.yaml:9:9: redis URL \"rediss://10.0.0.5:7000/0?protocol=resp3#insecure\": \
              #insecure is not supported: the server's certificate is always checked; trust its \
              CA in the system's store, or name it with SSL_CERT_FILE",
@@ -1724,8 +1724,8 @@ fn check_refuses_a_sentinel_query_in_a_url() {
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
         format!(
-            "{}:3:16: redis URL \"redis://10.0.0.1:26379/?sentinel=mymaster\": the Redis client \
-             does not read ?sentinel=; to reach the primary that Redis Sentinel names, use \
+            "{}:3:16: redis URL \"redis://10.0.0.1:26379/?sentinel=mymaster\": sluice's Redis \
+             connection does not read ?sentinel=; to reach the primary that Redis Sentinel names, use \
              store.redis.sentinel: {{master: mymaster, nodes: [redis://<sentinel host>:26379]}} \
              instead of a url\n",
             file.path().display()

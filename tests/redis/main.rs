@@ -13,5 +13,6 @@ mod redis_live_ops;
 mod redis_store;
 mod redis_tls;
 mod reserve;
+mod scripts_on_the_wire;
 mod sentinel;
 mod store_faults;

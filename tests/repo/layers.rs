@@ -9,6 +9,7 @@ const LAYERS: &[&str] = &[
     "http",
     "identity",
     "telemetry",
+    "redis",
     "limit",
     "deny",
     "upstream",
