@@ -184,6 +184,50 @@ impl RedisServer {
             .unwrap_or_else(|e| panic!("{args:?}: {e}"))
     }
 
+    /// Whether the server answers a PING within 250 ms (no: it is running a long
+    /// script). Generous, so that a loaded machine's slow answer is not taken for
+    /// a stall.
+    pub fn answers(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        c.set_read_timeout(Some(Duration::from_millis(250)))
+            .unwrap();
+        let mut pong = [0u8; 7];
+        c.write_all(b"PING\r\n").is_ok() && c.read_exact(&mut pong).is_ok() && &pong == b"+PONG\r\n"
+    }
+
+    /// Stalls the server for `long` with a Lua busy loop on a connection of its
+    /// own (as a slow fork or a long script would), and returns once a PING goes
+    /// unanswered, so that what the test sends next is surely sent within the
+    /// stall: `long` must leave room for that wait (up to 2 s on a loaded
+    /// machine). Join the handle to wait for the stall's end.
+    pub fn stall(&self, long: Duration) -> std::thread::JoinHandle<()> {
+        let url = self.url();
+        let micros = long.as_micros();
+        let busy = std::thread::spawn(move || {
+            let mut c = redis::Client::open(url)
+                .and_then(|c| c.get_connection())
+                .expect("connect");
+            let script = format!(
+                "local t0 = redis.call('TIME') repeat local t = redis.call('TIME') \
+                 until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > {micros} return 1"
+            );
+            let _: i64 = redis::cmd("EVAL")
+                .arg(script)
+                .arg(0)
+                .query(&mut c)
+                .expect("busy script");
+        });
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while self.answers() {
+            assert!(Instant::now() < deadline, "Redis never ran the busy loop");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        busy
+    }
+
     /// Kill the server (SIGKILL: no goodbye to clients).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -74,19 +74,9 @@ async fn the_next_request_is_admitted(server: &RedisServer, store: &RedisStore, 
     drop(next);
 }
 
-/// Whether Redis answers a PING within 20 ms (no: it is running a long script).
-fn answers(server: &RedisServer) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", server.port)) else {
-        return false;
-    };
-    c.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
-    let mut pong = [0u8; 7];
-    c.write_all(b"PING\r\n").is_ok() && c.read_exact(&mut pong).is_ok() && &pong == b"+PONG\r\n"
-}
-
-/// Redis stalls (a Lua busy loop of 600 ms on another connection, as during a slow
-/// fork) while a request asks for a slot: the call times out on the client, the
+/// Redis stalls (a Lua busy loop of 3 s on another connection, as during a slow
+/// fork; long enough that the request is surely sent within it, however loaded
+/// the machine) while a request asks for a slot: the call times out on the client, the
 /// script runs later and takes the lease. The store gives it back: once Redis
 /// answers again the slot is free, and the next request of the key is admitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,15 +88,7 @@ async fn a_call_that_timed_out_gives_its_lease_back() {
     let warm = store.acquire("r", "warm", &plan).await.expect("warm");
     assert!(warm.verdict.allowed);
     drop(warm);
-    let url = server.url();
-    let busy = std::thread::spawn(move || {
-        let mut c = redis::Client::open(url).unwrap().get_connection().unwrap();
-        let script = "local s=redis.call('TIME'); local e=tonumber(s[1])*1000000+tonumber(s[2])+600000; \
-            while true do local t=redis.call('TIME'); if tonumber(t[1])*1000000+tonumber(t[2]) > e then break end end return 1";
-        let _: i64 = redis::cmd("EVAL").arg(script).arg(0).query(&mut c).unwrap();
-    });
-    let stalled = eventually(Duration::from_secs(2), || async { !answers(&server) }).await;
-    assert!(stalled.is_some(), "Redis never ran the busy loop");
+    let busy = tokio::task::block_in_place(|| server.stall(Duration::from_secs(3)));
     let first = store.acquire("r", "k", &plan).await;
     // Timed out by the store's bound or by the connection's response timeout (both
     // are `store.redis.timeout`), whichever fires first.

@@ -381,21 +381,10 @@ async fn units_taken_by_a_call_answered_after_its_request_timed_out_are_spent() 
         admitted += 1;
     }
     assert_eq!(count(), admitted, "everything taken was spent");
-    // Redis busy for 300 ms with a script of its own; the next request's take waits
-    // behind it, times out on the gateway's side (503), and runs afterwards.
-    let url = redis.url();
-    let stall = std::thread::spawn(move || {
-        let mut c = redis::Client::open(url)
-            .and_then(|c| c.get_connection())
-            .expect("connect");
-        let busy = "local t0 = redis.call('TIME') repeat local t = redis.call('TIME') until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > 300000 return 1";
-        let _: i64 = redis::cmd("EVAL")
-            .arg(busy)
-            .arg(0)
-            .query(&mut c)
-            .expect("busy script");
-    });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Redis busy for 1 s (within TAKE_WITHIN, 2 s) with a script of its own; the
+    // next request's take waits behind it, times out on the gateway's side (503),
+    // and runs afterwards.
+    let stall = tokio::task::block_in_place(|| redis.stall(Duration::from_secs(1)));
     assert_eq!(get(g.addr, "/", &[("x-key", "shared")]).await.status, 503);
     stall.join().expect("stall thread");
     // The late take's answer arrives within TAKE_WITHIN (2 s).
