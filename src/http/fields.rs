@@ -1,7 +1,10 @@
 //! Field names whose meaning every layer shares: the hop-by-hop fields, and the
-//! rate-limit fields sluice writes on answers (an upstream's own are replaced).
+//! rate-limit fields sluice writes on responses (an upstream's own are replaced),
+//! which the request path builds once as `AddedFields` and a codec writes.
 
-use http::header::{self, HeaderName};
+use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
+use http::HeaderMap;
 
 /// The hop-by-hop headers of RFC 9110 §7.6.1, and every header `Connection` names.
 /// (`Trailer` is not one: it announces the trailers, which HTTP/1.1 needs to
@@ -45,4 +48,83 @@ pub(crate) fn rate_field(name: &HeaderName) -> Option<RateField> {
 /// Whether `name` is one of the rate-limit fields (of either family).
 pub(crate) fn is_rate_field(name: &HeaderName) -> bool {
     rate_field(name).is_some()
+}
+
+/// The most fields `AddedFields` holds: the rate-limit ones, both families.
+const MAX_ADDED: usize = 5;
+
+/// The fields sluice adds to a response of its own (the rate-limit ones), built
+/// once by the request path: names and values in order, the values back to back in
+/// one buffer. A response's map takes them (`insert_into`), or HTTP/1's server
+/// writes them after the response's own fields, with no map in between.
+pub struct AddedFields {
+    values: Vec<u8>,
+    /// Each field's name and the end of its value in `values`.
+    fields: [(&'static HeaderName, usize); MAX_ADDED],
+    len: usize,
+}
+
+impl Default for AddedFields {
+    fn default() -> AddedFields {
+        AddedFields {
+            values: Vec::new(),
+            fields: [(&RATELIMIT, 0); MAX_ADDED],
+            len: 0,
+        }
+    }
+}
+
+impl AddedFields {
+    /// Room for `bytes` of values, kept across `clear`s.
+    pub fn with_capacity(bytes: usize) -> AddedFields {
+        AddedFields {
+            values: Vec::with_capacity(bytes),
+            ..AddedFields::default()
+        }
+    }
+
+    /// Adds the field `name`, its value what `value` appends to the buffer it is
+    /// given. (Past `MAX_ADDED` fields, nothing.)
+    pub fn push(&mut self, name: &'static HeaderName, value: impl FnOnce(&mut Vec<u8>)) {
+        if self.len == MAX_ADDED {
+            return;
+        }
+        value(&mut self.values);
+        self.fields[self.len] = (name, self.values.len());
+        self.len += 1;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn clear(&mut self) {
+        self.values.clear();
+        self.len = 0;
+    }
+
+    /// The fields in the order they were added.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static HeaderName, &[u8])> + '_ {
+        let mut start = 0;
+        self.fields[..self.len].iter().map(move |&(name, end)| {
+            let value = &self.values[start..end];
+            start = end;
+            (name, value)
+        })
+    }
+
+    /// Puts the fields in `map`, each replacing any of its name there: the values
+    /// slices of one buffer. (A value that is not a valid field value is left out.)
+    pub fn insert_into(self, map: &mut HeaderMap) {
+        // Room for all of them at once, rather than a resize (and rehash) midway.
+        map.reserve(self.len);
+        let values = Bytes::from(self.values);
+        let mut start = 0;
+        for &(name, end) in &self.fields[..self.len] {
+            if let Ok(v) = HeaderValue::from_maybe_shared(values.slice(start..end)) {
+                map.insert(name.clone(), v);
+            }
+            start = end;
+        }
+    }
 }
