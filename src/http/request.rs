@@ -2,6 +2,7 @@
 //! brought it: its body (`ClientBody`, and `ReadBody` for one whose start was read
 //! already), and what its head says of that body.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -72,20 +73,31 @@ impl http_body::Body for ClientBody {
     }
 }
 
-/// A request body whose start was read before it is forwarded (for a key in it,
-/// `pipeline::body_key`): the bytes read, the trailers if it ended with some, then
-/// the rest as it comes. Until it is first asked for a frame it tells what the
-/// client's body told before any of it was read (not over, its size hint), so the
-/// upload keeps the client's framing: a `Content-Length` stays, a chunked body
-/// stays chunked (as the upstream's read-ahead does).
-pub struct ReadBody {
-    data: Bytes,
-    trailers: Option<HeaderMap>,
+/// A request body whose start was read before it is forwarded: the frames read,
+/// then the rest as it comes. Until it is first asked for a frame it tells what the
+/// body told before any of it was read (not over, its size hint), so the upload
+/// keeps the client's framing: a `Content-Length` stays, a chunked body stays
+/// chunked. Two readers make one: `pipeline::body_key` (a key in the body, `new`)
+/// and the upstream's read-ahead (`server.request_buffer`, whose `H` gives the
+/// bytes of each frame handed on back to the process's count).
+pub struct ReadBody<B = ClientBody, H = ()> {
+    frames: VecDeque<Frame<Bytes>>,
+    /// Told of each frame's bytes as it is handed on.
+    held: H,
     /// None: the body had ended.
-    rest: Option<ClientBody>,
+    rest: Option<B>,
     hint: http_body::SizeHint,
     /// A frame has been asked for.
     started: bool,
+}
+
+/// What a `ReadBody` tells of each frame it hands on from those it read.
+pub trait Held: Unpin {
+    fn handed(&mut self, bytes: usize);
+}
+
+impl Held for () {
+    fn handed(&mut self, _bytes: usize) {}
 }
 
 impl ReadBody {
@@ -97,9 +109,29 @@ impl ReadBody {
         rest: Option<ClientBody>,
         hint: http_body::SizeHint,
     ) -> ReadBody {
+        let mut frames = VecDeque::with_capacity(2);
+        if !data.is_empty() {
+            frames.push_back(Frame::data(data));
+        }
+        if let Some(t) = trailers {
+            frames.push_back(Frame::trailers(t));
+        }
+        ReadBody::of_frames(frames, (), rest, hint)
+    }
+}
+
+impl<B, H> ReadBody<B, H> {
+    /// `frames`, then `rest` (None when the body has ended), each frame handed on
+    /// told to `held`; `hint` is the body's size hint before any of it was read.
+    pub fn of_frames(
+        frames: VecDeque<Frame<Bytes>>,
+        held: H,
+        rest: Option<B>,
+        hint: http_body::SizeHint,
+    ) -> ReadBody<B, H> {
         ReadBody {
-            data,
-            trailers,
+            frames,
+            held,
             rest,
             hint,
             started: false,
@@ -107,7 +139,11 @@ impl ReadBody {
     }
 }
 
-impl http_body::Body for ReadBody {
+impl<B, H> http_body::Body for ReadBody<B, H>
+where
+    B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
+    H: Held,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -117,11 +153,9 @@ impl http_body::Body for ReadBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         this.started = true;
-        if !this.data.is_empty() {
-            return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut this.data)))));
-        }
-        if let Some(t) = this.trailers.take() {
-            return Poll::Ready(Some(Ok(Frame::trailers(t))));
+        if let Some(frame) = this.frames.pop_front() {
+            this.held.handed(frame.data_ref().map_or(0, |d| d.len()));
+            return Poll::Ready(Some(Ok(frame)));
         }
         match &mut this.rest {
             Some(rest) => Pin::new(rest).poll_frame(cx),
@@ -131,8 +165,7 @@ impl http_body::Body for ReadBody {
 
     fn is_end_stream(&self) -> bool {
         self.started
-            && self.data.is_empty()
-            && self.trailers.is_none()
+            && self.frames.is_empty()
             && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
     }
 
@@ -140,14 +173,18 @@ impl http_body::Body for ReadBody {
         if !self.started {
             return self.hint;
         }
-        let rest = self.rest.as_ref().map(|r| r.size_hint());
-        hint_after_read(self.data.len() as u64, rest)
+        let read: u64 = self
+            .frames
+            .iter()
+            .map(|f| f.data_ref().map_or(0, |d| d.len() as u64))
+            .sum();
+        hint_after_read(read, self.rest.as_ref().map(|r| r.size_hint()))
     }
 }
 
 /// The size hint of a body that gives `read` bytes it holds already, then `rest`
 /// (None: the body had ended).
-pub fn hint_after_read(read: u64, rest: Option<http_body::SizeHint>) -> http_body::SizeHint {
+fn hint_after_read(read: u64, rest: Option<http_body::SizeHint>) -> http_body::SizeHint {
     let rest = rest.unwrap_or_else(|| http_body::SizeHint::with_exact(0));
     let mut hint = http_body::SizeHint::new();
     hint.set_lower(rest.lower().saturating_add(read));

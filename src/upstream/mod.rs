@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::http::h1::server::OnUpgrade;
-use crate::http::request::{hint_after_read, ClientBody};
+use crate::http::request::{ClientBody, Held, ReadBody};
 use crate::http::site::Relay;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -1161,14 +1161,7 @@ async fn read_ahead(
         }
     };
     let streaming = rest.is_some();
-    let body = ReadAhead {
-        frames,
-        held,
-        rest,
-        hint,
-        started: false,
-    }
-    .boxed();
+    let body = ReadAhead::of_frames(frames, held, rest, hint).boxed();
     Ok(Ahead { body, streaming })
 }
 
@@ -1203,66 +1196,22 @@ impl http_body::Body for Uploading {
     }
 }
 
-/// A request body read ahead (`read_ahead`): the frames read, then the rest. It
-/// tells the upstream connection what the body it stands for told before any of it
-/// was read (not over, and its size hint), so the upload's framing (length or
-/// chunked) is the client's; its trailers are among the frames.
-struct ReadAhead {
-    frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
-    /// The bytes of `frames`, in the process's count.
-    held: HeldBytes,
-    rest: Option<Body>,
-    hint: http_body::SizeHint,
-    /// A frame has been asked for.
-    started: bool,
-}
-
-impl http_body::Body for ReadAhead {
-    type Data = bytes::Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, BoxError>>> {
-        let this = &mut *self;
-        this.started = true;
-        if let Some(frame) = this.frames.pop_front() {
-            let len = frame.data_ref().map_or(0, |d| d.len());
-            this.held.bytes -= len;
-            this.held.buffered.give(len);
-            return Poll::Ready(Some(Ok(frame)));
-        }
-        match &mut this.rest {
-            Some(rest) => Pin::new(rest).poll_frame(cx),
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.started
-            && self.frames.is_empty()
-            && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        if !self.started {
-            return self.hint;
-        }
-        let ahead: u64 = self
-            .frames
-            .iter()
-            .map(|f| f.data_ref().map_or(0, |d| d.len() as u64))
-            .sum();
-        hint_after_read(ahead, self.rest.as_ref().map(|r| r.size_hint()))
-    }
-}
+/// A request body read ahead (`read_ahead`): the frames read, then the rest; its
+/// trailers are among the frames.
+type ReadAhead = ReadBody<Body, HeldBytes>;
 
 /// Bytes a read-ahead holds of the process's count (`ReadAheadBytes`), given back
 /// when it is dropped.
 struct HeldBytes {
     buffered: Arc<ReadAheadBytes>,
     bytes: usize,
+}
+
+impl Held for HeldBytes {
+    fn handed(&mut self, bytes: usize) {
+        self.bytes -= bytes;
+        self.buffered.give(bytes);
+    }
 }
 
 impl Drop for HeldBytes {
