@@ -54,43 +54,49 @@ pub(crate) fn is_rate_field(name: &HeaderName) -> bool {
 const MAX_ADDED: usize = 5;
 
 /// The fields sluice adds to a response of its own (the rate-limit ones), built
-/// once by the request path: names and values in order, the values back to back in
-/// one buffer. A response's map takes them (`insert_into`), or HTTP/1's server
-/// writes them after the response's own fields, with no map in between.
+/// once by the request path: names and values in order. They are kept as HTTP/1
+/// writes them (`name: value\r\n` each, back to back), so that HTTP/1's server
+/// writes them after the response's own fields in one copy (`lines`), and a map
+/// takes each value as a slice of that one buffer (`insert_into`).
 pub struct AddedFields {
-    values: Vec<u8>,
-    /// Each field's name and the end of its value in `values`.
-    fields: [(&'static HeaderName, usize); MAX_ADDED],
+    lines: Vec<u8>,
+    /// Each field's name and where its value stands in `lines`.
+    fields: [(&'static HeaderName, usize, usize); MAX_ADDED],
     len: usize,
 }
 
 impl Default for AddedFields {
     fn default() -> AddedFields {
         AddedFields {
-            values: Vec::new(),
-            fields: [(&RATELIMIT, 0); MAX_ADDED],
+            lines: Vec::new(),
+            fields: [(&RATELIMIT, 0, 0); MAX_ADDED],
             len: 0,
         }
     }
 }
 
 impl AddedFields {
-    /// Room for `bytes` of values, kept across `clear`s.
+    /// Room for `bytes` of fields, kept across `clear`s.
     pub fn with_capacity(bytes: usize) -> AddedFields {
         AddedFields {
-            values: Vec::with_capacity(bytes),
+            lines: Vec::with_capacity(bytes),
             ..AddedFields::default()
         }
     }
 
     /// Adds the field `name`, its value what `value` appends to the buffer it is
-    /// given. (Past `MAX_ADDED` fields, nothing.)
+    /// given (a valid field value: the map leaves out any other). Past `MAX_ADDED`
+    /// fields, nothing.
     pub fn push(&mut self, name: &'static HeaderName, value: impl FnOnce(&mut Vec<u8>)) {
         if self.len == MAX_ADDED {
             return;
         }
-        value(&mut self.values);
-        self.fields[self.len] = (name, self.values.len());
+        self.lines.extend_from_slice(name.as_str().as_bytes());
+        self.lines.extend_from_slice(b": ");
+        let start = self.lines.len();
+        value(&mut self.lines);
+        self.fields[self.len] = (name, start, self.lines.len());
+        self.lines.extend_from_slice(b"\r\n");
         self.len += 1;
     }
 
@@ -99,18 +105,20 @@ impl AddedFields {
     }
 
     pub fn clear(&mut self) {
-        self.values.clear();
+        self.lines.clear();
         self.len = 0;
     }
 
-    /// The fields in the order they were added.
+    /// The fields as HTTP/1 header lines, in the order they were added.
+    pub fn lines(&self) -> &[u8] {
+        &self.lines
+    }
+
+    /// The fields' names and values, in the order they were added.
     pub fn iter(&self) -> impl Iterator<Item = (&'static HeaderName, &[u8])> + '_ {
-        let mut start = 0;
-        self.fields[..self.len].iter().map(move |&(name, end)| {
-            let value = &self.values[start..end];
-            start = end;
-            (name, value)
-        })
+        self.fields[..self.len]
+            .iter()
+            .map(|&(name, start, end)| (name, &self.lines[start..end]))
     }
 
     /// Puts the fields in `map`, each replacing any of its name there: the values
@@ -118,13 +126,11 @@ impl AddedFields {
     pub fn insert_into(self, map: &mut HeaderMap) {
         // Room for all of them at once, rather than a resize (and rehash) midway.
         map.reserve(self.len);
-        let values = Bytes::from(self.values);
-        let mut start = 0;
-        for &(name, end) in &self.fields[..self.len] {
-            if let Ok(v) = HeaderValue::from_maybe_shared(values.slice(start..end)) {
+        let lines = Bytes::from(self.lines);
+        for &(name, start, end) in &self.fields[..self.len] {
+            if let Ok(v) = HeaderValue::from_maybe_shared(lines.slice(start..end)) {
                 map.insert(name.clone(), v);
             }
-            start = end;
         }
     }
 }

@@ -854,16 +854,6 @@ struct Encoding {
     last: bool,
 }
 
-/// Writes the fields the request path added (`AddedFields`) as header lines.
-fn write_added(out: &mut Vec<u8>, added: &AddedFields) {
-    for (name, value) in added.iter() {
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value);
-        out.extend_from_slice(b"\r\n");
-    }
-}
-
 /// Write the response head as hyper's server does (`Server::encode`): the same
 /// status line, fields in the map's order, framing, `connection` and `date`.
 /// `extra` holds fields that stand after the map's fields, as if they had been
@@ -913,7 +903,7 @@ fn encode_head(
             out.extend_from_slice(value.as_bytes());
             out.extend_from_slice(b"\r\n");
         }
-        write_added(out, extra);
+        out.extend_from_slice(extra.lines());
         if !wrote_date {
             out.extend_from_slice(b"date: ");
             date::extend(out);
@@ -1120,7 +1110,7 @@ fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     close_line(out, &mut open, chunked_missing);
-    write_added(out, extra);
+    out.extend_from_slice(extra.lines());
     if let Some(value) = added_connection {
         // As the loop writes it, last in the map.
         out.extend_from_slice(b"connection: ");
