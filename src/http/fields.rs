@@ -50,6 +50,42 @@ pub(crate) fn is_rate_field(name: &HeaderName) -> bool {
     rate_field(name).is_some()
 }
 
+/// A field sluice adds to responses of its own (`AddedFields`): the rate-limit
+/// ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Added {
+    RateLimit,
+    Policy,
+    XLimit,
+    XRemaining,
+    XReset,
+}
+
+impl Added {
+    pub fn name(self) -> &'static HeaderName {
+        match self {
+            Added::RateLimit => &RATELIMIT,
+            Added::Policy => &RATELIMIT_POLICY,
+            Added::XLimit => &X_LIMIT,
+            Added::XRemaining => &X_REMAINING,
+            Added::XReset => &X_RESET,
+        }
+    }
+
+    /// The start of its line as HTTP/1 writes it: its name, then `: `. (Literals
+    /// of known length: copied without a call, which a name read from its
+    /// `HeaderName` is not.)
+    fn line_start(self) -> &'static [u8] {
+        match self {
+            Added::RateLimit => b"ratelimit: ",
+            Added::Policy => b"ratelimit-policy: ",
+            Added::XLimit => b"x-ratelimit-limit: ",
+            Added::XRemaining => b"x-ratelimit-remaining: ",
+            Added::XReset => b"x-ratelimit-reset: ",
+        }
+    }
+}
+
 /// The most fields `AddedFields` holds: the rate-limit ones, both families.
 const MAX_ADDED: usize = 5;
 
@@ -60,8 +96,8 @@ const MAX_ADDED: usize = 5;
 /// takes each value as a slice of that one buffer (`insert_into`).
 pub struct AddedFields {
     lines: Vec<u8>,
-    /// Each field's name and where its value stands in `lines`.
-    fields: [(&'static HeaderName, usize, usize); MAX_ADDED],
+    /// Each field and where its value stands in `lines`.
+    fields: [(Added, usize, usize); MAX_ADDED],
     len: usize,
 }
 
@@ -69,7 +105,7 @@ impl Default for AddedFields {
     fn default() -> AddedFields {
         AddedFields {
             lines: Vec::new(),
-            fields: [(&RATELIMIT, 0, 0); MAX_ADDED],
+            fields: [(Added::RateLimit, 0, 0); MAX_ADDED],
             len: 0,
         }
     }
@@ -84,18 +120,18 @@ impl AddedFields {
         }
     }
 
-    /// Adds the field `name`, its value what `value` appends to the buffer it is
-    /// given (a valid field value: the map leaves out any other). Past `MAX_ADDED`
-    /// fields, nothing.
-    pub fn push(&mut self, name: &'static HeaderName, value: impl FnOnce(&mut Vec<u8>)) {
+    /// Adds `field`, its value what `value` appends to the buffer it is given (a
+    /// valid field value: the map leaves out any other). Past `MAX_ADDED` fields,
+    /// nothing.
+    #[inline]
+    pub fn push(&mut self, field: Added, value: impl FnOnce(&mut Vec<u8>)) {
         if self.len == MAX_ADDED {
             return;
         }
-        self.lines.extend_from_slice(name.as_str().as_bytes());
-        self.lines.extend_from_slice(b": ");
+        self.lines.extend_from_slice(field.line_start());
         let start = self.lines.len();
         value(&mut self.lines);
-        self.fields[self.len] = (name, start, self.lines.len());
+        self.fields[self.len] = (field, start, self.lines.len());
         self.lines.extend_from_slice(b"\r\n");
         self.len += 1;
     }
@@ -118,7 +154,7 @@ impl AddedFields {
     pub fn iter(&self) -> impl Iterator<Item = (&'static HeaderName, &[u8])> + '_ {
         self.fields[..self.len]
             .iter()
-            .map(|&(name, start, end)| (name, &self.lines[start..end]))
+            .map(|&(field, start, end)| (field.name(), &self.lines[start..end]))
     }
 
     /// Puts the fields in `map`, each replacing any of its name there: the values
@@ -127,10 +163,24 @@ impl AddedFields {
         // Room for all of them at once, rather than a resize (and rehash) midway.
         map.reserve(self.len);
         let lines = Bytes::from(self.lines);
-        for &(name, start, end) in &self.fields[..self.len] {
+        for &(field, start, end) in &self.fields[..self.len] {
             if let Ok(v) = HeaderValue::from_maybe_shared(lines.slice(start..end)) {
-                map.insert(name.clone(), v);
+                map.insert(field.name().clone(), v);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_added_line_starts_with_its_name() {
+        use Added::*;
+        for field in [RateLimit, Policy, XLimit, XRemaining, XReset] {
+            let start = format!("{}: ", field.name().as_str());
+            assert_eq!(field.line_start(), start.as_bytes(), "{field:?}");
         }
     }
 }

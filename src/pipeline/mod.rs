@@ -468,7 +468,9 @@ async fn pass<'a>(
         .as_ref()
         .is_some_and(|l| l.tier.later.iter().any(|l| l.costs.is_some()))
     {
-        relay.as_mut().map(Relay::fields_in_map);
+        if let Some(relay) = relay.as_mut() {
+            relay.fields_in_map();
+        }
     }
     let mut resp = act(ctx, route, parts, body, relay, &mut tally.target).await?;
     if matches!(route.action, Action::Upstream(_)) {

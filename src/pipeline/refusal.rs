@@ -8,9 +8,7 @@ use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::http::body::{close, connect_refused, text, Body};
-use crate::http::fields::{
-    rate_field, AddedFields, RateField, RATELIMIT, RATELIMIT_POLICY, X_LIMIT, X_REMAINING, X_RESET,
-};
+use crate::http::fields::{rate_field, Added, AddedFields, RateField};
 use crate::limit::{Plan, Verdict};
 use crate::pipeline::admit::BadRequest;
 use crate::telemetry::metrics::Decision;
@@ -392,22 +390,22 @@ impl RateHeaders {
         let reset = ceil_secs(o.reset_us);
         if self.ietf {
             if let Some(p) = policy {
-                out.push(&RATELIMIT_POLICY, |v| v.extend_from_slice(p.as_bytes()));
+                out.push(Added::Policy, |v| v.extend_from_slice(p.as_bytes()));
             }
             // Limit names are letters, digits, `_`, `-` and `.` (validated): the
             // value is always a valid one.
             let name = &plan.limits[i].name;
-            out.push(&RATELIMIT, |v| push_ratelimit(v, name, o.remaining, reset));
+            out.push(Added::RateLimit, |v| {
+                push_ratelimit(v, name, o.remaining, reset)
+            });
         }
         if self.x_ratelimit {
+            // Written out, not a loop: each field's line start is then a literal.
             let mut n = itoa::Buffer::new();
-            for (name, value) in [
-                (&X_LIMIT, o.quota),
-                (&X_REMAINING, o.remaining),
-                (&X_RESET, reset),
-            ] {
-                out.push(name, |v| v.extend_from_slice(n.format(value).as_bytes()));
-            }
+            let mut number = |v: &mut Vec<u8>, x: u64| v.extend_from_slice(n.format(x).as_bytes());
+            out.push(Added::XLimit, |v| number(v, o.quota));
+            out.push(Added::XRemaining, |v| number(v, o.remaining));
+            out.push(Added::XReset, |v| number(v, reset));
         }
     }
 

@@ -1545,7 +1545,7 @@ mod tests {
         };
         let mut out = Vec::new();
         let mut extra = AddedFields::default();
-        extra.push(&crate::http::fields::RATELIMIT_POLICY, |v| {
+        extra.push(crate::http::fields::Added::Policy, |v| {
             v.extend_from_slice(b"5;w=10")
         });
         let enc = encode_head(
