@@ -1,5 +1,5 @@
 //! The `response` target: an upstream's bytes, as its answer to a GET or a HEAD, read
-//! by sluice's HTTP/1 client codec (`http::h1::client`) and by `rfc_response`, an oracle written
+//! by sluice's HTTP/1 codec to upstreams (`http::h1::upstream`) and by `rfc_response`, an oracle written
 //! from RFC 9112 (httparse splits the heads; every framing rule is the RFC's, written
 //! out below). Both must make the same of them.
 //!
@@ -13,8 +13,8 @@ use bytes::BytesMut;
 use http::{HeaderMap, Method};
 
 use super::rfc9112::{self, content_length, items, ChunkRules, ChunkedEnd, Fields, Length};
-use crate::http::h1::client::{parse_head_for, Decoder, Kept, Source};
 use crate::http::h1::framing::{MAX_FIELDS, MAX_HEAD};
+use crate::http::h1::upstream::{parse_head_for, Decoder, Kept, Source};
 
 /// How a response body is delimited (RFC 9112 §6.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

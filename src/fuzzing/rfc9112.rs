@@ -6,7 +6,7 @@
 /// Fields as they came, in order: names lowercased, values as bytes.
 pub type Fields = Vec<(String, Vec<u8>)>;
 
-/// The longest chunk-size line sluice takes (`http::h1::client`'s limit): size, extensions, CR.
+/// The longest chunk-size line sluice takes (`http::h1::upstream`'s limit): size, extensions, CR.
 pub const MAX_CHUNK_LINE: usize = 4096;
 /// The most hex digits of a chunk size sluice takes (a `u64` holds any 16).
 pub const MAX_SIZE_DIGITS: usize = 16;

@@ -19,8 +19,8 @@ use crate::config::value::parse_duration;
 use crate::deny::{now_ms, rfc3339, Cursor, Entry, EntryJson, Meta, Source, Target};
 use crate::http::body;
 use crate::http::body::Body;
-use crate::http::h1::server::Lent;
-use crate::http::h1::server::{ClientBody, Site};
+use crate::http::request::ClientBody;
+use crate::http::site::{Lent, Site};
 use crate::ops::control::{Command, Control, ControlError, Reply, Status, Trigger};
 use crate::ops::stats::{totals_of, History, Sample, Totals, COLUMNS, UPSTREAM_COLUMNS};
 use crate::pipeline::{Peer, Shared};
@@ -66,7 +66,7 @@ const UNMATCHED_DECISIONS: [Decision; 3] =
 impl Site for Admin {
     type Peer = Peer;
 
-    fn answer<'a>(
+    fn serve<'a>(
         &'a self,
         parts: &'a mut http::request::Parts,
         body: ClientBody,

@@ -8,7 +8,7 @@ use bytes::{Bytes, BytesMut};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 
-use crate::http::h1::server::{ClientBody, ReadBody};
+use crate::http::request::{ClientBody, ReadBody};
 use crate::upstream::ClientFault;
 
 /// A request body read for its key.
@@ -94,21 +94,14 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
     use super::*;
-    use crate::http::h1::decode::Decoder;
-    use crate::http::h1::request_body::Inflow;
+    use crate::http::request::http1_body_for_tests;
 
     const WAIT: Duration = Duration::from_secs(5);
 
-    /// A body as sluice's HTTP/1 server reads it, and the client's end of its
-    /// connection: a task feeds the body from the connection, as the server does.
-    fn h1(decode: Decoder, expect_continue: bool) -> (ClientBody, DuplexStream) {
-        let (client, mut conn) = tokio::io::duplex(256 * 1024);
-        let (inflow, body) = Inflow::new(decode, expect_continue);
-        tokio::spawn(async move {
-            let mut buf = BytesMut::new();
-            let _ = std::future::poll_fn(|cx| inflow.poll_feed(cx, &mut conn, &mut buf)).await;
-        });
-        (ClientBody::Own(body), client)
+    /// A body as sluice's HTTP/1 server reads it (`length`: its `Content-Length`,
+    /// or chunked), and the client's end of its connection.
+    fn h1(length: Option<u64>, expect_continue: bool) -> (ClientBody, DuplexStream) {
+        http1_body_for_tests(length, expect_continue)
     }
 
     /// Everything a body gives: its bytes and its trailers.
@@ -125,7 +118,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_within_the_limit_is_read_whole_and_forwarded_as_sent() {
-        let (body, mut client) = h1(Decoder::Length(14), false);
+        let (body, mut client) = h1(Some(14), false);
         client.write_all(b"username=alice").await.unwrap();
         let k = read(body, 14, WAIT).await.unwrap();
         assert_eq!(k.bytes.as_deref(), Some(&b"username=alice"[..]));
@@ -137,7 +130,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_chunked_body_within_the_limit_keeps_its_trailers() {
-        let (body, mut client) = h1(Decoder::chunked(), false);
+        let (body, mut client) = h1(None, false);
         client
             .write_all(b"4\r\nuser\r\n6\r\nname=a\r\n0\r\nx-sum: 8\r\n\r\n")
             .await
@@ -155,7 +148,7 @@ mod tests {
         let k = read(ClientBody::Empty, 64, WAIT).await.unwrap();
         assert_eq!(k.bytes.as_deref(), Some(&b""[..]));
         assert!(matches!(k.body, ClientBody::Empty));
-        let (body, mut client) = h1(Decoder::chunked(), false);
+        let (body, mut client) = h1(None, false);
         client.write_all(b"0\r\n\r\n").await.unwrap();
         let k = read(body, 64, WAIT).await.unwrap();
         assert_eq!(k.bytes.as_deref(), Some(&b""[..]));
@@ -165,7 +158,7 @@ mod tests {
     /// A body announced larger than the limit is not read: it goes on as it came.
     #[tokio::test]
     async fn a_length_over_the_limit_is_not_read() {
-        let (body, mut client) = h1(Decoder::Length(11), false);
+        let (body, mut client) = h1(Some(11), false);
         let k = read(body, 10, WAIT).await.unwrap();
         assert_eq!(k.bytes, None);
         assert!(matches!(k.body, ClientBody::Own(_)));
@@ -177,7 +170,7 @@ mod tests {
     /// sends it (after the key was decided), every byte in order.
     #[tokio::test]
     async fn a_body_over_the_limit_is_forwarded_whole_and_in_order() {
-        let (body, mut client) = h1(Decoder::chunked(), false);
+        let (body, mut client) = h1(None, false);
         client
             .write_all(b"8\r\n01234567\r\n8\r\n89abcdef\r\n")
             .await
@@ -195,11 +188,11 @@ mod tests {
         assert_eq!(trailers.unwrap()["x-sum"], "3");
 
         // A length-framed one, a byte over.
-        let (body, mut client) = h1(Decoder::Length(11), false);
+        let (body, mut client) = h1(Some(11), false);
         client.write_all(b"hello world").await.unwrap();
         let k = read(body, 12, WAIT).await.unwrap();
         assert_eq!(k.bytes.as_deref(), Some(&b"hello world"[..]), "fits");
-        let (body, mut client) = h1(Decoder::Length(40_000), false);
+        let (body, mut client) = h1(Some(40_000), false);
         let sent: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
         client.write_all(&sent).await.unwrap();
         let k = read(body, 20_000, WAIT).await.unwrap();
@@ -211,7 +204,7 @@ mod tests {
     /// A client waiting for `100 Continue` gets it when the body is read for its key.
     #[tokio::test]
     async fn reading_answers_expect_continue() {
-        let (body, mut client) = h1(Decoder::Length(5), true);
+        let (body, mut client) = h1(Some(5), true);
         let reading = tokio::spawn(read(body, 64, WAIT));
         let mut continued = [0u8; 25];
         client.read_exact(&mut continued).await.unwrap();
@@ -227,7 +220,7 @@ mod tests {
     #[tokio::test]
     async fn a_stalled_cut_or_malformed_body_fails_the_read() {
         let timeout = Duration::from_millis(300);
-        let (body, mut client) = h1(Decoder::Length(10), false);
+        let (body, mut client) = h1(Some(10), false);
         client.write_all(b"user").await.unwrap();
         let started = Instant::now();
         assert_eq!(
@@ -238,12 +231,12 @@ mod tests {
         assert!(took >= timeout && took < timeout * 4, "{took:?}");
         drop(client);
 
-        let (body, mut client) = h1(Decoder::Length(10), false);
+        let (body, mut client) = h1(Some(10), false);
         client.write_all(b"user").await.unwrap();
         drop(client);
         assert_eq!(read(body, 64, WAIT).await.err(), Some(ClientFault::Aborted));
 
-        let (body, mut client) = h1(Decoder::chunked(), false);
+        let (body, mut client) = h1(None, false);
         client.write_all(b"zz\r\nuser\r\n").await.unwrap();
         assert_eq!(
             read(body, 64, WAIT).await.err(),

@@ -14,7 +14,6 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,10 +29,8 @@ use crate::deny::{BanRequest, DenyView, StaticDeny, Target};
 use crate::http::body;
 use crate::http::body::Body;
 
-use crate::http::h1::client::RawFields;
-use crate::http::h1::framing::{announces_body, content_length};
-use crate::http::h1::server::{ClientBody, Lent, Site};
-use crate::http::wake::Deadline;
+use crate::http::request::{body_in_the_way, declared_length, ClientBody};
+use crate::http::site::{Lent, Relay, Site};
 
 use crate::identity::{ClientKey, KeyPart, KeySpec, MissingKey, NoKey, Normalize, TrustedProxies};
 use crate::limit::{Charge, Checked, MemoryStore, OnError, Permit, Plan, Share, Store, Verdict};
@@ -225,7 +222,7 @@ impl Peer {
 impl Site for Shared {
     type Peer = Peer;
 
-    fn answer<'a>(
+    fn serve<'a>(
         &'a self,
         parts: &'a mut http::request::Parts,
         body: ClientBody,
@@ -322,7 +319,7 @@ async fn process(
     // delayed, while the upstream works, or mid-body), with the decision made for it.
     let mut tally = Tally::new(rt.clone(), route);
     tally.client_h1 = parts.version < Version::HTTP_2;
-    let unread_body = parts.version < Version::HTTP_2 && announces_body(&parts.headers);
+    let unread_body = body_in_the_way(parts);
     // What the client spoke, for the access log: forwarding rewrites `parts.version`
     // to the upstream's.
     let version = parts.version;
@@ -431,7 +428,7 @@ async fn pass<'a>(
         route.key.body_wanted(h) || route.limit_keys.iter().any(|k| k.spec.body_wanted(h));
     let (read, mut body) = (None::<Bytes>, body);
     let read = if wants_body {
-        if content_length(h).is_some_and(|n| n > rt.max_request_body) {
+        if declared_length(h).is_some_and(|n| n > rt.max_request_body) {
             return Err(Refusal::TooLarge(rt.max_request_body));
         }
         let timeout = rt.request_body_timeout;
@@ -457,23 +454,25 @@ async fn pass<'a>(
         let limit_key = (&k.spec, k.ns.as_str(), k.fallback_ns.as_str());
         others.push(client_key(ctx, route, limit_key, parts, bytes, line)?);
     }
-    if content_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
+    if declared_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
     let (report, later) = limits(ctx, route, &key, &others, tally).await?;
     drop((key, others));
-    let (lines, timer, mut raw) = match plain {
-        Some(Lent { lines, timer, raw }) => (Some(lines), Some(timer), raw),
-        None => (None, None, None),
+    let (added, mut relay) = match plain {
+        Some(Lent { fields, relay }) => (Some(fields), Some(relay)),
+        None => (None, None),
     };
     // A cost read from a response header needs the upstream's fields parsed.
     if later
         .as_ref()
         .is_some_and(|l| l.tier.later.iter().any(|l| l.costs.is_some()))
     {
-        raw = None;
+        if let Some(relay) = relay.as_mut() {
+            relay.fields_in_map();
+        }
     }
-    let mut resp = act(ctx, route, parts, body, timer, raw, &mut tally.target).await?;
+    let mut resp = act(ctx, route, parts, body, relay, &mut tally.target).await?;
     if matches!(route.action, Action::Upstream(_)) {
         let status = resp.status().as_u16();
         route.metrics.upstream_answered(status);
@@ -484,9 +483,9 @@ async fn pass<'a>(
     }
     if let Some((tier, v)) = &report {
         let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
-        match lines {
+        match added {
             Some(out) if !h.any_in(resp.headers(), policy.is_some()) => {
-                h.write_lines(out, &tier.plan, policy, v)
+                h.fields(out, &tier.plan, policy, v)
             }
             _ => h.apply(resp.headers_mut(), &tier.plan, policy, v),
         }
@@ -807,8 +806,7 @@ async fn act<'a>(
     route: &Route,
     parts: &mut http::request::Parts,
     body: ClientBody,
-    timer: Option<Pin<&mut Deadline>>,
-    raw: Option<&mut Option<RawFields>>,
+    relay: Option<Relay<'_>>,
     target: &mut Option<usize>,
 ) -> Result<Response<Body>, Refusal<'a>> {
     match &route.action {
@@ -841,20 +839,19 @@ async fn act<'a>(
             let passed_over = |past: usize, e: &ProxyError| {
                 upstream_failed(route, (up, past), e);
             };
-            let answered = up
+            let response = up
                 .forward(
                     &mut t,
                     parts,
                     body,
                     &origin,
                     ctx.rt.max_request_body,
-                    timer,
-                    raw,
+                    relay,
                     passed_over,
                 )
                 .await;
             *target = Some(t);
-            answered.map_err(|e| forward_failed(ctx.shared, route, (up, t), e))
+            response.map_err(|e| forward_failed(ctx.shared, route, (up, t), e))
         }
     }
 }

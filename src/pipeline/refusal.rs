@@ -8,9 +8,7 @@ use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::http::body::{close, connect_refused, text, Body};
-use crate::http::fields::{
-    rate_field, RateField, RATELIMIT, RATELIMIT_POLICY, X_LIMIT, X_REMAINING, X_RESET,
-};
+use crate::http::fields::{rate_field, Added, AddedFields, RateField};
 use crate::limit::{Plan, Verdict};
 use crate::pipeline::admit::BadRequest;
 use crate::telemetry::metrics::Decision;
@@ -376,10 +374,12 @@ fn push_sf_string(out: &mut Vec<u8>, s: &str) {
 }
 
 impl RateHeaders {
-    /// Add the chosen families for `verdict` to `headers`.
-    pub fn apply(
+    /// The chosen families' fields for `verdict`, appended to `out` in the order
+    /// they are written: the one builder of the rate-limit fields, whichever way
+    /// they go to the client.
+    pub fn fields(
         &self,
-        headers: &mut HeaderMap,
+        out: &mut AddedFields,
         plan: &Plan,
         policy: Option<&HeaderValue>,
         verdict: &Verdict,
@@ -388,37 +388,38 @@ impl RateHeaders {
             return;
         };
         let reset = ceil_secs(o.reset_us);
-        // Room for all of them at once, rather than a resize (and rehash) midway.
-        headers.reserve(2 * usize::from(self.ietf) + 3 * usize::from(self.x_ratelimit));
         if self.ietf {
             if let Some(p) = policy {
-                headers.insert(RATELIMIT_POLICY.clone(), p.clone());
+                out.push(Added::Policy, |v| v.extend_from_slice(p.as_bytes()));
             }
-            // In one allocation (the header is on every answer).
+            // Limit names are letters, digits, `_`, `-` and `.` (validated): the
+            // value is always a valid one.
             let name = &plan.limits[i].name;
-            let mut v = Vec::with_capacity(name.len() + 48);
-            push_ratelimit(&mut v, name, o.remaining, reset);
-            if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(v)) {
-                headers.insert(RATELIMIT.clone(), v);
-            }
+            out.push(Added::RateLimit, |v| {
+                push_ratelimit(v, name, o.remaining, reset)
+            });
         }
         if self.x_ratelimit {
-            // The three numbers in one buffer, each value a slice of it.
+            // Written out, not a loop: each field's line start is then a literal.
             let mut n = itoa::Buffer::new();
-            let mut buf = bytes::BytesMut::with_capacity(60);
-            let mut ends = [0; 3];
-            for (end, v) in ends.iter_mut().zip([o.quota, o.remaining, reset]) {
-                buf.extend_from_slice(n.format(v).as_bytes());
-                *end = buf.len();
-            }
-            let buf = buf.freeze();
-            let value = |from: usize, to: usize| {
-                HeaderValue::from_maybe_shared(buf.slice(from..to)).expect("digits")
-            };
-            headers.insert(X_LIMIT.clone(), value(0, ends[0]));
-            headers.insert(X_REMAINING.clone(), value(ends[0], ends[1]));
-            headers.insert(X_RESET.clone(), value(ends[1], ends[2]));
+            let mut number = |v: &mut Vec<u8>, x: u64| v.extend_from_slice(n.format(x).as_bytes());
+            out.push(Added::XLimit, |v| number(v, o.quota));
+            out.push(Added::XRemaining, |v| number(v, o.remaining));
+            out.push(Added::XReset, |v| number(v, reset));
         }
+    }
+
+    /// Add the chosen families for `verdict` to `headers` (`fields`, put in the map).
+    pub fn apply(
+        &self,
+        headers: &mut HeaderMap,
+        plan: &Plan,
+        policy: Option<&HeaderValue>,
+        verdict: &Verdict,
+    ) {
+        let mut fields = AddedFields::with_capacity(128);
+        self.fields(&mut fields, plan, policy, verdict);
+        fields.insert_into(headers);
     }
 }
 
@@ -436,45 +437,6 @@ impl RateHeaders {
             None => false,
         })
     }
-
-    /// The fields `apply` adds to a map that has none of them, as header lines
-    /// (`name: value\r\n`, in the order `apply` inserts them) appended to `out`:
-    /// for the plain-request server, which writes them with the head, no map or
-    /// header value in between.
-    pub fn write_lines(
-        &self,
-        out: &mut Vec<u8>,
-        plan: &Plan,
-        policy: Option<&HeaderValue>,
-        verdict: &Verdict,
-    ) {
-        let Some((i, o)) = verdict.headline() else {
-            return;
-        };
-        let reset = ceil_secs(o.reset_us);
-        let mut n = itoa::Buffer::new();
-        if self.ietf {
-            if let Some(p) = policy {
-                out.extend_from_slice(b"ratelimit-policy: ");
-                out.extend_from_slice(p.as_bytes());
-                out.extend_from_slice(b"\r\n");
-            }
-            // Limit names are letters, digits, `_`, `-` and `.` (validated): the
-            // value `apply` builds is always a valid one.
-            out.extend_from_slice(b"ratelimit: ");
-            push_ratelimit(out, &plan.limits[i].name, o.remaining, reset);
-            out.extend_from_slice(b"\r\n");
-        }
-        if self.x_ratelimit {
-            out.extend_from_slice(b"x-ratelimit-limit: ");
-            out.extend_from_slice(n.format(o.quota).as_bytes());
-            out.extend_from_slice(b"\r\nx-ratelimit-remaining: ");
-            out.extend_from_slice(n.format(o.remaining).as_bytes());
-            out.extend_from_slice(b"\r\nx-ratelimit-reset: ");
-            out.extend_from_slice(n.format(reset).as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-    }
 }
 
 #[cfg(test)]
@@ -482,7 +444,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lines_are_what_apply_adds() {
+    fn the_fields_are_what_apply_adds_and_any_in_sees_them() {
         use crate::limit::{Algorithm, LimitDef, Mode, Outcome};
         let window = |limit, window_us| Algorithm::FixedWindow { limit, window_us };
         let plan = Plan {
@@ -534,12 +496,16 @@ mod tests {
                         expected.extend_from_slice(v.as_bytes());
                         expected.extend_from_slice(b"\r\n");
                     }
-                    let mut lines = b"before\r\n".to_vec();
-                    h.write_lines(&mut lines, &plan, policy, v);
+                    let mut fields = AddedFields::default();
+                    h.fields(&mut fields, &plan, policy, v);
+                    // What HTTP/1's server writes is what the map holds.
                     assert_eq!(
-                        String::from_utf8_lossy(&lines[8..]),
+                        String::from_utf8_lossy(fields.lines()),
                         String::from_utf8_lossy(&expected)
                     );
+                    let named: Vec<_> = fields.iter().map(|(k, _)| k.clone()).collect();
+                    let in_map: Vec<_> = map.keys().cloned().collect();
+                    assert_eq!(named, in_map);
                     assert!(!h.any_in(&HeaderMap::new(), policy.is_some()));
                     for (k, _) in &map {
                         let mut other = HeaderMap::new();

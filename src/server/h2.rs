@@ -164,16 +164,16 @@ where
     fn call(&self, req: Request<Incoming>) -> TrackedFuture<S::Future> {
         let in_flight = self.activity.start();
         TrackedFuture {
-            answer: self.inner.call(req),
+            response: self.inner.call(req),
             send_timeout: self.send_timeout,
             in_flight: Some(in_flight),
         }
     }
 }
 
-/// The answer of `Tracked`'s service, its body tracked.
+/// The response of `Tracked`'s service, its body tracked.
 pub(super) struct TrackedFuture<F> {
-    answer: F,
+    response: F,
     send_timeout: Duration,
     in_flight: Option<InFlight>,
 }
@@ -189,7 +189,7 @@ where
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
         let this = &mut *self;
-        let Ok(resp) = std::task::ready!(Pin::new(&mut this.answer).poll(cx));
+        let Ok(resp) = std::task::ready!(Pin::new(&mut this.response).poll(cx));
         let in_flight = this
             .in_flight
             .take()

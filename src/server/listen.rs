@@ -21,7 +21,8 @@ use super::h2::{Http, Tracked};
 use super::io::{Linger, WriteStall};
 use crate::http::body::Body;
 use crate::http::conn::Activity;
-use crate::http::h1::server::{Fast, Site};
+use crate::http::h1::server::Fast;
+use crate::http::site::Site;
 use crate::limit::per_ip::PerIp;
 use crate::pipeline;
 

@@ -32,8 +32,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
 use crate::http::body::{Body, BoxError};
 use crate::http::conn::coarse_ms;
-use crate::http::h1::client::{Conn, Connector, NoFreeConnection, Stream};
 use crate::http::h1::server::UnannouncedTrailers;
+use crate::http::transport::{Connector, Link, NoFreeConnection, Stream};
 use crate::http::wake::Deadline;
 use crate::upstream::pool::{ReadTimeout, SendError};
 
@@ -96,7 +96,7 @@ pub enum H2Error {
     Send(SendError),
     /// `auto`: the target picked HTTP/1.1 on this connection; the request was not
     /// sent and goes back with it.
-    Http1(Box<Request<Body>>, Conn),
+    Http1(Box<Request<Body>>, Link),
     /// No connection could be opened and the request was not sent: it goes back
     /// whole, for another target.
     Unsent(Box<Request<Body>>, BoxError),
@@ -265,7 +265,7 @@ impl H2Pool {
                 return Ok(Opened::Slot(slot));
             }
         }
-        let (io, permit) = match self.connector.connect_stream().await {
+        let Link { io, slot } = match self.connector.connect().await {
             Ok(opened) => opened,
             Err(e) => {
                 *lock(&self.failed) = Some((Instant::now(), e.to_string()));
@@ -275,9 +275,9 @@ impl H2Pool {
         if self.offers_http1 && !io.speaks_h2() {
             self.picked_http1.store(true, Ordering::Relaxed);
             tracing::debug!("upstream target picked HTTP/1.1 by ALPN");
-            return Ok(Opened::Http1(Conn::new(io, permit)));
+            return Ok(Opened::Http1(Link { io, slot }));
         }
-        let conn = self.handshake(io, permit).await.map_err(|e| {
+        let conn = self.handshake(io, slot).await.map_err(|e| {
             *lock(&self.failed) = Some((Instant::now(), e.to_string()));
             SendError::Connect(e)
         })?;
@@ -351,7 +351,7 @@ impl H2Pool {
 
 enum Opened {
     Slot(Slot),
-    Http1(Conn),
+    Http1(Link),
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::http::h1::server::{ClientBody, OnUpgrade};
+use crate::http::h1::server::OnUpgrade;
+use crate::http::request::{ClientBody, Held, ReadBody};
+use crate::http::site::Relay;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Response, StatusCode, Uri, Version};
@@ -28,10 +30,9 @@ use crate::http::body::{Body, BoxError};
 use crate::http::conn::coarse_ms;
 use crate::http::conn::{ConnectionHeld, LastActive};
 use crate::http::fields::HOP_BY_HOP;
-use crate::http::h1::client::{
-    Conn, Connector, Forwarded, NoFreeConnection, RawFields, XFF, XFH, XFP,
-};
 use crate::http::h1::framing::{connection, items, lists, te_lists_trailers};
+use crate::http::h1::upstream::{Conn, Forwarded, RawFields, XFF, XFH, XFP};
+use crate::http::transport::{Connector, NoFreeConnection};
 use crate::http::wake::Deadline;
 use crate::limit::per_ip::{IpSlot, PerIp};
 use crate::telemetry::metrics::ReadAheadBytes;
@@ -628,7 +629,7 @@ impl Upstream {
         failed
     }
 
-    /// The upstream's answer to `sent`, within `timeout`: counted from the end of the
+    /// The upstream's response head to `sent`, within `timeout`: counted from the end of the
     /// request body (`sending` reports its progress), and while the body is being sent,
     /// from its last progress. A slow but steady upload is no upstream timeout; an
     /// upstream that stops taking the body is; a client that stops sending it is the
@@ -639,7 +640,7 @@ impl Upstream {
     ///
     /// `timer`, when given, is the client connection's, set to the deadline instead
     /// of a timer of the request's own.
-    async fn answer<F: std::future::Future>(
+    async fn response_head<F: std::future::Future>(
         &self,
         mut sent: Pin<&mut F>,
         sending: Option<tokio::sync::watch::Receiver<bool>>,
@@ -688,10 +689,13 @@ impl Upstream {
         body: ClientBody,
         origin: &Origin<'_>,
         max_body: u64,
-        timer: Option<Pin<&mut Deadline>>,
-        raw: Option<&mut Option<RawFields>>,
+        relay: Option<Relay<'_>>,
         mut passed_over: impl FnMut(usize, &ProxyError),
     ) -> Result<Response<Body>, ProxyError> {
+        let (timer, raw) = match relay {
+            Some(Relay { timer, raw }) => (Some(timer), raw),
+            None => (None, None),
+        };
         *at %= self.targets.len();
         let mut target = &self.targets[*at];
         // The HTTP/2 pool, when the target speaks HTTP/2 (`auto`: until it picked
@@ -841,12 +845,13 @@ impl Upstream {
                     let req = h2_request(parts, target, body);
                     // Boxed: its state would otherwise grow every request's future,
                     // HTTP/1.1 ones too.
-                    let answer = Box::pin(async {
+                    let head = Box::pin(async {
                         let sent = std::pin::pin!(h2.send(req));
                         let timer = timer.as_mut().map(|t| t.as_mut());
-                        self.answer(sent, sending.clone(), timer, timeout).await
+                        self.response_head(sent, sending.clone(), timer, timeout)
+                            .await
                     });
-                    match answer.await {
+                    match head.await {
                         Err(_) => return Err(ProxyError::Timeout),
                         Ok(Ok(resp)) => {
                             target.health.connected(&self.name, target);
@@ -867,7 +872,7 @@ impl Upstream {
                         }
                         // `auto`, and the target picked HTTP/1.1: the request goes on
                         // the connection it picked it on, in the HTTP/1.1 pool.
-                        Ok(Err(H2Error::Http1(req, conn))) => {
+                        Ok(Err(H2Error::Http1(req, link))) => {
                             let Via::Auto(pool, _) = &target.via else {
                                 return Err(ProxyError::Reset(
                                     "the upstream refused HTTP/2 by ALPN".into(),
@@ -880,7 +885,7 @@ impl Upstream {
                                 parts.headers.insert(header::HOST, h);
                             }
                             body = b;
-                            pool.adopt(conn);
+                            pool.adopt(Conn::new(link));
                             Ok(pool)
                         }
                     }
@@ -978,7 +983,10 @@ impl Upstream {
         let sent = std::pin::pin!(pool.send(parts, body, fwd, raw.as_deref_mut()));
         let timer = timer.as_mut().map(|t| t.as_mut());
         Ok(
-            match self.answer(sent, sending.clone(), timer, timeout).await {
+            match self
+                .response_head(sent, sending.clone(), timer, timeout)
+                .await
+            {
                 Err(_) => Err(ProxyError::Timeout),
                 Ok(Err(SendError::Unsent(e, body))) => return Err(Unsent(e, body)),
                 Ok(Err(SendError::Connect(e))) => Err(classify(e, true)),
@@ -1153,14 +1161,7 @@ async fn read_ahead(
         }
     };
     let streaming = rest.is_some();
-    let body = ReadAhead {
-        frames,
-        held,
-        rest,
-        hint,
-        started: false,
-    }
-    .boxed();
+    let body = ReadAhead::of_frames(frames, held, rest, hint).boxed();
     Ok(Ahead { body, streaming })
 }
 
@@ -1195,76 +1196,22 @@ impl http_body::Body for Uploading {
     }
 }
 
-/// A request body read ahead (`read_ahead`): the frames read, then the rest. It
-/// tells the upstream connection what the body it stands for told before any of it
-/// was read (not over, and its size hint), so the upload's framing (length or
-/// chunked) is the client's; its trailers are among the frames.
-struct ReadAhead {
-    frames: std::collections::VecDeque<http_body::Frame<bytes::Bytes>>,
-    /// The bytes of `frames`, in the process's count.
-    held: HeldBytes,
-    rest: Option<Body>,
-    hint: http_body::SizeHint,
-    /// A frame has been asked for.
-    started: bool,
-}
-
-impl http_body::Body for ReadAhead {
-    type Data = bytes::Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, BoxError>>> {
-        let this = &mut *self;
-        this.started = true;
-        if let Some(frame) = this.frames.pop_front() {
-            let len = frame.data_ref().map_or(0, |d| d.len());
-            this.held.bytes -= len;
-            this.held.buffered.give(len);
-            return Poll::Ready(Some(Ok(frame)));
-        }
-        match &mut this.rest {
-            Some(rest) => Pin::new(rest).poll_frame(cx),
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.started
-            && self.frames.is_empty()
-            && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        if !self.started {
-            return self.hint;
-        }
-        let ahead: u64 = self
-            .frames
-            .iter()
-            .map(|f| f.data_ref().map_or(0, |d| d.len() as u64))
-            .sum();
-        let rest = self
-            .rest
-            .as_ref()
-            .map(|r| r.size_hint())
-            .unwrap_or_else(|| http_body::SizeHint::with_exact(0));
-        let mut hint = http_body::SizeHint::new();
-        hint.set_lower(rest.lower().saturating_add(ahead));
-        if let Some(upper) = rest.upper() {
-            hint.set_upper(upper.saturating_add(ahead));
-        }
-        hint
-    }
-}
+/// A request body read ahead (`read_ahead`): the frames read, then the rest; its
+/// trailers are among the frames.
+type ReadAhead = ReadBody<Body, HeldBytes>;
 
 /// Bytes a read-ahead holds of the process's count (`ReadAheadBytes`), given back
 /// when it is dropped.
 struct HeldBytes {
     buffered: Arc<ReadAheadBytes>,
     bytes: usize,
+}
+
+impl Held for HeldBytes {
+    fn handed(&mut self, bytes: usize) {
+        self.bytes -= bytes;
+        self.buffered.give(bytes);
+    }
 }
 
 impl Drop for HeldBytes {
@@ -1469,7 +1416,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a request with
     // both must lose its Content-Length before it is passed on (hyper's server has
     // decoded the chunks; left alone, the length would cut the body short). A
-    // response with both never gets here: `h1::client` refuses it.
+    // response with both never gets here: `h1::upstream` refuses it.
     if present & (1 << TRANSFER_ENCODING_AT) != 0 {
         h.remove(header::CONTENT_LENGTH);
     }

@@ -2,7 +2,7 @@
 //! requests, in one idle list per worker so that a request and its upstream
 //! connection stay on the worker thread that took it.
 //!
-//! A request speaks to its connection itself (`h1::client`): there is no connection
+//! A request speaks to its connection itself (`http::h1::upstream`): there is no connection
 //! task. The connection goes back to its worker's list when the response body has
 //! been read to its end; a body dropped before its end closes its connection. A
 //! request safe to repeat (idempotent, no body) that finds a kept connection
@@ -23,9 +23,8 @@ use tokio::sync::oneshot;
 
 use crate::http::body::{Body, BoxError};
 use crate::http::conn::coarse_ms;
-use crate::http::h1::client::{
-    self as h1, Conn, Connector, Decoder, Upload, UploadError, UploadFraming,
-};
+use crate::http::h1::upstream::{self as h1, Conn, Decoder, Upload, UploadError, UploadFraming};
+use crate::http::transport::Connector;
 use crate::http::wake::Deadline;
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
@@ -228,7 +227,7 @@ impl Pool {
     async fn connect_or_wait(self: &Arc<Self>) -> Result<(Conn, bool), SendError> {
         let mut given = self.wait_for_one();
         let pool = self.clone();
-        let mut connecting = Box::pin(async move { pool.connector.connect().await });
+        let mut connecting = Box::pin(async move { Conn::open(&pool.connector).await });
         loop {
             tokio::select! {
                 biased;
@@ -464,7 +463,7 @@ mod tests {
             Duration::from_millis(300),
             Duration::from_secs(60),
         ));
-        pool.give_back(pool.connector.connect().await.unwrap());
+        pool.give_back(Conn::open(&pool.connector).await.unwrap());
         let conn = pool.checkout().expect("kept within the timeout");
         pool.give_back(conn);
         tokio::time::sleep(Duration::from_millis(100)).await;

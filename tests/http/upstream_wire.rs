@@ -1,4 +1,4 @@
-//! HTTP/1.1 to upstreams as sluice speaks it (src/http/h1/client.rs), against hostile and
+//! HTTP/1.1 to upstreams as sluice speaks it (src/http/h1/upstream.rs), against hostile and
 //! unusual upstreams written byte by byte: heads that arrive in pieces, answers that
 //! come while the upload goes on, bodies cut short, malformed framing, bytes nobody
 //! asked for, request trailers, and what may be sent twice.

@@ -112,6 +112,78 @@ fn every_layer_imports_only_the_layers_before_it() {
     }
 }
 
+/// The layers that may name the HTTP/1 codec (`http::h1`): `http` itself, the
+/// servers that run it (`server`) and forwarding, which speaks it to upstreams
+/// (`upstream`). `fuzzing` is the codec's own harness: its targets drive `h1`'s
+/// parsers directly, so it names them too.
+const SPEAK_H1: &[&str] = &["http", "server", "upstream", "fuzzing"];
+
+/// Whether a file's code (comments left out) names `h1` as a path: `h1::…`, or
+/// `h1` in a `{…}` group.
+fn names_h1(text: &str) -> bool {
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    text.lines().any(|line| {
+        let code = line.split("//").next().unwrap_or("");
+        let path = code
+            .match_indices("h1::")
+            .any(|(at, _)| !code[..at].chars().next_back().is_some_and(is_ident));
+        let grouped = code.split('{').skip(1).any(|group| {
+            let group = group.split('}').next().unwrap_or("");
+            group.split(',').any(|item| {
+                let item = item.trim();
+                item == "h1" || item.starts_with("h1 as ")
+            })
+        });
+        path || grouped
+    })
+}
+
+/// Only `http`, `server` and `upstream` know how HTTP/1 is framed: the request
+/// path, the admin API and every other layer work on `http::Request`/`Response`
+/// and the body types of `http::request`.
+#[test]
+fn only_the_codec_layers_name_h1() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut wrong = Vec::new();
+    for file in files {
+        let rel = file.strip_prefix(&src).unwrap();
+        let top = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy();
+        let layer = top.trim_end_matches(".rs");
+        if SPEAK_H1.contains(&layer) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).expect("a source file");
+        if names_h1(&text) {
+            wrong.push(format!("src/{} names http::h1", rel.display()));
+        }
+    }
+    wrong.sort();
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+#[test]
+fn h1_is_found_in_paths_and_groups_not_comments() {
+    assert!(names_h1("use crate::http::h1::server::Lent;\n"));
+    assert!(names_h1("let d = h1::decode::Decoder::chunked();\n"));
+    assert!(names_h1("use crate::http::{body, h1};\n"));
+    assert!(!names_h1(
+        "// `h1::server` reads it\n/// (`http::h1::upstream`)\n"
+    ));
+    assert!(!names_h1(
+        "use crate::http::request::{declared_length, ClientBody};\n"
+    ));
+    assert!(!names_h1(
+        "fn h1(length: Option<u64>) {}\nlet x = sha1::digest;\n"
+    ));
+}
+
 #[test]
 fn imports_are_read_from_paths_and_groups_not_comments() {
     let text = "use crate::http::body::Body;\nuse crate::{deny, limit::Store};\n// crate::server\nlet x = crate::pipeline::handle; // crate::ops\n";

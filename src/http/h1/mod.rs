@@ -1,9 +1,9 @@
 //! HTTP/1.1: the server codec (`server`, with the request bodies it reads,
-//! `request_body`) and the upstream client codec (`client`), and what they share:
-//! the framing rules (`framing`) and the body decoder (`decode`).
+//! `request_body`) and the codec sluice speaks to upstreams (`upstream`), and what
+//! they share: the framing rules (`framing`) and the body decoder (`decode`).
 
-pub mod client;
 pub mod decode;
 pub mod framing;
 pub mod request_body;
 pub mod server;
+pub mod upstream;

@@ -17,147 +17,23 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Request, StatusCode, Uri, Version};
 use http_body::{Body as _, Frame};
-use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{oneshot, watch};
 
 use crate::http::body::{Body, BoxError};
 use crate::http::conn::Activity;
 use crate::http::conn::ConnectionHeld;
-use crate::http::h1::client::{parsed_value, Names, RawFields};
+use crate::http::fields::AddedFields;
 use crate::http::h1::decode::Decoder;
 use crate::http::h1::framing::{
     connection, decimal, has_token, last_is_chunked, may_trail, value_length, Connection,
     MAX_FIELDS,
 };
-use crate::http::h1::request_body::{poll_read_buf, Inflow, RequestBody, Settled};
+use crate::http::h1::request_body::{poll_read_buf, Inflow, Settled};
+use crate::http::h1::upstream::{parsed_value, Names, RawFields};
+use crate::http::request::ClientBody;
+use crate::http::site::{Lent, Relay, Site};
 use crate::http::wake::{Deadline, OnWake};
-
-/// A client's request body: none, read by sluice's HTTP/1 server, hyper's
-/// (HTTP/2), or one of these whose start the request path has read already.
-pub enum ClientBody {
-    Empty,
-    Own(RequestBody),
-    Hyper(Incoming),
-    Read(Box<ReadBody>),
-}
-
-impl http_body::Body for ClientBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            ClientBody::Empty => Poll::Ready(None),
-            ClientBody::Own(b) => Pin::new(b).poll_frame(cx),
-            ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
-            ClientBody::Read(b) => Pin::new(&mut **b).poll_frame(cx),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            ClientBody::Empty => true,
-            ClientBody::Own(b) => b.is_end_stream(),
-            ClientBody::Hyper(b) => b.is_end_stream(),
-            ClientBody::Read(b) => b.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        match self {
-            ClientBody::Empty => http_body::SizeHint::with_exact(0),
-            ClientBody::Own(b) => b.size_hint(),
-            ClientBody::Hyper(b) => b.size_hint(),
-            ClientBody::Read(b) => b.size_hint(),
-        }
-    }
-}
-
-/// A request body whose start was read before it is forwarded (for a key in it,
-/// `pipeline::body_key`): the bytes read, the trailers if it ended with some, then
-/// the rest as it comes. Until it is first asked for a frame it tells what the
-/// client's body told before any of it was read (not over, its size hint), so the
-/// upload keeps the client's framing: a `Content-Length` stays, a chunked body
-/// stays chunked (as the upstream's read-ahead does).
-pub struct ReadBody {
-    data: Bytes,
-    trailers: Option<HeaderMap>,
-    /// None: the body had ended.
-    rest: Option<ClientBody>,
-    hint: http_body::SizeHint,
-    /// A frame has been asked for.
-    started: bool,
-}
-
-impl ReadBody {
-    /// `data`, then `trailers`, then `rest` (None when the body has ended); `hint`
-    /// is the body's size hint before any of it was read.
-    pub fn new(
-        data: Bytes,
-        trailers: Option<HeaderMap>,
-        rest: Option<ClientBody>,
-        hint: http_body::SizeHint,
-    ) -> ReadBody {
-        ReadBody {
-            data,
-            trailers,
-            rest,
-            hint,
-            started: false,
-        }
-    }
-}
-
-impl http_body::Body for ReadBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        this.started = true;
-        if !this.data.is_empty() {
-            return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut this.data)))));
-        }
-        if let Some(t) = this.trailers.take() {
-            return Poll::Ready(Some(Ok(Frame::trailers(t))));
-        }
-        match &mut this.rest {
-            Some(rest) => Pin::new(rest).poll_frame(cx),
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.started
-            && self.data.is_empty()
-            && self.trailers.is_none()
-            && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        if !self.started {
-            return self.hint;
-        }
-        let read = self.data.len() as u64;
-        let rest = self
-            .rest
-            .as_ref()
-            .map_or_else(|| http_body::SizeHint::with_exact(0), |r| r.size_hint());
-        let mut hint = http_body::SizeHint::new();
-        hint.set_lower(rest.lower().saturating_add(read));
-        if let Some(upper) = rest.upper() {
-            hint.set_upper(upper.saturating_add(read));
-        }
-        hint
-    }
-}
 
 /// A client connection as a tunnel takes it.
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -185,42 +61,6 @@ const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
 /// A body frame up to this size is copied behind its head (one write); larger ones
 /// are written on their own.
 const COPY_LIMIT: usize = 16 * 1024;
-
-/// Where a listener's HTTP/1 requests go: the gateway's request path, or the
-/// admin API.
-pub(crate) trait Site: Send + Sync + 'static {
-    /// The client's end of a connection, as the site wants it (made once per
-    /// connection by the listener).
-    type Peer: Send + Sync + 'static;
-
-    /// The answer to one request: its head, worked on in place, and its body.
-    fn answer<'a>(
-        &'a self,
-        parts: &'a mut http::request::Parts,
-        body: ClientBody,
-        peer: &'a Self::Peer,
-        conn: Lent<'a>,
-    ) -> impl Future<Output = http::Response<Body>> + Send + 'a;
-
-    /// The server answered `status` itself and closes: the head it refused
-    /// starts `head` (as the client sent it, maybe cut or malformed). For the
-    /// site's log; nothing by default.
-    fn refused_head(&self, _status: StatusCode, _peer: &Self::Peer, _head: &[u8]) {}
-}
-
-/// What sluice's HTTP/1 server lends each of its requests.
-pub(crate) struct Lent<'c> {
-    /// Where the rate-limit fields the answer gets are written as header lines
-    /// (`RateHeaders::write_lines`), for the server to write after the answer's own
-    /// fields, instead of going into its header map. (Only when the map has none of
-    /// them: else they replace those where they stand.)
-    pub lines: &'c mut Vec<u8>,
-    /// The connection's timer, for the upstream's answer (`Upstream::forward`).
-    pub timer: Pin<&'c mut Deadline>,
-    /// Where the upstream answer's fields go when they can go to the client as they
-    /// came (`RawFields`); None when the server cannot take them so.
-    pub raw: Option<&'c mut Option<RawFields>>,
-}
 
 /// What a connection's server needs.
 pub(crate) struct Fast<S: Site> {
@@ -286,7 +126,7 @@ where
     // The field names of the last request.
     let mut names = Names::default();
     // The rate-limit fields of the answer, as header lines (`Lent`).
-    let mut rate_lines: Vec<u8> = Vec::with_capacity(256);
+    let mut rate_fields = AddedFields::with_capacity(256);
     // A response's header map, emptied, holds the next request's fields (as in
     // hyper): no allocation, and room for the forwarding headers.
     let mut fields = HeaderMap::new();
@@ -374,7 +214,7 @@ where
 
         // In flight from its head until its response body has been sent.
         let in_flight = activity.start();
-        rate_lines.clear();
+        rate_fields.clear();
         let (inflow, body) = match body {
             RequestFraming::None => (None, ClientBody::Empty),
             RequestFraming::Length(n) => {
@@ -400,14 +240,16 @@ where
         let mut raw: Option<RawFields> = None;
         let raw_ok = version == Version::HTTP_11 && !head;
         let resp = {
-            let answer = fast.site.answer(
+            let answer = fast.site.serve(
                 &mut parts,
                 body,
                 &fast.peer,
                 Lent {
-                    lines: &mut rate_lines,
-                    timer: timer.as_mut(),
-                    raw: raw_ok.then_some(&mut raw),
+                    fields: &mut rate_fields,
+                    relay: Relay {
+                        timer: timer.as_mut(),
+                        raw: raw_ok.then_some(&mut raw),
+                    },
                 },
             );
             tokio::pin!(answer);
@@ -465,7 +307,7 @@ where
             switching: switch.is_some(),
         };
         out.clear();
-        let enc = encode_head(&mut out, &mut parts, &meta, kind, &rate_lines, raw)?;
+        let enc = encode_head(&mut out, &mut parts, &meta, kind, &rate_fields, raw)?;
         let last = enc.last;
         fields = std::mem::take(&mut parts.headers);
         fields.clear();
@@ -1014,7 +856,7 @@ struct Encoding {
 
 /// Write the response head as hyper's server does (`Server::encode`): the same
 /// status line, fields in the map's order, framing, `connection` and `date`.
-/// `extra` holds header lines that stand after the map's fields, as if they had been
+/// `extra` holds fields that stand after the map's fields, as if they had been
 /// appended to it (the rate-limit fields): only a `connection` this adds comes
 /// after them.
 fn encode_head(
@@ -1022,7 +864,7 @@ fn encode_head(
     parts: &mut http::response::Parts,
     meta: &Meta,
     body: Option<Option<u64>>,
-    extra: &[u8],
+    extra: &AddedFields,
     raw: Option<RawFields>,
 ) -> Result<Encoding, BoxError> {
     // The answer's fields as they came, written as they are where that is what the
@@ -1061,7 +903,7 @@ fn encode_head(
             out.extend_from_slice(value.as_bytes());
             out.extend_from_slice(b"\r\n");
         }
-        out.extend_from_slice(extra);
+        out.extend_from_slice(extra.lines());
         if !wrote_date {
             out.extend_from_slice(b"date: ");
             date::extend(out);
@@ -1268,7 +1110,7 @@ fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     close_line(out, &mut open, chunked_missing);
-    out.extend_from_slice(extra);
+    out.extend_from_slice(extra.lines());
     if let Some(value) = added_connection {
         // As the loop writes it, last in the map.
         out.extend_from_slice(b"connection: ");
@@ -1702,9 +1544,19 @@ mod tests {
             switching: false,
         };
         let mut out = Vec::new();
-        let extra = b"ratelimit-policy: 5;w=10\r\n";
-        let enc = encode_head(&mut out, &mut parts, &meta, Some(Some(3)), extra, Some(raw))
-            .expect("encoded");
+        let mut extra = AddedFields::default();
+        extra.push(crate::http::fields::Added::Policy, |v| {
+            v.extend_from_slice(b"5;w=10")
+        });
+        let enc = encode_head(
+            &mut out,
+            &mut parts,
+            &meta,
+            Some(Some(3)),
+            &extra,
+            Some(raw),
+        )
+        .expect("encoded");
         assert_eq!(
             String::from_utf8(out).unwrap(),
             format!("HTTP/1.1 200 OK\r\n{lines}ratelimit-policy: 5;w=10\r\n\r\n")
@@ -1734,8 +1586,15 @@ mod tests {
                 switching: false,
             };
             let mut out = Vec::new();
-            let enc = encode_head(&mut out, &mut parts, &meta, Some(Some(3)), b"", None)
-                .expect("encoded");
+            let enc = encode_head(
+                &mut out,
+                &mut parts,
+                &meta,
+                Some(Some(3)),
+                &AddedFields::default(),
+                None,
+            )
+            .expect("encoded");
             let text = String::from_utf8(out).unwrap();
             let lengths: Vec<&str> = text
                 .split("\r\n")
