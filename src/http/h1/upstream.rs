@@ -1029,7 +1029,7 @@ mod tests {
 
     /// Which answers keep their fields as they came (`RawFields`), and what those
     /// are; the rest go into the map. (Written to the client, both are the same:
-    /// tests/http/upstream_heads.rs.)
+    /// tests/http/transparency.rs.)
     #[test]
     fn fields_as_they_came_where_a_map_would_give_them_so() {
         let raw = |head: &str, method: Method| {
