@@ -30,7 +30,7 @@ use crate::http::body::{Body, BoxError};
 use crate::http::conn::coarse_ms;
 use crate::http::conn::{ConnectionHeld, LastActive};
 use crate::http::fields::HOP_BY_HOP;
-use crate::http::h1::framing::{connection, items, lists, te_lists_trailers};
+use crate::http::h1::framing::{connection, lists, te_lists_trailers, Connection};
 use crate::http::h1::upstream::{Conn, Forwarded, RawFields, XFF, XFH, XFP};
 use crate::http::transport::{Connector, NoFreeConnection};
 use crate::http::wake::Deadline;
@@ -1422,7 +1422,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
     // The fields `Connection` names, those of them the message has (usually none:
     // its tokens are `keep-alive` or `close`).
-    if present & (1 << CONNECTION_AT) != 0 && names_fields(h) {
+    if present & (1 << CONNECTION_AT) != 0 && Connection::names_fields(h) {
         let connection = h.get_all(header::CONNECTION);
         let named = |k: &HeaderName| lists(&connection, k.as_str().as_bytes());
         let gone: Vec<HeaderName> = h
@@ -1439,21 +1439,6 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
             h.remove(n);
         }
     }
-}
-
-/// Whether `Connection` names a field the message has beyond the hop-by-hop ones
-/// (nearly every message's tokens are `keep-alive`, `close` or `upgrade`).
-fn names_fields(h: &HeaderMap) -> bool {
-    h.get_all(header::CONNECTION).iter().any(|v| {
-        items(v.as_bytes()).any(|t| {
-            if t.eq_ignore_ascii_case(b"close") {
-                return h.contains_key("close");
-            }
-            !(t.is_empty()
-                || t.eq_ignore_ascii_case(b"keep-alive")
-                || t.eq_ignore_ascii_case(b"upgrade"))
-        })
-    })
 }
 
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");

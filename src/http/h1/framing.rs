@@ -27,12 +27,14 @@ pub(crate) const MAX_FIELDS: usize = 100;
 /// The longest chunk-size line (with its extensions).
 pub(crate) const MAX_CHUNK_LINE: usize = 4096;
 
-/// Whether the last coding a `Transfer-Encoding` value lists is `chunked`.
-pub(crate) fn last_is_chunked(v: &HeaderValue) -> bool {
-    v.to_str()
-        .ok()
-        .and_then(|s| s.rsplit(',').next())
-        .is_some_and(|e| e.trim().eq_ignore_ascii_case("chunked"))
+/// Whether the last coding a `Transfer-Encoding` value lists is `chunked` (a value
+/// that is not UTF-8 lists none).
+pub(crate) fn last_is_chunked(value: &[u8]) -> bool {
+    std::str::from_utf8(value).is_ok_and(|v| {
+        v.rsplit(',')
+            .next()
+            .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked"))
+    })
 }
 
 /// The one `Content-Length` of a message: several values (or a list) are one only
@@ -319,6 +321,22 @@ impl Connection {
             others |= !t.is_empty();
         }
         others
+    }
+
+    /// Whether a message's `Connection` lines name a field of the message (a
+    /// hop-by-hop field to drop when forwarding): any token but `keep-alive` and
+    /// `upgrade`, and `close` only when the message has a field of that name.
+    pub fn names_fields(h: &HeaderMap) -> bool {
+        h.get_all(header::CONNECTION).iter().any(|v| {
+            items(v.as_bytes()).any(|t| {
+                if t.eq_ignore_ascii_case(b"close") {
+                    return h.contains_key("close");
+                }
+                !(t.is_empty()
+                    || t.eq_ignore_ascii_case(b"keep-alive")
+                    || t.eq_ignore_ascii_case(b"upgrade"))
+            })
+        })
     }
 
     /// Whether the connection persists after the message (RFC 9112 §9.3): HTTP/1.1

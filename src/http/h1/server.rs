@@ -590,11 +590,7 @@ fn parse(
             te = true;
             length = None;
             codings += value.iter().filter(|&&b| b == b',').count() + 1;
-            chunked = std::str::from_utf8(value).is_ok_and(|v| {
-                v.rsplit(',')
-                    .next()
-                    .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked"))
-            });
+            chunked = last_is_chunked(value);
         } else if name.eq_ignore_ascii_case(b"connection") {
             connection.add(value);
         } else if name.eq_ignore_ascii_case(b"te") && has_token(value, b"trailers") {
@@ -1055,7 +1051,7 @@ fn encode_head(
                     continue;
                 }
                 wrote_len = true;
-                chunked_missing = !last_is_chunked(value);
+                chunked_missing = !last_is_chunked(value.as_bytes());
                 if !continuing {
                     framing = ResponseFraming::Chunked(Trailers::None);
                     out.extend_from_slice(b"transfer-encoding: ");
