@@ -642,7 +642,7 @@ fn tidy(pending: &mut Vec<Entry>, now: u64) {
     }
 }
 
-fn store_error(e: crate::limit::StoreError) -> ChangeError {
+fn store_error(e: crate::redis::Error) -> ChangeError {
     ChangeError::Store(e.to_string())
 }
 
