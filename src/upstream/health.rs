@@ -338,7 +338,7 @@ async fn probe(target: &Target, check: &Check) -> Result<StatusCode, String> {
         .await
         .map_err(|e| e.to_string())?
     {
-        Exchanged::Response(resp) => {
+        Exchanged::Response(resp, _) => {
             let status = resp.status();
             // Read to its end, so the connection goes back to the pool.
             let _ = http_body_util::BodyExt::collect(resp.into_body()).await;

@@ -933,14 +933,14 @@ impl Upstream {
         if matches!(resp, Ok(_) | Err(ProxyError::Reset(_))) {
             target.health.connected(&self.name, target);
         }
-        let resp = match resp {
+        let (mut resp, hop_by_hop) = match resp {
             Err(e) => return Err(e),
-            Ok(Exchanged::Response(r)) => r,
+            Ok(Exchanged::Response(r, hop_by_hop)) => (r, hop_by_hop),
             Ok(Exchanged::Switched(parts, conn)) => {
                 return match client_upgrade {
                     Some(client_upgrade) => Ok(splice(
                         parts,
-                        conn,
+                        *conn,
                         client_upgrade,
                         (held, tunnel_share),
                         self.tunnel_idle,
@@ -953,12 +953,11 @@ impl Upstream {
                 };
             }
         };
-        let (mut parts, body) = resp.into_parts();
         // (Known from reading the head: most answers have none.)
-        if body.hop_by_hop() {
-            strip_hop_by_hop(&mut parts.headers);
+        if hop_by_hop {
+            strip_hop_by_hop(resp.headers_mut());
         }
-        Ok(Response::from_parts(parts, body.boxed()))
+        Ok(resp)
     }
 }
 

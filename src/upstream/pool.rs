@@ -73,10 +73,14 @@ pub struct ReadTimeout(pub Duration);
 
 /// The upstream's answer.
 pub enum Exchanged {
-    /// With a body that gives the connection back at its end.
-    Response(Response<Pooled>),
-    /// 101: the connection now speaks the protocol switched to.
-    Switched(http::response::Parts, Conn),
+    /// With a body that gives the connection back at its end (a `Pooled`, boxed
+    /// where it is made: the answer is handed up through several futures, and a
+    /// body held inline was copied at each), and whether its head has a hop-by-hop
+    /// field.
+    Response(Response<Body>, bool),
+    /// 101: the connection now speaks the protocol switched to (boxed: rare, and
+    /// it would make every answer as large as itself).
+    Switched(http::response::Parts, Box<Conn>),
 }
 
 struct Idle {
@@ -163,7 +167,7 @@ impl Pool {
             );
             match exchange.await {
                 Ok(head) if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS => {
-                    return Ok(Exchanged::Switched(head.parts, conn));
+                    return Ok(Exchanged::Switched(head.parts, Box::new(conn)));
                 }
                 Ok(mut head) => {
                     if let Some(slot) = raw.as_deref_mut() {
@@ -174,12 +178,12 @@ impl Pool {
                         decoder: head.body,
                         reusable: head.reusable,
                         upload: head.upload,
-                        hop_by_hop: head.hop_by_hop,
                         pool: self.clone(),
                         silence: None,
                         progressed: false,
                     };
-                    return Ok(Exchanged::Response(Response::from_parts(head.parts, body)));
+                    let body = Response::from_parts(head.parts, Body::new(body));
+                    return Ok(Exchanged::Response(body, head.hop_by_hop));
                 }
                 // Closed before anything came back (the upstream's keep-alive ran
                 // out as the request went): another connection may take it.
@@ -306,8 +310,6 @@ pub struct Pooled {
     conn: Option<Conn>,
     decoder: Decoder,
     reusable: bool,
-    /// The head has a hop-by-hop field.
-    hop_by_hop: bool,
     /// The request body still going up (the upstream answered before its end).
     upload: Option<Upload>,
     /// Its `read_timeout` too (read from it: every byte of this struct is moved
@@ -323,11 +325,6 @@ pub struct Pooled {
 }
 
 impl Pooled {
-    /// Whether the answer's head has a hop-by-hop field.
-    pub fn hop_by_hop(&self) -> bool {
-        self.hop_by_hop
-    }
-
     /// The upstream has sent nothing new: the body fails once that has lasted
     /// `read_timeout`, counted from the first wait after the last frame or upload
     /// progress (an upstream may wait for the whole upload before it goes on). As
@@ -523,7 +520,7 @@ mod tests {
                 .body(crate::http::body::empty())
                 .unwrap();
             let (mut parts, body) = req.into_parts();
-            let Ok(Exchanged::Response(resp)) = pool
+            let Ok(Exchanged::Response(resp, _)) = pool
                 .send(&mut parts, body, h1::Forwarded::default(), None)
                 .await
             else {
