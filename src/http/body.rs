@@ -138,19 +138,33 @@ pub trait OnFail {
 /// client went away): work that belongs to the end of a request runs in the
 /// guard's `Drop`.
 pub fn guarded<G: OnFail + Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
-    Guarded {
-        body,
-        guard: Some(guard),
-        polled: false,
-    }
-    .boxed()
+    Guarded::new(body, Some(guard)).boxed()
 }
 
-struct Guarded<G> {
+/// No end of a request to tell (the admin API's requests).
+impl OnFail for std::convert::Infallible {
+    fn failed(&mut self, _e: &BoxError, _at_first: bool) {
+        match *self {}
+    }
+}
+
+/// `body` with `guard` (see `guarded`), unboxed: for a server that holds the
+/// body it sends where it is (sluice's HTTP/1 server, `Site::Guard`).
+pub struct Guarded<G> {
     body: Body,
     guard: Option<G>,
     /// A frame has been asked for.
     polled: bool,
+}
+
+impl<G> Guarded<G> {
+    pub fn new(body: Body, guard: Option<G>) -> Guarded<G> {
+        Guarded {
+            body,
+            guard,
+            polled: false,
+        }
+    }
 }
 
 impl<G: OnFail + Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {

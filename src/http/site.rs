@@ -6,7 +6,7 @@ use std::pin::Pin;
 
 use http::StatusCode;
 
-use crate::http::body::Body;
+use crate::http::body::{Body, OnFail};
 use crate::http::fields::AddedFields;
 use crate::http::h1::upstream::RawFields;
 use crate::http::request::ClientBody;
@@ -19,13 +19,20 @@ pub(crate) trait Site: Send + Sync + 'static {
     /// connection by the listener).
     type Peer: Send + Sync + 'static;
 
-    /// The response to one request: its head, worked on in place, and its body.
+    /// What the end of a request does (`body::OnFail`, and its `Drop`): held by
+    /// the server until the response body has ended or is dropped, as
+    /// `body::guarded` holds it, but beside the body rather than boxed with it.
+    type Guard: OnFail + Send + Sync + Unpin + 'static;
+
+    /// The response to one request: its head, worked on in place, and its body;
+    /// the request's guard, if it has one, in `guard`.
     fn serve<'a>(
         &'a self,
         parts: &'a mut http::request::Parts,
         body: ClientBody,
         peer: &'a Self::Peer,
         conn: Lent<'a>,
+        guard: &'a mut Option<Self::Guard>,
     ) -> impl Future<Output = http::Response<Body>> + Send + 'a;
 
     /// The server answered `status` itself and closes: the head it refused

@@ -65,6 +65,8 @@ const UNMATCHED_DECISIONS: [Decision; 3] =
 /// The admin port's HTTP/1 requests, as sluice's own server hands them over.
 impl Site for Admin {
     type Peer = Peer;
+    /// Nothing happens at the end of an admin request.
+    type Guard = std::convert::Infallible;
 
     fn serve<'a>(
         &'a self,
@@ -72,6 +74,7 @@ impl Site for Admin {
         body: ClientBody,
         _peer: &'a Peer,
         _conn: Lent<'a>,
+        _guard: &'a mut Option<Self::Guard>,
     ) -> impl std::future::Future<Output = Response<Body>> + Send + 'a {
         let (fresh, ()) = Request::new(()).into_parts();
         let head = std::mem::replace(parts, fresh);

@@ -221,6 +221,7 @@ impl Peer {
 
 impl Site for Shared {
     type Peer = Peer;
+    type Guard = Tally;
 
     fn serve<'a>(
         &'a self,
@@ -228,8 +229,9 @@ impl Site for Shared {
         body: ClientBody,
         peer: &'a Peer,
         conn: Lent<'a>,
+        guard: &'a mut Option<Tally>,
     ) -> impl Future<Output = http::Response<Body>> + Send + 'a {
-        handle(self, parts, body, peer, Some(conn))
+        process(self, parts, body, peer, Some((conn, guard)))
     }
 
     /// A head the HTTP/1.1 server refused before it was a request (400, 431, 501)
@@ -284,27 +286,33 @@ impl Site for Shared {
     }
 }
 
-/// The request path's one entry, whichever server carried the request (sluice's
-/// HTTP/1, hyper's HTTP/2): the head, worked on in place, and the body in; the
-/// answer out. `conn` is what sluice's HTTP/1 server lends the request to save
-/// work (none of it is needed for a right answer).
+/// The request path's entry for hyper's HTTP/2 server (sluice's HTTP/1 server
+/// comes through `Site::serve`): the head, worked on in place, and the body in;
+/// the answer out, with the request's tally boxed with its body.
 pub(crate) async fn handle(
     shared: &Shared,
     parts: &mut http::request::Parts,
     body: ClientBody,
     peer: &Peer,
-    conn: Option<Lent<'_>>,
 ) -> Response<Body> {
-    process(shared, parts, body, peer, conn).await
+    process(shared, parts, body, peer, None).await
 }
 
+/// The request path, whichever server carried the request. `plain`: what
+/// sluice's HTTP/1 server lends the request to save work (none of it is needed
+/// for a right answer), and where the request's tally goes for the server to hold
+/// beside the response body (without it, the tally is boxed with the body).
 async fn process(
     shared: &Shared,
     parts: &mut http::request::Parts,
     body: ClientBody,
     peer: &Peer,
-    plain: Option<Lent<'_>>,
+    plain: Option<(Lent<'_>, &mut Option<Tally>)>,
 ) -> Response<Body> {
+    let (plain, guard) = match plain {
+        Some((lent, guard)) => (Some(lent), Some(guard)),
+        None => (None, None),
+    };
     // One snapshot for the whole request: a reload never changes it half-way.
     let rt = shared.runtime.load_full();
     // A malformed or ambiguous head is refused before anything reads it (400, on
@@ -371,25 +379,40 @@ async fn process(
     if let Some(line) = tally.line.take() {
         line.write(parts.method.as_str(), parts.uri.path());
     }
-    if parts.method == http::Method::HEAD {
-        return end_with(body::headless(resp), tally);
-    }
-    end_with(resp, tally)
+    let resp = if parts.method == http::Method::HEAD {
+        body::headless(resp)
+    } else {
+        resp
+    };
+    end_with(resp, tally, guard)
 }
 
 /// The end of the request (pingora's `logging` phase): the tally, and the permit in
 /// it, go with the response body and are dropped when it ends or the client goes
-/// away; for an upgraded connection (WebSocket), when its tunnel closes.
-fn end_with(resp: Response<Body>, tally: Tally) -> Response<Body> {
-    let (mut parts, body) = resp.into_parts();
-    if let Some(TunnelEnd(mut end)) = parts.extensions.remove::<TunnelEnd>() {
+/// away (into `guard`, for the server to hold beside the body, or else boxed with
+/// it); for an upgraded connection (WebSocket), when its tunnel closes.
+fn end_with(
+    mut resp: Response<Body>,
+    tally: Tally,
+    guard: Option<&mut Option<Tally>>,
+) -> Response<Body> {
+    if let Some(TunnelEnd(mut end)) = resp.extensions_mut().remove::<TunnelEnd>() {
         tokio::spawn(async move {
             let _ = end.changed().await;
             drop(tally);
         });
-        return Response::from_parts(parts, body);
+        return resp;
     }
-    Response::from_parts(parts, body::guarded(body, tally))
+    match guard {
+        Some(slot) => {
+            *slot = Some(tally);
+            resp
+        }
+        None => {
+            let (parts, body) = resp.into_parts();
+            Response::from_parts(parts, body::guarded(body, tally))
+        }
+    }
 }
 
 /// What every phase of one request may read.
@@ -859,7 +882,7 @@ async fn act<'a>(
 /// Counts one request's decision and duration when dropped: when its response body
 /// ends, or the client goes away first. Holds the request's concurrency permit, which
 /// is released right after.
-struct Tally {
+pub(crate) struct Tally {
     rt: Arc<Runtime>,
     route: Option<usize>,
     started: Instant,

@@ -305,7 +305,7 @@ fn serve_gateway(
             let (mut parts, body) = req.into_parts();
             Box::pin(async move {
                 let body = ClientBody::Hyper(body);
-                let mut resp = pipeline::handle(&shared, &mut parts, body, &peer, None).await;
+                let mut resp = pipeline::handle(&shared, &mut parts, body, &peer).await;
                 crate::http::body::own_length(&mut resp, parts.method == http::Method::HEAD);
                 Ok(resp)
             })

@@ -20,7 +20,7 @@ use http_body::{Body as _, Frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{oneshot, watch};
 
-use crate::http::body::{Body, BoxError};
+use crate::http::body::{BoxError, Guarded};
 use crate::http::conn::Activity;
 use crate::http::conn::ConnectionHeld;
 use crate::http::fields::AddedFields;
@@ -239,6 +239,8 @@ where
         // (`encode_head`): to an HTTP/1.1 request other than HEAD.
         let mut raw: Option<RawFields> = None;
         let raw_ok = version == Version::HTTP_11 && !head;
+        // The request's end (the site's `Guard`), held with the body as it is sent.
+        let mut guard = None;
         let resp = {
             let answer = fast.site.serve(
                 &mut parts,
@@ -251,6 +253,7 @@ where
                         raw: raw_ok.then_some(&mut raw),
                     },
                 },
+                &mut guard,
             );
             tokio::pin!(answer);
             // As hyper: while the request is worked on, a client that closes its end
@@ -284,6 +287,7 @@ where
         };
 
         let (mut parts, body) = resp.into_parts();
+        let body = Guarded::new(body, guard);
         if parts
             .extensions
             .get::<crate::http::body::Linger>()
@@ -1185,17 +1189,18 @@ struct NothingSent(BoxError);
 /// at once goes in the same write as what precedes it; the first is always asked
 /// for before anything is written (`NothingSent`). A request body still being
 /// read (`inflow`) is fed meanwhile: the upstream may answer while it reads.
-async fn send_body<IO>(
+async fn send_body<IO, B>(
     io: &mut IO,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
-    mut body: Body,
+    mut body: B,
     framing: ResponseFraming,
     trailers_allowed: bool,
     inflow: Option<&Inflow>,
 ) -> Result<(), BoxError>
 where
     IO: AsyncRead + AsyncWrite + Unpin,
+    B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
 {
     // `remaining`: what a length still needs (`None`: chunked or until close).
     let (mut remaining, allowed, mut chunked) = match framing {
@@ -1383,15 +1388,16 @@ fn push_hex(out: &mut Vec<u8>, mut n: usize) {
 /// frame is ready at once (or `out` is large). While waiting, a request body still
 /// being read is fed, and a client that closes its end (with nothing more sent)
 /// ends the request, as with hyper.
-async fn next_frame<IO>(
+async fn next_frame<IO, B>(
     io: &mut IO,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
-    body: &mut Body,
+    body: &mut B,
     inflow: Option<&Inflow>,
 ) -> Result<Option<Frame<Bytes>>, BoxError>
 where
     IO: AsyncRead + AsyncWrite + Unpin,
+    B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
 {
     if out.len() < COPY_LIMIT {
         let now = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx)));
