@@ -10,7 +10,7 @@
 
 use std::collections::VecDeque;
 
-use super::{Plan, Verdict};
+use super::{LimitDef, Outcomes, Plan, Verdict};
 
 /// `count` tokens (requests) per `per_us` microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -1136,17 +1136,16 @@ pub fn decide_taking(
 /// the state of `plan.limits[i]`.
 pub fn judge<'a>(plan: &Plan, now_us: u64, state_of: impl Fn(usize) -> &'a State) -> Verdict {
     let max_delay_us = plan.max_delay_us();
-    let outcomes = plan
-        .limits
-        .iter()
-        .enumerate()
-        .map(|(i, limit)| {
-            limit
-                .algorithm
-                .eval(state_of(i), now_us, limit.cost, max_delay_us)
-                .0
-        })
-        .collect();
+    let eval = |i: usize, limit: &LimitDef| {
+        limit
+            .algorithm
+            .eval(state_of(i), now_us, limit.cost, max_delay_us)
+            .0
+    };
+    let outcomes = match &plan.limits[..] {
+        [limit] => Outcomes::One(eval(0, limit)),
+        limits => Outcomes::Many(limits.iter().enumerate().map(|(i, l)| eval(i, l)).collect()),
+    };
     Verdict::on_trial(outcomes, plan.on_trial())
 }
 
@@ -1161,11 +1160,11 @@ impl Verdict {
 
     /// `from_outcomes`, with the limits of `trial` (`Plan::on_trial`) on trial: they
     /// neither refuse nor delay the request.
-    pub fn on_trial(outcomes: Vec<Outcome>, trial: u64) -> Verdict {
+    pub fn on_trial(outcomes: impl Into<Outcomes>, trial: u64) -> Verdict {
         let mut v = Verdict {
             allowed: true,
             delay_us: 0,
-            outcomes,
+            outcomes: outcomes.into(),
             trial,
         };
         let allowed = v.enforced().all(|(_, o)| o.allowed);
@@ -1195,7 +1194,7 @@ fn admit_after(wait_us: u64, max_delay_us: u64) -> (bool, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::{LimitDef, Mode};
+    use crate::limit::Mode;
 
     const S: u64 = 1_000_000;
 

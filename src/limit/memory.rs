@@ -1053,7 +1053,7 @@ impl Shard {
                 if outcome.allowed {
                     self.store_one(i, limit, state);
                 }
-                return Verdict::on_trial(vec![outcome], plan.on_trial());
+                return Verdict::on_trial(outcome, plan.on_trial());
             }
         }
         let verdict = self.judge(i, plan, now, held);

@@ -185,7 +185,7 @@ pub struct Verdict {
     /// forwarded (the capacity is already booked). Zero otherwise.
     pub delay_us: u64,
     /// One outcome per limit, in plan order.
-    pub outcomes: Vec<Outcome>,
+    pub outcomes: Outcomes,
     /// The limits on trial (`Plan::on_trial`): their refusals refuse nothing, and
     /// neither they nor their waits are reported.
     pub trial: u64,
@@ -241,6 +241,77 @@ impl Verdict {
     }
 }
 
+/// A verdict's outcomes, one per limit in plan order: held inline for a plan of
+/// one limit (most routes), so that deciding it allocates nothing.
+#[derive(Clone)]
+pub enum Outcomes {
+    One(Outcome),
+    Many(Vec<Outcome>),
+}
+
+impl std::ops::Deref for Outcomes {
+    type Target = [Outcome];
+
+    fn deref(&self) -> &[Outcome] {
+        match self {
+            Outcomes::One(o) => std::slice::from_ref(o),
+            Outcomes::Many(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Outcomes {
+    fn deref_mut(&mut self) -> &mut [Outcome] {
+        match self {
+            Outcomes::One(o) => std::slice::from_mut(o),
+            Outcomes::Many(v) => v,
+        }
+    }
+}
+
+impl From<Vec<Outcome>> for Outcomes {
+    fn from(v: Vec<Outcome>) -> Outcomes {
+        Outcomes::Many(v)
+    }
+}
+
+impl From<Outcome> for Outcomes {
+    fn from(o: Outcome) -> Outcomes {
+        Outcomes::One(o)
+    }
+}
+
+impl<'a> IntoIterator for &'a Outcomes {
+    type Item = &'a Outcome;
+    type IntoIter = std::slice::Iter<'a, Outcome>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a mut Outcomes {
+    type Item = &'a mut Outcome;
+    type IntoIter = std::slice::IterMut<'a, Outcome>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter_mut()
+    }
+}
+
+/// The same outcomes, however held.
+impl PartialEq for Outcomes {
+    fn eq(&self, other: &Outcomes) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Outcomes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
 /// One key's share of a request whose limits count different keys (`key` on a
 /// limit): the limits of the whole plan that count this key, as a plan of their own,
 /// and where each of them stands in the whole plan.
@@ -260,13 +331,13 @@ impl Verdict {
     pub fn of_shares<'a>(
         n: usize,
         trial: u64,
-        shares: impl IntoIterator<Item = (&'a [usize], Vec<Outcome>)>,
+        shares: impl IntoIterator<Item = (&'a [usize], &'a [Outcome])>,
     ) -> Verdict {
         let mut outcomes = vec![Outcome::default(); n];
         for (at, part) in shares {
             for (&i, o) in at.iter().zip(part) {
                 if let Some(slot) = outcomes.get_mut(i) {
-                    *slot = o;
+                    *slot = *o;
                 }
             }
         }
@@ -281,7 +352,7 @@ impl Verdict {
         verdicts: &[Verdict],
     ) -> Verdict {
         let parts = shares.iter().zip(verdicts);
-        Verdict::of_shares(n, trial, parts.map(|(s, v)| (s.at, v.outcomes.clone())))
+        Verdict::of_shares(n, trial, parts.map(|(s, v)| (s.at, &*v.outcomes)))
     }
 }
 

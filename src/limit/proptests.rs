@@ -446,8 +446,8 @@ proptest! {
                     };
                     let (expected, new) = algo.check(&state, now, cost, 0);
                     prop_assert_eq!(
-                        &checked.verdict.outcomes,
-                        &vec![expected],
+                        &*checked.verdict.outcomes,
+                        &[expected][..],
                         "step {}: {:?}",
                         step,
                         algo

@@ -651,12 +651,15 @@ async fn limits<'a>(
     } else {
         store.check_shares(&shares, trial).await
     };
-    let (checked, store_failed) = match checked {
-        Ok(c) => (Some(c), false),
+    // (Taken apart where it is: a verdict is large enough that each move of it is
+    // a copy.)
+    let mut store_failed = false;
+    let Checked { verdict: v, permit } = match checked {
+        Ok(c) => c,
         Err(e) => {
             // The store logs its failures; this would repeat them per request.
             tracing::debug!(route = %route.name, error = %e, "limiter store failed");
-            match rt.on_error {
+            let fallback = match rt.on_error {
                 OnError::Deny => {
                     tally.line =
                         shared
@@ -664,17 +667,19 @@ async fn limits<'a>(
                             .line(&route.name, &key.value, ctx.ip, What::StoreDown);
                     return Err(Refusal::StoreDown);
                 }
-                OnError::Allow => (None, true),
-                OnError::Local if shares.is_empty() => {
-                    (store.fallback(ns, &stored, &tier.plan), true)
+                OnError::Allow => None,
+                OnError::Local if shares.is_empty() => store.fallback(ns, &stored, &tier.plan),
+                OnError::Local => store.fallback_shares(&shares, trial),
+            };
+            store_failed = true;
+            match fallback {
+                Some(c) => c,
+                None => {
+                    tally.decision = Decision::StoreErrorAllowed;
+                    return Ok((None, None));
                 }
-                OnError::Local => (store.fallback_shares(&shares, trial), true),
             }
         }
-    };
-    let Some(Checked { verdict: v, permit }) = checked else {
-        tally.decision = Decision::StoreErrorAllowed;
-        return Ok((None, None));
     };
     // What the response will charge, with the keys it charges.
     let later = (!tier.later.is_empty() && (v.allowed || route.shadow)).then(|| Later {

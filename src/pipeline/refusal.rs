@@ -467,19 +467,19 @@ mod tests {
             Verdict {
                 allowed: true,
                 delay_us: 0,
-                outcomes: vec![outcome(7, 1_000_001, true), outcome(2, 59_000_000, true)],
+                outcomes: vec![outcome(7, 1_000_001, true), outcome(2, 59_000_000, true)].into(),
                 trial: 0,
             },
             Verdict {
                 allowed: false,
                 delay_us: 0,
-                outcomes: vec![outcome(0, 0, false), outcome(12_345_678_901, 1, true)],
+                outcomes: vec![outcome(0, 0, false), outcome(12_345_678_901, 1, true)].into(),
                 trial: 0,
             },
             Verdict {
                 allowed: true,
                 delay_us: 0,
-                outcomes: vec![],
+                outcomes: vec![].into(),
                 trial: 0,
             },
         ];

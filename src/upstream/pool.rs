@@ -123,11 +123,13 @@ impl Pool {
         self: &Arc<Self>,
         parts: &mut http::request::Parts,
         body: Body,
-        fwd: h1::Forwarded<'_>,
+        mut fwd: h1::Forwarded<'_>,
         mut raw: Option<&mut Option<h1::RawFields>>,
     ) -> Result<Exchanged, SendError> {
-        // Taken by each attempt; given back by one that may be repeated.
-        let (mut head, framing) = h1::request_head(parts, &body, fwd);
+        let framing = h1::upload_framing(parts, &body, &mut fwd);
+        // Written on the first connection, in its room; given back by an attempt
+        // that may be repeated.
+        let mut head = None;
         let repeatable = framing == UploadFraming::Empty && parts.method.is_idempotent();
         let trailers = match framing {
             UploadFraming::Chunked => crate::http::h1::framing::announced_trailers(&parts.headers),
@@ -152,13 +154,21 @@ impl Pool {
                     Err(e) => return Err(e),
                 },
             };
+            let written = match head.take() {
+                Some(head) => head,
+                // (The first attempt: the fields are still in `map`.)
+                None => {
+                    let fields = map.as_ref().unwrap_or(&parts.headers);
+                    conn.request_head(&parts.method, &parts.uri, fields, &fwd)
+                }
+            };
             if let Some(map) = map.take() {
                 conn.keep_map(map);
             }
             let sent = body.take().unwrap_or_else(crate::http::body::empty);
             let exchange = h1::exchange(
                 &mut conn,
-                head,
+                written,
                 sent,
                 framing,
                 trailers.clone(),
@@ -193,7 +203,7 @@ impl Pool {
                     head: Some(again),
                 }) if kept && repeatable => {
                     tracing::debug!(error = %error, "kept upstream connection closed; sending again");
-                    head = again;
+                    head = Some(again);
                 }
                 Err(f) => return Err(SendError::Send(f.error)),
             }

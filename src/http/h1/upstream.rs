@@ -96,6 +96,10 @@ pub(crate) struct Kept {
     map: Option<HeaderMap>,
     /// The chunk extension bytes of the body being read (`decode::EXTENSIONS_LIMIT`).
     pub(crate) extensions: u64,
+    /// Room for the request heads written on the connection
+    /// (`Conn::request_head`): a head is done with before the next is written, so
+    /// one allocation most often serves them all.
+    head: BytesMut,
 }
 
 /// At most this many fields go to the client as they came (`RawFields`); a head
@@ -229,6 +233,18 @@ impl Conn {
             std::pin::pin!(tokio::task::unconstrained(check)).poll(&mut cx),
             Poll::Ready(true)
         )
+    }
+
+    /// The head of a request to send on this connection (`write_request_head`),
+    /// written into the connection's own room for heads.
+    pub fn request_head(
+        &mut self,
+        method: &Method,
+        uri: &http::Uri,
+        headers: &HeaderMap,
+        fwd: &Forwarded<'_>,
+    ) -> Bytes {
+        write_request_head(method, uri, headers, fwd, &mut self.kept.head)
     }
 
     /// The map of a request sent on this connection, emptied: its answer's fields
@@ -366,17 +382,36 @@ pub(crate) static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto")
 pub(crate) static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// The request head on the wire (origin-form target, fields as they are), and how
-/// its body follows. As hyper's client: a body that is already over is not sent
-/// (any `Content-Length` the request has stays as it is); a `Content-Length`
-/// the request has, or a length the body knows, delimits it; an unknown length is
-/// chunked, except on GET, HEAD and CONNECT, which then send none.
-/// `fwd` follows the map's fields.
+/// its body follows (`upload_framing`, then `write_request_head`, into a buffer
+/// of its own).
 pub fn request_head(
     parts: &mut http::request::Parts,
     body: &Body,
     mut fwd: Forwarded<'_>,
 ) -> (Bytes, UploadFraming) {
-    let framing = if body.is_end_stream() {
+    let framing = upload_framing(parts, body, &mut fwd);
+    let head = write_request_head(
+        &parts.method,
+        &parts.uri,
+        &parts.headers,
+        &fwd,
+        &mut BytesMut::new(),
+    );
+    (head, framing)
+}
+
+/// How a request's body follows its head, the fields it needs for that put in
+/// the map (with `fwd`'s before them, to keep the order). As hyper's client: a
+/// body that is already over is not sent (any `Content-Length` the request has
+/// stays as it is); a `Content-Length` the request has, or a length the body
+/// knows, delimits it; an unknown length is chunked, except on GET, HEAD and
+/// CONNECT, which then send none.
+pub fn upload_framing(
+    parts: &mut http::request::Parts,
+    body: &Body,
+    fwd: &mut Forwarded<'_>,
+) -> UploadFraming {
+    if body.is_end_stream() {
         UploadFraming::Empty
     } else if let Some(n) = content_length(&parts.headers) {
         UploadFraming::Length(n)
@@ -396,25 +431,37 @@ pub fn request_head(
             HeaderValue::from_static("chunked"),
         );
         UploadFraming::Chunked
-    };
-    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let fields: usize = parts
-        .headers
+    }
+}
+
+/// The request head on the wire: origin-form target, the map's fields as they
+/// are, then `fwd`'s. Written into `buf`, which keeps its room for the next head
+/// once this one is dropped (a connection's own: `Conn::request_head`).
+pub fn write_request_head(
+    method: &Method,
+    uri: &http::Uri,
+    headers: &HeaderMap,
+    fwd: &Forwarded<'_>,
+    buf: &mut BytesMut,
+) -> Bytes {
+    let target = uri.path_and_query().map_or("/", |p| p.as_str());
+    let fields: usize = headers
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len() + 4)
         .sum();
     let fields = fields + if fwd.is_empty() { 0 } else { fwd.len() };
-    let mut out = BytesMut::with_capacity(parts.method.as_str().len() + target.len() + fields + 14);
-    out.extend_from_slice(parts.method.as_str().as_bytes());
-    out.extend_from_slice(b" ");
-    out.extend_from_slice(target.as_bytes());
-    out.extend_from_slice(b" HTTP/1.1\r\n");
-    write_fields(&mut out, &parts.headers);
+    buf.clear();
+    buf.reserve(method.as_str().len() + target.len() + fields + 14);
+    buf.extend_from_slice(method.as_str().as_bytes());
+    buf.extend_from_slice(b" ");
+    buf.extend_from_slice(target.as_bytes());
+    buf.extend_from_slice(b" HTTP/1.1\r\n");
+    write_fields(buf, headers);
     if !fwd.is_empty() {
-        fwd.write(&mut out);
+        fwd.write(buf);
     }
-    out.extend_from_slice(b"\r\n");
-    (out.freeze(), framing)
+    buf.extend_from_slice(b"\r\n");
+    buf.split().freeze()
 }
 
 fn write_fields(out: &mut BytesMut, h: &HeaderMap) {

@@ -304,7 +304,7 @@ impl RedisStore {
             for (s, tag) in shares.iter().zip(&tags) {
                 if let Some(v) = cache.get(&(tag.clone(), fingerprint(s.plan)), sent) {
                     return Ok(Checked {
-                        verdict: Verdict::of_shares(n, trial, [(s.at, v.outcomes)]),
+                        verdict: Verdict::of_shares(n, trial, [(s.at, &*v.outcomes)]),
                         permit: Permit::None,
                     });
                 }
@@ -579,7 +579,7 @@ fn allowed_empty() -> Verdict {
     Verdict {
         allowed: true,
         delay_us: 0,
-        outcomes: Vec::new(),
+        outcomes: Vec::new().into(),
         trial: 0,
     }
 }

@@ -228,7 +228,7 @@ mod tests {
         let v = Verdict {
             allowed: false,
             delay_us: 0,
-            outcomes: vec![admitted, refused],
+            outcomes: vec![admitted, refused].into(),
             trial: 0,
         };
         let t0 = Instant::now();
@@ -274,7 +274,7 @@ mod tests {
         let v = |outcomes: Vec<Outcome>| Verdict {
             allowed: false,
             delay_us: 0,
-            outcomes,
+            outcomes: outcomes.into(),
             trial: 0,
         };
         let only_slots = v(vec![o(true, 0), o(true, 0), o(false, 1_000_000)]);
@@ -290,7 +290,7 @@ mod tests {
         let v = Verdict {
             allowed: false,
             delay_us: 0,
-            outcomes: vec![],
+            outcomes: vec![].into(),
             trial: 0,
         };
         for i in 0..10_000u64 {
