@@ -165,6 +165,13 @@ impl<G> Guarded<G> {
             polled: false,
         }
     }
+
+    /// Drops the body, then the guard, where they are (as dropping the whole
+    /// would, without moving it): the body is over, or will not be sent.
+    pub fn end(&mut self) {
+        self.body = empty();
+        self.guard = None;
+    }
 }
 
 impl<G: OnFail + Send + Sync + Unpin + 'static> http_body::Body for Guarded<G> {

@@ -321,7 +321,7 @@ pub struct Pooled {
     decoder: Decoder,
     reusable: bool,
     /// The request body still going up (the upstream answered before its end).
-    upload: Option<Upload>,
+    upload: Option<Box<Upload>>,
     /// Its `read_timeout` too (read from it: every byte of this struct is moved
     /// with each response).
     pool: Arc<Pool>,

@@ -20,7 +20,7 @@ use http_body::{Body as _, Frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{oneshot, watch};
 
-use crate::http::body::{BoxError, Guarded};
+use crate::http::body::{BoxError, Guarded, OnFail};
 use crate::http::conn::Activity;
 use crate::http::conn::ConnectionHeld;
 use crate::http::fields::AddedFields;
@@ -287,7 +287,9 @@ where
         };
 
         let (mut parts, body) = resp.into_parts();
-        let body = Guarded::new(body, guard);
+        // (Sent from here, by reference: it holds the request's tally, large
+        // enough that each move of it is a copy.)
+        let mut body = Guarded::new(body, guard);
         if parts
             .extensions
             .get::<crate::http::body::Linger>()
@@ -331,7 +333,7 @@ where
             &mut io,
             &mut buf,
             &mut out,
-            body,
+            &mut body,
             enc.framing,
             trailers,
             inflow.as_ref(),
@@ -1189,24 +1191,24 @@ struct NothingSent(BoxError);
 /// at once goes in the same write as what precedes it; the first is always asked
 /// for before anything is written (`NothingSent`). A request body still being
 /// read (`inflow`) is fed meanwhile: the upstream may answer while it reads.
-async fn send_body<IO, B>(
+async fn send_body<IO, G>(
     io: &mut IO,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
-    mut body: B,
+    body: &mut Guarded<G>,
     framing: ResponseFraming,
     trailers_allowed: bool,
     inflow: Option<&Inflow>,
 ) -> Result<(), BoxError>
 where
     IO: AsyncRead + AsyncWrite + Unpin,
-    B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
+    G: OnFail + Send + Sync + Unpin + 'static,
 {
     // `remaining`: what a length still needs (`None`: chunked or until close).
     let (mut remaining, allowed, mut chunked) = match framing {
         // Nothing to send: the body is dropped unread, as hyper does.
         ResponseFraming::Length(0) => {
-            drop(body);
+            body.end();
             write_out(io, buf, out, inflow).await?;
             return Ok(());
         }
@@ -1218,7 +1220,7 @@ where
     // The first frame, if it is ready at once: asked for before the head is written.
     let mut first = None;
     if !ended {
-        let now = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)));
+        let now = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx)));
         match now.await {
             Poll::Ready(Some(Err(e))) => return Err(NothingSent(e).into()),
             Poll::Ready(f) => first = Some(f.transpose()?),
@@ -1228,7 +1230,7 @@ where
     while !ended {
         let next = match first.take() {
             Some(f) => f,
-            None => next_frame(io, buf, out, &mut body, inflow).await?,
+            None => next_frame(io, buf, out, body, inflow).await?,
         };
         let Some(frame) = next else {
             break;
@@ -1275,7 +1277,7 @@ where
             break;
         }
     }
-    drop(body);
+    body.end();
     if chunked {
         out.extend_from_slice(b"0\r\n\r\n");
     }

@@ -607,7 +607,8 @@ pub struct Head {
     pub reusable: bool,
     /// The rest of the request body, when the answer came before it was all sent:
     /// it goes on while the response body is read, as hyper's client does.
-    pub upload: Option<Upload>,
+    /// (Boxed: rare, and it would make every head larger, copied as it goes up.)
+    pub upload: Option<Box<Upload>>,
     /// The fields have a hop-by-hop one (`upstream::strip_hop_by_hop` has work).
     pub hop_by_hop: bool,
     /// The fields as they came, instead of in `parts` (asked for with `raw_ok`).
@@ -691,7 +692,7 @@ pub async fn exchange(
                             head.reusable = false;
                         }
                         if sending && head.parts.status != StatusCode::SWITCHING_PROTOCOLS {
-                            head.upload = upload.take();
+                            head.upload = upload.take().map(Box::new);
                         }
                         return Poll::Ready(Ok(head));
                     }
