@@ -759,7 +759,12 @@ pub fn fleet_text(v: &serde_json::Value) -> String {
                 text(&i["addr"]),
                 text(&i["version"]),
                 hash.chars().take(12).collect(),
-                if i["ready"] == true { "yes" } else { "no" }.to_string(),
+                match (i["ready"] == true, i["stale"] == true) {
+                    (_, true) => "stale",
+                    (true, false) => "yes",
+                    (false, false) => "no",
+                }
+                .to_string(),
                 text(&i["last_seen"]),
             ]
         })

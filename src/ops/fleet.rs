@@ -1,8 +1,10 @@
 //! The fleet view: on the Redis store every instance publishes a small heartbeat
 //! (who it is, where it listens, its configuration's hash, whether it is ready, and
 //! its decision counters) every `HEARTBEAT_EVERY`, in a key that expires; `GET
-//! /admin/fleet` reads them all back and sums the counters per route. Nothing here
-//! runs per request, and a Redis failure only leaves this instance out of the view.
+//! /admin/fleet` reads them all back and sums the counters per route. An instance
+//! whose last heartbeat is older than `STALE_AFTER` (by Redis's clock) is shown
+//! stale and left out of the sums. Nothing here runs per request, and a Redis
+//! failure only leaves this instance out of the view.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -21,10 +23,15 @@ use crate::telemetry::metrics::CallKind;
 use crate::telemetry::metrics::Decision;
 
 /// How often an instance publishes its heartbeat.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// An instance whose last heartbeat is older than this missed two: it is shown
+/// `"stale": true, "ready": false` and left out of the sums (and out of the live
+/// instances that `on_error: local` divides limits by). Half an interval of slack,
+/// so that a heartbeat a little late is not taken for a missed one.
+pub const STALE_AFTER: Duration = Duration::from_millis(2500);
 /// How long a heartbeat lasts in Redis: an instance that stopped publishing (it
 /// crashed, or lost Redis) leaves the view this long after its last one.
-pub const HEARTBEAT_TTL: Duration = Duration::from_secs(10);
+pub const HEARTBEAT_TTL: Duration = Duration::from_secs(5);
 /// Ids in the index whose last heartbeat (by the writer's clock) is older than this
 /// are removed by every publisher: a crashed instance's id, long after its key
 /// expired. Generous, so that clocks a little apart never remove a live instance's
@@ -44,7 +51,9 @@ pub struct Heartbeat {
     pub config_hash: String,
     /// As `/readyz` says.
     pub ready: bool,
-    /// When it was written, in milliseconds since the epoch (the writer's clock).
+    /// When it was written, in milliseconds since the epoch: Redis's clock (`TIME`),
+    /// which every reader compares with, so that hosts' clocks apart never make a
+    /// live instance look stale; the writer's own if `TIME` failed.
     pub last_seen_ms: u64,
     /// Every route's decisions since the instance started.
     #[serde(default)]
@@ -134,7 +143,8 @@ impl Fleet {
         let Some(k) = &self.redis else {
             return Ok(());
         };
-        let hb = self.heartbeat();
+        let mut hb = self.heartbeat();
+        hb.last_seen_ms = redis_now_ms(&k.redis).await?;
         let json =
             serde_json::to_string(&hb).map_err(|e| StoreError::Unavailable(e.to_string()))?;
         let ttl = HEARTBEAT_TTL.as_millis() as u64;
@@ -183,12 +193,13 @@ impl Fleet {
             .await
     }
 
-    /// The heartbeats in Redis now: the index, then every key in one MGET. Ids whose
-    /// key expired are removed from the index.
-    pub async fn read(&self) -> Result<Vec<Heartbeat>, StoreError> {
+    /// The heartbeats in Redis now, and Redis's time now: the index, then every key
+    /// in one MGET. Ids whose key expired are removed from the index.
+    pub async fn read(&self) -> Result<(Vec<Heartbeat>, u64), StoreError> {
         let Some(k) = &self.redis else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), now_ms()));
         };
+        let now = redis_now_ms(&k.redis).await?;
         let mut cmd = redis::cmd("ZRANGE");
         cmd.arg(&k.ids).arg(0).arg(-1);
         let ids: Vec<String> = k
@@ -196,7 +207,7 @@ impl Fleet {
             .call(CallKind::Other, &cmd, k.redis.timeout())
             .await?;
         if ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), now));
         }
         let mut cmd = redis::cmd("MGET");
         for id in &ids {
@@ -223,20 +234,21 @@ impl Fleet {
                 .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
                 .await;
         }
-        Ok(live)
+        Ok((live, now))
     }
 
     /// `GET /admin/fleet`: on Redis every live instance, else (or with Redis
     /// unreachable, then with `error`) this one alone.
     pub async fn view(&self) -> serde_json::Value {
-        let (store, others, error) = match &self.redis {
-            None => ("memory", Vec::new(), None),
+        let own = self.heartbeat();
+        let (store, others, now, error) = match &self.redis {
+            None => ("memory", Vec::new(), own.last_seen_ms, None),
             Some(_) => match self.read().await {
-                Ok(hbs) => ("redis", hbs, None),
-                Err(e) => ("redis", Vec::new(), Some(e.to_string())),
+                Ok((hbs, now)) => ("redis", hbs, now, None),
+                Err(e) => ("redis", Vec::new(), own.last_seen_ms, Some(e.to_string())),
             },
         };
-        render(&self.heartbeat(), others, store, error)
+        render(&own, others, now, store, error)
     }
 
     /// The publisher: a heartbeat every `HEARTBEAT_EVERY` (the first at once) until
@@ -271,19 +283,34 @@ impl Fleet {
     }
 }
 
-/// The view from `own` (this instance now) and the heartbeats read from Redis
-/// (`own`'s last one among them is left out: its live counters count instead).
+/// Whether a heartbeat written at `last_seen_ms` is stale at `now_ms` (both Redis's
+/// clock): its instance missed two heartbeats.
+pub fn is_stale(last_seen_ms: u64, now_ms: u64) -> bool {
+    now_ms.saturating_sub(last_seen_ms) > STALE_AFTER.as_millis() as u64
+}
+
+/// The view from `own` (this instance now, never stale) and the heartbeats read
+/// from Redis at `now_ms` (`own`'s last one among them is left out: its live
+/// counters count instead). Stale instances are listed but not summed.
 pub fn render(
     own: &Heartbeat,
     others: Vec<Heartbeat>,
+    now_ms: u64,
     store: &str,
     error: Option<String>,
 ) -> serde_json::Value {
-    let mut all: Vec<Heartbeat> = others.into_iter().filter(|h| h.id != own.id).collect();
-    all.push(own.clone());
-    all.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut all: Vec<(Heartbeat, bool)> = others
+        .into_iter()
+        .filter(|h| h.id != own.id)
+        .map(|h| {
+            let stale = is_stale(h.last_seen_ms, now_ms);
+            (h, stale)
+        })
+        .collect();
+    all.push((own.clone(), false));
+    all.sort_by(|a, b| a.0.id.cmp(&b.0.id));
     let mut routes: BTreeMap<String, Counts> = BTreeMap::new();
-    for hb in &all {
+    for hb in all.iter().filter(|(_, stale)| !stale).map(|(h, _)| h) {
         for (route, counts) in &hb.routes {
             let sum = routes.entry(route.clone()).or_insert_with(|| {
                 Decision::of_route()
@@ -296,17 +323,21 @@ pub fn render(
             }
         }
     }
-    let hashes: std::collections::BTreeSet<&str> =
-        all.iter().map(|h| h.config_hash.as_str()).collect();
+    let hashes: std::collections::BTreeSet<&str> = all
+        .iter()
+        .filter(|(_, stale)| !stale)
+        .map(|(h, _)| h.config_hash.as_str())
+        .collect();
     let instances: Vec<_> = all
         .iter()
-        .map(|h| {
+        .map(|(h, stale)| {
             serde_json::json!({
                 "id": h.id,
                 "addr": h.addr,
                 "version": h.version,
                 "config_hash": h.config_hash,
-                "ready": h.ready,
+                "ready": h.ready && !stale,
+                "stale": stale,
                 "last_seen": rfc3339(h.last_seen_ms),
                 "last_seen_ms": h.last_seen_ms,
                 "self": h.id == own.id,
@@ -315,8 +346,10 @@ pub fn render(
             })
         })
         .collect();
+    let live = all.iter().filter(|(_, stale)| !stale).count();
     let mut v = serde_json::json!({
         "instances": instances,
+        "live": live,
         "routes": routes,
         "config_hashes": hashes.len(),
         "consistent": hashes.len() <= 1,
@@ -326,6 +359,15 @@ pub fn render(
         v["error"] = e.into();
     }
     v
+}
+
+/// Redis's clock now (`TIME`), in milliseconds since the epoch. On a cluster any
+/// node answers: their clocks are taken to agree.
+async fn redis_now_ms(redis: &crate::redis::Shared) -> Result<u64, StoreError> {
+    let (secs, micros): (u64, u64) = redis
+        .call(CallKind::Other, &redis::cmd("TIME"), redis.timeout())
+        .await?;
+    Ok(secs * 1000 + micros / 1000)
 }
 
 /// `<host>-<pid>-<random>`: readable in a list, unique across restarts of one
@@ -389,7 +431,7 @@ mod tests {
                 &[("api", &[("limited", 3)]), ("login", &[("denied", 4)])],
             ),
         ];
-        let v = render(&own, others, "redis", None);
+        let v = render(&own, others, 2000, "redis", None);
         let ids: Vec<&str> = v["instances"]
             .as_array()
             .unwrap()
@@ -400,7 +442,7 @@ mod tests {
         assert_eq!(
             v["instances"][1],
             serde_json::json!({"id": "b", "addr": "b:8080", "version": "1.0.0", "config_hash": "h1",
-                "ready": true, "last_seen": "1970-01-01T00:00:02Z", "last_seen_ms": 2000, "self": true,
+                "ready": true, "stale": false, "last_seen": "1970-01-01T00:00:02Z", "last_seen_ms": 2000, "self": true,
                 "routes": {"api": {"allowed": 5, "limited": 1}}})
         );
         assert_eq!(v["instances"][0]["self"], false);
@@ -412,19 +454,51 @@ mod tests {
         assert_eq!(v["routes"]["login"]["denied"], 4);
         assert_eq!(v["config_hashes"], 1);
         assert_eq!(v["consistent"], true);
+        assert_eq!(v["live"], 3);
         assert_eq!(v["store"], "redis");
         assert!(v.get("error").is_none());
     }
 
     #[test]
+    fn an_instance_that_missed_two_heartbeats_is_stale_not_ready_and_not_summed() {
+        let own = hb("a", "h1", 10_000, &[("api", &[("allowed", 1)])]);
+        let at_edge = 10_000 - STALE_AFTER.as_millis() as u64;
+        let others = vec![
+            // Exactly STALE_AFTER old: late, not yet stale.
+            hb("b", "h1", at_edge, &[("api", &[("allowed", 2)])]),
+            // A millisecond older, with another configuration: stale.
+            hb("c", "h2", at_edge - 1, &[("api", &[("allowed", 4)])]),
+        ];
+        let v = render(&own, others, 10_000, "redis", None);
+        let flags: Vec<(bool, bool)> = v["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| (i["stale"] == true, i["ready"] == true))
+            .collect();
+        assert_eq!(flags, [(false, true), (false, true), (true, false)]);
+        assert_eq!(v["routes"]["api"]["allowed"], 3);
+        assert_eq!(v["live"], 2);
+        // A stale instance's configuration is not a live disagreement.
+        assert_eq!(
+            (v["config_hashes"].clone(), v["consistent"].clone()),
+            (1.into(), true.into())
+        );
+        assert!(!is_stale(at_edge, 10_000));
+        assert!(is_stale(at_edge - 1, 10_000));
+        // A heartbeat from a clock a little ahead is not stale.
+        assert!(!is_stale(10_500, 10_000));
+    }
+
+    #[test]
     fn different_hashes_are_not_consistent_and_an_error_is_shown() {
         let own = hb("a", "h1", 1000, &[]);
-        let v = render(&own, vec![hb("b", "h2", 1000, &[])], "redis", None);
+        let v = render(&own, vec![hb("b", "h2", 1000, &[])], 1000, "redis", None);
         assert_eq!(
             (v["config_hashes"].clone(), v["consistent"].clone()),
             (2.into(), false.into())
         );
-        let v = render(&own, Vec::new(), "redis", Some("timed out".into()));
+        let v = render(&own, Vec::new(), 1000, "redis", Some("timed out".into()));
         assert_eq!(v["instances"].as_array().map(Vec::len), Some(1));
         assert_eq!(v["error"], "timed out");
         assert_eq!(v["consistent"], true);

@@ -1,7 +1,8 @@
 //! The fleet view, end to end: gateways on one Redis (or a cluster) see each other
 //! in `GET /admin/fleet` with their decision counts summed per route; a reload on
 //! one shows as two config hashes; an instance stopped gracefully leaves at once, a
-//! crashed one when its heartbeat expires; a memory-store gateway sees itself alone.
+//! killed one turns stale (not ready, not summed) and leaves when its heartbeat
+//! expires; a memory-store gateway sees itself alone.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -14,7 +15,7 @@ const AUTH: (&str, &str) = ("authorization", "Bearer s3cret");
 /// The index of instance ids, with the harness' `key_prefix: "sluice:"`.
 const IDS: &str = "sluice:{fleet}:ids";
 
-/// Longer than a heartbeat's interval (2 s) and its expiry (10 s) together.
+/// Far longer than a heartbeat's interval (1 s) and its expiry (5 s) together.
 const WITHIN: Duration = Duration::from_secs(20);
 
 /// One route answered by sluice itself, keyed by `x-key`, `limit` requests an hour.
@@ -266,25 +267,76 @@ async fn with_redis_unreachable_the_view_is_this_instance_and_the_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crashed_instance_drops_out_when_its_heartbeat_expires() {
+async fn a_killed_instance_of_three_turns_stale_then_leaves_the_view_within_6_s() {
     let redis = RedisServer::start();
     let a = start_gateway(&gateway(&one_redis(&redis), 5)).await;
+    let b = start_gateway(&gateway(&one_redis(&redis), 5)).await;
     let mut p = SluiceProcess::start_admin(
         &format!("token: {TOKEN}"),
         &format!("{}{}", one_redis(&redis), routes(5)),
     )
     .await;
-    let v = fleet_until("A sees the process", a.admin_addr, |v| ids(v).len() == 2).await;
-    let a_id = at(&v, a.addr)["id"].as_str().expect("id").to_string();
-    assert_eq!(at(&v, p.addr)["self"], false);
-    p.child.kill();
-    fleet_until("the killed process drops out", a.admin_addr, |v| {
-        ids(v) == [a_id.as_str()]
-    })
+    assert_eq!(send(p.addr, 3).await, [200, 200, 200]);
+    let v = fleet_until(
+        "A sees three, with the process' counts",
+        a.admin_addr,
+        |v| ids(v).len() == 3 && v["live"] == 3 && v["routes"]["api"] == counts(3, 0),
+    )
     .await;
+    let mut live: Vec<String> = vec![
+        at(&v, a.addr)["id"].as_str().expect("id").to_string(),
+        at(&v, b.addr)["id"].as_str().expect("id").to_string(),
+    ];
+    live.sort();
+    for i in v["instances"].as_array().expect("instances") {
+        assert_eq!(
+            (i["stale"].clone(), i["ready"].clone()),
+            (json!(false), json!(true)),
+            "{i}"
+        );
+    }
+
+    // SIGKILL: no goodbye. Its heartbeat key expires 5 s after its last heartbeat
+    // (at most 1 s before the kill); until then, past 2.5 s, it is listed stale.
+    // Polled every 200 ms, 30 times: 6 s at the least.
+    p.child.kill();
+    let mut seen_stale = 0;
+    let mut gone = None;
+    for poll in 0..30 {
+        let v = fleet(a.admin_addr).await;
+        let listed = ids(&v);
+        if listed == live {
+            gone = Some((poll, v));
+            break;
+        }
+        assert_eq!(listed.len(), 3, "{v:#}");
+        let killed = at(&v, p.addr);
+        if killed["stale"] == true {
+            seen_stale += 1;
+            // Stale: not ready, and its counts out of the sums and its instance out
+            // of the live ones.
+            assert_eq!(killed["ready"], false, "{killed}");
+            assert_eq!(v["routes"]["api"], counts(0, 0), "{v:#}");
+            assert_eq!(v["live"], 2, "{v:#}");
+        } else {
+            assert_eq!(v["routes"]["api"], counts(3, 0), "{v:#}");
+            assert_eq!(v["live"], 3, "{v:#}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let Some((_, v)) = gone else {
+        panic!("the killed instance is still listed after 30 polls 200 ms apart");
+    };
+    // Between 2.5 s and 5 s it was stale: polled 200 ms apart, seen so.
+    assert!(seen_stale > 0, "never seen stale");
+    assert_eq!(v["live"], 2);
+    assert_eq!(v["routes"]["api"], counts(0, 0));
+    // B sees the same two.
+    assert_eq!(ids(&fleet(b.admin_addr).await), live);
     // Its id was cleaned from the index by the reader that found its key gone.
-    let index: Vec<String> = redis.cmd(&["ZRANGE", IDS, "0", "-1"]);
-    assert_eq!(index, [a_id]);
+    let mut index: Vec<String> = redis.cmd(&["ZRANGE", IDS, "0", "-1"]);
+    index.sort();
+    assert_eq!(index, live);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

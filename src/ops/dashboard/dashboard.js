@@ -639,7 +639,7 @@
 
   function renderFleet(f) {
     const note = f.store === "redis"
-      ? `${f.instances.length} instance${f.instances.length === 1 ? "" : "s"} on this Redis, counts summed over them since each started`
+      ? `${f.live} live instance${f.live === 1 ? "" : "s"} on this Redis, counts summed over them since each started${f.instances.length > f.live ? ` (${f.instances.length - f.live} stale: missed two heartbeats, not summed)` : ""}`
       : "memory store: this instance alone";
     $("fleet-note").textContent = f.error ? `${note} (${f.error})` : note;
     const totals = $("fleet-totals");
@@ -659,7 +659,7 @@
           el("td", null, i.addr),
           el("td", null, i.version),
           el("td", null, el("code", { class: odd ? "error" : "" }, i.config_hash.slice(0, 12))),
-          el("td", null, badge(i.ready, "ready", "not ready")),
+          el("td", null, badge(i.ready, "ready", i.stale ? "stale" : "not ready")),
           el("td", { class: "decisions" }, instanceDecisions(i.routes || {})),
           el("td", null, utcTime(i.last_seen)))
       );
