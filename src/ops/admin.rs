@@ -166,7 +166,7 @@ impl Admin {
             ("/admin/config", _) => not_allowed("GET"),
             ("/admin/stats", Method::GET) => json(StatusCode::OK, &self.stats()),
             ("/admin/stats", _) => not_allowed("GET"),
-            ("/admin/top", Method::GET) => self.top(req.uri().query()),
+            ("/admin/top", Method::GET) => self.top(req.uri().query()).await,
             ("/admin/top", _) => not_allowed("GET"),
             ("/admin/fleet", Method::GET) => match req.uri().query().unwrap_or("") {
                 "" => json(StatusCode::OK, &self.fleet.view().await),
@@ -284,16 +284,18 @@ impl Admin {
         })
     }
 
-    /// `/admin/top?route=R&n=N`: the most refused keys of route `R` (of every route
-    /// without it), the most refused first, `n` of them (`TOP_DEFAULT` if not given).
-    fn top(&self, query: Option<&str>) -> Response<Body> {
+    /// `/admin/top?route=R&n=N&scope=S`: the most refused keys of route `R` (of every
+    /// route without it), the most refused first, `n` of them (`TOP_DEFAULT` if not
+    /// given); with `scope=fleet` summed over the live instances of the fleet
+    /// (`fleet::Fleet::top`), with `scope=instance` (the default) this one's.
+    async fn top(&self, query: Option<&str>) -> Response<Body> {
         let rt = self.shared.runtime.load_full();
-        let (mut route, mut n) = (None, None);
+        let (mut route, mut n, mut fleet) = (None, None, None);
         for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
                 "route" if route.is_some() => return bad_request("route given twice"),
                 "route" => match rt.routes.iter().find(|r| r.name == value) {
-                    Some(r) => route = Some(r),
+                    Some(r) => route = Some(r.name.clone()),
                     None => return bad_request(&format!("no route named {value:?}")),
                 },
                 "n" if n.is_some() => return bad_request("n given twice"),
@@ -305,14 +307,37 @@ impl Admin {
                         ))
                     }
                 },
+                "scope" if fleet.is_some() => return bad_request("scope given twice"),
+                "scope" => match &*value {
+                    "instance" => fleet = Some(false),
+                    "fleet" => fleet = Some(true),
+                    other => {
+                        return bad_request(&format!(
+                            "scope {other:?} is neither instance nor fleet"
+                        ))
+                    }
+                },
                 other => {
                     return bad_request(&format!(
-                        "unknown query parameter {other:?}: expected route or n"
+                        "unknown query parameter {other:?}: expected route, n or scope"
                     ))
                 }
             }
         }
-        let now = now_ms();
+        let fleet = fleet.unwrap_or(false);
+        let merged = if fleet {
+            match self.fleet.top().await {
+                Ok(m) => m,
+                Err(e) => {
+                    return body::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("the fleet's lists could not be read from Redis ({e}); without scope=fleet this instance's list answers\n"),
+                    )
+                }
+            }
+        } else {
+            crate::ops::fleet::merge_top([self.fleet.local_top(now_ms())])
+        };
         let dynamic = self.shared.deny.load();
         // What the deny list refuses of a row now: its key, else its address.
         let denied = |key: &str, ip: std::net::IpAddr| {
@@ -326,14 +351,17 @@ impl Admin {
                 None
             }
         };
-        let mut rows: Vec<TopRow> = rt
-            .routes
-            .iter()
-            .filter(|r| route.is_none_or(|only| std::ptr::eq(only, *r)))
-            .flat_map(|r| {
-                r.top.list(now).into_iter().map(|o| TopRow {
+        // Already in order: by refusals, then route and key, so that the order
+        // never depends on timing.
+        let rows: Vec<TopRow> = merged
+            .into_iter()
+            .filter(|m| route.as_ref().is_none_or(|only| *only == m.row.route))
+            .take(n.unwrap_or(TOP_DEFAULT))
+            .map(|m| {
+                let o = m.row;
+                TopRow {
                     denied: denied(&o.key, o.ip),
-                    route: r.name.clone(),
+                    route: o.route,
                     key: o.key,
                     ip: crate::identity::canonical(o.ip).to_string(),
                     refused: o.refused,
@@ -341,18 +369,10 @@ impl Admin {
                     allowed: o.allowed,
                     last_seen: rfc3339(o.last_seen_ms),
                     last_seen_ms: o.last_seen_ms,
-                })
+                    instances: fleet.then_some(m.instances),
+                }
             })
             .collect();
-        // Each route's list is in order already; across routes, by refusals, then
-        // route and key, so that the order never depends on timing.
-        rows.sort_by(|a, b| {
-            b.refused
-                .cmp(&a.refused)
-                .then_with(|| a.route.cmp(&b.route))
-                .then_with(|| a.key.cmp(&b.key))
-        });
-        rows.truncate(n.unwrap_or(TOP_DEFAULT));
         json(StatusCode::OK, &rows)
     }
 
@@ -513,6 +533,10 @@ pub struct TopRow {
     /// absent when neither.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub denied: Option<String>,
+    /// With `scope=fleet`: how many live instances' lists held the key (its counts
+    /// are their sums).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instances: Option<u32>,
 }
 
 /// The body of `POST` and `DELETE /admin/deny`.

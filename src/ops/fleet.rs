@@ -41,6 +41,89 @@ const FORGET_AFTER: Duration = Duration::from_secs(60);
 /// Decision counts by decision name (`allowed`, `limited`, ...).
 pub type Counts = BTreeMap<String, u64>;
 
+/// The most refused keys a heartbeat carries, over all routes (the heaviest), and
+/// of one route: its size stays bounded (a key is at most 256 bytes, so a
+/// heartbeat's list is at most about 40 KB) however many clients are refused.
+pub const TOP_PUBLISHED: usize = 100;
+pub const TOP_PUBLISHED_PER_ROUTE: usize = 20;
+
+/// A refused key of a route as an instance's sketch counts it (`telemetry::top`):
+/// what a heartbeat publishes, and what `/admin/top?scope=fleet` sums.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offender {
+    pub route: String,
+    pub key: String,
+    /// The client address of its last refusal.
+    pub ip: std::net::IpAddr,
+    pub refused: u64,
+    /// How far `refused` may be above the truth.
+    pub error: u64,
+    pub allowed: u64,
+    pub last_seen_ms: u64,
+}
+
+/// A key's rows summed over the instances whose lists hold it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Merged {
+    /// The sums; `ip` and `last_seen_ms` are of the latest row.
+    pub row: Offender,
+    /// The instances whose lists held the key.
+    pub instances: u32,
+}
+
+/// Every list summed per route and key: counts and errors added, the address of
+/// the latest refusal kept. Heaviest first, then by route and key.
+pub fn merge_top(lists: impl IntoIterator<Item = Vec<Offender>>) -> Vec<Merged> {
+    let mut by_key: BTreeMap<(String, String), Merged> = BTreeMap::new();
+    for list in lists {
+        for o in list {
+            match by_key.entry((o.route.clone(), o.key.clone())) {
+                std::collections::btree_map::Entry::Vacant(e) => {
+                    e.insert(Merged {
+                        row: o,
+                        instances: 1,
+                    });
+                }
+                std::collections::btree_map::Entry::Occupied(mut e) => {
+                    let m = e.get_mut();
+                    m.instances += 1;
+                    m.row.refused = m.row.refused.saturating_add(o.refused);
+                    m.row.error = m.row.error.saturating_add(o.error);
+                    m.row.allowed = m.row.allowed.saturating_add(o.allowed);
+                    if o.last_seen_ms > m.row.last_seen_ms {
+                        m.row.last_seen_ms = o.last_seen_ms;
+                        m.row.ip = o.ip;
+                    }
+                }
+            }
+        }
+    }
+    let mut out: Vec<Merged> = by_key.into_values().collect();
+    out.sort_by(|a, b| {
+        b.row
+            .refused
+            .cmp(&a.row.refused)
+            .then_with(|| a.row.route.cmp(&b.row.route))
+            .then_with(|| a.row.key.cmp(&b.row.key))
+    });
+    out
+}
+
+/// What a heartbeat carries of `all` (every route's list, each heaviest first):
+/// at most `TOP_PUBLISHED_PER_ROUTE` of a route, `TOP_PUBLISHED` in all, the
+/// heaviest.
+fn published(mut all: Vec<Offender>) -> Vec<Offender> {
+    let mut per_route: BTreeMap<String, usize> = BTreeMap::new();
+    all.retain(|o| {
+        let n = per_route.entry(o.route.clone()).or_insert(0);
+        *n += 1;
+        *n <= TOP_PUBLISHED_PER_ROUTE
+    });
+    all.sort_by_key(|o| std::cmp::Reverse(o.refused));
+    all.truncate(TOP_PUBLISHED);
+    all
+}
+
 /// What one instance publishes, and `GET /admin/fleet` reads back.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
@@ -58,6 +141,9 @@ pub struct Heartbeat {
     /// Every route's decisions since the instance started.
     #[serde(default)]
     pub routes: BTreeMap<String, Counts>,
+    /// Its most refused keys (`published`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: Vec<Offender>,
 }
 
 /// The keys of the view, which share the `{fleet}` hash tag (one slot on a cluster).
@@ -114,16 +200,50 @@ impl Fleet {
         &self.id
     }
 
+    /// Every route's refused keys in this instance now, each route's heaviest first.
+    pub fn local_top(&self, now_ms: u64) -> Vec<Offender> {
+        let rt = self.shared.runtime.load();
+        rt.routes
+            .iter()
+            .flat_map(|r| {
+                r.top.list(now_ms).into_iter().map(|o| Offender {
+                    route: r.name.clone(),
+                    key: o.key,
+                    ip: o.ip,
+                    refused: o.refused,
+                    error: o.error,
+                    allowed: o.allowed,
+                    last_seen_ms: o.last_seen_ms,
+                })
+            })
+            .collect()
+    }
+
+    /// `/admin/top?scope=fleet`: this instance's keys now and those the live
+    /// instances published with their last heartbeat, summed per route and key. On
+    /// the memory store, this instance's alone.
+    pub async fn top(&self) -> Result<Vec<Merged>, StoreError> {
+        let own = self.local_top(now_ms());
+        let (others, now) = self.read().await?;
+        let lists = others
+            .into_iter()
+            .filter(|h| h.id != self.id && !is_stale(h.last_seen_ms, now))
+            .map(|h| h.top);
+        Ok(merge_top(std::iter::once(own).chain(lists)))
+    }
+
     /// This instance as it is now, its counters live.
     pub fn heartbeat(&self) -> Heartbeat {
         let rt = self.shared.runtime.load();
+        let now = now_ms();
         Heartbeat {
             id: self.id.clone(),
             addr: self.addr.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             config_hash: self.control.hash(),
             ready: self.control.not_ready().is_empty(),
-            last_seen_ms: now_ms(),
+            last_seen_ms: now,
+            top: published(self.local_top(now)),
             routes: rt
                 .routes
                 .iter()
@@ -402,6 +522,7 @@ mod tests {
             config_hash: hash.into(),
             ready: true,
             last_seen_ms: at,
+            top: Vec::new(),
             routes: routes
                 .iter()
                 .map(|(r, c)| {
@@ -515,6 +636,96 @@ mod tests {
         let json = serde_json::to_string(&h).unwrap();
         assert_eq!(serde_json::from_str::<Heartbeat>(&json).unwrap(), h);
         assert!(json.len() < 300, "{}", json.len());
+    }
+
+    fn offender(route: &str, key: &str, ip: &str, counts: (u64, u64, u64), at: u64) -> Offender {
+        Offender {
+            route: route.into(),
+            key: key.into(),
+            ip: ip.parse().unwrap(),
+            refused: counts.0,
+            error: counts.1,
+            allowed: counts.2,
+            last_seen_ms: at,
+        }
+    }
+
+    #[test]
+    fn the_fleet_top_sums_a_key_over_the_lists_that_hold_it() {
+        let a = vec![
+            offender("api", "k1", "10.0.0.1", (7, 0, 1), 100),
+            offender("api", "k2", "10.0.0.2", (5, 1, 0), 100),
+        ];
+        let b = vec![
+            offender("api", "k2", "10.0.0.9", (6, 2, 3), 300),
+            offender("login", "k1", "10.0.0.1", (9, 0, 0), 50),
+        ];
+        let c = vec![offender("api", "k1", "10.0.0.3", (4, 0, 0), 200)];
+        let merged = merge_top([a, b, c]);
+        assert_eq!(
+            merged,
+            [
+                Merged {
+                    row: offender("api", "k1", "10.0.0.3", (11, 0, 1), 200),
+                    instances: 2
+                },
+                Merged {
+                    row: offender("api", "k2", "10.0.0.9", (11, 3, 3), 300),
+                    instances: 2
+                },
+                Merged {
+                    row: offender("login", "k1", "10.0.0.1", (9, 0, 0), 50),
+                    instances: 1
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_heartbeat_carries_a_bounded_top_the_heaviest_of_each_route() {
+        let mut all = Vec::new();
+        for route in 0..8u64 {
+            for k in 0..30u64 {
+                let counts = (1000 - route * 30 - k, 0, 0);
+                all.push(offender(
+                    &format!("r{route}"),
+                    &format!("k{k}"),
+                    "10.0.0.1",
+                    counts,
+                    1,
+                ));
+            }
+        }
+        let p = published(all);
+        assert_eq!(p.len(), TOP_PUBLISHED);
+        // Five routes' heaviest 20 each, heaviest first.
+        assert!(p.windows(2).all(|w| w[0].refused >= w[1].refused));
+        for route in 0..5 {
+            let keys: Vec<&str> = p
+                .iter()
+                .filter(|o| o.route == format!("r{route}"))
+                .map(|o| o.key.as_str())
+                .collect();
+            let want: Vec<String> = (0..20).map(|k| format!("k{k}")).collect();
+            assert_eq!(keys, want);
+        }
+        // A heartbeat with the longest keys stays within about 40 KB.
+        let long = "x".repeat(crate::identity::MAX_STORED_KEY);
+        let mut h = hb("a", "h", 1, &[]);
+        h.top = (0..TOP_PUBLISHED)
+            .map(|i| {
+                offender(
+                    &format!("route-{i}"),
+                    &long,
+                    "2001:db8::1",
+                    (u64::MAX, u64::MAX, u64::MAX),
+                    u64::MAX,
+                )
+            })
+            .collect();
+        let json = serde_json::to_string(&h).unwrap();
+        assert!(json.len() < 45_000, "{}", json.len());
+        assert_eq!(serde_json::from_str::<Heartbeat>(&json).unwrap(), h);
     }
 
     #[test]

@@ -770,27 +770,32 @@ async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
             json!("3"),
         )
         .await;
-    // Top offenders of this instance: the scraper first, its address, the hostile
-    // key shown as text.
+    // Top offenders of the fleet (two live instances): the scraper first, its
+    // refusals on a and b summed, its address, the hostile key shown as text.
     let rows = "return [...document.querySelectorAll('.route[data-route=\"api\"] table.top tbody tr')].map(r => [...r.querySelectorAll('td')].slice(0, 4).map(td => td.textContent))";
+    let refused_on = |admin| async move {
+        let top: Value =
+            serde_json::from_slice(&get(&url(admin, "/admin/top?route=api"), &[]).await.body)
+                .unwrap();
+        assert_eq!(top[0]["key"], "scraper-7", "{top}");
+        top[0]["refused"].as_u64().unwrap()
+    };
+    let summed = refused_on(a.admin).await + refused_on(b.admin).await;
     browser
         .wait_for(
-            "api's top offenders",
-            "return document.querySelectorAll('.route[data-route=\"api\"] table.top tbody tr[data-key]').length",
-            json!(2),
+            "api's top offenders, summed over the fleet",
+            rows,
+            json!([
+                ["scraper-7", "127.0.0.1", summed.to_string(), "0"],
+                [HOSTILE, "127.0.0.1", "2", "0"]
+            ]),
         )
         .await;
-    let top: Value =
-        serde_json::from_slice(&get(&url(a.admin, "/admin/top?route=api"), &[]).await.body)
-            .unwrap();
-    let first_refused = top[0]["refused"].as_u64().unwrap();
-    assert_eq!(top[0]["key"], "scraper-7", "{top}");
     assert_eq!(
-        browser.eval(rows).await,
-        json!([
-            ["scraper-7", "127.0.0.1", first_refused.to_string(), "0"],
-            [HOSTILE, "127.0.0.1", "2", "0"]
-        ])
+        browser
+            .eval(&route_text("api", ".offenders .top-scope"))
+            .await,
+        json!("most refused in the last 1–2 minutes, summed over the fleet's 2 live instances")
     );
     assert_eq!(
         browser.eval("return [document.querySelectorAll('table.top code b, table.top img').length, window.__xss === undefined]").await,

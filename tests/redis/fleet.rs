@@ -412,3 +412,158 @@ async fn on_a_cluster_both_instances_are_listed_and_sigterm_leaves_at_once() {
     assert_eq!(at(&v, a.addr)["self"], true);
     assert_eq!(v["routes"], json!({"api": counts(2, 0)}));
 }
+
+/// `n` requests of key `key` one after the other; their statuses.
+async fn send_key(addr: SocketAddr, key: &str, n: usize) -> Vec<u16> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(get(addr, "/", &[("x-key", key)]).await.status);
+    }
+    out
+}
+
+/// `GET /admin/top` with `query`, which must answer 200 with JSON.
+async fn top(admin: SocketAddr, query: &str) -> Value {
+    let a = get(admin, &format!("/admin/top?{query}"), &[AUTH]).await;
+    assert_eq!(a.status, 200, "GET /admin/top?{query}: {}", a.body);
+    serde_json::from_str(&a.body).expect("top JSON")
+}
+
+/// The rows without their times: route, key, ip, refused, error, allowed, instances.
+fn top_rows(v: &Value) -> Vec<Value> {
+    v.as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| {
+            json!([
+                r["route"],
+                r["key"],
+                r["ip"],
+                r["refused"],
+                r["error"],
+                r["allowed"],
+                r["instances"]
+            ])
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_refused_on_three_instances_is_one_row_of_the_fleet_top_with_its_counts_summed() {
+    let redis = RedisServer::start();
+    let yaml = gateway(&one_redis(&redis), 2);
+    let (a, b, c) = (
+        start_gateway(&yaml).await,
+        start_gateway(&yaml).await,
+        start_gateway(&yaml).await,
+    );
+    // One limit of 2 an hour shared through Redis: k's first two pass on A, then
+    // every request of k is refused wherever it comes in; j is refused once, on B.
+    assert_eq!(send_key(a.addr, "k", 5).await, [200, 200, 429, 429, 429]);
+    assert_eq!(send_key(b.addr, "k", 4).await, [429; 4]);
+    assert_eq!(send_key(c.addr, "k", 6).await, [429; 6]);
+    assert_eq!(send_key(b.addr, "j", 3).await, [200, 200, 429]);
+
+    // Each instance's own list: its refusals alone.
+    assert_eq!(
+        top_rows(&top(c.admin_addr, "").await),
+        [json!(["api", "k", "127.0.0.1", 6, 0, 0, null])]
+    );
+    // The fleet's, from any instance once the others' heartbeats carry their lists
+    // (one a second): k once, its 13 refusals summed over three lists; j from B's.
+    let want = vec![
+        json!(["api", "k", "127.0.0.1", 13, 0, 0, 3]),
+        json!(["api", "j", "127.0.0.1", 1, 0, 0, 1]),
+    ];
+    for admin in [a.admin_addr, b.admin_addr, c.admin_addr] {
+        let last = std::sync::Mutex::new(Value::Null);
+        let took = eventually(WITHIN, || async {
+            let v = top(admin, "scope=fleet").await;
+            let done = top_rows(&v) == want;
+            *last.lock().unwrap() = v;
+            done
+        })
+        .await;
+        let last = last.into_inner().unwrap();
+        assert!(took.is_some(), "the fleet's top from {admin}: {last:#}");
+        // The latest refusal's time.
+        let k = &last[0];
+        assert_eq!(
+            k["last_seen"],
+            sluice::deny::rfc3339(k["last_seen_ms"].as_u64().unwrap())
+        );
+    }
+    // A route filter and `n` apply to the merged list.
+    assert_eq!(
+        top_rows(&top(a.admin_addr, "scope=fleet&route=api&n=1").await),
+        want[..1]
+    );
+    assert_eq!(
+        top_rows(&top(a.admin_addr, "scope=instance").await),
+        [json!(["api", "k", "127.0.0.1", 3, 0, 0, null])]
+    );
+    let bad = get(a.admin_addr, "/admin/top?scope=world", &[AUTH]).await;
+    assert_eq!(
+        (bad.status, bad.body.as_str()),
+        (400, "scope \"world\" is neither instance nor fleet\n")
+    );
+
+    // `sluice top --fleet`: the same rows, and over how many instances.
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    cmd.args([
+        "top",
+        "--fleet",
+        "--admin",
+        &format!("http://{}", c.admin_addr),
+    ])
+    .env_remove("SLUICE_CONFIG")
+    .env("SLUICE_ADMIN_TOKEN", TOKEN)
+    .env("SLUICE_LOG", "warn");
+    let out = tokio::task::spawn_blocking(move || run_grouped(&mut cmd))
+        .await
+        .expect("join")
+        .expect("sluice top runs");
+    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Vec<&str>> = text
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        lines[0],
+        [
+            "ROUTE",
+            "KEY",
+            "IP",
+            "REFUSED",
+            "ALLOWED",
+            "LAST",
+            "SEEN",
+            "(UTC)",
+            "INSTANCES"
+        ]
+    );
+    assert_eq!(lines.len(), 3, "{text}");
+    assert_eq!(
+        [&lines[1][..5], &lines[1][6..]].concat(),
+        ["api", "k", "127.0.0.1", "13", "0", "3"]
+    );
+    assert_eq!(
+        [&lines[2][..5], &lines[2][6..]].concat(),
+        ["api", "j", "127.0.0.1", "1", "0", "1"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_top_of_a_memory_store_gateway_is_its_own() {
+    let gw = start_gateway(&gateway("", 1)).await;
+    assert_eq!(send_key(gw.addr, "k", 3).await, [200, 429, 429]);
+    assert_eq!(
+        top_rows(&top(gw.admin_addr, "scope=fleet").await),
+        [json!(["api", "k", "127.0.0.1", 2, 0, 0, 1])]
+    );
+}
