@@ -84,6 +84,8 @@ impl Admin {
         let path = req.uri().path();
         match (req.method(), path) {
             (&Method::GET, "/metrics") => {
+                // `sluice_store_degraded` as it is now.
+                self.fleet.degraded();
                 let mut r = Response::new(body::full(self.shared.metrics.render()));
                 r.headers_mut().insert(
                     CONTENT_TYPE,
@@ -101,7 +103,16 @@ impl Admin {
             (&Method::GET, "/dashboard.css") => asset(STYLE, "text/css; charset=utf-8"),
             (&Method::GET, "/healthz") => body::text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") => match self.not_ready().first() {
-                Some(why) => body::text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+                Some(why) => {
+                    let degraded = match self.fleet.degraded() {
+                        Some(n) => format!("degraded: {}\n", degraded_text(n)),
+                        None => String::new(),
+                    };
+                    body::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("{why}\n{degraded}"),
+                    )
+                }
                 None => body::text(StatusCode::OK, "ready\n"),
             },
             (_, p) if p.starts_with("/admin/") => {
@@ -253,7 +264,7 @@ impl Admin {
         let status = self.control.status();
         let now = now_ms();
         let not_ready = self.not_ready();
-        serde_json::json!({
+        let mut stats = serde_json::json!({
             "version": env!("CARGO_PKG_VERSION"),
             "now": rfc3339(now),
             "now_ms": now,
@@ -281,7 +292,12 @@ impl Admin {
                 "reloads": {"success": reloads("success"), "failure": reloads("failure")},
             },
             "deny_entries": deny,
-        })
+        });
+        // Only while `on_error: local` decides alone: what it enforces.
+        if let Some(n) = self.fleet.degraded() {
+            stats["store"]["degraded"] = degraded_text(n).into();
+        }
+        stats
     }
 
     /// `/admin/top?route=R&n=N&scope=S`: the most refused keys of route `R` (of every
@@ -505,6 +521,14 @@ impl Admin {
             return false;
         };
         constant_time_eq(given.trim().as_bytes(), token.as_bytes())
+    }
+}
+
+/// What `on_error: local` does while Redis is unreachable, dividing limits by `n`.
+fn degraded_text(n: u64) -> String {
+    match n {
+        1 => "Redis unreachable; on_error local enforces every limit in this instance alone (no other live instance was seen)".to_string(),
+        n => format!("Redis unreachable; on_error local enforces each limit divided by {n} (the live instances last seen), rounded up, in this instance"),
     }
 }
 

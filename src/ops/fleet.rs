@@ -232,6 +232,31 @@ impl Fleet {
         Ok(merge_top(std::iter::once(own).chain(lists)))
     }
 
+    /// Whether `on_error: local` splits limits over the fleet now, and by how many
+    /// instances (`limit::Store::degraded`); the gauge `sluice_store_degraded` set
+    /// to match.
+    pub fn degraded(&self) -> Option<u64> {
+        let on_error = self.shared.runtime.load().on_error;
+        let d = self.shared.store.degraded(on_error);
+        self.shared
+            .metrics
+            .store_degraded
+            .set(i64::from(d.is_some()));
+        d
+    }
+
+    /// The live instances among `read`'s heartbeats at `now`, this one included:
+    /// what `on_error: local` divides limits by when Redis goes away.
+    fn count_live(&self, others: &[Heartbeat], now: u64) -> u64 {
+        let live = others
+            .iter()
+            .filter(|h| h.id != self.id && !is_stale(h.last_seen_ms, now))
+            .count();
+        let n = live as u64 + 1;
+        self.shared.store.set_live_instances(n);
+        n
+    }
+
     /// This instance as it is now, its counters live.
     pub fn heartbeat(&self) -> Heartbeat {
         let rt = self.shared.runtime.load();
@@ -364,15 +389,24 @@ impl Fleet {
         let (store, others, now, error) = match &self.redis {
             None => ("memory", Vec::new(), own.last_seen_ms, None),
             Some(_) => match self.read().await {
-                Ok((hbs, now)) => ("redis", hbs, now, None),
+                Ok((hbs, now)) => {
+                    self.count_live(&hbs, now);
+                    ("redis", hbs, now, None)
+                }
                 Err(e) => ("redis", Vec::new(), own.last_seen_ms, Some(e.to_string())),
             },
         };
-        render(&own, others, now, store, error)
+        let mut v = render(&own, others, now, store, error);
+        // What `on_error: local` divides limits by: the live instances seen last
+        // (in an outage, before it began).
+        v["divided_by"] = self.shared.store.live_instances().into();
+        v["degraded"] = self.degraded().is_some().into();
+        v
     }
 
-    /// The publisher: a heartbeat every `HEARTBEAT_EVERY` (the first at once) until
-    /// `stop`, then this instance leaves the view. Nothing to do on the memory store.
+    /// The publisher: a heartbeat every `HEARTBEAT_EVERY` (the first at once), then
+    /// the view read back to count the live instances, until `stop`; then this
+    /// instance leaves the view. Nothing to do on the memory store.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         if self.redis.is_none() {
             return;
@@ -384,10 +418,16 @@ impl Fleet {
                 _ = tick.tick() => {}
                 _ = stop.changed() => break,
             }
+            self.degraded();
             match self.publish().await {
                 Ok(()) => {
                     if self.failing.swap(false, Ordering::Relaxed) {
                         tracing::info!("fleet heartbeat published again");
+                    }
+                    // How many are live, for `on_error: local`; kept as it was
+                    // when Redis cannot be read.
+                    if let Ok((others, now)) = self.read().await {
+                        self.count_live(&others, now);
                     }
                 }
                 Err(e) => {

@@ -566,8 +566,18 @@ async fn stats_says_everything_that_is_not_ready() {
             &json!(["store unavailable", "shared deny list not read yet"])
         )
     );
+    // `on_error: local` decides alone, with the whole limit: no other instance was
+    // ever seen.
+    let alone = "Redis unreachable; on_error local enforces every limit in this instance alone (no other live instance was seen)";
+    assert_eq!(s["store"]["degraded"], alone, "{s}");
     let r = get(&url(gw.admin_addr, "/readyz"), &[]).await;
-    assert_eq!((r.status, r.text()), (503, "store unavailable\n"));
+    assert_eq!(
+        (r.status, r.text()),
+        (
+            503,
+            format!("store unavailable\ndegraded: {alone}\n").as_str()
+        )
+    );
     gw.shutdown().await;
 }
 

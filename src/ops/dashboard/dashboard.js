@@ -206,6 +206,9 @@
     if (!stats.ready) {
       showBanner("ready", `Not ready (/readyz answers 503): ${stats.not_ready.join(", ")}.`);
     } else hideBanner("ready");
+    if (stats.store.degraded) {
+      showBanner("degraded", `Degraded: ${stats.store.degraded}.`);
+    } else hideBanner("degraded");
     if (fleet && fleet.consistent === false) {
       showBanner(
         "fleet",
@@ -268,6 +271,7 @@
     row(dl, "/readyz", badge(stats.ready, "ready", `not ready: ${stats.not_ready.join(", ")}`));
     row(dl, "store errors", el("span", { class: s.errors > 0 ? "error" : "" }, s.errors));
     row(dl, "on_error", s.on_error);
+    if (s.degraded) row(dl, "degraded", el("span", { class: "error degraded" }, s.degraded));
     const d = stats.deny_entries;
     row(dl, "deny entries", `${d.static} static · ${d.api} api · ${d.ban} ban`);
   }
@@ -651,9 +655,10 @@
   }
 
   function renderFleet(f) {
-    const note = f.store === "redis"
+    const degraded = f.degraded ? `degraded: limits divided by ${f.divided_by} in each instance while Redis is unreachable; ` : "";
+    const note = degraded + (f.store === "redis"
       ? `${f.live} live instance${f.live === 1 ? "" : "s"} on this Redis, counts summed over them since each started${f.instances.length > f.live ? ` (${f.instances.length - f.live} stale: missed two heartbeats, not summed)` : ""}`
-      : "memory store: this instance alone";
+      : "memory store: this instance alone");
     $("fleet-note").textContent = f.error ? `${note} (${f.error})` : note;
     const totals = $("fleet-totals");
     clear(totals);
