@@ -39,11 +39,7 @@ fn one_redis(redis: &RedisServer) -> String {
 
 /// `n` requests of key `k` one after the other; their statuses.
 async fn send(addr: SocketAddr, n: usize) -> Vec<u16> {
-    let mut out = Vec::new();
-    for _ in 0..n {
-        out.push(get(addr, "/", &[("x-key", "k")]).await.status);
-    }
-    out
+    send_key(addr, "k", n).await
 }
 
 /// `GET /admin/fleet`, which must answer 200 with JSON.
@@ -101,8 +97,14 @@ fn counts(allowed: u64, limited: u64) -> Value {
 /// `sluice fleet ARGS --admin http://ADMIN` with the token in the environment:
 /// its stdout, once it exited 0 (the client bounds its call by 10 s).
 async fn cli_fleet(admin: SocketAddr, args: &[&str]) -> String {
+    cli(admin, "fleet", args).await
+}
+
+/// `sluice COMMAND ARGS --admin http://ADMIN` with the token in the environment:
+/// its stdout, once it exited 0.
+async fn cli(admin: SocketAddr, command: &str, args: &[&str]) -> String {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
-    cmd.arg("fleet")
+    cmd.arg(command)
         .args(args)
         .args(["--admin", &format!("http://{admin}")])
         .env_remove("SLUICE_CONFIG")
@@ -111,11 +113,11 @@ async fn cli_fleet(admin: SocketAddr, args: &[&str]) -> String {
     let out = tokio::task::spawn_blocking(move || run_grouped(&mut cmd))
         .await
         .expect("join")
-        .expect("sluice fleet runs");
+        .expect("sluice runs");
     let stdout = String::from_utf8(out.stdout).expect("UTF-8");
     assert!(
         out.status.success(),
-        "sluice fleet {args:?}: {}",
+        "sluice {command} {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     stdout
@@ -512,26 +514,7 @@ redis_and_valkey! {
         );
 
         // `sluice top --fleet`: the same rows, and over how many instances.
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
-        cmd.args([
-            "top",
-            "--fleet",
-            "--admin",
-            &format!("http://{}", c.admin_addr),
-        ])
-        .env_remove("SLUICE_CONFIG")
-        .env("SLUICE_ADMIN_TOKEN", TOKEN)
-        .env("SLUICE_LOG", "warn");
-        let out = tokio::task::spawn_blocking(move || run_grouped(&mut cmd))
-            .await
-            .expect("join")
-            .expect("sluice top runs");
-        let text = String::from_utf8(out.stdout).expect("UTF-8");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let text = cli(c.admin_addr, "top", &["--fleet"]).await;
         let lines: Vec<Vec<&str>> = text
             .lines()
             .map(|l| l.split_whitespace().collect())
