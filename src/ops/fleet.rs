@@ -245,18 +245,6 @@ impl Fleet {
         d
     }
 
-    /// The live instances among `read`'s heartbeats at `now`, this one included:
-    /// what `on_error: local` divides limits by when Redis goes away.
-    fn count_live(&self, others: &[Heartbeat], now: u64) -> u64 {
-        let live = others
-            .iter()
-            .filter(|h| h.id != self.id && !is_stale(h.last_seen_ms, now))
-            .count();
-        let n = live as u64 + 1;
-        self.shared.store.set_live_instances(n);
-        n
-    }
-
     /// This instance as it is now, its counters live.
     pub fn heartbeat(&self) -> Heartbeat {
         let rt = self.shared.runtime.load();
@@ -319,6 +307,24 @@ impl Fleet {
         k.redis
             .call::<(), _>(CallKind::Other, &cmd, k.redis.timeout())
             .await
+    }
+
+    /// The live instances now, from the index alone (its scores are the
+    /// heartbeats' times, Redis's clock): those not stale, this one included.
+    pub async fn live(&self) -> Result<u64, StoreError> {
+        let Some(k) = &self.redis else {
+            return Ok(1);
+        };
+        let now = redis_now_ms(&k.redis).await?;
+        let since = now.saturating_sub(STALE_AFTER.as_millis() as u64);
+        let mut cmd = redis::cmd("ZCOUNT");
+        cmd.arg(&k.ids).arg(since).arg("+inf");
+        let n: u64 = k
+            .redis
+            .call(CallKind::Other, &cmd, k.redis.timeout())
+            .await?;
+        // This instance's heartbeat may have failed while the count did not.
+        Ok(n.max(1))
     }
 
     /// Removes this instance from the view (at graceful shutdown).
@@ -389,24 +395,21 @@ impl Fleet {
         let (store, others, now, error) = match &self.redis {
             None => ("memory", Vec::new(), own.last_seen_ms, None),
             Some(_) => match self.read().await {
-                Ok((hbs, now)) => {
-                    self.count_live(&hbs, now);
-                    ("redis", hbs, now, None)
-                }
+                Ok((hbs, now)) => ("redis", hbs, now, None),
                 Err(e) => ("redis", Vec::new(), own.last_seen_ms, Some(e.to_string())),
             },
         };
         let mut v = render(&own, others, now, store, error);
-        // What `on_error: local` divides limits by: the live instances seen last
-        // (in an outage, before it began).
+        // What `on_error: local` divides limits by: the live instances the
+        // heartbeat counted last (in an outage, before it began).
         v["divided_by"] = self.shared.store.live_instances().into();
         v["degraded"] = self.degraded().is_some().into();
         v
     }
 
     /// The publisher: a heartbeat every `HEARTBEAT_EVERY` (the first at once), then
-    /// the view read back to count the live instances, until `stop`; then this
-    /// instance leaves the view. Nothing to do on the memory store.
+    /// the live instances counted in the index, until `stop`; then this instance
+    /// leaves the view. Nothing to do on the memory store.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         if self.redis.is_none() {
             return;
@@ -426,8 +429,8 @@ impl Fleet {
                     }
                     // How many are live, for `on_error: local`; kept as it was
                     // when Redis cannot be read.
-                    if let Ok((others, now)) = self.read().await {
-                        self.count_live(&others, now);
+                    if let Ok(n) = self.live().await {
+                        self.shared.store.set_live_instances(n);
                     }
                 }
                 Err(e) => {
