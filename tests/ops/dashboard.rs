@@ -625,7 +625,8 @@ fn save_named(dir: &std::path::Path, name: &str, png: &[u8]) -> std::path::PathB
 /// instances, one hash, summed counts), each route's upstream statuses (a 5xx
 /// marked), which limit refused, its top offenders (a hostile key as text), denies
 /// the scraper with one click (the other instance refuses it), and puts a failed
-/// reload, a fleet with two configurations and a store gone across the page. Times
+/// reload, a fleet with two configurations and a store gone (degraded: limits
+/// divided by the two instances) across the page. Times
 /// are UTC and say so. Screenshots: `target/dashboard-abusers.png`,
 /// `target/dashboard-banners.png`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -914,6 +915,22 @@ async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
         .wait_for(
             "the not-ready banner",
             "const b = document.getElementById('banner-ready'); return b ? b.textContent.startsWith('Not ready (/readyz answers 503): ') : null",
+            json!(true),
+        )
+        .await;
+    // `on_error: local` (the default) decides alone, each limit divided by the two
+    // live instances it saw: a banner says so, and the fleet card.
+    browser
+        .wait_for(
+            "the degraded banner",
+            "const b = document.getElementById('banner-degraded'); return b ? b.textContent : null",
+            json!("Degraded: Redis unreachable; on_error local enforces each limit divided by 2 (the live instances last seen), rounded up, in this instance."),
+        )
+        .await;
+    browser
+        .wait_for(
+            "the fleet card's degraded note",
+            "return document.getElementById('fleet-note').textContent.startsWith('degraded: limits divided by 2 in each instance while Redis is unreachable; ')",
             json!(true),
         )
         .await;
