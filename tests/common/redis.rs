@@ -515,7 +515,8 @@ impl Sentinel {
             ));
         }
         std::fs::write(&conf, text).expect("write sentinel.conf");
-        let mut cmd = Command::new("redis-server");
+        // A Valkey set is watched by Valkey's sentinels.
+        let mut cmd = Command::new(Flavour::current().program());
         cmd.arg(&conf)
             .arg("--sentinel")
             .stdout(Stdio::null())
