@@ -153,6 +153,9 @@ enum Command {
         /// How many rows, from 1 to 1000 [default: 20]
         #[arg(short = 'n', value_name = "N")]
         n: Option<u64>,
+        /// Every live instance's list summed (Redis store), not this instance's.
+        #[arg(long)]
+        fleet: bool,
         /// Print the admin API's JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -239,8 +242,9 @@ fn main() -> ExitCode {
             admin,
             route,
             n,
+            fleet,
             json,
-        } => top(admin, route, n, json),
+        } => top(admin, route, n, fleet, json),
     }
 }
 
@@ -364,7 +368,13 @@ fn deny(args: AdminArgs, action: DenyAction) -> ExitCode {
 
 /// `sluice top`: the admin API's `/admin/top`, found and authenticated as `sluice
 /// deny` does.
-fn top(args: AdminArgs, route: Option<String>, n: Option<u64>, json: bool) -> ExitCode {
+fn top(
+    args: AdminArgs,
+    route: Option<String>,
+    n: Option<u64>,
+    fleet: bool,
+    json: bool,
+) -> ExitCode {
     let config = args.config.unwrap_or_else(sluice::config::default_path);
     let token = std::env::var(admin_api::TOKEN_ENV).ok();
     let Some(rt) = runtime("sluice top") else {
@@ -372,7 +382,7 @@ fn top(args: AdminArgs, route: Option<String>, n: Option<u64>, json: bool) -> Ex
     };
     let result = rt.block_on(async {
         let endpoint = Endpoint::resolve(args.admin.as_deref(), &config, token)?;
-        admin_api::top(&endpoint, route.as_deref(), n, json).await
+        admin_api::top(&endpoint, route.as_deref(), n, fleet, json).await
     });
     match result {
         Ok(out) => {

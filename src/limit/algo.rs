@@ -149,6 +149,47 @@ enum Next {
 // === impl Algorithm ===
 
 impl Algorithm {
+    /// This limit's share on one of `n` instances deciding alone (`on_error: local`
+    /// while Redis is unreachable): a count (window, log, concurrency slots, burst)
+    /// divided by `n` and rounded up, a rate divided by `n` exactly (its period made
+    /// `n` times longer). `n` of 0 or 1 is the whole limit.
+    pub fn share(&self, n: u64) -> Algorithm {
+        if n <= 1 {
+            return *self;
+        }
+        let part = |count: u64| count.div_ceil(n);
+        let rate = |r: Rate| Rate::reduced(r.count, r.per_us.saturating_mul(n));
+        match *self {
+            Algorithm::FixedWindow { limit, window_us } => Algorithm::FixedWindow {
+                limit: part(limit),
+                window_us,
+            },
+            Algorithm::CalendarMonth { limit } => Algorithm::CalendarMonth { limit: part(limit) },
+            Algorithm::SlidingWindow { limit, window_us } => Algorithm::SlidingWindow {
+                limit: part(limit),
+                window_us,
+            },
+            Algorithm::SlidingLog { limit, window_us } => Algorithm::SlidingLog {
+                limit: part(limit),
+                window_us,
+            },
+            Algorithm::TokenBucket { rate: r, burst } => Algorithm::TokenBucket {
+                rate: rate(r),
+                burst: part(burst),
+            },
+            Algorithm::Gcra { rate: r, burst } => Algorithm::Gcra {
+                rate: rate(r),
+                burst: part(burst),
+            },
+            Algorithm::Concurrency { limit, lease_us } => Algorithm::Concurrency {
+                limit: part(limit),
+                lease_us,
+            },
+        }
+    }
+}
+
+impl Algorithm {
     /// Decides one request of `cost` against this limit at `now_us`. Returns the
     /// outcome and the state as it would be if the request is charged; when refused
     /// the returned state is the input unchanged (a refused request consumes nothing).

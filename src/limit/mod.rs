@@ -130,6 +130,17 @@ impl LimitDef {
         self.at_admission() && !self.algorithm.is_concurrency()
     }
 
+    /// The limit's share on one of `n` instances (`Algorithm::share`), under a
+    /// version of its own: the same id, so the state it counts is the limit's.
+    pub fn share(&self, n: u64) -> LimitDef {
+        let mut def = self.clone();
+        def.algorithm = self.algorithm.share(n);
+        if def.algorithm != self.algorithm {
+            def.version = stable_id(&format!("{:x}|share/{n}", self.version));
+        }
+        def
+    }
+
     /// The limit on trial (`shadow: true`).
     pub fn on_trial(mut self) -> LimitDef {
         self.shadow = true;
@@ -157,6 +168,14 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Every limit's share on one of `n` instances (`LimitDef::share`).
+    pub fn share(&self, n: u64) -> Plan {
+        Plan {
+            limits: self.limits.iter().map(|l| l.share(n)).collect(),
+            mode: self.mode,
+        }
+    }
+
     pub fn max_delay_us(&self) -> u64 {
         match self.mode {
             Mode::Reject => 0,
@@ -409,6 +428,137 @@ pub fn stable_id(s: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Requests of one key admitted by `plan` in a row at one instant (permits kept,
+    /// so concurrency slots stay taken).
+    fn admitted_at_once(store: &MemoryStore, plan: &Plan, tries: usize) -> usize {
+        let mut permits = Vec::new();
+        for _ in 0..tries {
+            let c = store.acquire("r", "k", plan);
+            if c.verdict.allowed {
+                permits.push(c.permit);
+            }
+        }
+        permits.len()
+    }
+
+    #[test]
+    fn a_share_of_every_counting_limit_is_its_count_divided_and_rounded_up() {
+        let rate = |count, per_us| Rate { count, per_us };
+        let algorithms = [
+            (
+                Algorithm::FixedWindow {
+                    limit: 30,
+                    window_us: 3_600_000_000,
+                },
+                10,
+            ),
+            (Algorithm::CalendarMonth { limit: 31 }, 11),
+            (
+                Algorithm::SlidingWindow {
+                    limit: 10,
+                    window_us: 1_000_000,
+                },
+                4,
+            ),
+            (
+                Algorithm::SlidingLog {
+                    limit: 2,
+                    window_us: 1_000_000,
+                },
+                1,
+            ),
+            (
+                Algorithm::TokenBucket {
+                    rate: rate(30, 3_600_000_000),
+                    burst: 30,
+                },
+                10,
+            ),
+            (
+                Algorithm::Gcra {
+                    rate: rate(30, 3_600_000_000),
+                    burst: 29,
+                },
+                10,
+            ),
+            (
+                Algorithm::Concurrency {
+                    limit: 7,
+                    lease_us: 30_000_000,
+                },
+                3,
+            ),
+        ];
+        for (algorithm, share) in algorithms {
+            let def = LimitDef::new("l".into(), algorithm, 1);
+            let plan = Plan {
+                limits: vec![def.clone()],
+                mode: Mode::Reject,
+            };
+            // The whole limit for one instance; the share for one of three, each
+            // instance deciding alone in its own memory.
+            assert_eq!(plan.share(1), plan);
+            let parts = plan.share(3);
+            assert_eq!(parts.limits[0].id, def.id, "{algorithm:?}");
+            assert_ne!(parts.limits[0].version, def.version, "{algorithm:?}");
+            for _ in 0..3 {
+                let store = MemoryStore::new(1000, ManualClock::new(1_000_000_000_000));
+                assert_eq!(admitted_at_once(&store, &parts, 40), share, "{algorithm:?}");
+            }
+        }
+        // A rate is divided exactly: 30 an hour is 10 per hour on each of three.
+        assert_eq!(
+            Algorithm::TokenBucket {
+                rate: rate(30, 3_600_000_000),
+                burst: 30
+            }
+            .share(3),
+            Algorithm::TokenBucket {
+                rate: rate(1, 360_000_000),
+                burst: 10
+            }
+        );
+        assert_eq!(
+            Algorithm::Gcra {
+                rate: rate(10, 1_000_000),
+                burst: 1
+            }
+            .share(4),
+            Algorithm::Gcra {
+                rate: rate(1, 400_000),
+                burst: 1
+            }
+        );
+    }
+
+    #[test]
+    fn a_token_buckets_share_refills_at_its_share_of_the_rate() {
+        // 30 a second, burst 30, over three instances: 10 at once, then 10 a second.
+        let clock = ManualClock::new(1_000_000_000_000);
+        let store = MemoryStore::new(1000, clock.clone());
+        let def = LimitDef::new(
+            "l".into(),
+            Algorithm::TokenBucket {
+                rate: Rate {
+                    count: 30,
+                    per_us: 1_000_000,
+                },
+                burst: 30,
+            },
+            1,
+        );
+        let plan = Plan {
+            limits: vec![def],
+            mode: Mode::Reject,
+        }
+        .share(3);
+        assert_eq!(admitted_at_once(&store, &plan, 40), 10);
+        clock.advance(500_000);
+        assert_eq!(admitted_at_once(&store, &plan, 40), 5);
+        clock.advance(1_000_000);
+        assert_eq!(admitted_at_once(&store, &plan, 40), 10);
+    }
 
     #[test]
     fn the_id_names_what_the_state_means_and_the_version_everything() {

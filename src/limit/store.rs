@@ -1,8 +1,11 @@
 //! The store a gateway decides its limits in, behind one type so the request path
 //! does not care which it is. The memory store cannot fail; the Redis store reports
-//! errors, and the gateway applies `on_error` (with `local`, through `fallback`).
+//! errors, and the gateway applies `on_error` (with `local`, through `fallback`,
+//! which enforces this instance's share of each limit: the limit divided by the
+//! live instances the fleet view last saw, `Store::set_live_instances`).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use prometheus::{Histogram, IntCounter};
@@ -44,6 +47,9 @@ pub enum Backend {
         fallback_max_keys: usize,
         /// Where the fallback counts its evictions of live state.
         evictions: Arc<EvictionCounters>,
+        /// The live instances the fleet view last saw (this one included, at least
+        /// 1): the fallback enforces each limit divided by it.
+        live: AtomicU64,
     },
 }
 
@@ -76,6 +82,7 @@ impl Store {
                 fallback: OnceLock::new(),
                 fallback_max_keys,
                 evictions: metrics.eviction_counters.clone(),
+                live: AtomicU64::new(1),
             },
             latency: metrics.limiter_duration.with_label_values(&["redis"]),
             errors: Some(metrics.store_errors.with_label_values(&["redis"])),
@@ -146,8 +153,9 @@ impl Store {
                 fallback: local, ..
             } if fallback => {
                 if let Some(m) = local.get() {
+                    let n = self.live_instances();
                     for (ns, key, plan) in &charges {
-                        m.charge_response(ns, key, plan);
+                        m.charge_response(ns, key, &plan.share(n));
                     }
                 }
             }
@@ -178,14 +186,55 @@ impl Store {
 
     /// `fallback` for a request whose limits count several keys.
     pub fn fallback_shares(&self, shares: &[Share<'_>], trial: u64) -> Option<Checked> {
-        self.fallback_store()
-            .map(|m| m.acquire_shares(shares, trial))
+        let m = self.fallback_store()?;
+        let n = self.live_instances();
+        if n <= 1 {
+            return Some(m.acquire_shares(shares, trial));
+        }
+        let plans: Vec<Plan> = shares.iter().map(|s| s.plan.share(n)).collect();
+        let shares: Vec<Share<'_>> = shares
+            .iter()
+            .zip(&plans)
+            .map(|(s, plan)| Share { plan, ..*s })
+            .collect();
+        Some(m.acquire_shares(&shares, trial))
     }
 
     /// Decide in this instance's memory while the shared store is unreachable
-    /// (`on_error: local`). None for the memory store, which cannot fail.
+    /// (`on_error: local`), against this instance's share of each limit (the limit
+    /// divided by the live instances last seen, rounded up). None for the memory
+    /// store, which cannot fail.
     pub fn fallback(&self, ns: &str, key: &str, plan: &Plan) -> Option<Checked> {
-        self.fallback_store().map(|m| m.acquire(ns, key, plan))
+        let m = self.fallback_store()?;
+        Some(match self.live_instances() {
+            0 | 1 => m.acquire(ns, key, plan),
+            n => m.acquire(ns, key, &plan.share(n)),
+        })
+    }
+
+    /// The live instances the fleet view saw last (at least 1; 1 on the memory
+    /// store): what `on_error: local` divides each limit by.
+    pub fn live_instances(&self) -> u64 {
+        match &self.backend {
+            Backend::Memory(_) => 1,
+            Backend::Redis { live, .. } => live.load(Ordering::Relaxed).max(1),
+        }
+    }
+
+    /// The fleet view saw `n` live instances (this one included).
+    pub fn set_live_instances(&self, n: u64) {
+        if let Backend::Redis { live, .. } = &self.backend {
+            live.store(n.max(1), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `on_error` splits limits over the fleet now: `local`, on the Redis
+    /// store, while Redis does not answer (its breaker is open); then the divisor.
+    pub fn degraded(&self, on_error: OnError) -> Option<u64> {
+        (on_error == OnError::Local
+            && matches!(self.backend, Backend::Redis { .. })
+            && !self.ready())
+        .then(|| self.live_instances())
     }
 
     /// The Redis store's in-process fallback, created on first use.

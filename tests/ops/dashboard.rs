@@ -566,8 +566,18 @@ async fn stats_says_everything_that_is_not_ready() {
             &json!(["store unavailable", "shared deny list not read yet"])
         )
     );
+    // `on_error: local` decides alone, with the whole limit: no other instance was
+    // ever seen.
+    let alone = "Redis unreachable; on_error local enforces every limit in this instance alone (no other live instance was seen)";
+    assert_eq!(s["store"]["degraded"], alone, "{s}");
     let r = get(&url(gw.admin_addr, "/readyz"), &[]).await;
-    assert_eq!((r.status, r.text()), (503, "store unavailable\n"));
+    assert_eq!(
+        (r.status, r.text()),
+        (
+            503,
+            format!("store unavailable\ndegraded: {alone}\n").as_str()
+        )
+    );
     gw.shutdown().await;
 }
 
@@ -615,7 +625,8 @@ fn save_named(dir: &std::path::Path, name: &str, png: &[u8]) -> std::path::PathB
 /// instances, one hash, summed counts), each route's upstream statuses (a 5xx
 /// marked), which limit refused, its top offenders (a hostile key as text), denies
 /// the scraper with one click (the other instance refuses it), and puts a failed
-/// reload, a fleet with two configurations and a store gone across the page. Times
+/// reload, a fleet with two configurations and a store gone (degraded: limits
+/// divided by the two instances) across the page. Times
 /// are UTC and say so. Screenshots: `target/dashboard-abusers.png`,
 /// `target/dashboard-banners.png`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -770,27 +781,32 @@ async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
             json!("3"),
         )
         .await;
-    // Top offenders of this instance: the scraper first, its address, the hostile
-    // key shown as text.
+    // Top offenders of the fleet (two live instances): the scraper first, its
+    // refusals on a and b summed, its address, the hostile key shown as text.
     let rows = "return [...document.querySelectorAll('.route[data-route=\"api\"] table.top tbody tr')].map(r => [...r.querySelectorAll('td')].slice(0, 4).map(td => td.textContent))";
+    let refused_on = |admin| async move {
+        let top: Value =
+            serde_json::from_slice(&get(&url(admin, "/admin/top?route=api"), &[]).await.body)
+                .unwrap();
+        assert_eq!(top[0]["key"], "scraper-7", "{top}");
+        top[0]["refused"].as_u64().unwrap()
+    };
+    let summed = refused_on(a.admin).await + refused_on(b.admin).await;
     browser
         .wait_for(
-            "api's top offenders",
-            "return document.querySelectorAll('.route[data-route=\"api\"] table.top tbody tr[data-key]').length",
-            json!(2),
+            "api's top offenders, summed over the fleet",
+            rows,
+            json!([
+                ["scraper-7", "127.0.0.1", summed.to_string(), "0"],
+                [HOSTILE, "127.0.0.1", "2", "0"]
+            ]),
         )
         .await;
-    let top: Value =
-        serde_json::from_slice(&get(&url(a.admin, "/admin/top?route=api"), &[]).await.body)
-            .unwrap();
-    let first_refused = top[0]["refused"].as_u64().unwrap();
-    assert_eq!(top[0]["key"], "scraper-7", "{top}");
     assert_eq!(
-        browser.eval(rows).await,
-        json!([
-            ["scraper-7", "127.0.0.1", first_refused.to_string(), "0"],
-            [HOSTILE, "127.0.0.1", "2", "0"]
-        ])
+        browser
+            .eval(&route_text("api", ".offenders .top-scope"))
+            .await,
+        json!("most refused in the last 1–2 minutes, summed over the fleet's 2 live instances")
     );
     assert_eq!(
         browser.eval("return [document.querySelectorAll('table.top code b, table.top img').length, window.__xss === undefined]").await,
@@ -899,6 +915,22 @@ async fn the_dashboard_in_chromium_finds_and_denies_an_abuser_across_a_fleet() {
         .wait_for(
             "the not-ready banner",
             "const b = document.getElementById('banner-ready'); return b ? b.textContent.startsWith('Not ready (/readyz answers 503): ') : null",
+            json!(true),
+        )
+        .await;
+    // `on_error: local` (the default) decides alone, each limit divided by the two
+    // live instances it saw: a banner says so, and the fleet card.
+    browser
+        .wait_for(
+            "the degraded banner",
+            "const b = document.getElementById('banner-degraded'); return b ? b.textContent : null",
+            json!("Degraded: Redis unreachable; on_error local enforces each limit divided by 2 (the live instances last seen), rounded up, in this instance."),
+        )
+        .await;
+    browser
+        .wait_for(
+            "the fleet card's degraded note",
+            "return document.getElementById('fleet-note').textContent.startsWith('degraded: limits divided by 2 in each instance while Redis is unreachable; ')",
             json!(true),
         )
         .await;

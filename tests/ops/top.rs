@@ -209,8 +209,10 @@ async fn the_most_refused_clients_are_listed_with_exact_counts_heaviest_first() 
         ("?route=api&route=login", "route given twice"),
         (
             "?limit=5",
-            r#"unknown query parameter "limit": expected route or n"#,
+            r#"unknown query parameter "limit": expected route, n or scope"#,
         ),
+        ("?scope=all", r#"scope "all" is neither instance nor fleet"#),
+        ("?scope=fleet&scope=fleet", "scope given twice"),
     ] {
         assert_eq!(
             top(admin, query).await,

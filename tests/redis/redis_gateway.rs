@@ -103,49 +103,51 @@ async fn three_gateways_admit_exactly_the_limit(yaml: &str) -> Vec<Running> {
 
 // === b, e: exactness across instances ===
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_gateways_on_one_redis_admit_exactly_the_limit() {
-    let redis = RedisServer::start();
-    let yaml = format!(
-        "{}{}",
-        redis_store(&url_target(&redis.url()), "deny", 2000),
-        route(HUNDRED)
-    );
-    three_gateways_admit_exactly_the_limit(&yaml).await;
-    // Two keys, one per limit, sharing the hash tag; both expire on their own.
-    let mut keys: Vec<String> = redis.keys("*");
-    keys.sort();
-    assert_eq!(keys.len(), 2, "{keys:?}");
-    for k in &keys {
-        assert!(k.starts_with("sluice:{api:shared}:"), "{k}");
-        assert!(k.len() <= "sluice:{api:shared}:".len() + 11, "{k}");
-    }
-    // The token bucket's state is a string, the hourly sliding log's a sorted set.
-    let zset = keys
-        .iter()
-        .find(|k| redis.cmd::<String>(&["TYPE", k.as_str()]) == "zset")
-        .unwrap();
-    assert_eq!(redis.cmd::<i64>(&["ZCARD", zset]), 100);
-    for k in &keys {
-        let ttl: i64 = redis.cmd(&["PTTL", k]);
-        assert!(ttl > 0 && ttl <= 3_600_001, "{k}: {ttl}");
+redis_and_valkey! {
+    async fn three_gateways_on_one_redis_admit_exactly_the_limit() {
+        let redis = RedisServer::start();
+        let yaml = format!(
+            "{}{}",
+            redis_store(&url_target(&redis.url()), "deny", 2000),
+            route(HUNDRED)
+        );
+        three_gateways_admit_exactly_the_limit(&yaml).await;
+        // Two keys, one per limit, sharing the hash tag; both expire on their own.
+        let mut keys: Vec<String> = redis.keys("*");
+        keys.sort();
+        assert_eq!(keys.len(), 2, "{keys:?}");
+        for k in &keys {
+            assert!(k.starts_with("sluice:{api:shared}:"), "{k}");
+            assert!(k.len() <= "sluice:{api:shared}:".len() + 11, "{k}");
+        }
+        // The token bucket's state is a string, the hourly sliding log's a sorted set.
+        let zset = keys
+            .iter()
+            .find(|k| redis.cmd::<String>(&["TYPE", k.as_str()]) == "zset")
+            .unwrap();
+        assert_eq!(redis.cmd::<i64>(&["ZCARD", zset]), 100);
+        for k in &keys {
+            let ttl: i64 = redis.cmd(&["PTTL", k]);
+            assert!(ttl > 0 && ttl <= 3_600_001, "{k}: {ttl}");
+        }
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_gateways_on_a_cluster_admit_exactly_the_limit() {
-    let cluster = RedisCluster::start();
-    let yaml = format!(
-        "{}{}",
-        redis_store(&cluster_target(&cluster.urls()), "deny", 2000),
-        route(HUNDRED)
-    );
-    three_gateways_admit_exactly_the_limit(&yaml).await;
-    // Both keys on one node: the hash tag keeps a request's keys in one slot.
-    let per_node: Vec<usize> = cluster.nodes.iter().map(|n| n.keys("*").len()).collect();
-    let mut sorted = per_node.clone();
-    sorted.sort();
-    assert_eq!(sorted, [0, 0, 2], "{per_node:?}");
+redis_and_valkey! {
+    async fn three_gateways_on_a_cluster_admit_exactly_the_limit() {
+        let cluster = RedisCluster::start();
+        let yaml = format!(
+            "{}{}",
+            redis_store(&cluster_target(&cluster.urls()), "deny", 2000),
+            route(HUNDRED)
+        );
+        three_gateways_admit_exactly_the_limit(&yaml).await;
+        // Both keys on one node: the hash tag keeps a request's keys in one slot.
+        let per_node: Vec<usize> = cluster.nodes.iter().map(|n| n.keys("*").len()).collect();
+        let mut sorted = per_node.clone();
+        sorted.sort();
+        assert_eq!(sorted, [0, 0, 2], "{per_node:?}");
+    }
 }
 
 /// The node of `cluster` that holds `key`'s slot.
@@ -166,199 +168,202 @@ fn owner(cluster: &RedisCluster, key: &str) -> usize {
         .expect("a node owns every slot")
 }
 
-/// A route that limits per address and per account (`key` on a limit) on a
-/// cluster, where the two keys of one request live on different nodes and are
-/// decided by a call each: a request one of them refuses charges the other
-/// nothing, because the node that admitted it is refunded.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_a_cluster_a_request_refused_on_one_node_is_refunded_on_the_other() {
-    let cluster = RedisCluster::start();
-    let up = crate::common::upstream().await;
-    let yaml = format!(
-        "{}client_ip: {{trusted_proxies: [127.0.0.1/32]}}\nupstreams:\n  api: {{targets: [\"{}\"]}}\nroutes:\n  - name: login\n    match: {{path: /login}}\n    upstream: api\n    key: ip\n    limits:\n      - {{name: per_ip, algorithm: fixed_window, limit: 5, window: 1h}}\n      - {{name: per_account, key: \"header:x-user\", algorithm: sliding_log, limit: 3, window: 1h}}\n",
-        redis_store(&cluster_target(&cluster.urls()), "deny", 2000),
-        up.url()
-    );
-    let gw = start_gateway(&yaml).await;
-    // The tags the two keys are stored under (`limit::redis::tag`; the limit key's
-    // namespace names it, its `:` escaped).
-    let ip_tag = |ip: &str| format!("{{login:{ip}}}");
-    let user_tag = |u: &str| format!("{{login/key=header\\;x-user:{u}}}");
-    // An address and two accounts whose keys live on nodes other than the address's.
-    let ip = "192.0.2.1";
-    let home = owner(&cluster, &ip_tag(ip));
-    let mut away = (0..200)
-        .map(|i| format!("acct{i}"))
-        .filter(|u| owner(&cluster, &user_tag(u)) != home);
-    let (victim, spare) = (away.next().unwrap(), away.next().unwrap());
-    let login = |ip: &str, user: &str| {
-        let (ip, user) = (ip.to_string(), user.to_string());
-        async move {
-            get(
-                gw.addr,
-                "/login",
-                &[("x-forwarded-for", &ip), ("x-user", &user)],
-            )
-            .await
-            .status
+redis_and_valkey! {
+    /// A route that limits per address and per account (`key` on a limit) on a
+    /// cluster, where the two keys of one request live on different nodes and are
+    /// decided by a call each: a request one of them refuses charges the other
+    /// nothing, because the node that admitted it is refunded.
+    async fn on_a_cluster_a_request_refused_on_one_node_is_refunded_on_the_other() {
+        let cluster = RedisCluster::start();
+        let up = crate::common::upstream().await;
+        let yaml = format!(
+            "{}client_ip: {{trusted_proxies: [127.0.0.1/32]}}\nupstreams:\n  api: {{targets: [\"{}\"]}}\nroutes:\n  - name: login\n    match: {{path: /login}}\n    upstream: api\n    key: ip\n    limits:\n      - {{name: per_ip, algorithm: fixed_window, limit: 5, window: 1h}}\n      - {{name: per_account, key: \"header:x-user\", algorithm: sliding_log, limit: 3, window: 1h}}\n",
+            redis_store(&cluster_target(&cluster.urls()), "deny", 2000),
+            up.url()
+        );
+        let gw = start_gateway(&yaml).await;
+        // The tags the two keys are stored under (`limit::redis::tag`; the limit key's
+        // namespace names it, its `:` escaped).
+        let ip_tag = |ip: &str| format!("{{login:{ip}}}");
+        let user_tag = |u: &str| format!("{{login/key=header\\;x-user:{u}}}");
+        // An address and two accounts whose keys live on nodes other than the address's.
+        let ip = "192.0.2.1";
+        let home = owner(&cluster, &ip_tag(ip));
+        let mut away = (0..200)
+            .map(|i| format!("acct{i}"))
+            .filter(|u| owner(&cluster, &user_tag(u)) != home);
+        let (victim, spare) = (away.next().unwrap(), away.next().unwrap());
+        let login = |ip: &str, user: &str| {
+            let (ip, user) = (ip.to_string(), user.to_string());
+            async move {
+                get(
+                    gw.addr,
+                    "/login",
+                    &[("x-forwarded-for", &ip), ("x-user", &user)],
+                )
+                .await
+                .status
+            }
+        };
+        // The address's count as its node keeps it: "<window> <count>".
+        let ip_count = || -> Option<u64> {
+            let keys: Vec<String> =
+                cluster.nodes[home].cmd(&["KEYS", &format!("sluice:{}:*", ip_tag(ip))]);
+            let state: String = cluster.nodes[home].cmd(&["GET", keys.first()?]);
+            state.split(' ').nth(1)?.parse().ok()
+        };
+
+        // The account is refused on its node after three; the address's node admitted
+        // the two refused requests, and is refunded them.
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            got.push(login(ip, &victim).await);
         }
-    };
-    // The address's count as its node keeps it: "<window> <count>".
-    let ip_count = || -> Option<u64> {
-        let keys: Vec<String> =
-            cluster.nodes[home].cmd(&["KEYS", &format!("sluice:{}:*", ip_tag(ip))]);
-        let state: String = cluster.nodes[home].cmd(&["GET", keys.first()?]);
-        state.split(' ').nth(1)?.parse().ok()
-    };
+        assert_eq!(got, [200, 200, 200, 429, 429]);
+        assert_eq!(up.hits(), 3);
+        let refunded =
+            crate::common::eventually(Duration::from_secs(2), || async { ip_count() == Some(3) });
+        assert!(
+            refunded.await.is_some(),
+            "per_ip counts {:?}, not 3",
+            ip_count()
+        );
+        // So the address has two requests left, not none.
+        let mut got = Vec::new();
+        for i in 0..3 {
+            got.push(login(ip, &format!("other{i}")).await);
+        }
+        assert_eq!(got, [200, 200, 429]);
+        assert_eq!(up.hits(), 5);
 
-    // The account is refused on its node after three; the address's node admitted
-    // the two refused requests, and is refunded them.
-    let mut got = Vec::new();
-    for _ in 0..5 {
-        got.push(login(ip, &victim).await);
+        // The other way round: the address refuses (its node), the account's node
+        // admitted and is refunded: `spare` still has its three, from other addresses.
+        assert_eq!(login(ip, &spare).await, 429);
+        let spare_tag = user_tag(&spare);
+        let spare_node = &cluster.nodes[owner(&cluster, &spare_tag)];
+        let spare_count = || -> usize {
+            spare_node
+                .cmd::<Vec<String>>(&["KEYS", &format!("sluice:{spare_tag}:*")])
+                .iter()
+                .map(|k| spare_node.cmd::<usize>(&["ZCARD", k]))
+                .sum()
+        };
+        let refunded =
+            crate::common::eventually(Duration::from_secs(2), || async { spare_count() == 0 });
+        assert!(refunded.await.is_some(), "{spare} holds {}", spare_count());
+        let mut got = Vec::new();
+        for other in [
+            "198.51.100.1",
+            "198.51.100.2",
+            "198.51.100.3",
+            "198.51.100.4",
+        ] {
+            got.push(login(other, &spare).await);
+        }
+        assert_eq!(got, [200, 200, 200, 429]);
+        assert_eq!(up.hits(), 8);
     }
-    assert_eq!(got, [200, 200, 200, 429, 429]);
-    assert_eq!(up.hits(), 3);
-    let refunded =
-        crate::common::eventually(Duration::from_secs(2), || async { ip_count() == Some(3) });
-    assert!(
-        refunded.await.is_some(),
-        "per_ip counts {:?}, not 3",
-        ip_count()
-    );
-    // So the address has two requests left, not none.
-    let mut got = Vec::new();
-    for i in 0..3 {
-        got.push(login(ip, &format!("other{i}")).await);
-    }
-    assert_eq!(got, [200, 200, 429]);
-    assert_eq!(up.hits(), 5);
-
-    // The other way round: the address refuses (its node), the account's node
-    // admitted and is refunded: `spare` still has its three, from other addresses.
-    assert_eq!(login(ip, &spare).await, 429);
-    let spare_tag = user_tag(&spare);
-    let spare_node = &cluster.nodes[owner(&cluster, &spare_tag)];
-    let spare_count = || -> usize {
-        spare_node
-            .cmd::<Vec<String>>(&["KEYS", &format!("sluice:{spare_tag}:*")])
-            .iter()
-            .map(|k| spare_node.cmd::<usize>(&["ZCARD", k]))
-            .sum()
-    };
-    let refunded =
-        crate::common::eventually(Duration::from_secs(2), || async { spare_count() == 0 });
-    assert!(refunded.await.is_some(), "{spare} holds {}", spare_count());
-    let mut got = Vec::new();
-    for other in [
-        "198.51.100.1",
-        "198.51.100.2",
-        "198.51.100.3",
-        "198.51.100.4",
-    ] {
-        got.push(login(other, &spare).await);
-    }
-    assert_eq!(got, [200, 200, 200, 429]);
-    assert_eq!(up.hits(), 8);
 }
 
 // === c: SCRIPT FLUSH mid-traffic ===
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn script_flush_mid_traffic_loses_no_request() {
-    let redis = RedisServer::start();
-    let limits = "[{algorithm: sliding_log, limit: 300, window: 1h}]";
-    let yaml = format!(
-        "{}{}",
-        redis_store(&url_target(&redis.url()), "deny", 2000),
-        route(limits)
-    );
-    let gw = start_gateway(&yaml).await;
+redis_and_valkey! {
+    async fn script_flush_mid_traffic_loses_no_request() {
+        let redis = RedisServer::start();
+        let limits = "[{algorithm: sliding_log, limit: 300, window: 1h}]";
+        let yaml = format!(
+            "{}{}",
+            redis_store(&url_target(&redis.url()), "deny", 2000),
+            route(limits)
+        );
+        let gw = start_gateway(&yaml).await;
 
-    // Flush the script cache over and over while the traffic runs.
-    let stop = Arc::new(AtomicBool::new(false));
-    let flusher = {
-        let stop = stop.clone();
-        let mut conn = redis.connection().unwrap();
-        std::thread::spawn(move || {
-            let mut flushes = 0;
-            while !stop.load(Ordering::Relaxed) {
-                let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
-                flushes += 1;
-                std::thread::sleep(Duration::from_millis(3));
+        // Flush the script cache over and over while the traffic runs.
+        let stop = Arc::new(AtomicBool::new(false));
+        let flusher = {
+            let stop = stop.clone();
+            let mut conn = redis.connection().unwrap();
+            std::thread::spawn(move || {
+                let mut flushes = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
+                    flushes += 1;
+                    std::thread::sleep(Duration::from_millis(3));
+                }
+                flushes
+            })
+        };
+        let mut statuses = BTreeMap::new();
+        for _ in 0..8 {
+            for (s, n) in burst(&[gw.addr], 50, "flushed").await {
+                *statuses.entry(s).or_insert(0) += n;
             }
-            flushes
-        })
-    };
-    let mut statuses = BTreeMap::new();
-    for _ in 0..8 {
-        for (s, n) in burst(&[gw.addr], 50, "flushed").await {
-            *statuses.entry(s).or_insert(0) += n;
         }
-    }
-    stop.store(true, Ordering::Relaxed);
-    let flushes = flusher.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        let flushes = flusher.join().unwrap();
 
-    assert_eq!(statuses, BTreeMap::from([(200, 300), (429, 100)]));
-    assert_eq!(
-        metric(gw.admin_addr, "sluice_store_errors_total", &[]).await,
-        0.0
-    );
-    assert!(flushes >= 10, "{flushes}");
-    // The script really was lost: calls found it missing and sent it whole.
-    let (evalsha, eval) = (redis.calls("evalsha"), redis.calls("eval"));
-    assert!(
-        eval >= 1 && evalsha > eval,
-        "EVALSHA {evalsha}, EVAL {eval}"
-    );
+        assert_eq!(statuses, BTreeMap::from([(200, 300), (429, 100)]));
+        assert_eq!(
+            metric(gw.admin_addr, "sluice_store_errors_total", &[]).await,
+            0.0
+        );
+        assert!(flushes >= 10, "{flushes}");
+        // The script really was lost: calls found it missing and sent it whole.
+        let (evalsha, eval) = (redis.calls("evalsha"), redis.calls("eval"));
+        assert!(
+            eval >= 1 && evalsha > eval,
+            "EVALSHA {evalsha}, EVAL {eval}"
+        );
+    }
 }
 
-/// Requests that wait for Redis together are decided by one script call, each as if
-/// it had a call of its own, in turn: exactly the limit of each key, whichever call
-/// and place in it its requests got.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_waiting_together_share_one_script_call() {
-    let redis = RedisServer::start();
-    let yaml = format!(
-        "{}{}",
-        redis_store(&url_target(&redis.url()), "deny", 5000),
-        route("[{algorithm: sliding_log, limit: 3, window: 1h}]")
-    );
-    let gw = start_gateway(&yaml).await;
-    assert_eq!(get(gw.addr, "/", &[("x-key", "warm")]).await.status, 200);
-    let before = redis.calls("evalsha");
+redis_and_valkey! {
+    /// Requests that wait for Redis together are decided by one script call, each as if
+    /// it had a call of its own, in turn: exactly the limit of each key, whichever call
+    /// and place in it its requests got.
+    async fn requests_waiting_together_share_one_script_call() {
+        let redis = RedisServer::start();
+        let yaml = format!(
+            "{}{}",
+            redis_store(&url_target(&redis.url()), "deny", 5000),
+            route("[{algorithm: sliding_log, limit: 3, window: 1h}]")
+        );
+        let gw = start_gateway(&yaml).await;
+        assert_eq!(get(gw.addr, "/", &[("x-key", "warm")]).await.status, 200);
+        let before = redis.calls("evalsha");
 
-    // While Redis holds every command, the first call waits and the other requests
-    // queue behind it: two calls at most for 50 requests of 10 clients.
-    let _: String = redis.cmd(&["CLIENT", "PAUSE", "1500", "ALL"]);
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..50 {
-        let key = format!("k{}", i % 10);
-        let addr = gw.addr;
-        tasks.spawn(async move { (key.clone(), get(addr, "/", &[("x-key", &key)]).await.status) });
-    }
-    let mut per_key: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-    while let Some(r) = tasks.join_next().await {
-        let (key, status) = r.expect("request task");
-        let e = per_key.entry(key).or_default();
-        match status {
-            200 => e.0 += 1,
-            429 => e.1 += 1,
-            s => panic!("status {s}"),
+        // While Redis holds every command, the first call waits and the other requests
+        // queue behind it: two calls at most for 50 requests of 10 clients.
+        let _: String = redis.cmd(&["CLIENT", "PAUSE", "1500", "ALL"]);
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..50 {
+            let key = format!("k{}", i % 10);
+            let addr = gw.addr;
+            tasks.spawn(async move { (key.clone(), get(addr, "/", &[("x-key", &key)]).await.status) });
         }
-    }
-    let expected: BTreeMap<String, (usize, usize)> =
-        (0..10).map(|i| (format!("k{i}"), (3, 2))).collect();
-    assert_eq!(per_key, expected);
-    let calls = redis.calls("evalsha") - before;
-    assert!(
-        (1..=2).contains(&calls),
-        "{calls} script calls for 50 requests"
-    );
-    for i in 0..10 {
-        let keys: Vec<String> = redis.cmd(&["KEYS", &format!("sluice:{{api:k{i}}}:*")]);
-        assert_eq!(keys.len(), 1, "{keys:?}");
-        assert_eq!(redis.cmd::<i64>(&["ZCARD", &keys[0]]), 3);
+        let mut per_key: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+        while let Some(r) = tasks.join_next().await {
+            let (key, status) = r.expect("request task");
+            let e = per_key.entry(key).or_default();
+            match status {
+                200 => e.0 += 1,
+                429 => e.1 += 1,
+                s => panic!("status {s}"),
+            }
+        }
+        let expected: BTreeMap<String, (usize, usize)> =
+            (0..10).map(|i| (format!("k{i}"), (3, 2))).collect();
+        assert_eq!(per_key, expected);
+        let calls = redis.calls("evalsha") - before;
+        assert!(
+            (1..=2).contains(&calls),
+            "{calls} script calls for 50 requests"
+        );
+        for i in 0..10 {
+            let keys: Vec<String> = redis.cmd(&["KEYS", &format!("sluice:{{api:k{i}}}:*")]);
+            assert_eq!(keys.len(), 1, "{keys:?}");
+            assert_eq!(redis.cmd::<i64>(&["ZCARD", &keys[0]]), 3);
+        }
     }
 }
 
@@ -476,14 +481,15 @@ async fn redis_down_with_on_error_allow_forwards() {
     assert_eq!(decisions(&o, "limited"), 0.0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_down_with_on_error_local_applies_the_limit_in_memory() {
-    let o = outage("local").await;
-    let mut expected = vec![200; 5];
-    expected.extend([429; 45]);
-    assert_eq!(o.statuses, expected);
-    assert_eq!(decisions(&o, "store_error_allowed"), 5.0);
-    assert_eq!(decisions(&o, "limited"), 45.0);
+redis_and_valkey! {
+    async fn redis_down_with_on_error_local_applies_the_limit_in_memory() {
+        let o = outage("local").await;
+        let mut expected = vec![200; 5];
+        expected.extend([429; 45]);
+        assert_eq!(o.statuses, expected);
+        assert_eq!(decisions(&o, "store_error_allowed"), 5.0);
+        assert_eq!(decisions(&o, "limited"), 45.0);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

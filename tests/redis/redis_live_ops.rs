@@ -334,95 +334,98 @@ async fn two_instances_share_the_deny_list(db: Db<'_>, a: &Instance, b: &Instanc
     assert_eq!(db.version().as_deref(), Some("4"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_on_one_redis_share_the_deny_list() {
-    let _load = shared().await;
-    let redis = RedisServer::start();
-    let yaml = open_gateway(&url_target(&redis.url()), 500);
-    let a = in_process(&yaml).await;
-    // B is the real binary: the follower is wired into `sluice run` too.
-    let b = process(&yaml).await;
-    let db = Db::One(&redis);
-    subscribed(&db, &[2]).await;
-    two_instances_share_the_deny_list(db, &a, &b).await;
+redis_and_valkey! {
+    async fn two_instances_on_one_redis_share_the_deny_list() {
+        let _load = shared().await;
+        let redis = RedisServer::start();
+        let yaml = open_gateway(&url_target(&redis.url()), 500);
+        let a = in_process(&yaml).await;
+        // B is the real binary: the follower is wired into `sluice run` too.
+        let b = process(&yaml).await;
+        let db = Db::One(&redis);
+        subscribed(&db, &[2]).await;
+        two_instances_share_the_deny_list(db, &a, &b).await;
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_on_a_cluster_share_the_deny_list() {
-    let _load = shared().await;
-    let cluster = RedisCluster::start();
-    let urls = cluster.urls();
-    // B's seeds in the other order, after one where nothing listens.
-    let mut other = vec![format!("redis://127.0.0.1:{}", free_port())];
-    other.extend(urls.iter().rev().cloned());
-    let a = in_process(&open_gateway(&cluster_target(&urls), 500)).await;
-    let b = process(&open_gateway(&cluster_target(&other), 500)).await;
-    let db = Db::Cluster(&cluster);
-    // Each follows the first seed that answers: A the first node, B the last. At
-    // least one of them is not the node that holds the list and publishes.
-    subscribed(&db, &[1, 0, 1]).await;
-    two_instances_share_the_deny_list(db, &a, &b).await;
-    // The list's bookkeeping is all that is left, on the one node that owns the
-    // `{deny}` slot.
-    let keys: Vec<usize> = cluster.nodes.iter().map(|n| n.keys("*").len()).collect();
-    let mut sorted = keys.clone();
-    sorted.sort();
-    // version, last change, the tombstones of the deletions, the hash with its
-    // epoch and the (empty) index of expiring entries.
-    assert_eq!(sorted, [0, 0, 5], "{keys:?}");
-    eprintln!(
-        "the list lives on node {:?} of 3",
-        keys.iter().position(|&k| k == 5)
-    );
+redis_and_valkey! {
+    async fn two_instances_on_a_cluster_share_the_deny_list() {
+        let _load = shared().await;
+        let cluster = RedisCluster::start();
+        let urls = cluster.urls();
+        // B's seeds in the other order, after one where nothing listens.
+        let mut other = vec![format!("redis://127.0.0.1:{}", free_port())];
+        other.extend(urls.iter().rev().cloned());
+        let a = in_process(&open_gateway(&cluster_target(&urls), 500)).await;
+        let b = process(&open_gateway(&cluster_target(&other), 500)).await;
+        let db = Db::Cluster(&cluster);
+        // Each follows the first seed that answers: A the first node, B the last. At
+        // least one of them is not the node that holds the list and publishes.
+        subscribed(&db, &[1, 0, 1]).await;
+        two_instances_share_the_deny_list(db, &a, &b).await;
+        // The list's bookkeeping is all that is left, on the one node that owns the
+        // `{deny}` slot.
+        let keys: Vec<usize> = cluster.nodes.iter().map(|n| n.keys("*").len()).collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        // version, last change, the tombstones of the deletions, the hash with its
+        // epoch and the (empty) index of expiring entries.
+        assert_eq!(sorted, [0, 0, 5], "{keys:?}");
+        eprintln!(
+            "the list lives on node {:?} of 3",
+            keys.iter().position(|&k| k == 5)
+        );
+    }
 }
 
 // === 3: expiry ===
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
-    let _load = shared().await;
-    let redis = RedisServer::start();
-    let (a, b) = two_following(&redis).await;
-    let db = Db::One(&redis);
+redis_and_valkey! {
+    async fn an_entry_with_a_ttl_expires_on_every_instance_and_in_redis() {
+        let _load = shared().await;
+        let redis = RedisServer::start();
+        let (a, b) = two_following(&redis).await;
+        let db = Db::One(&redis);
 
-    let t0 = Instant::now();
-    let e = a.add(json!({"key": "brief", "ttl": "1s"})).await;
-    assert_eq!(e["source"], "api");
-    assert_eq!(e["reason"], Value::Null);
-    assert_eq!(a.ask("10.0.0.1", "brief").await, 403);
-    answers(
-        "ttl entry added on A, refused on B",
-        &b,
-        "10.0.0.1",
-        "brief",
-        403,
-        PROPAGATION,
-    )
-    .await;
-    assert_eq!(b.deny_entries("api").await, 1.0);
+        let t0 = Instant::now();
+        let e = a.add(json!({"key": "brief", "ttl": "1s"})).await;
+        assert_eq!(e["source"], "api");
+        assert_eq!(e["reason"], Value::Null);
+        assert_eq!(a.ask("10.0.0.1", "brief").await, 403);
+        answers(
+            "ttl entry added on A, refused on B",
+            &b,
+            "10.0.0.1",
+            "brief",
+            403,
+            PROPAGATION,
+        )
+        .await;
+        assert_eq!(b.deny_entries("api").await, 1.0);
 
-    // Admitted again on both once it expires, and not before.
-    let left = Duration::from_millis(2500).saturating_sub(t0.elapsed());
-    let expired = eventually(left, || async {
-        a.ask("10.0.0.1", "brief").await == 200 && b.ask("10.0.0.1", "brief").await == 200
-    })
-    .await;
-    assert!(expired.is_some(), "still refused 2.5 s after a 1 s ttl");
-    let took = t0.elapsed();
-    assert!(took >= Duration::from_secs(1), "admitted after {took:?}");
-    eprintln!("ttl 1s: admitted again on both after {took:?}");
+        // Admitted again on both once it expires, and not before.
+        let left = Duration::from_millis(2500).saturating_sub(t0.elapsed());
+        let expired = eventually(left, || async {
+            a.ask("10.0.0.1", "brief").await == 200 && b.ask("10.0.0.1", "brief").await == 200
+        })
+        .await;
+        assert!(expired.is_some(), "still refused 2.5 s after a 1 s ttl");
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_secs(1), "admitted after {took:?}");
+        eprintln!("ttl 1s: admitted again on both after {took:?}");
 
-    // Removed from Redis by the instances, unpublished (every copy expires it by
-    // itself), so the version stays where the addition left it.
-    let gone = eventually(Duration::from_secs(2), || async { db.entries() == 0 }).await;
-    assert!(gone.is_some(), "expired entry still in Redis");
-    eprintln!("ttl 1s: gone from Redis after {:?}", t0.elapsed());
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(db.version().as_deref(), Some("1"));
-    assert_eq!(a.list().await, Vec::<Value>::new());
-    assert_eq!(b.list().await, Vec::<Value>::new());
-    assert_eq!(a.deny_entries("api").await, 0.0);
-    assert_eq!(b.deny_entries("api").await, 0.0);
+        // Removed from Redis by the instances, unpublished (every copy expires it by
+        // itself), so the version stays where the addition left it.
+        let gone = eventually(Duration::from_secs(2), || async { db.entries() == 0 }).await;
+        assert!(gone.is_some(), "expired entry still in Redis");
+        eprintln!("ttl 1s: gone from Redis after {:?}", t0.elapsed());
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert_eq!(db.version().as_deref(), Some("1"));
+        assert_eq!(a.list().await, Vec::<Value>::new());
+        assert_eq!(b.list().await, Vec::<Value>::new());
+        assert_eq!(a.deny_entries("api").await, 0.0);
+        assert_eq!(b.deny_entries("api").await, 0.0);
+    }
 }
 
 /// An instance whose copy of an entry has expired removes it from Redis only if
@@ -485,130 +488,132 @@ fn script_runs(redis: &RedisServer) -> u64 {
 
 // === 4: a missed message ===
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_change_without_a_message_is_healed_by_the_version_poll() {
-    let _load = shared().await;
-    let redis = RedisServer::start();
-    let (a, b) = two_following(&redis).await;
-    let db = Db::One(&redis);
+redis_and_valkey! {
+    async fn a_change_without_a_message_is_healed_by_the_version_poll() {
+        let _load = shared().await;
+        let redis = RedisServer::start();
+        let (a, b) = two_following(&redis).await;
+        let db = Db::One(&redis);
 
-    // Written the way the script would, but never published.
-    let entry = json!({
-        "kind": "key",
-        "value": "silent",
-        "expires_at": null,
-        "expires_at_ms": null,
-        "reason": "written by hand",
-        "source": "api",
-    });
-    let t0 = Instant::now();
-    let _: i64 = db.cmd(&["HSET", ENTRIES, "key:silent", &entry.to_string()]);
-    let _: i64 = db.cmd(&["INCR", VERSION]);
-    let within = Duration::from_millis(1500);
-    let both = eventually(within, || async {
-        a.ask("10.0.0.1", "silent").await == 403 && b.ask("10.0.0.1", "silent").await == 403
-    })
-    .await;
-    assert!(
-        both.is_some(),
-        "an unpublished change not seen within {within:?}"
-    );
-    eprintln!(
-        "unpublished change: enforced on both after {:?}",
-        t0.elapsed()
-    );
-    assert_eq!(a.list().await, vec![entry.clone()]);
-    assert_eq!(b.list().await, vec![entry.clone()]);
+        // Written the way the script would, but never published.
+        let entry = json!({
+            "kind": "key",
+            "value": "silent",
+            "expires_at": null,
+            "expires_at_ms": null,
+            "reason": "written by hand",
+            "source": "api",
+        });
+        let t0 = Instant::now();
+        let _: i64 = db.cmd(&["HSET", ENTRIES, "key:silent", &entry.to_string()]);
+        let _: i64 = db.cmd(&["INCR", VERSION]);
+        let within = Duration::from_millis(1500);
+        let both = eventually(within, || async {
+            a.ask("10.0.0.1", "silent").await == 403 && b.ask("10.0.0.1", "silent").await == 403
+        })
+        .await;
+        assert!(
+            both.is_some(),
+            "an unpublished change not seen within {within:?}"
+        );
+        eprintln!(
+            "unpublished change: enforced on both after {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(a.list().await, vec![entry.clone()]);
+        assert_eq!(b.list().await, vec![entry.clone()]);
 
-    // A missed message followed by a published one: the gap makes B read everything.
-    let hidden = json!({
-        "kind": "ip",
-        "value": "192.0.2.0/24",
-        "expires_at": null,
-        "expires_at_ms": null,
-        "reason": null,
-        "source": "api",
-    });
-    let _: i64 = db.cmd(&["HSET", ENTRIES, "ip:192.0.2.0/24", &hidden.to_string()]);
-    let _: i64 = db.cmd(&["INCR", VERSION]);
-    let shown = a.add(json!({"key": "loud"})).await;
-    answers(
-        "published after a gap, refused on B",
-        &b,
-        "10.0.0.1",
-        "loud",
-        403,
-        PROPAGATION,
-    )
-    .await;
-    assert_eq!(b.ask("192.0.2.9", "x").await, 403);
-    assert_eq!(b.list().await, vec![hidden, shown, entry]);
-    assert_eq!(db.version().as_deref(), Some("3"));
+        // A missed message followed by a published one: the gap makes B read everything.
+        let hidden = json!({
+            "kind": "ip",
+            "value": "192.0.2.0/24",
+            "expires_at": null,
+            "expires_at_ms": null,
+            "reason": null,
+            "source": "api",
+        });
+        let _: i64 = db.cmd(&["HSET", ENTRIES, "ip:192.0.2.0/24", &hidden.to_string()]);
+        let _: i64 = db.cmd(&["INCR", VERSION]);
+        let shown = a.add(json!({"key": "loud"})).await;
+        answers(
+            "published after a gap, refused on B",
+            &b,
+            "10.0.0.1",
+            "loud",
+            403,
+            PROPAGATION,
+        )
+        .await;
+        assert_eq!(b.ask("192.0.2.9", "x").await, 403);
+        assert_eq!(b.list().await, vec![hidden, shown, entry]);
+        assert_eq!(db.version().as_deref(), Some("3"));
+    }
 }
 
 // === 5: Redis restarts empty ===
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_redis_restart_the_followers_resubscribe_and_resync() {
-    let _load = shared().await;
-    let mut redis = RedisServer::start();
-    let (a, b) = two_following(&redis).await;
-    let old = a.add(json!({"key": "old"})).await;
-    answers(
-        "before the restart, refused on B",
-        &b,
-        "10.0.0.1",
-        "old",
-        403,
-        PROPAGATION,
-    )
-    .await;
-
-    // Down long enough for A to notice (so its next write goes over a fresh
-    // connection), then back on the same port, empty: no persistence.
-    redis.kill();
-    let down = eventually(PROPAGATION, || async { a.ready().await == 503 }).await;
-    assert!(down.is_some(), "A still ready 1 s after Redis died");
-    redis.restart();
-    let t0 = Instant::now();
-    let ready = eventually(Duration::from_secs(2), || async { a.ready().await == 200 }).await;
-    assert!(ready.is_some(), "A not ready within 2 s of the restart");
-    eprintln!("restart: A ready after {:?}", t0.elapsed());
-    let new = a
-        .add(json!({"key": "new", "reason": "after the restart"}))
+redis_and_valkey! {
+    async fn after_a_redis_restart_the_followers_resubscribe_and_resync() {
+        let _load = shared().await;
+        let mut redis = RedisServer::start();
+        let (a, b) = two_following(&redis).await;
+        let old = a.add(json!({"key": "old"})).await;
+        answers(
+            "before the restart, refused on B",
+            &b,
+            "10.0.0.1",
+            "old",
+            403,
+            PROPAGATION,
+        )
         .await;
-    answers(
-        "after the restart, added on A, refused on B",
-        &b,
-        "10.0.0.1",
-        "new",
-        403,
-        Duration::from_secs(2),
-    )
-    .await;
-    eprintln!(
-        "restart: B refuses the new entry {:?} after the restart",
-        t0.elapsed()
-    );
 
-    // Redis forgot the old entry; the instances saw its epoch change and wrote their
-    // copies back (once: the second finds it there), so a restart lifts no entry.
-    let both = vec![new.clone(), old.clone()];
-    let synced = eventually(Duration::from_secs(2), || async {
-        a.list().await == both && b.list().await == both
-    })
-    .await;
-    assert!(
-        synced.is_some(),
-        "lists after the restart: A {:?}, B {:?}",
-        a.list().await,
-        b.list().await
-    );
-    assert_eq!(b.ask("10.0.0.1", "old").await, 403);
-    assert_eq!(a.ask("10.0.0.1", "old").await, 403);
-    subscribed(&Db::One(&redis), &[2]).await;
-    assert_eq!(Db::One(&redis).entries(), 2);
-    assert_eq!(Db::One(&redis).version().as_deref(), Some("2"));
+        // Down long enough for A to notice (so its next write goes over a fresh
+        // connection), then back on the same port, empty: no persistence.
+        redis.kill();
+        let down = eventually(PROPAGATION, || async { a.ready().await == 503 }).await;
+        assert!(down.is_some(), "A still ready 1 s after Redis died");
+        redis.restart();
+        let t0 = Instant::now();
+        let ready = eventually(Duration::from_secs(2), || async { a.ready().await == 200 }).await;
+        assert!(ready.is_some(), "A not ready within 2 s of the restart");
+        eprintln!("restart: A ready after {:?}", t0.elapsed());
+        let new = a
+            .add(json!({"key": "new", "reason": "after the restart"}))
+            .await;
+        answers(
+            "after the restart, added on A, refused on B",
+            &b,
+            "10.0.0.1",
+            "new",
+            403,
+            Duration::from_secs(2),
+        )
+        .await;
+        eprintln!(
+            "restart: B refuses the new entry {:?} after the restart",
+            t0.elapsed()
+        );
+
+        // Redis forgot the old entry; the instances saw its epoch change and wrote their
+        // copies back (once: the second finds it there), so a restart lifts no entry.
+        let both = vec![new.clone(), old.clone()];
+        let synced = eventually(Duration::from_secs(2), || async {
+            a.list().await == both && b.list().await == both
+        })
+        .await;
+        assert!(
+            synced.is_some(),
+            "lists after the restart: A {:?}, B {:?}",
+            a.list().await,
+            b.list().await
+        );
+        assert_eq!(b.ask("10.0.0.1", "old").await, 403);
+        assert_eq!(a.ask("10.0.0.1", "old").await, 403);
+        subscribed(&Db::One(&redis), &[2]).await;
+        assert_eq!(Db::One(&redis).entries(), 2);
+        assert_eq!(Db::One(&redis).version().as_deref(), Some("2"));
+    }
 }
 
 // === 6: bans ===
@@ -633,102 +638,103 @@ fn banning_gateway(redis: &RedisServer, on_error: &str, ban_for: &str) -> String
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_ban_on_one_instance_is_enforced_on_the_other() {
-    let _load = shared().await;
-    let redis = RedisServer::start();
-    let yaml = banning_gateway(&redis, "deny", "2s");
-    let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
-    let db = Db::One(&redis);
-    subscribed(&db, &[2]).await;
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(10)).await;
+redis_and_valkey! {
+    async fn a_ban_on_one_instance_is_enforced_on_the_other() {
+        let _load = shared().await;
+        let redis = RedisServer::start();
+        let yaml = banning_gateway(&redis, "deny", "2s");
+        let (a, b) = (in_process(&yaml).await, in_process(&yaml).await);
+        let db = Db::One(&redis);
+        subscribed(&db, &[2]).await;
+        clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(10)).await;
 
-    // One admitted, then two refusals within 2 s: the second asks for the ban.
-    let mut statuses = Vec::new();
-    for _ in 0..3 {
-        statuses.push(a.ask("10.0.0.1", "abuser").await);
-    }
-    assert_eq!(statuses, [200, 429, 429]);
-    let banned_at = now_ms();
-    answers(
-        "ban on A, refused on A",
-        &a,
-        "10.0.0.1",
-        "abuser",
-        403,
-        PROPAGATION,
-    )
-    .await;
-    answers(
-        "ban on A, refused on B",
-        &b,
-        "10.0.0.1",
-        "abuser",
-        403,
-        PROPAGATION,
-    )
-    .await;
-    // Only that key: another one is limited in Redis as usual.
-    assert_eq!(b.ask("10.0.0.1", "someone").await, 200);
+        // One admitted, then two refusals within 2 s: the second asks for the ban.
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            statuses.push(a.ask("10.0.0.1", "abuser").await);
+        }
+        assert_eq!(statuses, [200, 429, 429]);
+        let banned_at = now_ms();
+        answers(
+            "ban on A, refused on A",
+            &a,
+            "10.0.0.1",
+            "abuser",
+            403,
+            PROPAGATION,
+        )
+        .await;
+        answers(
+            "ban on A, refused on B",
+            &b,
+            "10.0.0.1",
+            "abuser",
+            403,
+            PROPAGATION,
+        )
+        .await;
+        // Only that key: another one is limited in Redis as usual.
+        assert_eq!(b.ask("10.0.0.1", "someone").await, 200);
 
-    let list = b.list().await;
-    assert_eq!(list.len(), 1, "{list:?}");
-    let e = &list[0];
-    let expires = e["expires_at_ms"].as_u64().expect("expires_at_ms");
-    assert!(
-        (banned_at.saturating_sub(1000)..=banned_at + 2000).contains(&expires),
-        "banned at about {banned_at}, expires {expires}"
-    );
-    assert_eq!(
-        *e,
-        json!({
-            "kind": "key",
-            "value": "abuser",
-            "expires_at": sluice::deny::rfc3339(expires),
-            "expires_at_ms": expires,
-            "reason": "kept hitting the limits of route api (banned for 2s)",
-            "source": "ban",
-            "route": "api",
+        let list = b.list().await;
+        assert_eq!(list.len(), 1, "{list:?}");
+        let e = &list[0];
+        let expires = e["expires_at_ms"].as_u64().expect("expires_at_ms");
+        assert!(
+            (banned_at.saturating_sub(1000)..=banned_at + 2000).contains(&expires),
+            "banned at about {banned_at}, expires {expires}"
+        );
+        assert_eq!(
+            *e,
+            json!({
+                "kind": "key",
+                "value": "abuser",
+                "expires_at": sluice::deny::rfc3339(expires),
+                "expires_at_ms": expires,
+                "reason": "kept hitting the limits of route api (banned for 2s)",
+                "source": "ban",
+                "route": "api",
+            })
+        );
+        assert_eq!(a.list().await, list);
+        assert_eq!(b.deny_entries("ban").await, 1.0);
+        assert_eq!(b.deny_entries("api").await, 0.0);
+        // Counted where it was decided.
+        let bans = |i: &Instance| metric(i.admin, "sluice_bans_total", &[("route", "api")]);
+        assert_eq!(bans(&a).await, 1.0);
+        assert_eq!(bans(&b).await, 0.0);
+
+        // After 2 s the ban ends everywhere; the limit still refuses the key.
+        answers(
+            "ban expired, limited again on B",
+            &b,
+            "10.0.0.1",
+            "abuser",
+            429,
+            Duration::from_secs(3),
+        )
+        .await;
+        answers(
+            "ban expired, limited again on A",
+            &a,
+            "10.0.0.1",
+            "abuser",
+            429,
+            Duration::from_secs(1),
+        )
+        .await;
+        // Removed by the next once-a-second tick that sees it expired by Redis' clock;
+        // the bound leaves room for a loaded machine (it took over 2 s once in a full
+        // run beside the other tests).
+        let gone = eventually(Duration::from_secs(4), || async { db.entries() == 0 }).await;
+        assert!(gone.is_some(), "expired ban still in Redis");
+        // Purged (and the gauge set) by the once-a-second sweep.
+        let purged = eventually(Duration::from_millis(1500), || async {
+            b.deny_entries("ban").await == 0.0
         })
-    );
-    assert_eq!(a.list().await, list);
-    assert_eq!(b.deny_entries("ban").await, 1.0);
-    assert_eq!(b.deny_entries("api").await, 0.0);
-    // Counted where it was decided.
-    let bans = |i: &Instance| metric(i.admin, "sluice_bans_total", &[("route", "api")]);
-    assert_eq!(bans(&a).await, 1.0);
-    assert_eq!(bans(&b).await, 0.0);
-
-    // After 2 s the ban ends everywhere; the limit still refuses the key.
-    answers(
-        "ban expired, limited again on B",
-        &b,
-        "10.0.0.1",
-        "abuser",
-        429,
-        Duration::from_secs(3),
-    )
-    .await;
-    answers(
-        "ban expired, limited again on A",
-        &a,
-        "10.0.0.1",
-        "abuser",
-        429,
-        Duration::from_secs(1),
-    )
-    .await;
-    // Removed by the next once-a-second tick that sees it expired by Redis' clock;
-    // the bound leaves room for a loaded machine (it took over 2 s once in a full
-    // run beside the other tests).
-    let gone = eventually(Duration::from_secs(4), || async { db.entries() == 0 }).await;
-    assert!(gone.is_some(), "expired ban still in Redis");
-    // Purged (and the gauge set) by the once-a-second sweep.
-    let purged = eventually(Duration::from_millis(1500), || async {
-        b.deny_entries("ban").await == 0.0
-    })
-    .await;
-    assert!(purged.is_some(), "expired ban still counted on B");
+        .await;
+        assert!(purged.is_some(), "expired ban still counted on B");
+    }
 }
 
 /// A ban made while Redis is away (limits decided in memory, `on_error: local`) is

@@ -103,36 +103,38 @@ fn runtime() -> tokio::runtime::Runtime {
 
 // === a. the table of cases ===
 
-#[test]
-fn the_table_of_cases_passes_on_one_redis() {
-    let redis = RedisServer::start();
-    let rt = runtime();
-    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
-    let steps = run_table(&store, &rt);
-    assert!(cases::all().len() >= 15);
-    assert!(steps > 100, "{steps}");
+redis_and_valkey! {
+    fn the_table_of_cases_passes_on_one_redis() {
+        let redis = RedisServer::start();
+        let rt = runtime();
+        let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+        let steps = run_table(&store, &rt);
+        assert!(cases::all().len() >= 15);
+        assert!(steps > 100, "{steps}");
+    }
 }
 
-#[test]
-fn the_take_cases_pass_on_one_redis_and_on_a_cluster() {
-    let rt = runtime();
-    let redis = RedisServer::start();
-    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
-    let steps = run_takes(&store, &rt, || {
-        let _: () = redis.cmd(&["FLUSHALL"]);
-    });
-    assert_eq!(
-        steps,
-        cases::takes().iter().map(|c| c.steps.len()).sum::<usize>()
-    );
-    assert!(steps >= 25, "{steps}");
-    let cluster = RedisCluster::start();
-    let store = connect(&rt, RedisTarget::Cluster(cluster.urls()), 0);
-    run_takes(&store, &rt, || {
-        for node in &cluster.nodes {
-            let _: () = node.cmd(&["FLUSHALL"]);
-        }
-    });
+redis_and_valkey! {
+    fn the_take_cases_pass_on_one_redis_and_on_a_cluster() {
+        let rt = runtime();
+        let redis = RedisServer::start();
+        let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+        let steps = run_takes(&store, &rt, || {
+            let _: () = redis.cmd(&["FLUSHALL"]);
+        });
+        assert_eq!(
+            steps,
+            cases::takes().iter().map(|c| c.steps.len()).sum::<usize>()
+        );
+        assert!(steps >= 25, "{steps}");
+        let cluster = RedisCluster::start();
+        let store = connect(&rt, RedisTarget::Cluster(cluster.urls()), 0);
+        run_takes(&store, &rt, || {
+            for node in &cluster.nodes {
+                let _: () = node.cmd(&["FLUSHALL"]);
+            }
+        });
+    }
 }
 
 #[test]
@@ -153,258 +155,259 @@ fn the_table_of_cases_passes_on_a_cluster() {
     );
 }
 
-/// Beyond the table: long random walks decided by the Lua scripts and by the pure
-/// functions in `algo` must agree on every field of every outcome (remaining, reset
-/// and retry included), for awkward parameters: rates that do not divide their
-/// period, day-long windows, large limits that stress the sliding window's doubles,
-/// costs above one, delay mode, and plans of several limits. Every 40 steps or so the
-/// plan is reloaded with other numbers (limit, rate, burst, cost), which keep the
-/// state and convert it; every 5th request or so is refunded at once (a cluster's
-/// refund, `lua/refund.lua` against `Algorithm::refund`).
-#[test]
-fn random_walks_agree_with_the_pure_functions() {
-    let redis = RedisServer::start();
-    let rt = runtime();
-    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
-    let day = 86_400 * S;
-    let plans = [
-        one(
-            "fw",
-            Algorithm::FixedWindow {
-                limit: 7,
-                window_us: 3 * S,
+redis_and_valkey! {
+    /// Beyond the table: long random walks decided by the Lua scripts and by the pure
+    /// functions in `algo` must agree on every field of every outcome (remaining, reset
+    /// and retry included), for awkward parameters: rates that do not divide their
+    /// period, day-long windows, large limits that stress the sliding window's doubles,
+    /// costs above one, delay mode, and plans of several limits. Every 40 steps or so the
+    /// plan is reloaded with other numbers (limit, rate, burst, cost), which keep the
+    /// state and convert it; every 5th request or so is refunded at once (a cluster's
+    /// refund, `lua/refund.lua` against `Algorithm::refund`).
+    fn random_walks_agree_with_the_pure_functions() {
+        let redis = RedisServer::start();
+        let rt = runtime();
+        let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+        let day = 86_400 * S;
+        let plans = [
+            one(
+                "fw",
+                Algorithm::FixedWindow {
+                    limit: 7,
+                    window_us: 3 * S,
+                },
+                1,
+            ),
+            one(
+                "fw",
+                Algorithm::FixedWindow {
+                    limit: 1_000_000,
+                    window_us: day,
+                },
+                4_999,
+            ),
+            one(
+                "sw",
+                Algorithm::SlidingWindow {
+                    limit: 10,
+                    window_us: S,
+                },
+                1,
+            ),
+            one(
+                "sw",
+                Algorithm::SlidingWindow {
+                    limit: 9,
+                    window_us: 7 * S,
+                },
+                2,
+            ),
+            one(
+                "sw",
+                Algorithm::SlidingWindow {
+                    limit: 3_000_000,
+                    window_us: day,
+                },
+                40_001,
+            ),
+            // Across months: the refunds and the response charges of a calendar month.
+            one("mo", Algorithm::CalendarMonth { limit: 40 }, 1),
+            one(
+                "sl",
+                Algorithm::SlidingLog {
+                    limit: 5,
+                    window_us: S,
+                },
+                1,
+            ),
+            one(
+                "sl",
+                Algorithm::SlidingLog {
+                    limit: 9,
+                    window_us: 3 * S,
+                },
+                2,
+            ),
+            one(
+                "tb",
+                Algorithm::TokenBucket {
+                    rate: rate(3, S),
+                    burst: 4,
+                },
+                1,
+            ),
+            one(
+                "tb",
+                Algorithm::TokenBucket {
+                    rate: rate(7, 13 * S),
+                    burst: 9,
+                },
+                2,
+            ),
+            one(
+                "gc",
+                Algorithm::Gcra {
+                    rate: rate(3, S),
+                    burst: 4,
+                },
+                1,
+            ),
+            one(
+                "gc",
+                Algorithm::Gcra {
+                    rate: rate(7, 13 * S),
+                    burst: 9,
+                },
+                2,
+            ),
+            Plan {
+                limits: vec![
+                    LimitDef::new(
+                        "tb".into(),
+                        Algorithm::TokenBucket {
+                            rate: rate(10, S),
+                            burst: 3,
+                        },
+                        1,
+                    ),
+                    LimitDef::new(
+                        "gc".into(),
+                        Algorithm::Gcra {
+                            rate: rate(3, S),
+                            burst: 5,
+                        },
+                        1,
+                    ),
+                ],
+                mode: Mode::Delay {
+                    max_delay_us: 450_000,
+                },
             },
-            1,
-        ),
-        one(
-            "fw",
-            Algorithm::FixedWindow {
-                limit: 1_000_000,
-                window_us: day,
+            // Limits charged from the response: checked for their cost before, and
+            // charged only by the responses' charges above.
+            Plan {
+                limits: vec![
+                    LimitDef::new(
+                        "fw".into(),
+                        Algorithm::FixedWindow {
+                            limit: 6,
+                            window_us: 2 * S,
+                        },
+                        1,
+                    )
+                    .from_response(response_units(1)),
+                    LimitDef::new(
+                        "tb".into(),
+                        Algorithm::TokenBucket {
+                            rate: rate(3, S),
+                            burst: 5,
+                        },
+                        1,
+                    )
+                    .from_response(response_units(1)),
+                    LimitDef::new(
+                        "sl".into(),
+                        Algorithm::SlidingLog {
+                            limit: 4,
+                            window_us: S,
+                        },
+                        1,
+                    ),
+                ],
+                mode: Mode::Reject,
             },
-            4_999,
-        ),
-        one(
-            "sw",
-            Algorithm::SlidingWindow {
-                limit: 10,
-                window_us: S,
+            Plan {
+                limits: vec![
+                    LimitDef::new(
+                        "fw".into(),
+                        Algorithm::FixedWindow {
+                            limit: 5,
+                            window_us: S,
+                        },
+                        1,
+                    ),
+                    LimitDef::new(
+                        "sw".into(),
+                        Algorithm::SlidingWindow {
+                            limit: 8,
+                            window_us: 2 * S,
+                        },
+                        1,
+                    ),
+                    LimitDef::new(
+                        "sl".into(),
+                        Algorithm::SlidingLog {
+                            limit: 6,
+                            window_us: 2 * S,
+                        },
+                        1,
+                    ),
+                ],
+                mode: Mode::Reject,
             },
-            1,
-        ),
-        one(
-            "sw",
-            Algorithm::SlidingWindow {
-                limit: 9,
-                window_us: 7 * S,
-            },
-            2,
-        ),
-        one(
-            "sw",
-            Algorithm::SlidingWindow {
-                limit: 3_000_000,
-                window_us: day,
-            },
-            40_001,
-        ),
-        // Across months: the refunds and the response charges of a calendar month.
-        one("mo", Algorithm::CalendarMonth { limit: 40 }, 1),
-        one(
-            "sl",
-            Algorithm::SlidingLog {
-                limit: 5,
-                window_us: S,
-            },
-            1,
-        ),
-        one(
-            "sl",
-            Algorithm::SlidingLog {
-                limit: 9,
-                window_us: 3 * S,
-            },
-            2,
-        ),
-        one(
-            "tb",
-            Algorithm::TokenBucket {
-                rate: rate(3, S),
-                burst: 4,
-            },
-            1,
-        ),
-        one(
-            "tb",
-            Algorithm::TokenBucket {
-                rate: rate(7, 13 * S),
-                burst: 9,
-            },
-            2,
-        ),
-        one(
-            "gc",
-            Algorithm::Gcra {
-                rate: rate(3, S),
-                burst: 4,
-            },
-            1,
-        ),
-        one(
-            "gc",
-            Algorithm::Gcra {
-                rate: rate(7, 13 * S),
-                burst: 9,
-            },
-            2,
-        ),
-        Plan {
-            limits: vec![
-                LimitDef::new(
-                    "tb".into(),
-                    Algorithm::TokenBucket {
-                        rate: rate(10, S),
-                        burst: 3,
-                    },
-                    1,
-                ),
-                LimitDef::new(
-                    "gc".into(),
-                    Algorithm::Gcra {
-                        rate: rate(3, S),
-                        burst: 5,
-                    },
-                    1,
-                ),
-            ],
-            mode: Mode::Delay {
-                max_delay_us: 450_000,
-            },
-        },
-        // Limits charged from the response: checked for their cost before, and
-        // charged only by the responses' charges above.
-        Plan {
-            limits: vec![
-                LimitDef::new(
-                    "fw".into(),
-                    Algorithm::FixedWindow {
-                        limit: 6,
-                        window_us: 2 * S,
-                    },
-                    1,
-                )
-                .from_response(response_units(1)),
-                LimitDef::new(
-                    "tb".into(),
-                    Algorithm::TokenBucket {
-                        rate: rate(3, S),
-                        burst: 5,
-                    },
-                    1,
-                )
-                .from_response(response_units(1)),
-                LimitDef::new(
-                    "sl".into(),
-                    Algorithm::SlidingLog {
-                        limit: 4,
-                        window_us: S,
-                    },
-                    1,
-                ),
-            ],
-            mode: Mode::Reject,
-        },
-        Plan {
-            limits: vec![
-                LimitDef::new(
-                    "fw".into(),
-                    Algorithm::FixedWindow {
-                        limit: 5,
-                        window_us: S,
-                    },
-                    1,
-                ),
-                LimitDef::new(
-                    "sw".into(),
-                    Algorithm::SlidingWindow {
-                        limit: 8,
-                        window_us: 2 * S,
-                    },
-                    1,
-                ),
-                LimitDef::new(
-                    "sl".into(),
-                    Algorithm::SlidingLog {
-                        limit: 6,
-                        window_us: 2 * S,
-                    },
-                    1,
-                ),
-            ],
-            mode: Mode::Reject,
-        },
-    ];
-    let mut admitted = 0;
-    let mut reloads = 0;
-    let mut refunds = 0;
-    let mut responses = 0;
-    for (p, first) in plans.iter().enumerate() {
-        let mut rng = Rng(p as u64 + 1);
-        let mut pure = PureStore::default();
-        let mut now = BASE_US + rng.below(day);
-        let mut plan = first.clone();
-        let key = format!("walk-{p}");
-        // Mean gap: about the time one unit takes to come back.
-        let gap = plan
-            .limits
-            .iter()
-            .map(|l| unit_us(&l.algorithm) * l.cost)
-            .max()
-            .unwrap_or(S)
-            * 2;
-        for step in 0..400 {
-            if rng.below(3) != 0 {
-                now += rng.below(gap);
-            }
-            if rng.below(40) == 0 {
-                plan = match rng.below(3) {
-                    0 => first.clone(),
-                    _ => renumbered(first, &mut rng),
-                };
-                reloads += 1;
-            }
-            // Now and then what a response said a request cost, charged whatever
-            // is left (`Algorithm::charge_anyway`): 0 to 3 units of each limit.
-            if rng.below(4) == 0 {
-                let mut charged = plan.clone();
-                for l in &mut charged.limits {
-                    l.cost = rng.below(4);
+        ];
+        let mut admitted = 0;
+        let mut reloads = 0;
+        let mut refunds = 0;
+        let mut responses = 0;
+        for (p, first) in plans.iter().enumerate() {
+            let mut rng = Rng(p as u64 + 1);
+            let mut pure = PureStore::default();
+            let mut now = BASE_US + rng.below(day);
+            let mut plan = first.clone();
+            let key = format!("walk-{p}");
+            // Mean gap: about the time one unit takes to come back.
+            let gap = plan
+                .limits
+                .iter()
+                .map(|l| unit_us(&l.algorithm) * l.cost)
+                .max()
+                .unwrap_or(S)
+                * 2;
+            for step in 0..400 {
+                if rng.below(3) != 0 {
+                    now += rng.below(gap);
                 }
-                pure.charge_response(&charged, now);
-                let shares = [("walk", key.as_str(), &charged)];
-                rt.block_on(store.charge_response(&shares, Some(now)))
-                    .unwrap();
-                responses += 1;
+                if rng.below(40) == 0 {
+                    plan = match rng.below(3) {
+                        0 => first.clone(),
+                        _ => renumbered(first, &mut rng),
+                    };
+                    reloads += 1;
+                }
+                // Now and then what a response said a request cost, charged whatever
+                // is left (`Algorithm::charge_anyway`): 0 to 3 units of each limit.
+                if rng.below(4) == 0 {
+                    let mut charged = plan.clone();
+                    for l in &mut charged.limits {
+                        l.cost = rng.below(4);
+                    }
+                    pure.charge_response(&charged, now);
+                    let shares = [("walk", key.as_str(), &charged)];
+                    rt.block_on(store.charge_response(&shares, Some(now)))
+                        .unwrap();
+                    responses += 1;
+                }
+                // Now and then a charge undone at once, as a cluster undoes the keys
+                // that admitted a request another key refused (`lua/refund.lua`).
+                let (expected, got) = if rng.below(5) == 0 {
+                    refunds += 1;
+                    let got = store.check_refunded_at("walk", &key, &plan, now);
+                    (pure.check_refunded(&plan, now), rt.block_on(got))
+                } else {
+                    let got = store.check_at("walk", &key, &plan, now);
+                    (pure.check(&plan, now), rt.block_on(got))
+                };
+                let got = got.unwrap();
+                assert_eq!(got, expected, "plan {p} step {step} at {now}: {plan:?}");
+                admitted += usize::from(got.allowed);
             }
-            // Now and then a charge undone at once, as a cluster undoes the keys
-            // that admitted a request another key refused (`lua/refund.lua`).
-            let (expected, got) = if rng.below(5) == 0 {
-                refunds += 1;
-                let got = store.check_refunded_at("walk", &key, &plan, now);
-                (pure.check_refunded(&plan, now), rt.block_on(got))
-            } else {
-                let got = store.check_at("walk", &key, &plan, now);
-                (pure.check(&plan, now), rt.block_on(got))
-            };
-            let got = got.unwrap();
-            assert_eq!(got, expected, "plan {p} step {step} at {now}: {plan:?}");
-            admitted += usize::from(got.allowed);
         }
+        assert!(admitted > 1_000, "{admitted}");
+        assert!(reloads > 50, "{reloads}");
+        assert!(refunds > 500, "{refunds}");
+        assert!(responses > 500, "{responses}");
     }
-    assert!(admitted > 1_000, "{admitted}");
-    assert!(reloads > 50, "{reloads}");
-    assert!(refunds > 500, "{refunds}");
-    assert!(responses > 500, "{responses}");
 }
 
 /// `plan` with other numbers (limit, rate, burst, cost, each between about half and
@@ -749,172 +752,174 @@ fn writes(redis: &RedisServer) -> u64 {
     info(redis, "persistence", "rdb_changes_since_last_save")
 }
 
-#[test]
-fn a_refused_request_writes_nothing() {
-    let redis = RedisServer::start();
-    let rt = runtime();
-    // No refusal cache: every refused request below reaches the script.
-    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
-    let hour = 3_600 * S;
-    let plans = [
-        one(
-            "fw",
-            Algorithm::FixedWindow {
-                limit: 3,
-                window_us: hour,
+redis_and_valkey! {
+    fn a_refused_request_writes_nothing() {
+        let redis = RedisServer::start();
+        let rt = runtime();
+        // No refusal cache: every refused request below reaches the script.
+        let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+        let hour = 3_600 * S;
+        let plans = [
+            one(
+                "fw",
+                Algorithm::FixedWindow {
+                    limit: 3,
+                    window_us: hour,
+                },
+                1,
+            ),
+            one(
+                "sw",
+                Algorithm::SlidingWindow {
+                    limit: 3,
+                    window_us: hour,
+                },
+                1,
+            ),
+            one(
+                "sl",
+                Algorithm::SlidingLog {
+                    limit: 3,
+                    window_us: hour,
+                },
+                1,
+            ),
+            one(
+                "tb",
+                Algorithm::TokenBucket {
+                    rate: rate(3, hour),
+                    burst: 3,
+                },
+                1,
+            ),
+            one(
+                "gc",
+                Algorithm::Gcra {
+                    rate: rate(3, hour),
+                    burst: 3,
+                },
+                1,
+            ),
+            // The first limit would admit; the second refuses; neither is charged.
+            Plan {
+                limits: vec![
+                    LimitDef::new(
+                        "wide".into(),
+                        Algorithm::SlidingLog {
+                            limit: 100,
+                            window_us: hour,
+                        },
+                        1,
+                    ),
+                    LimitDef::new(
+                        "narrow".into(),
+                        Algorithm::FixedWindow {
+                            limit: 3,
+                            window_us: hour,
+                        },
+                        1,
+                    ),
+                ],
+                mode: Mode::Reject,
             },
-            1,
-        ),
-        one(
-            "sw",
-            Algorithm::SlidingWindow {
-                limit: 3,
-                window_us: hour,
-            },
-            1,
-        ),
-        one(
-            "sl",
-            Algorithm::SlidingLog {
-                limit: 3,
-                window_us: hour,
-            },
-            1,
-        ),
-        one(
-            "tb",
-            Algorithm::TokenBucket {
-                rate: rate(3, hour),
-                burst: 3,
-            },
-            1,
-        ),
-        one(
-            "gc",
-            Algorithm::Gcra {
-                rate: rate(3, hour),
-                burst: 3,
-            },
-            1,
-        ),
-        // The first limit would admit; the second refuses; neither is charged.
-        Plan {
-            limits: vec![
-                LimitDef::new(
-                    "wide".into(),
-                    Algorithm::SlidingLog {
-                        limit: 100,
-                        window_us: hour,
-                    },
-                    1,
-                ),
-                LimitDef::new(
-                    "narrow".into(),
-                    Algorithm::FixedWindow {
-                        limit: 3,
-                        window_us: hour,
-                    },
-                    1,
-                ),
-            ],
-            mode: Mode::Reject,
-        },
-    ];
-    for (p, plan) in plans.iter().enumerate() {
-        let key = format!("k{p}");
-        let check = || rt.block_on(store.check("g", &key, plan)).unwrap();
-        let before = writes(&redis);
-        for _ in 0..3 {
-            assert!(check().allowed, "plan {p}");
-        }
-        // Admissions do write (so the counter can see writes at all): at least once
-        // per limit (a string state and its TTL are one `SET ... PX`).
-        assert!(
-            writes(&redis) >= before + 3 * plan.limits.len() as u64,
-            "plan {p}"
-        );
+        ];
+        for (p, plan) in plans.iter().enumerate() {
+            let key = format!("k{p}");
+            let check = || rt.block_on(store.check("g", &key, plan)).unwrap();
+            let before = writes(&redis);
+            for _ in 0..3 {
+                assert!(check().allowed, "plan {p}");
+            }
+            // Admissions do write (so the counter can see writes at all): at least once
+            // per limit (a string state and its TTL are one `SET ... PX`).
+            assert!(
+                writes(&redis) >= before + 3 * plan.limits.len() as u64,
+                "plan {p}"
+            );
 
-        let keys = store.keys("g", &key, plan);
-        let snapshot = || {
-            let mut c = redis.connection().unwrap();
-            keys.iter()
-                .map(|k| {
-                    let dump: Vec<u8> = redis::cmd("DUMP").arg(k).query(&mut c).unwrap();
-                    let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut c).unwrap();
-                    assert!(!dump.is_empty() && ttl > 0, "plan {p}: {k}");
-                    (dump, ttl)
-                })
-                .collect::<Vec<_>>()
-        };
-        let (held, w0) = (snapshot(), writes(&redis));
-        for _ in 0..5 {
-            let v = check();
-            assert!(!v.allowed && v.retry_after_us() > 0, "plan {p}: {v:?}");
+            let keys = store.keys("g", &key, plan);
+            let snapshot = || {
+                let mut c = redis.connection().unwrap();
+                keys.iter()
+                    .map(|k| {
+                        let dump: Vec<u8> = redis::cmd("DUMP").arg(k).query(&mut c).unwrap();
+                        let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut c).unwrap();
+                        assert!(!dump.is_empty() && ttl > 0, "plan {p}: {k}");
+                        (dump, ttl)
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let (held, w0) = (snapshot(), writes(&redis));
+            for _ in 0..5 {
+                let v = check();
+                assert!(!v.allowed && v.retry_after_us() > 0, "plan {p}: {v:?}");
+            }
+            assert_eq!(writes(&redis), w0, "plan {p}: a refused request wrote");
+            for ((dump, ttl), (dump0, ttl0)) in snapshot().into_iter().zip(held) {
+                assert_eq!(dump, dump0, "plan {p}: state changed");
+                assert!(ttl <= ttl0, "plan {p}: expiry pushed from {ttl0} to {ttl}");
+            }
         }
-        assert_eq!(writes(&redis), w0, "plan {p}: a refused request wrote");
-        for ((dump, ttl), (dump0, ttl0)) in snapshot().into_iter().zip(held) {
-            assert_eq!(dump, dump0, "plan {p}: state changed");
-            assert!(ttl <= ttl0, "plan {p}: expiry pushed from {ttl0} to {ttl}");
-        }
+        // The wide limit holds the three admitted requests, not the refused ones.
+        assert_eq!(
+            redis.cmd::<i64>(&["ZCARD", &store.keys("g", "k5", &plans[5])[0]]),
+            3
+        );
     }
-    // The wide limit holds the three admitted requests, not the refused ones.
-    assert_eq!(
-        redis.cmd::<i64>(&["ZCARD", &store.keys("g", "k5", &plans[5])[0]]),
-        3
-    );
 }
 
 // === the refusal cache ===
 
-#[test]
-fn refusals_are_answered_locally_until_their_retry_time() {
-    let mut redis = RedisServer::start();
-    let rt = runtime();
-    let store = rt
-        .block_on(RedisStore::connect(RedisOptions {
-            timeout: Duration::from_millis(200),
-            ..options(RedisTarget::Url(redis.url()), 1_000)
-        }))
-        .unwrap();
-    let plan = one(
-        "log",
-        Algorithm::SlidingLog {
-            limit: 2,
-            window_us: 1_500_000,
-        },
-        1,
-    );
-    let check = |key: &str| rt.block_on(store.check("r", key, &plan));
-    assert!(check("a").unwrap().allowed);
-    assert!(check("a").unwrap().allowed);
-    let t0 = std::time::Instant::now();
-    let first = check("a").unwrap();
-    assert!(!first.allowed);
-    let retry = first.retry_after_us();
-    assert!((1_000_000..=1_500_000).contains(&retry), "{retry}");
+redis_and_valkey! {
+    fn refusals_are_answered_locally_until_their_retry_time() {
+        let mut redis = RedisServer::start();
+        let rt = runtime();
+        let store = rt
+            .block_on(RedisStore::connect(RedisOptions {
+                timeout: Duration::from_millis(200),
+                ..options(RedisTarget::Url(redis.url()), 1_000)
+            }))
+            .unwrap();
+        let plan = one(
+            "log",
+            Algorithm::SlidingLog {
+                limit: 2,
+                window_us: 1_500_000,
+            },
+            1,
+        );
+        let check = |key: &str| rt.block_on(store.check("r", key, &plan));
+        assert!(check("a").unwrap().allowed);
+        assert!(check("a").unwrap().allowed);
+        let t0 = std::time::Instant::now();
+        let first = check("a").unwrap();
+        assert!(!first.allowed);
+        let retry = first.retry_after_us();
+        assert!((1_000_000..=1_500_000).contains(&retry), "{retry}");
 
-    // Answered without a call: Redis sees no EVALSHA, and the retry time counts down.
-    let evals = redis.calls("evalsha");
-    std::thread::sleep(Duration::from_millis(100));
-    let cached = check("a").unwrap();
-    assert!(!cached.allowed);
-    assert!(
-        cached.retry_after_us() <= retry - 100_000,
-        "{} vs {retry}",
-        cached.retry_after_us()
-    );
-    assert_eq!(cached.outcomes[0].remaining, 0);
-    assert_eq!(redis.calls("evalsha"), evals);
+        // Answered without a call: Redis sees no EVALSHA, and the retry time counts down.
+        let evals = redis.calls("evalsha");
+        std::thread::sleep(Duration::from_millis(100));
+        let cached = check("a").unwrap();
+        assert!(!cached.allowed);
+        assert!(
+            cached.retry_after_us() <= retry - 100_000,
+            "{} vs {retry}",
+            cached.retry_after_us()
+        );
+        assert_eq!(cached.outcomes[0].remaining, 0);
+        assert_eq!(redis.calls("evalsha"), evals);
 
-    // Even with Redis gone the refusal holds (it is exact); other keys get the error.
-    redis.kill();
-    assert!(!check("a").unwrap().allowed);
-    assert!(check("b").is_err());
-    // After the retry time the cache lets go and the store's error shows.
-    std::thread::sleep(
-        Duration::from_micros(retry).saturating_sub(t0.elapsed()) + Duration::from_millis(50),
-    );
-    assert!(check("a").is_err());
+        // Even with Redis gone the refusal holds (it is exact); other keys get the error.
+        redis.kill();
+        assert!(!check("a").unwrap().allowed);
+        assert!(check("b").is_err());
+        // After the retry time the cache lets go and the store's error shows.
+        std::thread::sleep(
+            Duration::from_micros(retry).saturating_sub(t0.elapsed()) + Duration::from_millis(50),
+        );
+        assert!(check("a").is_err());
+    }
 }
 
 // === memory per tracked key (the numbers of docs/redis-and-fleets.md) ===
@@ -1021,44 +1026,45 @@ fn memory_usage_per_tracked_key() {
     }
 }
 
-/// In delay mode a refusal with retry R turns into a delayed admission once the
-/// wait is down to max_delay: the cache answers only until R - max_delay.
-#[test]
-fn delay_mode_refusals_are_held_until_the_wait_fits() {
-    let redis = RedisServer::start();
-    let rt = runtime();
-    let store = connect(&rt, RedisTarget::Url(redis.url()), 1_000);
-    let plan = Plan {
-        limits: vec![LimitDef::new(
-            "gc".into(),
-            Algorithm::Gcra {
-                rate: rate(1, S),
-                burst: 1,
-            },
-            1,
-        )],
-        mode: Mode::Delay { max_delay_us: S },
-    };
-    let check = || rt.block_on(store.check("d", "k", &plan)).unwrap();
-    let t0 = std::time::Instant::now();
-    assert_eq!((check().allowed, check().allowed), (true, true)); // the second waits ~1 s
-    let refused = check();
-    assert!(!refused.allowed);
-    let retry = refused.retry_after_us();
-    assert!((1_500_000..=2 * S).contains(&retry), "{retry}");
+redis_and_valkey! {
+    /// In delay mode a refusal with retry R turns into a delayed admission once the
+    /// wait is down to max_delay: the cache answers only until R - max_delay.
+    fn delay_mode_refusals_are_held_until_the_wait_fits() {
+        let redis = RedisServer::start();
+        let rt = runtime();
+        let store = connect(&rt, RedisTarget::Url(redis.url()), 1_000);
+        let plan = Plan {
+            limits: vec![LimitDef::new(
+                "gc".into(),
+                Algorithm::Gcra {
+                    rate: rate(1, S),
+                    burst: 1,
+                },
+                1,
+            )],
+            mode: Mode::Delay { max_delay_us: S },
+        };
+        let check = || rt.block_on(store.check("d", "k", &plan)).unwrap();
+        let t0 = std::time::Instant::now();
+        assert_eq!((check().allowed, check().allowed), (true, true)); // the second waits ~1 s
+        let refused = check();
+        assert!(!refused.allowed);
+        let retry = refused.retry_after_us();
+        assert!((1_500_000..=2 * S).contains(&retry), "{retry}");
 
-    std::thread::sleep(Duration::from_millis(300));
-    let evals = redis.calls("evalsha");
-    assert!(!check().allowed, "held while the wait exceeds max_delay");
-    assert_eq!(redis.calls("evalsha"), evals);
+        std::thread::sleep(Duration::from_millis(300));
+        let evals = redis.calls("evalsha");
+        assert!(!check().allowed, "held while the wait exceeds max_delay");
+        assert_eq!(redis.calls("evalsha"), evals);
 
-    // Past R - max_delay: Redis is asked and books a wait of at most max_delay.
-    std::thread::sleep(
-        Duration::from_micros(retry - S).saturating_sub(t0.elapsed()) + Duration::from_millis(100),
-    );
-    let v = check();
-    assert!(v.allowed && v.delay_us > 0 && v.delay_us <= S, "{v:?}");
-    assert_eq!(redis.calls("evalsha"), evals + 1);
+        // Past R - max_delay: Redis is asked and books a wait of at most max_delay.
+        std::thread::sleep(
+            Duration::from_micros(retry - S).saturating_sub(t0.elapsed()) + Duration::from_millis(100),
+        );
+        let v = check();
+        assert!(v.allowed && v.delay_us > 0 && v.delay_us <= S, "{v:?}");
+        assert_eq!(redis.calls("evalsha"), evals + 1);
+    }
 }
 
 // === i. requests waiting for a shared script call ===
@@ -1151,106 +1157,107 @@ fn a_request_that_stopped_waiting_is_not_sent() {
     assert_eq!(names, ["q:after", "q:first", "q:warm"]);
 }
 
-/// Requests of different routes and limits decided by one call each get their own
-/// keys and limits: two plans, interleaved, queued behind a call Redis holds.
-#[test]
-fn one_call_decides_requests_of_different_plans_apart() {
-    let redis = RedisServer::start();
-    // One thread: a spawned request runs only while the test waits on the runtime.
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
-    let hour = 3_600 * S;
-    let two_limits = Plan {
-        limits: vec![
-            LimitDef::new(
-                "fw".into(),
-                Algorithm::FixedWindow {
-                    limit: 2,
-                    window_us: hour,
-                },
-                1,
-            ),
-            LimitDef::new(
-                "gc".into(),
-                Algorithm::Gcra {
-                    rate: rate(10, S),
-                    burst: 5,
-                },
-                1,
-            ),
-        ],
-        mode: Mode::Reject,
-    };
-    let one_limit = one(
-        "fw",
-        Algorithm::FixedWindow {
-            limit: 5,
-            window_us: hour,
-        },
-        1,
-    );
-    assert!(
-        rt.block_on(store.check("a", "warm", &one_limit))
-            .unwrap()
-            .allowed
-    );
-
-    let before = hold_scripts(&redis);
-    let calls = redis.calls("evalsha");
-    let first = {
-        let (store, plan) = (store.clone(), one_limit.clone());
-        rt.spawn(async move { store.check("b", "w", &plan).await })
-    };
-    rt.block_on(call_reached(&redis, before));
-    let queued: Vec<_> = (0..6)
-        .map(|i| {
-            let store = store.clone();
-            let (ns, key, plan) = if i % 2 == 0 {
-                ("a", "x", two_limits.clone())
-            } else {
-                ("b", "y", one_limit.clone())
-            };
-            rt.spawn(async move { (key, store.check(ns, key, &plan).await) })
-        })
-        .collect();
-    // Each queues behind the first call at its first poll; then Redis goes on.
-    rt.block_on(async {
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-    });
-    let _: String = redis.cmd(&["CLIENT", "UNPAUSE"]);
-    assert!(rt.block_on(first).unwrap().unwrap().allowed);
-    let mut x = Vec::new();
-    let mut y = Vec::new();
-    for q in queued {
-        let (key, v) = rt.block_on(q).unwrap();
-        let v = v.unwrap();
-        let seen = (
-            v.allowed,
-            v.outcomes.iter().map(|o| o.remaining).collect::<Vec<_>>(),
+redis_and_valkey! {
+    /// Requests of different routes and limits decided by one call each get their own
+    /// keys and limits: two plans, interleaved, queued behind a call Redis holds.
+    fn one_call_decides_requests_of_different_plans_apart() {
+        let redis = RedisServer::start();
+        // One thread: a spawned request runs only while the test waits on the runtime.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+        let hour = 3_600 * S;
+        let two_limits = Plan {
+            limits: vec![
+                LimitDef::new(
+                    "fw".into(),
+                    Algorithm::FixedWindow {
+                        limit: 2,
+                        window_us: hour,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "gc".into(),
+                    Algorithm::Gcra {
+                        rate: rate(10, S),
+                        burst: 5,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        };
+        let one_limit = one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 5,
+                window_us: hour,
+            },
+            1,
         );
-        if key == "x" {
-            x.push(seen)
-        } else {
-            y.push(seen)
+        assert!(
+            rt.block_on(store.check("a", "warm", &one_limit))
+                .unwrap()
+                .allowed
+        );
+
+        let before = hold_scripts(&redis);
+        let calls = redis.calls("evalsha");
+        let first = {
+            let (store, plan) = (store.clone(), one_limit.clone());
+            rt.spawn(async move { store.check("b", "w", &plan).await })
+        };
+        rt.block_on(call_reached(&redis, before));
+        let queued: Vec<_> = (0..6)
+            .map(|i| {
+                let store = store.clone();
+                let (ns, key, plan) = if i % 2 == 0 {
+                    ("a", "x", two_limits.clone())
+                } else {
+                    ("b", "y", one_limit.clone())
+                };
+                rt.spawn(async move { (key, store.check(ns, key, &plan).await) })
+            })
+            .collect();
+        // Each queues behind the first call at its first poll; then Redis goes on.
+        rt.block_on(async {
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+        });
+        let _: String = redis.cmd(&["CLIENT", "UNPAUSE"]);
+        assert!(rt.block_on(first).unwrap().unwrap().allowed);
+        let mut x = Vec::new();
+        let mut y = Vec::new();
+        for q in queued {
+            let (key, v) = rt.block_on(q).unwrap();
+            let v = v.unwrap();
+            let seen = (
+                v.allowed,
+                v.outcomes.iter().map(|o| o.remaining).collect::<Vec<_>>(),
+            );
+            if key == "x" {
+                x.push(seen)
+            } else {
+                y.push(seen)
+            }
         }
+        x.sort();
+        y.sort();
+        // x: the fixed window (2) binds (the refused one's gcra outcome is what it would
+        // have left had it been admitted); y: 5 per hour.
+        assert_eq!(
+            x,
+            [(false, vec![0, 2]), (true, vec![0, 3]), (true, vec![1, 4])]
+        );
+        assert_eq!(y, [(true, vec![2]), (true, vec![3]), (true, vec![4])]);
+        assert_eq!(
+            redis.calls("evalsha") - calls,
+            2,
+            "the first call, then the six together"
+        );
     }
-    x.sort();
-    y.sort();
-    // x: the fixed window (2) binds (the refused one's gcra outcome is what it would
-    // have left had it been admitted); y: 5 per hour.
-    assert_eq!(
-        x,
-        [(false, vec![0, 2]), (true, vec![0, 3]), (true, vec![1, 4])]
-    );
-    assert_eq!(y, [(true, vec![2]), (true, vec![3]), (true, vec![4])]);
-    assert_eq!(
-        redis.calls("evalsha") - calls,
-        2,
-        "the first call, then the six together"
-    );
 }

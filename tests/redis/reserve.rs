@@ -99,94 +99,97 @@ async fn hot_key(target: &str) -> Hot {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_gateways_on_one_redis_never_admit_more_than_a_reserved_limit() {
-    let redis = RedisServer::start();
-    let hot = hot_key(&url_target(&redis.url())).await;
-    // The shared count took the whole limit: what was not admitted is held.
-    let keys = redis.keys("sluice:{api:shared}:*");
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    assert_eq!(
-        window_count(&redis.cmd::<String>(&["GET", keys[0].as_str()])),
-        200
-    );
-    // Redis ran exactly the calls the gateways counted.
-    assert_eq!(redis.calls("evalsha") as f64, hot.decide_calls);
-    assert_eq!(redis.calls("eval"), 0);
-    // What was not admitted is held: spent by later requests, or counted unused
-    // once its window ends.
-    assert!(hot.admitted <= 200);
+redis_and_valkey! {
+    async fn three_gateways_on_one_redis_never_admit_more_than_a_reserved_limit() {
+        let redis = RedisServer::start();
+        let hot = hot_key(&url_target(&redis.url())).await;
+        // The shared count took the whole limit: what was not admitted is held.
+        let keys = redis.keys("sluice:{api:shared}:*");
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        assert_eq!(
+            window_count(&redis.cmd::<String>(&["GET", keys[0].as_str()])),
+            200
+        );
+        // Redis ran exactly the calls the gateways counted.
+        assert_eq!(redis.calls("evalsha") as f64, hot.decide_calls);
+        assert_eq!(redis.calls("eval"), 0);
+        // What was not admitted is held: spent by later requests, or counted unused
+        // once its window ends.
+        assert!(hot.admitted <= 200);
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_gateways_on_a_cluster_never_admit_more_than_a_reserved_limit() {
-    let cluster = RedisCluster::start();
-    let hot = hot_key(&cluster_target(&cluster.urls())).await;
-    // One node holds the hot key, and every call went to it.
-    let owners: Vec<usize> = (0..cluster.nodes.len())
-        .filter(|&i| !cluster.nodes[i].keys("sluice:{api:shared}:*").is_empty())
-        .collect();
-    assert_eq!(owners.len(), 1);
-    let owner = &cluster.nodes[owners[0]];
-    let key = &owner.keys("sluice:{api:shared}:*")[0];
-    assert_eq!(
-        window_count(&owner.cmd::<String>(&["GET", key.as_str()])),
-        200
-    );
-    assert_eq!(owner.calls("evalsha") as f64, hot.decide_calls);
+redis_and_valkey! {
+    async fn three_gateways_on_a_cluster_never_admit_more_than_a_reserved_limit() {
+        let cluster = RedisCluster::start();
+        let hot = hot_key(&cluster_target(&cluster.urls())).await;
+        // One node holds the hot key, and every call went to it.
+        let owners: Vec<usize> = (0..cluster.nodes.len())
+            .filter(|&i| !cluster.nodes[i].keys("sluice:{api:shared}:*").is_empty())
+            .collect();
+        assert_eq!(owners.len(), 1);
+        let owner = &cluster.nodes[owners[0]];
+        let key = &owner.keys("sluice:{api:shared}:*")[0];
+        assert_eq!(
+            window_count(&owner.cmd::<String>(&["GET", key.as_str()])),
+            200
+        );
+        assert_eq!(owner.calls("evalsha") as f64, hot.decide_calls);
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn units_left_when_the_window_ends_are_counted_unused_and_nothing_else_is_lost() {
-    let redis = RedisServer::start();
-    let yaml = format!(
-        "{}{}",
-        redis_store(&url_target(&redis.url()), "deny", 2000),
-        route("[{name: hot, algorithm: fixed_window, limit: 1000, window: 2s, reserve: 20}]")
-    );
-    let gateways = start(&yaml).await;
-    let addrs: Vec<SocketAddr> = gateways.iter().map(|g| g.addr).collect();
-    const W: u64 = 2_000_000;
-    let unused = || {
-        total(
-            &gateways,
-            "sluice_reserve_unused_total",
-            &[("route", "api"), ("limit", "hot")],
-        )
-    };
-    // A burst inside one window, under the limit (tried again if it ran past the
-    // window's end); then what the shared count holds, read in the same window.
-    let mut found = None;
-    for _ in 0..3 {
-        // Start just after a window begins.
-        tokio::time::sleep(Duration::from_micros(until_window_end(&redis, W) + 20_000)).await;
-        let unused_before = unused().await;
-        let left = until_window_end(&redis, W);
-        let statuses = burst(&addrs, 300, "shared").await;
-        assert_eq!(statuses, BTreeMap::from([(200, 300)]));
-        let key = redis.keys("sluice:{api:shared}:*")[0].clone();
-        let count = window_count(&redis.cmd::<String>(&["GET", key.as_str()]));
-        if until_window_end(&redis, W) >= left {
-            // The window rolled during the burst: its numbers span two windows.
-            continue;
+redis_and_valkey! {
+    async fn units_left_when_the_window_ends_are_counted_unused_and_nothing_else_is_lost() {
+        let redis = RedisServer::start();
+        let yaml = format!(
+            "{}{}",
+            redis_store(&url_target(&redis.url()), "deny", 2000),
+            route("[{name: hot, algorithm: fixed_window, limit: 1000, window: 2s, reserve: 20}]")
+        );
+        let gateways = start(&yaml).await;
+        let addrs: Vec<SocketAddr> = gateways.iter().map(|g| g.addr).collect();
+        const W: u64 = 2_000_000;
+        let unused = || {
+            total(
+                &gateways,
+                "sluice_reserve_unused_total",
+                &[("route", "api"), ("limit", "hot")],
+            )
+        };
+        // A burst inside one window, under the limit (tried again if it ran past the
+        // window's end); then what the shared count holds, read in the same window.
+        let mut found = None;
+        for _ in 0..3 {
+            // Start just after a window begins.
+            tokio::time::sleep(Duration::from_micros(until_window_end(&redis, W) + 20_000)).await;
+            let unused_before = unused().await;
+            let left = until_window_end(&redis, W);
+            let statuses = burst(&addrs, 300, "shared").await;
+            assert_eq!(statuses, BTreeMap::from([(200, 300)]));
+            let key = redis.keys("sluice:{api:shared}:*")[0].clone();
+            let count = window_count(&redis.cmd::<String>(&["GET", key.as_str()]));
+            if until_window_end(&redis, W) >= left {
+                // The window rolled during the burst: its numbers span two windows.
+                continue;
+            }
+            found = Some((count, unused_before));
+            break;
         }
-        found = Some((count, unused_before));
-        break;
+        let (count, unused_before) = found.expect("a burst within one 2 s window in 3 tries");
+        // The gateways took more than they spent, at most N − 1 each.
+        assert!(
+            (300..=300 + GATEWAYS as u64 * 19).contains(&count),
+            "{count}"
+        );
+        // The next window: one request per gateway finds its units expired and counts
+        // them; each is admitted afresh.
+        tokio::time::sleep(Duration::from_micros(until_window_end(&redis, W) + 20_000)).await;
+        for addr in &addrs {
+            assert_eq!(get(*addr, "/", &[("x-key", "shared")]).await.status, 200);
+        }
+        // Every unit taken in the window was admitted or is counted unused.
+        assert_eq!(unused().await - unused_before, (count - 300) as f64);
     }
-    let (count, unused_before) = found.expect("a burst within one 2 s window in 3 tries");
-    // The gateways took more than they spent, at most N − 1 each.
-    assert!(
-        (300..=300 + GATEWAYS as u64 * 19).contains(&count),
-        "{count}"
-    );
-    // The next window: one request per gateway finds its units expired and counts
-    // them; each is admitted afresh.
-    tokio::time::sleep(Duration::from_micros(until_window_end(&redis, W) + 20_000)).await;
-    for addr in &addrs {
-        assert_eq!(get(*addr, "/", &[("x-key", "shared")]).await.status, 200);
-    }
-    // Every unit taken in the window was admitted or is counted unused.
-    assert_eq!(unused().await - unused_before, (count - 300) as f64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,9 +309,10 @@ async fn bucket_fleet(algorithm: &str, mode: &str) {
     assert_eq!(redis.calls("evalsha") as f64, calls);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_bucket_with_reserve_never_admits_more_than_its_rate_allows() {
-    bucket_fleet("token_bucket", "").await;
+redis_and_valkey! {
+    async fn a_token_bucket_with_reserve_never_admits_more_than_its_rate_allows() {
+        bucket_fleet("token_bucket", "").await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

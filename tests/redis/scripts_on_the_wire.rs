@@ -41,57 +41,58 @@ fn command(line: &str) -> Option<(String, &str)> {
     Some((name.to_ascii_uppercase(), first))
 }
 
-#[tokio::test]
-async fn every_script_is_sent_whole_at_most_once_then_by_its_hash() {
-    let redis = RedisServer::start();
-    let seen = monitor(&redis);
-    let up = upstream_with(UpstreamOpts {
-        status: None,
-        delay: Duration::from_millis(500),
-    })
-    .await;
-    let yaml = format!(
-        "{}upstreams:\n  slow: {{targets: [\"{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 4, lease: 150ms}}, {{name: hourly, algorithm: fixed_window, limit: 100, window: 1h}}]\n",
-        redis_store(&url_target(&redis.url()), "deny", 500),
-        up.url()
-    );
-    let gw = start_gateway(&yaml).await;
-    for round in 0..2 {
-        // Limits decided, a lease taken and renewed (every 50 ms for 500 ms).
-        let a = get(gw.addr, "/", &[("x-key", "k")]).await;
-        assert_eq!(a.status, 200, "round {round}: {}", a.body);
-        // The shared deny list: an entry added, then removed.
-        let body = json!({"key": format!("k{round}"), "ttl": "10m"}).to_string();
-        let a = request(gw.admin_addr, "POST", "/admin/deny", &[], &body).await;
-        assert_eq!(a.status, 201, "round {round}: {}", a.body);
-        let body = json!({"key": format!("k{round}")}).to_string();
-        let a = request(gw.admin_addr, "DELETE", "/admin/deny", &[], &body).await;
-        assert_eq!(a.status, 204, "round {round}: {}", a.body);
-    }
-    // The last renewals and releases land.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let seen = seen.lock().expect("monitor log").clone();
-    let mut whole: HashMap<String, usize> = HashMap::new();
-    let mut by_hash = 0;
-    for line in &seen {
-        match command(line) {
-            Some((name, body)) if name == "EVAL" => {
-                let start: String = body.chars().take(80).collect();
-                *whole.entry(start).or_default() += 1;
-            }
-            Some((name, _)) if name == "EVALSHA" => by_hash += 1,
-            _ => {}
+redis_and_valkey! {
+    async fn every_script_is_sent_whole_at_most_once_then_by_its_hash() {
+        let redis = RedisServer::start();
+        let seen = monitor(&redis);
+        let up = upstream_with(UpstreamOpts {
+            status: None,
+            delay: Duration::from_millis(500),
+        })
+        .await;
+        let yaml = format!(
+            "{}upstreams:\n  slow: {{targets: [\"{}\"]}}\nroutes:\n  - name: slow\n    match: {{path_prefix: /}}\n    upstream: slow\n    key: header:x-key\n    limits: [{{name: inflight, algorithm: concurrency, limit: 4, lease: 150ms}}, {{name: hourly, algorithm: fixed_window, limit: 100, window: 1h}}]\n",
+            redis_store(&url_target(&redis.url()), "deny", 500),
+            up.url()
+        );
+        let gw = start_gateway(&yaml).await;
+        for round in 0..2 {
+            // Limits decided, a lease taken and renewed (every 50 ms for 500 ms).
+            let a = get(gw.addr, "/", &[("x-key", "k")]).await;
+            assert_eq!(a.status, 200, "round {round}: {}", a.body);
+            // The shared deny list: an entry added, then removed.
+            let body = json!({"key": format!("k{round}"), "ttl": "10m"}).to_string();
+            let a = request(gw.admin_addr, "POST", "/admin/deny", &[], &body).await;
+            assert_eq!(a.status, 201, "round {round}: {}", a.body);
+            let body = json!({"key": format!("k{round}")}).to_string();
+            let a = request(gw.admin_addr, "DELETE", "/admin/deny", &[], &body).await;
+            assert_eq!(a.status, 204, "round {round}: {}", a.body);
         }
+        // The last renewals and releases land.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let seen = seen.lock().expect("monitor log").clone();
+        let mut whole: HashMap<String, usize> = HashMap::new();
+        let mut by_hash = 0;
+        for line in &seen {
+            match command(line) {
+                Some((name, body)) if name == "EVAL" => {
+                    let start: String = body.chars().take(80).collect();
+                    *whole.entry(start).or_default() += 1;
+                }
+                Some((name, _)) if name == "EVALSHA" => by_hash += 1,
+                _ => {}
+            }
+        }
+        let again: Vec<_> = whole.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(
+            again.is_empty(),
+            "scripts sent whole more than once (body start, times): {again:?}"
+        );
+        // The limiter script twice, a lease renewed, the deny writes: all by hash.
+        assert!(
+            by_hash >= 6,
+            "{by_hash} EVALSHA calls:\n{}",
+            seen.join("\n")
+        );
     }
-    let again: Vec<_> = whole.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(
-        again.is_empty(),
-        "scripts sent whole more than once (body start, times): {again:?}"
-    );
-    // The limiter script twice, a lease renewed, the deny writes: all by hash.
-    assert!(
-        by_hash >= 6,
-        "{by_hash} EVALSHA calls:\n{}",
-        seen.join("\n")
-    );
 }

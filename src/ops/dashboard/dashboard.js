@@ -150,7 +150,7 @@
     const [stats, deny, top, fleet] = await Promise.all([
       getJson("/admin/stats"),
       getDenyPage(),
-      getJson("/admin/top?n=50"),
+      getTop(),
       getFleet(),
     ]);
     if (stats.config.hash !== configHash) {
@@ -175,6 +175,16 @@
   let fleetAt = 0;
   let fleetLast = null;
 
+  // The top offenders: summed over the fleet once the last fleet view saw more
+  // than one live instance on Redis (this instance's own if that cannot be read).
+  async function getTop() {
+    if (fleetLast && fleetLast.store === "redis" && fleetLast.live > 1) {
+      const r = await api("GET", "/admin/top?n=50&scope=fleet");
+      if (r.ok) return { rows: await r.json(), fleet: fleetLast.live };
+    }
+    return { rows: await getJson("/admin/top?n=50"), fleet: 0 };
+  }
+
   async function getFleet() {
     const now = Date.now();
     if (fleetLast && now - fleetAt < FLEET_EVERY_MS) return fleetLast;
@@ -196,6 +206,9 @@
     if (!stats.ready) {
       showBanner("ready", `Not ready (/readyz answers 503): ${stats.not_ready.join(", ")}.`);
     } else hideBanner("ready");
+    if (stats.store.degraded) {
+      showBanner("degraded", `Degraded: ${stats.store.degraded}.`);
+    } else hideBanner("degraded");
     if (fleet && fleet.consistent === false) {
       showBanner(
         "fleet",
@@ -258,6 +271,7 @@
     row(dl, "/readyz", badge(stats.ready, "ready", `not ready: ${stats.not_ready.join(", ")}`));
     row(dl, "store errors", el("span", { class: s.errors > 0 ? "error" : "" }, s.errors));
     row(dl, "on_error", s.on_error);
+    if (s.degraded) row(dl, "degraded", el("span", { class: "error degraded" }, s.degraded));
     const d = stats.deny_entries;
     row(dl, "deny entries", `${d.static} static · ${d.api} api · ${d.ban} ban`);
   }
@@ -527,7 +541,8 @@
 
   // === top offenders, with deny buttons ===
 
-  function renderTop(rows) {
+  function renderTop({ rows, fleet }) {
+    const scope = fleet ? `summed over the fleet's ${fleet} live instances` : "this instance";
     const byRoute = new Map();
     for (const row of rows) {
       if (!byRoute.has(row.route)) byRoute.set(row.route, []);
@@ -536,28 +551,30 @@
     for (const [name, v] of routeViews) {
       if (!v.hasLimits) continue;
       const mine = (byRoute.get(name) || []).slice(0, 10);
-      const text = JSON.stringify(mine.map((r) => [r.key, r.ip, r.refused, r.allowed, r.denied || null]));
+      const text = JSON.stringify([scope, mine.map((r) => [r.key, r.ip, r.refused, r.allowed, r.denied || null])]);
       if (text === v.topShown) continue;
       v.topShown = text;
-      drawOffenders(name, v, mine);
+      drawOffenders(name, v, mine, scope);
     }
   }
 
-  function drawOffenders(route, v, rows) {
+  function drawOffenders(route, v, rows, scope) {
     // The inputs are kept across redraws (an operator may be typing in them).
     if (!v.ttl) {
       v.ttl = el("input", { class: "short", value: "1h", "aria-label": `ttl for ${route}` });
       v.reason = el("input", { class: "wide", value: `top offender on ${route}`, "aria-label": `reason for ${route}` });
       v.topMessage = el("span", { class: "small" });
       v.topBody = el("tbody");
+      v.topScope = el("span", { class: "muted small top-scope" });
       v.offenders.append(
-        el("h4", null, "Top offenders ", el("span", { class: "muted small" }, "most refused in the last 1–2 minutes, this instance")),
+        el("h4", null, "Top offenders ", v.topScope),
         el("div", { class: "deny-form" }, el("label", { class: "small muted" }, "deny for ", v.ttl), el("label", { class: "small muted wide" }, "reason ", v.reason), v.topMessage),
         el("table", { class: "deny top" },
           el("thead", null, el("tr", null, el("th", null, "key"), el("th", null, "ip"), el("th", null, "refused"), el("th", null, "allowed"), el("th", null, "last seen"), el("th", null, ""))),
           v.topBody)
       );
     }
+    v.topScope.textContent = `most refused in the last 1–2 minutes, ${scope}`;
     clear(v.topBody);
     if (!rows.length) {
       v.topBody.append(el("tr", null, el("td", { colspan: "6", class: "muted" }, "No one refused lately.")));
@@ -638,9 +655,10 @@
   }
 
   function renderFleet(f) {
-    const note = f.store === "redis"
-      ? `${f.instances.length} instance${f.instances.length === 1 ? "" : "s"} on this Redis, counts summed over them since each started`
-      : "memory store: this instance alone";
+    const degraded = f.degraded ? `degraded: limits divided by ${f.divided_by} in each instance while Redis is unreachable; ` : "";
+    const note = degraded + (f.store === "redis"
+      ? `${f.live} live instance${f.live === 1 ? "" : "s"} on this Redis, counts summed over them since each started${f.instances.length > f.live ? ` (${f.instances.length - f.live} stale: missed two heartbeats, not summed)` : ""}`
+      : "memory store: this instance alone");
     $("fleet-note").textContent = f.error ? `${note} (${f.error})` : note;
     const totals = $("fleet-totals");
     clear(totals);
@@ -659,7 +677,7 @@
           el("td", null, i.addr),
           el("td", null, i.version),
           el("td", null, el("code", { class: odd ? "error" : "" }, i.config_hash.slice(0, 12))),
-          el("td", null, badge(i.ready, "ready", "not ready")),
+          el("td", null, badge(i.ready, "ready", i.stale ? "stale" : "not ready")),
           el("td", { class: "decisions" }, instanceDecisions(i.routes || {})),
           el("td", null, utcTime(i.last_seen)))
       );
