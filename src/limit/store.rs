@@ -129,6 +129,23 @@ impl Store {
         v
     }
 
+    /// `check_shares` with every share decided by the store itself (on Redis, no
+    /// refusal answered from the refusal cache): Envoy's rate limit service reports
+    /// each descriptor's count, also beside a refusing one.
+    pub async fn check_shares_asked(
+        &self,
+        shares: &[Share<'_>],
+        trial: u64,
+    ) -> Result<Checked, StoreError> {
+        let timer = self.latency.start_timer();
+        let v = match &self.backend {
+            Backend::Memory(m) => Ok(m.acquire_shares(shares, trial)),
+            Backend::Redis { redis, .. } => redis.acquire_shares_asked(shares, trial).await,
+        };
+        self.observe(timer, &v);
+        v
+    }
+
     /// Charges what a response said requests cost (`limit::response`): each entry a
     /// namespace, a stored key and the limits to charge there (their `cost` the units
     /// the response said), whatever is left. Never waits: the memory store charges

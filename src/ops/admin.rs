@@ -44,6 +44,9 @@ pub struct Admin {
     /// A request body must have come whole within this after its head
     /// (`admin.request_header_timeout`): else 408, and the connection closes.
     pub body_timeout: std::time::Duration,
+    /// Envoy's rate limit service, with `rls:`: its domains' refusals are in
+    /// `/admin/top` as routes named `rls:DOMAIN`.
+    pub rls: Option<Arc<crate::rls::Service>>,
 }
 
 // The dashboard: three static files, compiled in.
@@ -292,11 +295,19 @@ impl Admin {
     fn top(&self, query: Option<&str>) -> Response<Body> {
         let rt = self.shared.runtime.load_full();
         let (mut route, mut n) = (None, None);
+        // Envoy's rate limit service's domains, as routes named `rls:DOMAIN`.
+        let rls_tops = self.rls.as_ref().map(|s| s.tops()).unwrap_or_default();
+        let mut rls_only: Option<String> = None;
         for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
-                "route" if route.is_some() => return bad_request("route given twice"),
+                "route" if route.is_some() || rls_only.is_some() => {
+                    return bad_request("route given twice")
+                }
                 "route" => match rt.routes.iter().find(|r| r.name == value) {
                     Some(r) => route = Some(r),
+                    None if rls_tops.iter().any(|(d, _)| format!("rls:{d}") == value) => {
+                        rls_only = Some(value.to_string())
+                    }
                     None => return bad_request(&format!("no route named {value:?}")),
                 },
                 "n" if n.is_some() => return bad_request("n given twice"),
@@ -329,14 +340,22 @@ impl Admin {
                 None
             }
         };
-        let mut rows: Vec<TopRow> = rt
+        let tops = rt
             .routes
             .iter()
+            .filter(|_| rls_only.is_none())
             .filter(|r| route.is_none_or(|only| std::ptr::eq(only, *r)))
-            .flat_map(|r| {
-                r.top.list(now).into_iter().map(|o| TopRow {
+            .map(|r| (r.name.clone(), &*r.top));
+        let rls = rls_tops
+            .iter()
+            .map(|(d, top)| (format!("rls:{d}"), &**top))
+            .filter(|(name, _)| route.is_none() && rls_only.as_ref().is_none_or(|o| o == name));
+        let mut rows: Vec<TopRow> = tops
+            .chain(rls)
+            .flat_map(|(name, top)| {
+                top.list(now).into_iter().map(move |o| TopRow {
                     denied: denied(&o.key, o.ip),
-                    route: r.name.clone(),
+                    route: name.clone(),
                     key: o.key,
                     ip: crate::identity::canonical(o.ip).to_string(),
                     refused: o.refused,
