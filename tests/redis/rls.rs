@@ -18,7 +18,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
-use http::Method;
 use tonic::transport::Channel;
 
 use crate::common::redis::RedisServer;
@@ -79,14 +78,11 @@ impl Rls {
             _files: dir,
         };
         let ready = format!("http://127.0.0.1:{admin}/readyz");
-        let c = http1();
-        let up = eventually(BOUND, || async {
-            c.try_send(Method::GET, &ready, &[], Default::default())
-                .await
-                .is_ok_and(|r| r.status == 200)
-        })
-        .await;
-        assert!(up.is_some(), "not ready: {:?}", i.lines.lock().unwrap());
+        assert!(
+            answers_200(&ready).await,
+            "not ready: {:?}",
+            i.lines.lock().unwrap()
+        );
         i
     }
 

@@ -6,8 +6,6 @@
 
 use std::process::{Command, Stdio};
 
-use http::Method;
-
 use super::rls::Rls;
 use crate::common::*;
 
@@ -125,15 +123,8 @@ impl Envoy {
         };
         // Ready when its admin answers that it is live.
         let ready = format!("http://127.0.0.1:{admin}/ready");
-        let c = http1();
-        let up = eventually(BOUND, || async {
-            c.try_send(Method::GET, &ready, &[], Default::default())
-                .await
-                .is_ok_and(|r| r.status == 200)
-        })
-        .await;
         assert!(
-            up.is_some(),
+            answers_200(&ready).await,
             "Envoy is not ready: {:?}",
             envoy.lines.lock().unwrap()
         );
