@@ -20,7 +20,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::UInt64Value;
 use tonic::transport::Channel;
 
-use crate::common::redis::RedisServer;
+use crate::common::redis::{RedisCluster, RedisServer};
 use crate::common::*;
 
 const SLUICE: &str = env!("CARGO_BIN_EXE_sluice");
@@ -526,6 +526,17 @@ async fn the_ported_cases_on_redis() {
 }
 
 #[tokio::test]
+async fn the_ported_cases_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    ported_cases(&format!(
+        "store: {{backend: redis, redis: {{cluster: [{}]}}}}",
+        urls.join(", ")
+    ))
+    .await;
+}
+
+#[tokio::test]
 async fn two_instances_on_one_redis_share_one_count() {
     let redis = RedisServer::start();
     let store = format!(
@@ -716,4 +727,29 @@ async fn check_lists_the_domains_and_says_where_a_file_is_wrong() {
         String::from_utf8_lossy(&out.stderr).trim_end(),
         format!("{}:4:5: descriptors[0]: unknown field `rate_limits`, expected one of `key`, `value`, `rate_limit`, `descriptors`, `shadow_mode`, `detailed_metric`, `share_threshold`", rl.join("basic.yaml").display())
     );
+}
+
+#[tokio::test]
+async fn a_call_of_three_descriptors_is_one_store_call() {
+    let redis = RedisServer::start();
+    let store = format!(
+        "store: {{backend: redis, redis: {{url: \"{}\"}}}}",
+        redis.url()
+    );
+    let node = Rls::start(&store, &[("another.yaml", ANOTHER)], "").await;
+    let mut c = node.client().await;
+    early_in_a_minute().await;
+    let v = random();
+    let three: &[&[(&str, &str)]] = &[&[("key2", &v)], &[("key3", &v)], &[("key4", &v)]];
+    // The first call may load the script (SCRIPT LOAD and EVALSHA again).
+    call(&mut c, request("another", three, 1)).await;
+    let before = redis.calls("evalsha");
+    for _ in 0..5 {
+        let r = call(&mut c, request("another", three, 1)).await;
+        assert_eq!(r.overall_code, OK);
+    }
+    assert_eq!(redis.calls("evalsha") - before, 5);
+    // Descriptors of no limit ask the store nothing.
+    call(&mut c, request("another", &[&[("nothing", "x")]], 1)).await;
+    assert_eq!(redis.calls("evalsha") - before, 5);
 }
