@@ -172,7 +172,8 @@ struct Item {
 enum Said {
     /// Nothing was asked (no descriptor has a limit).
     Nothing,
-    Verdict(Verdict),
+    /// Each descriptor's outcome, and what its share was to be charged.
+    Verdict(Verdict, Vec<u64>),
     /// The store failed and `on_error` is `allow` or `deny`.
     Failed(OnError),
 }
@@ -326,19 +327,42 @@ async fn ask(shared: &Shared, ns: &str, items: &[Item]) -> Said {
     if limited.is_empty() {
         return Said::Nothing;
     }
-    let mut plans: Vec<Plan> = limited
-        .iter()
-        .filter_map(|(_, i)| {
-            let mut limit = i.rule.as_ref()?.limit.clone()?;
-            limit.cost = i.cost;
-            limit.shadow = i.rule.as_ref().is_some_and(|r| r.shadow);
-            Some(Plan {
-                limits: vec![limit],
-                mode: Mode::Reject,
-            })
-        })
-        .collect();
-    let mut keys: Vec<&str> = limited.iter().map(|(_, i)| i.key.as_str()).collect();
+    // Descriptors that reach the same count (the same entries and limit twice in
+    // a call) are one share, charged their costs together: decided apart, each
+    // would be judged against the count before the other and both charged.
+    let mut plans: Vec<Plan> = Vec::with_capacity(limited.len() + 1);
+    let mut keys: Vec<&str> = Vec::with_capacity(limited.len() + 1);
+    let mut share_of: Vec<usize> = Vec::with_capacity(limited.len());
+    for (_, item) in &limited {
+        let Some((rule, def)) = item
+            .rule
+            .as_ref()
+            .and_then(|r| Some((r, r.limit.as_ref()?)))
+        else {
+            continue;
+        };
+        let same = keys
+            .iter()
+            .zip(&plans)
+            .position(|(k, p)| *k == item.key && p.limits[0].id == def.id);
+        match same {
+            Some(j) => {
+                plans[j].limits[0].cost += item.cost;
+                share_of.push(j);
+            }
+            None => {
+                let mut limit = def.clone();
+                limit.cost = item.cost;
+                limit.shadow = rule.shadow;
+                plans.push(Plan {
+                    limits: vec![limit],
+                    mode: Mode::Reject,
+                });
+                keys.push(item.key.as_str());
+                share_of.push(plans.len() - 1);
+            }
+        }
+    }
     if denied {
         plans.push(Plan {
             limits: vec![super::refuse_all()],
@@ -377,20 +401,25 @@ async fn ask(shared: &Shared, ns: &str, items: &[Item]) -> Said {
     };
     match checked {
         Some(c) => {
-            // Outcomes by descriptor; the refuse-all share, if any, is dropped.
-            let mut outcomes = vec![None; items.len()];
-            for ((i, _), o) in limited.iter().zip(&c.verdict.outcomes) {
-                outcomes[*i] = Some(*o);
+            // Outcomes by descriptor, each that of its share (the refuse-all share,
+            // if any, is dropped), with what the share would have been charged.
+            let mut outcomes = vec![Outcome::default(); items.len()];
+            let mut charged = vec![0; items.len()];
+            for ((i, _), j) in limited.iter().zip(&share_of) {
+                if let Some(o) = c.verdict.outcomes.get(*j) {
+                    outcomes[*i] = *o;
+                    charged[*i] = plans[*j].limits[0].cost;
+                }
             }
-            Said::Verdict(Verdict {
-                allowed: c.verdict.allowed,
-                delay_us: 0,
-                outcomes: outcomes
-                    .into_iter()
-                    .map(Option::unwrap_or_default)
-                    .collect(),
-                trial: 0,
-            })
+            Said::Verdict(
+                Verdict {
+                    allowed: c.verdict.allowed,
+                    delay_us: 0,
+                    outcomes,
+                    trial: 0,
+                },
+                charged,
+            )
         }
         None => Said::Failed(OnError::Allow),
     }
@@ -429,7 +458,7 @@ fn answer(
                 },
                 Decision::Unlimited,
             ),
-            (Some(r), Said::Verdict(v)) => {
+            (Some(r), Said::Verdict(v, charged)) => {
                 let o: Outcome = v.outcomes.get(n).copied().unwrap_or_default();
                 let over = !o.allowed;
                 // Admitted by its limit in a refused call: not charged, so its
@@ -439,7 +468,8 @@ fn answer(
                 } else if v.allowed {
                     o.remaining
                 } else {
-                    o.remaining.saturating_add(item.cost).min(o.quota)
+                    let charged = charged.get(n).copied().unwrap_or(item.cost);
+                    o.remaining.saturating_add(charged).min(o.quota)
                 };
                 let decision = match (over, r.shadow) {
                     (false, _) => Decision::Ok,

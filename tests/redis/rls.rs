@@ -392,6 +392,32 @@ pub async fn ported_cases(store: &str) {
     let r = call(&mut c, request("cases", &[&[("strict", &v)]], 1)).await;
     assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
 
+    // The same count twice in a call: charged together, never past the limit.
+    let v = random();
+    let r = call(
+        &mut c,
+        request("cases", &[&[("strict", &v)], &[("strict", &v)]], 1),
+    )
+    .await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(
+        r.statuses,
+        [
+            status(OK, limit(2, MINUTE), 0, &r.statuses[0]),
+            status(OK, limit(2, MINUTE), 0, &r.statuses[1])
+        ]
+    );
+    let v = random();
+    call(&mut c, request("cases", &[&[("strict", &v)]], 1)).await;
+    let r = call(
+        &mut c,
+        request("cases", &[&[("strict", &v)], &[("strict", &v)]], 1),
+    )
+    .await;
+    assert_eq!(r.overall_code, OVER);
+    let r = call(&mut c, request("cases", &[&[("strict", &v)]], 1)).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
+
     // A descriptor's `limit` override replaces the configured limit.
     let v = random();
     let mut req = request("cases", &[&[("foo", "bar"), ("user", &v)]], 1);
