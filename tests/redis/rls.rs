@@ -779,3 +779,60 @@ async fn a_call_of_three_descriptors_is_one_store_call() {
     call(&mut c, request("another", &[&[("nothing", "x")]], 1)).await;
     assert_eq!(redis.calls("evalsha") - before, 5);
 }
+
+#[tokio::test]
+async fn a_failed_store_answers_as_on_error_says() {
+    let mut redis = RedisServer::start();
+    let store = |on_error: &str| {
+        format!(
+            "store: {{backend: redis, redis: {{url: \"{}\", timeout: 100ms}}, on_error: {on_error}}}",
+            redis.url()
+        )
+    };
+    let files = [("cases.yaml", CASES)];
+    let allow = Rls::start(&store("allow"), &files, "").await;
+    let deny = Rls::start(&store("deny"), &files, "").await;
+    let local = Rls::start(&store("local"), &files, "").await;
+    let (mut ca, mut cd, mut cl) = (
+        allow.client().await,
+        deny.client().await,
+        local.client().await,
+    );
+    early_in_a_minute().await;
+    redis.kill();
+    let v = random();
+    let strict = || request("cases", &[&[("strict", &v)], &[("hello", "world")]], 1);
+    // allow: OK, no limit reported; deny: OVER_LIMIT for the limited descriptor.
+    let r = call(&mut ca, strict()).await;
+    let ok = DescriptorStatus {
+        code: OK,
+        ..Default::default()
+    };
+    assert_eq!(
+        (r.overall_code, r.statuses.clone()),
+        (OK, vec![ok.clone(), ok.clone()])
+    );
+    let r = call(&mut cd, strict()).await;
+    let over = DescriptorStatus {
+        code: OVER,
+        current_limit: limit(2, MINUTE),
+        ..Default::default()
+    };
+    assert_eq!((r.overall_code, r.statuses.clone()), (OVER, vec![over, ok]));
+    // local: this instance's memory decides, with the same numbers.
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let r = call(&mut cl, strict()).await;
+        seen.push((r.overall_code, r.statuses[0].limit_remaining));
+    }
+    assert_eq!(seen, [(OK, 1), (OK, 0), (OVER, 0)]);
+    let errors = |m: &str| {
+        metric(
+            m,
+            "sluice_rls_requests_total{code=\"error\",domain=\"cases\"}",
+        )
+    };
+    assert_eq!(errors(&allow.metrics().await), Some(1.0));
+    assert_eq!(errors(&deny.metrics().await), Some(1.0));
+    assert_eq!(errors(&local.metrics().await), Some(0.0));
+}
