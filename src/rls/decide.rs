@@ -160,8 +160,10 @@ pub enum Malformed {
 /// One descriptor of a call, as decided.
 struct Item {
     rule: Option<Arc<Rule>>,
-    /// Where its count lives in the domain's namespace: its entries with their values.
+    /// Its entries with their values (`/admin/top` shows them).
     key: String,
+    /// Where its count lives in the domain's namespace: `key`, or its digest.
+    stored: String,
     cost: u64,
     denied: bool,
     /// The client address of a `remote_address` entry, for `/admin/top`.
@@ -281,9 +283,17 @@ fn items(shared: &Shared, domain: Option<&Arc<Domain>>, req: &RateLimitRequest) 
                 key.push('\u{1f}');
                 key.push_str(shared_values.get(i).and_then(|s| s.as_deref()).unwrap_or(v));
             }
+            // As the gateway stores client keys: a long one, or one with braces
+            // (which would split a Redis Cluster's hash tag), by its digest.
+            let stored = if crate::identity::kept_hashed(&key) {
+                crate::identity::KeyDigest::of(&key).as_str().to_string()
+            } else {
+                key.clone()
+            };
             Item {
                 rule,
                 key,
+                stored,
                 cost,
                 denied,
                 ip,
@@ -344,7 +354,7 @@ async fn ask(shared: &Shared, ns: &str, items: &[Item]) -> Said {
         let same = keys
             .iter()
             .zip(&plans)
-            .position(|(k, p)| *k == item.key && p.limits[0].id == def.id);
+            .position(|(k, p)| *k == item.stored && p.limits[0].id == def.id);
         match same {
             Some(j) => {
                 plans[j].limits[0].cost += item.cost;
@@ -358,7 +368,7 @@ async fn ask(shared: &Shared, ns: &str, items: &[Item]) -> Said {
                     limits: vec![limit],
                     mode: Mode::Reject,
                 });
-                keys.push(item.key.as_str());
+                keys.push(item.stored.as_str());
                 share_of.push(plans.len() - 1);
             }
         }

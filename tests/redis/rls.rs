@@ -418,6 +418,19 @@ pub async fn ported_cases(store: &str) {
     let r = call(&mut c, request("cases", &[&[("strict", &v)]], 1)).await;
     assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
 
+    // A value with braces (a path template), or a long one, counts as any other.
+    for v in [
+        format!("/a/{{id}}/{}", random()),
+        "x".repeat(300) + &random(),
+    ] {
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let r = call(&mut c, request("cases", &[&[("strict", &v)]], 1)).await;
+            seen.push((r.overall_code, r.statuses[0].limit_remaining));
+        }
+        assert_eq!(seen, [(OK, 1), (OK, 0), (OVER, 0)]);
+    }
+
     // A descriptor's `limit` override replaces the configured limit.
     let v = random();
     let mut req = request("cases", &[&[("foo", "bar"), ("user", &v)]], 1);
