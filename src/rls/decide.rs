@@ -216,20 +216,28 @@ pub async fn decide(
         if let Some(top) = compiled.tops.get(&d.name) {
             let ip = items.iter().find_map(|i| i.ip);
             let ip = ip.unwrap_or(IpAddr::from([0, 0, 0, 0]));
-            top.refused(&top_key(&items), ip, crate::deny::now_ms());
+            let refusing = answer
+                .statuses
+                .iter()
+                .position(|s| s.code == Code::OverLimit as i32);
+            if let Some(item) = refusing.and_then(|n| items.get(n)) {
+                top.refused(&top_key(item), ip, crate::deny::now_ms());
+            }
         }
     }
     Ok(answer)
 }
 
-/// A refused call's key in `/admin/top`: its descriptors' entries, `key=value`
-/// joined by `,`, the descriptors by ` `.
-fn top_key(items: &[Item]) -> String {
-    let keys: Vec<String> = items
-        .iter()
-        .map(|i| i.key.replace('\u{1f}', "=").replace('\u{1e}', ","))
+/// A refused call's key in `/admin/top`: the values of its first refusing
+/// descriptor, joined by `,` (one entry's value alone: the key `sluice deny`
+/// takes, which then refuses every call with it).
+fn top_key(item: &Item) -> String {
+    let values: Vec<&str> = item
+        .key
+        .split('\u{1e}')
+        .map(|entry| entry.split_once('\u{1f}').map_or(entry, |(_, v)| v))
         .collect();
-    keys.join(" ")
+    values.join(",")
 }
 
 /// Each descriptor's rule (a `limit` override, else the configured node), cost,
