@@ -173,14 +173,15 @@ pub struct Rule {
 
 impl Rule {
     /// The limit a descriptor's `limit` override asks for: a fixed window, counted
-    /// apart from the configured rule's state.
+    /// apart from the configured rules' states under a name no file node has in
+    /// practice, and counted in metrics with `_none`.
     pub fn overriding(requests_per_unit: u32, unit: Unit) -> Rule {
         let algorithm = Algorithm::FixedWindow {
             limit: u64::from(requests_per_unit),
             window_us: unit.seconds() * 1_000_000,
         };
         Rule {
-            path: "limit_override".into(),
+            path: "(limit override)".into(),
             requests_per_unit,
             unit,
             name: String::new(),
@@ -188,7 +189,7 @@ impl Rule {
             shadow: false,
             detailed_metric: false,
             replaces: Vec::new(),
-            limit: Some(LimitDef::new("limit_override".into(), algorithm, 1)),
+            limit: Some(LimitDef::new("(limit override)".into(), algorithm, 1)),
         }
     }
 }
