@@ -581,3 +581,80 @@ fn headers(statuses: &[DescriptorStatus]) -> Vec<HeaderValue> {
         header("RateLimit-Reset", reset.to_string()),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: Code, rpu: Option<u32>, remaining: u32, reset: i64) -> DescriptorStatus {
+        DescriptorStatus {
+            code: code as i32,
+            current_limit: rpu.map(|requests_per_unit| RateLimit {
+                name: String::new(),
+                requests_per_unit,
+                unit: Unit::Minute.proto(),
+            }),
+            limit_remaining: remaining,
+            duration_until_reset: Some(Duration {
+                seconds: reset,
+                nanos: 0,
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn pairs(h: &[HeaderValue]) -> Vec<(&str, &str)> {
+        h.iter()
+            .map(|h| (h.key.as_str(), h.value.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn the_headers_are_those_of_the_fewest_left_or_of_the_last_over_its_limit() {
+        let ok = [
+            status(Code::Ok, Some(10), 7, 30),
+            status(Code::Ok, Some(100), 3, 50),
+            status(Code::Ok, None, 0, 0),
+        ];
+        assert_eq!(
+            pairs(&headers(&ok)),
+            [
+                ("RateLimit-Limit", "100"),
+                ("RateLimit-Remaining", "3"),
+                ("RateLimit-Reset", "50")
+            ]
+        );
+        let over = [
+            status(Code::OverLimit, Some(5), 0, 10),
+            status(Code::Ok, Some(100), 0, 50),
+            status(Code::OverLimit, Some(8), 0, 20),
+        ];
+        assert_eq!(
+            pairs(&headers(&over)),
+            [
+                ("RateLimit-Limit", "8"),
+                ("RateLimit-Remaining", "0"),
+                ("RateLimit-Reset", "20")
+            ]
+        );
+        // No descriptor with a limit: no headers.
+        assert!(headers(&[status(Code::Ok, None, u32::MAX, 0)]).is_empty());
+    }
+
+    #[test]
+    fn the_top_key_is_the_refusing_descriptors_values() {
+        let item = |key: &str| Item {
+            rule: None,
+            key: key.into(),
+            stored: key.into(),
+            cost: 1,
+            denied: false,
+            ip: None,
+        };
+        assert_eq!(
+            top_key(&item("remote_address\u{1f}203.0.113.9")),
+            "203.0.113.9"
+        );
+        assert_eq!(top_key(&item("path\u{1f}/a\u{1e}user\u{1f}bob")), "/a,bob");
+    }
+}
