@@ -186,16 +186,27 @@ impl Admin {
                 unsupported_media_type()
             }
             ("/admin/reload", Method::POST) => {
-                match self.control.apply(Command::Reload(Trigger::Api)).await {
-                    Ok(Reply::Reloaded(hash)) => json(
-                        StatusCode::OK,
-                        &serde_json::json!({"result": "success", "hash": hash}),
-                    ),
-                    Ok(other) => internal(other),
-                    Err(e) => json(
+                let reloaded = self.control.apply(Command::Reload(Trigger::Api)).await;
+                // Envoy's rate limit service's folder is read again too.
+                let rls = self.rls.as_ref().map(|s| s.reload());
+                match (reloaded, rls) {
+                    (Err(e), _) => json(
                         StatusCode::UNPROCESSABLE_ENTITY,
                         &serde_json::json!({"result": "failure", "error": e.to_string()}),
                     ),
+                    (_, Some(Err(e))) => json(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        &serde_json::json!({"result": "failure", "error": e.to_string()}),
+                    ),
+                    (Ok(Reply::Reloaded(hash)), None) => json(
+                        StatusCode::OK,
+                        &serde_json::json!({"result": "success", "hash": hash}),
+                    ),
+                    (Ok(Reply::Reloaded(hash)), Some(Ok(rls))) => json(
+                        StatusCode::OK,
+                        &serde_json::json!({"result": "success", "hash": hash, "rls_hash": rls}),
+                    ),
+                    (Ok(other), _) => internal(other),
                 }
             }
             ("/admin/reload", _) => not_allowed("POST"),

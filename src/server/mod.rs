@@ -134,6 +134,7 @@ pub struct Running {
     pub admin_addr: SocketAddr,
     /// Envoy's rate limit service's address, with `rls:`.
     pub rls_addr: Option<SocketAddr>,
+    rls: Option<Arc<crate::rls::Service>>,
     pub shared: Arc<Shared>,
     pub control: Arc<Control>,
     stop: watch::Sender<bool>,
@@ -219,14 +220,15 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         tracing::warn!("{w}");
     }
     tracing::info!(%addr, %admin_addr, config = %loaded.path.display(), hash = %loaded.hash, "sluice started");
-    let (rls_addr, rls_task, rls_watch) = match rls {
-        Some(r) => (Some(r.addr), Some(r.task), r.watch),
-        None => (None, None, None),
+    let (rls_addr, rls_service, rls_task, rls_watch) = match rls {
+        Some(r) => (Some(r.addr), Some(r.service), Some(r.task), r.watch),
+        None => (None, None, None, None),
     };
     Ok(Running {
         addr,
         admin_addr,
         rls_addr,
+        rls: rls_service,
         shared,
         control,
         stop,
@@ -528,12 +530,17 @@ fn warn_unused(f: &crate::config::schema::File) {
 
 impl Running {
     /// Reload the configuration file now (as SIGHUP does): the new hash, or the error.
+    /// Envoy's rate limit service's folder is read again too.
     pub async fn reload(&self) -> Result<String, String> {
-        match self.control.apply(Command::Reload(Trigger::Signal)).await {
+        let reloaded = match self.control.apply(Command::Reload(Trigger::Signal)).await {
             Ok(Reply::Reloaded(hash)) => Ok(hash),
             Ok(other) => Err(format!("unexpected reply {other:?}")),
             Err(e) => Err(e.to_string()),
+        };
+        if let Some(Err(e)) = self.rls.as_ref().map(|s| s.reload()) {
+            return Err(e.to_string());
         }
+        reloaded
     }
 
     /// Write out the access log file's buffer and open the file again (SIGUSR1).

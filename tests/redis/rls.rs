@@ -729,6 +729,19 @@ async fn a_changed_file_is_reloaded_with_the_counts_kept_and_a_bad_one_changes_n
     assert!(failed.is_some());
     let r = call(&mut c, look()).await;
     assert_eq!(r.statuses[0].current_limit, limit(8, MINUTE));
+    // POST /admin/reload reads the folder too, and says where it is wrong.
+    let reload = format!("http://127.0.0.1:{}/admin/reload", node.admin);
+    let r = http1()
+        .send(http::Method::POST, &reload, &[], bytes::Bytes::new())
+        .await;
+    let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(
+        (r.status, body),
+        (
+            422,
+            serde_json::json!({"result": "failure", "error": format!("{}:4:24: invalid rate limit unit 'fortnight': expected second, minute, hour, day, week, month or year", file.display())})
+        )
+    );
 }
 
 #[tokio::test]
