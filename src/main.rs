@@ -279,6 +279,17 @@ fn check(path: PathBuf) -> ExitCode {
                 eprintln!("{w}");
             }
             print!("{}", sluice::config::summary::summary(&loaded));
+            // Envoy's rate limit service's files, checked as `run` reads them.
+            if let Some(rls) = &loaded.file.rls {
+                let dir = PathBuf::from(rls.config_dir.as_str());
+                match sluice::rls::load_dir(&dir) {
+                    Ok(domains) => print!("{}", sluice::rls::summary(rls, &domains)),
+                    Err(errors) => {
+                        eprintln!("{errors}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
             ExitCode::SUCCESS
         }
         Err(errors) => {

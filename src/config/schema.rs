@@ -46,6 +46,10 @@ pub struct File {
     /// when absent.
     #[serde(default)]
     pub access_log: Option<AccessLogConfig>,
+    /// Envoy's rate limit service (`ShouldRateLimit` over h2c), from
+    /// envoyproxy/ratelimit's configuration files; off when absent.
+    #[serde(default)]
+    pub rls: Option<RlsSpec>,
     /// Routes in order; the first that matches a request takes it.
     pub routes: Vec<RouteSpec>,
 }
@@ -197,6 +201,23 @@ impl Default for AdminSpec {
             idle_timeout: Dur::secs(30),
         }
     }
+}
+
+/// `rls:`: where Envoy's rate limit service listens and where its domains are.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(rename = "Rls", deny_unknown_fields)]
+pub struct RlsSpec {
+    /// Address of the gRPC listener (h2c) that answers
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+    pub listen: Addr,
+    /// The folder of envoyproxy/ratelimit's YAML files (`*.yaml`, `*.yml`), one
+    /// domain each; watched and reloaded.
+    pub config_dir: Text,
+    /// Answer with `RateLimit-Limit`, `RateLimit-Remaining` and `RateLimit-Reset`
+    /// for the descriptor closest to its limit (envoyproxy/ratelimit's
+    /// `LIMIT_RESPONSE_HEADERS_ENABLED`).
+    #[serde(default)]
+    pub response_headers: bool,
 }
 
 // === store ===

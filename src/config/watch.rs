@@ -79,20 +79,50 @@ pub fn watch(path: &Path, changed: impl Fn() + Send + 'static) -> Result<Watch, 
     }
     let task = tokio::spawn(async move {
         while rx.recv().await.is_some() {
-            // Wait for the burst to end: every event restarts the quiet period,
-            // up to `MAX_DELAY` after the first.
-            let last_chance = Instant::now() + MAX_DELAY;
-            loop {
-                let quiet = (Instant::now() + DEBOUNCE).min(last_chance);
-                match tokio::time::timeout_at(quiet, rx.recv()).await {
-                    Ok(Some(())) if Instant::now() < last_chance => continue,
-                    Ok(Some(())) => break,
-                    Ok(None) => return,
-                    Err(_) => break,
-                }
+            if !burst_ended(&mut rx).await {
+                return;
             }
             *paths.lock().unwrap_or_else(PoisonError::into_inner) = resolve(&path);
             rewatch(&mut watcher, &mut watched, &paths);
+            changed();
+        }
+    });
+    Ok(Watch { task })
+}
+
+/// Waits for a burst of events to end: every event restarts the quiet period, up
+/// to `MAX_DELAY` after the first. False when the events' sender is gone.
+async fn burst_ended(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
+    let last_chance = Instant::now() + MAX_DELAY;
+    loop {
+        let quiet = (Instant::now() + DEBOUNCE).min(last_chance);
+        match tokio::time::timeout_at(quiet, rx.recv()).await {
+            Ok(Some(())) if Instant::now() < last_chance => continue,
+            Ok(Some(())) => return true,
+            Ok(None) => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Calls `changed` once a burst of events about anything in the folder `dir` (a
+/// file written, renamed or removed; Kubernetes' `..data` swapped) has been quiet
+/// for `DEBOUNCE`: for a folder of files read together (`rls.config_dir`).
+pub fn watch_dir(dir: &Path, changed: impl Fn() + Send + 'static) -> Result<Watch, notify::Error> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    let mut watcher = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
+        if ev.is_ok_and(|ev| !ev.kind.is_access()) {
+            let _ = tx.send(());
+        }
+    })?;
+    watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    let task = tokio::spawn(async move {
+        // Held by the task: dropping the watch stops the watcher too.
+        let _watcher = watcher;
+        while rx.recv().await.is_some() {
+            if !burst_ended(&mut rx).await {
+                return;
+            }
             changed();
         }
     });

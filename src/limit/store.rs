@@ -127,10 +127,31 @@ impl Store {
         shares: &[Share<'_>],
         trial: u64,
     ) -> Result<Checked, StoreError> {
+        self.decide_shares(shares, trial, true).await
+    }
+
+    /// `check_shares` with every share decided by the store itself (on Redis, no
+    /// refusal answered from the refusal cache): Envoy's rate limit service reports
+    /// each descriptor's count, also beside a refusing one.
+    pub async fn check_shares_asked(
+        &self,
+        shares: &[Share<'_>],
+        trial: u64,
+    ) -> Result<Checked, StoreError> {
+        self.decide_shares(shares, trial, false).await
+    }
+
+    async fn decide_shares(
+        &self,
+        shares: &[Share<'_>],
+        trial: u64,
+        cached: bool,
+    ) -> Result<Checked, StoreError> {
         let timer = self.latency.start_timer();
         let v = match &self.backend {
             Backend::Memory(m) => Ok(m.acquire_shares(shares, trial)),
-            Backend::Redis { redis, .. } => redis.acquire_shares(shares, trial).await,
+            Backend::Redis { redis, .. } if cached => redis.acquire_shares(shares, trial).await,
+            Backend::Redis { redis, .. } => redis.acquire_shares_asked(shares, trial).await,
         };
         self.observe(timer, &v);
         v

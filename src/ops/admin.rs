@@ -44,6 +44,9 @@ pub struct Admin {
     /// A request body must have come whole within this after its head
     /// (`admin.request_header_timeout`): else 408, and the connection closes.
     pub body_timeout: std::time::Duration,
+    /// Envoy's rate limit service, with `rls:`: its domains' refusals are in
+    /// `/admin/top` as routes named `rls:DOMAIN`.
+    pub rls: Option<Arc<crate::rls::Service>>,
 }
 
 // The dashboard: three static files, compiled in.
@@ -194,16 +197,27 @@ impl Admin {
                 unsupported_media_type()
             }
             ("/admin/reload", Method::POST) => {
-                match self.control.apply(Command::Reload(Trigger::Api)).await {
-                    Ok(Reply::Reloaded(hash)) => json(
-                        StatusCode::OK,
-                        &serde_json::json!({"result": "success", "hash": hash}),
-                    ),
-                    Ok(other) => internal(other),
-                    Err(e) => json(
+                let reloaded = self.control.apply(Command::Reload(Trigger::Api)).await;
+                // Envoy's rate limit service's folder is read again too.
+                let rls = self.rls.as_ref().map(|s| s.reload());
+                match (reloaded, rls) {
+                    (Err(e), _) => json(
                         StatusCode::UNPROCESSABLE_ENTITY,
                         &serde_json::json!({"result": "failure", "error": e.to_string()}),
                     ),
+                    (_, Some(Err(e))) => json(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        &serde_json::json!({"result": "failure", "error": e.to_string()}),
+                    ),
+                    (Ok(Reply::Reloaded(hash)), None) => json(
+                        StatusCode::OK,
+                        &serde_json::json!({"result": "success", "hash": hash}),
+                    ),
+                    (Ok(Reply::Reloaded(hash)), Some(Ok(rls))) => json(
+                        StatusCode::OK,
+                        &serde_json::json!({"result": "success", "hash": hash, "rls_hash": rls}),
+                    ),
+                    (Ok(other), _) => internal(other),
                 }
             }
             ("/admin/reload", _) => not_allowed("POST"),
@@ -310,11 +324,16 @@ impl Admin {
     async fn top(&self, query: Option<&str>) -> Response<Body> {
         let rt = self.shared.runtime.load_full();
         let (mut route, mut n, mut fleet) = (None, None, None);
+        // Envoy's rate limit service's domains, as routes named `rls:DOMAIN`.
+        let rls_tops = self.rls.as_ref().map(|s| s.tops()).unwrap_or_default();
         for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
                 "route" if route.is_some() => return bad_request("route given twice"),
                 "route" => match rt.routes.iter().find(|r| r.name == value) {
                     Some(r) => route = Some(r.name.clone()),
+                    None if rls_tops.iter().any(|(d, _)| format!("rls:{d}") == value) => {
+                        route = Some(value.to_string())
+                    }
                     None => return bad_request(&format!("no route named {value:?}")),
                 },
                 "n" if n.is_some() => return bad_request("n given twice"),
@@ -344,8 +363,26 @@ impl Admin {
             }
         }
         let fleet = fleet.unwrap_or(false);
+        // This instance's domains of Envoy's rate limit service, with its routes.
+        let now = now_ms();
+        let rls_rows: Vec<crate::ops::fleet::Offender> = rls_tops
+            .iter()
+            .flat_map(|(d, top)| {
+                top.list(now)
+                    .into_iter()
+                    .map(move |o| crate::ops::fleet::Offender {
+                        route: format!("rls:{d}"),
+                        key: o.key,
+                        ip: o.ip,
+                        refused: o.refused,
+                        error: o.error,
+                        allowed: o.allowed,
+                        last_seen_ms: o.last_seen_ms,
+                    })
+            })
+            .collect();
         let merged = if fleet {
-            match self.fleet.top().await {
+            match self.fleet.top(rls_rows).await {
                 Ok(m) => m,
                 Err(e) => {
                     return body::text(
@@ -355,7 +392,9 @@ impl Admin {
                 }
             }
         } else {
-            crate::ops::fleet::merge_top([self.fleet.local_top(now_ms())])
+            let mut own = self.fleet.local_top(now);
+            own.extend(rls_rows);
+            crate::ops::fleet::merge_top([own])
         };
         let dynamic = self.shared.deny.load();
         // What the deny list refuses of a row now: its key, else its address.

@@ -467,6 +467,9 @@ fn needs_restart(old: &schema::File, new: &schema::File) -> Vec<&'static str> {
         "deny.state_file",
         old.deny.state_file != new.deny.state_file,
     );
+    // Envoy's rate limit service is started with the gateway; its folder's files
+    // are reloaded on their own.
+    check("rls", json(&old.rls) != json(&new.rls));
     changed
 }
 

@@ -219,11 +219,13 @@ impl Fleet {
             .collect()
     }
 
-    /// `/admin/top?scope=fleet`: this instance's keys now and those the live
-    /// instances published with their last heartbeat, summed per route and key. On
-    /// the memory store, this instance's alone.
-    pub async fn top(&self) -> Result<Vec<Merged>, StoreError> {
-        let own = self.local_top(now_ms());
+    /// `/admin/top?scope=fleet`: this instance's keys now (with `also`, its rate
+    /// limit service's) and those the live instances published with their last
+    /// heartbeat, summed per route and key. On the memory store, this instance's
+    /// alone.
+    pub async fn top(&self, also: Vec<Offender>) -> Result<Vec<Merged>, StoreError> {
+        let mut own = self.local_top(now_ms());
+        own.extend(also);
         let (others, now) = self.read().await?;
         let lists = others
             .into_iter()

@@ -65,6 +65,46 @@ pub enum StartError {
     Tls(String),
 }
 
+/// Envoy's rate limit service at work: the service, its listener's task and the
+/// watch on `rls.config_dir`.
+struct Rls {
+    service: Arc<crate::rls::Service>,
+    addr: SocketAddr,
+    task: JoinHandle<()>,
+    watch: Option<crate::config::watch::Watch>,
+}
+
+/// Starts `rls:`, if configured: its domains read (an error stops startup, as one
+/// of `rules.yaml` does), its listener bound and served until `stop_rx` changes.
+async fn serve_rls(
+    shared: &Arc<Shared>,
+    f: &crate::config::schema::File,
+    stop_rx: &watch::Receiver<bool>,
+) -> Result<Option<Rls>, StartError> {
+    let Some(spec) = &f.rls else { return Ok(None) };
+    let service = Arc::new(crate::rls::Service::new(shared.clone(), spec)?);
+    let (listener, addr) =
+        crate::rls::service::bind(spec)
+            .await
+            .map_err(|source| StartError::Listen {
+                addr: spec.listen.0,
+                source,
+            })?;
+    let task = tokio::spawn(crate::rls::service::serve(
+        service.clone(),
+        listener,
+        stop_rx.clone(),
+    ));
+    let watch = crate::rls::service::watch(service.clone());
+    tracing::info!(%addr, dir = %service.dir().display(), domains = %service.domains().join(","), "rls: serving Envoy's rate limit service");
+    Ok(Some(Rls {
+        service,
+        addr,
+        task,
+        watch,
+    }))
+}
+
 /// The TLS acceptor for `server.tls`: certificate chain and key from PEM files,
 /// offering h2 and http/1.1 by ALPN.
 fn tls_acceptor(tls: &crate::config::schema::Tls) -> Result<tokio_rustls::TlsAcceptor, StartError> {
@@ -92,6 +132,9 @@ pub struct Running {
     /// The gateway's bound address (useful with port 0).
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// Envoy's rate limit service's address, with `rls:`.
+    pub rls_addr: Option<SocketAddr>,
+    rls: Option<Arc<crate::rls::Service>>,
     pub shared: Arc<Shared>,
     pub control: Arc<Control>,
     stop: watch::Sender<bool>,
@@ -99,6 +142,7 @@ pub struct Running {
     /// Runs until the process ends; stopped with the rest.
     publisher: JoinHandle<()>,
     _watch: Option<crate::config::watch::Watch>,
+    _rls_watch: Option<crate::config::watch::Watch>,
 }
 
 /// Connections the admin listener holds at once, from all addresses.
@@ -136,6 +180,7 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
     let max_head = usize::try_from(f.server.max_header_bytes.0).unwrap_or(usize::MAX);
     let (stop, stop_rx) = watch::channel(false);
     let gw = serve_gateway(&shared, bound.listener, addr, tls, f, max_head, &stop_rx)?;
+    let rls = serve_rls(&shared, f, &stop_rx).await?;
     // The dashboard's history: the counters of every route, sampled.
     let history = Arc::new(crate::ops::stats::History::standard());
     crate::ops::stats::sample(&shared, &history);
@@ -156,6 +201,7 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         history,
         fleet: fleet.clone(),
         body_timeout: f.admin.request_header_timeout.get(),
+        rls: rls.as_ref().map(|r| r.service.clone()),
     });
     let admin = serve_admin(admin, bound.admin_listener, f, max_head, &stop_rx);
     let sweeper = sweep(shared.clone(), stop_rx.clone());
@@ -174,18 +220,26 @@ async fn start_with(loaded: Loaded, clock: Option<Arc<dyn Clock>>) -> Result<Run
         tracing::warn!("{w}");
     }
     tracing::info!(%addr, %admin_addr, config = %loaded.path.display(), hash = %loaded.hash, "sluice started");
+    let (rls_addr, rls_service, rls_task, rls_watch) = match rls {
+        Some(r) => (Some(r.addr), Some(r.service), Some(r.task), r.watch),
+        None => (None, None, None, None),
+    };
     Ok(Running {
         addr,
         admin_addr,
+        rls_addr,
+        rls: rls_service,
         shared,
         control,
         stop,
         tasks: gw
             .into_iter()
             .chain([admin, sampler, sweeper, control_loop, heartbeat])
+            .chain(rls_task)
             .collect(),
         publisher,
         _watch: watch,
+        _rls_watch: rls_watch,
     })
 }
 
@@ -476,12 +530,17 @@ fn warn_unused(f: &crate::config::schema::File) {
 
 impl Running {
     /// Reload the configuration file now (as SIGHUP does): the new hash, or the error.
+    /// Envoy's rate limit service's folder is read again too.
     pub async fn reload(&self) -> Result<String, String> {
-        match self.control.apply(Command::Reload(Trigger::Signal)).await {
+        let reloaded = match self.control.apply(Command::Reload(Trigger::Signal)).await {
             Ok(Reply::Reloaded(hash)) => Ok(hash),
             Ok(other) => Err(format!("unexpected reply {other:?}")),
             Err(e) => Err(e.to_string()),
+        };
+        if let Some(Err(e)) = self.rls.as_ref().map(|s| s.reload()) {
+            return Err(e.to_string());
         }
+        reloaded
     }
 
     /// Write out the access log file's buffer and open the file again (SIGUSR1).

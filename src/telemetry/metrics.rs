@@ -71,6 +71,12 @@ pub struct Metrics {
     /// Request body bytes held by read-aheads in the whole process, and the
     /// read-aheads refused at `server.max_buffered_bytes`.
     pub read_ahead: Arc<ReadAheadBytes>,
+    /// `sluice_rls_requests_total{domain,code}`: Envoy's rate limit service's calls
+    /// by their answer.
+    pub rls_requests: IntCounterVec,
+    /// `sluice_rls_descriptors_total{domain,descriptor,decision}`: each descriptor's
+    /// decision, by the configuration node it reached (never by its values).
+    pub rls_descriptors: IntCounterVec,
 }
 
 /// Request body bytes read ahead (`server.request_buffer`) and held until an
@@ -281,8 +287,26 @@ impl Metrics {
             "Request body bytes read ahead (server.request_buffer) and held until an upstream connection takes them, in the whole process.",
         )
         .expect("metric definition");
+        let rls_requests = IntCounterVec::new(
+            Opts::new(
+                "sluice_rls_requests_total",
+                "ShouldRateLimit calls of Envoy's rate limit service by domain (_unknown for a domain of no file) and answer: ok, over_limit, error (a malformed call, or the store failed with on_error allow or deny).",
+            ),
+            &["domain", "code"],
+        )
+        .expect("metric definition");
+        let rls_descriptors = IntCounterVec::new(
+            Opts::new(
+                "sluice_rls_descriptors_total",
+                "Descriptors decided by Envoy's rate limit service, by domain, the configuration node they reached (_none when none) and decision: ok, over_limit, shadow (over its shadow_mode limit, answered OK), unlimited, denied (the deny list), none (no limit), store_error.",
+            ),
+            &["domain", "descriptor", "decision"],
+        )
+        .expect("metric definition");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(rls_requests.clone()),
+            Box::new(rls_descriptors.clone()),
             Box::new(read_ahead_refused.clone()),
             Box::new(read_ahead_bytes.clone()),
             Box::new(request_duration.clone()),
@@ -359,6 +383,8 @@ impl Metrics {
                 refused: read_ahead_refused,
                 gauge: read_ahead_bytes,
             }),
+            rls_requests,
+            rls_descriptors,
         }
     }
 

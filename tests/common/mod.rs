@@ -553,6 +553,18 @@ impl HttpClient {
     }
 }
 
+/// Whether a GET of `url` answers 200 within `BOUND` (polled): a child process
+/// ready at last, its `/readyz` or Envoy's `/ready`.
+pub async fn answers_200(url: &str) -> bool {
+    let c = http1();
+    let ok = eventually(BOUND, || async {
+        c.try_send(Method::GET, url, &[], Bytes::new())
+            .await
+            .is_ok_and(|r| r.status == 200)
+    });
+    ok.await.is_some()
+}
+
 /// GET with a fresh HTTP/1.1 client.
 pub async fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
     http1().get(url, headers).await

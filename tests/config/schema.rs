@@ -89,6 +89,7 @@ fn the_schema_knows_every_section_and_refuses_what_it_does_not_know() {
             "client_ip",
             "deny",
             "response_headers",
+            "rls",
             "routes",
             "server",
             "store",

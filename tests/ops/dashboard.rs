@@ -1097,3 +1097,61 @@ routes:
     );
     browser.quit().await;
 }
+
+/// Envoy's rate limit service: a domain whose calls are refused gets a card of its
+/// own with its top offenders (the refusing descriptor's value, the address).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_in_chromium_shows_a_rate_limit_domains_offenders() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("edge.yaml"),
+        "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: hour, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    let gw = start_gateway(&format!(
+        "rls: {{listen: \"127.0.0.1:0\", config_dir: \"{}\"}}\nroutes: []\n",
+        dir.path().display()
+    ))
+    .await;
+    let rls = gw.rls_addr.expect("rls listens");
+    let mut c = bounded(
+        "rls",
+        RateLimitServiceClient::connect(format!("http://{rls}")),
+    )
+    .await
+    .unwrap();
+    let req = RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "remote_address".into(),
+                value: "203.0.113.9".into(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        let r = bounded("call", c.should_rate_limit(req.clone()))
+            .await
+            .unwrap();
+        codes.push(r.into_inner().overall_code);
+    }
+    assert_eq!(codes, [1, 2, 2]);
+    let browser = webdriver::Browser::start().await;
+    browser.open(&url(gw.admin_addr, "/")).await;
+    browser
+        .wait_for(
+            "the domain's offenders",
+            "return [...document.querySelectorAll('.route[data-route=\"rls:edge\"] table.top tbody tr')].map(r => [...r.querySelectorAll('td')].slice(0, 3).map(td => td.textContent))",
+            json!([["203.0.113.9", "203.0.113.9", "2"]]),
+        )
+        .await;
+    browser.quit().await;
+}

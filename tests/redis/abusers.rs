@@ -48,14 +48,11 @@ impl Instance {
             admin,
         };
         let ready = format!("http://127.0.0.1:{admin}/readyz");
-        let c = http1();
-        let up = eventually(BOUND, || async {
-            c.try_send(Method::GET, &ready, &[], Default::default())
-                .await
-                .is_ok_and(|r| r.status == 200)
-        })
-        .await;
-        assert!(up.is_some(), "not ready: {:?}", i.lines.lock().unwrap());
+        assert!(
+            answers_200(&ready).await,
+            "not ready: {:?}",
+            i.lines.lock().unwrap()
+        );
         i
     }
 

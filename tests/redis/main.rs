@@ -64,6 +64,8 @@ mod redis_live_ops;
 mod redis_store;
 mod redis_tls;
 mod reserve;
+mod rls;
+mod rls_envoy;
 mod scripts_on_the_wire;
 mod sentinel;
 mod store_faults;

@@ -22,6 +22,7 @@ const SLUICE_KEYS: &[&str] = &[
     "upstreams",
     "deny",
     "access_log",
+    "rls",
     "routes",
 ];
 

@@ -15,6 +15,7 @@ const LAYERS: &[&str] = &[
     "upstream",
     "pipeline",
     "config",
+    "rls",
     "ops",
     "server",
     "cli",

@@ -310,6 +310,32 @@ impl RedisStore {
                 }
             }
         }
+        self.decide_shares(shares, &tags, trial, Some(sent)).await
+    }
+
+    /// `acquire_shares` with every share asked, the refusal cache neither read nor
+    /// written: for Envoy's rate limit service, which reports each descriptor's own
+    /// count even when another refuses.
+    pub async fn acquire_shares_asked(
+        &self,
+        shares: &[Share<'_>],
+        trial: u64,
+    ) -> Result<Checked, StoreError> {
+        let tags: Vec<String> = shares.iter().map(|s| self.inner.tag(s.ns, s.key)).collect();
+        self.decide_shares(shares, &tags, trial, None).await
+    }
+
+    /// The call(s) of `acquire_shares`; a refusal is remembered when `remember` says
+    /// when the call was sent.
+    async fn decide_shares(
+        &self,
+        shares: &[Share<'_>],
+        tags: &[String],
+        trial: u64,
+        remember: Option<Instant>,
+    ) -> Result<Checked, StoreError> {
+        let inner = &self.inner;
+        let n = shares.iter().map(|s| s.at.len()).sum();
         if inner.redis.breaker().is_open() {
             return Err(inner.redis.breaker().skip());
         }
@@ -321,7 +347,7 @@ impl RedisStore {
         let leases = shares.iter().any(|s| s.plan.has_concurrency()).then(|| {
             let limits = shares
                 .iter()
-                .zip(&tags)
+                .zip(tags)
                 .flat_map(|(s, tag)| s.plan.limits.iter().map(move |l| (tag.as_str(), l)));
             Leases::of(&self.inner, limits, &uid)
         });
@@ -330,7 +356,7 @@ impl RedisStore {
             Some(_) => {
                 let limits = shares
                     .iter()
-                    .zip(&tags)
+                    .zip(tags)
                     .flat_map(|(s, tag)| s.plan.limits.iter().map(move |l| (tag.as_str(), l)));
                 let max_delay = shares.first().map_or(0, |s| s.plan.max_delay_us());
                 let part = Part::of(limits, max_delay, &uid, None);
@@ -352,7 +378,7 @@ impl RedisStore {
             None => {
                 let parts: Vec<Part> = shares
                     .iter()
-                    .zip(&tags)
+                    .zip(tags)
                     .map(|(s, tag)| Part::new(tag, s.plan, &uid))
                     .collect();
                 let parts: Vec<[&Part; 1]> = parts.iter().map(|p| [p]).collect();
@@ -370,7 +396,7 @@ impl RedisStore {
                     .iter()
                     .any(|d| d.as_ref().map_or(true, |(v, _)| !v.allowed));
                 if refused {
-                    self.refund_admitted(shares, &tags, &decided, &uid);
+                    self.refund_admitted(shares, tags, &decided, &uid);
                 }
                 decided
                     .into_iter()
@@ -381,8 +407,8 @@ impl RedisStore {
         inner.redis.breaker().settle(&result);
         let verdicts = result?;
         let verdict = Verdict::of_share_verdicts(n, trial, shares, &verdicts);
-        if !verdict.allowed {
-            for ((s, tag), v) in shares.iter().zip(&tags).zip(&verdicts) {
+        if let (false, Some(sent)) = (verdict.allowed, remember) {
+            for ((s, tag), v) in shares.iter().zip(tags).zip(&verdicts) {
                 inner.remember_refusal(tag, fingerprint(s.plan), s.plan, v, sent);
             }
         }

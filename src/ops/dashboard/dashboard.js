@@ -548,6 +548,10 @@
       if (!byRoute.has(row.route)) byRoute.set(row.route, []);
       byRoute.get(row.route).push(row);
     }
+    // Envoy's rate limit service: each domain with refusals, a card of its own.
+    for (const name of byRoute.keys()) {
+      if (name.startsWith("rls:") && !routeViews.has(name)) addRlsDomain(name);
+    }
     for (const [name, v] of routeViews) {
       if (!v.hasLimits) continue;
       const mine = (byRoute.get(name) || []).slice(0, 10);
@@ -556,6 +560,20 @@
       v.topShown = text;
       drawOffenders(name, v, mine, scope);
     }
+  }
+
+  // A domain of Envoy's rate limit service (`rls:DOMAIN` in /admin/top): its top
+  // offenders only, with the same deny buttons as a route's.
+  function addRlsDomain(name) {
+    const offenders = el("div", { class: "offenders" });
+    $("routes").append(el(
+      "article",
+      { class: "card route rls", dataset: { route: name } },
+      el("div", { class: "route-head" }, el("h3", null, name),
+        el("span", { class: "muted small" }, " Envoy's rate limit service")),
+      offenders
+    ));
+    routeViews.set(name, { offenders, cells: new Map(), topShown: null, hasLimits: true, rls: true });
   }
 
   function drawOffenders(route, v, rows, scope) {
