@@ -367,18 +367,9 @@ impl Admin {
         let now = now_ms();
         let rls_rows: Vec<crate::ops::fleet::Offender> = rls_tops
             .iter()
-            .flat_map(|(d, top)| {
-                top.list(now)
-                    .into_iter()
-                    .map(move |o| crate::ops::fleet::Offender {
-                        route: format!("rls:{d}"),
-                        key: o.key,
-                        ip: o.ip,
-                        refused: o.refused,
-                        error: o.error,
-                        allowed: o.allowed,
-                        last_seen_ms: o.last_seen_ms,
-                    })
+            .map(|(d, top)| (format!("rls:{d}"), top))
+            .flat_map(|(route, top)| {
+                crate::ops::fleet::Offender::of(&route, top, now).collect::<Vec<_>>()
             })
             .collect();
         let merged = if fleet {

@@ -62,6 +62,26 @@ pub struct Offender {
     pub last_seen_ms: u64,
 }
 
+impl Offender {
+    /// The refused keys `top` (a route's, or a rate limit service domain's) counts
+    /// now, as rows of `route`, the heaviest first.
+    pub fn of<'a>(
+        route: &'a str,
+        top: &crate::telemetry::top::Top,
+        now_ms: u64,
+    ) -> impl Iterator<Item = Offender> + 'a {
+        top.list(now_ms).into_iter().map(move |o| Offender {
+            route: route.to_string(),
+            key: o.key,
+            ip: o.ip,
+            refused: o.refused,
+            error: o.error,
+            allowed: o.allowed,
+            last_seen_ms: o.last_seen_ms,
+        })
+    }
+}
+
 /// A key's rows summed over the instances whose lists hold it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Merged {
@@ -205,17 +225,7 @@ impl Fleet {
         let rt = self.shared.runtime.load();
         rt.routes
             .iter()
-            .flat_map(|r| {
-                r.top.list(now_ms).into_iter().map(|o| Offender {
-                    route: r.name.clone(),
-                    key: o.key,
-                    ip: o.ip,
-                    refused: o.refused,
-                    error: o.error,
-                    allowed: o.allowed,
-                    last_seen_ms: o.last_seen_ms,
-                })
-            })
+            .flat_map(|r| Offender::of(&r.name, &r.top, now_ms))
             .collect()
     }
 
