@@ -434,6 +434,9 @@ pub fn upload_framing(
     }
 }
 
+/// The most room for request heads a connection keeps between requests.
+const KEPT_HEAD_ROOM: usize = 16 * 1024;
+
 /// The request head on the wire: origin-form target, the map's fields as they
 /// are, then `fwd`'s. Written into `buf`, which keeps its room for the next head
 /// once this one is dropped (a connection's own: `Conn::request_head`).
@@ -461,7 +464,13 @@ pub fn write_request_head(
         fwd.write(buf);
     }
     buf.extend_from_slice(b"\r\n");
-    buf.split().freeze()
+    let head = buf.split().freeze();
+    // The room a rare large head needed goes with it, not kept for the
+    // connection's life.
+    if head.len() > KEPT_HEAD_ROOM {
+        *buf = BytesMut::new();
+    }
+    head
 }
 
 fn write_fields(out: &mut BytesMut, h: &HeaderMap) {
@@ -1711,6 +1720,32 @@ mod tests {
         })
         .await;
         assert!(!usable);
+    }
+
+    /// A connection's room for heads serves the next head once the last is
+    /// dropped, and is not kept past `KEPT_HEAD_ROOM` after a large one.
+    #[test]
+    fn a_connections_room_for_heads_is_reused_and_kept_small() {
+        let head = |buf: &mut BytesMut, value: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-v", HeaderValue::from_str(value).unwrap());
+            let uri = http::Uri::from_static("/p");
+            write_request_head(&Method::GET, &uri, &h, &Forwarded::default(), buf)
+        };
+        let mut buf = BytesMut::new();
+        let first = head(&mut buf, "a");
+        assert_eq!(&first[..], b"GET /p HTTP/1.1\r\nx-v: a\r\n\r\n");
+        let at = first.as_ptr();
+        drop(first);
+        let second = head(&mut buf, "b");
+        assert_eq!(second.as_ptr(), at, "the same room, written again");
+        drop(second);
+        let big = head(&mut buf, &"x".repeat(3 * KEPT_HEAD_ROOM));
+        assert_eq!(big.len(), 3 * KEPT_HEAD_ROOM + 26);
+        drop(big);
+        let small = head(&mut buf, "c");
+        assert_eq!(&small[..], b"GET /p HTTP/1.1\r\nx-v: c\r\n\r\n");
+        assert!(buf.capacity() <= KEPT_HEAD_ROOM, "{}", buf.capacity());
     }
 
     #[test]
