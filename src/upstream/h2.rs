@@ -76,9 +76,8 @@ struct H2Conn {
     send: http2::SendRequest<Body>,
     /// Requests in flight on it.
     streams: AtomicUsize,
-    /// How many it may carry (the server's setting, at most `MAX_STREAMS`), kept
-    /// current by its driver.
-    max: Arc<AtomicUsize>,
+    /// How many it may carry, and hyper's half of the connection.
+    driver: Arc<Driver>,
     /// When its last stream ended (`coarse_ms`).
     idle_since: AtomicU64,
     /// Its driver has ended: the connection is gone.
@@ -175,6 +174,11 @@ impl H2Pool {
             let mut sender = slot.conn.send.clone();
             match sender.try_send_request(req).await {
                 Ok(resp) => {
+                    if !slot.conn.driver.told.load(Ordering::Relaxed) {
+                        // The server's SETTINGS came before this answer, and hyper
+                        // applied them before reading it.
+                        slot.conn.driver.learn(&self.known_max, true);
+                    }
                     let (mut parts, inner) = resp.into_parts();
                     // The answer as any other: the client's server writes it in its
                     // own version.
@@ -229,7 +233,8 @@ impl H2Pool {
                     && now.saturating_sub(c.idle_since.load(Ordering::Relaxed)) > self.idle_ms)
         });
         let free = conns.iter().find(|c| {
-            c.streams.load(Ordering::Relaxed) < c.max.load(Ordering::Relaxed) && c.send.is_ready()
+            c.streams.load(Ordering::Relaxed) < c.driver.max.load(Ordering::Relaxed)
+                && c.send.is_ready()
         })?;
         Some(Slot::on(free))
     }
@@ -298,18 +303,20 @@ impl H2Pool {
             .keep_alive_while_idle(true)
             .handshake::<_, Body>(TokioIo::new(io))
             .await?;
-        let max = Arc::new(AtomicUsize::new(self.known_max.load(Ordering::Relaxed)));
+        let driver = Arc::new(Driver {
+            conn: Mutex::new(Some(conn)),
+            max: AtomicUsize::new(self.known_max.load(Ordering::Relaxed)),
+            told: AtomicBool::new(false),
+        });
         let closed = Arc::new(AtomicBool::new(false));
         let driven = Driven {
-            conn,
-            max: max.clone(),
+            driver: driver.clone(),
             known: self.known_max.clone(),
-            told: false,
         };
         let conn = Arc::new(H2Conn {
             send,
             streams: AtomicUsize::new(0),
-            max,
+            driver,
             idle_since: AtomicU64::new(coarse_ms()),
             closed,
         });
@@ -344,6 +351,7 @@ impl H2Pool {
             if let Some(c) = watched.upgrade() {
                 c.closed.store(true, Ordering::Relaxed);
             }
+            lock(&driven.driver.conn).take();
         });
         Ok(conn)
     }
@@ -421,31 +429,63 @@ impl Drop for Slot {
     }
 }
 
-/// A connection driven to its end, telling `max` how many streams the server
-/// allows whenever it is polled (its SETTINGS come after the handshake).
+/// hyper's half of a connection (what reads and writes its frames), shared by the
+/// task that drives it and the pool, which reads the streams the server allows.
+struct Driver {
+    /// Taken by its task when it stops driving it: dropped, the connection closes.
+    conn: Mutex<Option<http2::Connection<TokioIo<Stream>, Body, TokioExecutor>>>,
+    /// How many streams the connection may carry (the server's setting, at most
+    /// `MAX_STREAMS`; until it is known, the pool's `known_max`).
+    max: AtomicUsize,
+    /// The server's first SETTINGS have been applied.
+    told: AtomicBool,
+}
+
+impl Driver {
+    /// Take the server's figure into `max` and the pool's `known` once it is the
+    /// server's: hyper's has changed from its own assumption, or `answered` (an
+    /// answer has come, so the SETTINGS before it are applied).
+    fn learn(&self, known: &AtomicUsize, answered: bool) {
+        if let Some(conn) = &*lock(&self.conn) {
+            self.take(conn.current_max_send_streams(), known, answered);
+        }
+    }
+
+    fn take(&self, allowed: usize, known: &AtomicUsize, answered: bool) {
+        // Until the server's SETTINGS, hyper's figure is its own assumption (100).
+        if allowed != HYPER_INITIAL_STREAMS || answered || self.told.load(Ordering::Relaxed) {
+            self.told.store(true, Ordering::Relaxed);
+            let allowed = allowed.clamp(1, MAX_STREAMS);
+            self.max.store(allowed, Ordering::Relaxed);
+            known.store(allowed, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A connection driven to its end, telling its `Driver` the streams the server
+/// allows whenever it is polled (hyper polls it when a request is handed to it,
+/// not when the server's SETTINGS come: `H2Pool::send` asks once an answer has).
 struct Driven {
-    conn: http2::Connection<TokioIo<Stream>, Body, TokioExecutor>,
-    max: Arc<AtomicUsize>,
+    driver: Arc<Driver>,
     /// The pool's `known_max`.
     known: Arc<AtomicUsize>,
-    /// The server's first SETTINGS have come (hyper's figure has changed from its
-    /// default, or the connection has carried a request).
-    told: bool,
 }
 
 impl Future for Driven {
     type Output = hyper::Result<()>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let r = Pin::new(&mut self.conn).poll(cx);
-        let allowed = self.conn.current_max_send_streams();
-        // Until the server's SETTINGS, hyper's figure is its own assumption (100).
-        if allowed != HYPER_INITIAL_STREAMS || self.told {
-            self.told = true;
-            let allowed = allowed.clamp(1, MAX_STREAMS);
-            self.max.store(allowed, Ordering::Relaxed);
-            self.known.store(allowed, Ordering::Relaxed);
-        }
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let (r, allowed) = {
+            let mut conn = lock(&self.driver.conn);
+            let Some(conn) = conn.as_mut() else {
+                return Poll::Ready(Ok(()));
+            };
+            (
+                Pin::new(&mut *conn).poll(cx),
+                conn.current_max_send_streams(),
+            )
+        };
+        self.driver.take(allowed, &self.known, false);
         r
     }
 }
@@ -546,6 +586,11 @@ mod tests {
 
     /// An h2c server answering 200 to everything; counts the connections open.
     async fn server() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        limited_server(None).await
+    }
+
+    /// The same, allowing `max_streams` streams at once on a connection.
+    async fn limited_server(max_streams: Option<u32>) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let open = Arc::new(AtomicUsize::new(0));
@@ -559,6 +604,7 @@ mod tests {
                         Ok::<_, std::convert::Infallible>(Response::new(crate::http::body::empty()))
                     });
                     let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .max_concurrent_streams(max_streams)
                         .serve_connection(TokioIo::new(tcp), service)
                         .await;
                     counter.fetch_sub(1, Ordering::SeqCst);
@@ -566,6 +612,36 @@ mod tests {
             }
         });
         (addr, open)
+    }
+
+    fn get(addr: std::net::SocketAddr) -> Request<Body> {
+        let mut req = Request::new(crate::http::body::empty());
+        *req.uri_mut() = format!("http://{addr}/").parse().unwrap();
+        req
+    }
+
+    /// Once an answer has come on a connection, the pool knows the streams its
+    /// server allows (its SETTINGS come before any answer), though nothing wakes
+    /// the connection's driver in between: the next requests are not piled on it.
+    #[tokio::test]
+    async fn the_servers_stream_limit_is_known_once_an_answer_has_come() {
+        let (addr, _) = limited_server(Some(10)).await;
+        let connector =
+            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 4).unwrap();
+        let pool = Arc::new(H2Pool::new(
+            connector,
+            false,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ));
+        let Ok(resp) = pool.send(get(addr)).await else {
+            panic!("no answer");
+        };
+        assert_eq!(resp.status(), 200);
+        let conns = lock(&pool.conns);
+        assert_eq!(conns.len(), 1);
+        assert_eq!(conns[0].driver.max.load(Ordering::Relaxed), 10);
+        assert_eq!(pool.known_max.load(Ordering::Relaxed), 10);
     }
 
     /// A connection with no stream for the idle timeout is closed though no request
