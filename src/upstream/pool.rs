@@ -1,6 +1,10 @@
 //! Upstream connections of one target: HTTP/1.1 connections kept alive between
 //! requests, in one idle list per worker so that a request and its upstream
-//! connection stay on the worker thread that took it.
+//! connection stay on one worker thread. A connection's socket is registered with
+//! the reactor of the worker that opened it, which is the only one told when it is
+//! readable: used from another worker, every response would wake two threads. So a
+//! connection always goes back to the list of the worker that opened it, and a
+//! worker takes another's only when it may open no more.
 //!
 //! A request speaks to its connection itself (`http::h1::upstream`): there is no connection
 //! task. The connection goes back to its worker's list when the response body has
@@ -211,12 +215,18 @@ impl Pool {
     }
 
     /// A kept connection ready for a request: this worker's most recently used
-    /// first, then another worker's. Connections the upstream closed (or sent
-    /// something unasked on) while idle, or idle too long, are closed on the way.
+    /// first; another worker's only when no connection may be opened. Connections
+    /// the upstream closed (or sent something unasked on) while idle, or idle too
+    /// long, are closed on the way.
     fn checkout(&self) -> Option<Conn> {
         let own = worker() % LISTS;
         let now = coarse_ms();
-        for i in (0..LISTS).map(|k| (own + k) % LISTS) {
+        let lists = if self.connector.has_free_slot() {
+            1
+        } else {
+            LISTS
+        };
+        for i in (0..lists).map(|k| (own + k) % LISTS) {
             let mut idle = lock(&self.idle[i]);
             while let Some(mut e) = idle.pop() {
                 if now.saturating_sub(e.since_ms) <= self.idle_ms && e.conn.is_usable() {
@@ -241,7 +251,11 @@ impl Pool {
     async fn connect_or_wait(self: &Arc<Self>) -> Result<(Conn, bool), SendError> {
         let mut given = self.wait_for_one();
         let pool = self.clone();
-        let mut connecting = Box::pin(async move { Conn::open(&pool.connector).await });
+        let mut connecting = Box::pin(async move {
+            let mut conn = Conn::open(&pool.connector).await?;
+            conn.set_home(worker());
+            Ok(conn)
+        });
         loop {
             tokio::select! {
                 biased;
@@ -276,7 +290,8 @@ impl Pool {
 
     /// Takes `conn`, opened elsewhere (`auto`'s HTTP/2 pool, on a target that
     /// picked HTTP/1.1), for the next request.
-    pub fn adopt(&self, conn: Conn) {
+    pub fn adopt(&self, mut conn: Conn) {
+        conn.set_home(worker());
         self.give_back(conn);
     }
 
@@ -293,7 +308,7 @@ impl Pool {
             }
         }
         let now = coarse_ms();
-        let mut idle = lock(&self.idle[worker() % LISTS]);
+        let mut idle = lock(&self.idle[conn.home() % LISTS]);
         // The oldest kept connection is closed once idle too long, so that a list
         // used last-in first-out does not keep its bottom open for ever.
         if idle
@@ -481,6 +496,46 @@ mod tests {
             pool.checkout().is_none(),
             "taken 400 ms into a 300 ms timeout"
         );
+    }
+
+    /// A connection goes back to the list of the worker that opened it, whichever
+    /// worker used it last; another worker takes it only when it may open no more
+    /// connections itself.
+    #[tokio::test]
+    async fn a_connection_goes_back_to_the_worker_that_opened_it() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                open.push(s);
+            }
+        });
+        let connector =
+            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 2).unwrap();
+        let pool = Arc::new(Pool::new(
+            connector,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ));
+        // Worker 1 opens one; worker 0 uses it and gives it back.
+        set_worker(1);
+        let (conn, kept) = pool.connect_or_wait().await.unwrap();
+        assert!(!kept);
+        assert_eq!(conn.home(), 1);
+        set_worker(0);
+        pool.give_back(conn);
+        assert!(pool.checkout().is_none(), "worker 0 may open its own");
+        set_worker(1);
+        let conn = pool.checkout().expect("back on worker 1's list");
+        // With the other slot taken, worker 0 takes worker 1's.
+        set_worker(0);
+        let (other, _) = pool.connect_or_wait().await.unwrap();
+        assert_eq!(other.home(), 0);
+        assert!(!pool.connector.has_free_slot());
+        pool.give_back(conn);
+        let taken = pool.checkout().expect("another worker's, at the cap");
+        assert_eq!(taken.home(), 1);
     }
 
     /// An upstream that closes every connection after its answer (`Connection:

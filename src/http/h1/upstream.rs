@@ -69,6 +69,8 @@ pub struct Conn {
     /// Kept from one response head to the next (boxed: a connection moves in and
     /// out of the pool on every request).
     kept: Box<Kept>,
+    /// The pool's mark: the worker thread that opened it (`home`).
+    home: usize,
 }
 
 /// A field value as httparse parsed it (with its default configuration), not
@@ -208,7 +210,19 @@ impl Conn {
             buf: BytesMut::with_capacity(READ_SIZE / 2),
             _slot: slot,
             kept: Box::default(),
+            home: 0,
         }
+    }
+
+    /// The worker thread the pool marked it with: the one that opened it, whose
+    /// reactor its socket is registered with (it wakes a task on another thread
+    /// only through that one).
+    pub fn home(&self) -> usize {
+        self.home
+    }
+
+    pub fn set_home(&mut self, worker: usize) {
+        self.home = worker;
     }
 
     /// Whether a kept connection can take a request: nothing arrived on it while it
@@ -1658,6 +1672,7 @@ mod tests {
             buf: BytesMut::new(),
             _slot: slot,
             kept: Box::default(),
+            home: 0,
         };
         // One part of the body, then the client waits (for the answer, say).
         let body = {
@@ -1710,6 +1725,7 @@ mod tests {
             buf: BytesMut::new(),
             _slot: slot,
             kept: Box::default(),
+            home: 0,
         };
         let usable = std::future::poll_fn(|cx| {
             // Spend the budget, as a task that did much I/O in one poll has.
