@@ -842,11 +842,14 @@ async fn a_failed_store_answers_as_on_error_says() {
         local.client().await,
     );
     // `local` divides each limit by the live instances its fleet view saw last
-    // (degraded mode): here the three, once it has seen them.
+    // (degraded mode): here the three, once it has seen them. (`live` is counted
+    // when the view is asked for; `divided_by` is what the store was last told,
+    // once a second.)
     let admin = format!("127.0.0.1:{}", local.admin).parse().unwrap();
     let seen = eventually(std::time::Duration::from_secs(10), || async {
         let a = crate::common::redis::get(admin, "/admin/fleet", &[]).await;
-        serde_json::from_str::<serde_json::Value>(&a.body).is_ok_and(|v| v["live"] == 3)
+        serde_json::from_str::<serde_json::Value>(&a.body)
+            .is_ok_and(|v| v["live"] == 3 && v["divided_by"] == 3)
     })
     .await;
     assert!(
