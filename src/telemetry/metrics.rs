@@ -113,6 +113,17 @@ impl ReadAheadBytes {
     pub fn held(&self) -> usize {
         self.held.load(Relaxed)
     }
+
+    /// A count of its own, exported nowhere: for sluice's own requests (a JWKS
+    /// fetch), which send no body.
+    pub fn detached() -> ReadAheadBytes {
+        ReadAheadBytes {
+            held: AtomicUsize::new(0),
+            refused: detached(),
+            gauge: IntGauge::new("sluice_detached_bytes", "not exported")
+                .expect("metric definition"),
+        }
+    }
 }
 
 impl Metrics {
