@@ -1201,7 +1201,10 @@ fn header_text(v: &HeaderValue) -> Cow<'_, str> {
 /// decoded (`cookie_text`), names compared as PHP reads them (`same_name`), a
 /// value's quotes removed and the spaces inside them trimmed too (one odd byte
 /// elsewhere in the header must not hide a cookie from the deny list).
-fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Cow<'a, str>> + 'a {
+pub fn cookies<'a>(
+    headers: &'a HeaderMap,
+    name: &'a str,
+) -> impl Iterator<Item = Cow<'a, str>> + 'a {
     headers
         .get_all(COOKIE)
         .iter()

@@ -127,8 +127,12 @@ pub struct Provider {
     pub spec: ProviderSpec,
     keys: ArcSwap<KeySet>,
     cache: Mutex<LruCache<[u8; 32], Remembered>>,
-    /// When the keys were last fetched or read (Unix seconds; 0: never).
-    last_fetch: AtomicU64,
+    /// When an unknown `kid` last made the keys be fetched (Unix seconds; 0:
+    /// never). The fetches at start and every `REFRESH` do not count: a key rotated
+    /// in just after one is fetched on its first token.
+    last_refetch: AtomicU64,
+    /// When a token found no keys at all and fetched them (Unix seconds; 0: never).
+    last_empty_fetch: AtomicU64,
     /// One fetch at a time; requests that need keys wait for it.
     fetching: tokio::sync::Mutex<()>,
     /// The JWKS file as last read: modified time and length.
@@ -158,7 +162,8 @@ impl Provider {
         let p = Provider {
             keys: ArcSwap::from_pointee(keys),
             cache: Mutex::new(LruCache::new(size)),
-            last_fetch: AtomicU64::new(0),
+            last_refetch: AtomicU64::new(0),
+            last_empty_fetch: AtomicU64::new(0),
             fetching: tokio::sync::Mutex::new(()),
             file_seen: Mutex::new(None),
             spec,
@@ -181,11 +186,18 @@ impl Provider {
         }
         let weak: Weak<Provider> = Arc::downgrade(self);
         rt.spawn(async move {
+            let mut first = true;
             loop {
                 let Some(p) = weak.upgrade() else { return };
                 let wait = match &p.spec.source {
                     Source::Url(_) => {
-                        p.refresh(unix_now()).await;
+                        // At start, unless a first token fetched them already.
+                        if first {
+                            p.refresh_unless_changed(0).await;
+                        } else {
+                            p.refresh().await;
+                        }
+                        first = false;
                         REFRESH
                     }
                     _ => {
@@ -206,9 +218,8 @@ impl Provider {
 
     /// Fetches (a URL) or reads (a file) the keys again; on failure the last good set
     /// stays, and the failure is logged. Concurrent callers share one fetch.
-    pub async fn refresh(&self, now: u64) {
+    pub async fn refresh(&self) {
         let _one = self.fetching.lock().await;
-        self.last_fetch.store(now.max(1), Ordering::Relaxed);
         let result = match &self.spec.source {
             Source::Url(url) => {
                 crate::upstream::fetch::get(url, Duration::from_secs(5), MAX_JWKS_BYTES)
@@ -222,6 +233,18 @@ impl Provider {
             Source::Secret(_) => return,
         };
         self.take(result);
+    }
+
+    /// `refresh`, unless the keys are no longer those of `generation` (another
+    /// fetch brought new ones while this one waited its turn).
+    async fn refresh_unless_changed(&self, generation: u64) -> bool {
+        let one = self.fetching.lock().await;
+        if self.keys.load().generation != generation {
+            return false;
+        }
+        drop(one);
+        self.refresh().await;
+        true
     }
 
     fn take(&self, result: Result<KeySet, KeysError>) {
@@ -267,16 +290,26 @@ impl Provider {
     pub async fn verify(&self, token: &str, now: u64) -> Result<VerifiedClaims, Failure> {
         match self.check(token, now) {
             Err(f @ (Failure::UnknownKid | Failure::NoKeys)) => {
-                if !matches!(self.spec.source, Source::Url(_)) || !self.refetch_due(now) {
+                if !matches!(self.spec.source, Source::Url(_)) {
                     return Err(f);
                 }
                 let generation = self.keys.load().generation;
-                let _one = self.fetching.lock().await;
-                // Another request's refetch may have brought the key meanwhile.
-                let fresh = self.keys.load().generation != generation;
-                drop(_one);
-                if !fresh && self.refetch_due(now) {
-                    self.refresh(now).await;
+                // No keys yet (the JWKS could not be fetched at start): fetched
+                // again at most as often as for an unknown kid, on a clock of its
+                // own, so that a token at start does not delay a rotated key's.
+                let last = match f {
+                    Failure::NoKeys => &self.last_empty_fetch,
+                    _ => &self.last_refetch,
+                };
+                if due(last, now) {
+                    if self.refresh_unless_changed(generation).await {
+                        last.store(now.max(1), Ordering::Relaxed);
+                    }
+                } else if f == Failure::NoKeys {
+                    // A fetch under way (the one at start): its keys.
+                    drop(self.fetching.lock().await);
+                } else {
+                    return Err(f);
                 }
                 self.check(token, now)
             }
@@ -286,8 +319,7 @@ impl Provider {
 
     /// Whether an unknown `kid` may fetch the keys again at `now`.
     pub fn refetch_due(&self, now: u64) -> bool {
-        let last = self.last_fetch.load(Ordering::Relaxed);
-        last == 0 || now >= last + REFETCH_UNKNOWN_KID.as_secs()
+        due(&self.last_refetch, now)
     }
 
     /// The token's claims if it passes every check at `now` (Unix seconds): its
@@ -411,6 +443,12 @@ impl Provider {
             .unwrap_or_else(PoisonError::into_inner)
             .len()
     }
+}
+
+/// Whether `REFETCH_UNKNOWN_KID` has passed since `last` (0: never).
+fn due(last: &AtomicU64, now: u64) -> bool {
+    let last = last.load(Ordering::Relaxed);
+    last == 0 || now >= last + REFETCH_UNKNOWN_KID.as_secs()
 }
 
 fn file_stamp(path: &std::path::Path) -> Option<(SystemTime, u64)> {

@@ -215,7 +215,7 @@ fn a_key_removed_from_the_file_stops_its_cached_tokens() {
 fn unknown_kids_refetch_at_most_every_30_seconds() {
     let p = Provider::new(spec(Source::Url("http://127.0.0.1:9/jwks".into()))).expect("a provider");
     assert!(p.refetch_due(NOW));
-    p.last_fetch.store(NOW, Ordering::Relaxed);
+    p.last_refetch.store(NOW, Ordering::Relaxed);
     assert!(!p.refetch_due(NOW + 29));
     assert!(p.refetch_due(NOW + 30));
 }
