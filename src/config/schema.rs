@@ -550,6 +550,7 @@ pub struct RouteSpec {
     #[serde(default)]
     pub respond: Option<Respond>,
     /// The client key: ip, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER,
+    /// jwt:CLAIM, jwt:/POINTER (with `jwt`),
     /// global, or a list of these.
     #[serde(default)]
     pub key: KeyText,
@@ -828,7 +829,7 @@ fn found_scalar(v: impl std::fmt::Display) -> String {
     format!("found {:?}", v.to_string())
 }
 
-const KEY_FORMS: &str = "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these";
+const KEY_FORMS: &str = "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER, jwt:CLAIM or jwt:/POINTER) or a list of these";
 
 impl<'de> Deserialize<'de> for KeyText {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

@@ -1354,7 +1354,10 @@ impl Checker<'_> {
         for (j, ov) in route.overrides.iter().enumerate() {
             let op = item(&format!("{base}.overrides"), j);
             if ov.keys.is_empty() && ov.claims.is_empty() {
-                self.at(&op, "an override needs at least one key in keys, or claims");
+                self.at(
+                    &format!("{op}.keys"),
+                    "an override needs at least one key in keys, or claims",
+                );
             } else if !ov.keys.is_empty() && !ov.claims.is_empty() {
                 self.at(&op, "an override gives keys or claims, not both");
             }

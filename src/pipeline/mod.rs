@@ -152,8 +152,11 @@ pub struct Limits {
     pub overrides: HashMap<String, Arc<Tier>>,
     /// Tiers by verified JWT claims, in file order: the first whose claims all
     /// hold (each claim's value as a key reads it) is taken, after `overrides`.
-    pub by_claims: Vec<(Vec<(crate::identity::Claim, String)>, Arc<Tier>)>,
+    pub by_claims: Vec<(ClaimsWanted, Arc<Tier>)>,
 }
+
+/// The claims a tier by claims wants, each with the value it must have.
+pub type ClaimsWanted = Vec<(crate::identity::Claim, String)>;
 
 pub struct Tier {
     pub plan: Plan,
