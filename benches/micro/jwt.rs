@@ -6,23 +6,14 @@
 //! - `jwt/cached/rs256`: the same token again (a SHA-256 of the token and a lookup).
 
 use std::hint::black_box;
-use std::time::Duration;
 
 use criterion::Criterion;
 use serde_json::json;
-use sluice::jwt::testing::{hs256, jwks, TestKey};
-use sluice::jwt::{unix_now, Provider, ProviderSpec, Source};
+use sluice::jwt::testing::{hs256, jwks, spec, TestKey};
+use sluice::jwt::{unix_now, Provider, Source};
 
 fn provider(source: Source) -> Provider {
-    Provider::new(ProviderSpec {
-        name: "bench".into(),
-        source,
-        issuer: Some("https://idp.test/".into()),
-        audiences: vec!["api".into()],
-        leeway: Duration::from_secs(60),
-        cache_size: 10_000,
-    })
-    .expect("a provider")
+    Provider::new(spec(source, 10_000)).expect("a provider")
 }
 
 fn claims(i: u64) -> serde_json::Value {

@@ -19,7 +19,7 @@ use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::{Algorithm, AlgorithmFamily, Validation};
 use lru::LruCache;
 
-pub use keys::{KeySet, KeysError};
+pub use keys::{header, KeySet, KeysError, TokenHeader};
 
 use crate::identity::VerifiedClaims;
 
@@ -150,7 +150,6 @@ impl Provider {
     /// A provider; an HS secret's key and a JWKS file's keys are there at once, a
     /// URL's come with the first fetch (`start`, or the first token).
     pub fn new(spec: ProviderSpec) -> Result<Provider, KeysError> {
-        crypto::install();
         let keys = match &spec.source {
             Source::Secret(s) => KeySet::secret(s)?,
             Source::File(p) => KeySet::parse_jwks(
@@ -158,6 +157,13 @@ impl Provider {
             )?,
             Source::Url(_) => KeySet::empty(),
         };
+        Ok(Provider::with_keys(spec, keys))
+    }
+
+    /// A provider with these keys to begin with (a URL's are fetched again by
+    /// `start` and on an unknown `kid`).
+    pub fn with_keys(spec: ProviderSpec, keys: KeySet) -> Provider {
+        crypto::install();
         let size = NonZeroUsize::new(spec.cache_size).unwrap_or(NonZeroUsize::MIN);
         let p = Provider {
             keys: ArcSwap::from_pointee(keys),
@@ -171,7 +177,7 @@ impl Provider {
         if let Source::File(path) = &p.spec.source {
             *p.file_seen.lock().unwrap_or_else(PoisonError::into_inner) = file_stamp(path);
         }
-        Ok(p)
+        p
     }
 
     /// Keeps the keys fresh while the provider lives: a URL's fetched now and every

@@ -103,6 +103,19 @@ impl TestKey {
     }
 }
 
+/// A provider's settings for tests and benches: issuer `https://idp.test/`,
+/// audience `api`, a 60 s leeway.
+pub fn spec(source: super::Source, cache_size: usize) -> super::ProviderSpec {
+    super::ProviderSpec {
+        name: "idp".into(),
+        source,
+        issuer: Some("https://idp.test/".into()),
+        audiences: vec!["api".into()],
+        leeway: std::time::Duration::from_secs(60),
+        cache_size,
+    }
+}
+
 /// A JWKS document of these keys.
 pub fn jwks(keys: &[&TestKey]) -> String {
     let keys: Vec<&serde_json::Value> = keys.iter().map(|k| &k.jwk).collect();

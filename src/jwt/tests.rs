@@ -1,5 +1,3 @@
-use std::time::Duration;
-
 use serde_json::json;
 
 use super::testing::{hs256, jwks, unsigned, TestKey};
@@ -8,14 +6,7 @@ use super::*;
 const NOW: u64 = 1_800_000_000;
 
 fn spec(source: Source) -> ProviderSpec {
-    ProviderSpec {
-        name: "idp".into(),
-        source,
-        issuer: Some("https://idp.test/".into()),
-        audiences: vec!["api".into()],
-        leeway: Duration::from_secs(60),
-        cache_size: 4,
-    }
+    super::testing::spec(source, 4)
 }
 
 fn jwks_provider(keys: &[&TestKey]) -> Provider {
