@@ -499,6 +499,42 @@ routes:
         );
     }
 
+    /// Providers are listed with where their keys come from (a secret never
+    /// printed); a route shows its provider, and claim overrides their claims.
+    #[test]
+    fn jwt_providers_and_routes() {
+        let yaml = "\
+upstreams:
+  api: {targets: [http://127.0.0.1:3000]}
+jwt:
+  providers:
+    idp: {jwks_url: \"https://idp.example/jwks.json\", issuer: \"https://idp.example/\", audiences: [api, web]}
+    hs: {secret: do-not-print-me}
+routes:
+  - name: partner
+    match: {path_prefix: /partner/}
+    upstream: api
+    jwt: {provider: idp, required: false}
+    key: jwt:sub
+    limits: [{algorithm: fixed_window, limit: 5, window: 1m}]
+    overrides:
+      - claims: {plan: gold}
+        limits: [{algorithm: fixed_window, limit: 50, window: 1m}]
+";
+        let loaded = parse(yaml, Path::new("t.yaml")).unwrap();
+        let text = summary(&loaded);
+        let lines: Vec<&str> = text.lines().collect();
+        for want in [
+            "jwt     idp: jwks https://idp.example/jwks.json, issuer https://idp.example/, audiences api,web, leeway 1m",
+            "jwt     hs: HS secret, leeway 1m",
+            "  partner  prefix /partner/ -> upstream api   key jwt:sub   jwt idp (optional)",
+            "           override for claims plan=gold: fixed_window 50 per 1m",
+        ] {
+            assert!(lines.contains(&want), "{want:?} not in\n{text}");
+        }
+        assert!(!text.contains("do-not-print-me"), "{text}");
+    }
+
     #[test]
     fn the_spec_example_in_one_screen() {
         let yaml = "\
