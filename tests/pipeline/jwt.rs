@@ -474,3 +474,88 @@ async fn grpc_calls_without_a_token_are_unauthenticated() {
     assert_eq!(r.header("grpc-status"), Some("16"));
     assert_eq!(up.hits(), 0);
 }
+
+/// Made by PyJWT with `cryptography` (keys generated there): a JWKS of an RSA and
+/// an EC key, and tokens for `sub` in RS256, ES256 and HS256, plus `alg: none`
+/// and HS256 keyed with the RSA public key. Printed as one JSON object.
+const PYJWT: &str = r#"
+import hashlib, hmac, json, sys, time
+import jwt
+from jwt.algorithms import ECAlgorithm, RSAAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+iss, secret = sys.argv[1], sys.argv[2].encode()
+now = int(time.time())
+claims = {"sub": "py-user", "iss": iss, "aud": "api", "iat": now, "exp": now + 600, "plan": "gold"}
+rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+ec_key = ec.generate_private_key(ec.SECP256R1())
+rsa_jwk = json.loads(RSAAlgorithm.to_jwk(rsa_key.public_key()))
+rsa_jwk.update(kid="py-rsa", alg="RS256", use="sig")
+ec_jwk = json.loads(ECAlgorithm.to_jwk(ec_key.public_key()))
+ec_jwk.update(kid="py-ec", alg="ES256")
+b64 = lambda b: jwt.utils.base64url_encode(b).decode()
+signing_input = b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "py-rsa"}).encode()) + "." + b64(json.dumps(claims).encode())
+public_der = rsa_key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.PKCS1)
+confused = signing_input + "." + b64(hmac.new(public_der, signing_input.encode(), hashlib.sha256).digest())
+print(json.dumps({
+    "jwks": {"keys": [rsa_jwk, ec_jwk]},
+    "rs256": jwt.encode(claims, rsa_key, algorithm="RS256", headers={"kid": "py-rsa"}),
+    "es256": jwt.encode(claims, ec_key, algorithm="ES256", headers={"kid": "py-ec"}),
+    "hs256": jwt.encode(claims, secret, algorithm="HS256"),
+    "none": jwt.encode(claims, None, algorithm="none"),
+    "confused": confused,
+}))
+"#;
+
+/// Tokens and a JWKS made by another library (PyJWT, `cryptography`'s keys) verify
+/// as sluice's own do; its `alg: none` and algorithm-confusion tokens are refused.
+/// (tests/run.sh installs PyJWT and cryptography when they are missing.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_made_by_pyjwt_verify() {
+    let out = crate::common::run_grouped(
+        std::process::Command::new("python3").args(["-c", PYJWT, ISS, SECRET]),
+    )
+    .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "PyJWT and cryptography are needed (tests/run.sh installs them): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let made: serde_json::Value = serde_json::from_slice(&out.stdout).expect("PyJWT's JSON");
+    let idp = JwksServer::start(made["jwks"].to_string()).await;
+    let up = upstream().await;
+    let gw = start_gateway(&gateway_yaml(&up.url(), &idp.url(), "")).await;
+    let c = http1();
+    let token = |name: &str| bearer(made[name].as_str().expect("a token"));
+    let rs = url(gw.addr, "/rs");
+    // One subject, a gold plan (5 a minute), whichever key signed.
+    assert_eq!(
+        statuses_with(&c, 3, &rs, &token("rs256")).await,
+        [200, 200, 200]
+    );
+    assert_eq!(
+        statuses_with(&c, 3, &rs, &token("es256")).await,
+        [200, 200, 429]
+    );
+    let hs = url(gw.addr, "/hs");
+    let cookie = format!("session={}", made["hs256"].as_str().expect("a token"));
+    assert_eq!(statuses(&c, 1, &hs, &[("cookie", &cookie)]).await, [200]);
+    for bad in ["none", "confused"] {
+        let r = c.get(&rs, &[("authorization", &token(bad))]).await;
+        assert_eq!(r.status, 401, "{bad}");
+        assert_eq!(
+            r.header("www-authenticate"),
+            Some("Bearer error=\"invalid_token\"")
+        );
+    }
+    let m = metrics(gw.admin_addr).await;
+    assert_eq!(
+        metric(
+            &m,
+            "sluice_jwt_failures_total{reason=\"algorithm\",route=\"rs\"}"
+        ),
+        Some(2.0)
+    );
+    assert_eq!(up.hits(), 6);
+}
