@@ -559,3 +559,52 @@ async fn tokens_made_by_pyjwt_verify() {
     );
     assert_eq!(up.hits(), 6);
 }
+
+/// A JWKS file is read again when it changes: a key added to it verifies within
+/// the bound, one removed stops verifying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jwks_file_is_read_again_when_it_changes() {
+    let (old, new) = (TestKey::rsa("f1"), TestKey::ec("f2"));
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let file = dir.path().join("jwks.json");
+    std::fs::write(&file, jwks(&[&old])).expect("write the JWKS");
+    let up = upstream().await;
+    let gw = start_gateway(&format!(
+        r#"upstreams:
+  app: {{targets: ["{}"], probe: false}}
+jwt:
+  providers:
+    files: {{jwks_file: "{}"}}
+routes:
+  - name: f
+    match: {{path_prefix: /}}
+    upstream: app
+    jwt: {{provider: files}}
+    key: jwt:sub
+    limits: [{{algorithm: fixed_window, limit: 100, window: 1m}}]
+"#,
+        up.url(),
+        file.display()
+    ))
+    .await;
+    let c = http1();
+    let f = url(gw.addr, "/f");
+    let (t_old, t_new) = (
+        bearer(&old.token(&claims("a", json!({})))),
+        bearer(&new.token(&claims("b", json!({})))),
+    );
+    assert_eq!(statuses_with(&c, 1, &f, &t_old).await, [200]);
+    assert_eq!(statuses_with(&c, 1, &f, &t_new).await, [401]);
+    std::fs::write(&file, jwks(&[&new])).expect("rotate the JWKS");
+    let within = std::time::Duration::from_secs(3);
+    let taken = eventually(within, || async {
+        c.get(&f, &[("authorization", &t_new)]).await.status == 200
+    })
+    .await;
+    assert!(
+        taken.is_some(),
+        "the new key verifies once the file changed"
+    );
+    assert_eq!(statuses_with(&c, 1, &f, &t_old).await, [401]);
+    // (A broken file keeping the last good keys: `jwt::tests`, on a driven read.)
+}
