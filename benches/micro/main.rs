@@ -1,6 +1,6 @@
 //! Micro-benchmarks of the request path's parts, through the library's public API:
 //! the limit algorithms, the memory store under contention, route matching and
-//! client keys, and the deny list. `cargo bench --bench micro` runs them all (under
+//! client keys, the deny list, and JWT verification. `cargo bench --bench micro` runs them all (under
 //! two minutes once built); `cargo bench --bench micro -- store/` runs one group. They
 //! report times and compare them with the previous run; nothing here asserts on a time.
 
@@ -10,6 +10,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 
 mod algo;
 mod deny;
+mod jwt;
 mod request;
 mod store;
 
@@ -25,6 +26,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = micro;
     config = config();
-    targets = algo::bench, store::bench, request::bench, deny::bench
+    targets = algo::bench, store::bench, request::bench, deny::bench, jwt::bench
 }
 criterion_main!(micro);

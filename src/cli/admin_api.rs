@@ -874,7 +874,8 @@ mod tests {
                  "last_seen": "2026-11-26T22:44:21.5Z", "last_seen_ms": 1, "self": false}
             ],
             "routes": {"api": {"allowed": 5, "delayed": 0, "limited": 4, "denied": 0, "shadow": 0,
-                "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0}},
+                "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0,
+                "unauthorized": 0}},
             "config_hashes": 2, "consistent": false, "store": "redis"
         });
         assert_eq!(
@@ -883,8 +884,8 @@ mod tests {
              a-1-000001 (this)  a:8080   0.1.0    93f078b7bb41  yes    2026-11-26T22:44:22.807Z\n\
              b-2-000002         b:8080   0.1.0    c331faa035f0  no     2026-11-26T22:44:21.5Z\n\
              \n\
-             ROUTE  ALLOWED  DELAYED  LIMITED  DENIED  SHADOW  STORE_ERROR_ALLOWED  STORE_ERROR_DENIED  BAD_REQUEST\n\
-             api    5        0        4        0       0       0                    0                   0\n\
+             ROUTE  ALLOWED  DELAYED  LIMITED  DENIED  SHADOW  STORE_ERROR_ALLOWED  STORE_ERROR_DENIED  BAD_REQUEST  UNAUTHORIZED\n\
+             api    5        0        4        0       0       0                    0                   0            0\n\
              \n\
              config hashes differ: 2 hashes across 2 instances (a reload not applied everywhere?)\n"
         );

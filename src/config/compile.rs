@@ -21,7 +21,8 @@ use super::validate::{status_pattern, StatusPattern};
 use super::value::{Text, WindowSpec};
 use super::Loaded;
 use crate::deny::{Source, StaticDeny};
-use crate::identity::{KeyPart, KeySpec, Normalize, TrustedProxies};
+use crate::identity::{Claim, KeyPart, KeySpec, Normalize, TrustedProxies};
+use crate::jwt::{Failure as JwtFailure, Provider, ProviderSpec, Source as JwtSource};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{
     Algorithm, Charge, Clock, CostFrom, FromResponse, LimitDef, MemoryStore, Mode, Plan,
@@ -31,7 +32,8 @@ use crate::limit::{
 use crate::pipeline::refusal::{policy_header, RateHeaders};
 use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
 use crate::pipeline::{
-    Action, BanRule, LaterLimit, LimitKey, Limits, Route, Runtime, ShareDef, Tier,
+    Action, BanRule, LaterLimit, LimitKey, Limits, Route, RouteJwt, Runtime, ShareDef, Tier,
+    TokenFrom,
 };
 use crate::telemetry::access_file::{AccessFile, FileOptions};
 use crate::telemetry::access_log::{AccessLog, Format};
@@ -47,6 +49,8 @@ pub enum CompileError {
     Route { route: String, message: String },
     #[error("access_log.path {path}: {error}")]
     AccessLog { path: String, error: std::io::Error },
+    #[error("jwt.providers.{provider}: {message}")]
+    Jwt { provider: String, message: String },
 }
 
 fn route_err(route: &str, message: impl Into<String>) -> CompileError {
@@ -148,10 +152,11 @@ pub fn compile(
         upstreams.insert(name.clone(), up);
     }
 
+    let jwt = jwt_providers(f, previous)?;
     let mut routes = f
         .routes
         .iter()
-        .map(|r| compile_route(r, &upstreams, metrics))
+        .map(|r| compile_route(r, &upstreams, &jwt, metrics))
         .collect::<Result<Vec<_>, _>>()?;
     // A route's heaviest refused clients outlive a reload that keeps its name.
     for r in &mut routes {
@@ -211,7 +216,52 @@ pub fn compile(
             .as_ref()
             .filter(|t| !t.is_empty())
             .map(|t| t.0.clone()),
+        jwt,
     })
+}
+
+/// `jwt.providers`: a provider whose settings did not change is the previous
+/// configuration's (its keys and the tokens it verified kept); a new one has an HS
+/// secret's or a JWKS file's keys at once, and starts fetching a URL's.
+fn jwt_providers(
+    f: &schema::File,
+    previous: Option<&Runtime>,
+) -> Result<HashMap<String, Arc<Provider>>, CompileError> {
+    let mut out = HashMap::new();
+    for (name, p) in &f.jwt.providers {
+        let source = match (&p.jwks_url, &p.jwks_file, &p.secret) {
+            (Some(u), _, _) => JwtSource::Url(u.0.clone()),
+            (_, Some(file), _) => JwtSource::File(file.0.clone().into()),
+            (_, _, Some(s)) => JwtSource::Secret(s.0.as_bytes().to_vec()),
+            _ => {
+                return Err(CompileError::Jwt {
+                    provider: name.clone(),
+                    message: "needs jwks_url, jwks_file or secret".into(),
+                })
+            }
+        };
+        let spec = ProviderSpec {
+            name: name.clone(),
+            source,
+            issuer: p.issuer.as_ref().map(|i| i.0.clone()),
+            audiences: p.audiences.iter().map(|a| a.0.clone()).collect(),
+            leeway: p.leeway.get(),
+            cache_size: p.cache_size.get(),
+        };
+        let provider = match previous.and_then(|r| r.jwt.get(name)) {
+            Some(old) if old.spec == spec => old.clone(),
+            _ => {
+                let provider = Arc::new(Provider::new(spec).map_err(|e| CompileError::Jwt {
+                    provider: name.clone(),
+                    message: e.to_string(),
+                })?);
+                provider.start();
+                provider
+            }
+        };
+        out.insert(name.clone(), provider);
+    }
+    Ok(out)
 }
 
 /// The limiter's store of `store:`: in memory (`clock` its clock), or on Redis,
@@ -302,6 +352,7 @@ fn sentinel_target(s: &schema::RedisSentinel) -> Result<SentinelTarget, StoreErr
 fn compile_route(
     r: &schema::RouteSpec,
     upstreams: &HashMap<String, Arc<Upstream>>,
+    providers: &HashMap<String, Arc<Provider>>,
     metrics: &Metrics,
 ) -> Result<Route, CompileError> {
     let name = r.name.0.clone();
@@ -356,8 +407,21 @@ fn compile_route(
     } else {
         let default = tier(&mut keys, &r.limits, mode, metrics)?;
         let mut overrides = HashMap::new();
+        let mut by_claims = Vec::new();
         for o in &r.overrides {
             let t = Arc::new(tier(&mut keys, &o.limits, mode, metrics)?);
+            if !o.claims.is_empty() {
+                let want = o
+                    .claims
+                    .iter()
+                    .map(|(c, v)| {
+                        let claim = Claim::parse(c)
+                            .ok_or_else(|| route_err(&name, format!("bad claim {c:?}")))?;
+                        Ok((claim, v.0.clone()))
+                    })
+                    .collect::<Result<Vec<_>, CompileError>>()?;
+                by_claims.push((want, t.clone()));
+            }
             for k in &o.keys {
                 // Matched against the key as it is counted: a body key in NFC, in
                 // its normal form (each part of a composite key).
@@ -374,7 +438,11 @@ fn compile_route(
                 overrides.insert(k, t.clone());
             }
         }
-        Some(Limits { default, overrides })
+        Some(Limits {
+            default,
+            overrides,
+            by_claims,
+        })
     };
 
     let ban = r.ban.as_ref().map(|b| {
@@ -403,6 +471,33 @@ fn compile_route(
         namespaces.extend([k.ns.as_str(), k.fallback_ns.as_str()]);
     }
     metrics.store_namespaces(&name, &namespaces);
+    let mut route_metrics = metrics.route(&name);
+    let jwt = match &r.jwt {
+        None => None,
+        Some(j) => {
+            let provider = providers
+                .get(j.provider.as_str())
+                .cloned()
+                .ok_or_else(|| route_err(&name, format!("unknown JWT provider {}", j.provider)))?;
+            let reasons: Vec<&str> = JwtFailure::ALL.iter().map(|f| f.as_str()).collect();
+            let (m, failures) = route_metrics.with_unauthorized(metrics, &name, &reasons);
+            route_metrics = m;
+            let from = match (&j.header, &j.cookie) {
+                (Some(h), _) => TokenFrom::Header(
+                    HeaderName::from_bytes(h.as_bytes())
+                        .map_err(|_| route_err(&name, format!("bad jwt.header {h}")))?,
+                ),
+                (None, Some(c)) => TokenFrom::Cookie(c.0.clone()),
+                (None, None) => TokenFrom::Authorization,
+            };
+            Some(RouteJwt {
+                provider,
+                required: j.required,
+                from,
+                failures,
+            })
+        }
+    };
     Ok(Route {
         matcher: matcher(&name, &r.matcher)?,
         action,
@@ -414,8 +509,9 @@ fn compile_route(
         limits,
         shadow: r.shadow,
         ban,
-        metrics: metrics.route(&name),
+        metrics: route_metrics,
         top: Arc::default(),
+        jwt,
         name,
     })
 }

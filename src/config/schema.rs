@@ -50,6 +50,9 @@ pub struct File {
     /// envoyproxy/ratelimit's configuration files; off when absent.
     #[serde(default)]
     pub rls: Option<RlsSpec>,
+    /// Who issues the JWTs that routes with `jwt` verify (keys from claims).
+    #[serde(default)]
+    pub jwt: JwtSpec,
     /// Routes in order; the first that matches a request takes it.
     pub routes: Vec<RouteSpec>,
 }
@@ -463,6 +466,73 @@ impl Default for Deny {
     }
 }
 
+// === jwt ===
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JwtSpec {
+    /// Token issuers by name, used by routes' `jwt.provider`.
+    #[serde(default)]
+    pub providers: BTreeMap<String, JwtProviderSpec>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JwtProviderSpec {
+    /// A JWKS fetched over http(s); refreshed every 10 minutes and on an unknown kid.
+    #[serde(default)]
+    pub jwks_url: Option<Text>,
+    /// A JWKS file, read again when it changes.
+    #[serde(default)]
+    pub jwks_file: Option<Text>,
+    /// An HMAC secret (HS256/384/512), usually `${ENV_VAR}`.
+    #[serde(default)]
+    pub secret: Option<Text>,
+    /// The `iss` a token must have; not checked when absent.
+    #[serde(default)]
+    pub issuer: Option<Text>,
+    /// A token's `aud` must name one of these; not checked when empty.
+    #[serde(default)]
+    pub audiences: Vec<Text>,
+    /// Clock skew allowed on `exp` and `nbf`.
+    #[serde(default = "default_leeway")]
+    pub leeway: Dur,
+    /// Verified tokens remembered (until they expire).
+    #[serde(default = "default_jwt_cache")]
+    pub cache_size: Num<usize>,
+}
+
+fn default_leeway() -> Dur {
+    Dur::secs(60)
+}
+
+fn default_jwt_cache() -> Num<usize> {
+    Num(10_000)
+}
+
+/// A route's `jwt`: the provider that verifies its tokens, and where they are.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RouteJwtSpec {
+    /// A name under `jwt.providers`.
+    pub provider: Text,
+    /// false: a request without a token falls to `missing_key` (a bad token is
+    /// still 401).
+    #[serde(default = "default_true")]
+    pub required: bool,
+    /// Read the token from this header (the whole value, or after `Bearer `)
+    /// instead of `Authorization`.
+    #[serde(default)]
+    pub header: Option<Text>,
+    /// Read the token from this cookie instead of `Authorization`.
+    #[serde(default)]
+    pub cookie: Option<Text>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
 // === routes ===
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
@@ -480,6 +550,7 @@ pub struct RouteSpec {
     #[serde(default)]
     pub respond: Option<Respond>,
     /// The client key: ip, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER,
+    /// jwt:CLAIM, jwt:/POINTER (with `jwt`),
     /// global, or a list of these.
     #[serde(default)]
     pub key: KeyText,
@@ -509,6 +580,9 @@ pub struct RouteSpec {
     /// Deny a key that keeps hitting the limit.
     #[serde(default)]
     pub ban: Option<Ban>,
+    /// Verify a JWT on every request before its key is read (`key: jwt:CLAIM`).
+    #[serde(default)]
+    pub jwt: Option<RouteJwtSpec>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, Default)]
@@ -722,7 +796,11 @@ impl Limit {
 #[serde(deny_unknown_fields)]
 pub struct Override {
     /// Keys these limits apply to.
+    #[serde(default)]
     pub keys: Vec<Text>,
+    /// Or: verified JWT claims (name or /pointer → value) that must all hold.
+    #[serde(default)]
+    pub claims: BTreeMap<String, Text>,
     /// Their limits, instead of the route's.
     pub limits: Vec<Limit>,
 }
@@ -751,7 +829,7 @@ fn found_scalar(v: impl std::fmt::Display) -> String {
     format!("found {:?}", v.to_string())
 }
 
-const KEY_FORMS: &str = "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these";
+const KEY_FORMS: &str = "expected a key (ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER, jwt:CLAIM or jwt:/POINTER) or a list of these";
 
 impl<'de> Deserialize<'de> for KeyText {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

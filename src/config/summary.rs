@@ -155,6 +155,24 @@ pub fn summary(loaded: &Loaded) -> String {
         let _ = write!(deny, ", state_file {state}");
     }
     line(&mut out, deny);
+    for (name, p) in &f.jwt.providers {
+        // A secret is never printed; a URL or a path is.
+        let keys = match (&p.jwks_url, &p.jwks_file) {
+            (Some(u), _) => format!("jwks {u}"),
+            (_, Some(file)) => format!("jwks file {file}"),
+            _ => "HS secret".to_string(),
+        };
+        let mut s = format!("jwt     {name}: {keys}");
+        if let Some(iss) = &p.issuer {
+            let _ = write!(s, ", issuer {iss}");
+        }
+        if !p.audiences.is_empty() {
+            let auds: Vec<&str> = p.audiences.iter().map(|a| a.as_str()).collect();
+            let _ = write!(s, ", audiences {}", auds.join(","));
+        }
+        let _ = write!(s, ", leeway {}", fmt_dur(p.leeway.get()));
+        line(&mut out, s);
+    }
     out
 }
 
@@ -179,6 +197,12 @@ fn route(out: &mut String, r: &RouteSpec, width: usize, indent: &str, http2: boo
     if r.shadow {
         head.push_str("   (shadow)");
     }
+    if let Some(j) = &r.jwt {
+        let _ = write!(head, "   jwt {}", j.provider);
+        if !j.required {
+            head.push_str(" (optional)");
+        }
+    }
     line(out, head);
 
     if !r.limits.is_empty() {
@@ -199,6 +223,18 @@ fn route(out: &mut String, r: &RouteSpec, width: usize, indent: &str, http2: boo
         line(out, format!("{indent}{limits}"));
     }
     for ov in &r.overrides {
+        if !ov.claims.is_empty() {
+            let claims: Vec<String> = ov.claims.iter().map(|(c, v)| format!("{c}={v}")).collect();
+            line(
+                out,
+                format!(
+                    "{indent}override for claims {}: {}",
+                    claims.join(", "),
+                    describe_limits(&ov.limits)
+                ),
+            );
+            continue;
+        }
         // The keys themselves are often API keys: count them, never print them.
         let n = ov.keys.len();
         line(
@@ -461,6 +497,42 @@ routes:
             lines.contains(&"  web      /orders.v1.Orders/Create -> upstream web"),
             "{text}"
         );
+    }
+
+    /// Providers are listed with where their keys come from (a secret never
+    /// printed); a route shows its provider, and claim overrides their claims.
+    #[test]
+    fn jwt_providers_and_routes() {
+        let yaml = "\
+upstreams:
+  api: {targets: [http://127.0.0.1:3000]}
+jwt:
+  providers:
+    idp: {jwks_url: \"https://idp.example/jwks.json\", issuer: \"https://idp.example/\", audiences: [api, web]}
+    hs: {secret: do-not-print-me}
+routes:
+  - name: partner
+    match: {path_prefix: /partner/}
+    upstream: api
+    jwt: {provider: idp, required: false}
+    key: jwt:sub
+    limits: [{algorithm: fixed_window, limit: 5, window: 1m}]
+    overrides:
+      - claims: {plan: gold}
+        limits: [{algorithm: fixed_window, limit: 50, window: 1m}]
+";
+        let loaded = parse(yaml, Path::new("t.yaml")).unwrap();
+        let text = summary(&loaded);
+        let lines: Vec<&str> = text.lines().collect();
+        for want in [
+            "jwt     idp: jwks https://idp.example/jwks.json, issuer https://idp.example/, audiences api,web, leeway 1m",
+            "jwt     hs: HS secret, leeway 1m",
+            "  partner  prefix /partner/ -> upstream api   key jwt:sub   jwt idp (optional)",
+            "           override for claims plan=gold: fixed_window 50 per 1m",
+        ] {
+            assert!(lines.contains(&want), "{want:?} not in\n{text}");
+        }
+        assert!(!text.contains("do-not-print-me"), "{text}");
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub fn validate(file: &File, index: &Index, path: &Path) -> Vec<ConfigError> {
     c.store(file);
     c.upstreams(file);
     c.deny(file);
+    c.jwt_providers(file);
     c.routes(file);
     c.reserves(file);
     let mut errors = c.errors;
@@ -1024,6 +1025,105 @@ impl Checker<'_> {
             self.matcher(route, &base);
             self.key(route, &base);
             self.route_limits(route, &base);
+            self.route_jwt(file, route, &base);
+        }
+    }
+
+    /// `jwt.providers`: each with one source of keys.
+    fn jwt_providers(&mut self, file: &File) {
+        for (name, p) in &file.jwt.providers {
+            let path = format!("jwt.providers.{name}");
+            if !safe_name(name) {
+                self.at_key(
+                    &path,
+                    format!(
+                        "provider name {name:?} may use only letters, digits, '_', '-' and '.'"
+                    ),
+                );
+            }
+            let sources = [
+                p.jwks_url.is_some(),
+                p.jwks_file.is_some(),
+                p.secret.is_some(),
+            ];
+            match sources.iter().filter(|s| **s).count() {
+                0 => self.at(&path, format!("provider {name:?} needs one of jwks_url, jwks_file or secret: where its keys come from")),
+                1 => {}
+                _ => self.at(&path, format!("provider {name:?} has more than one of jwks_url, jwks_file and secret; give one")),
+            }
+            if let Some(url) = &p.jwks_url {
+                let ok = url.parse::<Uri>().is_ok_and(|u| {
+                    matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some()
+                });
+                if !ok {
+                    self.at(
+                        &format!("{path}.jwks_url"),
+                        format!("jwks_url {url:?} is not an http:// or https:// URL"),
+                    );
+                }
+            }
+            if p.secret.as_ref().is_some_and(|s| s.is_empty()) {
+                self.at(
+                    &format!("{path}.secret"),
+                    "the HS secret is empty (is its environment variable set?)",
+                );
+            }
+            if p.cache_size.get() == 0 {
+                self.at(
+                    &format!("{path}.cache_size"),
+                    "cache_size must be at least 1",
+                );
+            }
+        }
+    }
+
+    /// A route's `jwt` and the JWT claims it reads: a known provider; `jwt:` keys
+    /// and claim overrides only with it.
+    fn route_jwt(&mut self, file: &File, route: &RouteSpec, base: &str) {
+        if let Some(j) = &route.jwt {
+            if !file.jwt.providers.contains_key(j.provider.as_str()) {
+                let known: Vec<&str> = file.jwt.providers.keys().map(String::as_str).collect();
+                self.at(
+                    &format!("{base}.jwt.provider"),
+                    format!(
+                        "unknown JWT provider {:?}; jwt.providers has {known:?}",
+                        j.provider.as_str()
+                    ),
+                );
+            }
+            if j.header.is_some() && j.cookie.is_some() {
+                self.at(
+                    &format!("{base}.jwt"),
+                    "give the token's header or its cookie, not both",
+                );
+            }
+            if let Some(h) = &j.header {
+                self.header_name(&format!("{base}.jwt.header"), h);
+            }
+            return;
+        }
+        let needs =
+            "reads a JWT claim, but the route has no jwt: {provider: NAME} to verify the token";
+        let mut keys = vec![(format!("{base}.key"), &route.key)];
+        for (j, l) in route.limits.iter().enumerate() {
+            if let Some(k) = &l.key {
+                keys.push((format!("{}.key", item(&format!("{base}.limits"), j)), k));
+            }
+        }
+        for (path, key) in keys {
+            let parts: Vec<&Text> = match key {
+                KeyText::One(p) => vec![p],
+                KeyText::Composite(ps) => ps.iter().collect(),
+            };
+            if parts.iter().any(|p| p.starts_with("jwt:")) {
+                self.at(&path, format!("key {}", needs));
+            }
+        }
+        for (j, ov) in route.overrides.iter().enumerate() {
+            if !ov.claims.is_empty() {
+                let op = item(&format!("{base}.overrides"), j);
+                self.at(&format!("{op}.claims"), format!("this override {needs}"));
+            }
         }
     }
 
@@ -1253,11 +1353,23 @@ impl Checker<'_> {
         }
         for (j, ov) in route.overrides.iter().enumerate() {
             let op = item(&format!("{base}.overrides"), j);
-            if ov.keys.is_empty() {
+            if ov.keys.is_empty() && ov.claims.is_empty() {
                 self.at(
                     &format!("{op}.keys"),
-                    "an override needs at least one key in keys",
+                    "an override needs at least one key in keys, or claims",
                 );
+            } else if !ov.keys.is_empty() && !ov.claims.is_empty() {
+                self.at(&op, "an override gives keys or claims, not both");
+            }
+            for claim in ov.claims.keys() {
+                if crate::identity::Claim::parse(claim).is_none() {
+                    self.at(
+                        &format!("{op}.claims"),
+                        format!(
+                            "claim {claim:?} is neither a claim name nor a JSON pointer (RFC 6901)"
+                        ),
+                    );
+                }
             }
             for (k, key) in ov.keys.iter().enumerate() {
                 if key.is_empty() {
@@ -1731,7 +1843,7 @@ pub fn valid_host(host: &str) -> bool {
 /// `cookie:NAME`, `form:NAME` or `json:/POINTER`.
 pub fn check_key_part(part: &str) -> Result<(), String> {
     const EXPECTED: &str =
-        "ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER";
+        "ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER, jwt:CLAIM or jwt:/POINTER";
     match part {
         "ip" | "global" => Ok(()),
         _ => match part.split_once(':') {
@@ -1742,6 +1854,15 @@ pub fn check_key_part(part: &str) -> Result<(), String> {
                 "key {part:?}: {pointer:?} is not a JSON pointer (RFC 6901): it starts with \"/\", and a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")"
             )),
             Some(("json", _)) => Ok(()),
+            Some(("jwt", claim)) => match crate::identity::Claim::parse(claim) {
+                Some(_) => Ok(()),
+                None if claim.is_empty() => Err(format!(
+                    "key {part:?} needs a claim after \"jwt:\", like jwt:sub or jwt:/org/id"
+                )),
+                None => Err(format!(
+                    "key {part:?}: {claim:?} is not a JSON pointer (RFC 6901): a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")"
+                )),
+            },
             Some((kind @ ("header" | "query" | "cookie" | "form"), name)) => {
                 if name.is_empty() {
                     Err(format!("key {part:?} needs a name after \"{kind}:\""))
@@ -1858,6 +1979,65 @@ mod tests {
             .into_iter()
             .map(|w| format!("{}:{}: {}", w.0.line, w.0.col, w.0.message))
             .collect()
+    }
+
+    /// `jwt`: a `jwt:` key or a claim override needs the route's `jwt`, which names
+    /// a known provider; a provider has one source of keys; claims are names or
+    /// pointers.
+    #[test]
+    fn jwt_keys_providers_and_claim_overrides() {
+        let file = |providers: &str, route: &str| {
+            format!(
+                "{UP}jwt:\n  providers:\n{providers}routes:\n  - name: p\n    upstream: api\n{route}    limits: [{{algorithm: fixed_window, limit: 5, window: 1m}}]\n"
+            )
+        };
+        let idp = "    idp: {jwks_url: \"https://idp.example/jwks.json\", issuer: x}\n";
+        assert!(errors(&file(idp, "    jwt: {provider: idp}\n    key: jwt:sub\n")).is_empty());
+        assert!(errors(&file(
+            idp,
+            "    jwt: {provider: idp}\n    key: [ip, \"jwt:/org/id\"]\n"
+        ))
+        .is_empty());
+        assert_eq!(
+            errors(&file(idp, "    key: jwt:sub\n")),
+            ["8:10: key reads a JWT claim, but the route has no jwt: {provider: NAME} to verify the token"]
+        );
+        assert_eq!(
+            errors(&file(idp, "    jwt: {provider: other}\n    key: jwt:sub\n")),
+            ["8:21: unknown JWT provider \"other\"; jwt.providers has [\"idp\"]"]
+        );
+        assert_eq!(
+            errors(&file(idp, "    jwt: {provider: idp}\n    key: \"jwt:/a~2\"\n")),
+            ["9:10: key \"jwt:/a~2\": \"/a~2\" is not a JSON pointer (RFC 6901): a \"~\" is written \"~0\" (and a \"/\" in a name \"~1\")"]
+        );
+        assert_eq!(
+            errors(&file("    idp: {issuer: x}\n", "    jwt: {provider: idp}\n    key: jwt:sub\n")),
+            ["4:10: provider \"idp\" needs one of jwks_url, jwks_file or secret: where its keys come from"]
+        );
+        assert_eq!(
+            errors(&file("    idp: {secret: \"\", jwks_file: /k.json}\n", "    jwt: {provider: idp}\n    key: jwt:sub\n")),
+            [
+                "4:10: provider \"idp\" has more than one of jwks_url, jwks_file and secret; give one",
+                "4:19: the HS secret is empty (is its environment variable set?)"
+            ]
+        );
+        assert_eq!(
+            errors(&file(
+                "    idp: {jwks_url: \"ftp://x/k\"}\n",
+                "    jwt: {provider: idp}\n    key: jwt:sub\n"
+            )),
+            ["4:21: jwks_url \"ftp://x/k\" is not an http:// or https:// URL"]
+        );
+        let tiers = "    overrides:\n      - claims: {plan: gold}\n        limits: [{algorithm: fixed_window, limit: 50, window: 1m}]\n";
+        assert!(errors(&file(
+            idp,
+            &format!("    jwt: {{provider: idp}}\n    key: jwt:sub\n{tiers}")
+        ))
+        .is_empty());
+        assert_eq!(
+            errors(&file(idp, &format!("    key: ip\n{tiers}"))),
+            ["10:17: this override reads a JWT claim, but the route has no jwt: {provider: NAME} to verify the token"]
+        );
     }
 
     /// `normalize_key` on a limit applies to its own key; a body key with

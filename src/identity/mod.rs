@@ -109,7 +109,51 @@ pub enum KeyPart {
     Form(String),
     /// A value in a JSON body, at this RFC 6901 pointer (as written, `/user/name`).
     Json(String),
+    /// A claim of the request's verified JWT (`VerifiedClaims`).
+    Jwt(Claim),
 }
+
+/// A claim a key reads: as written (`sub`, or a pointer `/org/id`), and the RFC
+/// 6901 pointer it is found at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub written: String,
+    pub pointer: String,
+}
+
+impl Claim {
+    /// `NAME` (a top-level claim, any characters) or `/POINTER` (RFC 6901).
+    pub fn parse(s: &str) -> Option<Claim> {
+        if s.is_empty() {
+            return None;
+        }
+        let pointer = if s.starts_with('/') {
+            is_json_pointer(s).then(|| s.to_string())?
+        } else {
+            format!("/{}", s.replace('~', "~0").replace('/', "~1"))
+        };
+        Some(Claim {
+            written: s.to_string(),
+            pointer,
+        })
+    }
+
+    /// The claim's value as a key: a string as it is, a number as JSON writes it;
+    /// absent, null, a boolean, an array or an object is no key.
+    pub fn value<'a>(&self, claims: &'a serde_json::Value) -> Option<Cow<'a, str>> {
+        match claims.pointer(&self.pointer)? {
+            serde_json::Value::String(s) => Some(Cow::Borrowed(s.as_str())),
+            serde_json::Value::Number(n) => Some(Cow::Owned(n.to_string())),
+            _ => None,
+        }
+    }
+}
+
+/// The claims of a request's JWT, verified (signature, times, issuer, audience) by
+/// its route's provider: put in the request's extensions by the pipeline, read by
+/// `jwt:` key parts. Nothing else puts it there, so no unverified token is a key.
+#[derive(Debug, Clone)]
+pub struct VerifiedClaims(pub std::sync::Arc<serde_json::Value>);
 
 impl KeyPart {
     /// `ip`, `global`, `header:NAME`, `query:NAME`, `cookie:NAME`, `form:NAME`,
@@ -125,6 +169,7 @@ impl KeyPart {
             Some(("cookie", n)) if !n.is_empty() => Some(KeyPart::Cookie(n.to_string())),
             Some(("form", n)) if !n.is_empty() => Some(KeyPart::Form(n.to_string())),
             Some(("json", p)) if is_json_pointer(p) => Some(KeyPart::Json(p.to_string())),
+            Some(("jwt", c)) => Claim::parse(c).map(KeyPart::Jwt),
             _ => None,
         }
     }
@@ -139,6 +184,7 @@ impl KeyPart {
             KeyPart::Cookie(c) => format!("cookie {c}"),
             KeyPart::Form(f) => format!("form field {f}"),
             KeyPart::Json(p) => format!("JSON value {p}"),
+            KeyPart::Jwt(c) => format!("JWT claim {}", c.written),
         }
     }
 
@@ -167,6 +213,7 @@ impl std::fmt::Display for KeyPart {
             KeyPart::Cookie(c) => write!(f, "cookie:{c}"),
             KeyPart::Form(n) => write!(f, "form:{n}"),
             KeyPart::Json(p) => write!(f, "json:{p}"),
+            KeyPart::Jwt(c) => write!(f, "jwt:{}", c.written),
         }
     }
 }
@@ -362,7 +409,11 @@ impl KeySpec {
     /// A part's value as it is counted and looked up in the deny list: a body value
     /// in NFC, then in the key's `normalize` form. Addresses are kept as they are.
     pub fn canonical<'v>(&self, part: &KeyPart, v: Cow<'v, str>) -> Cow<'v, str> {
-        let v = if part.reads_body() { nfc(v) } else { v };
+        let v = if part.reads_body() || matches!(part, KeyPart::Jwt(_)) {
+            nfc(v)
+        } else {
+            v
+        };
         match part {
             KeyPart::Ip => v,
             _ => self.normalize.apply(v),
@@ -439,6 +490,7 @@ impl KeySpec {
                 KeyPart::Form(_) | KeyPart::Json(_) => {
                     any_body_value(part, req, body, true, &mut f)
                 }
+                KeyPart::Jwt(c) => claims(req).and_then(|v| c.value(v)).is_some_and(|v| f(&v)),
             }
         })
     }
@@ -470,6 +522,9 @@ impl KeySpec {
             KeyPart::Form(_) | KeyPart::Json(_) => {
                 any_body_value(part, req, body, false, &mut |v: &str| !is_text_key(v))
             }
+            KeyPart::Jwt(c) => claims(req)
+                .and_then(|v| c.value(v))
+                .is_some_and(|v| !is_text_key(&v)),
         })
     }
 }
@@ -481,7 +536,7 @@ impl KeyPart {
     pub fn holds(&self, v: &str) -> bool {
         match self {
             KeyPart::Ip | KeyPart::Global => true,
-            KeyPart::Form(_) | KeyPart::Json(_) => is_text_key(v),
+            KeyPart::Form(_) | KeyPart::Json(_) | KeyPart::Jwt(_) => is_text_key(v),
             _ => printable_key(v),
         }
     }
@@ -585,12 +640,18 @@ fn part_value<'a>(
                 .map(|(_, v)| v),
         )?,
         KeyPart::Cookie(name) => single(cookies(&req.headers, name))?,
+        KeyPart::Jwt(c) => c.value(claims(req)?)?,
     };
     if v.is_empty() {
         None
     } else {
         Some(v)
     }
+}
+
+/// The verified claims of the request's JWT, if its route verified one.
+fn claims(req: &Parts) -> Option<&serde_json::Value> {
+    req.extensions.get::<VerifiedClaims>().map(|c| c.0.as_ref())
 }
 
 /// The value of a body part (`form:`, `json:`) in a body read whole, as
@@ -1140,7 +1201,10 @@ fn header_text(v: &HeaderValue) -> Cow<'_, str> {
 /// decoded (`cookie_text`), names compared as PHP reads them (`same_name`), a
 /// value's quotes removed and the spaces inside them trimmed too (one odd byte
 /// elsewhere in the header must not hide a cookie from the deny list).
-fn cookies<'a>(headers: &'a HeaderMap, name: &'a str) -> impl Iterator<Item = Cow<'a, str>> + 'a {
+pub fn cookies<'a>(
+    headers: &'a HeaderMap,
+    name: &'a str,
+) -> impl Iterator<Item = Cow<'a, str>> + 'a {
     headers
         .get_all(COOKIE)
         .iter()

@@ -625,7 +625,7 @@ mod tests {
         assert_eq!(
             v["routes"]["api"],
             serde_json::json!({"allowed": 7, "delayed": 0, "limited": 4, "denied": 0, "shadow": 0,
-                "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0})
+                "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0, "unauthorized": 0})
         );
         assert_eq!(v["routes"]["login"]["denied"], 4);
         assert_eq!(v["config_hashes"], 1);

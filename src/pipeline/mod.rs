@@ -65,6 +65,9 @@ pub struct Runtime {
     pub hash: String,
     /// `Authorization: Bearer <token>` required on `/admin/*` when set.
     pub admin_token: Option<String>,
+    /// `jwt.providers` by name; a reload takes over the unchanged ones (with their
+    /// keys and verified tokens).
+    pub jwt: HashMap<String, Arc<crate::jwt::Provider>>,
 }
 
 pub struct Route {
@@ -88,6 +91,26 @@ pub struct Route {
     /// The route's heaviest refused clients (`/admin/top`), kept across reloads by
     /// the route's name.
     pub top: Arc<Top>,
+    /// `jwt`: the token every request must bring, verified before the key is read.
+    pub jwt: Option<RouteJwt>,
+}
+
+/// A route's `jwt`.
+pub struct RouteJwt {
+    pub provider: Arc<crate::jwt::Provider>,
+    pub required: bool,
+    pub from: TokenFrom,
+    /// `sluice_jwt_failures_total`'s children, by `jwt::Failure::index`.
+    pub failures: Vec<prometheus::IntCounter>,
+}
+
+/// Where a route's token is.
+pub enum TokenFrom {
+    /// `Authorization: Bearer <token>`.
+    Authorization,
+    /// This header: its value, or what follows `Bearer `.
+    Header(http::HeaderName),
+    Cookie(String),
 }
 
 impl Route {
@@ -127,7 +150,13 @@ pub enum Action {
 pub struct Limits {
     pub default: Tier,
     pub overrides: HashMap<String, Arc<Tier>>,
+    /// Tiers by verified JWT claims, in file order: the first whose claims all
+    /// hold (each claim's value as a key reads it) is taken, after `overrides`.
+    pub by_claims: Vec<(ClaimsWanted, Arc<Tier>)>,
 }
+
+/// The claims a tier by claims wants, each with the value it must have.
+pub type ClaimsWanted = Vec<(crate::identity::Claim, String)>;
 
 pub struct Tier {
     pub plan: Plan,
@@ -172,11 +201,23 @@ pub struct LimitKey {
 }
 
 impl Limits {
-    fn tier(&self, key: &str) -> &Tier {
-        self.overrides
-            .get(key)
-            .map(|t| t.as_ref())
-            .unwrap_or(&self.default)
+    /// The tier of a request: its key's, else the first whose claims its verified
+    /// token has, else the default.
+    fn tier(&self, key: &str, claims: Option<&serde_json::Value>) -> &Tier {
+        if let Some(t) = self.overrides.get(key) {
+            return t;
+        }
+        if let Some(claims) = claims {
+            for (want, t) in &self.by_claims {
+                if want
+                    .iter()
+                    .all(|(c, v)| c.value(claims).is_some_and(|got| got == v.as_str()))
+                {
+                    return t;
+                }
+            }
+        }
+        &self.default
     }
 }
 
@@ -444,6 +485,11 @@ async fn pass<'a>(
     let line = &mut tally.line;
     deny_ip(ctx, route.map_or("unmatched", |i| &rt.routes[i].name), line)?;
     let route = &rt.routes[route.ok_or(Refusal::Unmatched)?];
+    // A route with `jwt`: its token verified, its claims put where key parts read
+    // them; no token, or a bad one, is 401 and charged nothing.
+    if let Some(j) = &route.jwt {
+        verify_token(j, parts).await?;
+    }
     // A key read from the body (`form:`, `json:`): the body is read first, up to
     // `server.max_key_body`, and then forwarded unchanged.
     let h = &parts.headers;
@@ -480,7 +526,11 @@ async fn pass<'a>(
     if declared_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
-    let (report, later) = limits(ctx, route, &key, &others, tally).await?;
+    let claims = parts
+        .extensions
+        .get::<crate::identity::VerifiedClaims>()
+        .map(|c| c.0.as_ref());
+    let (report, later) = limits(ctx, route, &key, &others, claims, tally).await?;
     drop((key, others));
     let (added, mut relay) = match plain {
         Some(Lent { fields, relay }) => (Some(fields), Some(relay)),
@@ -514,6 +564,75 @@ async fn pass<'a>(
         }
     }
     Ok(resp)
+}
+
+/// The route's token, verified by its provider: its claims go into the request's
+/// extensions (the only place `jwt:` key parts read). No token is a 401 unless the
+/// route says `required: false` (then its `jwt:` parts are missing); a token that
+/// fails any check is a 401 whatever `required` says.
+async fn verify_token<'a>(
+    j: &RouteJwt,
+    parts: &mut http::request::Parts,
+) -> Result<(), Refusal<'a>> {
+    // Whatever a request carries in, only a verified token's claims are read.
+    parts.extensions.remove::<crate::identity::VerifiedClaims>();
+    let fail = |f: crate::jwt::Failure| {
+        if let Some(c) = j.failures.get(f.index()) {
+            c.inc();
+        }
+        Refusal::Unauthorized(f)
+    };
+    let token = match bearer_token(&j.from, &parts.headers) {
+        Ok(Some(t)) => t,
+        Ok(None) if !j.required => return Ok(()),
+        Ok(None) => return Err(fail(crate::jwt::Failure::Missing)),
+        Err(()) => return Err(fail(crate::jwt::Failure::Malformed)),
+    };
+    let claims = j
+        .provider
+        .verify(&token, crate::jwt::unix_now())
+        .await
+        .map_err(fail)?;
+    parts.extensions.insert(claims);
+    Ok(())
+}
+
+/// The token where the route looks for it: `Ok(None)` when there is none, `Err`
+/// when there are several (two `Authorization` fields) or it is not text.
+fn bearer_token(from: &TokenFrom, headers: &HeaderMap) -> Result<Option<String>, ()> {
+    let strip = |v: &str| -> Option<String> {
+        let v = v.trim();
+        let t = match v.split_once(' ') {
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => rest.trim(),
+            _ => return None,
+        };
+        (!t.is_empty()).then(|| t.to_string())
+    };
+    let one = |name: &http::HeaderName| -> Result<Option<&str>, ()> {
+        let mut all = headers.get_all(name).iter();
+        match (all.next(), all.next()) {
+            (None, _) => Ok(None),
+            (Some(v), None) => v.to_str().map(Some).map_err(|_| ()),
+            _ => Err(()),
+        }
+    };
+    match from {
+        TokenFrom::Authorization => match one(&http::header::AUTHORIZATION)? {
+            None => Ok(None),
+            Some(v) => strip(v).map(Some).ok_or(()),
+        },
+        TokenFrom::Header(h) => Ok(one(h)?.and_then(|v| {
+            strip(v).or_else(|| Some(v.trim().to_string()).filter(|t| !t.is_empty()))
+        })),
+        TokenFrom::Cookie(name) => {
+            let mut all = crate::identity::cookies(headers, name);
+            match (all.next(), all.next()) {
+                (None, _) => Ok(None),
+                (Some(v), None) => Ok(Some(v.into_owned())),
+                _ => Err(()),
+            }
+        }
+    }
 }
 
 /// Deny by IP, whatever the route (`route` names it in the log).
@@ -613,6 +732,7 @@ async fn limits<'a>(
     route: &'a Route,
     (ns, key): &(&str, ClientKey<'_>),
     others: &[(&str, ClientKey<'_>)],
+    claims: Option<&serde_json::Value>,
     tally: &mut Tally,
 ) -> Result<(Option<(&'a Tier, Verdict)>, Option<Later<'a>>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
@@ -620,7 +740,7 @@ async fn limits<'a>(
         return Ok((None, None));
     };
     // Tiers are chosen by the route's key.
-    let tier = limits.tier(&key.value);
+    let tier = limits.tier(&key.value, claims);
     let stored = key.stored();
     // Key number k: the route's (0), or `others[k - 1]`.
     let key_at = |k: usize| match k.checked_sub(1) {

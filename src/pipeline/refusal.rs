@@ -68,6 +68,9 @@ pub enum Refusal<'a> {
     Upstream(ProxyError),
     /// The client broke its own request body.
     Client(ClientFault),
+    /// No JWT (`Missing`) or one that failed a check, on a route that verifies one
+    /// (401).
+    Unauthorized(crate::jwt::Failure),
 }
 
 /// A request refused by a limit: what the 429 says.
@@ -104,6 +107,7 @@ impl Refusal<'_> {
             Refusal::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
             Refusal::StoreDown => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::Upstream(e) => e.status(),
+            Refusal::Unauthorized(_) => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -121,6 +125,7 @@ impl Refusal<'_> {
             | Refusal::Client(_) => Decision::BadRequest,
             Refusal::Limited(_) => Decision::Limited,
             Refusal::StoreDown => Decision::StoreErrorDenied,
+            Refusal::Unauthorized(_) => Decision::Unauthorized,
             // A chunked body that grew over the limit: the client's request, refused.
             Refusal::Upstream(ProxyError::TooLarge) => Decision::BadRequest,
             Refusal::Upstream(_) => return None,
@@ -152,7 +157,7 @@ impl Refusal<'_> {
             Refusal::Connect | Refusal::Unmatched => grpc::UNIMPLEMENTED,
             Refusal::Denied(_) => grpc::PERMISSION_DENIED,
             // The client is not identified.
-            Refusal::MissingKey(_) => grpc::UNAUTHENTICATED,
+            Refusal::MissingKey(_) | Refusal::Unauthorized(_) => grpc::UNAUTHENTICATED,
             Refusal::UnprintableKey(..) => grpc::INVALID_ARGUMENT,
             // As gRPC answers a message over its size limit.
             Refusal::TooLarge(_) | Refusal::Upstream(ProxyError::TooLarge) => {
@@ -217,6 +222,10 @@ impl Refusal<'_> {
             Refusal::Client(ClientFault::Malformed) => "malformed request body".into(),
             Refusal::Client(ClientFault::Timeout) => "request body stalled".into(),
             Refusal::Client(ClientFault::Aborted) => "request body ended before its end".into(),
+            Refusal::Unauthorized(crate::jwt::Failure::Missing) => {
+                "this route needs a bearer token (Authorization: Bearer ...)".into()
+            }
+            Refusal::Unauthorized(f) => format!("invalid token ({})", f.as_str().replace('_', " ")),
         }
     }
 
@@ -257,6 +266,19 @@ impl Refusal<'_> {
                 let mut r = limited(l.route, name, retry);
                 l.headers
                     .apply(r.headers_mut(), l.plan, l.policy, &l.verdict);
+                r
+            }
+            Refusal::Unauthorized(f) => {
+                let mut r = text(status, Refusal::Unauthorized(f).message() + "\n");
+                // RFC 6750 §3: a plain challenge when no token came, `invalid_token`
+                // when one did and failed.
+                let challenge = if f == crate::jwt::Failure::Missing {
+                    HeaderValue::from_static("Bearer")
+                } else {
+                    HeaderValue::from_static("Bearer error=\"invalid_token\"")
+                };
+                r.headers_mut()
+                    .insert(http::header::WWW_AUTHENTICATE, challenge);
                 r
             }
             other => text(status, other.message() + "\n"),

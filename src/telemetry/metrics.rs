@@ -77,6 +77,9 @@ pub struct Metrics {
     /// `sluice_rls_descriptors_total{domain,descriptor,decision}`: each descriptor's
     /// decision, by the configuration node it reached (never by its values).
     pub rls_descriptors: IntCounterVec,
+    /// `sluice_jwt_failures_total{route,reason}`: tokens refused on routes with
+    /// `jwt`, by reason (`jwt::Failure`), created at 0 for those routes.
+    pub jwt_failures: IntCounterVec,
 }
 
 /// Request body bytes read ahead (`server.request_buffer`) and held until an
@@ -112,6 +115,17 @@ impl ReadAheadBytes {
     /// The bytes held now.
     pub fn held(&self) -> usize {
         self.held.load(Relaxed)
+    }
+
+    /// A count of its own, exported nowhere: for sluice's own requests (a JWKS
+    /// fetch), which send no body.
+    pub fn detached() -> ReadAheadBytes {
+        ReadAheadBytes {
+            held: AtomicUsize::new(0),
+            refused: detached(),
+            gauge: IntGauge::new("sluice_detached_bytes", "not exported")
+                .expect("metric definition"),
+        }
     }
 }
 
@@ -303,8 +317,17 @@ impl Metrics {
             &["domain", "descriptor", "decision"],
         )
         .expect("metric definition");
+        let jwt_failures = IntCounterVec::new(
+            Opts::new(
+                "sluice_jwt_failures_total",
+                "Requests answered 401 on routes that verify a JWT, by route and reason: missing, malformed, algorithm, unknown_kid, signature, expired, not_yet_valid, issuer, audience, no_keys.",
+            ),
+            &["route", "reason"],
+        )
+        .expect("metric definition");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(jwt_failures.clone()),
             Box::new(rls_requests.clone()),
             Box::new(rls_descriptors.clone()),
             Box::new(read_ahead_refused.clone()),
@@ -385,6 +408,7 @@ impl Metrics {
             }),
             rls_requests,
             rls_descriptors,
+            jwt_failures,
         }
     }
 
@@ -419,6 +443,7 @@ impl Metrics {
             store_error_denied: d("store_error_denied"),
             unmatched: detached(),
             bad_request: d("bad_request"),
+            unauthorized: detached(),
             duration: self.request_duration.with_label_values(&[route]),
             upstream_connect: u("connect"),
             upstream_timeout: u("timeout"),
@@ -457,6 +482,7 @@ impl Metrics {
             store_error_denied: detached(),
             unmatched: d("unmatched"),
             bad_request: d("bad_request"),
+            unauthorized: detached(),
             duration: self.request_duration.with_label_values(&[UNMATCHED]),
             upstream_connect: detached(),
             upstream_timeout: detached(),
@@ -511,12 +537,14 @@ pub enum Decision {
     StoreErrorDenied,
     Unmatched,
     BadRequest,
+    /// No valid JWT on a route that verifies one (401).
+    Unauthorized,
 }
 
 impl Decision {
     /// Every decision, in the order of declaration (a unit test holds them to it),
     /// which is that of `RouteMetrics::totals`.
-    pub const ALL: [Decision; 9] = [
+    pub const ALL: [Decision; 10] = [
         Decision::Allowed,
         Decision::Delayed,
         Decision::Limited,
@@ -526,6 +554,7 @@ impl Decision {
         Decision::StoreErrorDenied,
         Decision::Unmatched,
         Decision::BadRequest,
+        Decision::Unauthorized,
     ];
 
     /// The decisions a route's requests can get (every one but `unmatched`), in the
@@ -553,6 +582,7 @@ impl Decision {
             Decision::StoreErrorDenied => "store_error_denied",
             Decision::Unmatched => "unmatched",
             Decision::BadRequest => "bad_request",
+            Decision::Unauthorized => "unauthorized",
         }
     }
 }
@@ -569,6 +599,8 @@ pub struct RouteMetrics {
     store_error_denied: IntCounter,
     unmatched: IntCounter,
     bad_request: IntCounter,
+    /// Exported (at 0) only on routes that verify a JWT (`with_unauthorized`).
+    unauthorized: IntCounter,
     pub duration: Histogram,
     pub upstream_connect: IntCounter,
     pub upstream_timeout: IntCounter,
@@ -579,6 +611,22 @@ pub struct RouteMetrics {
 }
 
 impl RouteMetrics {
+    /// For a route that verifies a JWT: its `unauthorized` decision, and its
+    /// `sluice_jwt_failures_total` children by `reasons`, exported at 0.
+    pub fn with_unauthorized(
+        mut self,
+        metrics: &Metrics,
+        route: &str,
+        reasons: &[&str],
+    ) -> (RouteMetrics, Vec<IntCounter>) {
+        self.unauthorized = metrics.requests.with_label_values(&[route, "unauthorized"]);
+        let failures = reasons
+            .iter()
+            .map(|r| metrics.jwt_failures.with_label_values(&[route, r]))
+            .collect();
+        (self, failures)
+    }
+
     pub fn count(&self, d: Decision) {
         self.counter(d).inc();
     }
@@ -618,12 +666,13 @@ impl RouteMetrics {
             Decision::StoreErrorDenied => &self.store_error_denied,
             Decision::Unmatched => &self.unmatched,
             Decision::BadRequest => &self.bad_request,
+            Decision::Unauthorized => &self.unauthorized,
         }
     }
 
     /// The route's `sluice_requests_total` counters now, in the order of
     /// `Decision::ALL` (read by the dashboard; the request path never calls it).
-    pub fn totals(&self) -> [u64; 9] {
+    pub fn totals(&self) -> [u64; 10] {
         Decision::ALL.map(|d| self.counter(d).get())
     }
 }

@@ -4,6 +4,7 @@
 //! protocols (WebSocket) spliced, and failures sorted into connect / timeout /
 //! reset / busy for a 502, 504 or 503.
 
+pub mod fetch;
 pub mod h2;
 pub mod health;
 pub mod pool;

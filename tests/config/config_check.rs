@@ -299,7 +299,7 @@ routes:
     assert_eq!(
         error("routes:\n  - name: a\n    respond: {}\n    key: {header: x}\n"),
         "rules.yaml:4:10: routes[0].key: expected a key (ip, global, header:NAME, query:NAME, \
-         cookie:NAME, form:NAME or json:/POINTER) or a list of these, found a mapping"
+         cookie:NAME, form:NAME, json:/POINTER, jwt:CLAIM or jwt:/POINTER) or a list of these, found a mapping"
     );
 }
 
@@ -346,7 +346,7 @@ fn values_of_several_forms_say_which_forms_they_take() {
     assert_eq!(
         error(&yaml),
         "rules.yaml:9:14: routes[0].limits[0].key: expected a key (ip, global, header:NAME, \
-         query:NAME, cookie:NAME, form:NAME or json:/POINTER) or a list of these, found a mapping"
+         query:NAME, cookie:NAME, form:NAME, json:/POINTER, jwt:CLAIM or jwt:/POINTER) or a list of these, found a mapping"
     );
     let yaml = with_limit(
         "      - algorithm: fixed_window\n        limit: 1\n        window: 1m\n        key: [ip, [header:x]]\n",
@@ -1034,7 +1034,7 @@ routes:
     assert_eq!(
         errors(yaml),
         [
-            "rules.yaml:6:15: an override needs at least one key in keys",
+            "rules.yaml:6:15: an override needs at least one key in keys, or claims",
             "rules.yaml:7:17: an override needs at least one limit in limits",
             "rules.yaml:8:16: override keys must not be empty",
         ]
@@ -1066,7 +1066,7 @@ fn key_parts_are_known() {
     assert_eq!(
         error(yaml),
         "rules.yaml:4:10: unknown key \"header-x\", expected ip, global, header:NAME, query:NAME, \
-         cookie:NAME, form:NAME or json:/POINTER"
+         cookie:NAME, form:NAME, json:/POINTER, jwt:CLAIM or jwt:/POINTER"
     );
 }
 
@@ -1118,7 +1118,7 @@ fn a_limit_key_is_read_like_the_route_key() {
         errors(&yaml),
         [
             "rules.yaml:9:19: key \"cookie:\" needs a name after \"cookie:\"",
-            "rules.yaml:9:30: unknown key \"body\", expected ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME or json:/POINTER",
+            "rules.yaml:9:30: unknown key \"body\", expected ip, global, header:NAME, query:NAME, cookie:NAME, form:NAME, json:/POINTER, jwt:CLAIM or jwt:/POINTER",
         ]
     );
 }

@@ -88,6 +88,7 @@ fn the_schema_knows_every_section_and_refuses_what_it_does_not_know() {
             "admin",
             "client_ip",
             "deny",
+            "jwt",
             "response_headers",
             "rls",
             "routes",

@@ -108,7 +108,8 @@ async fn stats_shows_each_routes_exact_counts_the_store_and_the_reload() {
     assert_eq!(
         api["totals"],
         json!({"allowed": 3, "delayed": 0, "limited": 2, "denied": 0, "shadow": 0,
-               "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0})
+               "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0,
+               "unauthorized": 0})
     );
     assert_eq!(s["routes"][1]["name"], "health");
     assert_eq!(s["routes"].as_array().map(Vec::len), Some(2));

@@ -9,6 +9,7 @@ mod access_log;
 mod concurrency;
 mod concurrency_faults;
 mod gateway;
+mod jwt;
 mod refusal_logs;
 mod reload_state;
 mod upstream_body_failure;

@@ -91,7 +91,7 @@ fn at(v: &Value, addr: SocketAddr) -> &Value {
 /// A route's sums, every decision.
 fn counts(allowed: u64, limited: u64) -> Value {
     json!({"allowed": allowed, "delayed": 0, "limited": limited, "denied": 0, "shadow": 0,
-        "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0})
+        "store_error_allowed": 0, "store_error_denied": 0, "bad_request": 0, "unauthorized": 0})
 }
 
 /// `sluice fleet ARGS --admin http://ADMIN` with the token in the environment:
@@ -390,7 +390,7 @@ redis_and_valkey! {
             );
         }
         assert!(text.lines().any(|l| l.starts_with("INSTANCE ")), "{text}");
-        let route = "api    5        0        1        0       0       0                    0                   0";
+        let route = "api    5        0        1        0       0       0                    0                   0            0";
         assert!(text.lines().any(|l| l == route), "{text}");
         assert!(
             text.contains("\nconfig hashes differ: 2 hashes across 2 instances (a reload not applied everywhere?)\n"),

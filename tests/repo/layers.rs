@@ -13,6 +13,7 @@ const LAYERS: &[&str] = &[
     "limit",
     "deny",
     "upstream",
+    "jwt",
     "pipeline",
     "config",
     "rls",

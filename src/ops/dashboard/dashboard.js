@@ -23,7 +23,7 @@
   const UPSTREAM = ["upstream_2xx", "upstream_3xx", "upstream_4xx", "upstream_5xx", "upstream_failed"];
   // Always shown; the other decisions only once they happened, in this order.
   const MAIN = ["allowed", "limited", "denied"];
-  const ORDER = [...MAIN, "delayed", "shadow", "store_error_allowed", "store_error_denied", "bad_request"];
+  const ORDER = [...MAIN, "delayed", "shadow", "store_error_allowed", "store_error_denied", "bad_request", "unauthorized"];
 
   const $ = (id) => document.getElementById(id);
   let token = sessionStorage.getItem(TOKEN_KEY) || "";
