@@ -6,6 +6,7 @@
 
 pub mod admit;
 pub mod body_key;
+pub mod metered;
 pub mod path;
 pub mod refusal;
 pub mod route;
@@ -148,9 +149,12 @@ pub struct Tier {
 pub struct LaterLimit {
     /// Its index in the tier's plan.
     pub at: usize,
-    /// For a cost read from a response header: `sluice_response_costs_total`'s
-    /// children, in `CostFrom::ALL` order.
-    pub costs: Option<[prometheus::IntCounter; 4]>,
+    /// For a cost read from the response (a header, or the body):
+    /// `sluice_response_costs_total`'s children.
+    pub costs: Option<metered::CostCounters>,
+    /// Its cost is read from the body (`cost: {response_json}`): the response's
+    /// body is read on its way (`metered`).
+    pub reads_body: bool,
 }
 
 /// The limits of a tier that count one key.
@@ -182,6 +186,9 @@ impl Limits {
 
 /// What every request shares and a reload does not replace.
 pub struct Shared {
+    /// Itself, for what outlives a request's borrow (a metered body settles when
+    /// it ends).
+    pub me: std::sync::Weak<Shared>,
     pub runtime: ArcSwap<Runtime>,
     /// Dynamic deny entries (admin API, bans, other instances): a view of the control
     /// object's table, swapped on every change (which copies only the changes since
@@ -502,7 +509,11 @@ async fn pass<'a>(
         tally.upstream_status = Some(status);
     }
     if let Some(later) = later {
-        charge_from_response(ctx.shared, later, &resp);
+        charge_from_response(ctx.shared, &later, &resp);
+        // A cost the body says: read on its way, charged when it ends.
+        if later.tier.later.iter().any(|l| l.reads_body) {
+            resp = metered::meter(ctx.shared, &later, resp);
+        }
     }
     if let Some((tier, v)) = &report {
         let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
@@ -778,7 +789,7 @@ struct Later<'a> {
 
 /// Charges what the upstream's response head says to the limits charged from the
 /// response, off the response path (`Store::charge_response` never waits).
-fn charge_from_response(shared: &Shared, later: Later<'_>, resp: &Response<Body>) {
+fn charge_from_response(shared: &Shared, later: &Later<'_>, resp: &Response<Body>) {
     let status = resp.status().as_u16();
     let tier = later.tier;
     let key_of = |i: usize| {
@@ -796,7 +807,7 @@ fn charge_from_response(shared: &Shared, later: Later<'_>, resp: &Response<Body>
         };
         let (units, how) = from.units(status, resp.headers());
         if let (Some(how), Some(costs)) = (how, &l.costs) {
-            costs[how.index()].inc();
+            costs.inc(how);
         }
         if units == 0 {
             continue;

@@ -694,11 +694,13 @@ routes:
     let costs = |from: &str| {
         metric(
             &m,
-            &format!(r#"sluice_response_costs_total{{from="{from}",limit="tokens",route="llm"}}"#),
+            &format!(
+                r#"sluice_response_costs_total{{limit="tokens",route="llm",source="{from}"}}"#
+            ),
         )
     };
     assert_eq!(
-        ["header", "missing", "invalid", "capped"].map(costs),
+        ["header", "default", "invalid", "capped"].map(costs),
         [Some(4.0), Some(1.0), Some(1.0), Some(1.0)]
     );
 }

@@ -1,0 +1,257 @@
+//! The body of a response whose cost a limit reads from it (`cost: {response_json}`):
+//! every chunk passes to the client as it comes, untouched and unbuffered, while
+//! `limit::metered` reads it; the charge is settled once, when the body ends, fails
+//! or is dropped (the client went away). Only routes with such a limit wrap their
+//! bodies; every other response is left as it is.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::Response;
+use http_body::Frame;
+use http_body_util::BodyExt;
+use prometheus::IntCounter;
+
+use super::{Later, Shared};
+use crate::http::body::{Body, BoxError};
+use crate::limit::metered::{Kind, Reading};
+use crate::limit::{BodyCost, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, ResponseCost};
+
+/// `sluice_response_costs_total`'s children of one limit, by `CostFrom::index`:
+/// those of the sources its cost can come from, created at 0 with the route.
+#[derive(Clone, Default)]
+pub struct CostCounters([Option<IntCounter>; CostFrom::ALL.len()]);
+
+impl CostCounters {
+    pub fn new(children: impl IntoIterator<Item = (CostFrom, IntCounter)>) -> CostCounters {
+        let mut c = CostCounters::default();
+        for (from, child) in children {
+            c.0[from.index()] = Some(child);
+        }
+        c
+    }
+
+    pub fn inc(&self, from: CostFrom) {
+        if let Some(c) = &self.0[from.index()] {
+            c.inc();
+        }
+    }
+}
+
+/// A limit of the request whose cost the body says.
+struct Metered {
+    /// The tier's limit (its `cost` what admission charged).
+    def: LimitDef,
+    /// Its pointers, by index in the reading's.
+    which: Vec<usize>,
+    /// The estimate admission charged, if it held one.
+    held: Option<u64>,
+    /// The key number it counts (`ShareDef::key`).
+    key: usize,
+    counters: Option<CostCounters>,
+}
+
+/// The reading of one response's body and what to charge when it ends.
+struct Settle {
+    shared: Arc<Shared>,
+    /// The namespace and the stored key of each key number.
+    keys: Vec<(String, String)>,
+    /// Decided in this instance's fallback (`on_error: local`).
+    fallback: bool,
+    mode: Mode,
+    limits: Vec<Metered>,
+    reading: Reading,
+}
+
+/// The response, its body read on its way when the tier has limits whose cost the
+/// body says (else as it is). `held`: what admission charged each limit of the
+/// tier's plan, by index (`Tier::later`'s estimates).
+pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) -> Response<Body> {
+    let tier = later.tier;
+    let mut pointers: Vec<String> = Vec::new();
+    let mut limits = Vec::new();
+    for l in tier.later.iter().filter(|l| l.reads_body) {
+        let def = &tier.plan.limits[l.at];
+        let Some(cost) = body_cost(def) else {
+            continue;
+        };
+        let which = cost
+            .pointers
+            .iter()
+            .map(|p| match pointers.iter().position(|q| q == p) {
+                Some(i) => i,
+                None => {
+                    pointers.push(p.clone());
+                    pointers.len() - 1
+                }
+            })
+            .collect();
+        limits.push(Metered {
+            def: def.clone(),
+            which,
+            held: cost.estimate.is_some().then_some(def.cost),
+            key: tier
+                .shares
+                .iter()
+                .find(|s| s.at.contains(&l.at))
+                .map_or(0, |s| s.key),
+            counters: l.costs.clone(),
+        });
+    }
+    let Some(shared) = shared.me.upgrade() else {
+        return resp;
+    };
+    if limits.is_empty() {
+        return resp;
+    }
+    let kind = Kind::of(
+        resp.headers()
+            .get(http::header::CONTENT_TYPE)
+            .map(|v| v.as_bytes()),
+    );
+    let settle = Settle {
+        shared,
+        keys: later.keys.clone(),
+        fallback: later.fallback,
+        mode: tier.plan.mode,
+        limits,
+        reading: Reading::new(kind, pointers),
+    };
+    let (parts, body) = resp.into_parts();
+    let body = MeteredBody {
+        body,
+        settle: Some(settle),
+    };
+    Response::from_parts(parts, body.boxed())
+}
+
+fn body_cost(def: &LimitDef) -> Option<&BodyCost> {
+    match &def.charge {
+        Charge::Response(r) => r.body(),
+        _ => None,
+    }
+}
+
+impl Settle {
+    /// Charges each limit what the body said (or the difference to its estimate,
+    /// either way), once: `cut` when the body did not end (the client went away,
+    /// the upstream failed).
+    fn settle(mut self, cut: bool) {
+        self.reading.finish();
+        let mut charges: Vec<(usize, Plan)> = Vec::new();
+        let mut back: Vec<(usize, Plan)> = Vec::new();
+        for m in &self.limits {
+            let Some(cost) = body_cost(&m.def) else {
+                continue;
+            };
+            let (units, from) = self.reading.charge(&m.which, cost, m.held, cut);
+            if let Some(c) = &m.counters {
+                c.inc(from);
+            }
+            let held = m.held.unwrap_or(0);
+            let (into, n, charge) = if units >= held {
+                let charge = Charge::Response(Box::new(FromResponse {
+                    statuses: None,
+                    cost: ResponseCost::Units(units - held),
+                }));
+                (&mut charges, units - held, charge)
+            } else {
+                (&mut back, held - units, Charge::GiveBack)
+            };
+            if n == 0 {
+                continue;
+            }
+            let mut def = m.def.clone();
+            def.cost = n;
+            def.charge = charge;
+            match into.iter_mut().find(|(k, _)| *k == m.key) {
+                Some((_, plan)) => plan.limits.push(def),
+                None => into.push((
+                    m.key,
+                    Plan {
+                        limits: vec![def],
+                        mode: self.mode,
+                    },
+                )),
+            }
+        }
+        let keyed = |by_key: Vec<(usize, Plan)>| -> Vec<(String, String, Plan)> {
+            by_key
+                .into_iter()
+                .filter_map(|(k, plan)| {
+                    let (ns, key) = self.keys.get(k)?;
+                    Some((ns.clone(), key.clone(), plan))
+                })
+                .collect()
+        };
+        let store = &self.shared.store;
+        if !charges.is_empty() {
+            store.charge_response(keyed(charges), self.fallback);
+        }
+        if !back.is_empty() {
+            store.give_back(keyed(back), self.fallback);
+        }
+    }
+}
+
+/// A response body read on its way (`meter`).
+struct MeteredBody {
+    body: Body,
+    /// Taken when settled.
+    settle: Option<Settle>,
+}
+
+impl MeteredBody {
+    fn settle(&mut self, cut: bool) {
+        if let Some(s) = self.settle.take() {
+            s.settle(cut);
+        }
+    }
+}
+
+impl http_body::Body for MeteredBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // Both fields are Unpin (a boxed body and an Option).
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(s), Some(data)) = (this.settle.as_mut(), frame.data_ref()) {
+                    s.reading.feed(data);
+                }
+                // Settled before the last bytes go: the client's next request sees
+                // the charge.
+                if this.body.is_end_stream() {
+                    this.settle(false);
+                }
+            }
+            Poll::Ready(None) => this.settle(false),
+            Poll::Ready(Some(Err(_))) => this.settle(true),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Dropped before its end: the client went away (or the server gave up on it).
+impl Drop for MeteredBody {
+    fn drop(&mut self) {
+        self.settle(true);
+    }
+}
