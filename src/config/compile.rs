@@ -412,6 +412,11 @@ fn compile_route(
         ns,
         fallback_ns,
         limit_keys,
+        estimate_body: limits.as_ref().is_some_and(|l| {
+            std::iter::once(&l.default)
+                .chain(l.overrides.values().map(|t| t.as_ref()))
+                .any(|t| crate::pipeline::metered::reads_estimate(&t.plan))
+        }),
         limits,
         shadow: r.shadow,
         ban,

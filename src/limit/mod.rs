@@ -129,6 +129,12 @@ impl LimitDef {
         }
     }
 
+    /// Whether the limit holds an `estimate` at admission and gives back what a
+    /// response did not use: its capacity can grow back before its time.
+    pub fn gives_back(&self) -> bool {
+        matches!(&self.charge, Charge::Response(r) if r.body().is_some_and(|b| b.estimate.is_some()))
+    }
+
     /// Whether admitting a request writes this limit's state: charged at admission
     /// and not `concurrency` (whose slots the memory store keeps beside its states).
     pub fn stateful_at_admission(&self) -> bool {

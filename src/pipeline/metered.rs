@@ -14,10 +14,12 @@ use http_body::Frame;
 use http_body_util::BodyExt;
 use prometheus::IntCounter;
 
-use super::{Later, Shared};
+use super::{Later, Shared, Tier};
 use crate::http::body::{Body, BoxError};
 use crate::limit::metered::{Kind, Reading};
-use crate::limit::{BodyCost, Charge, CostFrom, FromResponse, LimitDef, Mode, Plan, ResponseCost};
+use crate::limit::{
+    BodyCost, Charge, CostFrom, Estimate, FromResponse, LimitDef, Mode, Plan, ResponseCost,
+};
 
 /// `sluice_response_costs_total`'s children of one limit, by `CostFrom::index`:
 /// those of the sources its cost can come from, created at 0 with the route.
@@ -66,8 +68,7 @@ struct Settle {
 }
 
 /// The response, its body read on its way when the tier has limits whose cost the
-/// body says (else as it is). `held`: what admission charged each limit of the
-/// tier's plan, by index (`Tier::later`'s estimates).
+/// body says (else as it is).
 pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) -> Response<Body> {
     let tier = later.tier;
     let mut pointers: Vec<String> = Vec::new();
@@ -91,7 +92,13 @@ pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) ->
         limits.push(Metered {
             def: def.clone(),
             which,
-            held: cost.estimate.is_some().then_some(def.cost),
+            held: cost.estimate.is_some().then(|| {
+                later
+                    .held
+                    .as_ref()
+                    .and_then(|h| h.get(l.at).copied())
+                    .unwrap_or(def.cost)
+            }),
             key: tier
                 .shares
                 .iter()
@@ -125,6 +132,62 @@ pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) ->
         settle: Some(settle),
     };
     Response::from_parts(parts, body.boxed())
+}
+
+/// A tier's plan priced for one request whose limits read their `estimate` from
+/// its JSON body: what admission charges.
+pub(super) struct Priced {
+    pub plan: Plan,
+    /// Each of the tier's shares, priced alike (`Tier::shares` order).
+    pub shares: Vec<Plan>,
+    /// The cost of each limit of the plan.
+    pub held: Vec<u64>,
+}
+
+/// Whether a limit of `plan` reads its `estimate` from the request's body.
+pub fn reads_estimate(plan: &Plan) -> bool {
+    plan.limits.iter().any(|l| read_estimate(l).is_some())
+}
+
+fn read_estimate(def: &LimitDef) -> Option<(&str, u64)> {
+    match body_cost(def)?.estimate.as_ref()? {
+        Estimate::Read { pointer, default } => Some((pointer, *default)),
+        Estimate::Units(_) => None,
+    }
+}
+
+/// The tier's plan priced with the estimates the request's body says (`default`
+/// where it says none, at most the limit's quota); None when no limit of the tier
+/// reads one.
+pub(super) fn priced(tier: &Tier, body: Option<&[u8]>) -> Option<Priced> {
+    if !reads_estimate(&tier.plan) {
+        return None;
+    }
+    let price = |def: &LimitDef| match read_estimate(def) {
+        Some((pointer, default)) => body
+            .and_then(|b| crate::identity::json_units(b, pointer))
+            .unwrap_or(default)
+            .min(def.algorithm.quota()),
+        None => def.cost,
+    };
+    let priced = |plan: &Plan| Plan {
+        limits: plan
+            .limits
+            .iter()
+            .map(|l| {
+                let mut l = l.clone();
+                l.cost = price(&l);
+                l
+            })
+            .collect(),
+        mode: plan.mode,
+    };
+    let plan = priced(&tier.plan);
+    Some(Priced {
+        held: plan.limits.iter().map(|l| l.cost).collect(),
+        shares: tier.shares.iter().map(|s| priced(&s.plan)).collect(),
+        plan,
+    })
 }
 
 fn body_cost(def: &LimitDef) -> Option<&BodyCost> {

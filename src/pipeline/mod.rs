@@ -83,6 +83,8 @@ pub struct Route {
     /// (`ShareDef::key`) is `limit_keys[i - 1]`; number 0 is the route's own.
     pub limit_keys: Vec<LimitKey>,
     pub limits: Option<Limits>,
+    /// A limit of some tier reads its `estimate` from the request's JSON body.
+    pub estimate_body: bool,
     pub shadow: bool,
     pub ban: Option<BanRule>,
     pub metrics: RouteMetrics,
@@ -454,8 +456,9 @@ async fn pass<'a>(
     // A key read from the body (`form:`, `json:`): the body is read first, up to
     // `server.max_key_body`, and then forwarded unchanged.
     let h = &parts.headers;
-    let wants_body =
-        route.key.body_wanted(h) || route.limit_keys.iter().any(|k| k.spec.body_wanted(h));
+    let wants_body = route.key.body_wanted(h)
+        || route.limit_keys.iter().any(|k| k.spec.body_wanted(h))
+        || (route.estimate_body && crate::identity::json_body(h));
     let (read, mut body) = (None::<Bytes>, body);
     let read = if wants_body {
         if declared_length(h).is_some_and(|n| n > rt.max_request_body) {
@@ -487,7 +490,7 @@ async fn pass<'a>(
     if declared_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
-    let (report, later) = limits(ctx, route, &key, &others, tally).await?;
+    let (report, later) = limits(ctx, route, &key, &others, bytes, tally).await?;
     drop((key, others));
     let (added, mut relay) = match plain {
         Some(Lent { fields, relay }) => (Some(fields), Some(relay)),
@@ -617,13 +620,15 @@ fn client_key<'a, 'r>(
 
 /// Decides the route's limits over the request's keys (`keys[0]` the route's, then
 /// one per `Route::limit_keys`); the decision goes on the tally, and an admitted
-/// request's concurrency permit into it (released when the response ends). Returns
+/// request's concurrency permit into it (released when the response ends). `body`:
+/// the request's body when it was read (an `estimate` may be read from it). Returns
 /// what the rate-limit headers of the answer report.
 async fn limits<'a>(
     ctx: &Ctx<'a>,
     route: &'a Route,
     (ns, key): &(&str, ClientKey<'_>),
     others: &[(&str, ClientKey<'_>)],
+    body: Option<&[u8]>,
     tally: &mut Tally,
 ) -> Result<(Option<(&'a Tier, Verdict)>, Option<Later<'a>>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
@@ -643,13 +648,21 @@ async fn limits<'a>(
         None => &*stored,
         Some(j) => &*others_stored[j],
     };
+    // An estimate read from the request's body: the plan (and its shares) priced
+    // with it.
+    let priced = route
+        .estimate_body
+        .then(|| metered::priced(tier, body))
+        .flatten();
+    let plan = priced.as_ref().map_or(&tier.plan, |p| &p.plan);
     let shares: Vec<Share<'_>> = tier
         .shares
         .iter()
-        .map(|s| Share {
+        .enumerate()
+        .map(|(i, s)| Share {
             ns: key_at(s.key).0,
             key: stored_at(s.key),
-            plan: &s.plan,
+            plan: priced.as_ref().map_or(&s.plan, |p| &p.shares[i]),
             at: &s.at,
         })
         .collect();
@@ -658,7 +671,7 @@ async fn limits<'a>(
     // Store unreachable: answer 503, forward unchecked, or decide in this instance's
     // memory (`on_error`); either way the decision is counted.
     let checked = if shares.is_empty() {
-        store.check(ns, &stored, &tier.plan).await
+        store.check(ns, &stored, plan).await
     } else {
         store.check_shares(&shares, trial).await
     };
@@ -679,7 +692,7 @@ async fn limits<'a>(
                     return Err(Refusal::StoreDown);
                 }
                 OnError::Allow => None,
-                OnError::Local if shares.is_empty() => store.fallback(ns, &stored, &tier.plan),
+                OnError::Local if shares.is_empty() => store.fallback(ns, &stored, plan),
                 OnError::Local => store.fallback_shares(&shares, trial),
             };
             store_failed = true;
@@ -699,6 +712,7 @@ async fn limits<'a>(
             .map(|k| (key_at(k).0.to_string(), stored_at(k).to_string()))
             .collect(),
         fallback: store_failed,
+        held: priced.map(|p| p.held),
     });
     if !v.allowed {
         if route.shadow {
@@ -785,6 +799,9 @@ struct Later<'a> {
     keys: Vec<(String, String)>,
     /// Decided in this instance's fallback (`on_error: local`): charged there.
     fallback: bool,
+    /// What admission charged each limit of the plan, when an estimate was read
+    /// from the request's body (else each limit's `cost`).
+    held: Option<Vec<u64>>,
 }
 
 /// Charges what the upstream's response head says to the limits charged from the

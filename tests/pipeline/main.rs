@@ -8,7 +8,9 @@ mod common;
 mod access_log;
 mod concurrency;
 mod concurrency_faults;
+#[macro_use]
 mod gateway;
+mod metered;
 mod refusal_logs;
 mod reload_state;
 mod upstream_body_failure;
