@@ -18,7 +18,7 @@ use super::{Later, Shared, Tier};
 use crate::http::body::{Body, BoxError};
 use crate::limit::metered::{Kind, Reading};
 use crate::limit::{
-    BodyCost, Charge, CostFrom, Estimate, FromResponse, LimitDef, Mode, Plan, ResponseCost,
+    BodyCost, Charge, CostFrom, Estimate, FromResponse, LimitDef, Mode, Plan, ResponseCost, Verdict,
 };
 
 /// `sluice_response_costs_total`'s children of one limit, by `CostFrom::index`:
@@ -48,7 +48,7 @@ struct Metered {
     def: LimitDef,
     /// Its pointers, by index in the reading's.
     which: Vec<usize>,
-    /// The estimate admission charged, if it held one.
+    /// The estimate admission charged, if it charged one.
     held: Option<u64>,
     /// The key number it counts (`ShareDef::key`).
     key: usize,
@@ -92,13 +92,7 @@ pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) ->
         limits.push(Metered {
             def: def.clone(),
             which,
-            held: cost.estimate.is_some().then(|| {
-                later
-                    .held
-                    .as_ref()
-                    .and_then(|h| h.get(l.at).copied())
-                    .unwrap_or(def.cost)
-            }),
+            held: later.held.get(l.at).copied().filter(|&h| h > 0),
             key: tier
                 .shares
                 .iter()
@@ -140,8 +134,24 @@ pub(super) struct Priced {
     pub plan: Plan,
     /// Each of the tier's shares, priced alike (`Tier::shares` order).
     pub shares: Vec<Plan>,
-    /// The cost of each limit of the plan.
-    pub held: Vec<u64>,
+}
+
+/// The estimate admission charged each limit of `plan` (priced, when the request's
+/// body priced it) by index: its cost when it holds one and was charged (the
+/// request admitted, and the limit too: one on trial that refused was not).
+/// Empty when no limit of the plan reads its cost from the body.
+pub(super) fn held(plan: &Plan, v: &Verdict) -> Vec<u64> {
+    if !plan.limits.iter().any(|l| body_cost(l).is_some()) {
+        return Vec::new();
+    }
+    plan.limits
+        .iter()
+        .zip(v.outcomes.iter())
+        .map(|(l, o)| match v.allowed && o.allowed && l.gives_back() {
+            true => l.cost,
+            false => 0,
+        })
+        .collect()
 }
 
 /// Whether a limit of `plan` reads its `estimate` from the request's body.
@@ -184,7 +194,6 @@ pub(super) fn priced(tier: &Tier, body: Option<&[u8]>) -> Option<Priced> {
     };
     let plan = priced(&tier.plan);
     Some(Priced {
-        held: plan.limits.iter().map(|l| l.cost).collect(),
         shares: tier.shares.iter().map(|s| priced(&s.plan)).collect(),
         plan,
     })
@@ -316,5 +325,63 @@ impl http_body::Body for MeteredBody {
 impl Drop for MeteredBody {
     fn drop(&mut self) {
         self.settle(true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{Algorithm, Outcome, Rate};
+
+    fn limit(name: &str, estimate: Option<u64>) -> LimitDef {
+        let bucket = Algorithm::TokenBucket {
+            rate: Rate {
+                count: 1000,
+                per_us: 1_000_000,
+            },
+            burst: 1000,
+        };
+        let cost = BodyCost {
+            pointers: vec!["/usage/total_tokens".into()],
+            estimate: estimate.map(Estimate::Units),
+            default: 1,
+            cap: 1000,
+        };
+        LimitDef::new(name.into(), bucket, estimate.unwrap_or(1)).from_response(FromResponse {
+            statuses: None,
+            cost: ResponseCost::Body(Box::new(cost)),
+        })
+    }
+
+    /// What the end of a response settles against: the estimate of each limit that
+    /// admission charged, none for a limit without one, and none where nothing was
+    /// charged (a refused request on a shadow route, a limit on trial that refused).
+    #[test]
+    fn only_an_estimate_admission_charged_is_held() {
+        let plan = Plan {
+            limits: vec![limit("a", Some(500)), limit("b", None), limit("c", Some(7))],
+            mode: Mode::Reject,
+        };
+        let outcome = |allowed| Outcome {
+            allowed,
+            ..Outcome::default()
+        };
+        let verdict = |allowed, each: [bool; 3]| crate::limit::Verdict {
+            allowed,
+            delay_us: 0,
+            outcomes: each.map(outcome).to_vec().into(),
+            trial: 0b100,
+        };
+        assert_eq!(held(&plan, &verdict(true, [true; 3])), [500, 0, 7]);
+        assert_eq!(
+            held(&plan, &verdict(true, [true, true, false])),
+            [500, 0, 0]
+        );
+        assert_eq!(held(&plan, &verdict(false, [true, true, false])), [0, 0, 0]);
+        let unmetered = Plan {
+            limits: vec![LimitDef::new("x".into(), plan.limits[0].algorithm, 1)],
+            mode: Mode::Reject,
+        };
+        assert!(held(&unmetered, &verdict(true, [true; 3])).is_empty());
     }
 }

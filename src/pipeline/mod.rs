@@ -712,7 +712,7 @@ async fn limits<'a>(
             .map(|k| (key_at(k).0.to_string(), stored_at(k).to_string()))
             .collect(),
         fallback: store_failed,
-        held: priced.map(|p| p.held),
+        held: metered::held(plan, &v),
     });
     if !v.allowed {
         if route.shadow {
@@ -799,9 +799,10 @@ struct Later<'a> {
     keys: Vec<(String, String)>,
     /// Decided in this instance's fallback (`on_error: local`): charged there.
     fallback: bool,
-    /// What admission charged each limit of the plan, when an estimate was read
-    /// from the request's body (else each limit's `cost`).
-    held: Option<Vec<u64>>,
+    /// The estimate admission charged each limit of the plan, by index (0: none,
+    /// or not charged: a refusal on trial); empty when no limit reads its cost from
+    /// the body.
+    held: Vec<u64>,
 }
 
 /// Charges what the upstream's response head says to the limits charged from the
