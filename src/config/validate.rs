@@ -1459,6 +1459,12 @@ impl Checker<'_> {
             ),
             (None, Some(pointers)) => {
                 let pp = format!("{lp}.response_json");
+                if l.count.is_some() {
+                    self.at_key(
+                        &format!("{lp}.response_json"),
+                        "response_json does not go with count: the body's cost is charged whatever the status (an answer without usage charges default); write default: 0 to charge nothing for those",
+                    );
+                }
                 if pointers.list().is_empty() {
                     self.at(
                         &pp,

@@ -70,6 +70,34 @@ struct Settle {
 /// The response, its body read on its way when the tier has limits whose cost the
 /// body says (else as it is).
 pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) -> Response<Body> {
+    let kind = Kind::of(
+        resp.headers()
+            .get(http::header::CONTENT_TYPE)
+            .map(|v| v.as_bytes()),
+    );
+    let Some(settle) = settle_for(shared, later, kind) else {
+        return resp;
+    };
+    let (parts, body) = resp.into_parts();
+    let body = MeteredBody {
+        body,
+        settle: Some(settle),
+    };
+    Response::from_parts(parts, body.boxed())
+}
+
+/// No upstream answer to read (it could not be reached, or timed out: sluice
+/// answered): every estimate admission held is given back, as a response sluice
+/// writes itself charges nothing.
+pub(super) fn unanswered(shared: &Shared, later: &Later<'_>) {
+    if let Some(s) = settle_for(shared, later, Kind::Other) {
+        s.apply(&vec![0; s.limits.len()]);
+    }
+}
+
+/// What the end of the response settles for the tier's limits whose cost the body
+/// says; None when it has none.
+fn settle_for(shared: &Shared, later: &Later<'_>, kind: Kind) -> Option<Settle> {
     let tier = later.tier;
     let mut pointers: Vec<String> = Vec::new();
     let mut limits = Vec::new();
@@ -101,31 +129,17 @@ pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) ->
             counters: l.costs.clone(),
         });
     }
-    let Some(shared) = shared.me.upgrade() else {
-        return resp;
-    };
     if limits.is_empty() {
-        return resp;
+        return None;
     }
-    let kind = Kind::of(
-        resp.headers()
-            .get(http::header::CONTENT_TYPE)
-            .map(|v| v.as_bytes()),
-    );
-    let settle = Settle {
-        shared,
+    Some(Settle {
+        shared: shared.me.upgrade()?,
         keys: later.keys.clone(),
         fallback: later.fallback,
         mode: tier.plan.mode,
         limits,
         reading: Reading::new(kind, pointers),
-    };
-    let (parts, body) = resp.into_parts();
-    let body = MeteredBody {
-        body,
-        settle: Some(settle),
-    };
-    Response::from_parts(parts, body.boxed())
+    })
 }
 
 /// A tier's plan priced for one request whose limits read their `estimate` from
@@ -212,16 +226,29 @@ impl Settle {
     /// the upstream failed).
     fn settle(mut self, cut: bool) {
         self.reading.finish();
+        let units: Vec<u64> = self
+            .limits
+            .iter()
+            .map(|m| {
+                let (units, from) = match body_cost(&m.def) {
+                    Some(cost) => self.reading.charge(&m.which, cost, m.held, cut),
+                    None => (0, CostFrom::Default),
+                };
+                if let Some(c) = &m.counters {
+                    c.inc(from);
+                }
+                units
+            })
+            .collect();
+        self.apply(&units);
+    }
+
+    /// Charges each limit its `units` (by index in `limits`), less the estimate
+    /// admission held, or gives back the difference.
+    fn apply(&self, units: &[u64]) {
         let mut charges: Vec<(usize, Plan)> = Vec::new();
         let mut back: Vec<(usize, Plan)> = Vec::new();
-        for m in &self.limits {
-            let Some(cost) = body_cost(&m.def) else {
-                continue;
-            };
-            let (units, from) = self.reading.charge(&m.which, cost, m.held, cut);
-            if let Some(c) = &m.counters {
-                c.inc(from);
-            }
+        for (m, &units) in self.limits.iter().zip(units) {
             let held = m.held.unwrap_or(0);
             let (into, n, charge) = if units >= held {
                 let charge = Charge::Response(Box::new(FromResponse {

@@ -505,7 +505,16 @@ async fn pass<'a>(
             relay.fields_in_map();
         }
     }
-    let mut resp = act(ctx, route, parts, body, relay, &mut tally.target).await?;
+    let mut resp = match act(ctx, route, parts, body, relay, &mut tally.target).await {
+        Ok(resp) => resp,
+        Err(refusal) => {
+            // sluice answers (the upstream failed): no estimate held stays charged.
+            if let Some(later) = later.as_ref().filter(|l| !l.held.is_empty()) {
+                metered::unanswered(ctx.shared, later);
+            }
+            return Err(refusal);
+        }
+    };
     if matches!(route.action, Action::Upstream(_)) {
         let status = resp.status().as_u16();
         route.metrics.upstream_answered(status);

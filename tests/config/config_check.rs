@@ -2024,6 +2024,7 @@ routes:
     upstream: api
     limits:
       - {name: b0, algorithm: concurrency, limit: 3, cost: {response_json: /u}}
+      - {name: b1, algorithm: gcra, rate: 1/s, count: {status: [200]}, cost: {response_json: /u}}
 ";
     let help = "a JSON pointer (RFC 6901) starts with \"/\", like /usage/total_tokens, and a \"~\" in a name is written \"~0\" (a \"/\" \"~1\")";
     assert_eq!(
@@ -2040,6 +2041,7 @@ routes:
             "rules.yaml:15:93: estimate must be greater than 0 (or left out)".to_string(),
             "rules.yaml:19:57: a limit charged from the response (count, or a cost from a response header or body) does not take reserve: its charge is known only after the request".to_string(),
             "rules.yaml:23:54: concurrency does not take cost: each request in flight takes one slot".to_string(),
+            "rules.yaml:24:79: response_json does not go with count: the body's cost is charged whatever the status (an answer without usage charges default); write default: 0 to charge nothing for those".to_string(),
         ]
     );
     let ok = "\
