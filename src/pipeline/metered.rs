@@ -182,8 +182,8 @@ fn read_estimate(def: &LimitDef) -> Option<(&str, u64)> {
 
 /// The tier's plan priced with the estimates the request's body says (`default`
 /// where it says none, at most the limit's quota); None when no limit of the tier
-/// reads one.
-pub(super) fn priced(tier: &Tier, body: Option<&[u8]>) -> Option<Priced> {
+/// reads one. (Boxed: the request path's state stays one word larger.)
+pub(super) fn priced(tier: &Tier, body: Option<&[u8]>) -> Option<Box<Priced>> {
     if !reads_estimate(&tier.plan) {
         return None;
     }
@@ -207,10 +207,10 @@ pub(super) fn priced(tier: &Tier, body: Option<&[u8]>) -> Option<Priced> {
         mode: plan.mode,
     };
     let plan = priced(&tier.plan);
-    Some(Priced {
+    Some(Box::new(Priced {
         shares: tier.shares.iter().map(|s| priced(&s.plan)).collect(),
         plan,
-    })
+    }))
 }
 
 fn body_cost(def: &LimitDef) -> Option<&BodyCost> {
