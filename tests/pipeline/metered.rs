@@ -17,6 +17,7 @@ on_both_stores!(
     a_client_that_goes_away_is_charged_what_it_saw_else_the_estimate,
     malformed_and_oversized_events_are_skipped,
     an_upstream_that_fails_gives_the_estimate_back,
+    an_http2_client_is_charged_alike,
 );
 
 // === the gateway ===
@@ -285,4 +286,31 @@ async fn an_upstream_that_fails_gives_the_estimate_back(store: Store) {
     assert_eq!(call(&gw, "/v1/json?t=10", "k").await, (200, 500));
     assert_eq!(call(&gw, "/v1/json?t=10", "k").await, (200, 490));
     assert_eq!(costs(&gw).await, counted(2.0, 0.0, 0.0, 0.0, 0.0));
+}
+
+/// An HTTP/2 client (h2c) is metered alike: its bodies go through hyper's server
+/// rather than sluice's HTTP/1 codec.
+async fn an_http2_client_is_charged_alike(store: Store) {
+    let up = Llm::start().await;
+    let gw = gateway(
+        &store,
+        &up,
+        "{response_json: /usage/total_tokens, estimate: 100}",
+    )
+    .await;
+    let c = h2c();
+    let ask = |path: &'static str| {
+        let (c, u) = (&c, url(gw.addr, path));
+        async move {
+            let r = c
+                .send(http::Method::POST, &u, &[("x-api-key", "k")], "")
+                .await;
+            (r.status, r.num("x-ratelimit-remaining"), r.body.len())
+        }
+    };
+    assert_eq!(ask("/v1/json?t=40").await.0, 200);
+    // 40 used: 960 left, 860 after this one's hold.
+    assert_eq!(ask("/v1/odd?t=30").await, (200, 860, odd_stream(30).len()));
+    assert_eq!(ask("/v1/json?t=0").await.1, 830);
+    assert_eq!(costs(&gw).await, counted(2.0, 1.0, 0.0, 0.0, 0.0));
 }
