@@ -25,10 +25,11 @@ use crate::identity::{Claim, KeyPart, KeySpec, Normalize, TrustedProxies};
 use crate::jwt::{Failure as JwtFailure, Provider, ProviderSpec, Source as JwtSource};
 use crate::limit::redis::REFUSAL_CACHE_ENTRIES;
 use crate::limit::{
-    Algorithm, Charge, Clock, CostFrom, FromResponse, LimitDef, MemoryStore, Mode, Plan,
-    PrimaryUrl, Rate, RedisOptions, RedisStore, RedisTarget, Reserve, ResponseCost, SentinelTarget,
-    StatusSet, Store, StoreError, SystemClock,
+    Algorithm, BodyCost, Charge, Clock, CostFrom, Estimate, FromResponse, LimitDef, MemoryStore,
+    Mode, Plan, PrimaryUrl, Rate, RedisOptions, RedisStore, RedisTarget, Reserve, ResponseCost,
+    SentinelTarget, StatusSet, Store, StoreError, SystemClock,
 };
+use crate::pipeline::metered::CostCounters;
 use crate::pipeline::refusal::{policy_header, RateHeaders};
 use crate::pipeline::route::{HeaderMatch, HostMatch, Matcher};
 use crate::pipeline::{
@@ -506,6 +507,11 @@ fn compile_route(
         ns,
         fallback_ns,
         limit_keys,
+        estimate_body: limits.as_ref().is_some_and(|l| {
+            std::iter::once(&l.default)
+                .chain(l.overrides.values().map(|t| t.as_ref()))
+                .any(|t| crate::pipeline::metered::reads_estimate(&t.plan))
+        }),
         limits,
         shadow: r.shadow,
         ban,
@@ -666,20 +672,25 @@ fn tier(
         .iter()
         .enumerate()
         .filter_map(|(at, d)| match &d.charge {
-            Charge::Admission => None,
-            Charge::Response(r) => Some(LaterLimit {
-                at,
-                costs: matches!(r.cost, ResponseCost::Header { .. }).then(|| {
+            Charge::Admission | Charge::GiveBack => None,
+            Charge::Response(r) => {
+                let sources: &[CostFrom] = match r.cost {
+                    ResponseCost::Header { .. } => &CostFrom::OF_HEADER,
+                    ResponseCost::Body(_) => &CostFrom::OF_BODY,
+                    ResponseCost::Units(_) => &[],
+                };
+                Some(LaterLimit {
+                    at,
                     // Exported at 0 from the start.
-                    CostFrom::ALL.map(|from| {
-                        metrics.response_costs.with_label_values(&[
-                            keys.route,
-                            d.name.as_str(),
-                            from.label(),
-                        ])
-                    })
-                }),
-            }),
+                    costs: (!sources.is_empty()).then(|| {
+                        CostCounters::new(sources.iter().map(|&from| {
+                            let labels = [keys.route, d.name.as_str(), from.label()];
+                            (from, metrics.response_costs.with_label_values(&labels))
+                        }))
+                    }),
+                    reads_body: r.body().is_some(),
+                })
+            }
         })
         .collect();
     // Created at 0, once per (route, limit name): tiers share a name's child.
@@ -759,7 +770,13 @@ fn limit_def(route: &str, index: usize, l: &schema::Limit) -> Result<LimitDef, C
     // response says the cost) before forwarding.
     let mut def = LimitDef::new(name, algorithm, l.units().unwrap_or(1));
     if l.from_response() {
-        def = def.from_response(from_response(route, l, &algorithm)?);
+        let from = from_response(route, l, &algorithm)?;
+        // An estimate is what admission charges (settled when the body ends); one
+        // read from the request's body is set per request, this when it has none.
+        if let Some(e) = from.body().and_then(|b| b.estimate.as_ref()) {
+            def = LimitDef::new(def.name, algorithm, e.fallback());
+        }
+        def = def.from_response(from);
     }
     if let Some(n) = l.reserve {
         def = def.reserving(Reserve::new(n.get()));
@@ -788,13 +805,43 @@ fn from_response(
         }
     };
     let cost = match &l.cost {
-        Some(schema::Cost::Response(r)) => ResponseCost::Header {
-            name: HeaderName::from_bytes(r.response_header.as_bytes())
-                .map_err(|_| route_err(route, "bad response_header"))?,
+        Some(schema::Cost::Response(r)) => {
             // No response owes more than a whole window or bucket.
-            default: r.default.map_or(1, |d| d.get()).min(algorithm.quota()),
-            cap: algorithm.quota(),
-        },
+            let (default, cap) = (
+                r.default.map_or(1, |d| d.get()).min(algorithm.quota()),
+                algorithm.quota(),
+            );
+            match (&r.response_header, &r.response_json) {
+                (Some(h), _) => ResponseCost::Header {
+                    name: HeaderName::from_bytes(h.as_bytes())
+                        .map_err(|_| route_err(route, "bad response_header"))?,
+                    default,
+                    cap,
+                },
+                (None, Some(pointers)) => ResponseCost::Body(Box::new(BodyCost {
+                    pointers: pointers.list().iter().map(|p| p.to_string()).collect(),
+                    estimate: r.estimate.as_ref().map(|e| match e {
+                        schema::EstimateSpec::Units(n) => Estimate::Units(n.get().min(cap)),
+                        schema::EstimateSpec::Read(t) => Estimate::Read {
+                            pointer: t
+                                .as_str()
+                                .strip_prefix("json:")
+                                .unwrap_or_default()
+                                .to_string(),
+                            default,
+                        },
+                    }),
+                    default,
+                    cap,
+                })),
+                (None, None) => {
+                    return Err(route_err(
+                        route,
+                        "a cost from the response needs response_header or response_json",
+                    ))
+                }
+            }
+        }
         _ => ResponseCost::Units(l.units().unwrap_or(1)),
     };
     Ok(FromResponse { statuses, cost })

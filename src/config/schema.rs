@@ -744,11 +744,46 @@ pub enum Cost {
 #[serde(rename = "ResponseCost", deny_unknown_fields)]
 pub struct ResponseCostSpec {
     /// The response header holding the units the request cost, e.g. x-usage-tokens.
-    pub response_header: Text,
-    /// The units charged when the header is missing or not a whole number
-    /// (default 1).
+    #[serde(default)]
+    pub response_header: Option<Text>,
+    /// RFC 6901 pointers into the response body (an `application/json` body, or
+    /// each JSON `data:` event of a `text/event-stream`) to the units the request
+    /// cost, e.g. /usage/total_tokens; several are summed.
+    #[serde(default)]
+    pub response_json: Option<Pointers>,
+    /// With response_json: units charged at admission, and settled when the
+    /// response ends: a number, or "json:/pointer" into the request's JSON body
+    /// (e.g. json:/max_tokens).
+    #[serde(default)]
+    pub estimate: Option<EstimateSpec>,
+    /// The units charged when the response does not say (default 1).
     #[serde(default)]
     pub default: Option<Num<u64>>,
+}
+
+/// `response_json`: one pointer or a list of them.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum Pointers {
+    One(Text),
+    Many(Vec<Text>),
+}
+
+impl Pointers {
+    pub fn list(&self) -> &[Text] {
+        match self {
+            Pointers::One(p) => std::slice::from_ref(p),
+            Pointers::Many(v) => v,
+        }
+    }
+}
+
+/// `estimate`: a number of units, or "json:/pointer" into the request's body.
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum EstimateSpec {
+    Units(Num<u64>),
+    Read(Text),
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
@@ -913,7 +948,7 @@ impl<'de> Deserialize<'de> for KeyPart {
 }
 
 const COST_FORMS: &str =
-    "expected a cost: a whole number of units (cost: 3) or {response_header: NAME, default: N}";
+    "expected a cost: a whole number of units (cost: 3), {response_header: NAME, default: N} or {response_json: POINTER, estimate: N, default: N}";
 
 impl<'de> Deserialize<'de> for Cost {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

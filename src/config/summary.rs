@@ -5,8 +5,8 @@
 use std::fmt::Write as _;
 
 use super::schema::{
-    AlgorithmName, BackendSpec, Cost, KeyText, Limit, Normalize, OnError, OnLimit, RouteSpec,
-    UpstreamProtocol,
+    AlgorithmName, BackendSpec, Cost, EstimateSpec, KeyText, Limit, Normalize, OnError, OnLimit,
+    RouteSpec, UpstreamProtocol,
 };
 use super::value::{fmt_dur, fmt_rate, redact_url, Text, WindowSpec};
 use super::Loaded;
@@ -372,11 +372,33 @@ fn describe_limit(l: &Limit, j: usize) -> String {
         }
         Some(Cost::Response(r)) => {
             let default = r.default.map_or(1, |d| d.get());
-            let _ = write!(
-                s,
-                " cost from response header {} (default {default})",
-                r.response_header.as_str()
-            );
+            if let Some(h) = &r.response_header {
+                let _ = write!(
+                    s,
+                    " cost from response header {} (default {default})",
+                    h.as_str()
+                );
+            } else if let Some(p) = &r.response_json {
+                let pointers: Vec<&str> = p.list().iter().map(|t| t.as_str()).collect();
+                let _ = write!(
+                    s,
+                    " cost from the response body at {} (default {default})",
+                    pointers.join(" + ")
+                );
+                match &r.estimate {
+                    Some(EstimateSpec::Units(n)) => {
+                        let _ = write!(s, ", {} held at admission", n.get());
+                    }
+                    Some(EstimateSpec::Read(t)) => {
+                        let _ = write!(
+                            s,
+                            ", the request's {} held at admission (default {default})",
+                            t.as_str()
+                        );
+                    }
+                    None => {}
+                }
+            }
         }
         _ => {}
     }

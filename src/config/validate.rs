@@ -11,8 +11,8 @@ use http::{HeaderName, HeaderValue, Method, Uri};
 use super::error::{ConfigError, ConfigWarning};
 use super::locate::{field, item, Index};
 use super::schema::{
-    AlgorithmName, BackendSpec, Cost, File, KeyText, Limit, Match, MissingKey, OnLimit, RouteSpec,
-    UpstreamProtocol,
+    AlgorithmName, BackendSpec, Cost, EstimateSpec, File, KeyText, Limit, Match, MissingKey,
+    OnLimit, Pointers, ResponseCostSpec, RouteSpec, UpstreamProtocol,
 };
 use super::value::{Dur, Text, WindowSpec};
 
@@ -1517,7 +1517,7 @@ impl Checker<'_> {
             if l.from_response() {
                 self.at_key(
                     &rp,
-                    "a limit charged from the response (count, or a cost from a response header) does not take reserve: its charge is known only after the request",
+                    "a limit charged from the response (count, or a cost from a response header or body) does not take reserve: its charge is known only after the request",
                 );
             }
             if limits.iter().any(|l| l.key.is_some()) {
@@ -1538,6 +1538,99 @@ impl Checker<'_> {
                     format!("reserve {n} is greater than the limit's {q}: an instance could never take that many"),
                 );
             }
+        }
+    }
+
+    /// A cost from the response (`lp` its path): from a header or from the body,
+    /// with what each form takes.
+    fn response_cost(&mut self, lp: &str, l: &Limit, r: &ResponseCostSpec) {
+        let alg = l.algorithm.as_str();
+        let pointer_help = "a JSON pointer (RFC 6901) starts with \"/\", like /usage/total_tokens, and a \"~\" in a name is written \"~0\" (a \"/\" \"~1\")";
+        match (&r.response_header, &r.response_json) {
+            (Some(h), None) => {
+                if HeaderName::from_bytes(h.as_bytes()).is_err() {
+                    self.at(
+                        &format!("{lp}.response_header"),
+                        format!("{:?} is not a valid HTTP header name", h.as_str()),
+                    );
+                }
+                if r.estimate.is_some() {
+                    self.at_key(
+                        &format!("{lp}.estimate"),
+                        "estimate goes with response_json: a cost from a header is known with the response's head, and checked for one unit before forwarding",
+                    );
+                }
+            }
+            (Some(_), Some(_)) => self.at_key(
+                &format!("{lp}.response_json"),
+                "a cost comes from response_header or response_json, not both",
+            ),
+            (None, None) => self.at(
+                lp,
+                "a cost from the response needs response_header: NAME or response_json: POINTER",
+            ),
+            (None, Some(pointers)) => {
+                let pp = format!("{lp}.response_json");
+                if l.count.is_some() {
+                    self.at_key(
+                        &format!("{lp}.response_json"),
+                        "response_json does not go with count: the body's cost is charged whatever the status (an answer without usage charges default); write default: 0 to charge nothing for those",
+                    );
+                }
+                if pointers.list().is_empty() {
+                    self.at(
+                        &pp,
+                        format!("response_json needs at least one pointer: {pointer_help}"),
+                    );
+                }
+                for (i, p) in pointers.list().iter().enumerate() {
+                    if !crate::identity::is_json_pointer(p.as_str()) {
+                        let at = match pointers {
+                            Pointers::One(_) => pp.clone(),
+                            Pointers::Many(_) => item(&pp, i),
+                        };
+                        self.at(
+                            &at,
+                            format!("{:?} is not a JSON pointer: {pointer_help}", p.as_str()),
+                        );
+                    }
+                }
+            }
+        }
+        let Some(estimate) = &r.estimate else {
+            return;
+        };
+        let ep = format!("{lp}.estimate");
+        match estimate {
+            EstimateSpec::Units(n) if n.get() == 0 => {
+                self.at(&ep, "estimate must be greater than 0 (or left out)");
+            }
+            EstimateSpec::Units(n) => {
+                let quota = l.effective_burst().or(l.limit.map(|x| x.get()));
+                if let Some(q) = quota.filter(|&q| n.get() > q) {
+                    self.at(
+                        &ep,
+                        format!("estimate {} is greater than the limit's {q}: no request could ever be admitted", n.get()),
+                    );
+                }
+            }
+            EstimateSpec::Read(t) => match t.as_str().strip_prefix("json:") {
+                Some(p) if crate::identity::is_json_pointer(p) => {}
+                Some(p) => self.at(&ep, format!("{p:?} is not a JSON pointer: {pointer_help}")),
+                None => self.at(
+                    &ep,
+                    format!("estimate is a number of units, or \"json:/pointer\" into the request's JSON body (like json:/max_tokens), not {:?}", t.as_str()),
+                ),
+            },
+        }
+        if !matches!(
+            l.algorithm,
+            AlgorithmName::TokenBucket | AlgorithmName::Gcra
+        ) {
+            self.at_key(
+                &ep,
+                format!("{alg} does not take estimate: what a response charges less than its estimate is given back, which is exact only for token_bucket and gcra (a window or a log would have to find the charge by its time); use token_bucket or gcra, or leave estimate out (then the limit is checked for one unit before forwarding and charged when the response ends)"),
+            );
         }
     }
 
@@ -1645,16 +1738,7 @@ impl Checker<'_> {
             self.at(&format!("{lp}.cost"), "cost must be greater than 0");
         }
         if let Some(Cost::Response(r)) = &l.cost {
-            let hp = format!("{lp}.cost.response_header");
-            if HeaderName::from_bytes(r.response_header.as_bytes()).is_err() {
-                self.at(
-                    &hp,
-                    format!(
-                        "{:?} is not a valid HTTP header name",
-                        r.response_header.as_str()
-                    ),
-                );
-            }
+            self.response_cost(&format!("{lp}.cost"), l, r);
         }
         if let Some(count) = &l.count {
             let cp = format!("{lp}.count.status");
@@ -2234,7 +2318,7 @@ mod tests {
                 "      - {algorithm: fixed_window, limit: 100, window: 1s, reserve: 20, count: {status: [401]}}\n      - {algorithm: fixed_window, limit: 100, window: 1m, reserve: 20, key: ip}\n"
             )),
             [
-                "7:59: a limit charged from the response (count, or a cost from a response header) does not take reserve: its charge is known only after the request",
+                "7:59: a limit charged from the response (count, or a cost from a response header or body) does not take reserve: its charge is known only after the request",
                 "7:59: reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
                 "8:59: reserve needs every limit of the list to count the route's key: a limit with its own key is decided with the others in one call per request",
             ]

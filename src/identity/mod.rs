@@ -738,6 +738,23 @@ fn key_body(headers: &HeaderMap) -> Option<(BodyType, &HeaderValue)> {
     Some((body_type(ct)?, ct))
 }
 
+/// Whether the request says its body is JSON (`application/json`, or a `+json`
+/// type): a body a limit's `estimate` may be read from.
+pub fn json_body(headers: &HeaderMap) -> bool {
+    any_body_type(headers, BodyType::Json)
+}
+
+/// The whole number of units at `pointer` in a JSON body (a limit's `estimate:
+/// "json:/max_tokens"`); None when the body is not JSON, the pointer reaches
+/// nothing or something else, or a member on its way is sent twice.
+pub fn json_units(body: &[u8], pointer: &str) -> Option<u64> {
+    let found = json_values(body, pointer)?;
+    match (&found.values[..], found.repeated) {
+        ([v], false) => v.as_u64(),
+        _ => None,
+    }
+}
+
 /// Whether any `Content-Type` of the request names `t`.
 fn any_body_type(headers: &HeaderMap, t: BodyType) -> bool {
     headers

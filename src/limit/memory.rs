@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::algo::{judge, EMPTY};
-use super::{Algorithm, Checked, Clock, LimitDef, Permit, Plan, Share, State, Verdict};
+use super::{Algorithm, Charge, Checked, Clock, LimitDef, Permit, Plan, Share, State, Verdict};
 use crate::telemetry::metrics::EvictionCounters;
 
 /// Shards of the key space; fewer when `max_keys` is smaller.
@@ -607,7 +607,11 @@ fn charged_now(limit: &LimitDef, from_response: bool) -> bool {
 }
 
 fn charge_one(limit: &LimitDef, state: &mut State, plan: &Plan, now: u64, from_response: bool) {
-    if from_response {
+    if from_response && limit.charge == Charge::GiveBack {
+        // What a response charged less than its estimate (token_bucket and gcra:
+        // `check` allows an estimate on those only, whose refund needs no time).
+        limit.algorithm.refund(state, now, limit.cost);
+    } else if from_response {
         limit.algorithm.charge_anyway(state, now, limit.cost);
     } else {
         limit

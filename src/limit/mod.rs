@@ -8,6 +8,7 @@ pub mod algo;
 pub mod cases;
 pub mod clock;
 pub mod memory;
+pub mod metered;
 pub mod per_ip;
 #[cfg(test)]
 mod proptests;
@@ -24,7 +25,7 @@ pub use crate::redis::{PrimaryUrl, SentinelTarget};
 pub use algo::{decide, Algorithm, Outcome, Rate, State};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
-pub use response::{Charge, CostFrom, FromResponse, ResponseCost, StatusSet};
+pub use response::{BodyCost, Charge, CostFrom, Estimate, FromResponse, ResponseCost, StatusSet};
 pub use store::{OnError, Store, StoreError};
 
 /// One configured limit, compiled.
@@ -118,10 +119,20 @@ impl LimitDef {
         self
     }
 
-    /// Whether admitting a request charges it (not a limit charged from the
-    /// response).
+    /// Whether admitting a request charges it: not a limit charged from the
+    /// response, unless it holds an `estimate` then (settled when the body ends).
     pub fn at_admission(&self) -> bool {
-        self.charge == Charge::Admission
+        match &self.charge {
+            Charge::Admission => true,
+            Charge::Response(r) => r.body().is_some_and(|b| b.estimate.is_some()),
+            Charge::GiveBack => false,
+        }
+    }
+
+    /// Whether the limit holds an `estimate` at admission and gives back what a
+    /// response did not use: its capacity can grow back before its time.
+    pub fn gives_back(&self) -> bool {
+        matches!(&self.charge, Charge::Response(r) if r.body().is_some_and(|b| b.estimate.is_some()))
     }
 
     /// Whether admitting a request writes this limit's state: charged at admission

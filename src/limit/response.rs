@@ -1,6 +1,7 @@
 //! Limits charged from the upstream's response instead of at admission: `count:
 //! {status: [...]}` (only responses with a listed status count) and `cost:
-//! {response_header: NAME, default: N}` (the response says what the request cost).
+//! {response_header: NAME, default: N}` (the response says what the request cost)
+//! and `cost: {response_json: ...}` (its body says: `limit::metered` reads it).
 //! Before forwarding such a limit is only checked, for one unit (or its fixed cost):
 //! it refuses once nothing is left, and charges nothing. When the response head
 //! arrives, what it says is charged whatever is left (`Algorithm::charge_anyway`),
@@ -14,8 +15,12 @@ pub enum Charge {
     /// When the request is admitted (every limit, unless configured otherwise).
     #[default]
     Admission,
-    /// When the upstream's response head arrives.
+    /// When the upstream's response head arrives (or, for a cost read from the
+    /// body, when the body ends).
     Response(Box<FromResponse>),
+    /// Not a limit's own: what a response charged less than its `estimate`, given
+    /// back (`Algorithm::refund`) when the body ends.
+    GiveBack,
 }
 
 /// What a response charges a limit.
@@ -38,27 +43,92 @@ pub enum ResponseCost {
         default: u64,
         cap: u64,
     },
+    /// `cost: {response_json, estimate, default}`: read from the body when it ends.
+    Body(Box<BodyCost>),
 }
 
-/// How the charge of a `ResponseCost::Header` limit was found, counted in
-/// `sluice_response_costs_total`.
+/// A cost read from the response body (`limit::metered`), at most `cap` (the
+/// limit's quota).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BodyCost {
+    /// RFC 6901 pointers, as written; their values are summed.
+    pub pointers: Vec<String>,
+    /// Charged at admission (the limit's `cost` then) and settled at the end.
+    pub estimate: Option<Estimate>,
+    /// Charged when the body does not say.
+    pub default: u64,
+    pub cap: u64,
+}
+
+/// `estimate`: a fixed number of units, or read from the request's JSON body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Estimate {
+    Units(u64),
+    /// A pointer into the request body (`json:/max_tokens`); `default` when the
+    /// body has no whole number there.
+    Read {
+        pointer: String,
+        default: u64,
+    },
+}
+
+impl Estimate {
+    /// What is held when nothing else says: the units, or the default of a read.
+    pub fn fallback(&self) -> u64 {
+        match self {
+            Estimate::Units(n) | Estimate::Read { default: n, .. } => *n,
+        }
+    }
+}
+
+/// Where the charge of a limit charged from what the response says came from,
+/// counted in `sluice_response_costs_total{source}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CostFrom {
     /// The header, as sent.
     Header,
-    /// No such header: `default`.
-    Missing,
-    /// Not a whole number of units (negative, a fraction, text, sent twice):
+    /// A JSON body's pointers.
+    Json,
+    /// The last values of the pointers in an event stream's events.
+    Sse,
+    /// Nothing read (the client went away, the upstream failed): the estimate held.
+    Estimate,
+    /// The response did not say (no such header, no pointer in the body):
     /// `default`.
+    Default,
+    /// What it said is not a whole number of units (negative, a fraction, text,
+    /// a header sent twice, a body that is not JSON or larger than what is kept):
+    /// `default` (or the estimate held).
     Invalid,
     /// Above the limit's quota: the quota.
     Capped,
 }
 
 impl CostFrom {
-    pub const ALL: [CostFrom; 4] = [
+    pub const ALL: [CostFrom; 7] = [
         CostFrom::Header,
-        CostFrom::Missing,
+        CostFrom::Json,
+        CostFrom::Sse,
+        CostFrom::Estimate,
+        CostFrom::Default,
+        CostFrom::Invalid,
+        CostFrom::Capped,
+    ];
+
+    /// What a cost read from a header can come from.
+    pub const OF_HEADER: [CostFrom; 4] = [
+        CostFrom::Header,
+        CostFrom::Default,
+        CostFrom::Invalid,
+        CostFrom::Capped,
+    ];
+
+    /// What a cost read from a body can come from.
+    pub const OF_BODY: [CostFrom; 6] = [
+        CostFrom::Json,
+        CostFrom::Sse,
+        CostFrom::Estimate,
+        CostFrom::Default,
         CostFrom::Invalid,
         CostFrom::Capped,
     ];
@@ -71,7 +141,10 @@ impl CostFrom {
     pub fn label(self) -> &'static str {
         match self {
             CostFrom::Header => "header",
-            CostFrom::Missing => "missing",
+            CostFrom::Json => "json",
+            CostFrom::Sse => "sse",
+            CostFrom::Estimate => "estimate",
+            CostFrom::Default => "default",
             CostFrom::Invalid => "invalid",
             CostFrom::Capped => "capped",
         }
@@ -91,7 +164,7 @@ impl FromResponse {
                 let mut values = headers.get_all(name).iter();
                 let (first, second) = (values.next(), values.next());
                 let (units, from) = match (first, second) {
-                    (None, _) => (*default, CostFrom::Missing),
+                    (None, _) => (*default, CostFrom::Default),
                     (Some(v), None) => match whole_number(v.as_bytes()) {
                         Some(n) if n > *cap => (*cap, CostFrom::Capped),
                         Some(n) => (n, CostFrom::Header),
@@ -102,6 +175,16 @@ impl FromResponse {
                 };
                 (units, Some(from))
             }
+            // Charged when the body ends (`limit::metered`), not from the head.
+            ResponseCost::Body(_) => (0, None),
+        }
+    }
+
+    /// The body's cost, when the limit's cost is read from the body.
+    pub fn body(&self) -> Option<&BodyCost> {
+        match &self.cost {
+            ResponseCost::Body(b) => Some(b),
+            _ => None,
         }
     }
 }
@@ -191,7 +274,7 @@ mod tests {
             (&["1000"], (1000, Some(CostFrom::Header))),
             (&["1001"], (1000, Some(CostFrom::Capped))),
             (&["99999999999999999999999"], (1000, Some(CostFrom::Capped))),
-            (&[], (7, Some(CostFrom::Missing))),
+            (&[], (7, Some(CostFrom::Default))),
             (&["-5"], (7, Some(CostFrom::Invalid))),
             (&["2.5"], (7, Some(CostFrom::Invalid))),
             (&["ten"], (7, Some(CostFrom::Invalid))),

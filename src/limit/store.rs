@@ -164,6 +164,17 @@ impl Store {
     /// cluster one per key). `fallback`: the request was decided in this instance's
     /// fallback (`on_error: local`), which is charged instead.
     pub fn charge_response(&self, charges: Vec<(String, String, Plan)>, fallback: bool) {
+        self.settle(charges, fallback, false);
+    }
+
+    /// Gives back what responses charged less than the estimate they held
+    /// (`limit::metered`): each entry's limits are `Charge::GiveBack`, their `cost`
+    /// the units to give back. Never waits, as `charge_response`.
+    pub fn give_back(&self, charges: Vec<(String, String, Plan)>, fallback: bool) {
+        self.settle(charges, fallback, true);
+    }
+
+    fn settle(&self, charges: Vec<(String, String, Plan)>, fallback: bool, give_back: bool) {
         match &self.backend {
             Backend::Memory(m) => {
                 for (ns, key, plan) in &charges {
@@ -187,7 +198,12 @@ impl Store {
                         .iter()
                         .map(|(ns, key, plan)| (ns.as_str(), key.as_str(), plan))
                         .collect();
-                    if let Err(e) = redis.charge_response(&shares, None).await {
+                    let done = if give_back {
+                        redis.give_back(&shares).await
+                    } else {
+                        redis.charge_response(&shares, None).await
+                    };
+                    if let Err(e) = done {
                         if let (Some(errors), false) = (&errors, matches!(e, StoreError::Open)) {
                             errors.inc();
                         }

@@ -6,6 +6,7 @@
 
 pub mod admit;
 pub mod body_key;
+pub mod metered;
 pub mod path;
 pub mod refusal;
 pub mod route;
@@ -85,6 +86,8 @@ pub struct Route {
     /// (`ShareDef::key`) is `limit_keys[i - 1]`; number 0 is the route's own.
     pub limit_keys: Vec<LimitKey>,
     pub limits: Option<Limits>,
+    /// A limit of some tier reads its `estimate` from the request's JSON body.
+    pub estimate_body: bool,
     pub shadow: bool,
     pub ban: Option<BanRule>,
     pub metrics: RouteMetrics,
@@ -177,9 +180,12 @@ pub struct Tier {
 pub struct LaterLimit {
     /// Its index in the tier's plan.
     pub at: usize,
-    /// For a cost read from a response header: `sluice_response_costs_total`'s
-    /// children, in `CostFrom::ALL` order.
-    pub costs: Option<[prometheus::IntCounter; 4]>,
+    /// For a cost read from the response (a header, or the body):
+    /// `sluice_response_costs_total`'s children.
+    pub costs: Option<metered::CostCounters>,
+    /// Its cost is read from the body (`cost: {response_json}`): the response's
+    /// body is read on its way (`metered`).
+    pub reads_body: bool,
 }
 
 /// The limits of a tier that count one key.
@@ -223,6 +229,9 @@ impl Limits {
 
 /// What every request shares and a reload does not replace.
 pub struct Shared {
+    /// Itself, for what outlives a request's borrow (a metered body settles when
+    /// it ends).
+    pub me: std::sync::Weak<Shared>,
     pub runtime: ArcSwap<Runtime>,
     /// Dynamic deny entries (admin API, bans, other instances): a view of the control
     /// object's table, swapped on every change (which copies only the changes since
@@ -493,8 +502,9 @@ async fn pass<'a>(
     // A key read from the body (`form:`, `json:`): the body is read first, up to
     // `server.max_key_body`, and then forwarded unchanged.
     let h = &parts.headers;
-    let wants_body =
-        route.key.body_wanted(h) || route.limit_keys.iter().any(|k| k.spec.body_wanted(h));
+    let wants_body = route.key.body_wanted(h)
+        || route.limit_keys.iter().any(|k| k.spec.body_wanted(h))
+        || (route.estimate_body && crate::identity::json_body(h));
     let (read, mut body) = (None::<Bytes>, body);
     let read = if wants_body {
         if declared_length(h).is_some_and(|n| n > rt.max_request_body) {
@@ -530,7 +540,7 @@ async fn pass<'a>(
         .extensions
         .get::<crate::identity::VerifiedClaims>()
         .map(|c| c.0.as_ref());
-    let (report, later) = limits(ctx, route, &key, &others, claims, tally).await?;
+    let (report, later) = limits(ctx, route, &key, &others, claims, bytes, tally).await?;
     drop((key, others));
     let (added, mut relay) = match plain {
         Some(Lent { fields, relay }) => (Some(fields), Some(relay)),
@@ -545,14 +555,27 @@ async fn pass<'a>(
             relay.fields_in_map();
         }
     }
-    let mut resp = act(ctx, route, parts, body, relay, &mut tally.target).await?;
+    let mut resp = match act(ctx, route, parts, body, relay, &mut tally.target).await {
+        Ok(resp) => resp,
+        Err(refusal) => {
+            // sluice answers (the upstream failed): no estimate held stays charged.
+            if let Some(later) = later.as_ref().filter(|l| !l.held.is_empty()) {
+                metered::unanswered(ctx.shared, later);
+            }
+            return Err(refusal);
+        }
+    };
     if matches!(route.action, Action::Upstream(_)) {
         let status = resp.status().as_u16();
         route.metrics.upstream_answered(status);
         tally.upstream_status = Some(status);
     }
     if let Some(later) = later {
-        charge_from_response(ctx.shared, later, &resp);
+        charge_from_response(ctx.shared, &later, &resp);
+        // A cost the body says: read on its way, charged when it ends.
+        if later.tier.later.iter().any(|l| l.reads_body) {
+            resp = metered::meter(ctx.shared, &later, resp);
+        }
     }
     if let Some((tier, v)) = &report {
         let (h, policy) = (&rt.rate_headers, tier.policy.as_ref());
@@ -725,7 +748,8 @@ fn client_key<'a, 'r>(
 
 /// Decides the route's limits over the request's keys (`keys[0]` the route's, then
 /// one per `Route::limit_keys`); the decision goes on the tally, and an admitted
-/// request's concurrency permit into it (released when the response ends). Returns
+/// request's concurrency permit into it (released when the response ends). `body`:
+/// the request's body when it was read (an `estimate` may be read from it). Returns
 /// what the rate-limit headers of the answer report.
 async fn limits<'a>(
     ctx: &Ctx<'a>,
@@ -733,6 +757,7 @@ async fn limits<'a>(
     (ns, key): &(&str, ClientKey<'_>),
     others: &[(&str, ClientKey<'_>)],
     claims: Option<&serde_json::Value>,
+    body: Option<&[u8]>,
     tally: &mut Tally,
 ) -> Result<(Option<(&'a Tier, Verdict)>, Option<Later<'a>>), Refusal<'a>> {
     let (rt, shared) = (ctx.rt, ctx.shared);
@@ -752,13 +777,21 @@ async fn limits<'a>(
         None => &*stored,
         Some(j) => &*others_stored[j],
     };
+    // An estimate read from the request's body: the plan (and its shares) priced
+    // with it.
+    let priced = route
+        .estimate_body
+        .then(|| metered::priced(tier, body))
+        .flatten();
+    let plan = priced.as_ref().map_or(&tier.plan, |p| &p.plan);
     let shares: Vec<Share<'_>> = tier
         .shares
         .iter()
-        .map(|s| Share {
+        .enumerate()
+        .map(|(i, s)| Share {
             ns: key_at(s.key).0,
             key: stored_at(s.key),
-            plan: &s.plan,
+            plan: priced.as_ref().map_or(&s.plan, |p| &p.shares[i]),
             at: &s.at,
         })
         .collect();
@@ -767,7 +800,7 @@ async fn limits<'a>(
     // Store unreachable: answer 503, forward unchecked, or decide in this instance's
     // memory (`on_error`); either way the decision is counted.
     let checked = if shares.is_empty() {
-        store.check(ns, &stored, &tier.plan).await
+        store.check(ns, &stored, plan).await
     } else {
         store.check_shares(&shares, trial).await
     };
@@ -788,7 +821,7 @@ async fn limits<'a>(
                     return Err(Refusal::StoreDown);
                 }
                 OnError::Allow => None,
-                OnError::Local if shares.is_empty() => store.fallback(ns, &stored, &tier.plan),
+                OnError::Local if shares.is_empty() => store.fallback(ns, &stored, plan),
                 OnError::Local => store.fallback_shares(&shares, trial),
             };
             store_failed = true;
@@ -808,6 +841,7 @@ async fn limits<'a>(
             .map(|k| (key_at(k).0.to_string(), stored_at(k).to_string()))
             .collect(),
         fallback: store_failed,
+        held: metered::held(plan, &v),
     });
     if !v.allowed {
         if route.shadow {
@@ -894,11 +928,15 @@ struct Later<'a> {
     keys: Vec<(String, String)>,
     /// Decided in this instance's fallback (`on_error: local`): charged there.
     fallback: bool,
+    /// The estimate admission charged each limit of the plan, by index (0: none,
+    /// or not charged: a refusal on trial); empty when no limit reads its cost from
+    /// the body.
+    held: Vec<u64>,
 }
 
 /// Charges what the upstream's response head says to the limits charged from the
 /// response, off the response path (`Store::charge_response` never waits).
-fn charge_from_response(shared: &Shared, later: Later<'_>, resp: &Response<Body>) {
+fn charge_from_response(shared: &Shared, later: &Later<'_>, resp: &Response<Body>) {
     let status = resp.status().as_u16();
     let tier = later.tier;
     let key_of = |i: usize| {
@@ -916,7 +954,7 @@ fn charge_from_response(shared: &Shared, later: Later<'_>, resp: &Response<Body>
         };
         let (units, how) = from.units(status, resp.headers());
         if let (Some(how), Some(costs)) = (how, &l.costs) {
-            costs[how.index()].inc();
+            costs.inc(how);
         }
         if units == 0 {
             continue;

@@ -266,7 +266,8 @@ async fn share(
     let tls = f.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let store = crate::config::compile::store(f, &metrics, clock).await?;
     let (bans, ban_rx) = tokio::sync::mpsc::channel(BAN_QUEUE);
-    let shared = Arc::new(Shared {
+    let shared = Arc::new_cyclic(|me| Shared {
+        me: me.clone(),
         runtime: ArcSwap::from_pointee(runtime),
         deny: ArcSwap::from_pointee(DenyView::default()),
         strikes: MemoryStore::new(f.store.memory.max_keys.get(), SystemClock::new()),

@@ -45,8 +45,8 @@ pub struct Metrics {
     pub store_degraded: IntGauge,
     pub deny_entries: IntGaugeVec,
     pub bans: IntCounterVec,
-    /// Charges of limits whose cost a response header says, by how the cost was
-    /// found (`limit::CostFrom`).
+    /// Charges of limits whose cost the response says (a header, the body), by
+    /// where the charge came from (`limit::CostFrom`).
     pub response_costs: IntCounterVec,
     upstream_responses: IntCounterVec,
     /// `sluice_upstream_target_healthy{upstream,target}`: each child is resolved
@@ -250,9 +250,9 @@ impl Metrics {
         let response_costs = IntCounterVec::new(
             Opts::new(
                 "sluice_response_costs_total",
-                "Responses that charged a limit whose cost a response header says, by route, limit and how the cost was found: header (as sent), missing or invalid (the limit's default), capped (at the limit's quota).",
+                "Responses that charged a limit whose cost the response says, by route, limit and where the charge came from: header (a response header), json (a JSON body), sse (the last values of an event stream), estimate (nothing read, the estimate held: the client went away), default (the response did not say), invalid (what it said is no cost: the default or the estimate), capped (at the limit's quota).",
             ),
-            &["route", "limit", "from"],
+            &["route", "limit", "source"],
         )
         .expect("metric definition");
         let reserve_unused = IntCounterVec::new(

@@ -8,6 +8,7 @@
 //! `#[path = "../common/mod.rs"] mod common;`.
 #![allow(dead_code)]
 
+pub mod llm;
 pub mod redis;
 pub mod webdriver;
 

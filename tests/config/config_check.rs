@@ -313,8 +313,8 @@ fn values_of_several_forms_say_which_forms_they_take() {
             "      - algorithm: token_bucket\n        rate: 10/s\n        cost: {value}\n"
         )))
     };
-    let forms = "expected a cost: a whole number of units (cost: 3) or \
-                 {response_header: NAME, default: N}";
+    let forms = "expected a cost: a whole number of units (cost: 3), \
+                 {response_header: NAME, default: N} or {response_json: POINTER, estimate: N, default: N}";
     assert_eq!(
         cost("lots"),
         format!("rules.yaml:8:15: routes[0].limits[0].cost: {forms}, found \"lots\"")
@@ -331,7 +331,7 @@ fn values_of_several_forms_say_which_forms_they_take() {
     assert_eq!(
         cost("{header: x-tokens}"),
         "rules.yaml:8:16: routes[0].limits[0].cost: unknown field `header`, expected \
-         `response_header` or `default`"
+         one of `response_header`, `response_json`, `estimate`, `default`"
     );
     assert_eq!(
         cost("${SLUICE_TEST_UNSET_COST}"),
@@ -1993,4 +1993,74 @@ fn rates_faster_than_one_per_microsecond_are_refused() {
         error("routes:\n  - name: a\n    respond: {}\n    limits: [{algorithm: gcra, rate: 1500000/s}]\n"),
         "rules.yaml:4:38: the rate is faster than one request per microsecond, which the stores cannot time"
     );
+}
+
+/// `cost: {response_json, estimate, default}`: pointers are RFC 6901, `estimate` is
+/// a number or a pointer into the request body, and `check` refuses what it cannot
+/// settle exactly, each at its line and column, saying why.
+#[test]
+fn costs_read_from_the_body_take_pointers_and_an_estimate_they_can_settle() {
+    let yaml = "\
+upstreams: {api: {targets: [http://127.0.0.1:3000]}}
+store: {backend: redis, redis: {url: redis://127.0.0.1:6379}}
+routes:
+  - name: a
+    upstream: api
+    limits:
+      - {name: a0, algorithm: token_bucket, rate: 10/s, cost: {response_json: usage/total_tokens}}
+      - {name: a1, algorithm: token_bucket, rate: 10/s, cost: {response_json: [/ok, \"/a~2b\"]}}
+      - {name: a2, algorithm: token_bucket, rate: 10/s, cost: {response_json: /u, response_header: x-u}}
+      - {name: a3, algorithm: token_bucket, rate: 10/s, cost: {response_header: x-u, estimate: 5}}
+      - {name: a4, algorithm: fixed_window, limit: 100, window: 1m, cost: {response_json: /u, estimate: 5}}
+      - {name: a5, algorithm: gcra, rate: 10/s, burst: 20, cost: {response_json: /u, estimate: 21}}
+      - {name: a6, algorithm: token_bucket, rate: 10/s, cost: {response_json: /u, estimate: max_tokens}}
+      - {name: a7, algorithm: token_bucket, rate: 10/s, cost: {response_json: /u, estimate: \"json:max\"}}
+      - {name: a8, algorithm: token_bucket, rate: 10/s, cost: {response_json: /u, estimate: 0}}
+  - name: b
+    upstream: api
+    limits:
+      - {name: a9, algorithm: token_bucket, rate: 10/s, reserve: 2, cost: {response_json: /u}}
+  - name: c
+    upstream: api
+    limits:
+      - {name: b0, algorithm: concurrency, limit: 3, cost: {response_json: /u}}
+      - {name: b1, algorithm: gcra, rate: 1/s, count: {status: [200]}, cost: {response_json: /u}}
+";
+    let help = "a JSON pointer (RFC 6901) starts with \"/\", like /usage/total_tokens, and a \"~\" in a name is written \"~0\" (a \"/\" \"~1\")";
+    assert_eq!(
+        errors(yaml),
+        [
+            format!("rules.yaml:7:79: \"usage/total_tokens\" is not a JSON pointer: {help}"),
+            format!("rules.yaml:8:85: \"/a~2b\" is not a JSON pointer: {help}"),
+            "rules.yaml:9:64: a cost comes from response_header or response_json, not both".to_string(),
+            "rules.yaml:10:86: estimate goes with response_json: a cost from a header is known with the response's head, and checked for one unit before forwarding".to_string(),
+            "rules.yaml:11:95: fixed_window does not take estimate: what a response charges less than its estimate is given back, which is exact only for token_bucket and gcra (a window or a log would have to find the charge by its time); use token_bucket or gcra, or leave estimate out (then the limit is checked for one unit before forwarding and charged when the response ends)".to_string(),
+            "rules.yaml:12:96: estimate 21 is greater than the limit's 20: no request could ever be admitted".to_string(),
+            "rules.yaml:13:93: estimate is a number of units, or \"json:/pointer\" into the request's JSON body (like json:/max_tokens), not \"max_tokens\"".to_string(),
+            format!("rules.yaml:14:93: \"max\" is not a JSON pointer: {help}"),
+            "rules.yaml:15:93: estimate must be greater than 0 (or left out)".to_string(),
+            "rules.yaml:19:57: a limit charged from the response (count, or a cost from a response header or body) does not take reserve: its charge is known only after the request".to_string(),
+            "rules.yaml:23:54: concurrency does not take cost: each request in flight takes one slot".to_string(),
+            "rules.yaml:24:79: response_json does not go with count: the body's cost is charged whatever the status (an answer without usage charges default); write default: 0 to charge nothing for those".to_string(),
+        ]
+    );
+    let ok = "\
+upstreams: {api: {targets: [http://127.0.0.1:3000]}}
+routes:
+  - name: llm
+    upstream: api
+    key: header:x-api-key
+    limits:
+      - {name: tokens, algorithm: token_bucket, rate: 100000/m, burst: 100000, cost: {response_json: /usage/total_tokens, estimate: \"json:/max_tokens\"}}
+      - {name: claude, algorithm: gcra, rate: 1000/m, cost: {response_json: [/message/usage/input_tokens, /usage/output_tokens], estimate: 500, default: 0}}
+      - {name: monthly, algorithm: fixed_window, limit: 100000, window: month, cost: {response_json: /usage/total_tokens}}
+";
+    let text = summary(&loads(ok));
+    for line in [
+        "tokens: token_bucket 100000/m burst 100000 cost from the response body at /usage/total_tokens (default 1), the request's json:/max_tokens held at admission (default 1);",
+        "claude: gcra 1000/m burst 1000 cost from the response body at /message/usage/input_tokens + /usage/output_tokens (default 0), 500 held at admission;",
+        "monthly: fixed_window 100000 per calendar month (UTC) cost from the response body at /usage/total_tokens (default 1)\n",
+    ] {
+        assert!(text.contains(line), "{line}\nnot in:\n{text}");
+    }
 }

@@ -16,7 +16,7 @@ use tokio::io::AsyncWriteExt;
 
 /// Where a gateway keeps its limits.
 #[derive(Clone)]
-enum Store {
+pub(crate) enum Store {
     Memory,
     /// This module's one redis-server, under a key prefix of the test's own (so
     /// neither limits nor the shared deny list of one test reach another).
@@ -26,7 +26,7 @@ enum Store {
 }
 
 impl Store {
-    fn redis(test: &str) -> Store {
+    pub(crate) fn redis(test: &str) -> Store {
         Store::Redis {
             prefix: format!("{test}:"),
         }
@@ -52,7 +52,7 @@ impl Store {
         }
     }
 
-    async fn start(&self, yaml: &str) -> Running {
+    pub(crate) async fn start(&self, yaml: &str) -> Running {
         start_gateway(&self.yaml(yaml)).await
     }
 
@@ -694,11 +694,13 @@ routes:
     let costs = |from: &str| {
         metric(
             &m,
-            &format!(r#"sluice_response_costs_total{{from="{from}",limit="tokens",route="llm"}}"#),
+            &format!(
+                r#"sluice_response_costs_total{{limit="tokens",route="llm",source="{from}"}}"#
+            ),
         )
     };
     assert_eq!(
-        ["header", "missing", "invalid", "capped"].map(costs),
+        ["header", "default", "invalid", "capped"].map(costs),
         [Some(4.0), Some(1.0), Some(1.0), Some(1.0)]
     );
 }

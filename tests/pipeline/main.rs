@@ -8,8 +8,10 @@ mod common;
 mod access_log;
 mod concurrency;
 mod concurrency_faults;
+#[macro_use]
 mod gateway;
 mod jwt;
+mod metered;
 mod refusal_logs;
 mod reload_state;
 mod upstream_body_failure;

@@ -69,3 +69,4 @@ mod rls_envoy;
 mod scripts_on_the_wire;
 mod sentinel;
 mod store_faults;
+mod token_metered;

@@ -506,6 +506,19 @@ impl RedisStore {
         shares: &[(&str, &str, &Plan)],
         now_us: Option<u64>,
     ) -> Result<(), StoreError> {
+        self.charge_at(shares, Time::Anyway(now_us.or(self.inner.now_us())))
+            .await
+    }
+
+    /// Gives back what responses charged less than their estimate: each share's
+    /// limits (token_bucket and gcra, whose refund needs no time of charge), their
+    /// `cost` the units to give back, in one call (on a cluster, one per share).
+    pub async fn give_back(&self, shares: &[(&str, &str, &Plan)]) -> Result<(), StoreError> {
+        self.charge_at(shares, Time::Refund(0)).await
+    }
+
+    /// `charge_response` or `give_back`, as `at` says.
+    async fn charge_at(&self, shares: &[(&str, &str, &Plan)], at: Time) -> Result<(), StoreError> {
         let inner = &self.inner;
         if inner.redis.breaker().is_open() {
             return Err(StoreError::Open);
@@ -514,7 +527,6 @@ impl RedisStore {
         let needs = shares.iter().any(|(_, _, p)| needs_uid(p));
         let uid = if needs { inner.uid() } else { String::new() };
         let max_delay = shares.first().map_or(0, |(_, _, p)| p.max_delay_us());
-        let at = Time::Anyway(now_us.or(inner.now_us()));
         let within = inner.redis.timeout();
         match &inner.batch {
             Some(_) => {

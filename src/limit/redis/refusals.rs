@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use lru::LruCache;
 
-use crate::limit::{Plan, Verdict};
+use crate::limit::{LimitDef, Plan, Verdict};
 
 /// Refusals remembered at most (least recently used ones are dropped).
 pub const REFUSAL_CACHE_ENTRIES: usize = 65_536;
@@ -116,7 +116,9 @@ impl RefusalCache {
     /// `fp`, until its retry time, counted from `sent`, no later than the server's now.
     /// In delay mode a wait of max_delay would be admitted, so only until retry -
     /// max_delay. Only the limits that use capacity up count: a concurrency slot can
-    /// free at any moment. (An admission is not remembered.)
+    /// free at any moment. (An admission is not remembered, nor a refusal by a plan
+    /// with a limit that holds an estimate: any instance may give part of it back
+    /// when its response ends, and a request's estimate may be smaller.)
     pub(super) fn remember(
         &self,
         tag: &str,
@@ -125,7 +127,7 @@ impl RefusalCache {
         verdict: &Verdict,
         sent: Instant,
     ) {
-        if verdict.allowed {
+        if verdict.allowed || plan.limits.iter().any(LimitDef::gives_back) {
             return;
         }
         let hold = refused_until_us(plan, verdict).saturating_sub(plan.max_delay_us());
