@@ -392,7 +392,9 @@ impl From<ChangeError> for ControlError {
 
 // === helpers ===
 
-/// The configuration as JSON with defaults filled in, secrets replaced by `***`.
+/// The configuration as JSON with defaults filled in, secrets replaced by `***`
+/// (the admin token, Redis passwords, JWT providers' HS secrets, and credentials in
+/// URLs).
 fn effective(f: &schema::File) -> serde_json::Value {
     let mut v = serde_json::to_value(f).unwrap_or(serde_json::Value::Null);
     if let Some(token) = v.pointer_mut("/admin/token") {
@@ -416,6 +418,19 @@ fn effective(f: &schema::File) -> serde_json::Value {
     if let Some(password) = v.pointer_mut("/store/redis/sentinel/password") {
         if !password.is_null() {
             *password = "***".into();
+        }
+    }
+    if let Some(providers) = v
+        .pointer_mut("/jwt/providers")
+        .and_then(|p| p.as_object_mut())
+    {
+        for p in providers.values_mut() {
+            if let Some(secret) = p.get_mut("secret").filter(|s| !s.is_null()) {
+                *secret = "***".into();
+            }
+            if let Some(url) = p.get_mut("jwks_url") {
+                redact(url);
+            }
         }
     }
     if let Some(ups) = v.pointer_mut("/upstreams").and_then(|u| u.as_object_mut()) {
@@ -501,6 +516,21 @@ mod tests {
                 "server.max_header_bytes"
             ]
         );
+    }
+
+    #[test]
+    fn jwt_secrets_are_redacted() {
+        let f = file(
+            "jwt:\n  providers:\n    hs: {secret: s3cret-of-the-issuer}\n    idp: {jwks_url: \"https://user:pw@idp.example.com/jwks.json\", issuer: idp}\nroutes: []\n",
+        );
+        let p = &effective(&f)["jwt"]["providers"];
+        assert_eq!(p["hs"]["secret"], "***");
+        assert_eq!(
+            p["idp"]["jwks_url"],
+            "https://user:***@idp.example.com/jwks.json"
+        );
+        assert_eq!(p["idp"]["issuer"], "idp");
+        assert_eq!(p["idp"]["secret"], serde_json::Value::Null);
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! requests, in one idle list per worker so that a request and its upstream
 //! connection stay on one worker thread. A connection's socket is registered with
 //! the reactor of the worker that opened it, which is the only one told when it is
-//! readable: used from another worker, every response would wake two threads. So a
+//! readable: used from another worker, every response wakes two threads. So a
 //! connection always goes back to the list of the worker that opened it, and a
-//! worker takes another's only when it may open no more.
+//! worker takes another's only when it may open no more (at the target's
+//! `max_connections`): like nginx's and Envoy's, each worker's connections are its
+//! own.
 //!
 //! A request speaks to its connection itself (`http::h1::upstream`): there is no connection
 //! task. The connection goes back to its worker's list when the response body has
@@ -214,10 +216,10 @@ impl Pool {
         }
     }
 
-    /// A kept connection ready for a request: this worker's most recently used
-    /// first; another worker's only when no connection may be opened. Connections
-    /// the upstream closed (or sent something unasked on) while idle, or idle too
-    /// long, are closed on the way.
+    /// A kept connection ready for a request: this worker's most recently used;
+    /// another worker's only when no connection may be opened (it goes back to
+    /// that worker's list after). Connections the upstream closed (or sent
+    /// something unasked on) while idle, or idle too long, are closed on the way.
     fn checkout(&self) -> Option<Conn> {
         let own = worker() % LISTS;
         let now = coarse_ms();
@@ -466,10 +468,8 @@ mod tests {
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// A kept connection is taken again within the pool's idle timeout, and closed
-    /// rather than taken after it (idle stamps on the coarse clock).
-    #[tokio::test]
-    async fn a_connection_idle_past_the_timeout_is_not_taken_again() {
+    /// A target that takes connections, holds them open and says nothing.
+    async fn silent() -> std::net::SocketAddr {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
@@ -478,13 +478,21 @@ mod tests {
                 open.push(s);
             }
         });
+        addr
+    }
+
+    /// A pool of at most `max` connections to `addr`, closing those idle `idle`.
+    fn pool_to(addr: std::net::SocketAddr, max: usize, idle: Duration) -> Arc<Pool> {
         let connector =
-            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 4).unwrap();
-        let pool = Arc::new(Pool::new(
-            connector,
-            Duration::from_millis(300),
-            Duration::from_secs(60),
-        ));
+            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), max).unwrap();
+        Arc::new(Pool::new(connector, idle, Duration::from_secs(60)))
+    }
+
+    /// A kept connection is taken again within the pool's idle timeout, and closed
+    /// rather than taken after it (idle stamps on the coarse clock).
+    #[tokio::test]
+    async fn a_connection_idle_past_the_timeout_is_not_taken_again() {
+        let pool = pool_to(silent().await, 4, Duration::from_millis(300));
         pool.give_back(Conn::open(&pool.connector).await.unwrap());
         let conn = pool.checkout().expect("kept within the timeout");
         pool.give_back(conn);
@@ -503,39 +511,29 @@ mod tests {
     /// connections itself.
     #[tokio::test]
     async fn a_connection_goes_back_to_the_worker_that_opened_it() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            let mut open = Vec::new();
-            while let Ok((s, _)) = listener.accept().await {
-                open.push(s);
-            }
-        });
-        let connector =
-            Connector::new("127.0.0.1", addr.port(), None, Duration::from_secs(2), 2).unwrap();
-        let pool = Arc::new(Pool::new(
-            connector,
-            Duration::from_secs(60),
-            Duration::from_secs(60),
-        ));
+        let pool = pool_to(silent().await, 2, Duration::from_secs(60));
         // Worker 1 opens one; worker 0 uses it and gives it back.
         set_worker(1);
-        let (conn, kept) = pool.connect_or_wait().await.unwrap();
+        let (one, kept) = pool.connect_or_wait().await.unwrap();
         assert!(!kept);
-        assert_eq!(conn.home(), 1);
+        assert_eq!(one.home(), 1);
         set_worker(0);
-        pool.give_back(conn);
+        pool.give_back(one);
         assert!(pool.checkout().is_none(), "worker 0 may open its own");
         set_worker(1);
-        let conn = pool.checkout().expect("back on worker 1's list");
+        let one = pool.checkout().expect("back on worker 1's list");
         // With the other slot taken, worker 0 takes worker 1's.
         set_worker(0);
-        let (other, _) = pool.connect_or_wait().await.unwrap();
-        assert_eq!(other.home(), 0);
+        let (zero, _) = pool.connect_or_wait().await.unwrap();
+        assert_eq!(zero.home(), 0);
         assert!(!pool.connector.has_free_slot());
-        pool.give_back(conn);
+        pool.give_back(one);
         let taken = pool.checkout().expect("another worker's, at the cap");
         assert_eq!(taken.home(), 1);
+        // And it goes back to worker 1's list.
+        pool.give_back(taken);
+        set_worker(1);
+        assert_eq!(pool.checkout().map(|c| c.home()), Some(1));
     }
 
     /// An upstream that closes every connection after its answer (`Connection:

@@ -380,7 +380,12 @@ async fn h2_and_auto_pick_the_protocol_by_alpn() {
         })
         .await;
         let target = format!("https://localhost:{}", up.addr.port());
-        let gw = start_gateway(&config(&target, protocol, &format!(", tls_ca: \"{ca}\""))).await;
+        // One worker: each worker opens connections of its own.
+        let gw = start_gateway(&format!(
+            "server: {{listen: 127.0.0.1:0, workers: 1}}\n{}",
+            config(&target, protocol, &format!(", tls_ca: \"{ca}\""))
+        ))
+        .await;
         for i in 0..3 {
             let r = http1().get(&url(gw.addr, &format!("/{i}")), &[]).await;
             assert_eq!(r.status, 200, "{protocol} {version}: {}", r.text());
