@@ -622,16 +622,18 @@ async fn verify_token<'a>(
 
 /// The token where the route looks for it: `Ok(None)` when there is none, `Err`
 /// when there are several (two `Authorization` fields) or it is not text.
-fn bearer_token(from: &TokenFrom, headers: &HeaderMap) -> Result<Option<String>, ()> {
-    let strip = |v: &str| -> Option<String> {
-        let v = v.trim();
-        let t = match v.split_once(' ') {
+fn bearer_token<'h>(
+    from: &'h TokenFrom,
+    headers: &'h HeaderMap,
+) -> Result<Option<Cow<'h, str>>, ()> {
+    let strip = |v: &'h str| -> Option<Cow<'h, str>> {
+        let t = match v.trim().split_once(' ') {
             Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => rest.trim(),
             _ => return None,
         };
-        (!t.is_empty()).then(|| t.to_string())
+        (!t.is_empty()).then_some(Cow::Borrowed(t))
     };
-    let one = |name: &http::HeaderName| -> Result<Option<&str>, ()> {
+    let one = |name: &http::HeaderName| -> Result<Option<&'h str>, ()> {
         let mut all = headers.get_all(name).iter();
         match (all.next(), all.next()) {
             (None, _) => Ok(None),
@@ -645,13 +647,13 @@ fn bearer_token(from: &TokenFrom, headers: &HeaderMap) -> Result<Option<String>,
             Some(v) => strip(v).map(Some).ok_or(()),
         },
         TokenFrom::Header(h) => Ok(one(h)?.and_then(|v| {
-            strip(v).or_else(|| Some(v.trim().to_string()).filter(|t| !t.is_empty()))
+            strip(v).or_else(|| Some(Cow::Borrowed(v.trim())).filter(|t| !t.is_empty()))
         })),
         TokenFrom::Cookie(name) => {
             let mut all = crate::identity::cookies(headers, name);
             match (all.next(), all.next()) {
                 (None, _) => Ok(None),
-                (Some(v), None) => Ok(Some(v.into_owned())),
+                (Some(v), None) => Ok(Some(v)),
                 _ => Err(()),
             }
         }
