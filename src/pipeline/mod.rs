@@ -1063,7 +1063,7 @@ pub(crate) struct Tally {
     /// The limit that refused (kept only when the access log is on).
     limit: Option<Box<str>>,
     /// The access log's line, finished and written when the request ends.
-    access: Option<Box<access_log::Entry>>,
+    access: Option<access_log::Entry>,
     /// Body bytes sent to the client (counted only when `access` is kept).
     bytes: u64,
     /// The client speaks HTTP/1 (sluice's own server writes the answer).

@@ -16,8 +16,8 @@
 //! Never written: the query string (only the path is), cookies, `Authorization`,
 //! and the referer's query.
 
-use std::cell::RefCell;
-use std::fmt::Write as _;
+use std::cell::{Cell, RefCell};
+use std::io::Write as _;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -25,7 +25,6 @@ use std::time::Duration;
 
 use http::{HeaderMap, Method, Version};
 use prometheus::IntCounter;
-use serde::Serialize;
 use tracing_subscriber::layer::Context;
 
 use super::access_file::AccessFile;
@@ -160,7 +159,9 @@ impl AccessLog {
         }))
     }
 
-    /// The part of a line known when the answer's head is: taken from the request.
+    /// The part of a line known when the answer's head is: taken from the request,
+    /// and written at once in the line's form (`Entry::request`), so the entry owns
+    /// one buffer and the end of the request only appends to it.
     #[allow(clippy::too_many_arguments)]
     pub fn entry(
         &self,
@@ -171,18 +172,43 @@ impl AccessLog {
         ip: IpAddr,
         status: u16,
         dropped: u64,
-    ) -> Box<Entry> {
-        Box::new(Entry {
+    ) -> Entry {
+        let ip = crate::identity::canonical(ip);
+        let (method, path, protocol) = (method.as_str(), cut(path, MAX_PATH), protocol(version));
+        let mut request = Vec::with_capacity(LINE_CAPACITY);
+        let ip_end = match self.format {
+            Format::Json => {
+                request.extend_from_slice(b"\"ip\":\"");
+                push_ip(&mut request, ip);
+                request.extend_from_slice(b"\",\"method\":");
+                json_str(&mut request, method);
+                request.extend_from_slice(b",\"path\":");
+                json_str(&mut request, path);
+                request.extend_from_slice(b",\"protocol\":\"");
+                request.extend_from_slice(protocol.as_bytes());
+                request.push(b'"');
+                0
+            }
+            Format::Combined => {
+                push_ip(&mut request, ip);
+                let ip_end = request.len();
+                escape_into(&mut request, method);
+                request.push(b' ');
+                escape_into(&mut request, path);
+                request.push(b' ');
+                request.extend_from_slice(protocol.as_bytes());
+                ip_end
+            }
+        };
+        Entry {
             format: self.format,
-            method: method.clone(),
-            path: cut(path, MAX_PATH).to_string(),
-            version,
-            ip: crate::identity::canonical(ip),
+            request,
+            ip_end: ip_end as u32,
             status,
             upstream_status: None,
             client,
             dropped,
-        })
+        }
     }
 }
 
@@ -195,10 +221,10 @@ pub struct ClientFields {
 /// A request's line, but for what is known only at its end.
 pub struct Entry {
     format: Format,
-    method: Method,
-    path: String,
-    version: Version,
-    ip: IpAddr,
+    /// JSON: `"ip":"…","method":"…","path":"…","protocol":"…"`, escaped; combined:
+    /// the address, then (from `ip_end`) `METHOD path protocol` as nginx escapes it.
+    request: Vec<u8>,
+    ip_end: u32,
     /// The status the client got (a 502 instead of a head whose body failed at
     /// once: `OnFail`).
     pub status: u16,
@@ -207,6 +233,9 @@ pub struct Entry {
     client: Option<Box<ClientFields>>,
     dropped: u64,
 }
+
+/// Room for a whole line in the request's buffer, so that `line_into` rarely grows it.
+const LINE_CAPACITY: usize = 320;
 
 /// What the end of a request adds to its line.
 pub struct End<'a> {
@@ -222,24 +251,6 @@ pub struct End<'a> {
     pub bytes: u64,
 }
 
-#[derive(Serialize)]
-struct JsonLine<'a> {
-    time: &'a str,
-    ip: IpAddr,
-    method: &'a str,
-    path: &'a str,
-    protocol: &'a str,
-    status: u16,
-    route: &'a str,
-    decision: &'a str,
-    limit: Option<&'a str>,
-    upstream: Option<&'a str>,
-    upstream_status: Option<u16>,
-    duration_ms: f64,
-    bytes: u64,
-    dropped: u64,
-}
-
 impl Entry {
     /// The line, without its newline.
     pub fn line(&self, end: &End<'_>) -> String {
@@ -248,41 +259,49 @@ impl Entry {
         String::from_utf8(out).unwrap_or_default()
     }
 
-    /// Appends the line, without its newline, to `out`.
+    /// Appends the line, without its newline, to `out`. Written by hand rather
+    /// than through serde or `format!`: it runs for every request, and the bytes are
+    /// the same as `serde_json` writes (a test compares them).
     pub fn line_into(&self, end: &End<'_>, out: &mut Vec<u8>) {
-        let duration_ms = end.duration.as_micros() as f64 / 1000.0;
-        let protocol = protocol(self.version);
+        let micros = end.duration.as_micros();
         match self.format {
             Format::Json => {
-                let time = crate::telemetry::rfc3339(end.at_ms);
-                let line = JsonLine {
-                    time: &time,
-                    ip: self.ip,
-                    method: self.method.as_str(),
-                    path: &self.path,
-                    protocol,
-                    status: self.status,
-                    route: end.route,
-                    decision: end.decision,
-                    limit: end.limit,
-                    upstream: end.upstream,
-                    upstream_status: self.upstream_status,
-                    duration_ms,
-                    bytes: end.bytes,
-                    dropped: self.dropped,
-                };
-                // Writing to a Vec fails only for a value serde cannot write: none here.
-                let _ = serde_json::to_writer(&mut *out, &line);
+                out.extend_from_slice(b"{\"time\":\"");
+                push_rfc3339(out, end.at_ms);
+                out.extend_from_slice(b"\",");
+                out.extend_from_slice(&self.request);
+                out.extend_from_slice(b",\"status\":");
+                push_u64(out, u64::from(self.status));
+                out.extend_from_slice(b",\"route\":");
+                json_str(out, end.route);
+                out.extend_from_slice(b",\"decision\":");
+                json_str(out, end.decision);
+                out.extend_from_slice(b",\"limit\":");
+                json_opt_str(out, end.limit);
+                out.extend_from_slice(b",\"upstream\":");
+                json_opt_str(out, end.upstream);
+                out.extend_from_slice(b",\"upstream_status\":");
+                match self.upstream_status {
+                    Some(s) => push_u64(out, u64::from(s)),
+                    None => out.extend_from_slice(b"null"),
+                }
+                out.extend_from_slice(b",\"duration_ms\":");
+                push_json_ms(out, micros);
+                out.extend_from_slice(b",\"bytes\":");
+                push_u64(out, end.bytes);
+                out.extend_from_slice(b",\"dropped\":");
+                push_u64(out, self.dropped);
+                out.push(b'}');
             }
             Format::Combined => {
                 // nginx: $remote_addr - $remote_user [$time_local] "$request" $status
                 // $body_bytes_sent "$http_referer" "$http_user_agent"
+                let (ip, request) = self.request.split_at(self.ip_end as usize);
                 let c = Civil::from_ms(end.at_ms);
-                let mut s = String::with_capacity(256);
+                out.extend_from_slice(ip);
                 let _ = write!(
-                    s,
-                    "{} - - [{:02}/{}/{:04}:{:02}:{:02}:{:02} +0000] \"",
-                    self.ip,
+                    out,
+                    " - - [{:02}/{}/{:04}:{:02}:{:02}:{:02} +0000] \"",
                     c.day,
                     MONTHS[(c.month as usize).clamp(1, 12) - 1],
                     c.year,
@@ -290,31 +309,146 @@ impl Entry {
                     c.minute,
                     c.second
                 );
-                escape_into(&mut s, self.method.as_str());
-                s.push(' ');
-                escape_into(&mut s, &self.path);
-                let _ = write!(s, " {protocol}\" {} {} \"", self.status, end.bytes);
+                out.extend_from_slice(request);
+                let _ = write!(out, "\" {} {} \"", self.status, end.bytes);
                 let client = self.client.as_deref();
                 let referer = client.and_then(|c| c.referer.as_deref());
-                escape_into(&mut s, referer.unwrap_or("-"));
-                s.push_str("\" \"");
+                escape_into(out, referer.unwrap_or("-"));
+                out.extend_from_slice(b"\" \"");
                 let user_agent = client.and_then(|c| c.user_agent.as_deref());
-                escape_into(&mut s, user_agent.unwrap_or("-"));
+                escape_into(out, user_agent.unwrap_or("-"));
                 let _ = write!(
-                    s,
-                    "\" route={} decision={} limit={} upstream={} upstream_status={} duration_ms={:.3} dropped={}",
+                    out,
+                    "\" route={} decision={} limit={} upstream={} upstream_status=",
                     dash(end.route),
                     end.decision,
                     dash(end.limit.unwrap_or("")),
                     dash(end.upstream.unwrap_or("")),
-                    self.upstream_status.map_or_else(|| "-".to_string(), |s| s.to_string()),
-                    duration_ms,
+                );
+                match self.upstream_status {
+                    Some(s) => push_u64(out, u64::from(s)),
+                    None => out.push(b'-'),
+                }
+                let _ = write!(
+                    out,
+                    " duration_ms={}.{:03} dropped={}",
+                    micros / 1000,
+                    micros % 1000,
                     self.dropped
                 );
-                out.extend_from_slice(s.as_bytes());
             }
         }
     }
+}
+
+/// `n` in decimal.
+fn push_u64(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+}
+
+/// An address as `Display` writes it (the common IPv4 by hand).
+fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, o) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b'.');
+                }
+                push_u64(out, u64::from(o));
+            }
+        }
+        IpAddr::V6(v6) => {
+            let _ = write!(out, "{v6}");
+        }
+    }
+}
+
+/// `s` as a JSON string, escaped as `serde_json` escapes it (the usual string,
+/// with nothing to escape, copied as it is).
+fn json_str(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        // Writing to a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, s);
+    } else {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    }
+}
+
+fn json_opt_str(out: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        Some(s) => json_str(out, s),
+        None => out.extend_from_slice(b"null"),
+    }
+}
+
+/// Milliseconds with up to three decimals, from `micros`, as `serde_json` writes
+/// the `f64` `micros / 1000` (`1.234`, `3.0`): shortest decimal first, so below a
+/// billion milliseconds it is the exact quotient with its trailing zeros cut.
+fn push_json_ms(out: &mut Vec<u8>, micros: u128) {
+    if micros >= 1_000_000_000_000 {
+        let _ = serde_json::to_writer(&mut *out, &(micros as f64 / 1000.0));
+        return;
+    }
+    let micros = micros as u64;
+    push_u64(out, micros / 1000);
+    out.push(b'.');
+    let mut frac = micros % 1000;
+    if frac == 0 {
+        out.push(b'0');
+        return;
+    }
+    let mut digits = 3;
+    while frac % 10 == 0 {
+        frac /= 10;
+        digits -= 1;
+    }
+    let mut buf = [b'0'; 3];
+    for d in buf[..digits].iter_mut().rev() {
+        *d = b'0' + (frac % 10) as u8;
+        frac /= 10;
+    }
+    out.extend_from_slice(&buf[..digits]);
+}
+
+/// `rfc3339(ms)`'s bytes, without its allocations: the date and time of the
+/// second are kept per thread, so a busy log formats each second once.
+fn push_rfc3339(out: &mut Vec<u8>, ms: u64) {
+    thread_local! {
+        static SECOND: Cell<(u64, [u8; 19])> = const { Cell::new((u64::MAX, [0; 19])) };
+    }
+    let second = ms / 1000;
+    let (cached, mut text) = SECOND.get();
+    if cached != second {
+        let c = Civil::from_ms(ms);
+        if c.year > 9999 {
+            out.extend_from_slice(crate::telemetry::rfc3339(ms).as_bytes());
+            return;
+        }
+        let _ = write!(
+            &mut text[..],
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
+            c.year,
+            c.month,
+            c.day,
+            c.hour,
+            c.minute,
+            c.second
+        );
+        SECOND.set((second, text));
+    }
+    out.extend_from_slice(&text);
+    match ms % 1000 {
+        0 => {}
+        milli => {
+            out.push(b'.');
+            out.push(b'0' + (milli / 100) as u8);
+            out.push(b'0' + (milli / 10 % 10) as u8);
+            out.push(b'0' + (milli % 10) as u8);
+        }
+    }
+    out.push(b'Z');
 }
 
 const MONTHS: [&str; 12] = [
@@ -349,14 +483,20 @@ fn cut(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// As nginx writes variables in its log: `"`, `\`, control bytes and bytes past
-/// ASCII as `\xHH`, so a client cannot forge a field or a line.
-fn escape_into(out: &mut String, s: &str) {
+/// As nginx writes variables in its log: `"`, `\\`, control bytes and bytes past
+/// ASCII as `\\xHH`, so a client cannot forge a field or a line.
+fn escape_into(out: &mut Vec<u8>, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for b in s.bytes() {
         if b == b'"' || b == b'\\' || !(0x20..0x7f).contains(&b) {
-            let _ = write!(out, "\\x{b:02X}");
+            out.extend_from_slice(&[
+                b'\\',
+                b'x',
+                HEX[usize::from(b >> 4)],
+                HEX[usize::from(b & 15)],
+            ]);
         } else {
-            out.push(char::from(b));
+            out.push(b);
         }
     }
 }
@@ -396,7 +536,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for AccessLayer {
 mod tests {
     use super::*;
 
-    fn entry(format: Format) -> Box<Entry> {
+    fn entry(format: Format) -> Entry {
         let log = AccessLog::new(format, 1.0, IntCounter::new("x", "x").unwrap(), None);
         let mut h = HeaderMap::new();
         h.insert("referer", "https://ex.com/p?token=secret".parse().unwrap());
@@ -438,6 +578,97 @@ mod tests {
             line,
             r#"{"time":"2026-11-26T22:03:04.005Z","ip":"203.0.113.9","method":"GET","path":"/api/items","protocol":"HTTP/1.1","status":200,"route":"api","decision":"allowed","limit":null,"upstream":"127.0.0.1:3000","upstream_status":200,"duration_ms":1.234,"bytes":5,"dropped":0}"#
         );
+    }
+
+    /// The line as `serde_json` writes it, the reference for the one written by hand.
+    #[derive(serde::Serialize)]
+    struct JsonLine<'a> {
+        time: &'a str,
+        ip: IpAddr,
+        method: &'a str,
+        path: &'a str,
+        protocol: &'a str,
+        status: u16,
+        route: &'a str,
+        decision: &'a str,
+        limit: Option<&'a str>,
+        upstream: Option<&'a str>,
+        upstream_status: Option<u16>,
+        duration_ms: f64,
+        bytes: u64,
+        dropped: u64,
+    }
+
+    #[test]
+    fn a_json_line_is_what_serde_json_writes() {
+        let log = AccessLog::new(Format::Json, 1.0, IntCounter::new("x", "x").unwrap(), None);
+        let ips: [IpAddr; 3] = [
+            "203.0.113.9".parse().unwrap(),
+            "0.0.0.0".parse().unwrap(),
+            "2001:db8::1".parse().unwrap(),
+        ];
+        let paths = ["/", "/a\"b\\c", "/tab\there\u{1}\u{7f}", "/José/✓", ""];
+        let strings = [None, Some("api"), Some("q\"uote\n")];
+        let micros = (0..2_000)
+            .chain([
+                9_999,
+                10_000,
+                123_456,
+                999_999_999,
+                1_000_000_000_000,
+                u64::MAX as u128 / 7,
+            ])
+            .chain((0..40).map(|i| 1u128 << i));
+        let times = [
+            0,
+            1_795_730_584_000,
+            1_795_730_584_005,
+            1_795_730_584_999,
+            253_402_300_799_999,
+            253_402_300_800_000,
+        ];
+        for (n, micros) in micros.enumerate() {
+            let (ip, path) = (ips[n % ips.len()], paths[n % paths.len()]);
+            let (limit, upstream) = (strings[n % 3], strings[(n / 3) % 3]);
+            let at_ms = times[n % times.len()];
+            let mut e = log.entry(
+                &Method::POST,
+                path,
+                Version::HTTP_2,
+                None,
+                ip,
+                429,
+                n as u64,
+            );
+            e.upstream_status = (n % 2 == 0).then_some(503);
+            let end = End {
+                at_ms,
+                route: "r\u{0}",
+                decision: "limited",
+                limit,
+                upstream,
+                duration: Duration::from_micros(micros as u64),
+                bytes: n as u64 * 1000,
+            };
+            let want = serde_json::to_string(&JsonLine {
+                time: &crate::telemetry::rfc3339(at_ms),
+                ip,
+                method: "POST",
+                path,
+                protocol: "HTTP/2.0",
+                status: 429,
+                route: end.route,
+                decision: end.decision,
+                limit,
+                upstream,
+                upstream_status: e.upstream_status,
+                duration_ms: end.duration.as_micros() as f64 / 1000.0,
+                bytes: end.bytes,
+                dropped: n as u64,
+            })
+            .unwrap();
+            assert_eq!(e.line(&end), want, "{micros} µs");
+        }
     }
 
     #[test]
