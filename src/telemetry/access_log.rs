@@ -400,7 +400,7 @@ fn push_json_ms(out: &mut Vec<u8>, micros: u128) {
         return;
     }
     let mut digits = 3;
-    while frac % 10 == 0 {
+    while frac.is_multiple_of(10) {
         frac /= 10;
         digits -= 1;
     }
