@@ -111,7 +111,7 @@ pub struct CodecResponse {
 }
 
 /// Reads the bytes as `client::exchange` reads an answer (parse what has come, else
-/// read more), then its body as `pool::Pooled` does, frame by frame.
+/// read more), then its body as `h1::pooled::Pooled` does, frame by frame.
 fn sluice_response(
     stream: &[u8],
     method: &Method,

@@ -8,22 +8,99 @@ use bytes::Bytes;
 use http::header::{HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, Full};
+use http_body_util::combinators::BoxBody;
+
+use crate::http::h1::pooled::Pooled;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-/// The body of every response sluice sends: its own or a streamed upstream one.
-pub type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
-pub fn full(b: impl Into<Bytes>) -> Body {
-    Full::new(b.into()).map_err(|never| match never {}).boxed()
+/// The body of every response sluice sends (and of every request it sends
+/// upstream): its own or a streamed upstream one. The usual ones are held inline,
+/// so sending them allocates nothing: sluice's own answers (`Full`, `Empty`) and an
+/// upstream's HTTP/1 answer (`Upstream`); anything else is boxed (`Body::new`).
+#[derive(Default)]
+pub enum Body {
+    #[default]
+    Empty,
+    /// Bytes known whole; `None` once sent.
+    Full(Option<Bytes>),
+    /// An upstream's HTTP/1 response, read from its connection as the client takes it.
+    Upstream(Pooled),
+    Boxed(BoxBody<Bytes, BoxError>),
 }
 
-/// A body with nothing in it: unlike `full` of no bytes, boxing it allocates
-/// nothing (its type has no size).
+impl Body {
+    /// Any other body, boxed.
+    pub fn new<B>(body: B) -> Body
+    where
+        B: http_body::Body<Data = Bytes, Error = BoxError> + Send + Sync + 'static,
+    {
+        Body::Boxed(BoxBody::new(body))
+    }
+}
+
+impl std::fmt::Debug for Body {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Body::Empty => "Body::Empty",
+            Body::Full(_) => "Body::Full",
+            Body::Upstream(_) => "Body::Upstream",
+            Body::Boxed(_) => "Body::Boxed",
+        })
+    }
+}
+
+impl http_body::Body for Body {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // Every variant is Unpin.
+        match self.get_mut() {
+            Body::Empty => Poll::Ready(None),
+            Body::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Body::Upstream(b) => Pin::new(b).poll_frame(cx),
+            Body::Boxed(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Body::Empty => true,
+            Body::Full(b) => b.is_none(),
+            Body::Upstream(b) => b.is_end_stream(),
+            Body::Boxed(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            Body::Empty => http_body::SizeHint::with_exact(0),
+            Body::Full(b) => {
+                http_body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            Body::Upstream(b) => b.size_hint(),
+            Body::Boxed(b) => b.size_hint(),
+        }
+    }
+}
+
+/// `b`, whole.
+pub fn full(b: impl Into<Bytes>) -> Body {
+    let b = b.into();
+    if b.is_empty() {
+        Body::Empty
+    } else {
+        Body::Full(Some(b))
+    }
+}
+
+/// A body with nothing in it.
 pub fn empty() -> Body {
-    http_body_util::Empty::new()
-        .map_err(|never| match never {})
-        .boxed()
+    Body::Empty
 }
 
 /// A short text answer from sluice itself.
@@ -138,7 +215,7 @@ pub trait OnFail {
 /// client went away): work that belongs to the end of a request runs in the
 /// guard's `Drop`.
 pub fn guarded<G: OnFail + Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
-    Guarded::new(body, Some(guard)).boxed()
+    Body::new(Guarded::new(body, Some(guard)))
 }
 
 /// No end of a request to tell (the admin API's requests).

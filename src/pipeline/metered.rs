@@ -11,7 +11,6 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::Response;
 use http_body::Frame;
-use http_body_util::BodyExt;
 use prometheus::IntCounter;
 
 use super::{Later, Shared, Tier};
@@ -83,7 +82,7 @@ pub(super) fn meter(shared: &Shared, later: &Later<'_>, resp: Response<Body>) ->
         body,
         settle: Some(settle),
     };
-    Response::from_parts(parts, body.boxed())
+    Response::from_parts(parts, Body::new(body))
 }
 
 /// No upstream answer to read (it could not be reached, or timed out: sluice

@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, Uri, Version};
-use http_body_util::BodyExt;
 use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
@@ -169,7 +168,7 @@ impl H2Pool {
             if !wrapped {
                 wrapped = true;
                 let failed = body_failed.clone();
-                req = req.map(|inner| Recorded { inner, failed }.boxed());
+                req = req.map(|inner| Body::new(Recorded { inner, failed }));
             }
             let mut sender = slot.conn.send.clone();
             match sender.try_send_request(req).await {
@@ -190,7 +189,7 @@ impl H2Pool {
                         read_timeout: self.read_timeout,
                         silence: None,
                     };
-                    return Ok(Response::from_parts(parts, body.boxed()));
+                    return Ok(Response::from_parts(parts, Body::new(body)));
                 }
                 Err(mut e) => {
                     if let Some(back) = e.take_message() {

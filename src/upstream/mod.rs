@@ -791,9 +791,10 @@ impl Upstream {
                 stall: None,
                 progress,
             };
-            Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
-                .map_err(BoxError::from)
-                .boxed()
+            Body::new(
+                Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX))
+                    .map_err(BoxError::from),
+            )
         };
         // A slow upload costs the upstream nothing until its body (or the first
         // `request_buffer` bytes of it) has come: only then is a connection taken.
@@ -827,11 +828,10 @@ impl Upstream {
             (None, share)
         };
         if let Some(slot) = upload_share {
-            body = Uploading {
+            body = Body::new(Uploading {
                 inner: body,
                 slot: Some(slot),
-            }
-            .boxed();
+            });
         }
         let mut timer = timer;
         // (An upgrade's answer is spliced, never written from its fields.)
@@ -1161,7 +1161,7 @@ async fn read_ahead(
         }
     };
     let streaming = rest.is_some();
-    let body = ReadAhead::of_frames(frames, held, rest, hint).boxed();
+    let body = Body::new(ReadAhead::of_frames(frames, held, rest, hint));
     Ok(Ahead { body, streaming })
 }
 
@@ -1582,7 +1582,7 @@ mod tests {
                     .unwrap_or_default()
             }
         }
-        Hinted(body, hint).boxed()
+        Body::new(Hinted(body, hint))
     }
 
     fn data(s: &'static str) -> http_body::Frame<bytes::Bytes> {

@@ -18,20 +18,18 @@
 
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::Response;
 use tokio::sync::oneshot;
 
 use crate::http::body::{Body, BoxError};
 use crate::http::conn::coarse_ms;
-use crate::http::h1::upstream::{self as h1, Conn, Decoder, Upload, UploadError, UploadFraming};
+pub use crate::http::h1::pooled::ReadTimeout;
+use crate::http::h1::pooled::{Keeper, Pooled};
+use crate::http::h1::upstream::{self as h1, Conn, UploadFraming};
 use crate::http::transport::Connector;
-use crate::http::wake::Deadline;
 
 /// Idle lists per target; a worker takes from its own first (`worker % LISTS`).
 const LISTS: usize = 8;
@@ -72,16 +70,10 @@ impl std::fmt::Display for SendError {
     }
 }
 
-/// The upstream sent nothing more of a response body for `upstreams.*.read_timeout`.
-#[derive(Debug, thiserror::Error)]
-#[error("the upstream sent nothing of the response body for {0:?}")]
-pub struct ReadTimeout(pub Duration);
-
 /// The upstream's answer.
 pub enum Exchanged {
-    /// With a body that gives the connection back at its end (a `Pooled`, boxed
-    /// where it is made: the answer is handed up through several futures, and a
-    /// body held inline was copied at each), and whether its head has a hop-by-hop
+    /// With a body that gives the connection back at its end (`Body::Upstream`,
+    /// holding the boxed connection), and whether its head has a hop-by-hop
     /// field.
     Response(Response<Body>, bool),
     /// 101: the connection now speaks the protocol switched to (boxed: rare, and
@@ -90,7 +82,7 @@ pub enum Exchanged {
 }
 
 struct Idle {
-    conn: Conn,
+    conn: Box<Conn>,
     /// When it was given back (`coarse_ms`).
     since_ms: u64,
 }
@@ -100,7 +92,7 @@ pub struct Pool {
     idle: [Mutex<Vec<Idle>>; LISTS],
     /// Requests that found no kept connection and wait for one to be given back
     /// while they try to open one (which waits for a free slot under the cap).
-    waiting: Mutex<VecDeque<oneshot::Sender<Conn>>>,
+    waiting: Mutex<VecDeque<oneshot::Sender<Box<Conn>>>>,
     /// A connection idle longer than this (milliseconds, `coarse_ms`) is closed
     /// rather than reused.
     idle_ms: u64,
@@ -183,22 +175,15 @@ impl Pool {
             );
             match exchange.await {
                 Ok(head) if head.parts.status == http::StatusCode::SWITCHING_PROTOCOLS => {
-                    return Ok(Exchanged::Switched(head.parts, Box::new(conn)));
+                    return Ok(Exchanged::Switched(head.parts, conn));
                 }
                 Ok(mut head) => {
                     if let Some(slot) = raw.as_deref_mut() {
                         *slot = head.raw.take();
                     }
-                    let body = Pooled {
-                        conn: Some(conn),
-                        decoder: head.body,
-                        reusable: head.reusable,
-                        upload: head.upload,
-                        pool: self.clone(),
-                        silence: None,
-                        progressed: false,
-                    };
-                    let body = Response::from_parts(head.parts, Body::new(body));
+                    let keeper: Arc<dyn Keeper> = self.clone();
+                    let body = Pooled::new(conn, head.body, head.reusable, head.upload, keeper);
+                    let body = Response::from_parts(head.parts, Body::Upstream(body));
                     return Ok(Exchanged::Response(body, head.hop_by_hop));
                 }
                 // Closed before anything came back (the upstream's keep-alive ran
@@ -220,7 +205,7 @@ impl Pool {
     /// another worker's only when no connection may be opened (it goes back to
     /// that worker's list after). Connections the upstream closed (or sent
     /// something unasked on) while idle, or idle too long, are closed on the way.
-    fn checkout(&self) -> Option<Conn> {
+    fn checkout(&self) -> Option<Box<Conn>> {
         let own = worker() % LISTS;
         let now = coarse_ms();
         let lists = if self.connector.has_free_slot() {
@@ -250,13 +235,14 @@ impl Pool {
         self.connector.probe().await
     }
 
-    async fn connect_or_wait(self: &Arc<Self>) -> Result<(Conn, bool), SendError> {
+    async fn connect_or_wait(self: &Arc<Self>) -> Result<(Box<Conn>, bool), SendError> {
         let mut given = self.wait_for_one();
         let pool = self.clone();
         let mut connecting = Box::pin(async move {
             let mut conn = Conn::open(&pool.connector).await?;
             conn.set_home(worker());
-            Ok(conn)
+            // Boxed once: it moves as a pointer from then on.
+            Ok(Box::new(conn))
         });
         loop {
             tokio::select! {
@@ -282,7 +268,7 @@ impl Pool {
 
     /// Registers a request waiting for a given-back connection; the waits of
     /// requests that went on without one are dropped here, so they never pile up.
-    fn wait_for_one(&self) -> oneshot::Receiver<Conn> {
+    fn wait_for_one(&self) -> oneshot::Receiver<Box<Conn>> {
         let (give, given) = oneshot::channel();
         let mut waiting = lock(&self.waiting);
         waiting.retain(|w| !w.is_closed());
@@ -294,10 +280,10 @@ impl Pool {
     /// picked HTTP/1.1), for the next request.
     pub fn adopt(&self, mut conn: Conn) {
         conn.set_home(worker());
-        self.give_back(conn);
+        self.give_back(Box::new(conn));
     }
 
-    fn give_back(&self, mut conn: Conn) {
+    fn give_back(&self, mut conn: Box<Conn>) {
         // A request waiting for a connection takes it at once.
         loop {
             let Some(waiter) = lock(&self.waiting).pop_front() else {
@@ -326,139 +312,18 @@ impl Pool {
     }
 }
 
+impl Keeper for Pool {
+    fn give_back(&self, conn: Box<Conn>) {
+        Pool::give_back(self, conn);
+    }
+
+    fn read_timeout(&self) -> Duration {
+        self.read_timeout
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A response body read from its connection as the client takes it; the
-/// connection goes back to the pool at its end (if it may carry another request),
-/// and is closed if the body is dropped before.
-pub struct Pooled {
-    conn: Option<Conn>,
-    decoder: Decoder,
-    reusable: bool,
-    /// The request body still going up (the upstream answered before its end).
-    upload: Option<Box<Upload>>,
-    /// Its `read_timeout` too (read from it: every byte of this struct is moved
-    /// with each response).
-    pool: Arc<Pool>,
-    /// When the upstream's silence runs out: made at the first wait for the body
-    /// (most bodies come with their head and never wait), then moved on after each
-    /// frame or upload progress (a store: the timer itself moves only when it
-    /// fires early).
-    silence: Option<Pin<Box<Deadline>>>,
-    /// A frame came, or the upload moved, since the deadline was last set.
-    progressed: bool,
-}
-
-impl Pooled {
-    /// The upstream has sent nothing new: the body fails once that has lasted
-    /// `read_timeout`, counted from the first wait after the last frame or upload
-    /// progress (an upstream may wait for the whole upload before it goes on). As
-    /// nginx's `proxy_read_timeout`: the time between two reads, not the whole body.
-    /// The connection is closed: what it still carries is no answer to anything.
-    fn poll_silence(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        let at = |timeout| tokio::time::Instant::now() + timeout;
-        let silence = match &mut self.silence {
-            Some(d) => {
-                if self.progressed {
-                    d.as_mut().set(at(self.pool.read_timeout));
-                }
-                d
-            }
-            None => self
-                .silence
-                .insert(Box::pin(Deadline::new(at(self.pool.read_timeout)))),
-        };
-        self.progressed = false;
-        std::task::ready!(silence.as_mut().poll_passed(cx));
-        self.conn = None;
-        self.upload = None;
-        Poll::Ready(Some(Err(ReadTimeout(self.pool.read_timeout).into())))
-    }
-
-    fn release(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            // Bytes after the end of the answer: nothing asked for them. An upload
-            // still going: the connection is busy with it, and closes.
-            if self.reusable && self.upload.is_none() && !conn.has_unread() {
-                self.pool.give_back(conn);
-            }
-        }
-        self.upload = None;
-    }
-}
-
-impl http_body::Body for Pooled {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        let Some(conn) = this.conn.as_mut() else {
-            return Poll::Ready(None);
-        };
-        if let Some(up) = this.upload.as_mut() {
-            let written = up.written();
-            let sent = up.poll_send(conn, cx);
-            // The upstream may be waiting for the rest of the body: while it moves,
-            // the silence is the client's (`request_body_timeout` bounds that).
-            this.progressed |= up.written() != written;
-            match sent {
-                Poll::Pending => {}
-                Poll::Ready(Ok(())) => this.upload = None,
-                // The client's body failed: so does the exchange (hyper's client
-                // closed the connection, failing the response body too).
-                Poll::Ready(Err(UploadError::Body(e))) => {
-                    this.upload = None;
-                    this.conn = None;
-                    return Poll::Ready(Some(Err(e)));
-                }
-                // The upstream stopped taking it: its answer is still read, and the
-                // connection closes after it.
-                Poll::Ready(Err(UploadError::Write(_))) => {
-                    this.upload = None;
-                    this.reusable = false;
-                }
-            }
-        }
-        let frame = match this.decoder.poll_frame(conn, cx) {
-            Poll::Ready(frame) => frame,
-            Poll::Pending => return this.poll_silence(cx),
-        };
-        this.progressed = true;
-        match &frame {
-            Some(Ok(_)) if !this.decoder.is_end() => {}
-            // The end: the last data, trailers or nothing more.
-            None | Some(Ok(_)) => this.release(),
-            // The connection failed with the body: it is closed.
-            Some(Err(_)) => this.conn = None,
-        }
-        Poll::Ready(frame)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.decoder.is_end()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.decoder.size_hint()
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        // A body with nothing in it (HEAD, 204, 304) may never be polled.
-        if self.decoder.is_end() {
-            self.release();
-        }
-    }
 }
 
 #[cfg(test)]
@@ -493,7 +358,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_idle_past_the_timeout_is_not_taken_again() {
         let pool = pool_to(silent().await, 4, Duration::from_millis(300));
-        pool.give_back(Conn::open(&pool.connector).await.unwrap());
+        pool.give_back(Box::new(Conn::open(&pool.connector).await.unwrap()));
         let conn = pool.checkout().expect("kept within the timeout");
         pool.give_back(conn);
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -4,6 +4,7 @@
 
 pub mod decode;
 pub mod framing;
+pub mod pooled;
 pub mod request_body;
 pub mod server;
 pub mod upstream;

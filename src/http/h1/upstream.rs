@@ -28,6 +28,7 @@ use super::framing::{
     check_buffered_chunks, content_length, items, may_trail, Connection, FramingError, Length,
     MAX_FIELDS, MAX_HEAD,
 };
+use super::pooled::Reading;
 use crate::http::body::{Body, BoxError};
 use crate::http::transport::{Connector, Link, Stream};
 
@@ -71,6 +72,8 @@ pub struct Conn {
     kept: Box<Kept>,
     /// The pool's mark: the worker thread that opened it (`home`).
     home: usize,
+    /// The answer whose body it carries, while that is read (`pooled`).
+    pub(crate) reading: Reading,
 }
 
 /// A field value as httparse parsed it (with its default configuration), not
@@ -211,6 +214,7 @@ impl Conn {
             _slot: slot,
             kept: Box::default(),
             home: 0,
+            reading: Reading::default(),
         }
     }
 
@@ -1673,15 +1677,15 @@ mod tests {
             _slot: slot,
             kept: Box::default(),
             home: 0,
+            reading: Reading::default(),
         };
         // One part of the body, then the client waits (for the answer, say).
         let body = {
             use futures_util::StreamExt;
-            use http_body_util::BodyExt;
             let part = Frame::data(Bytes::from(vec![b'x'; PART]));
             let frames = futures_util::stream::iter([Ok::<_, BoxError>(part)])
                 .chain(futures_util::stream::pending());
-            BodyExt::boxed(http_body_util::StreamBody::new(frames))
+            Body::new(http_body_util::StreamBody::new(frames))
         };
         let head = Bytes::from_static(b"POST / HTTP/1.1\r\nhost: a\r\n\r\n");
         let framing = UploadFraming::Length(PART as u64 + 5);
@@ -1726,6 +1730,7 @@ mod tests {
             _slot: slot,
             kept: Box::default(),
             home: 0,
+            reading: Reading::default(),
         };
         let usable = std::future::poll_fn(|cx| {
             // Spend the budget, as a task that did much I/O in one poll has.
@@ -1795,9 +1800,8 @@ mod tests {
             )
         );
         let unknown = || {
-            use http_body_util::BodyExt;
             let frames = futures_util::stream::pending::<Result<Frame<Bytes>, BoxError>>();
-            http_body_util::StreamBody::new(frames).boxed()
+            Body::new(http_body_util::StreamBody::new(frames))
         };
         assert_eq!(
             framing(Method::PUT, &[], unknown()).1,
