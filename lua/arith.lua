@@ -80,3 +80,35 @@ end
 local function ttl_ms(expires_at, now)
   return int(ceil_div(expires_at - now, 1000) + 1)
 end
+
+-- The string states (fixed_window, sliding_window, token_bucket, gcra) set by the
+-- requests of this call, by key, when keys repeat in it (`repeats`: sluice says so,
+-- as when many requests of one client waited for the same call). A request reads
+-- what the requests before it in the call left: an algorithm reads
+-- `states[key] or redis.call('GET', key)`. A key set again is not written again
+-- for each request: once more when the call ends (`flush`), as the last one left it.
+local repeats = false
+local states, again, expiry = {}
+
+-- Sets the state at `key`, which stops mattering at `expires_at` (µs), when keys
+-- repeat (request.lua writes it at once otherwise).
+local function put(key, state, expires_at, now)
+  local seen = states[key]
+  states[key] = state
+  if seen == nil then
+    redis.call('SET', key, state, 'PX', ttl_ms(expires_at, now))
+    return
+  end
+  if not expiry[key] then
+    again[#again + 1] = key
+  end
+  expiry[key] = expires_at
+end
+
+-- Writes the states set again after their first write, each once.
+local function flush(now)
+  for i = 1, #again do
+    local key = again[i]
+    redis.call('SET', key, states[key], 'PX', ttl_ms(expiry[key], now))
+  end
+end

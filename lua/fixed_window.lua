@@ -8,7 +8,7 @@
 local function window_decide(key, now, cost, limit, idx, ends)
   -- The stored count counts only in its own window.
   local count = 0
-  local s = redis.call('GET', key)
+  local s = states[key] or redis.call('GET', key)
   if s then
     local i, c = string.match(s, '^(%d+) (%d+)$')
     if i and tonumber(i) == idx then

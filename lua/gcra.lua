@@ -29,7 +29,7 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay, _, params)
   -- tat = now when empty. Written under other parameters: empty from its own tat on
   -- (when its key expires), converted until then (`until_`) (algo.rs: gcra_tat).
   local tat, until_ = now, math.huge
-  local s = redis.call('GET', key)
+  local s = states[key] or redis.call('GET', key)
   if s then
     local t, ahead, n0, p0, b0 = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
     if t then
