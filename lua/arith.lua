@@ -76,9 +76,27 @@ local function int(x)
 end
 
 -- The TTL, in ms, of a key whose state stops mattering at `expires_at` (µs): past
--- it, rounded up, plus 1 ms.
+-- it, rounded up, plus 1 ms; as command text. The last one made is kept: the
+-- requests of a call on fresh keys, or in one window, mostly ask for the same.
+local ttl_us, ttl_text
 local function ttl_ms(expires_at, now)
-  return int(ceil_div(expires_at - now, 1000) + 1)
+  local us = expires_at - now
+  if us ~= ttl_us then
+    ttl_us, ttl_text = us, int(ceil_div(us, 1000) + 1)
+  end
+  return ttl_text
+end
+
+-- string.format(form, a, b, c): a state as written. The last one made is kept, as
+-- the requests of a call on fresh keys, or in one window, mostly write the same
+-- state (formatting costs more than the rest of an algorithm's arithmetic).
+local text_form, text_a, text_b, text_c, text_made
+local function text(form, a, b, c)
+  if a ~= text_a or b ~= text_b or c ~= text_c or form ~= text_form then
+    text_form, text_a, text_b, text_c = form, a, b, c
+    text_made = string.format(form, a, b, c)
+  end
+  return text_made
 end
 
 -- The string states (fixed_window, sliding_window, token_bucket, gcra) set by the

@@ -19,7 +19,7 @@ local function window_decide(key, now, cost, limit, idx, ends)
   -- Admit iff count + cost <= limit.
   local after = count + cost
   if after <= limit then
-    return true, limit - after, until_end, 0, 0, string.format('%d %d', idx, after), ends
+    return true, limit - after, until_end, 0, 0, text('%d %d', idx, after), ends
   end
   return false, unsigned(limit - count), until_end, until_end, 0
 end

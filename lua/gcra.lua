@@ -60,5 +60,5 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay, _, params)
     return false, remaining, min(t - now, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, t - now, 0, delay,
-    string.format('%d %d ', new_tat, new_tat - now) .. params, new_tat
+    text('%d %d %s', new_tat, new_tat - now, params), new_tat
 end

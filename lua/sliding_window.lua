@@ -36,7 +36,7 @@ local function sliding_window(key, now, cost, limit, w)
   end
   if allowed then
     local remaining = unsigned(floor(limit - estimate - cost))
-    return true, remaining, reset, 0, 0, string.format('%d %d %d', idx, prev, curr_after),
+    return true, remaining, reset, 0, 0, text('%d %d %d', idx, prev, curr_after),
       (idx + 2) * w
   end
   local retry

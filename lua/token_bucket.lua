@@ -73,5 +73,5 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay, _, p
     return false, remaining, min(reset, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, reset, 0, delay,
-    string.format('%d %d ', after, now) .. params, now + ceil_div(cap - after, n)
+    text('%d %d %s', after, now, params), now + ceil_div(cap - after, n)
 end
