@@ -169,183 +169,7 @@ redis_and_valkey! {
         let rt = runtime();
         let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
         let day = 86_400 * S;
-        let plans = [
-            one(
-                "fw",
-                Algorithm::FixedWindow {
-                    limit: 7,
-                    window_us: 3 * S,
-                },
-                1,
-            ),
-            one(
-                "fw",
-                Algorithm::FixedWindow {
-                    limit: 1_000_000,
-                    window_us: day,
-                },
-                4_999,
-            ),
-            one(
-                "sw",
-                Algorithm::SlidingWindow {
-                    limit: 10,
-                    window_us: S,
-                },
-                1,
-            ),
-            one(
-                "sw",
-                Algorithm::SlidingWindow {
-                    limit: 9,
-                    window_us: 7 * S,
-                },
-                2,
-            ),
-            one(
-                "sw",
-                Algorithm::SlidingWindow {
-                    limit: 3_000_000,
-                    window_us: day,
-                },
-                40_001,
-            ),
-            // Across months: the refunds and the response charges of a calendar month.
-            one("mo", Algorithm::CalendarMonth { limit: 40 }, 1),
-            one(
-                "sl",
-                Algorithm::SlidingLog {
-                    limit: 5,
-                    window_us: S,
-                },
-                1,
-            ),
-            one(
-                "sl",
-                Algorithm::SlidingLog {
-                    limit: 9,
-                    window_us: 3 * S,
-                },
-                2,
-            ),
-            one(
-                "tb",
-                Algorithm::TokenBucket {
-                    rate: rate(3, S),
-                    burst: 4,
-                },
-                1,
-            ),
-            one(
-                "tb",
-                Algorithm::TokenBucket {
-                    rate: rate(7, 13 * S),
-                    burst: 9,
-                },
-                2,
-            ),
-            one(
-                "gc",
-                Algorithm::Gcra {
-                    rate: rate(3, S),
-                    burst: 4,
-                },
-                1,
-            ),
-            one(
-                "gc",
-                Algorithm::Gcra {
-                    rate: rate(7, 13 * S),
-                    burst: 9,
-                },
-                2,
-            ),
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "tb".into(),
-                        Algorithm::TokenBucket {
-                            rate: rate(10, S),
-                            burst: 3,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "gc".into(),
-                        Algorithm::Gcra {
-                            rate: rate(3, S),
-                            burst: 5,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Delay {
-                    max_delay_us: 450_000,
-                },
-            },
-            // Limits charged from the response: checked for their cost before, and
-            // charged only by the responses' charges above.
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "fw".into(),
-                        Algorithm::FixedWindow {
-                            limit: 6,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    )
-                    .from_response(response_units(1)),
-                    LimitDef::new(
-                        "tb".into(),
-                        Algorithm::TokenBucket {
-                            rate: rate(3, S),
-                            burst: 5,
-                        },
-                        1,
-                    )
-                    .from_response(response_units(1)),
-                    LimitDef::new(
-                        "sl".into(),
-                        Algorithm::SlidingLog {
-                            limit: 4,
-                            window_us: S,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Reject,
-            },
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "fw".into(),
-                        Algorithm::FixedWindow {
-                            limit: 5,
-                            window_us: S,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "sw".into(),
-                        Algorithm::SlidingWindow {
-                            limit: 8,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "sl".into(),
-                        Algorithm::SlidingLog {
-                            limit: 6,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Reject,
-            },
-        ];
+        let plans = walk_plans();
         let mut admitted = 0;
         let mut reloads = 0;
         let mut refunds = 0;
@@ -357,13 +181,7 @@ redis_and_valkey! {
             let mut plan = first.clone();
             let key = format!("walk-{p}");
             // Mean gap: about the time one unit takes to come back.
-            let gap = plan
-                .limits
-                .iter()
-                .map(|l| unit_us(&l.algorithm) * l.cost)
-                .max()
-                .unwrap_or(S)
-                * 2;
+            let gap = comeback_us(&plan) * 2;
             for step in 0..400 {
                 if rng.below(3) != 0 {
                     now += rng.below(gap);
@@ -415,9 +233,10 @@ redis_and_valkey! {
     /// each seeing what the ones before it left; when keys repeat in the call the
     /// script keeps the states it sets (`repeats` in `lua/arith.lua`): a key is read
     /// once and written at most twice per call, not once per request. Six requests on
-    /// one key, then random groups of one to eight requests (on one key, now and then
-    /// on a second one between them, admissions and refusals mixed) at one time,
-    /// against the pure functions deciding them one by one: verdict for verdict.
+    /// one key, then, for each plan of the random walks, random groups of one to eight
+    /// requests (on one key, now and then on a second one between them, admissions
+    /// and refusals mixed) at one time, against the pure functions deciding them one
+    /// by one: verdict for verdict.
     fn requests_of_one_key_in_one_call_agree_with_the_pure_functions() {
         let redis = RedisServer::start();
         let rt = runtime();
@@ -443,106 +262,14 @@ redis_and_valkey! {
         let stored: String = redis.cmd(&["GET", &store.keys("one", "k", &four)[0]]);
         assert_eq!(stored.split(' ').nth(1), Some("4"), "{stored}");
 
-        let plans = [
-            one(
-                "fw",
-                Algorithm::FixedWindow {
-                    limit: 5,
-                    window_us: 2 * S,
-                },
-                1,
-            ),
-            one(
-                "sw",
-                Algorithm::SlidingWindow {
-                    limit: 6,
-                    window_us: S,
-                },
-                1,
-            ),
-            one("mo", Algorithm::CalendarMonth { limit: 7 }, 2),
-            one(
-                "tb",
-                Algorithm::TokenBucket {
-                    rate: rate(3, S),
-                    burst: 4,
-                },
-                1,
-            ),
-            one(
-                "gc",
-                Algorithm::Gcra {
-                    rate: rate(7, 13 * S),
-                    burst: 9,
-                },
-                2,
-            ),
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "tb".into(),
-                        Algorithm::TokenBucket {
-                            rate: rate(10, S),
-                            burst: 3,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "gc".into(),
-                        Algorithm::Gcra {
-                            rate: rate(3, S),
-                            burst: 5,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Delay {
-                    max_delay_us: 450_000,
-                },
-            },
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "fw".into(),
-                        Algorithm::FixedWindow {
-                            limit: 5,
-                            window_us: S,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "sl".into(),
-                        Algorithm::SlidingLog {
-                            limit: 4,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "sw".into(),
-                        Algorithm::SlidingWindow {
-                            limit: 8,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Reject,
-            },
-        ];
+        let plans = walk_plans();
         let (mut admitted, mut refused, mut calls) = (0, 0, 0);
         for (p, plan) in plans.iter().enumerate() {
             let mut rng = Rng(p as u64 + 101);
             let mut pure = [PureStore::default(), PureStore::default()];
             let keys = [format!("a-{p}"), format!("b-{p}")];
             let mut now = BASE_US + rng.below(86_400 * S);
-            let gap = plan
-                .limits
-                .iter()
-                .map(|l| unit_us(&l.algorithm) * l.cost)
-                .max()
-                .unwrap_or(S)
-                * 3;
+            let gap = comeback_us(plan) * 3;
             for step in 0..150 {
                 if rng.below(3) != 0 {
                     now += rng.below(gap);
@@ -564,9 +291,194 @@ redis_and_valkey! {
                 calls += 1;
             }
         }
-        assert_eq!(calls, 7 * 150);
+        assert_eq!(calls, plans.len() * 150);
         assert!(admitted > 1_000 && refused > 1_000, "{admitted} {refused}");
     }
+}
+
+/// The plans the random walks go through: every algorithm, awkward parameters
+/// (rates that do not divide their period, day-long windows, large limits, costs
+/// above one), delay mode, limits charged from the response, and plans of several
+/// limits.
+fn walk_plans() -> Vec<Plan> {
+    let day = 86_400 * S;
+    vec![
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 7,
+                window_us: 3 * S,
+            },
+            1,
+        ),
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 1_000_000,
+                window_us: day,
+            },
+            4_999,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 10,
+                window_us: S,
+            },
+            1,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 9,
+                window_us: 7 * S,
+            },
+            2,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 3_000_000,
+                window_us: day,
+            },
+            40_001,
+        ),
+        // Across months: the refunds and the response charges of a calendar month.
+        one("mo", Algorithm::CalendarMonth { limit: 40 }, 1),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 5,
+                window_us: S,
+            },
+            1,
+        ),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 9,
+                window_us: 3 * S,
+            },
+            2,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            1,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(7, 13 * S),
+                burst: 9,
+            },
+            2,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            1,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(7, 13 * S),
+                burst: 9,
+            },
+            2,
+        ),
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "tb".into(),
+                    Algorithm::TokenBucket {
+                        rate: rate(10, S),
+                        burst: 3,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "gc".into(),
+                    Algorithm::Gcra {
+                        rate: rate(3, S),
+                        burst: 5,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Delay {
+                max_delay_us: 450_000,
+            },
+        },
+        // Limits charged from the response: checked for their cost before, and
+        // charged only by the responses' charges above.
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "fw".into(),
+                    Algorithm::FixedWindow {
+                        limit: 6,
+                        window_us: 2 * S,
+                    },
+                    1,
+                )
+                .from_response(response_units(1)),
+                LimitDef::new(
+                    "tb".into(),
+                    Algorithm::TokenBucket {
+                        rate: rate(3, S),
+                        burst: 5,
+                    },
+                    1,
+                )
+                .from_response(response_units(1)),
+                LimitDef::new(
+                    "sl".into(),
+                    Algorithm::SlidingLog {
+                        limit: 4,
+                        window_us: S,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "fw".into(),
+                    Algorithm::FixedWindow {
+                        limit: 5,
+                        window_us: S,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "sw".into(),
+                    Algorithm::SlidingWindow {
+                        limit: 8,
+                        window_us: 2 * S,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "sl".into(),
+                    Algorithm::SlidingLog {
+                        limit: 6,
+                        window_us: 2 * S,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
+    ]
 }
 
 /// `plan` with other numbers (limit, rate, burst, cost, each between about half and
@@ -725,6 +637,15 @@ fn converted_states_agree_state_by_state() {
         }
     }
     assert_eq!(checked, 4_000);
+}
+
+/// About the time a request's cost takes to come back under `plan`'s slowest limit.
+fn comeback_us(plan: &Plan) -> u64 {
+    plan.limits
+        .iter()
+        .map(|l| unit_us(&l.algorithm) * l.cost)
+        .max()
+        .unwrap_or(S)
 }
 
 /// How long one unit of a limit takes to come back, roughly.

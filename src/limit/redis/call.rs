@@ -250,17 +250,24 @@ pub(super) fn script_call<'s>(script: &'s Script, parts: &[&Part], at: Time) -> 
 /// waited for the same call): the script then reads each state the call sets from
 /// its own memory and writes it once more at the end, rather than reading and writing
 /// Redis for every request (`repeats` in `lua/arith.lua`). Without the mark it
-/// reads and writes Redis each time, which decides the same, at a cost per request.
+/// reads and writes Redis each time, which decides the same, at a cost per request;
+/// so keys are compared by a 64-bit hash (FNV-1a), and the rare collision only
+/// marks a call that did not need it.
 fn repeat_a_key(parts: &[&Part]) -> bool {
     if parts.len() < 2 {
         return false;
     }
-    let mut keys: Vec<&str> = parts
+    let mut hashes: Vec<u64> = parts
         .iter()
         .flat_map(|p| p.pieces().take(p.keys()))
+        .map(|key| {
+            key.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            })
+        })
         .collect();
-    keys.sort_unstable();
-    keys.windows(2).any(|w| w[0] == w[1])
+    hashes.sort_unstable();
+    hashes.windows(2).any(|w| w[0] == w[1])
 }
 
 /// The script's letter for an algorithm (`algorithms` in `lua/request.lua`) and its
