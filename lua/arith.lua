@@ -76,7 +76,57 @@ local function int(x)
 end
 
 -- The TTL, in ms, of a key whose state stops mattering at `expires_at` (µs): past
--- it, rounded up, plus 1 ms.
+-- it, rounded up, plus 1 ms; as command text. The last one made is kept: the
+-- requests of a call on fresh keys, or in one window, mostly ask for the same.
+local ttl_us, ttl_text
 local function ttl_ms(expires_at, now)
-  return int(ceil_div(expires_at - now, 1000) + 1)
+  local us = expires_at - now
+  if us ~= ttl_us then
+    ttl_us, ttl_text = us, int(ceil_div(us, 1000) + 1)
+  end
+  return ttl_text
+end
+
+-- string.format(form, a, b, c): a state as written. The last one made is kept, as
+-- the requests of a call on fresh keys, or in one window, mostly write the same
+-- state (formatting costs more than the rest of an algorithm's arithmetic).
+local text_form, text_a, text_b, text_c, text_made
+local function text(form, a, b, c)
+  if a ~= text_a or b ~= text_b or c ~= text_c or form ~= text_form then
+    text_form, text_a, text_b, text_c = form, a, b, c
+    text_made = string.format(form, a, b, c)
+  end
+  return text_made
+end
+
+-- The string states (fixed_window, sliding_window, token_bucket, gcra) set by the
+-- requests of this call, by key, when keys repeat in it (`repeats`: sluice says so,
+-- as when many requests of one client waited for the same call). A request reads
+-- what the requests before it in the call left: an algorithm reads
+-- `states[key] or redis.call('GET', key)`. A key set again is not written again
+-- for each request: once more when the call ends (`flush`), as the last one left it.
+local repeats = false
+local states, again, expiry = {}
+
+-- Sets the state at `key`, which stops mattering at `expires_at` (µs), when keys
+-- repeat (request.lua writes it at once otherwise).
+local function put(key, state, expires_at, now)
+  local seen = states[key]
+  states[key] = state
+  if seen == nil then
+    redis.call('SET', key, state, 'PX', ttl_ms(expires_at, now))
+    return
+  end
+  if not expiry[key] then
+    again[#again + 1] = key
+  end
+  expiry[key] = expires_at
+end
+
+-- Writes the states set again after their first write, each once.
+local function flush(now)
+  for i = 1, #again do
+    local key = again[i]
+    redis.call('SET', key, states[key], 'PX', ttl_ms(expiry[key], now))
+  end
 end

@@ -8,7 +8,7 @@
 local function window_decide(key, now, cost, limit, idx, ends)
   -- The stored count counts only in its own window.
   local count = 0
-  local s = redis.call('GET', key)
+  local s = states[key] or redis.call('GET', key)
   if s then
     local i, c = string.match(s, '^(%d+) (%d+)$')
     if i and tonumber(i) == idx then
@@ -19,7 +19,7 @@ local function window_decide(key, now, cost, limit, idx, ends)
   -- Admit iff count + cost <= limit.
   local after = count + cost
   if after <= limit then
-    return true, limit - after, until_end, 0, 0, string.format('%d %d', idx, after), ends
+    return true, limit - after, until_end, 0, 0, text('%d %d', idx, after), ends
   end
   return false, unsigned(limit - count), until_end, until_end, 0
 end

@@ -29,7 +29,7 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay, _, params)
   -- tat = now when empty. Written under other parameters: empty from its own tat on
   -- (when its key expires), converted until then (`until_`) (algo.rs: gcra_tat).
   local tat, until_ = now, math.huge
-  local s = redis.call('GET', key)
+  local s = states[key] or redis.call('GET', key)
   if s then
     local t, ahead, n0, p0, b0 = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
     if t then
@@ -60,5 +60,5 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay, _, params)
     return false, remaining, min(t - now, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, t - now, 0, delay,
-    string.format('%d %d ', new_tat, new_tat - now) .. params, new_tat
+    text('%d %d %s', new_tat, new_tat - now, params), new_tat
 end

@@ -19,6 +19,8 @@
 --             and optionally a time: charge each limit of each request its cost
 --             whatever is left (what the upstream's response said a request cost:
 --             a window or log counts past its limit, a bucket goes into debt).
+--             Deciding or charging, after a '*' when some key repeats in the call
+--             (arith.lua: `repeats`).
 -- Then two per request:
 --   <limits>     "<max_delay_us>" then per limit " <algorithm> <cost>[+<want>] <a> <b> <c>":
 --                max_delay_us 0 = reject mode; the algorithm as one letter, in
@@ -43,13 +45,19 @@
 --        refuses no wait). Few integers: each costs sluice's Redis client far more
 --        to read than it costs here.
 local now, refunding, forcing
-local mode = string.sub(ARGV[1], 1, 1)
+local time = ARGV[1]
+local mode = string.sub(time, 1, 1)
+if mode == '*' then
+  repeats, again, expiry = true, {}, {}
+  time = string.sub(time, 2)
+  mode = string.sub(time, 1, 1)
+end
 if mode == 'r' then
-  now, refunding = tonumber(string.sub(ARGV[1], 2)), true
+  now, refunding = tonumber(string.sub(time, 2)), true
 elseif mode == 'c' then
-  now, forcing = tonumber(string.sub(ARGV[1], 2)), true
-elseif ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
+  now, forcing = tonumber(string.sub(time, 2)), true
+elseif time ~= '' then
+  now = tonumber(time)
 end
 if not now then
   local t = redis.call('TIME')
@@ -123,7 +131,11 @@ while a < nargs do
         ok, _, _, _, _, state, expires_at = p[1](KEYS[k + i], now, p[2], a, p[4], p[5], wait, uid, p[6])
       end
       if ok and type(state) == 'string' then
-        redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(expires_at, now))
+        if repeats then
+          put(KEYS[k + i], state, expires_at, now)
+        else
+          redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(expires_at, now))
+        end
       elseif ok and state then
         state()
       end
@@ -172,7 +184,11 @@ while a < nargs do
       for i = 1, n do
         local state = writes[2 * i - 1]
         if type(state) == 'string' then
-          redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(writes[2 * i], now))
+          if repeats then
+            put(KEYS[k + i], state, writes[2 * i], now)
+          else
+            redis.call('SET', KEYS[k + i], state, 'PX', ttl_ms(writes[2 * i], now))
+          end
         elseif state then
           state()
         end
@@ -180,6 +196,9 @@ while a < nargs do
     end
   end
   k = k + n
+end
+if repeats then
+  flush(now)
 end
 out[o + 1] = now
 return out

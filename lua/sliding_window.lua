@@ -9,7 +9,7 @@ local function sliding_window(key, now, cost, limit, w)
   local e = now - idx * w
   -- (prev, curr): as stored in this window; shifted if stored in the previous one.
   local prev, curr = 0, 0
-  local s = redis.call('GET', key)
+  local s = states[key] or redis.call('GET', key)
   if s then
     local i, p, c = string.match(s, '^(%d+) (%d+) (%d+)$')
     if i then
@@ -36,7 +36,7 @@ local function sliding_window(key, now, cost, limit, w)
   end
   if allowed then
     local remaining = unsigned(floor(limit - estimate - cost))
-    return true, remaining, reset, 0, 0, string.format('%d %d %d', idx, prev, curr_after),
+    return true, remaining, reset, 0, 0, text('%d %d %d', idx, prev, curr_after),
       (idx + 2) * w
   end
   local retry

@@ -37,7 +37,7 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay, _, p
   local p = max(p_arg, 1)
   local cap = burst * p
   local stored, ts, until_ = cap, now, math.huge
-  local s = redis.call('GET', key)
+  local s = states[key] or redis.call('GET', key)
   if s then
     local t, t0, n0, p0, b0 = string.match(s, '^(%-?%d+) (%d+) (%d+) (%d+) (%d+)$')
     if t then
@@ -73,5 +73,5 @@ local function token_bucket(key, now, cost, n_arg, p_arg, burst, max_delay, _, p
     return false, remaining, min(reset, until_ - now), min(wait, until_ - now), 0
   end
   return true, remaining, reset, 0, delay,
-    string.format('%d %d ', after, now) .. params, now + ceil_div(cap - after, n)
+    text('%d %d %s', after, now, params), now + ceil_div(cap - after, n)
 end

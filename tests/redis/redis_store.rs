@@ -169,183 +169,7 @@ redis_and_valkey! {
         let rt = runtime();
         let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
         let day = 86_400 * S;
-        let plans = [
-            one(
-                "fw",
-                Algorithm::FixedWindow {
-                    limit: 7,
-                    window_us: 3 * S,
-                },
-                1,
-            ),
-            one(
-                "fw",
-                Algorithm::FixedWindow {
-                    limit: 1_000_000,
-                    window_us: day,
-                },
-                4_999,
-            ),
-            one(
-                "sw",
-                Algorithm::SlidingWindow {
-                    limit: 10,
-                    window_us: S,
-                },
-                1,
-            ),
-            one(
-                "sw",
-                Algorithm::SlidingWindow {
-                    limit: 9,
-                    window_us: 7 * S,
-                },
-                2,
-            ),
-            one(
-                "sw",
-                Algorithm::SlidingWindow {
-                    limit: 3_000_000,
-                    window_us: day,
-                },
-                40_001,
-            ),
-            // Across months: the refunds and the response charges of a calendar month.
-            one("mo", Algorithm::CalendarMonth { limit: 40 }, 1),
-            one(
-                "sl",
-                Algorithm::SlidingLog {
-                    limit: 5,
-                    window_us: S,
-                },
-                1,
-            ),
-            one(
-                "sl",
-                Algorithm::SlidingLog {
-                    limit: 9,
-                    window_us: 3 * S,
-                },
-                2,
-            ),
-            one(
-                "tb",
-                Algorithm::TokenBucket {
-                    rate: rate(3, S),
-                    burst: 4,
-                },
-                1,
-            ),
-            one(
-                "tb",
-                Algorithm::TokenBucket {
-                    rate: rate(7, 13 * S),
-                    burst: 9,
-                },
-                2,
-            ),
-            one(
-                "gc",
-                Algorithm::Gcra {
-                    rate: rate(3, S),
-                    burst: 4,
-                },
-                1,
-            ),
-            one(
-                "gc",
-                Algorithm::Gcra {
-                    rate: rate(7, 13 * S),
-                    burst: 9,
-                },
-                2,
-            ),
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "tb".into(),
-                        Algorithm::TokenBucket {
-                            rate: rate(10, S),
-                            burst: 3,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "gc".into(),
-                        Algorithm::Gcra {
-                            rate: rate(3, S),
-                            burst: 5,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Delay {
-                    max_delay_us: 450_000,
-                },
-            },
-            // Limits charged from the response: checked for their cost before, and
-            // charged only by the responses' charges above.
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "fw".into(),
-                        Algorithm::FixedWindow {
-                            limit: 6,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    )
-                    .from_response(response_units(1)),
-                    LimitDef::new(
-                        "tb".into(),
-                        Algorithm::TokenBucket {
-                            rate: rate(3, S),
-                            burst: 5,
-                        },
-                        1,
-                    )
-                    .from_response(response_units(1)),
-                    LimitDef::new(
-                        "sl".into(),
-                        Algorithm::SlidingLog {
-                            limit: 4,
-                            window_us: S,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Reject,
-            },
-            Plan {
-                limits: vec![
-                    LimitDef::new(
-                        "fw".into(),
-                        Algorithm::FixedWindow {
-                            limit: 5,
-                            window_us: S,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "sw".into(),
-                        Algorithm::SlidingWindow {
-                            limit: 8,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    ),
-                    LimitDef::new(
-                        "sl".into(),
-                        Algorithm::SlidingLog {
-                            limit: 6,
-                            window_us: 2 * S,
-                        },
-                        1,
-                    ),
-                ],
-                mode: Mode::Reject,
-            },
-        ];
+        let plans = walk_plans();
         let mut admitted = 0;
         let mut reloads = 0;
         let mut refunds = 0;
@@ -357,13 +181,7 @@ redis_and_valkey! {
             let mut plan = first.clone();
             let key = format!("walk-{p}");
             // Mean gap: about the time one unit takes to come back.
-            let gap = plan
-                .limits
-                .iter()
-                .map(|l| unit_us(&l.algorithm) * l.cost)
-                .max()
-                .unwrap_or(S)
-                * 2;
+            let gap = comeback_us(&plan) * 2;
             for step in 0..400 {
                 if rng.below(3) != 0 {
                     now += rng.below(gap);
@@ -408,6 +226,259 @@ redis_and_valkey! {
         assert!(refunds > 500, "{refunds}");
         assert!(responses > 500, "{responses}");
     }
+}
+
+redis_and_valkey! {
+    /// Requests that waited for the same script call are decided in order inside it,
+    /// each seeing what the ones before it left; when keys repeat in the call the
+    /// script keeps the states it sets (`repeats` in `lua/arith.lua`): a key is read
+    /// once and written at most twice per call, not once per request. Six requests on
+    /// one key, then, for each plan of the random walks, random groups of one to eight
+    /// requests (on one key, now and then on a second one between them, admissions
+    /// and refusals mixed) at one time, against the pure functions deciding them one
+    /// by one: verdict for verdict.
+    fn requests_of_one_key_in_one_call_agree_with_the_pure_functions() {
+        let redis = RedisServer::start();
+        let rt = runtime();
+        let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+        let four = one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 4,
+                window_us: 3_600 * S,
+            },
+            1,
+        );
+        let (gets, sets) = (redis.calls("get"), redis.calls("set"));
+        let six = [("one", "k", &four); 6];
+        let got = rt.block_on(store.check_together_at(&six, BASE_US)).unwrap();
+        let mut pure = PureStore::default();
+        let want: Vec<_> = six.iter().map(|_| pure.check(&four, BASE_US)).collect();
+        assert_eq!(got, want);
+        let allowed: Vec<bool> = got.iter().map(|v| v.allowed).collect();
+        assert_eq!(allowed, [true, true, true, true, false, false]);
+        // Read once; written when first set, and once more as the last admitted left it.
+        assert_eq!((redis.calls("get") - gets, redis.calls("set") - sets), (1, 2));
+        let stored: String = redis.cmd(&["GET", &store.keys("one", "k", &four)[0]]);
+        assert_eq!(stored.split(' ').nth(1), Some("4"), "{stored}");
+
+        let plans = walk_plans();
+        let (mut admitted, mut refused, mut calls) = (0, 0, 0);
+        for (p, plan) in plans.iter().enumerate() {
+            let mut rng = Rng(p as u64 + 101);
+            let mut pure = [PureStore::default(), PureStore::default()];
+            let keys = [format!("a-{p}"), format!("b-{p}")];
+            let mut now = BASE_US + rng.below(86_400 * S);
+            let gap = comeback_us(plan) * 3;
+            for step in 0..150 {
+                if rng.below(3) != 0 {
+                    now += rng.below(gap);
+                }
+                let which: Vec<usize> = (0..1 + rng.below(8))
+                    .map(|_| usize::from(rng.below(5) == 0))
+                    .collect();
+                let requests: Vec<(&str, &str, &Plan)> = which
+                    .iter()
+                    .map(|&w| ("together", keys[w].as_str(), plan))
+                    .collect();
+                let got = rt
+                    .block_on(store.check_together_at(&requests, now))
+                    .unwrap();
+                let want: Vec<_> = which.iter().map(|&w| pure[w].check(plan, now)).collect();
+                assert_eq!(got, want, "plan {p} step {step} at {now}: {which:?}");
+                admitted += got.iter().filter(|v| v.allowed).count();
+                refused += got.iter().filter(|v| !v.allowed).count();
+                calls += 1;
+            }
+        }
+        assert_eq!(calls, plans.len() * 150);
+        assert!(admitted > 1_000 && refused > 1_000, "{admitted} {refused}");
+    }
+}
+
+/// The plans the random walks go through: every algorithm, awkward parameters
+/// (rates that do not divide their period, day-long windows, large limits, costs
+/// above one), delay mode, limits charged from the response, and plans of several
+/// limits.
+fn walk_plans() -> Vec<Plan> {
+    let day = 86_400 * S;
+    vec![
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 7,
+                window_us: 3 * S,
+            },
+            1,
+        ),
+        one(
+            "fw",
+            Algorithm::FixedWindow {
+                limit: 1_000_000,
+                window_us: day,
+            },
+            4_999,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 10,
+                window_us: S,
+            },
+            1,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 9,
+                window_us: 7 * S,
+            },
+            2,
+        ),
+        one(
+            "sw",
+            Algorithm::SlidingWindow {
+                limit: 3_000_000,
+                window_us: day,
+            },
+            40_001,
+        ),
+        // Across months: the refunds and the response charges of a calendar month.
+        one("mo", Algorithm::CalendarMonth { limit: 40 }, 1),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 5,
+                window_us: S,
+            },
+            1,
+        ),
+        one(
+            "sl",
+            Algorithm::SlidingLog {
+                limit: 9,
+                window_us: 3 * S,
+            },
+            2,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            1,
+        ),
+        one(
+            "tb",
+            Algorithm::TokenBucket {
+                rate: rate(7, 13 * S),
+                burst: 9,
+            },
+            2,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(3, S),
+                burst: 4,
+            },
+            1,
+        ),
+        one(
+            "gc",
+            Algorithm::Gcra {
+                rate: rate(7, 13 * S),
+                burst: 9,
+            },
+            2,
+        ),
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "tb".into(),
+                    Algorithm::TokenBucket {
+                        rate: rate(10, S),
+                        burst: 3,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "gc".into(),
+                    Algorithm::Gcra {
+                        rate: rate(3, S),
+                        burst: 5,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Delay {
+                max_delay_us: 450_000,
+            },
+        },
+        // Limits charged from the response: checked for their cost before, and
+        // charged only by the responses' charges above.
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "fw".into(),
+                    Algorithm::FixedWindow {
+                        limit: 6,
+                        window_us: 2 * S,
+                    },
+                    1,
+                )
+                .from_response(response_units(1)),
+                LimitDef::new(
+                    "tb".into(),
+                    Algorithm::TokenBucket {
+                        rate: rate(3, S),
+                        burst: 5,
+                    },
+                    1,
+                )
+                .from_response(response_units(1)),
+                LimitDef::new(
+                    "sl".into(),
+                    Algorithm::SlidingLog {
+                        limit: 4,
+                        window_us: S,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
+        Plan {
+            limits: vec![
+                LimitDef::new(
+                    "fw".into(),
+                    Algorithm::FixedWindow {
+                        limit: 5,
+                        window_us: S,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "sw".into(),
+                    Algorithm::SlidingWindow {
+                        limit: 8,
+                        window_us: 2 * S,
+                    },
+                    1,
+                ),
+                LimitDef::new(
+                    "sl".into(),
+                    Algorithm::SlidingLog {
+                        limit: 6,
+                        window_us: 2 * S,
+                    },
+                    1,
+                ),
+            ],
+            mode: Mode::Reject,
+        },
+    ]
 }
 
 /// `plan` with other numbers (limit, rate, burst, cost, each between about half and
@@ -566,6 +637,15 @@ fn converted_states_agree_state_by_state() {
         }
     }
     assert_eq!(checked, 4_000);
+}
+
+/// About the time a request's cost takes to come back under `plan`'s slowest limit.
+fn comeback_us(plan: &Plan) -> u64 {
+    plan.limits
+        .iter()
+        .map(|l| unit_us(&l.algorithm) * l.cost)
+        .max()
+        .unwrap_or(S)
 }
 
 /// How long one unit of a limit takes to come back, roughly.

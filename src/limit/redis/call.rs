@@ -218,8 +218,8 @@ pub(super) enum Time {
 }
 
 /// The call of `script` (the limiter's) deciding `parts` in order: every part's
-/// keys, then now (empty: Redis' clock) and every part's arguments
-/// (`lua/request.lua`).
+/// keys, then now (empty: Redis' clock), after a `*` when a key repeats, and every
+/// part's arguments (`lua/request.lua`).
 pub(super) fn script_call<'s>(script: &'s Script, parts: &[&Part], at: Time) -> Eval<'s> {
     let keys: usize = parts.iter().map(|p| p.keys()).sum();
     let args: usize = parts.iter().map(|p| p.ends.len()).sum();
@@ -230,12 +230,13 @@ pub(super) fn script_call<'s>(script: &'s Script, parts: &[&Part], at: Time) -> 
             cmd.arg(key);
         }
     }
+    let repeats = if repeat_a_key(parts) { "*" } else { "" };
     match at {
-        Time::Server => cmd.arg(""),
-        Time::At(now) => cmd.arg(now),
+        Time::Server => cmd.arg(repeats),
+        Time::At(now) => cmd.arg(format!("{repeats}{now}")),
         Time::Refund(charged) => cmd.arg(format!("r{charged}")),
-        Time::Anyway(None) => cmd.arg("c"),
-        Time::Anyway(Some(now)) => cmd.arg(format!("c{now}")),
+        Time::Anyway(None) => cmd.arg(format!("{repeats}c")),
+        Time::Anyway(Some(now)) => cmd.arg(format!("{repeats}c{now}")),
     };
     for p in parts {
         for arg in p.pieces().skip(p.keys()) {
@@ -243,6 +244,30 @@ pub(super) fn script_call<'s>(script: &'s Script, parts: &[&Part], at: Time) -> 
         }
     }
     cmd
+}
+
+/// Whether a key appears more than once among `parts` (requests of one client that
+/// waited for the same call): the script then reads each state the call sets from
+/// its own memory and writes it once more at the end, rather than reading and writing
+/// Redis for every request (`repeats` in `lua/arith.lua`). Without the mark it
+/// reads and writes Redis each time, which decides the same, at a cost per request;
+/// so keys are compared by a 64-bit hash (FNV-1a), and the rare collision only
+/// marks a call that did not need it.
+fn repeat_a_key(parts: &[&Part]) -> bool {
+    if parts.len() < 2 {
+        return false;
+    }
+    let mut hashes: Vec<u64> = parts
+        .iter()
+        .flat_map(|p| p.pieces().take(p.keys()))
+        .map(|key| {
+            key.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            })
+        })
+        .collect();
+    hashes.sort_unstable();
+    hashes.windows(2).any(|w| w[0] == w[1])
 }
 
 /// The script's letter for an algorithm (`algorithms` in `lua/request.lua`) and its
@@ -442,6 +467,21 @@ pub(super) mod tests {
         assert!(!needs_uid(&p));
         let at = script_call(&LIMITER, &[&two], Time::At(17));
         assert_eq!(at.cmd().args_iter().count(), 3 + 1 + 1 + 2);
+        // A key that repeats in the call: the time after a `*` (`repeats`).
+        let again = Part::new("sluice:{r:k}", &single, "");
+        let arg = |parts: &[&Part], at| match script_call(&LIMITER, parts, at)
+            .cmd()
+            .args_iter()
+            .nth(3 + 3)
+        {
+            Some(redis::Arg::Simple(b)) => String::from_utf8(b.to_vec()).unwrap(),
+            _ => unreachable!("no cursor"),
+        };
+        assert_eq!(arg(&[&one, &again], Time::Server), "*");
+        assert_eq!(arg(&[&one, &again], Time::At(17)), "*17");
+        assert_eq!(arg(&[&one, &again], Time::Anyway(Some(17))), "*c17");
+        assert_eq!(arg(&[&one, &again], Time::Refund(17)), "r17");
+        assert_eq!(arg(&[&one, &two], Time::At(17)), "17");
     }
 
     #[test]

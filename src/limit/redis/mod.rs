@@ -478,6 +478,32 @@ impl RedisStore {
         verdict(plan, &reply.0)
     }
 
+    /// `check_at` for several requests (namespace, key, plan), decided in order by one
+    /// script call, as the requests that waited for the same call are: each sees
+    /// what the ones before it left. For the table of cases.
+    pub async fn check_together_at(
+        &self,
+        requests: &[(&str, &str, &Plan)],
+        now_us: u64,
+    ) -> Result<Vec<Verdict>, StoreError> {
+        let inner = &self.inner;
+        let parts: Vec<Part> = requests
+            .iter()
+            .map(|(ns, key, plan)| Part::new(&inner.tag(ns, key), plan, &inner.uid_for(plan)))
+            .collect();
+        let parts: Vec<&Part> = parts.iter().collect();
+        let within = inner.redis.timeout();
+        let (reply, _) = inner.decide(&parts, Some(now_us), within).await?;
+        let mut at = 0;
+        let mut verdicts = Vec::with_capacity(requests.len());
+        for (p, (_, _, plan)) in parts.iter().zip(requests) {
+            let n = p.reply_len();
+            verdicts.push(verdict(plan, &reply[at..at + n])?);
+            at += n;
+        }
+        Ok(verdicts)
+    }
+
     /// `check_at`, taking `wants[i]` units beyond the cost for limit i when admitted
     /// at once (the script's `reserve` arithmetic, for the table of cases): the
     /// verdict and the units taken. Nothing is held locally.
