@@ -51,15 +51,22 @@ const RETRY: Duration = Duration::from_millis(250);
 const PAGE: usize = 250;
 const PAGE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How often the version is compared, to heal missed messages.
+/// How long the subscription may take to open.
 const POLL: Duration = Duration::from_secs(1);
+
+/// How often the version is compared, to heal missed messages: half a second, so a
+/// copy that missed one still learns of the change within the second the deny
+/// list promises, its read of the list included (at one second, a change
+/// caught by the comparison took 997 ms in a test on a cluster).
+const VERSION_CHECK: Duration = Duration::from_millis(500);
 
 /// The TTL of every key of the shared list: how long it outlives the last instance
 /// that follows it. Each write sets it again, and so does every instance every
-/// `KEEP_EVERY` polls; a list whose keys expired (or were evicted) meanwhile is
-/// "lost", and the instances write their copies back as after a Redis restart.
+/// `KEEP_EVERY` version checks (a minute); a list whose keys expired (or were
+/// evicted) meanwhile is "lost", and the instances write their copies back as
+/// after a Redis restart.
 pub const KEY_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
-const KEEP_EVERY: u32 = 60;
+const KEEP_EVERY: u32 = 120;
 
 /// What a write did to the shared list.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -631,7 +638,7 @@ impl DenySync {
         self.resync(apply).await?;
         self.following.store(true, Ordering::Relaxed);
         let mut messages = pubsub.into_on_message();
-        let mut poll = tokio::time::interval(POLL);
+        let mut poll = tokio::time::interval(VERSION_CHECK);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut polls = 0u32;
         loop {
