@@ -1382,5 +1382,10 @@ mod tests {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339(1_800_057_600_000 - 1), "2027-01-15T23:59:59.999Z");
+        // The second kept per thread is not mistaken for the next one, nor a year
+        // too long for it.
+        assert_eq!(rfc3339(1_800_057_600_000), "2027-01-16T00:00:00Z");
+        assert_eq!(rfc3339(253_402_300_800_000), "10000-01-01T00:00:00Z");
+        assert_eq!(rfc3339(253_402_300_800_001), "10000-01-01T00:00:00.001Z");
     }
 }

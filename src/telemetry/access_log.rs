@@ -16,7 +16,7 @@
 //! Never written: the query string (only the path is), cookies, `Authorization`,
 //! and the referer's query.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::io::Write as _;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -267,7 +267,7 @@ impl Entry {
         match self.format {
             Format::Json => {
                 out.extend_from_slice(b"{\"time\":\"");
-                push_rfc3339(out, end.at_ms);
+                crate::telemetry::push_rfc3339(out, end.at_ms);
                 out.extend_from_slice(b"\",");
                 out.extend_from_slice(&self.request);
                 out.extend_from_slice(b",\"status\":");
@@ -410,45 +410,6 @@ fn push_json_ms(out: &mut Vec<u8>, micros: u128) {
         frac /= 10;
     }
     out.extend_from_slice(&buf[..digits]);
-}
-
-/// `rfc3339(ms)`'s bytes, without its allocations: the date and time of the
-/// second are kept per thread, so a busy log formats each second once.
-fn push_rfc3339(out: &mut Vec<u8>, ms: u64) {
-    thread_local! {
-        static SECOND: Cell<(u64, [u8; 19])> = const { Cell::new((u64::MAX, [0; 19])) };
-    }
-    let second = ms / 1000;
-    let (cached, mut text) = SECOND.get();
-    if cached != second {
-        let c = Civil::from_ms(ms);
-        if c.year > 9999 {
-            out.extend_from_slice(crate::telemetry::rfc3339(ms).as_bytes());
-            return;
-        }
-        let _ = write!(
-            &mut text[..],
-            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
-            c.year,
-            c.month,
-            c.day,
-            c.hour,
-            c.minute,
-            c.second
-        );
-        SECOND.set((second, text));
-    }
-    out.extend_from_slice(&text);
-    match ms % 1000 {
-        0 => {}
-        milli => {
-            out.push(b'.');
-            out.push(b'0' + (milli / 100) as u8);
-            out.push(b'0' + (milli / 10 % 10) as u8);
-            out.push(b'0' + (milli % 10) as u8);
-        }
-    }
-    out.push(b'Z');
 }
 
 const MONTHS: [&str; 12] = [

@@ -49,15 +49,46 @@ impl Civil {
 
 /// `2026-11-21T22:10:00Z` (`.123` added when the milliseconds are not zero).
 pub fn rfc3339(ms: u64) -> String {
-    let c = Civil::from_ms(ms);
-    let frac = match c.milli {
-        0 => String::new(),
-        f => format!(".{f:03}"),
-    };
-    format!(
-        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}{frac}Z",
-        c.year, c.month, c.day, c.hour, c.minute, c.second
-    )
+    let mut out = Vec::with_capacity(24);
+    push_rfc3339(&mut out, ms);
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// Appends `rfc3339(ms)` to `out`. The date and time of the second are kept per
+/// thread, so a busy access log formats each second once.
+pub fn push_rfc3339(out: &mut Vec<u8>, ms: u64) {
+    use std::io::Write as _;
+    thread_local! {
+        static SECOND: std::cell::Cell<(u64, [u8; 19])> =
+            const { std::cell::Cell::new((u64::MAX, [0; 19])) };
+    }
+    let second = ms / 1000;
+    let (cached, text) = SECOND.get();
+    if cached == second {
+        out.extend_from_slice(&text);
+    } else {
+        let start = out.len();
+        let c = Civil::from_ms(ms);
+        let _ = write!(
+            out,
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
+            c.year, c.month, c.day, c.hour, c.minute, c.second
+        );
+        // Kept when it fits: every year up to 9999.
+        if let Ok(text) = <[u8; 19]>::try_from(&out[start..]) {
+            SECOND.set((second, text));
+        }
+    }
+    match ms % 1000 {
+        0 => {}
+        milli => {
+            out.push(b'.');
+            out.push(b'0' + (milli / 100) as u8);
+            out.push(b'0' + (milli / 10 % 10) as u8);
+            out.push(b'0' + (milli % 10) as u8);
+        }
+    }
+    out.push(b'Z');
 }
 
 /// A duration in the largest unit that divides it: `1d`, `90s`, `250ms`.
