@@ -36,14 +36,16 @@
 --                concurrency leases); '' when no limit needs one.
 --                `+<want>` (`reserve`): when the request is admitted at once, take up
 --                to want more units of what is left for the instance to hold;
--- Reply: an array of integers, then the time the call decided at (now). Three per
+-- Reply: integers, then the time the call decided at (now), packed as one string
+--        of little-endian doubles, 8 bytes each (Lua's numbers as they are; sluice
+--        truncates each toward zero, as Redis does an integer reply). Three per
 --        limit of each request (four when its limits carry a `+<want>`: then the
 --        units taken beyond the cost last): remaining,
 --        reset_us, and the limit's decision: the µs it makes the request wait (>= 0)
 --        if it admits, else -(retry_after_us + 1). A request is admitted if all of
 --        its limits not on trial admit (an algorithm that admits has no retry_after, one that
---        refuses no wait). Few integers: each costs sluice's Redis client far more
---        to read than it costs here.
+--        refuses no wait). Packed, the reply is one value for Redis to send and
+--        for sluice's Redis client to read; an array costs both a value a number.
 local now, refunding, forcing
 local time = ARGV[1]
 local mode = string.sub(time, 1, 1)
@@ -201,4 +203,10 @@ if repeats then
   flush(now)
 end
 out[o + 1] = now
-return out
+-- `unpack` takes a bounded number of values: packed 200 at a time.
+local packed = {}
+for i = 1, #out, 200 do
+  local last = math.min(#out, i + 199)
+  packed[#packed + 1] = struct.pack('<' .. string.rep('d', last - i + 1), unpack(out, i, last))
+end
+return table.concat(packed)

@@ -158,13 +158,13 @@ fn spawn_prober(
             // just checks that Redis answers.
             let answer = if open {
                 match shared
-                    .call::<Vec<i64>, _>(CallKind::Probe, &probe, within)
+                    .call::<super::Numbers, _>(CallKind::Probe, &probe, within)
                     .await
                 {
-                    Ok(reply) if reply.len() == 1 => Ok(()),
+                    Ok(reply) if reply.0.len() == 1 => Ok(()),
                     Ok(reply) => Err(Error::Unavailable(format!(
                         "limiter script answered {} numbers for 0 requests (1 expected)",
-                        reply.len()
+                        reply.0.len()
                     ))),
                     Err(e) => Err(e),
                 }

@@ -14,7 +14,7 @@ pub mod scripts;
 pub mod sentinel;
 
 pub use conn::{Shared, Target};
-pub use scripts::{Eval, Request, Script};
+pub use scripts::{Eval, Numbers, Request, Script};
 pub use sentinel::{PrimaryUrl, SentinelTarget};
 
 /// What a call to Redis (or the store built on it) ended with, when not an answer.

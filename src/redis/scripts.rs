@@ -3,7 +3,7 @@
 //! and caches it in one step. (SCRIPT LOAD, then EVALSHA again, fails when another
 //! flush lands between the two.)
 
-use ::redis::{Arg, Cmd, ToRedisArgs};
+use ::redis::{Arg, Cmd, FromRedisValue, ParsingError, ToRedisArgs, Value};
 
 /// A Lua script and its SHA1.
 pub struct Script {
@@ -43,6 +43,45 @@ impl Script {
     /// `SCRIPT LOAD` of this script (on a cluster, on every primary).
     pub(super) fn load(&self) -> ::redis::ScriptInvocation<'_> {
         self.code.prepare_invoke()
+    }
+}
+
+/// A script's reply of numbers, sent packed: one string of little-endian doubles,
+/// 8 bytes each (`struct.pack('<d...', ...)` in the script), which Redis sends and
+/// the client reads as one value, where an array of integers costs a value each on
+/// both sides. Each number is truncated toward zero, as Redis turns a Lua number
+/// into an integer reply. An array of integers is read too.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Numbers(pub Vec<i64>);
+
+impl Numbers {
+    /// `packed`, 8 bytes a number: None if its length is not a multiple of 8.
+    pub fn unpack(packed: &[u8]) -> Option<Numbers> {
+        if packed.len() % 8 != 0 {
+            return None;
+        }
+        let numbers = packed
+            .chunks_exact(8)
+            .map(|d| {
+                let d: [u8; 8] = d.try_into().unwrap_or_default();
+                f64::from_le_bytes(d) as i64
+            })
+            .collect();
+        Some(Numbers(numbers))
+    }
+}
+
+impl FromRedisValue for Numbers {
+    fn from_redis_value(v: Value) -> Result<Self, ParsingError> {
+        match v {
+            Value::BulkString(packed) => Numbers::unpack(&packed).ok_or_else(|| {
+                ParsingError::from(format!(
+                    "{} bytes are not numbers packed 8 bytes each",
+                    packed.len()
+                ))
+            }),
+            v => Vec::<i64>::from_redis_value(v).map(Numbers),
+        }
     }
 }
 
@@ -120,5 +159,24 @@ mod tests {
             .arg("k")
             .arg(7);
         assert_eq!(eval, want.get_packed_command());
+    }
+
+    #[test]
+    fn numbers_are_read_packed_as_redis_would_read_them_as_integers() {
+        let sent = [0.0, 3.0, -1.0, 1_764_340_000_123_456.0, 2.9, -2.9, -1e3];
+        let packed: Vec<u8> = sent.iter().flat_map(|d: &f64| d.to_le_bytes()).collect();
+        let want = vec![0, 3, -1, 1_764_340_000_123_456, 2, -2, -1000];
+        let read = Numbers::from_redis_value(Value::BulkString(packed.clone())).unwrap();
+        assert_eq!(read, Numbers(want.clone()));
+        // The same numbers as an array of integers.
+        let array = Value::Array(want.iter().map(|&n| Value::Int(n)).collect());
+        assert_eq!(Numbers::from_redis_value(array).unwrap(), Numbers(want));
+        assert_eq!(
+            Numbers::from_redis_value(Value::BulkString(Vec::new())).unwrap(),
+            Numbers(Vec::new())
+        );
+        // Not a whole number of doubles.
+        let cut = Value::BulkString(packed[..packed.len() - 3].to_vec());
+        assert!(Numbers::from_redis_value(cut).is_err());
     }
 }

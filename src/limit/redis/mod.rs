@@ -25,7 +25,7 @@ use self::refusals::{fingerprint, RefusalCache};
 use super::reserve::{Reserves, RESERVE_ENTRIES};
 use super::{Checked, Clock, Permit, Plan, Share, StoreError, Verdict};
 use crate::redis::batch::{self, Batch};
-use crate::redis::{Shared, Target};
+use crate::redis::{Numbers, Shared, Target};
 use crate::telemetry::metrics::{CallKind, StoreCalls};
 
 /// How long a take (`reserve`) may wait for Redis' answer, whatever the request's
@@ -760,7 +760,8 @@ impl Inner {
             Time::Anyway(_) => CallKind::Charge,
         };
         let call = script_call(&LIMITER, parts, at);
-        self.redis.call(kind, &call, within).await
+        let reply = self.redis.call::<Numbers, _>(kind, &call, within).await?;
+        Ok(reply.0)
     }
 }
 
