@@ -57,7 +57,7 @@ pub struct Numbers(pub Vec<i64>);
 impl Numbers {
     /// `packed`, 8 bytes a number: None if its length is not a multiple of 8.
     pub fn unpack(packed: &[u8]) -> Option<Numbers> {
-        if packed.len() % 8 != 0 {
+        if !packed.len().is_multiple_of(8) {
             return None;
         }
         let numbers = packed
