@@ -719,6 +719,39 @@ fn calendar_months_agree_with_algo() {
     assert!(ttl <= full && ttl > full - 10_000, "{ttl}");
 }
 
+/// A state written in its window's last microsecond is still in Redis for the next
+/// request a moment later (real time), whatever the driven clock says: its TTL is at
+/// least a second, not the 2 ms left of its window. (With the 2 ms, a test run beside
+/// a compiler sometimes found the key gone and the request admitted afresh; here the
+/// moment is 20 ms, always past 2 ms.) The same driven time both times: the state
+/// still decides, and refuses.
+#[test]
+fn a_state_written_at_its_windows_end_outlives_a_short_stall() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let store = connect(&rt, RedisTarget::Url(redis.url()), 0);
+    let mut conn = redis.connection().unwrap();
+    let plan = one(
+        "w",
+        Algorithm::FixedWindow {
+            limit: 1,
+            window_us: S,
+        },
+        1,
+    );
+    let key = store.keys("end", "k", &plan).remove(0);
+    // The last µs of a one-second window.
+    let now = 1_802_260_801 * S - 1;
+    let first = rt.block_on(store.check_at("end", "k", &plan, now)).unwrap();
+    assert!(first.allowed);
+    let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).unwrap();
+    assert!(ttl > 900 && ttl <= 1_000, "{ttl}");
+    std::thread::sleep(Duration::from_millis(20));
+    let second = rt.block_on(store.check_at("end", "k", &plan, now)).unwrap();
+    assert!(!second.allowed, "{second:?}");
+    assert_eq!(second.outcomes[0].retry_after_us, 1);
+}
+
 /// The sliding window's doubles, state by state: every (prev, curr) up to the limit
 /// at two offsets into windows whose divisions are inexact, written straight into
 /// Redis and decided by the script and by `algo`. Among these states are some where
