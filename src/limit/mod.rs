@@ -305,6 +305,25 @@ impl From<Vec<Outcome>> for Outcomes {
     }
 }
 
+/// One outcome held inline, more in a `Vec`.
+impl FromIterator<Outcome> for Outcomes {
+    fn from_iter<I: IntoIterator<Item = Outcome>>(iter: I) -> Outcomes {
+        let mut iter = iter.into_iter();
+        let Some(first) = iter.next() else {
+            return Outcomes::Many(Vec::new());
+        };
+        match iter.next() {
+            None => Outcomes::One(first),
+            Some(second) => {
+                let mut all = Vec::with_capacity(2 + iter.size_hint().0);
+                all.extend([first, second]);
+                all.extend(iter);
+                Outcomes::Many(all)
+            }
+        }
+    }
+}
+
 impl From<Outcome> for Outcomes {
     fn from(o: Outcome) -> Outcomes {
         Outcomes::One(o)
@@ -451,6 +470,26 @@ mod tests {
             }
         }
         permits.len()
+    }
+
+    #[test]
+    fn outcomes_collected_keep_one_inline_and_every_one_in_order() {
+        let outcome = |remaining| Outcome {
+            allowed: true,
+            quota: 10,
+            remaining,
+            reset_us: 1,
+            retry_after_us: 0,
+            delay_us: 0,
+        };
+        let none: Outcomes = std::iter::empty().collect();
+        assert!(matches!(&none, Outcomes::Many(v) if v.is_empty()));
+        let one: Outcomes = [outcome(7)].into_iter().collect();
+        assert!(matches!(one, Outcomes::One(ref o) if o.remaining == 7));
+        let three: Outcomes = (1..=3).map(outcome).collect();
+        let remaining: Vec<u64> = three.iter().map(|o| o.remaining).collect();
+        assert!(matches!(three, Outcomes::Many(_)));
+        assert_eq!(remaining, [1, 2, 3]);
     }
 
     #[test]

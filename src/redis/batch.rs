@@ -15,8 +15,31 @@ use super::Error;
 /// and 64 requests with one limit each take it about 0.5 ms.
 const BATCH_MAX: usize = 64;
 
-/// A call's reply to one request: its integers, and the time the call decided at.
+/// A call's reply: its integers, and the time the call decided at.
 pub type Reply = Result<(Vec<i64>, u64), Error>;
+
+/// One request's integers of a call's reply: its own call's, or its share of a call
+/// the requests waiting together made (one reply for them all, not a copy each).
+#[derive(Debug, Clone)]
+pub enum Answer {
+    Own(Vec<i64>),
+    Shared(Arc<Vec<i64>>, std::ops::Range<usize>),
+}
+
+impl std::ops::Deref for Answer {
+    type Target = [i64];
+
+    fn deref(&self) -> &[i64] {
+        match self {
+            Answer::Own(v) => v,
+            Answer::Shared(all, at) => &all[at.clone()],
+        }
+    }
+}
+
+/// What a request waiting in a batch is answered: its integers of the call's reply,
+/// and the time the call decided at.
+pub type Answered = Result<(Answer, u64), Error>;
 
 /// Who sends a batch: one call for the parts in order, answering `reply_len`
 /// integers for each, in order, then the time it decided at.
@@ -44,7 +67,7 @@ struct Queue<P> {
 /// A request waiting for a script call, and where its reply goes.
 struct Queued<P> {
     part: P,
-    reply: oneshot::Sender<Reply>,
+    reply: oneshot::Sender<Answered>,
 }
 
 impl<P> Default for Batch<P> {
@@ -66,7 +89,7 @@ impl<P> Batch<P> {
     }
 
     /// Queues `part`; its reply comes on the receiver (closed if the batch is).
-    pub fn push(&self, part: P) -> oneshot::Receiver<Reply> {
+    pub fn push(&self, part: P) -> oneshot::Receiver<Answered> {
         let (reply, rx) = oneshot::channel();
         let wake = {
             let mut queue = self.lock();
@@ -124,10 +147,12 @@ pub async fn dispatch<S: Sender>(sender: Weak<S>, batch: Arc<Batch<S::Part>>) {
         drop(s);
         match result {
             Ok((reply, now)) => {
+                let reply = Arc::new(reply);
                 let mut at = 0;
                 for q in sending.drain(..) {
                     let n = S::reply_len(&q.part);
-                    let _ = q.reply.send(Ok((reply[at..at + n].to_vec(), now)));
+                    let share = Answer::Shared(reply.clone(), at..at + n);
+                    let _ = q.reply.send(Ok((share, now)));
                     at += n;
                 }
             }

@@ -4,7 +4,7 @@
 
 use std::sync::LazyLock;
 
-use crate::limit::{Algorithm, LimitDef, Outcome, Plan, StoreError, Verdict};
+use crate::limit::{Algorithm, LimitDef, Outcome, Outcomes, Plan, StoreError, Verdict};
 use crate::redis::{Eval, Script};
 
 /// The whole script: the algorithms, then the runner that calls them. Loaded once
@@ -325,7 +325,7 @@ pub(super) fn verdict(plan: &Plan, reply: &[i64]) -> Result<Verdict, StoreError>
         )));
     }
     let u = |v: i64| u64::try_from(v).unwrap_or(0);
-    let outcomes: Vec<Outcome> = plan
+    let outcomes: Outcomes = plan
         .limits
         .iter()
         .zip(reply.chunks_exact(REPLY_PER_LIMIT))

@@ -24,7 +24,7 @@ pub use self::refusals::REFUSAL_CACHE_ENTRIES;
 use self::refusals::{fingerprint, RefusalCache};
 use super::reserve::{Reserves, RESERVE_ENTRIES};
 use super::{Checked, Clock, Permit, Plan, Share, StoreError, Verdict};
-use crate::redis::batch::{self, Batch};
+use crate::redis::batch::{self, Answer, Batch};
 use crate::redis::{Numbers, Shared, Target};
 use crate::telemetry::metrics::{CallKind, StoreCalls};
 
@@ -706,14 +706,17 @@ impl Inner {
     /// server (`crate::redis::batch`), in a call of its own on a cluster. Bounded by
     /// `within` (the timeout; a take's `TAKE_WITHIN`), the wait for a shared call
     /// included.
-    async fn ask(&self, part: Part, within: Duration) -> Result<(Vec<i64>, u64), StoreError> {
+    async fn ask(&self, part: Part, within: Duration) -> Result<(Answer, u64), StoreError> {
         Ok(match &self.batch {
             Some(batch) => match tokio::time::timeout(within, batch.push(part)).await {
                 Ok(Ok(reply)) => reply?,
                 Ok(Err(_)) => return Err(StoreError::Unavailable("store closed".into())),
                 Err(_) => return Err(StoreError::Timeout),
             },
-            None => self.decide(&[&part], self.now_us(), within).await?,
+            None => {
+                let (reply, now) = self.decide(&[&part], self.now_us(), within).await?;
+                (Answer::Own(reply), now)
+            }
         })
     }
 
