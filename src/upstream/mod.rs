@@ -724,6 +724,8 @@ impl Upstream {
         // The target's authority (HTTP/2 `:authority`, HTTP/1.1 absolute-form) wins
         // over `Host`, as in routing (RFC 9112 §3.2.2, RFC 9113 §8.3.1): otherwise a
         // client could be routed by one host and served by another.
+        // (Without an authority, the `Host` sent is the client's, where it stands.)
+        let host_is_the_field = parts.uri.authority().is_none();
         let host = parts
             .uri
             .authority()
@@ -753,7 +755,7 @@ impl Upstream {
             parts.headers.remove(&HTTP2_SETTINGS);
         }
         let accepts_trailers = te_has_trailers(&parts.headers);
-        strip_hop_by_hop(&mut parts.headers);
+        let named_gone = strip_hop_by_hop(&mut parts.headers);
         if accepts_trailers {
             // TE is hop-by-hop, but without it the upstream drops its trailers:
             // say for ourselves that we pass them on (RFC 9110 §10.1.4).
@@ -768,8 +770,15 @@ impl Upstream {
             parts.headers.insert(header::UPGRADE, proto);
         }
         let mut fwd = forwarded(&mut parts.headers, origin, host.as_ref());
-        if let Some(h) = back_host(&host, target) {
-            parts.headers.insert(header::HOST, h);
+        // The client's `Host` is in the map already, where it came (`admit` lets one
+        // through at most): inserted again, it would cost a hashed lookup to change
+        // nothing. Unless its `Connection` named it, and it went with the hop-by-hop
+        // fields.
+        let host_stays = host_is_the_field && host.is_some() && !named_gone;
+        if !host_stays {
+            if let Some(h) = back_host(&host, target) {
+                parts.headers.insert(header::HOST, h);
+            }
         }
 
         // A failure of the client's body (a stall too) carries its mark through the
@@ -1401,7 +1410,9 @@ fn any_of(h: &HeaderMap, names: &[HeaderName]) -> bool {
     h.keys().any(|k| names.contains(k))
 }
 
-pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+/// Takes the hop-by-hop fields out of `h`, and those its `Connection` names: whether
+/// any of the latter was there.
+pub fn strip_hop_by_hop(h: &mut HeaderMap) -> bool {
     // One pass over the names: which of the list are there (most messages have
     // none, or only `Connection`), and nothing is removed that is not.
     let mut present = 0u8;
@@ -1411,7 +1422,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
         }
     }
     if present == 0 {
-        return;
+        return false;
     }
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and a request with
     // both must lose its Content-Length before it is passed on (hyper's server has
@@ -1422,6 +1433,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
     // The fields `Connection` names, those of them the message has (usually none:
     // its tokens are `keep-alive` or `close`).
+    let mut named_gone = false;
     if present & (1 << CONNECTION_AT) != 0 && Connection::names_fields(h) {
         let connection = h.get_all(header::CONNECTION);
         let named = |k: &HeaderName| lists(&connection, k.as_str().as_bytes());
@@ -1433,12 +1445,14 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
         for n in &gone {
             h.remove(n);
         }
+        named_gone = !gone.is_empty();
     }
     for (i, n) in HOP_BY_HOP.iter().enumerate() {
         if present & (1 << i) != 0 {
             h.remove(n);
         }
     }
+    named_gone
 }
 
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");

@@ -87,6 +87,40 @@ async fn the_upstream_sees_what_the_client_sent_plus_forwarding_headers() {
     assert_eq!(e.all("x-multi"), ["one", "two"]);
 }
 
+/// The client's `Host` goes on where it came, once; and a `Host` its `Connection`
+/// names (a hop-by-hop field by that naming, taken out) is given back, as when none
+/// came: the upstream always gets the one the client asked for.
+#[tokio::test]
+async fn the_clients_host_reaches_the_upstream_once_even_when_connection_names_it() {
+    let up = upstream().await;
+    let gw = proxy_to(&[up.url()]).await;
+    let c = http1();
+    let names = |e: &Echo| -> Vec<String> { e.headers.iter().map(|(k, _)| k.clone()).collect() };
+    let plain = c
+        .get(
+            &url(gw.addr, "/"),
+            &[("host", "app.example.com"), ("x-a", "1")],
+        )
+        .await
+        .echo();
+    assert_eq!(plain.all("host"), ["app.example.com"]);
+    assert_eq!(names(&plain)[..2], ["host", "x-a"]);
+    let named = c
+        .get(
+            &url(gw.addr, "/"),
+            &[
+                ("host", "app.example.com"),
+                ("connection", "host"),
+                ("x-a", "1"),
+            ],
+        )
+        .await
+        .echo();
+    assert_eq!(named.all("host"), ["app.example.com"]);
+    assert_eq!(named.header("connection"), None);
+    assert_eq!(named.header("x-a"), Some("1"));
+}
+
 #[tokio::test]
 async fn direct_and_proxied_requests_look_the_same() {
     // hyper's own proxy tests do this: the same request straight to the upstream
