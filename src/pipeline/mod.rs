@@ -533,7 +533,10 @@ async fn pass<'a>(
         let limit_key = (&k.spec, k.ns.as_str(), k.fallback_ns.as_str());
         others.push(client_key(ctx, route, limit_key, parts, bytes, line)?);
     }
-    if declared_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
+    // (A request with no body has no length over the limit: HTTP/1's server makes
+    // one of a `Content-Length` of 0 or none, not worth looking up again.)
+    let no_body = matches!(body, ClientBody::Empty);
+    if !no_body && declared_length(&parts.headers).is_some_and(|n| n > rt.max_request_body) {
         return Err(Refusal::TooLarge(rt.max_request_body));
     }
     let claims = parts
