@@ -48,7 +48,9 @@ pub(crate) struct ResponseHead {
 
 /// The request head at the start of `buf`, its fields' `[name_start, name_end,
 /// value_start, value_end]` in `fields` (emptied first); `Ok(None)` while it may
-/// still come whole.
+/// still come whole. (Not inlined: the codec's functions around it stay as small
+/// as they were around httparse's call, and are inlined as they were.)
+#[inline(never)]
 pub(crate) fn request(buf: &[u8], fields: &mut Vec<[usize; 4]>) -> Step<RequestHead> {
     fields.clear();
     let Some(at) = skip_empty_lines(buf)? else {
@@ -78,6 +80,7 @@ pub(crate) fn request(buf: &[u8], fields: &mut Vec<[usize; 4]>) -> Step<RequestH
 }
 
 /// The response head at the start of `buf`, as `request` reads a request's.
+#[inline(never)]
 pub(crate) fn response(buf: &[u8], fields: &mut Vec<[usize; 4]>) -> Step<ResponseHead> {
     fields.clear();
     let Some(at) = skip_empty_lines(buf)? else {
@@ -111,8 +114,8 @@ pub(crate) fn response(buf: &[u8], fields: &mut Vec<[usize; 4]>) -> Step<Respons
             let Some(next) = line_end(buf, end)? else {
                 return Ok(None);
             };
-            let reason = &buf[start..end];
-            if reason.is_ascii() {
+            // (Most often two or three bytes: no call to `is_ascii`.)
+            if buf[start..end].iter().all(|&b| b < 0x80) {
                 (start..end, next)
             } else {
                 (start..start, next)
@@ -188,18 +191,27 @@ fn target(buf: &[u8], at: usize) -> Step<Range<usize>> {
     let end = target_run(buf, at);
     match buf.get(end) {
         None => Ok(None),
-        Some(b' ') if end > at && std::str::from_utf8(&buf[at..end]).is_ok() => Ok(Some(at..end)),
+        Some(b' ') if end > at && utf8(&buf[at..end]) => Ok(Some(at..end)),
         Some(_) => Err(HeadError::Malformed),
     }
+}
+
+/// Whether `bytes` are UTF-8, ASCII the most often.
+fn utf8(bytes: &[u8]) -> bool {
+    bytes.is_ascii() || std::str::from_utf8(bytes).is_ok()
 }
 
 /// The minor version of the `HTTP/1.0` or `HTTP/1.1` at `at` (eight bytes). With
 /// fewer in the buffer, those there must begin `HTTP/1.`.
 fn version(buf: &[u8], at: usize) -> Step<u8> {
-    match buf.get(at..at + 8) {
-        Some(b"HTTP/1.1") => Ok(Some(1)),
-        Some(b"HTTP/1.0") => Ok(Some(0)),
-        Some(_) => Err(HeadError::Malformed),
+    const HTTP_11: u64 = u64::from_le_bytes(*b"HTTP/1.1");
+    const HTTP_10: u64 = u64::from_le_bytes(*b"HTTP/1.0");
+    match buf.get(at..).and_then(<[u8]>::first_chunk::<8>) {
+        Some(&word) => match u64::from_le_bytes(word) {
+            HTTP_11 => Ok(Some(1)),
+            HTTP_10 => Ok(Some(0)),
+            _ => Err(HeadError::Malformed),
+        },
         None => {
             let some = &buf[at.min(buf.len())..];
             if b"HTTP/1.".starts_with(some) {
@@ -216,45 +228,45 @@ fn version(buf: &[u8], at: usize) -> Step<u8> {
 /// white space before its colon.
 fn field_lines(buf: &[u8], mut at: usize, fields: &mut Vec<[usize; 4]>) -> Step<usize> {
     loop {
-        let name = at;
-        match buf.get(at) {
-            Some(b'\r' | b'\n') => return line_end(buf, at),
-            Some(_) => {}
-            None => return Ok(None),
-        }
         let name_end = token_run(buf, at);
-        match buf.get(name_end) {
-            Some(b':') if name_end > name => {}
-            Some(_) => return Err(HeadError::Malformed),
-            None => return Ok(None),
-        }
-        at = name_end + 1;
-        while let Some(b' ' | b'\t') = buf.get(at) {
-            at += 1;
-        }
-        let value = at;
-        let mut value_end = at;
-        match buf.get(at) {
-            // Empty: where the line ends (httparse's place for it).
-            Some(b'\r' | b'\n') => {}
-            Some(&b) if VALUE[usize::from(b)] => {
-                value_end = value_run(buf, at + 1);
-                at = value_end;
-                // The last byte of the value not white space: its first is not.
-                while let b' ' | b'\t' = buf[value_end - 1] {
-                    value_end -= 1;
-                }
-            }
-            Some(_) => return Err(HeadError::Malformed),
-            None => return Ok(None),
-        }
-        let Some(next) = line_end(buf, at)? else {
+        let Some(&colon) = buf.get(name_end) else {
             return Ok(None);
         };
+        if colon != b':' || name_end == at {
+            // The empty line that ends the head, or a line no field starts.
+            return match colon {
+                b'\r' | b'\n' if name_end == at => line_end(buf, at),
+                _ => Err(HeadError::Malformed),
+            };
+        }
+        // The value with the white space around it (SP and HTAB are value bytes
+        // too), then without.
+        let after = name_end + 1;
+        let end = value_run(buf, after);
+        let next = match (buf.get(end), buf.get(end + 1)) {
+            (Some(b'\r'), Some(b'\n')) => end + 2,
+            (Some(b'\n'), _) => end + 1,
+            (None, _) | (Some(b'\r'), None) => return Ok(None),
+            _ => return Err(HeadError::Malformed),
+        };
+        // White space before the value (up to the line's end at the latest).
+        let mut value = after;
+        while buf.get(value).is_some_and(|&b| b == b' ' || b == b'\t') {
+            value += 1;
+        }
+        // (None but white space: empty, where the line ends, as httparse has it.)
+        let mut value_end = end;
+        while value_end > value
+            && buf
+                .get(value_end - 1)
+                .is_some_and(|&b| b == b' ' || b == b'\t')
+        {
+            value_end -= 1;
+        }
         if fields.len() == MAX_FIELDS {
             return Err(HeadError::TooManyFields);
         }
-        fields.push([name, name_end, value, value_end]);
+        fields.push([at, name_end, value, value_end]);
         at = next;
     }
 }
@@ -291,64 +303,89 @@ static TARGET: [bool; 256] = byte_class!(b => b > b' ' && b != 0x7F);
 
 /// Where the token bytes from `at` end.
 fn token_run(buf: &[u8], at: usize) -> usize {
-    let rest = buf.get(at..).unwrap_or_default();
-    at + rest
-        .iter()
-        .position(|&b| !TOKEN[usize::from(b)])
+    match buf.get(at..) {
+        Some(rest) => at + token_len(rest),
+        None => at,
+    }
+}
+
+/// How many token bytes `bytes` starts with, looked at eight to a step.
+fn token_len(bytes: &[u8]) -> usize {
+    let mut rest = bytes;
+    while let Some((word, more)) = rest.split_first_chunk::<8>() {
+        if let Some(i) = word.iter().position(|&b| !TOKEN[usize::from(b)]) {
+            return bytes.len() - rest.len() + i;
+        }
+        rest = more;
+    }
+    bytes.len() - rest.len() + run(rest, &TOKEN)
+}
+
+/// How many bytes `rest` starts with that are in `class`.
+fn run(rest: &[u8], class: &[bool; 256]) -> usize {
+    rest.iter()
+        .position(|&b| !class[usize::from(b)])
         .unwrap_or(rest.len())
 }
 
 /// Each byte of a word holding 1.
 const ONES: u64 = u64::from_le_bytes([1; 8]);
+/// Each byte's low seven bits.
+const LOWS: u64 = ONES * 0x7F;
 /// Each byte's high bit.
 const HIGHS: u64 = ONES << 7;
 
-/// The high bit set in (at least) the first byte of `word` (in memory order)
-/// below `n` or equal to DEL, and none before it. Bytes of 0x80 and above are
-/// neither. (A borrow may mark bytes after the first wrongly, never one before.)
+/// The high bit set in each byte of `word` (in memory order, from the low end)
+/// below `n` (at most 0x7F) or equal to DEL, and only there: bytes of 0x80 and
+/// above are neither.
 fn below_or_del(word: u64, n: u8) -> u64 {
-    let below = word.wrapping_sub(ONES * u64::from(n)) & !word;
-    let del = word ^ (ONES * 0x7F);
-    let del = del.wrapping_sub(ONES) & !del;
-    (below | del) & HIGHS
+    // Each byte's low seven bits plus one, DEL's coming to 0 (no carry leaves a
+    // byte); past `n` once more and the high bit says "at least `n`", again
+    // without a carry.
+    let up = ((word & LOWS) + ONES) & LOWS;
+    let at_least = up + ONES * u64::from(0x7F - n);
+    !(at_least | word) & HIGHS
 }
 
-/// Where the value bytes from `at` end: eight at a time while none is a tab, a
-/// control byte or DEL (a tab is stepped over; anything else ends the run).
-fn value_run(buf: &[u8], mut at: usize) -> usize {
-    while let Some(word) = buf.get(at..).and_then(<[u8]>::first_chunk::<8>) {
+/// Where the value bytes from `at` end.
+fn value_run(buf: &[u8], at: usize) -> usize {
+    match buf.get(at..) {
+        Some(rest) => at + value_len(rest),
+        None => at,
+    }
+}
+
+/// How many value bytes (HTAB, SP, VCHAR, obs-text) `bytes` starts with: eight at
+/// a time while none is a tab, another control byte or DEL (a tab is stepped
+/// over).
+fn value_len(bytes: &[u8]) -> usize {
+    let mut rest = bytes;
+    while let Some((word, more)) = rest.split_first_chunk::<8>() {
         let stops = below_or_del(u64::from_le_bytes(*word), b' ');
         if stops == 0 {
-            at += 8;
+            rest = more;
             continue;
         }
-        at += (stops.trailing_zeros() / 8) as usize;
-        if buf[at] != b'\t' {
-            return at;
+        let i = (stops.trailing_zeros() / 8) as usize;
+        if word.get(i) != Some(&b'\t') {
+            return bytes.len() - rest.len() + i;
         }
-        at += 1;
+        rest = rest.get(i + 1..).unwrap_or_default();
     }
-    let rest = buf.get(at..).unwrap_or_default();
-    at + rest
-        .iter()
-        .position(|&b| !VALUE[usize::from(b)])
-        .unwrap_or(rest.len())
+    bytes.len() - rest.len() + run(rest, &VALUE)
 }
 
-/// Where the target bytes from `at` end, eight at a time.
-fn target_run(buf: &[u8], mut at: usize) -> usize {
-    while let Some(word) = buf.get(at..).and_then(<[u8]>::first_chunk::<8>) {
+/// Where the target bytes from `at` end (VCHAR, obs-text), eight at a time.
+fn target_run(buf: &[u8], at: usize) -> usize {
+    let mut rest = buf.get(at..).unwrap_or_default();
+    while let Some((word, more)) = rest.split_first_chunk::<8>() {
         let stops = below_or_del(u64::from_le_bytes(*word), b'!');
         if stops != 0 {
-            return at + (stops.trailing_zeros() / 8) as usize;
+            return buf.len() - rest.len() + (stops.trailing_zeros() / 8) as usize;
         }
-        at += 8;
+        rest = more;
     }
-    let rest = buf.get(at..).unwrap_or_default();
-    at + rest
-        .iter()
-        .position(|&b| !TARGET[usize::from(b)])
-        .unwrap_or(rest.len())
+    buf.len() - rest.len() + run(rest, &TARGET)
 }
 
 #[cfg(test)]
@@ -601,6 +638,28 @@ mod tests {
             heads.push(with_fields("HTTP/1.1 200 OK\r\n", n));
         }
         heads
+    }
+
+    /// Every byte, next to every byte, in each place of a word: marked exactly when
+    /// it is below the bound or DEL, whatever its neighbours are.
+    #[test]
+    fn below_or_del_marks_exactly_the_bytes_below_the_bound_and_del() {
+        for n in [b' ', b'!'] {
+            for a in 0..=255u8 {
+                for b in 0..=255u8 {
+                    for at in 0..7 {
+                        let mut word = [b'x'; 8];
+                        word[at] = a;
+                        word[at + 1] = b;
+                        let got = below_or_del(u64::from_le_bytes(word), n);
+                        let want = word.iter().enumerate().fold(0u64, |marks, (i, &c)| {
+                            marks | (u64::from(c < n || c == 0x7F) << (8 * i + 7))
+                        });
+                        assert_eq!(got, want, "{n:#x} {word:x?}");
+                    }
+                }
+            }
+        }
     }
 
     /// Bytes the grammar treats apart, and a letter.
