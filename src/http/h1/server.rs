@@ -7,7 +7,6 @@
 //! came.
 
 use std::future::Future;
-use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -27,8 +26,8 @@ use crate::http::fields::AddedFields;
 use crate::http::h1::decode::Decoder;
 use crate::http::h1::framing::{
     connection, decimal, has_token, last_is_chunked, may_trail, value_length, Connection,
-    MAX_FIELDS,
 };
+use crate::http::h1::head::{self, HeadError, RequestHead};
 use crate::http::h1::request_body::{poll_read_buf, Inflow, Settled};
 use crate::http::h1::upstream::{parsed_value, Names, RawFields};
 use crate::http::request::ClientBody;
@@ -519,31 +518,25 @@ fn parse(
     max_head: usize,
 ) -> Parsed {
     const BAD: Parsed = Parsed::Bad(StatusCode::BAD_REQUEST);
-    // Filled by httparse before anything reads them (as hyper does).
-    let mut parsed = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_FIELDS];
-    spans.clear();
-    let mut req = httparse::Request::new(&mut []);
     let bytes: &[u8] = buf.as_ref();
-    let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
-        &mut req,
-        bytes,
-        &mut parsed,
-    ) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) if bytes.len() < max_head => return Parsed::Partial,
+    let RequestHead {
+        len,
+        method,
+        target,
+        minor,
+    } = match head::request(bytes, spans) {
+        Ok(Some(head)) => head,
+        Ok(None) if bytes.len() < max_head => return Parsed::Partial,
         // Over the limit: 431 at once from what is buffered.
-        Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
+        Ok(None) | Err(HeadError::TooManyFields) => {
             return Parsed::Bad(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE)
         }
-        Err(_) => return BAD,
+        Err(HeadError::Malformed) => return BAD,
     };
     if len > max_head {
         return Parsed::Bad(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
     }
-    let (Some(method), Some(path), Some(minor)) = (req.method, req.path, req.version) else {
-        return BAD;
-    };
-    if path.len() > MAX_URI_LEN {
+    if target.len() > MAX_URI_LEN {
         return Parsed::Bad(StatusCode::URI_TOO_LONG);
     }
     let version = if minor == 1 {
@@ -552,13 +545,9 @@ fn parse(
         Version::HTTP_10
     };
     let http11 = version == Version::HTTP_11;
-    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+    let Ok(method) = Method::from_bytes(&bytes[method]) else {
         return BAD;
     };
-    let base = bytes.as_ptr() as usize;
-    let offset = |s: &[u8]| s.as_ptr() as usize - base;
-    let path_at = offset(path.as_bytes());
-    let path_span = (path_at, path_at + path.len());
     let mut connection = Connection::default();
     let mut trailers = false;
     // Framing as RFC 9112 §6.3 and hyper have it: chunked if the last
@@ -573,10 +562,10 @@ fn parse(
     let mut codings = 0usize;
     let mut expect = false;
     let mut upgrade = method == Method::CONNECT;
-    let n = req.headers.len();
-    for h in req.headers.iter() {
-        let name = h.name.as_bytes();
-        let value = h.value;
+    let n = spans.len();
+    for &[name_start, name_end, value_start, value_end] in spans.iter() {
+        let name = &bytes[name_start..name_end];
+        let value = &bytes[value_start..value_end];
         if name.eq_ignore_ascii_case(b"content-length") {
             saw_length = true;
             if !te {
@@ -606,9 +595,6 @@ fn parse(
         } else if name.eq_ignore_ascii_case(b"upgrade") {
             upgrade = http11;
         }
-        let at = offset(name);
-        let v = offset(value);
-        spans.push([at, at + name.len(), v, v + value.len()]);
     }
     // As hyper: once any line asks to close, a later keep-alive does not undo it.
     let mut keep_alive = connection.persists(http11);
@@ -630,9 +616,9 @@ fn parse(
         _ => RequestFraming::None,
     };
     let head = buf.split_to(len).freeze();
-    let uri = match Uri::from_maybe_shared(head.slice(path_span.0..path_span.1)) {
+    let uri = match Uri::from_maybe_shared(head.slice(target.clone())) {
         Ok(uri) => uri,
-        Err(_) => match encoded_target(&head[path_span.0..path_span.1]) {
+        Err(_) => match encoded_target(&head[target]) {
             Some(uri) => uri,
             None => return Parsed::BadHead(head),
         },

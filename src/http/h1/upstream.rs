@@ -1,6 +1,6 @@
 //! HTTP/1.1 to upstreams, spoken in the request's own task: the request head is
 //! written from the request's `HeaderMap`, the body streamed after it, the response
-//! head read with `httparse` and its body decoded as the client reads it. No
+//! head read with the head scanner (`head`) and its body decoded as the client reads it. No
 //! connection task, no channel between the request and its connection, and one
 //! buffer per connection (pingora's route, instead of hyper's client).
 //!
@@ -26,8 +26,9 @@ pub(crate) use super::decode::Source;
 pub use super::decode::{Chunk, Decoder};
 use super::framing::{
     check_buffered_chunks, content_length, items, may_trail, Connection, FramingError, Length,
-    MAX_FIELDS, MAX_HEAD,
+    MAX_HEAD,
 };
+use super::head::{self, HeadError, ResponseHead};
 use super::pooled::Reading;
 use crate::http::body::{Body, BoxError};
 use crate::http::transport::{Connector, Link, Stream};
@@ -76,13 +77,14 @@ pub struct Conn {
     pub(crate) reading: Reading,
 }
 
-/// A field value as httparse parsed it (with its default configuration), not
-/// checked byte by byte again where that cannot find anything.
+/// A field value as the head scanner (`head`) found it, not checked byte by byte
+/// again where that cannot find anything.
 pub(crate) fn parsed_value(value: Bytes) -> Result<HeaderValue, header::InvalidHeaderValue> {
     if value.is_ascii() {
-        // SAFETY: httparse takes into a value only `\t`, ` `..=`~` and
-        // 0x80..=0xFF, exactly the bytes a `HeaderValue` may hold; this one is ASCII,
-        // so valid UTF-8 too (what the function asks for).
+        // SAFETY: the head scanner (`head::field_lines`, as httparse) takes into a
+        // value only `\t`, ` `..=`~` and 0x80..=0xFF, exactly the bytes a
+        // `HeaderValue` may hold; this one is ASCII, so valid UTF-8 too (what the
+        // function asks for).
         Ok(unsafe { HeaderValue::from_maybe_shared_unchecked(value) })
     } else {
         HeaderValue::from_maybe_shared(value)
@@ -797,47 +799,32 @@ fn parse_one_head(
     kept: &mut Kept,
     raw_ok: bool,
 ) -> Result<Option<Head>, WireError> {
-    let mut fields =
-        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
-    let mut res = httparse::Response::new(&mut []);
-    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
-        &mut res,
-        buf,
-        &mut fields,
-    ) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
-            return Err(WireError::HeadTooLarge)
-        }
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(WireError::Malformed("too many fields"))
-        }
-        Err(_) => return Err(WireError::Malformed("invalid response head")),
+    // Where each name and value is in the head, to share its bytes.
+    let spans = &mut kept.spans;
+    let ResponseHead {
+        len,
+        minor,
+        code,
+        reason,
+    } = match head::response(buf, spans) {
+        Ok(Some(head)) => head,
+        Ok(None) if buf.len() > MAX_HEAD => return Err(WireError::HeadTooLarge),
+        Ok(None) => return Ok(None),
+        Err(HeadError::TooManyFields) => return Err(WireError::Malformed("too many fields")),
+        Err(HeadError::Malformed) => return Err(WireError::Malformed("invalid response head")),
     };
     if len > MAX_HEAD {
         return Err(WireError::HeadTooLarge);
     }
-    let code = res.code.unwrap_or(0);
     let status = StatusCode::from_u16(code).map_err(|_| WireError::Malformed("status"))?;
-    let version = if res.version == Some(1) {
+    let version = if minor == 1 {
         Version::HTTP_11
     } else {
         Version::HTTP_10
     };
-    let reason = res
-        .reason
-        .filter(|r| Some(*r) != status.canonical_reason())
-        .map(|r| Bytes::copy_from_slice(r.as_bytes()));
-    // Offsets of each name and value in the head, to share its bytes.
-    let base = buf.as_ptr() as usize;
-    let spans = &mut kept.spans;
-    spans.clear();
-    spans.extend(res.headers.iter().map(|h| {
-        let n = h.name.as_ptr() as usize - base;
-        let v = h.value.as_ptr() as usize - base;
-        [n, n + h.name.len(), v, v + h.value.len()]
-    }));
+    let reason = &buf[reason];
+    let reason = (Some(reason) != status.canonical_reason().map(str::as_bytes))
+        .then(|| Bytes::copy_from_slice(reason));
     let mut head = buf.split_to(len);
     if (100..200).contains(&code) && code != 101 {
         return Ok(None);
