@@ -112,6 +112,8 @@ pub(crate) struct Kept {
 /// At most this many fields go to the client as they came (`RawFields`); a head
 /// with more is put in a map.
 const RAW_MAX_FIELDS: usize = 16;
+// (`parse_one_head` marks them in a `u32`.)
+const _: () = assert!(RAW_MAX_FIELDS <= 32);
 
 /// An upstream answer's fields as they came, for the plain-request server
 /// (`h1::server`) to write without a header map in between: each on a line of its own
@@ -151,18 +153,60 @@ impl RawFields {
 
 /// The field names of the last head read on a connection, as sent and parsed: a
 /// peer sends the same ones, in the same order, head after head, and a name sent
-/// as before is not parsed again. (The first `NAMES_KEPT` of them, up to
-/// `NAMES_BYTES` in all.)
+/// as before is not parsed (nor sorted, `Traits`) again. (The first `NAMES_KEPT`
+/// of them, up to `NAMES_BYTES` in all.)
 #[derive(Default)]
 pub(crate) struct Names {
     raw: Vec<u8>,
     at: Vec<(usize, usize)>,
-    /// Each name, and whether it is hop-by-hop (`fields::HOP_BY_HOP`).
-    parsed: Vec<(HeaderName, bool)>,
+    /// Each name, and what the upstream codec does with a field of that name.
+    parsed: Vec<(HeaderName, Traits)>,
 }
 
 const NAMES_KEPT: usize = 32;
 const NAMES_BYTES: usize = 1024;
+
+/// Which of the fields framing and the answer's head depend on a name is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Connection,
+    ContentLength,
+    TransferEncoding,
+    Date,
+    Other,
+}
+
+/// What the upstream codec does with a field, known from its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Traits {
+    role: Role,
+    /// Hop-by-hop (`fields::HOP_BY_HOP`).
+    hop: bool,
+    /// May go to the client as it came (`RawFields`): not hop-by-hop, not
+    /// `Trailer`, not a rate-limit field (the server writes those its own way).
+    as_is: bool,
+    /// Sent in lower case already (as `RawFields` writes it).
+    lower: bool,
+}
+
+impl Traits {
+    fn of(name: &HeaderName, raw: &[u8]) -> Traits {
+        let role = match *name {
+            header::CONNECTION => Role::Connection,
+            header::CONTENT_LENGTH => Role::ContentLength,
+            header::TRANSFER_ENCODING => Role::TransferEncoding,
+            header::DATE => Role::Date,
+            _ => Role::Other,
+        };
+        let hop = crate::http::fields::HOP_BY_HOP.contains(name);
+        Traits {
+            role,
+            hop,
+            as_is: !hop && *name != header::TRAILER && !crate::http::fields::is_rate_field(name),
+            lower: !raw.iter().any(u8::is_ascii_uppercase),
+        }
+    }
+}
 
 impl Names {
     /// The `i`th field name of a head, sent as `raw` (the names before it were
@@ -172,15 +216,15 @@ impl Names {
         i: usize,
         raw: &[u8],
     ) -> Result<HeaderName, header::InvalidHeaderName> {
-        self.name_hop(i, raw).map(|(name, _)| name)
+        self.name_traits(i, raw).map(|(name, _)| name)
     }
 
-    /// `name`, and whether it is a hop-by-hop one.
-    fn name_hop(
+    /// `name`, and what a field of that name is to the upstream codec.
+    fn name_traits(
         &mut self,
         i: usize,
         raw: &[u8],
-    ) -> Result<(HeaderName, bool), header::InvalidHeaderName> {
+    ) -> Result<(HeaderName, Traits), header::InvalidHeaderName> {
         if let Some(&(a, b)) = self.at.get(i) {
             if self.raw[a..b] == *raw {
                 return Ok(self.parsed[i].clone());
@@ -191,14 +235,14 @@ impl Names {
             self.parsed.truncate(i);
         }
         let name = HeaderName::from_bytes(raw)?;
-        let hop = crate::http::fields::HOP_BY_HOP.contains(&name);
+        let traits = Traits::of(&name, raw);
         if i == self.at.len() && i < NAMES_KEPT && self.raw.len() + raw.len() <= NAMES_BYTES {
             let a = self.raw.len();
             self.raw.extend_from_slice(raw);
             self.at.push((a, self.raw.len()));
-            self.parsed.push((name.clone(), hop));
+            self.parsed.push((name.clone(), traits));
         }
-        Ok((name, hop))
+        Ok((name, traits))
     }
 }
 
@@ -846,39 +890,44 @@ fn parse_one_head(
         && *method != Method::HEAD
         && (1..=RAW_MAX_FIELDS).contains(&spans.len());
     let mut date = false;
+    // The names (by their place) not sent in lower case.
+    let mut upper = 0u32;
     let names = &mut kept.fields;
     names.clear();
     for (i, &[n0, n1, v0, v1]) in spans.iter().enumerate() {
-        let (name, hop) = kept
+        let (name, traits) = kept
             .names
-            .name_hop(i, &head[n0..n1])
+            .name_traits(i, &head[n0..n1])
             .map_err(|_| WireError::Malformed("field name"))?;
         let value = &head[v0..v1];
-        if name == header::CONNECTION {
-            let others = connection.add_items(value);
-            if i == last && !others && code != 101 && !seen.connection {
-                dropped = Some(i);
-                names.push(name);
-                continue;
+        match traits.role {
+            Role::Connection => {
+                let others = connection.add_items(value);
+                if i == last && !others && code != 101 && !seen.connection {
+                    dropped = Some(i);
+                    names.push(name);
+                    continue;
+                }
+                seen.connection = true;
+                raw = false;
             }
-            seen.connection = true;
-            raw = false;
-        } else if name == header::CONTENT_LENGTH {
-            seen.length.add(value);
-        } else if name == header::TRANSFER_ENCODING {
-            seen.transfer_encoding = true;
-            seen.codings.add(value);
-        } else if name == header::DATE {
-            date = true;
+            Role::ContentLength => seen.length.add(value),
+            Role::TransferEncoding => {
+                seen.transfer_encoding = true;
+                seen.codings.add(value);
+            }
+            Role::Date => date = true,
+            Role::Other => {}
         }
-        hop_by_hop |= hop;
+        hop_by_hop |= traits.hop;
         if raw {
             // Written as one line each, as a map would give them: no name twice, none
             // the server writes its own way; and sent as `name: value` lines already.
             let next = spans.get(i + 1).map_or(v1 + 2, |n| n[0]);
-            raw = !hop
-                && name != header::TRAILER
-                && !crate::http::fields::is_rate_field(&name)
+            if !traits.lower {
+                upper |= 1 << i;
+            }
+            raw = traits.as_is
                 && !names.contains(&name)
                 && v0 == n1 + 2
                 && head[n1..v0] == *b": "
@@ -891,8 +940,10 @@ fn parse_one_head(
     let raw = match seen.length {
         Length::One(length) if raw && length > 0 && !seen.transfer_encoding => {
             let end = dropped.map_or(last, |d| d - 1);
-            for &[n0, n1, _, _] in &spans[..=end] {
-                head[n0..n1].make_ascii_lowercase();
+            for (i, &[n0, n1, _, _]) in spans[..=end].iter().enumerate() {
+                if upper & (1 << i) != 0 {
+                    head[n0..n1].make_ascii_lowercase();
+                }
             }
             Some((length, spans[0][0]..spans[end][3] + 2))
         }
@@ -1286,6 +1337,53 @@ mod tests {
                 _ => assert!(!valid || b == b'\r' || b == b'\n', "{b:#x}"),
             }
         }
+    }
+
+    #[test]
+    fn a_names_traits_are_what_the_codec_asked_of_it_each_time() {
+        let traits = |raw: &str| {
+            let name = HeaderName::from_bytes(raw.as_bytes()).unwrap();
+            Traits::of(&name, raw.as_bytes())
+        };
+        let t = traits("Connection");
+        assert_eq!(
+            (t.role, t.hop, t.as_is, t.lower),
+            (Role::Connection, true, false, false)
+        );
+        let t = traits("content-length");
+        assert_eq!(
+            (t.role, t.hop, t.as_is, t.lower),
+            (Role::ContentLength, false, true, true)
+        );
+        let t = traits("Transfer-Encoding");
+        assert_eq!(
+            (t.role, t.hop, t.as_is),
+            (Role::TransferEncoding, true, false)
+        );
+        assert_eq!(traits("DATE").role, Role::Date);
+        for raw in [
+            "Trailer",
+            "RateLimit",
+            "ratelimit-policy",
+            "X-RateLimit-Reset",
+            "Keep-Alive",
+            "TE",
+        ] {
+            assert!(!traits(raw).as_is, "{raw}");
+        }
+        let t = traits("X-Custom");
+        assert_eq!(
+            (t.role, t.hop, t.as_is, t.lower),
+            (Role::Other, false, true, false)
+        );
+        // Kept with the name: the same answer from the cache, and a name sent
+        // otherwise in the same place is sorted again.
+        let mut names = Names::default();
+        let first = names.name_traits(0, b"Server").unwrap();
+        assert_eq!(names.name_traits(0, b"Server").unwrap(), first);
+        let other = names.name_traits(0, b"connection").unwrap();
+        assert_eq!(other.1.role, Role::Connection);
+        assert!(other.1.lower);
     }
 
     #[test]
