@@ -187,6 +187,9 @@ struct Traits {
     as_is: bool,
     /// Sent in lower case already (as `RawFields` writes it).
     lower: bool,
+    /// The same name as one before it in the head, when known (kept names: the
+    /// names before a kept one are the ones kept before it).
+    repeats: Option<bool>,
 }
 
 impl Traits {
@@ -204,6 +207,7 @@ impl Traits {
             hop,
             as_is: !hop && *name != header::TRAILER && !crate::http::fields::is_rate_field(name),
             lower: !raw.iter().any(u8::is_ascii_uppercase),
+            repeats: None,
         }
     }
 }
@@ -235,8 +239,10 @@ impl Names {
             self.parsed.truncate(i);
         }
         let name = HeaderName::from_bytes(raw)?;
-        let traits = Traits::of(&name, raw);
+        let mut traits = Traits::of(&name, raw);
         if i == self.at.len() && i < NAMES_KEPT && self.raw.len() + raw.len() <= NAMES_BYTES {
+            // The names before it are this head's: those kept are all there is.
+            traits.repeats = Some(self.parsed.iter().any(|(n, _)| *n == name));
             let a = self.raw.len();
             self.raw.extend_from_slice(raw);
             self.at.push((a, self.raw.len()));
@@ -928,7 +934,7 @@ fn parse_one_head(
                 upper |= 1 << i;
             }
             raw = traits.as_is
-                && !names.contains(&name)
+                && !traits.repeats.unwrap_or_else(|| names.contains(&name))
                 && v0 == n1 + 2
                 && head[n1..v0] == *b": "
                 && v1 > v0
@@ -1384,6 +1390,18 @@ mod tests {
         let other = names.name_traits(0, b"connection").unwrap();
         assert_eq!(other.1.role, Role::Connection);
         assert!(other.1.lower);
+        // Whether a name repeats one before it, in a head read first and again.
+        let heads: [&[&[u8]]; 3] = [
+            &[b"Vary", b"X-A", b"vary"],
+            &[b"Vary", b"X-A", b"vary"],
+            &[b"Vary", b"X-B", b"vary"],
+        ];
+        for head in heads {
+            let repeats: Vec<_> = (0..3)
+                .map(|i| names.name_traits(i, head[i]).unwrap().1.repeats)
+                .collect();
+            assert_eq!(repeats, [Some(false), Some(false), Some(true)], "{head:?}");
+        }
     }
 
     #[test]
