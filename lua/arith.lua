@@ -75,22 +75,14 @@ local function int(x)
   return string.format('%d', x)
 end
 
--- The least TTL a state is written with, in ms. A state written at the very end of
--- its window would otherwise live a millisecond or two: kept this long, it is still
--- there for a request a stalled client or instance sends right after (it decides
--- nothing once its time has passed: every algorithm reads the time in it), at the
--- cost of keys written in a window's last second living to a second.
-local MIN_TTL_MS = 1000
-
 -- The TTL, in ms, of a key whose state stops mattering at `expires_at` (µs): past
--- it, rounded up, plus 1 ms, and at least MIN_TTL_MS; as command text. The last one
--- made is kept: the requests of a call on fresh keys, or in one window, mostly ask
--- for the same.
+-- it, rounded up, plus 1 ms; as command text. The last one made is kept: the
+-- requests of a call on fresh keys, or in one window, mostly ask for the same.
 local ttl_us, ttl_text
 local function ttl_ms(expires_at, now)
   local us = expires_at - now
   if us ~= ttl_us then
-    ttl_us, ttl_text = us, int(max(ceil_div(us, 1000) + 1, MIN_TTL_MS))
+    ttl_us, ttl_text = us, int(ceil_div(us, 1000) + 1)
   end
   return ttl_text
 end
