@@ -31,7 +31,18 @@ local function gcra(key, now, cost, n_arg, p_arg, burst, max_delay, _, params)
   local tat, until_ = now, math.huge
   local s = states[key] or redis.call('GET', key)
   if s then
-    local t, ahead, n0, p0, b0 = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
+    -- Most often written under the parameters sent now: then its tail is `params`,
+    -- the same text (and string), not read again.
+    local t, ahead, rest = string.match(s, '^(%d+) (%d+) (.*)$')
+    local n0, p0, b0
+    if rest == params then
+      n0, p0, b0 = n_arg, p_arg, burst
+    elseif rest then
+      n0, p0, b0 = string.match(rest, '^(%d+) (%d+) (%d+)$')
+      if not n0 then
+        t = nil
+      end
+    end
     if t then
       t, ahead, n0, p0, b0 = tonumber(t), tonumber(ahead), tonumber(n0), tonumber(p0), tonumber(b0)
       if n0 == n_arg and p0 == p_arg and b0 == burst then
